@@ -1,0 +1,3 @@
+from seqgen_cli.cli import main
+
+main()
