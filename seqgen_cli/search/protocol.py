@@ -1,0 +1,66 @@
+"""The contract between the search loops (``seqgen_cli.search``) and a model backend (``seqgen_cli.models``).
+
+A backend owns the model and its caches; the search owns tokens, scores and finished hypotheses.
+
+Rows. The running batch has ``N = B_active * R`` rows, input-major: row ``i`` belongs to input
+``i // R`` and is that input's beam (or sample) ``i % R``. ``R`` is fixed for a call: ``num_beams`` for
+beam search, ``num_return_sequences`` for sampling, 1 for greedy.
+
+Life of a call::
+
+    state, first = decoder.start(batch, rows_per_input=R, max_new_tokens=T)
+    logits = first if first is not None else decoder.step(state, start_tokens)   # [N, V]
+    loop:
+        ... choose tokens, maybe beams ...
+        decoder.reorder(state, rows)        # beam search only: row i continues old row rows[i]
+        decoder.drop(state, keep)           # some inputs finished: keep these inputs (indices, ascending)
+        logits = decoder.step(state, tokens)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class Batch:
+    """Tokenised inputs for one call.
+
+    ``input_ids``/``attention_mask``: [B, S] int64. Encoder-decoder sources are right-padded;
+    decoder-only prompts are left-padded (as transformers' ``generate()`` expects them).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+class Decoder(Protocol):
+    """What a model backend implements. ``State`` is opaque to the search."""
+
+    is_encoder_decoder: bool
+    vocab_size: int  # width of the logits step() returns
+
+    def start(self, batch: Batch, rows_per_input: int, max_new_tokens: int) -> tuple[Any, torch.Tensor | None]:
+        """Run the encoder (or prefill the prompt) once per input and set up caches for ``B * R`` rows.
+
+        Returns ``(state, first_logits)``. Decoder-only backends return the prefill's last-position
+        logits ``[B, V]`` (one row per input; the search expands them to ``R`` rows). Encoder-decoder
+        backends return ``None``: the search then calls ``step`` with the decoder start token.
+        ``max_new_tokens`` bounds the number of ``step`` calls (for preallocated caches).
+        """
+        ...
+
+    def step(self, state: Any, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per running row (``tokens``: [N] int64); return next-token logits [N, V]."""
+        ...
+
+    def reorder(self, state: Any, rows: torch.Tensor) -> None:
+        """Beam reordering: new row ``i`` continues old row ``rows[i]`` ([N] int64, same input)."""
+        ...
+
+    def drop(self, state: Any, keep: torch.Tensor) -> None:
+        """Finished inputs leave: keep only inputs ``keep`` ([B'] int64, ascending, indices among active)."""
+        ...
