@@ -9,12 +9,12 @@ one unit can be overridden in the other.
 from __future__ import annotations
 
 import copy
-import tomllib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
@@ -113,10 +113,7 @@ def resolve_generation_config(
 
     Raises ``SeqgenError`` for contradictory flags or settings transformers rejects.
     """
-    flags = {k: v for k, v in flags.items() if v is not None}
-    for a, b in (("max_new_tokens", "max_length"), ("min_new_tokens", "min_length")):
-        if a in flags and b in flags:
-            raise SeqgenError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} contradict; give one")
+    flags = check_flags(flags)
     config = copy.deepcopy(base)
     given: set[str] = set()
     for layer in (preset.generation if preset else {}, flags):
@@ -131,6 +128,18 @@ def resolve_generation_config(
         config.early_stopping = None  # a beam-only setting from a checkpoint/preset; harmless for greedy
     _validate(config, given)
     return config
+
+
+def check_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """The flags that were given (not ``None``), after checking they do not contradict each other."""
+    flags = {k: v for k, v in flags.items() if v is not None}
+    unknown = sorted(set(flags) - set(GENERATION_KEYS))
+    if unknown:
+        raise SeqgenError(f"unknown generation setting(s) {', '.join(unknown)}")
+    for a, b in (("max_new_tokens", "max_length"), ("min_new_tokens", "min_length")):
+        if a in flags and b in flags:
+            raise SeqgenError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} contradict; give one")
+    return flags
 
 
 def _validate(config: GenerationConfig, given: set[str]) -> None:

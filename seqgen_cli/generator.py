@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from seqgen_cli.config import Preset, load_preset, resolve_generation_config
+from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load
 
@@ -50,6 +50,7 @@ class Generator:
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
+        check_flags(generation)  # fail on contradictory flags before the (slow) model load
         self.loaded: Loaded = load(model, device, dtype)
         self.tokenizer = self.loaded.tokenizer
         self.model = self.loaded.model
@@ -161,7 +162,9 @@ class Generator:
         return self._generate_hf(input_ids, mask)
 
     def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
-        sequences = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=self.config)
+        sequences = self.model.generate(
+            input_ids=input_ids, attention_mask=mask, generation_config=self.config
+        )
         start = 1 if self.is_encoder_decoder else input_ids.shape[1]
         n = self.config.num_return_sequences or 1
         rows = [strip_generated(row[start:].tolist(), self.config.eos_token_id) for row in sequences]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -80,7 +81,9 @@ def resolve_model_path(name: str) -> str:
         if not (path / "config.json").is_file():
             raise SeqgenError(f"model {name}: not a checkpoint folder (no config.json in it)")
         return str(path)
-    looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep in name.replace("/", "")
+    looks_like_path = (
+        name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep in name.replace("/", "")
+    )
     if looks_like_path:
         raise SeqgenError(f"model folder {name} does not exist")
     from transformers import AutoConfig
@@ -106,6 +109,7 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
         MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     )
 
+    quiet_transformers()
     source = resolve_model_path(name)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -138,6 +142,15 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
         eos = model.generation_config.eos_token_id
         tokenizer.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype)
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' progress bars and advice out of seqgen's stderr (errors still show)."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"transformers\.")
 
 
 def _first_line(err: BaseException) -> str:

@@ -89,7 +89,9 @@ def _json_record(index: int, name: str, number: int, line: str, input_field: str
     if key is None or key not in obj:
         wanted = repr(input_field) if input_field else " or ".join(repr(k) for k in DEFAULT_FIELDS)
         have = ", ".join(map(repr, obj)) or "none"
-        raise SeqgenError(f"{name}:{number}: no field {wanted} (fields: {have}; choose one with --input-field)")
+        raise SeqgenError(
+            f"{name}:{number}: no field {wanted} (fields: {have}; choose one with --input-field)"
+        )
     text = obj[key]
     if not isinstance(text, str):
         raise SeqgenError(f"{name}:{number}: field {key!r} is {type(text).__name__}, expected a string")

@@ -35,14 +35,18 @@ class Summary:
         )
 
 
-def make_batches(lengths: list[int], batch_size: int, batch_tokens: int | None, rows_per_input: int) -> Iterator[list[int]]:
+def make_batches(
+    lengths: list[int], batch_size: int, batch_tokens: int | None, rows_per_input: int
+) -> Iterator[list[int]]:
     """Group input positions, shortest first, so each batch has at most ``batch_size`` inputs and at most
     ``batch_tokens`` padded source tokens counted per row (``rows_per_input`` rows per input)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batch: list[int] = []
     for i in order:
         width = max(lengths[i], max((lengths[j] for j in batch), default=0))
-        too_many_tokens = batch_tokens is not None and width * (len(batch) + 1) * rows_per_input > batch_tokens
+        too_many_tokens = (
+            batch_tokens is not None and width * (len(batch) + 1) * rows_per_input > batch_tokens
+        )
         if batch and (len(batch) >= batch_size or too_many_tokens):
             yield batch
             batch = []
