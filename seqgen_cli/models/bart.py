@@ -1,0 +1,125 @@
+"""Fast decoder for the BART family: BART / DistilBART, mBART, Marian, Pegasus.
+
+One architecture with switches, read off the transformers modules (their own weights, no conversion):
+
+=========  =============  ==================  ===========  ===================  ==========  ==========
+family     positions      pos. offset         norm         layernorm_embedding  final norm  activation
+=========  =============  ==================  ===========  ===================  ==========  ==========
+bart       learned        2                   post         yes                  no          gelu
+mbart      learned        2                   pre          yes                  yes         gelu
+marian     sinusoidal     0                   post         no                   no          swish
+pegasus    sinusoidal     0                   pre          no                   yes         relu
+=========  =============  ==================  ===========  ===================  ==========  ==========
+
+``scale_embedding`` (sqrt(d_model)) and ``final_logits_bias`` come from the model too. Forced BOS (mBART)
+and the pad-token ban (Marian) are logits processors in the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from seqgen_cli.models.encdec import EncDecBackend, EncDecState, cross_attention, self_attention
+from seqgen_cli.models.fuse import fuse_linears
+from seqgen_cli.search.protocol import Batch
+
+PRE_NORM = {"mbart", "pegasus"}
+
+
+class _Layer:
+    """One decoder layer's weights (views of the model's parameters)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        sa, ca = layer.self_attn, layer.encoder_attn
+        self.qkv_w, self.qkv_b = fuse_linears([sa.q_proj, sa.k_proj, sa.v_proj])  # [3D, D], [3D]
+        self.o = sa.out_proj
+        self.scale = float(sa.scaling)
+        self.ln_self = layer.self_attn_layer_norm
+        self.cq = ca.q_proj
+        self.ckv_w, self.ckv_b = fuse_linears([ca.k_proj, ca.v_proj])  # [2D, D], [2D]
+        self.co = ca.out_proj
+        self.ln_cross = layer.encoder_attn_layer_norm
+        self.fc1, self.fc2, self.act = layer.fc1, layer.fc2, layer.activation_fn
+        self.ln_ffn = layer.final_layer_norm
+
+
+class BartDecoder(EncDecBackend):
+    """:class:`~seqgen_cli.search.protocol.Decoder` for bart / mbart / marian / pegasus checkpoints."""
+
+    def __init__(self, model: PreTrainedModel, cache: str = "backptr") -> None:
+        super().__init__(cache)
+        cfg = model.config
+        self.model = model.eval()
+        self.encoder = model.get_encoder()
+        dec = model.get_decoder()
+        self.pre_norm = cfg.model_type in PRE_NORM
+        emb = dec.embed_tokens
+        self.embed = emb.weight  # [V_in, D]
+        self.embed_scale = getattr(emb, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)
+        self.positions = dec.embed_positions.weight  # [P (+ offset), D]
+        self.pos_offset = int(getattr(dec.embed_positions, "offset", 0))  # 2 for learned BART positions
+        self.max_position_embeddings = self.positions.shape[0] - self.pos_offset
+        self.ln_embed = getattr(dec, "layernorm_embedding", None)
+        self.ln_final = getattr(dec, "layer_norm", None)
+        self.dec_layers = [_Layer(layer) for layer in dec.layers]
+        self.lm_w = model.get_output_embeddings().weight  # [V, D]
+        bias = getattr(model, "final_logits_bias", None)
+        self.lm_b = None if bias is None else bias.view(-1)  # [V]
+        self.vocab_size = int(self.lm_w.shape[0])
+        self.layers = len(self.dec_layers)
+        self.heads = int(cfg.decoder_attention_heads)
+        self.head_dim = int(cfg.d_model) // self.heads
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+
+    def _encode(self, batch: Batch) -> torch.Tensor:
+        out = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
+        return out.last_hidden_state  # [B, S, D]
+
+    def _cross_kv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self.dec_layers[layer]
+        b, s, _ = hidden.shape
+        kv = F.linear(hidden, lay.ckv_w, lay.ckv_b).view(b, s, 2, self.heads, self.head_dim)  # [B, S, 2, H, d]
+        kv = kv.permute(2, 0, 3, 1, 4)  # [2, B, H, S, d]
+        return kv[0].contiguous(), kv[1].contiguous()
+
+    @torch.inference_mode()
+    def step(self, state: EncDecState, tokens: torch.Tensor) -> torch.Tensor:
+        t = state.t
+        if t >= state.max_len:
+            raise ValueError(f"step {t} beyond the {state.max_len} positions allocated by start()")
+        cache = state.cache
+        cache.begin(t)
+        x = F.embedding(tokens, self.embed) * self.embed_scale  # [N, D]
+        x = x + self.positions[t + self.pos_offset]
+        if self.ln_embed is not None:
+            x = self.ln_embed(x)
+        pre = self.pre_norm
+        for i, lay in enumerate(self.dec_layers):
+            # self-attention over this row's history
+            h = lay.ln_self(x) if pre else x
+            a = self_attention(F.linear(h, lay.qkv_w, lay.qkv_b), cache, i, self.heads, lay.scale)  # [N, D]
+            x = x + lay.o(a)
+            if not pre:
+                x = lay.ln_self(x)
+            # cross-attention: the R beams of an input share its keys/values
+            h = lay.ln_cross(x) if pre else x
+            a = cross_attention(lay.cq(h), state.cross_k[i], state.cross_v[i], state.cross_mask, lay.scale)
+            x = x + lay.co(a)
+            if not pre:
+                x = lay.ln_cross(x)
+            # feed-forward
+            h = lay.ln_ffn(x) if pre else x
+            x = x + lay.fc2(lay.act(lay.fc1(h)))
+            if not pre:
+                x = lay.ln_ffn(x)
+        if self.ln_final is not None:
+            x = self.ln_final(x)
+        logits = F.linear(x, self.lm_w)  # [N, V]
+        if self.lm_b is not None:
+            logits = logits + self.lm_b
+        state.t = t + 1
+        return logits
