@@ -88,9 +88,11 @@ class EncDecBackend:
         )
         return state, None
 
+    @torch.inference_mode()
     def reorder(self, state: EncDecState, rows: torch.Tensor) -> None:
         state.cache.reorder(rows)
 
+    @torch.inference_mode()
     def drop(self, state: EncDecState, keep: torch.Tensor) -> None:
         r = state.rows_per_input
         rows = (keep[:, None] * r + torch.arange(r, device=keep.device)).reshape(-1)  # [B' * R]

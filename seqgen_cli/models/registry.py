@@ -1,0 +1,17 @@
+"""Fast per-family backends, keyed by ``config.model_type``: ``FAST_DECODERS[model_type](model) -> Decoder``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import PreTrainedModel
+
+from seqgen_cli.models.bart import BartDecoder
+from seqgen_cli.search.protocol import Decoder
+
+FAST_DECODERS: dict[str, Callable[[PreTrainedModel], Decoder]] = {
+    "bart": BartDecoder,
+    "mbart": BartDecoder,
+    "marian": BartDecoder,
+    "pegasus": BartDecoder,
+}
