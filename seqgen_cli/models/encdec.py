@@ -26,6 +26,7 @@ class EncDecState:
     rows_per_input: int
     max_len: int  # positions the self-attention cache holds
     t: int = 0  # decoder positions fed so far (host counter)
+    self_bias: torch.Tensor | None = None  # T5: relative position bias [1, H, T, T] (query, key)
 
 
 def cross_attention(

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from transformers import PreTrainedModel
 
 from seqgen_cli.models.bart import BartDecoder
+from seqgen_cli.models.t5 import T5Decoder
 from seqgen_cli.search.protocol import Decoder
 
 FAST_DECODERS: dict[str, Callable[[PreTrainedModel], Decoder]] = {
@@ -14,4 +15,6 @@ FAST_DECODERS: dict[str, Callable[[PreTrainedModel], Decoder]] = {
     "mbart": BartDecoder,
     "marian": BartDecoder,
     "pegasus": BartDecoder,
+    "t5": T5Decoder,
+    "mt5": T5Decoder,
 }
