@@ -14,7 +14,7 @@ from seqgen_cli.models.registry import FAST_DECODERS
 from seqgen_cli.search.protocol import Batch
 
 ENCDEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
-CACHES = ["backptr", "copy"]
+CACHES = ["beam-mask", "backptr", "copy"]
 
 
 def _load(path) -> torch.nn.Module:
@@ -95,7 +95,7 @@ def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
     assert sizes["cross"] == dec.layers * 2 * bsz * s * inner * itemsize  # B, not B * beams
     assert all(k.shape == (bsz, dec.heads, s, dec.head_dim) for k in state.cross_k)
     # self-attention cache: preallocated once, N = B * R rows, max_new_tokens + 1 positions
-    assert state.cache.k.shape == (dec.layers, bsz * r, dec.heads, 6, dec.head_dim)
+    assert state.cache.k.shape == (dec.layers, bsz, dec.heads, 6, r, dec.head_dim)
     dec.drop(state, torch.tensor([1]))
     assert dec.cache_nbytes(state)["cross"] == dec.layers * 2 * 1 * s * inner * itemsize
 

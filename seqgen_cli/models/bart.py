@@ -49,7 +49,7 @@ class _Layer:
 class BartDecoder(EncDecBackend):
     """:class:`~seqgen_cli.search.protocol.Decoder` for bart / mbart / marian / pegasus checkpoints."""
 
-    def __init__(self, model: PreTrainedModel, cache: str = "backptr") -> None:
+    def __init__(self, model: PreTrainedModel, cache: str = "beam-mask") -> None:
         super().__init__(cache)
         cfg = model.config
         self.model = model.eval()

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from seqgen_cli.models.kv_cache import KV_CACHES, BackPointerCache, CopyCache
+from seqgen_cli.models.kv_cache import KV_CACHES, BackPointerCache, BeamMaskCache, CopyCache
 from seqgen_cli.search.protocol import Batch
+
+SelfCache = CopyCache | BackPointerCache | BeamMaskCache
 
 
 @dataclass
@@ -22,7 +24,7 @@ class EncDecState:
     cross_k: list[torch.Tensor]  # per decoder layer [B, H, S, d]
     cross_v: list[torch.Tensor]  # per decoder layer [B, H, S, d]
     cross_mask: torch.Tensor  # [B, 1, 1, S] bool, True = attend
-    cache: CopyCache | BackPointerCache  # self-attention, [L, N, H, T, d]
+    cache: SelfCache  # self-attention, preallocated for max_len positions
     rows_per_input: int
     max_len: int  # positions the self-attention cache holds
     t: int = 0  # decoder positions fed so far (host counter)
@@ -41,15 +43,11 @@ def cross_attention(
 
 
 def self_attention(
-    qkv: torch.Tensor, cache: CopyCache | BackPointerCache, layer: int, heads: int,
-    scale: float, bias: torch.Tensor | None = None,
+    qkv: torch.Tensor, cache: SelfCache, layer: int, heads: int, scale: float
 ) -> torch.Tensor:
-    """``qkv`` [N, 3*H*d] for this step; writes k/v into ``cache``; returns [N, H*d]. ``bias`` [1, H, 1, t+1]."""
-    n = qkv.shape[0]
-    q, k, v = qkv.view(n, 3, heads, -1).unbind(1)  # [N, H, d] each
-    keys, values = cache.write(layer, k, v)  # [N, H, t+1, d]
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=bias, scale=scale)  # [N, H, 1, d]
-    return out.reshape(n, -1)
+    """``qkv`` [N, 3*H*d] for this step; writes k/v into ``cache``; returns the attention output [N, H*d]."""
+    q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)  # [N, H, d] each
+    return cache.attend(layer, q, k, v, scale)
 
 
 class EncDecBackend:
@@ -63,7 +61,7 @@ class EncDecBackend:
     dtype: torch.dtype
     device: torch.device
 
-    def __init__(self, cache: str = "backptr") -> None:
+    def __init__(self, cache: str = "beam-mask") -> None:
         self.cache_cls = KV_CACHES[cache]
 
     def _encode(self, batch: Batch) -> torch.Tensor:  # [B, S, D]
@@ -80,8 +78,7 @@ class EncDecBackend:
         mask = batch.attention_mask.to(torch.bool)[:, None, None, :]  # [B, 1, 1, S]
         max_len = max_new_tokens + 1
         cache = self.cache_cls(
-            self.layers, bsz * rows_per_input, self.heads, max_len, self.head_dim, rows_per_input,
-            self.dtype, hidden.device,
+            self.layers, bsz, rows_per_input, self.heads, max_len, self.head_dim, self.dtype, hidden.device
         )
         state = EncDecState(
             cross_k=[k for k, _ in cross], cross_v=[v for _, v in cross], cross_mask=mask,
@@ -100,7 +97,7 @@ class EncDecBackend:
         state.cross_k = [k.index_select(0, keep) for k in state.cross_k]
         state.cross_v = [v.index_select(0, keep) for v in state.cross_v]
         state.cross_mask = state.cross_mask.index_select(0, keep)
-        state.cache.keep_rows(rows)
+        state.cache.keep(keep, rows)
 
     def cache_nbytes(self, state: EncDecState) -> dict[str, int]:
         """Bytes held for the search: cross-attention K/V (per input) and the self-attention cache."""

@@ -47,7 +47,7 @@ def _clamp_fp16(x: torch.Tensor) -> torch.Tensor:
 class T5Decoder(EncDecBackend):
     """:class:`~seqgen_cli.search.protocol.Decoder` for t5 / mt5 checkpoints (incl. Flan-T5)."""
 
-    def __init__(self, model: PreTrainedModel, cache: str = "backptr") -> None:
+    def __init__(self, model: PreTrainedModel, cache: str = "beam-mask") -> None:
         super().__init__(cache)
         cfg = model.config
         self.model = model.eval()
@@ -89,11 +89,10 @@ class T5Decoder(EncDecBackend):
         if t >= state.max_len:
             raise ValueError(f"step {t} beyond the {state.max_len} positions allocated by start()")
         cache = state.cache
-        cache.begin(t)
-        bias = state.self_bias[:, :, t : t + 1, : t + 1]  # [1, H, 1, t+1]
+        cache.begin(t, state.self_bias[:, :, t : t + 1, : t + 1])  # bias [1, H, 1, t+1], shared by all blocks
         x = F.embedding(tokens, self.embed)  # [N, D]
         for i, blk in enumerate(self.blocks):
-            a = self_attention(F.linear(blk.ln_self(x), blk.qkv_w), cache, i, self.heads, 1.0, bias)  # [N, I]
+            a = self_attention(F.linear(blk.ln_self(x), blk.qkv_w), cache, i, self.heads, 1.0)  # [N, I]
             x = _clamp_fp16(x + blk.o(a))
             a = cross_attention(blk.cq(blk.ln_cross(x)), state.cross_k[i], state.cross_v[i], state.cross_mask, 1.0)
             x = _clamp_fp16(x + blk.co(a))
