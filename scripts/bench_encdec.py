@@ -6,6 +6,9 @@ Implementations run interleaved, ``--reps`` times each; medians are reported.
 
     python scripts/bench_encdec.py --shape bart-base --batch 32 --beams 4 --reps 2
     python scripts/bench_encdec.py --shape marian --batch 8 --beams 4 --impls generate fast
+    python scripts/bench_encdec.py --batch 8 --impls fast fast-backptr fast-copy   # cache strategies
+
+(run with PYTHONPATH=. from the repository root)
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def run(impl: str, model, batch: Batch, kwargs: dict) -> tuple[float, list[list[
             if impl == "generic":
                 dec = GenericDecoder(model)
             else:
-                cache = "copy" if impl == "fast-copy" else "backptr"
+                cache = impl.removeprefix("fast-") if impl.startswith("fast-") else "beam-mask"
                 dec = FAST_DECODERS[model.config.model_type](model, cache=cache)
             config = merge_generation_config(model.generation_config, **kwargs)
             seqs = [s[0] for s in generate(dec, batch, config).sequences]

@@ -94,8 +94,8 @@ def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
     sizes = dec.cache_nbytes(state)
     assert sizes["cross"] == dec.layers * 2 * bsz * s * inner * itemsize  # B, not B * beams
     assert all(k.shape == (bsz, dec.heads, s, dec.head_dim) for k in state.cross_k)
-    # self-attention cache: preallocated once, N = B * R rows, max_new_tokens + 1 positions
-    assert state.cache.k.shape == (dec.layers, bsz, dec.heads, 6, r, dec.head_dim)
+    # self-attention cache: preallocated once, N = B * R rows, max_new_tokens positions
+    assert state.cache.k.shape == (dec.layers, bsz, dec.heads, 5, r, dec.head_dim)
     dec.drop(state, torch.tensor([1]))
     assert dec.cache_nbytes(state)["cross"] == dec.layers * 2 * 1 * s * inner * itemsize
 

@@ -76,7 +76,7 @@ class EncDecBackend:
         bsz = hidden.shape[0]
         cross = [self._cross_kv(i, hidden) for i in range(self.layers)]
         mask = batch.attention_mask.to(torch.bool)[:, None, None, :]  # [B, 1, 1, S]
-        max_len = max_new_tokens + 1
+        max_len = max(1, max_new_tokens)  # step() is called at most max_new_tokens times
         cache = self.cache_cls(
             self.layers, bsz, rows_per_input, self.heads, max_len, self.head_dim, self.dtype, hidden.device
         )
