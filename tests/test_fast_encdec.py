@@ -112,3 +112,22 @@ def test_fused_qkv_shares_the_model_weights(tiny_models) -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)
     again = FAST_DECODERS["bart"](model)  # a second backend reuses the fused storage
     assert again.dec_layers[0].qkv_w.data_ptr() == fused.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["mbart", "t5"])
+def test_half_precision_runs_and_tracks_hf(tiny_models, family: str, dtype: torch.dtype) -> None:
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_models(family), dtype=dtype).eval()
+    dec = FAST_DECODERS[model.config.model_type](model)
+    r = 2
+    batch = _batch(model, [4, 6], seed=5)
+    state, _ = dec.start(batch, rows_per_input=r, max_new_tokens=3)
+    hist = torch.full((2 * r, 1), model.config.decoder_start_token_id, dtype=torch.long)
+    for _ in range(3):
+        logits = dec.step(state, hist[:, -1])
+        assert logits.dtype == dtype
+        ref = _reference(model, batch, [0, 1], r, hist)
+        scale = ref.float().abs().max().item()
+        assert (logits.float() - ref.float()).abs().max().item() <= 0.05 * max(scale, 1.0)
+        dec.reorder(state, torch.tensor([1, 1, 2, 3]))
+        hist = torch.cat([hist[torch.tensor([1, 1, 2, 3])], hist[:, -1:] + 5], dim=1)
