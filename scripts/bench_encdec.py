@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -94,6 +95,7 @@ def main() -> None:
         for impl in args.impls:
             sec, seqs = run(impl, model, batch, kwargs)
             times[impl].append(sec)
+            print(f"{impl}: {sec:.1f}s", file=sys.stderr, flush=True)
             outputs[impl] = seqs
     base = statistics.median(times[args.impls[0]])
     ref = outputs[args.impls[0]]
