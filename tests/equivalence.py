@@ -36,6 +36,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 BackendFactory = Callable[[PreTrainedModel], Decoder]
 
+# 2 shared CPU cores: intra-op threads only oversubscribe them (10x slower under load).
+torch.set_num_threads(1)
+
 
 @dataclass
 class EquivalenceResult:
