@@ -83,7 +83,10 @@ def merge_generation_config(
     merged = copy.deepcopy(config) if config is not None else GenerationConfig()
     if model_generation_config is not None:
         merged.update(**model_generation_config.to_dict(), defaults_only=True)
-    unused = merged.update(**kwargs)
+    try:
+        unused = merged.update(**kwargs)
+    except ValueError as err:  # transformers' own validation of the combination
+        raise SeqgenError(str(err).splitlines()[0]) from err
     if unused:
         raise SeqgenError(f"unknown generation option(s): {', '.join(sorted(unused))}")
     return merged
