@@ -43,7 +43,9 @@ class Decoder(Protocol):
     is_encoder_decoder: bool
     vocab_size: int  # width of the logits step() returns
 
-    def start(self, batch: Batch, rows_per_input: int, max_new_tokens: int) -> tuple[Any, torch.Tensor | None]:
+    def start(
+        self, batch: Batch, rows_per_input: int, max_new_tokens: int
+    ) -> tuple[Any, torch.Tensor | None]:
         """Run the encoder (or prefill the prompt) once per input and set up caches for ``B * R`` rows.
 
         Returns ``(state, first_logits)``. Decoder-only backends return the prefill's last-position

@@ -1,0 +1,251 @@
+"""The ``seqgen`` command line: click commands only; the work happens in the modules they call."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from seqgen_cli import __version__
+from seqgen_cli.errors import SeqgenError
+
+EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
+
+
+class _Group(click.Group):
+    """Turns ``SeqgenError`` into one line on stderr and exit code 2; Ctrl-C into exit code 130."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
+            raise
+        except SeqgenError as err:
+            click.echo(f"seqgen: error: {err}", err=True)
+            sys.exit(err.exit_code)
+        except KeyboardInterrupt:
+            click.echo("seqgen: interrupted", err=True)
+            sys.exit(130)
+        except BrokenPipeError:
+            sys.stderr.close()  # the reader went away (e.g. `| head`): not an error
+            sys.exit(0)
+        except Exception as err:  # a bug: one line, the traceback on request
+            if os.environ.get("SEQGEN_DEBUG"):
+                raise
+            click.echo(
+                f"seqgen: internal error: {type(err).__name__}: {err} (SEQGEN_DEBUG=1 shows the traceback)",
+                err=True,
+            )
+            sys.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="seqgen")
+def main() -> None:
+    """Fast, exact batch text generation (summarisation, translation, continuation) for Hugging Face
+    checkpoints. Run `seqgen COMMAND --help` for each command."""
+
+
+@main.command()
+@click.argument("inputs", nargs=-1, type=click.Path(dir_okay=False, allow_dash=True))
+@click.option(
+    "-m", "--model", required=True, help="Checkpoint folder (or a hub id where the hub is reachable)."
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    default="-",
+    show_default=True,
+    help="Output file; - is stdout.",
+)
+@click.option("--preset", help="Task preset name (see `seqgen presets`) or a .toml file.")
+@click.option(
+    "--backend",
+    type=click.Choice(["auto", "fast", "hf"]),
+    default="auto",
+    show_default=True,
+    help="fast: seqgen's engine; hf: transformers generate(); auto: fast where supported.",
+)
+@click.option(
+    "--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto (first GPU if any)."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="auto: float32 on CPU, bfloat16 (else float16) on GPU.",
+)
+@click.option("--num-beams", type=click.IntRange(min=1), help="Beam size (1 = greedy or sampling).")
+@click.option(
+    "--max-new-tokens", type=click.IntRange(min=1), help="Most tokens to generate (excludes the prompt)."
+)
+@click.option(
+    "--min-new-tokens", type=click.IntRange(min=0), help="Fewest tokens to generate before EOS is allowed."
+)
+@click.option(
+    "--max-length",
+    type=click.IntRange(min=1),
+    help="Most tokens in total, as transformers counts them (decoder start token / prompt included).",
+)
+@click.option(
+    "--min-length", type=click.IntRange(min=0), help="Fewest tokens in total, as transformers counts them."
+)
+@click.option(
+    "--length-penalty",
+    type=float,
+    help="Beam scores are divided by length**penalty (>1 favours longer outputs).",
+)
+@click.option(
+    "--early-stopping",
+    type=click.Choice(list(EARLY_STOPPING)),
+    help="Beam search stop rule, as in transformers.",
+)
+@click.option(
+    "--no-repeat-ngram-size",
+    type=click.IntRange(min=0),
+    help="Never repeat an n-gram of this size (0 = off).",
+)
+@click.option(
+    "--num-return-sequences",
+    type=click.IntRange(min=1),
+    help="Outputs per input: N consecutive lines (text) or a list (JSONL), best first.",
+)
+@click.option("--do-sample/--no-do-sample", default=None, help="Sample instead of searching.")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), help="Sampling temperature.")
+@click.option("--top-k", type=click.IntRange(min=0), help="Sample among the k most likely tokens.")
+@click.option(
+    "--top-p", type=click.FloatRange(0, 1, min_open=True), help="Sample within the top-p probability mass."
+)
+@click.option("--seed", type=int, help="Random seed for sampling.")
+@click.option(
+    "--repetition-penalty",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Penalise tokens already in the output (1.0 = off).",
+)
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=32, show_default=True, help="Most inputs per batch."
+)
+@click.option(
+    "--batch-tokens", type=click.IntRange(min=1), help="Most padded source tokens x beams per batch."
+)
+@click.option(
+    "--max-source-length",
+    type=click.IntRange(min=1),
+    help="Truncate inputs to this many tokens (default: the model's limit).",
+)
+@click.option("--prefix", help="Text prepended to every input, e.g. 'summarize: ' for T5.")
+@click.option(
+    "--input-format",
+    type=click.Choice(["auto", "text", "jsonl"]),
+    default="auto",
+    show_default=True,
+    help="auto: JSONL for .jsonl files or lines that are JSON objects.",
+)
+@click.option("--input-field", help="JSONL field holding the input (default: text, src, source or input).")
+@click.option(
+    "--output-format",
+    type=click.Choice(["text", "jsonl"]),
+    default="text",
+    show_default=True,
+    help="text: one line per output; jsonl: the input object plus the output field.",
+)
+@click.option(
+    "--output-field", default="output", show_default=True, help="JSONL field the output is written to."
+)
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary on stderr.")
+def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
+    """Generate one output per input line, in input order.
+
+    INPUTS are text files (one input per line) or JSONL files; none or - reads stdin. Settings
+    resolve as in transformers: the checkpoint's generation_config.json, then --preset, then flags.
+    """
+    from seqgen_cli.generator import Generator
+    from seqgen_cli.pipeline.read import read_records
+    from seqgen_cli.pipeline.run import run
+
+    if output != "-":
+        parent = Path(output).resolve().parent
+        if not parent.is_dir():
+            raise SeqgenError(f"output folder {parent} does not exist")
+        if any(i != "-" and Path(i).resolve() == Path(output).resolve() for i in inputs):
+            raise SeqgenError(f"{output} is both an input and the output")
+    early = opts.pop("early_stopping")
+    gen = Generator(
+        model,
+        backend=opts.pop("backend"),
+        device=opts.pop("device"),
+        dtype=opts.pop("dtype"),
+        preset=opts.pop("preset"),
+        prefix=opts.pop("prefix"),
+        max_source_length=opts.pop("max_source_length"),
+        seed=opts.pop("seed"),
+        early_stopping=EARLY_STOPPING[early] if early else None,
+        **{k: opts.pop(k) for k in list(opts) if k in _GENERATION_FLAGS},
+    )
+    quiet = opts["quiet"]
+    records = read_records(list(inputs), opts["input_format"], opts["input_field"])
+    stream = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")  # noqa: SIM115
+    try:
+        summary = run(
+            gen,
+            records,
+            stream,
+            batch_size=opts["batch_size"],
+            batch_tokens=opts["batch_tokens"],
+            output_format=opts["output_format"],
+            output_field=opts["output_field"],
+            progress=not quiet and sys.stderr.isatty(),
+            flush_lines=not stream.isatty() and output == "-",
+        )
+    finally:
+        if stream is not sys.stdout:
+            stream.close()
+    if summary.truncated:
+        click.echo(
+            f"seqgen: {summary.truncated} of {summary.inputs} inputs truncated to {gen.max_source_length} tokens",
+            err=True,
+        )
+    if not quiet:
+        click.echo(summary.line(), err=True)
+
+
+_GENERATION_FLAGS = {
+    "num_beams", "max_new_tokens", "min_new_tokens", "max_length", "min_length", "length_penalty",
+    "no_repeat_ngram_size", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p",
+    "repetition_penalty",
+}  # fmt: skip
+
+
+@main.command("eval")
+@click.argument("hypotheses", type=click.Path(dir_okay=False, allow_dash=True))
+@click.argument("references", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--metrics", default=None, help="Comma-separated: rouge, bleu, chrf (default: all).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of a table.")
+def eval_(hypotheses: str, references: str, metrics: str | None, as_json: bool) -> None:
+    """Score HYPOTHESES against REFERENCES (line-aligned text files; - is stdin).
+
+    ROUGE-1/2/L/Lsum F1 (rouge-score, Porter stemming), BLEU and chrF (sacrebleu, with its signature).
+    """
+    from seqgen_cli import metrics as m
+
+    names = [s.strip() for s in metrics.split(",") if s.strip()] if metrics else m.default_metrics()
+    result = m.score(m.read_lines(hypotheses), m.read_lines(references), names)
+    click.echo(json.dumps(result, indent=2) if as_json else m.format_table(result))
+
+
+@main.command()
+def presets() -> None:
+    """List the task presets (configs/*.toml) and their settings."""
+    from seqgen_cli.config import list_presets
+
+    for p in list_presets():
+        settings = ", ".join(f"{k}={v}" for k, v in p.generation.items())
+        extra = "".join(
+            f", {k}={v!r}" for k, v in (("prefix", p.prefix), ("max_source_length", p.max_source_length)) if v
+        )
+        click.echo(f"{p.name:<14} {p.description}\n{'':<14} {settings}{extra}")

@@ -1,0 +1,191 @@
+"""The Python API: ``Generator`` turns texts (or token ids) into generated texts (or token ids).
+
+    gen = Generator("path/to/checkpoint", preset="cnndm-bart")
+    outputs = gen.generate(["first article ...", "second article ..."])   # list[list[str]]
+
+Backends: ``hf`` is plain transformers ``generate()`` (the reference); ``fast`` is seqgen's own
+decoding engine over the model (per-family fast decoders where they exist, a generic one otherwise);
+``auto`` picks ``fast`` when the settings are ones the engine supports, else ``hf``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.loading import Loaded, load
+
+BACKENDS = ("auto", "fast", "hf")
+
+
+@dataclass
+class Encoded:
+    """One tokenised input."""
+
+    ids: list[int]
+    truncated: bool
+
+
+class Generator:
+    """A loaded model with resolved generation settings."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        backend: str = "auto",
+        device: str | None = None,
+        dtype: str | None = None,
+        preset: str | Preset | None = None,
+        prefix: str | None = None,
+        max_source_length: int | None = None,
+        seed: int | None = None,
+        **generation: Any,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+        self.preset = load_preset(preset) if isinstance(preset, str) else preset
+        check_flags(generation)  # fail on contradictory flags before the (slow) model load
+        self.loaded: Loaded = load(model, device, dtype)
+        self.tokenizer = self.loaded.tokenizer
+        self.model = self.loaded.model
+        self.is_encoder_decoder = self.loaded.is_encoder_decoder
+        self.config = resolve_generation_config(self.model.generation_config, self.preset, generation)
+        self.prefix = prefix if prefix is not None else (self.preset.prefix if self.preset else None)
+        self.max_source_length = max_source_length or (self.preset.max_source_length if self.preset else None)
+        self.max_source_length = self._source_limit(self.max_source_length)
+        self.seed = seed
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.backend = self._pick_backend(backend)
+
+    # -- settings ---------------------------------------------------------------------------------
+    def _source_limit(self, requested: int | None) -> int | None:
+        """The longest input the model takes: the smaller of the request and the model's position limit."""
+        cfg = self.model.config
+        limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if getattr(cfg, "model_type", "").startswith(("t5", "mt5")):
+            limit = None  # relative positions: no hard limit
+        if limit is not None and not self.is_encoder_decoder:
+            limit = max(1, limit - self.max_new_tokens())
+        if requested is None:
+            return limit
+        return min(requested, limit) if limit else requested
+
+    def max_new_tokens(self, prompt_len: int = 0) -> int:
+        """New tokens allowed for a prompt of ``prompt_len`` tokens under the resolved settings."""
+        c = self.config
+        if c.max_new_tokens is not None:
+            return c.max_new_tokens
+        if self.is_encoder_decoder:
+            return (c.max_length or 20) - 1  # max_length counts the decoder start token
+        return max(0, (c.max_length or 20) - prompt_len)
+
+    def _pick_backend(self, backend: str) -> str:
+        if backend == "hf":
+            return "hf"
+        reason = self._fast_unsupported()
+        if reason is None:
+            return "fast"
+        if backend == "fast":
+            raise SeqgenError(f"--backend fast cannot run these settings: {reason} (use --backend hf)")
+        return "hf"
+
+    def _fast_unsupported(self) -> str | None:
+        """Why seqgen's engine cannot run the resolved settings, or ``None`` when it can."""
+        try:
+            from seqgen_cli.search import unsupported_reason
+        except ImportError:
+            return "the decoding engine is not available in this build"
+        return unsupported_reason(self.config)
+
+    # -- tokens -----------------------------------------------------------------------------------
+    def encode(self, texts: Sequence[str]) -> list[Encoded]:
+        """Tokenise (with the prefix), truncating to ``max_source_length``."""
+        if self.prefix:
+            texts = [self.prefix + t for t in texts]
+        limit = self.max_source_length
+        full = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+        out = []
+        for text, ids in zip(texts, full, strict=True):
+            if limit is not None and len(ids) > limit:
+                ids = self.tokenizer(text, truncation=True, max_length=limit)["input_ids"]
+                out.append(Encoded(ids, True))
+            else:
+                out.append(Encoded(ids, False))
+        return out
+
+    def decode(self, sequences: Sequence[Sequence[int]]) -> list[str]:
+        """Token ids to text, special tokens removed."""
+        return self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
+
+    def pad(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pad to a rectangle: right for encoder-decoder sources, left for decoder-only prompts."""
+        width = max(len(ids) for ids in batch)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, ids in enumerate(batch):
+            if self.is_encoder_decoder:
+                input_ids[i, : len(ids)] = torch.tensor(ids)
+                mask[i, : len(ids)] = 1
+            else:
+                input_ids[i, width - len(ids) :] = torch.tensor(ids)
+                mask[i, width - len(ids) :] = 1
+        return input_ids.to(self.loaded.device), mask.to(self.loaded.device)
+
+    # -- generation -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate_ids(self, batch: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+        """Generate for one batch of token-id inputs: per input, ``num_return_sequences`` id lists.
+
+        Each list holds the generated tokens only (no prompt, no decoder start token, no padding),
+        best first.
+        """
+        if not batch:
+            return []
+        if any(len(ids) == 0 for ids in batch):
+            raise SeqgenError("cannot generate from an empty token sequence")
+        input_ids, mask = self.pad(batch)
+        if self.backend == "fast":
+            from seqgen_cli.models import get_decoder
+            from seqgen_cli.search import generate
+            from seqgen_cli.search.protocol import Batch
+
+            out = generate(get_decoder(self.model), Batch(input_ids, mask), self.config, seed=self.seed)
+            return out.sequences
+        return self._generate_hf(input_ids, mask)
+
+    def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
+        sequences = self.model.generate(
+            input_ids=input_ids, attention_mask=mask, generation_config=self.config
+        )
+        start = 1 if self.is_encoder_decoder else input_ids.shape[1]
+        n = self.config.num_return_sequences or 1
+        rows = [strip_generated(row[start:].tolist(), self.config.eos_token_id) for row in sequences]
+        return [rows[i * n : (i + 1) * n] for i in range(len(input_ids))]
+
+    def generate(self, texts: Sequence[str], batch_size: int = 32) -> list[list[str]]:
+        """Generate for texts: per input, ``num_return_sequences`` strings, best first."""
+        encoded = [e.ids for e in self.encode(texts)]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        results: list[list[str]] = [[] for _ in encoded]
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            for i, seqs in zip(idx, self.generate_ids([encoded[i] for i in idx]), strict=True):
+                results[i] = self.decode(seqs)
+        return results
+
+
+def strip_generated(tokens: list[int], eos: int | list[int] | None) -> list[int]:
+    """Cut a padded output row after its first end-of-sequence token (kept)."""
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    for i, tok in enumerate(tokens):
+        if tok in eos_ids:
+            return tokens[: i + 1]
+    return tokens

@@ -1,0 +1,158 @@
+"""Load a checkpoint (local folder, or a hub id where a hub is reachable) with clear one-line errors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from seqgen_cli.errors import SeqgenError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Loaded:
+    """A model ready to generate: weights on the device, tokenizer set up for batching."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    is_encoder_decoder: bool
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``None``/``auto`` = the first CUDA device if there is one, else the CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise SeqgenError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SeqgenError(f"--device {device}: no CUDA device is available on this machine")
+    return dev
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """``auto`` = float32 on CPU; bfloat16 on a GPU that supports it, else float16."""
+    if dtype in (None, "auto"):
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return DTYPES[dtype]
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the model hub's host resolves and accepts a connection within ``timeout`` seconds."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname or ""
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    return bool(result and result[0])
+
+
+def resolve_model_path(name: str) -> str:
+    """A local checkpoint folder as given, a cached or reachable hub id, or a one-line error."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise SeqgenError(f"model {name}: not a folder (pass a checkpoint folder with config.json)")
+        if not (path / "config.json").is_file():
+            raise SeqgenError(f"model {name}: not a checkpoint folder (no config.json in it)")
+        return str(path)
+    looks_like_path = (
+        name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep in name.replace("/", "")
+    )
+    if looks_like_path:
+        raise SeqgenError(f"model folder {name} does not exist")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, local_files_only=True)
+        return name  # in the local hub cache
+    except (OSError, ValueError):
+        pass
+    if not _hub_reachable():
+        raise SeqgenError(
+            f"model {name!r} is not a local folder and the model hub cannot be reached (offline); "
+            "download the checkpoint where there is internet and pass its folder: -m /path/to/checkpoint"
+        )
+    return name
+
+
+def load(name: str, device: str | None = None, dtype: str | None = None) -> Loaded:
+    """Load tokenizer and model (``AutoModelForSeq2SeqLM`` or ``AutoModelForCausalLM``), eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    quiet_transformers()
+    source = resolve_model_path(name)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as err:
+        raise SeqgenError(f"model {name}: cannot read its config: {_first_line(err)}") from None
+    model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        auto, is_encoder_decoder = AutoModelForSeq2SeqLM, True
+    elif model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        auto, is_encoder_decoder = AutoModelForCausalLM, False
+    else:
+        raise SeqgenError(
+            f"model {name}: architecture {model_type!r} is not a text-generation model transformers can load "
+            "(need a sequence-to-sequence or causal language model)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SeqgenError(f"model {name}: cannot load its tokenizer: {_first_line(err)}") from None
+    try:
+        model = auto.from_pretrained(source, dtype=torch_dtype)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise SeqgenError(f"model {name}: cannot load its weights: {_first_line(err)}") from None
+    model.to(dev).eval()
+    if not is_encoder_decoder:
+        tokenizer.padding_side = "left"  # generation continues at the right edge of every row
+    if tokenizer.pad_token_id is None:
+        eos = model.generation_config.eos_token_id
+        tokenizer.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype)
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' progress bars and advice out of seqgen's stderr (errors still show)."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"transformers\.")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

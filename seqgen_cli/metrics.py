@@ -1,0 +1,291 @@
+"""Scoring behind ``seqgen eval HYP REF``: ROUGE (rouge-score), BLEU and chrF (sacrebleu).
+
+Numbers are exactly what the reference libraries compute:
+
+* ``rouge``: ``rouge_score.rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"],
+  use_stemmer=True)`` per line, then the plain mean over lines of F-measure (and of precision and
+  recall), times 100. This is the number most papers report; it is *not* rouge-score's
+  ``BootstrapAggregator`` "mid" value (a resampled estimate that is slightly different and random).
+  For ROUGE-Lsum, both sides are split into sentences with :func:`split_sentences` (offline regex,
+  no nltk punkt) and joined with ``"\\n"``, which is the input rougeLsum expects.
+* ``bleu`` / ``chrf``: ``sacrebleu.metrics.BLEU()`` / ``CHRF()`` ``.corpus_score(hyps, [refs])``
+  (one reference per line), reported with the sacrebleu signature string.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from seqgen_cli.errors import SeqgenError
+
+METRICS: tuple[str, ...] = ("rouge", "bleu", "chrf")
+ROUGE_TYPES: tuple[str, ...] = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+
+_TASK_DEFAULTS: dict[str, tuple[str, ...]] = {
+    "summarization": ("rouge",),
+    "summarisation": ("rouge",),
+    "translation": ("bleu", "chrf"),
+}
+
+# --------------------------------------------------------------------------- sentence splitting
+
+# Words that end in "." without ending a sentence (compared case-insensitively, without the dot).
+_ABBREVIATIONS = frozenset(
+    """mr mrs ms dr prof sr jr st mt ft gen col lt sgt capt cpl adm maj gov sen rep rev hon pres
+    supt insp det messrs mme mlle inc ltd co corp bros no nos vol vols pp fig figs approx dept
+    est vs v cf al e.g i.e jan feb mar apr jun jul aug sep sept oct nov dec""".split()
+)
+# Initials and dotted acronyms: "J", "U.S", "U.K", "e.g" (the final dot is the candidate boundary).
+_INITIALS = re.compile(r"^(?:[^\W\d_]\.)*[^\W\d_]$")
+# A terminator run, then closing quotes/brackets (attached, or PTB-style as their own token when
+# followed by whitespace), then the whitespace where we may cut.
+_CANDIDATE = re.compile(r"[.!?]+(?:['\"”’)\]]+|\s+['\"”’)\]]+(?=\s))*(\s+)")
+_OPENERS = "'\"“‘([`"
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split ``text`` into sentences with an offline heuristic (no nltk punkt).
+
+    A boundary is ``.``, ``!`` or ``?`` (plus any closing quotes/brackets, also PTB-style
+    space-separated ones like ``epidemic . ' Their``) followed by whitespace and an upper-case
+    letter, or an opening quote/bracket. A ``.`` does not end a sentence after a known
+    abbreviation (``Mr.``, ``Dr.``, ``St.``, ``Inc.`` ...) or initials/acronyms (``J.``, ``U.S.``),
+    so "the U.S. The" stays one sentence. Existing newlines always separate sentences. Returns
+    stripped, non-empty sentences; their concatenation keeps every non-space character.
+    """
+    sentences: list[str] = []
+    for block in text.split("\n"):
+        start = 0
+        for m in _CANDIDATE.finditer(block):
+            cut = m.start(1)  # start of the whitespace after the terminator (+ closers)
+            nxt = m.end(1)
+            if nxt >= len(block) or not _starts_sentence(block, nxt):
+                continue
+            single_dot = m.group(0).startswith(".") and not m.group(0).startswith("..")
+            if single_dot and _is_abbreviation(block[start : m.start()]):
+                continue
+            piece = block[start:cut].strip()
+            if piece:
+                sentences.append(piece)
+            start = nxt
+        piece = block[start:].strip()
+        if piece:
+            sentences.append(piece)
+    return sentences
+
+
+def _starts_sentence(block: str, i: int) -> bool:
+    ch = block[i]
+    if ch.isupper():
+        return True
+    if ch in _OPENERS:
+        # An opening quote/bracket: attached to what follows ("'Hello", "(The"), or PTB-style
+        # "`` The" / "' The" followed by a capitalised word.
+        rest = block[i + 1 :].lstrip("'\"“‘([`")
+        rest = rest.lstrip() if rest[:1].isspace() else rest
+        return bool(rest) and (rest[0].isupper() or rest[0].isdigit())
+    return False
+
+
+def _is_abbreviation(before: str) -> bool:
+    """Whether the word just before a ``.`` (``before`` ends right at the dot) is an abbreviation."""
+    if not before or before[-1].isspace():
+        return False  # PTB-style detached " . " is always a full stop
+    word = before.split()[-1].lstrip("'\"“‘([`")
+    if word.lower() in _ABBREVIATIONS:
+        return True
+    # "U.S", "p.m" (dotted) or a single capital initial "J"; a lone lower-case letter is a word.
+    return bool(_INITIALS.match(word)) and (len(word) > 1 or word.isupper())
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def default_metrics(task: str | None = None) -> list[str]:
+    """Metrics to compute when the user names none: ROUGE for summarisation, BLEU+chrF for
+    translation, all of :data:`METRICS` when no task is given."""
+    if task is None:
+        return list(METRICS)
+    key = task.strip().lower()
+    if key not in _TASK_DEFAULTS:
+        raise SeqgenError(f"unknown task {task!r}: expected one of {', '.join(sorted(_TASK_DEFAULTS))}")
+    return list(_TASK_DEFAULTS[key])
+
+
+def _check_metrics(metrics: Sequence[str]) -> list[str]:
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    chosen: list[str] = []
+    for name in metrics:
+        key = name.strip().lower()
+        if key not in METRICS:
+            raise SeqgenError(f"unknown metric {name!r}: expected one of {', '.join(METRICS)}")
+        if key not in chosen:
+            chosen.append(key)
+    if not chosen:
+        raise SeqgenError(f"no metric given: expected one or more of {', '.join(METRICS)}")
+    return chosen
+
+
+def _mean100(values: Sequence[float]) -> float:
+    return 100.0 * math.fsum(values) / len(values)
+
+
+def rouge(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
+    """Per-line rouge-score (stemmed), averaged over lines, ×100; see the module docstring."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+    per_type: dict[str, dict[str, list[float]]] = {
+        t: {"precision": [], "recall": [], "fmeasure": []} for t in ROUGE_TYPES
+    }
+    for hyp, ref in zip(hyps, refs, strict=True):
+        scores = scorer.score("\n".join(split_sentences(ref)), "\n".join(split_sentences(hyp)))
+        for t in ROUGE_TYPES:
+            for field in ("precision", "recall", "fmeasure"):
+                per_type[t][field].append(getattr(scores[t], field))
+    out: dict[str, Any] = {t: {f: _mean100(v) for f, v in d.items()} for t, d in per_type.items()}
+    out["aggregation"] = "mean over lines x100"
+    out["settings"] = "rouge-score use_stemmer=True; rougeLsum on seqgen sentence split"
+    return out
+
+
+def bleu(hyps: Sequence[str], refs: Sequence[str], target_lang: str | None = None) -> dict[str, Any]:
+    """sacrebleu corpus BLEU with default settings (``trg_lang`` selects zh/ja/ko tokenisers)."""
+    from sacrebleu.metrics import BLEU
+
+    try:
+        metric = BLEU(trg_lang=target_lang or "")
+    except (RuntimeError, ImportError) as err:  # e.g. ja/ko tokenisers need sacrebleu[ja]/[ko]
+        first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+        raise SeqgenError(
+            f"BLEU for target language {target_lang!r}: {first} (pip install 'sacrebleu[{target_lang}]')"
+        ) from None
+    res = metric.corpus_score(list(hyps), [list(refs)])
+    return {
+        "score": res.score,
+        "signature": str(metric.get_signature()),
+        "precisions": list(res.precisions),
+        "bp": res.bp,
+        "ratio": res.ratio,
+        "hyp_len": res.sys_len,
+        "ref_len": res.ref_len,
+    }
+
+
+def chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
+    """sacrebleu corpus chrF with default settings (chrF2, character 6-grams, no word n-grams)."""
+    from sacrebleu.metrics import CHRF
+
+    metric = CHRF()
+    res = metric.corpus_score(list(hyps), [list(refs)])
+    return {"score": res.score, "signature": str(metric.get_signature())}
+
+
+def score(
+    hyps: list[str], refs: list[str], metrics: list[str], *, target_lang: str | None = None
+) -> dict[str, Any]:
+    """Score line-aligned hypotheses against references.
+
+    Returns a JSON-serialisable dict: ``{"lines": n, "<metric>": {...}}`` for each requested metric,
+    in the order given (duplicates dropped). Raises :class:`SeqgenError` on mismatched line counts,
+    empty input or an unknown metric. ``target_lang`` is passed to sacrebleu BLEU as ``trg_lang``.
+    """
+    chosen = _check_metrics(metrics)
+    if len(hyps) != len(refs):
+        raise SeqgenError(
+            f"line counts differ: {len(hyps)} hypotheses but {len(refs)} references (they must be line-aligned)"
+        )
+    if not hyps:
+        raise SeqgenError("nothing to score: hypotheses and references are both empty")
+    result: dict[str, Any] = {"lines": len(hyps)}
+    for name in chosen:
+        if name == "rouge":
+            result["rouge"] = rouge(hyps, refs)
+        elif name == "bleu":
+            result["bleu"] = bleu(hyps, refs, target_lang=target_lang)
+        else:
+            result["chrf"] = chrf(hyps, refs)
+    return result
+
+
+# --------------------------------------------------------------------------- presentation & I/O
+
+_ROUGE_LABELS = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L", "rougeLsum": "ROUGE-Lsum"}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """Render a :func:`score` result as an aligned text table (scores ×100, two decimals)."""
+    rows: list[tuple[str, str, str]] = []
+    notes: list[str] = []
+    if "rouge" in result:
+        r = result["rouge"]
+        for t in ROUGE_TYPES:
+            rows.append(
+                (
+                    _ROUGE_LABELS[t],
+                    f"{r[t]['fmeasure']:.2f}",
+                    f"P {r[t]['precision']:.2f}  R {r[t]['recall']:.2f}",
+                )
+            )
+        notes.append(f"ROUGE: F-measure, {r['aggregation']}; {r['settings']}")
+    if "bleu" in result:
+        b = result["bleu"]
+        prec = "/".join(f"{p:.1f}" for p in b["precisions"])
+        rows.append(
+            (
+                "BLEU",
+                f"{b['score']:.2f}",
+                f"{prec}  BP {b['bp']:.3f}  ratio {b['ratio']:.3f}  hyp {b['hyp_len']} ref {b['ref_len']}",
+            )
+        )
+        notes.append(f"BLEU: {b['signature']}")
+    if "chrf" in result:
+        rows.append(("chrF", f"{result['chrf']['score']:.2f}", ""))
+        notes.append(f"chrF: {result['chrf']['signature']}")
+    header = ("metric", "score", "detail")
+    w0 = max(len(header[0]), *(len(r[0]) for r in rows)) if rows else len(header[0])
+    w1 = max(len(header[1]), *(len(r[1]) for r in rows)) if rows else len(header[1])
+    lines = [f"{header[0]:<{w0}}  {header[1]:>{w1}}  {header[2]}"]
+    lines += [f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
+    if "lines" in result:
+        notes.insert(0, f"{result['lines']} lines")
+    return "\n".join(lines + [""] + notes) if notes else "\n".join(lines)
+
+
+def read_lines(path: str | os.PathLike[str]) -> list[str]:
+    """Read a UTF-8 text file (``"-"`` = stdin) into lines.
+
+    Splits on ``"\\n"`` only (a trailing ``"\\r"`` is dropped; a final newline adds no empty line),
+    so Unicode line separators inside a line never break line alignment. A leading BOM is removed.
+    Raises :class:`SeqgenError` naming the file and line on non-UTF-8 bytes or when unreadable.
+    """
+    name = "<stdin>" if str(path) == "-" else os.fspath(path)
+    try:
+        if str(path) == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as fh:
+                data = fh.read()
+    except OSError as err:
+        raise SeqgenError(f"{name}: cannot read: {err.strerror or err}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_no = data.count(b"\n", 0, err.start) + 1
+        col = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise SeqgenError(
+            f"{name}: line {line_no}: not valid UTF-8 (byte 0x{data[err.start]:02x} at byte column {col})"
+        ) from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if not text:
+        return []
+    if text.endswith("\n"):
+        text = text[:-1]
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]

@@ -1,0 +1,1 @@
+"""read -> batch -> generate -> write."""

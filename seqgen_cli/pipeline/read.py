@@ -1,0 +1,98 @@
+"""Reading inputs: plain text lines or JSONL, from files or stdin, with one-line errors naming the line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from seqgen_cli.errors import SeqgenError
+
+FORMATS = ("auto", "text", "jsonl")
+DEFAULT_FIELDS = ("text", "src", "source", "input")
+
+
+@dataclass
+class Record:
+    """One input: its text and, for JSONL, the whole object (passed through to JSONL output)."""
+
+    index: int  # position among all inputs, 0-based
+    source: str  # file name ("<stdin>" for standard input)
+    line: int  # 1-based line number in that file
+    text: str
+    fields: dict[str, Any] | None = field(default=None)
+
+
+def _open(path: str) -> tuple[BinaryIO, str]:
+    if path == "-":
+        return sys.stdin.buffer, "<stdin>"
+    try:
+        return open(path, "rb"), path
+    except FileNotFoundError:
+        raise SeqgenError(f"{path}: no such input file") from None
+    except IsADirectoryError:
+        raise SeqgenError(f"{path}: is a folder, not an input file") from None
+    except OSError as err:
+        raise SeqgenError(f"{path}: cannot read: {err.strerror}") from None
+
+
+def _detect(path: str, first: bytes) -> str:
+    if path.endswith((".jsonl", ".json")):
+        return "jsonl"
+    stripped = first.strip()
+    if stripped.startswith(b"{") and stripped.endswith(b"}"):
+        try:
+            return "jsonl" if isinstance(json.loads(stripped), dict) else "text"
+        except ValueError:
+            return "text"
+    return "text"
+
+
+def read_records(
+    paths: Sequence[str], input_format: str = "auto", input_field: str | None = None
+) -> Iterator[Record]:
+    """Stream records from ``paths`` (``-`` = stdin) in order, never holding a whole file."""
+    index = 0
+    for path in paths or ["-"]:
+        stream, name = _open(path)
+        try:
+            fmt = input_format
+            for number, raw in enumerate(stream, start=1):
+                if fmt == "auto":
+                    fmt = _detect(path, raw)
+                try:
+                    line = raw.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError as err:
+                    raise SeqgenError(f"{name}:{number}: not valid UTF-8 (byte {err.start + 1})") from None
+                if fmt == "jsonl":
+                    yield _json_record(index, name, number, line, input_field)
+                else:
+                    yield Record(index, name, number, line)
+                index += 1
+        finally:
+            if stream is not sys.stdin.buffer:
+                stream.close()
+
+
+def _json_record(index: int, name: str, number: int, line: str, input_field: str | None) -> Record:
+    if not line.strip():
+        raise SeqgenError(f"{name}:{number}: empty line in JSONL input (expected a JSON object)")
+    try:
+        obj = json.loads(line)
+    except ValueError as err:
+        raise SeqgenError(f"{name}:{number}: invalid JSON: {err}") from None
+    if not isinstance(obj, dict):
+        raise SeqgenError(f"{name}:{number}: expected a JSON object, got {type(obj).__name__}")
+    key = input_field or next((k for k in DEFAULT_FIELDS if k in obj), None)
+    if key is None or key not in obj:
+        wanted = repr(input_field) if input_field else " or ".join(repr(k) for k in DEFAULT_FIELDS)
+        have = ", ".join(map(repr, obj)) or "none"
+        raise SeqgenError(
+            f"{name}:{number}: no field {wanted} (fields: {have}; choose one with --input-field)"
+        )
+    text = obj[key]
+    if not isinstance(text, str):
+        raise SeqgenError(f"{name}:{number}: field {key!r} is {type(text).__name__}, expected a string")
+    return Record(index, name, number, text, obj)

@@ -1,0 +1,306 @@
+"""seqgen_cli.metrics: every number must equal what rouge-score / sacrebleu compute when called directly."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rouge_score import rouge_scorer
+from sacrebleu.metrics import BLEU, CHRF
+
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.metrics import (
+    METRICS,
+    ROUGE_TYPES,
+    default_metrics,
+    format_table,
+    read_lines,
+    score,
+    split_sentences,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SEQGEN_SHARED", REPO_ROOT / ".." / "shared"))
+CNNDM = SHARED / "data" / "cnndm"
+
+HYPS = [
+    "The cat sat on the mat. It was happy.",
+    "Mr. Smith went to Washington . He met the U.S. President on Tuesday .",
+    "Stocks fell sharply on Monday!",
+    "",
+]
+REFS = [
+    "A cat was sitting on the mat. The cat looked happy.",
+    "Mr. Smith travelled to Washington, where he met the President . The meeting was short .",
+    "Shares dropped on Monday. Investors were worried.",
+    "Nothing was generated for this one.",
+]
+
+
+# ----------------------------------------------------------------------------- reference values
+
+
+def direct_rouge(hyps: list[str], refs: list[str]) -> dict[str, dict[str, float]]:
+    """rouge-score called directly, averaged the documented way (mean over lines ×100)."""
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=True)
+    per_line = [
+        scorer.score("\n".join(split_sentences(r)), "\n".join(split_sentences(h)))
+        for h, r in zip(hyps, refs, strict=True)
+    ]
+    return {
+        t: {
+            f: 100.0 * math.fsum(getattr(s[t], f) for s in per_line) / len(per_line)
+            for f in ("precision", "recall", "fmeasure")
+        }
+        for t in ROUGE_TYPES
+    }
+
+
+def check_against_libraries(hyps: list[str], refs: list[str]) -> dict:
+    result = score(hyps, refs, list(METRICS))
+    assert result["lines"] == len(hyps)
+    expected_rouge = direct_rouge(hyps, refs)
+    for t in ROUGE_TYPES:
+        assert result["rouge"][t] == expected_rouge[t]
+
+    bleu = BLEU()
+    b = bleu.corpus_score(hyps, [refs])
+    assert result["bleu"]["score"] == b.score
+    assert result["bleu"]["precisions"] == b.precisions
+    assert result["bleu"]["bp"] == b.bp
+    assert result["bleu"]["ratio"] == b.ratio
+    assert (result["bleu"]["hyp_len"], result["bleu"]["ref_len"]) == (b.sys_len, b.ref_len)
+    assert result["bleu"]["signature"] == str(bleu.get_signature())
+
+    chrf = CHRF()
+    assert result["chrf"]["score"] == chrf.corpus_score(hyps, [refs]).score
+    assert result["chrf"]["signature"] == str(chrf.get_signature())
+
+    json.dumps(result)  # --json output must serialise as is
+    return result
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def test_small_examples_equal_libraries() -> None:
+    result = check_against_libraries(HYPS, REFS)
+    assert list(result) == ["lines", "rouge", "bleu", "chrf"]
+
+
+def test_rouge_without_split_equals_plain_rouge_for_single_sentences() -> None:
+    """One-sentence lines: rougeLsum == rougeL, and rouge1/2/L equal unsplit rouge-score."""
+    hyps = ["the quick brown fox jumps", "a b c d e f"]
+    refs = ["the quick brown dog jumped", "a b x d e"]
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    rows = [scorer.score(r, h) for h, r in zip(hyps, refs, strict=True)]
+    result = score(hyps, refs, ["rouge"])
+    for t in ("rouge1", "rouge2", "rougeL"):
+        assert result["rouge"][t]["fmeasure"] == 100.0 * math.fsum(s[t].fmeasure for s in rows) / 2
+    assert result["rouge"]["rougeLsum"] == result["rouge"]["rougeL"]
+
+
+def test_metric_selection_order_and_duplicates() -> None:
+    result = score(HYPS, REFS, ["chrf", "BLEU", "chrf"])
+    assert list(result) == ["lines", "chrf", "bleu"]
+    with pytest.raises(SeqgenError, match="unknown metric 'meteor'"):
+        score(HYPS, REFS, ["meteor"])
+    with pytest.raises(SeqgenError, match="no metric"):
+        score(HYPS, REFS, [])
+
+
+def test_target_lang_selects_sacrebleu_tokeniser() -> None:
+    hyps, refs = ["猫坐在垫子上。"], ["那只猫坐在垫子上了。"]
+    expected = BLEU(trg_lang="zh")
+    expected_score = expected.corpus_score(hyps, [refs]).score
+    result = score(hyps, refs, ["bleu"], target_lang="zh")
+    assert "tok:zh" in result["bleu"]["signature"]
+    assert result["bleu"]["signature"] == str(expected.get_signature())
+    assert result["bleu"]["score"] == expected_score
+
+
+def test_missing_optional_tokeniser_is_a_one_line_error() -> None:
+    pytest.importorskip("sacrebleu.tokenizers.tokenizer_ja_mecab")
+    try:
+        import MeCab  # noqa: F401
+    except ImportError:
+        with pytest.raises(SeqgenError, match="'ja'") as info:
+            score(["a"], ["a"], ["bleu"], target_lang="ja")
+        assert "\n" not in str(info.value)
+    else:
+        pytest.skip("MeCab is installed")
+
+
+def test_length_mismatch_names_both_counts() -> None:
+    with pytest.raises(SeqgenError) as info:
+        score(HYPS, REFS[:3], ["bleu"])
+    msg = str(info.value)
+    assert "4 hypotheses" in msg and "3 references" in msg and "\n" not in msg
+
+
+def test_empty_input_is_an_error() -> None:
+    with pytest.raises(SeqgenError, match="empty"):
+        score([], [], ["rouge"])
+
+
+def test_default_metrics() -> None:
+    assert default_metrics() == list(METRICS)
+    assert default_metrics("summarization") == ["rouge"]
+    assert default_metrics("Translation") == ["bleu", "chrf"]
+    with pytest.raises(SeqgenError, match="unknown task"):
+        default_metrics("dancing")
+
+
+def test_format_table() -> None:
+    result = score(HYPS, REFS, list(METRICS))
+    table = format_table(result)
+    lines = table.splitlines()
+    assert lines[0].split() == ["metric", "score", "detail"]
+    for label, value in [
+        ("ROUGE-1", result["rouge"]["rouge1"]["fmeasure"]),
+        ("ROUGE-Lsum", result["rouge"]["rougeLsum"]["fmeasure"]),
+        ("BLEU", result["bleu"]["score"]),
+        ("chrF", result["chrf"]["score"]),
+    ]:
+        row = next(line for line in lines if line.split()[:1] == [label])
+        assert row.split()[1] == f"{value:.2f}"
+    assert result["bleu"]["signature"] in table and result["chrf"]["signature"] in table
+    # the score column is right-aligned
+    rows = [line for line in lines[1:] if line.split()[:1] and line.split()[0] in {"ROUGE-1", "BLEU", "chrF"}]
+    ends = {line.index(line.split()[1]) + len(line.split()[1]) for line in rows}
+    assert len(ends) == 1
+    assert "ROUGE" not in format_table(score(HYPS, REFS, ["bleu"]))
+
+
+# ----------------------------------------------------------------------------- real data
+
+
+@pytest.mark.skipif(not CNNDM.is_dir(), reason=f"shared data not found at {CNNDM}")
+def test_summeval_system_equals_libraries() -> None:
+    refs = read_lines(CNNDM / "summeval.target")
+    rows = [json.loads(line) for line in read_lines(CNNDM / "summeval_cnndm_test.jsonl")]
+    assert len(refs) == len(rows) == 100
+    assert [r["highlights"] for r in rows] == refs  # the jsonl is line-aligned with the target file
+    system = sorted(rows[0]["systems"])[0]
+    hyps = [r["systems"][system] for r in rows]
+    result = check_against_libraries(hyps, refs)
+    # sanity: a real summariser lands in a plausible band (not a hard-coded number)
+    assert 20 < result["rouge"]["rouge1"]["fmeasure"] < 60
+    # PTB-tokenised multi-sentence text is actually split for rougeLsum
+    assert all(len(split_sentences(r)) >= 2 for r in refs[:10])
+
+
+@pytest.mark.skipif(not CNNDM.is_dir(), reason=f"shared data not found at {CNNDM}")
+def test_summeval_refs_against_themselves() -> None:
+    refs = read_lines(CNNDM / "summeval.target")
+    result = score(refs, refs, list(METRICS))
+    for t in ROUGE_TYPES:
+        assert result["rouge"][t]["fmeasure"] == pytest.approx(100.0)
+    assert result["bleu"]["score"] == pytest.approx(100.0)
+    assert result["chrf"]["score"] == pytest.approx(100.0)
+
+
+# ----------------------------------------------------------------------------- sentence splitter
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Hello world. This is it.", ["Hello world.", "This is it."]),
+        ("Mr. Smith met Dr. Jones. They talked.", ["Mr. Smith met Dr. Jones.", "They talked."]),
+        ("He works in the U.S. Army. She does not.", ["He works in the U.S. Army.", "She does not."]),
+        ("Written by J. R. R. Tolkien. A classic.", ["Written by J. R. R. Tolkien.", "A classic."]),
+        ("It cost $3.5 million. Ouch!", ["It cost $3.5 million.", "Ouch!"]),
+        ("Really? Yes! Fine.", ["Really?", "Yes!", "Fine."]),
+        ('He said "Go." The dog went.', ['He said "Go."', "The dog went."]),
+        ('She asked, "Why?" Nobody knew.', ['She asked, "Why?"', "Nobody knew."]),
+        ("Done. 'Quoted' start.", ["Done.", "'Quoted' start."]),
+        ("(An aside.) Then more.", ["(An aside.)", "Then more."]),
+        ("Wait... Then what?", ["Wait...", "Then what?"]),
+        ("lower. case does not split.", ["lower. case does not split."]),
+        ("Born Jan. 5 in St. Louis. Moved later.", ["Born Jan. 5 in St. Louis.", "Moved later."]),
+        # PTB-tokenised (CNN/DM): detached full stop, detached closing quote
+        ("a goal . Townsend had clashed .", ["a goal .", "Townsend had clashed ."]),
+        (
+            "contributing to 'obesity epidemic . ' Their study was published .",
+            ["contributing to 'obesity epidemic . '", "Their study was published ."],
+        ),
+        ("first\nsecond. Third", ["first", "second.", "Third"]),
+        ("", []),
+        ("   ", []),
+    ],
+)
+def test_split_sentences(text: str, expected: list[str]) -> None:
+    assert split_sentences(text) == expected
+
+
+_word = st.text(
+    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc", "Zl", "Zp")), min_size=1
+)
+
+
+@given(st.lists(_word, max_size=30).map(" ".join))
+def test_split_keeps_every_non_space_character(text: str) -> None:
+    sentences = split_sentences(text)
+    assert "".join("".join(sentences).split()) == "".join(text.split())
+    assert all(s and s == s.strip() for s in sentences)
+
+
+_sentence = st.lists(
+    st.sampled_from("alpha beta gamma delta the cat sat on mat".split()), min_size=4, max_size=12
+).map(lambda ws: " ".join(ws).capitalize() + ".")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(_sentence, min_size=1, max_size=3).map(" ".join), min_size=1, max_size=5))
+def test_refs_against_themselves_score_100(refs: list[str]) -> None:
+    result = score(refs, refs, list(METRICS))
+    for t in ROUGE_TYPES:
+        assert result["rouge"][t]["fmeasure"] == pytest.approx(100.0)
+    assert result["bleu"]["score"] == pytest.approx(100.0)
+    assert result["chrf"]["score"] == pytest.approx(100.0)
+
+
+# ----------------------------------------------------------------------------- read_lines
+
+
+def test_read_lines_basic(tmp_path: Path) -> None:
+    f = tmp_path / "hyp.txt"
+    f.write_bytes("\ufeffone\r\ntwo\u2028still two\n\nfour\n".encode())
+    assert read_lines(f) == ["one", "two\u2028still two", "", "four"]
+    f.write_bytes(b"no final newline")
+    assert read_lines(str(f)) == ["no final newline"]
+    f.write_bytes(b"")
+    assert read_lines(f) == []
+
+
+def test_read_lines_non_utf8_names_file_and_line(tmp_path: Path) -> None:
+    f = tmp_path / "bad.txt"
+    f.write_bytes(b"fine\nalso fine\ncaf\xe9 latin-1\n")
+    with pytest.raises(SeqgenError) as info:
+        read_lines(f)
+    msg = str(info.value)
+    assert str(f) in msg and "line 3" in msg and "0xe9" in msg and "\n" not in msg
+
+
+def test_read_lines_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(SeqgenError, match="nope.txt"):
+        read_lines(tmp_path / "nope.txt")
+
+
+def test_read_lines_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
+    class FakeStdin:
+        buffer = io.BytesIO(b"a\nb\n")
+
+    monkeypatch.setattr(sys, "stdin", FakeStdin())
+    assert read_lines("-") == ["a", "b"]
+    FakeStdin.buffer = io.BytesIO(b"ok\n\xff\n")
+    with pytest.raises(SeqgenError, match=r"<stdin>: line 2"):
+        read_lines("-")
