@@ -7,8 +7,8 @@ import torch
 
 from seqgen_cli.models import get_decoder
 from seqgen_cli.models.generic import GenericDecoder
-from tests.engine_models import FAMILIES, tiny_model
-from tests.equivalence import SETTINGS, check_equivalence, random_batch
+from tests.engine_models import FAMILIES, load, text_batch
+from tests.equivalence import SETTINGS, check_equivalence
 
 BATCH = 32
 
@@ -19,9 +19,9 @@ def generic(model):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_equivalence(family: str, setting: str) -> None:
-    model = tiny_model(family)
-    result = check_equivalence(model, generic, random_batch(model, BATCH), SETTINGS[setting])
+def test_equivalence(tiny_models, family: str, setting: str) -> None:
+    loaded = load(tiny_models(family))
+    result = check_equivalence(loaded.model, generic, text_batch(loaded, BATCH), SETTINGS[setting])
     print(f"{family} {setting}: {result.summary()}")
     for line in result.near_ties:
         print("  near-tie:", line)
@@ -39,7 +39,7 @@ class NoisyDecoder(GenericDecoder):
 
 
 @pytest.mark.parametrize("setting", ["greedy", "beam5_es_false"])
-def test_harness_detects_differences(setting: str) -> None:
-    model = tiny_model("bart")
-    result = check_equivalence(model, NoisyDecoder, random_batch(model, BATCH), SETTINGS[setting])
+def test_harness_detects_differences(tiny_models, setting: str) -> None:
+    loaded = load(tiny_models("bart"))
+    result = check_equivalence(loaded.model, NoisyDecoder, text_batch(loaded, BATCH), SETTINGS[setting])
     assert result.mismatches

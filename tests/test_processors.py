@@ -128,11 +128,11 @@ def test_warpers(case, k, p):
     assert _same(pipe(history, scores), expected)
 
 
-def test_full_pipeline_matches_generate_order():
+def test_full_pipeline_matches_generate_order(tiny_models):
     """Every processor at once, in the order generate() builds them (private API, on a tiny model)."""
-    from tests.engine_models import tiny_model
+    from tests.engine_models import load
 
-    model = tiny_model("gpt2")
+    model = load(tiny_models("gpt2")).model
     vocab = model.config.vocab_size
     options = dict(
         repetition_penalty=1.3,

@@ -11,8 +11,8 @@ from seqgen_cli.models.generic import GenericDecoder
 from seqgen_cli.search import Batch, generate, merge_generation_config, settings_for, unsupported_reason
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
-from tests.engine_models import tiny_model
-from tests.equivalence import random_batch, rescore
+from tests.engine_models import load, text_batch
+from tests.equivalence import rescore
 
 
 def _run(model, batch: Batch, seed: int | None = None, **kwargs):
@@ -52,14 +52,15 @@ def _subset(model, batch: Batch, idx: list[int]) -> Batch:
     ],
     ids=["greedy", "beam4", "beam3_nrs2"],
 )
-def test_batch_invariance(family: str, kwargs: dict) -> None:
+def test_batch_invariance(tiny_models, family: str, kwargs: dict) -> None:
     """An input's output does not depend on its batch: alone, in a batch of 4, in a batch of 24.
 
     For decoder-only models the prompt width changes with the batch (left padding); differences are then
     only allowed where re-scoring shows a near-tie.
     """
-    model = tiny_model(family)
-    large = random_batch(model, 24, seed=7)
+    loaded = load(tiny_models(family))
+    model = loaded.model
+    large = text_batch(loaded, 24, seed=7)
     full = _run(model, large, **kwargs)
     small_idx = [3, 5, 11, 17]
     small = _run(model, _subset(model, large, small_idx), **kwargs)
@@ -71,7 +72,11 @@ def test_batch_invariance(family: str, kwargs: dict) -> None:
             assert not model.config.is_encoder_decoder, (i, other, full.sequences[i])
             assert kwargs.get("num_beams", 1) > 1, "greedy must not depend on the batch"
             one = _unpad(model, large, i)
-            s = settings_for(get_decoder(model, generic=True), one, merge_generation_config(model.generation_config, None, **kwargs))
+            s = settings_for(
+                get_decoder(model, generic=True),
+                one,
+                merge_generation_config(model.generation_config, None, **kwargs),
+            )
             a, b = rescore(model, one, 0, other[0], s), rescore(model, one, 0, full.sequences[i][0], s)
             assert abs(a - b) <= 1e-5 * max(abs(a), abs(b)), (i, other, full.sequences[i])
 
@@ -97,9 +102,10 @@ class CountingDecoder(GenericDecoder):
     ],
     ids=["greedy", "beam_es", "beam_heuristic", "sample"],
 )
-def test_dropping_finished_inputs_changes_nothing(family: str, kwargs: dict) -> None:
-    model = tiny_model(family)
-    batch = random_batch(model, 16, seed=3)
+def test_dropping_finished_inputs_changes_nothing(tiny_models, family: str, kwargs: dict) -> None:
+    loaded = load(tiny_models(family))
+    model = loaded.model
+    batch = text_batch(loaded, 16, seed=3)
     config = merge_generation_config(model.generation_config, None, **kwargs)
     dropping = CountingDecoder(model)
     out = generate(dropping, batch, config, seed=0, sync_every=1)
@@ -113,9 +119,10 @@ def test_dropping_finished_inputs_changes_nothing(family: str, kwargs: dict) -> 
     assert out.scores == ref.scores
 
 
-def test_sampling_is_deterministic_with_a_seed() -> None:
-    model = tiny_model("t5")
-    batch = random_batch(model, 8, seed=5)
+def test_sampling_is_deterministic_with_a_seed(tiny_models) -> None:
+    loaded = load(tiny_models("t5"))
+    model = loaded.model
+    batch = text_batch(loaded, 8, seed=5)
     kwargs = dict(do_sample=True, num_return_sequences=3, max_new_tokens=16, top_p=0.9)
     a, b = _run(model, batch, seed=1, **kwargs), _run(model, batch, seed=1, **kwargs)
     c = _run(model, batch, seed=2, **kwargs)
@@ -125,13 +132,16 @@ def test_sampling_is_deterministic_with_a_seed() -> None:
 
 
 @torch.inference_mode()
-def test_top_k_never_leaves_the_top_k() -> None:
-    model = tiny_model("t5")
-    batch = random_batch(model, 6, seed=9)
+def test_top_k_never_leaves_the_top_k(tiny_models) -> None:
+    loaded = load(tiny_models("t5"))
+    model = loaded.model
+    batch = text_batch(loaded, 6, seed=9)
     k = 3
     kwargs = dict(do_sample=True, top_k=k, num_return_sequences=4, max_new_tokens=12, temperature=1.5)
     out = _run(model, batch, seed=0, **kwargs)
-    config = merge_generation_config(model.generation_config, None, max_new_tokens=12)  # processors, no warpers
+    config = merge_generation_config(
+        model.generation_config, None, max_new_tokens=12
+    )  # processors, no warpers
     s = settings_for(get_decoder(model, generic=True), batch, config)
     for i, per_input in enumerate(out.sequences):
         for seq in per_input:
@@ -147,17 +157,29 @@ def test_top_k_never_leaves_the_top_k() -> None:
 
 
 @torch.inference_mode()
-def test_sampling_follows_the_distribution() -> None:
+def test_sampling_follows_the_distribution(tiny_models) -> None:
     """One step, many samples: empirical frequencies close to softmax(logits / T) restricted to the top k."""
-    model = tiny_model("t5")
-    batch = random_batch(model, 1, seed=2)
+    loaded = load(tiny_models("t5"))
+    model = loaded.model
+    batch = text_batch(loaded, 1, seed=2)
     n, temperature, k = 3000, 2.0, 6
-    out = _run(model, batch, seed=0, do_sample=True, num_return_sequences=n, max_new_tokens=1, top_k=k, temperature=temperature)
+    out = _run(
+        model,
+        batch,
+        seed=0,
+        do_sample=True,
+        num_return_sequences=n,
+        max_new_tokens=1,
+        top_k=k,
+        temperature=temperature,
+    )
     decoder = get_decoder(model, generic=True)
     config = merge_generation_config(model.generation_config, None, max_new_tokens=1)
     s = settings_for(decoder, batch, config)
     dec = torch.tensor([[s.decoder_start]])
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, decoder_input_ids=dec).logits[0, -1]
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, decoder_input_ids=dec
+    ).logits[0, -1]
     assert s.forced_bos is None and not s.forced_eos
     probs = torch.softmax(logits.float() / temperature, -1)
     top = torch.topk(probs, k)
@@ -179,12 +201,13 @@ def test_sampling_follows_the_distribution() -> None:
         dict(sequence_bias=[[[5], -1.0]]),
     ],
 )
-def test_unsupported_settings_raise(kwargs: dict) -> None:
-    model = tiny_model("bart")
+def test_unsupported_settings_raise(tiny_models, kwargs: dict) -> None:
+    loaded = load(tiny_models("bart"))
+    model = loaded.model
     try:
         config = merge_generation_config(model.generation_config, None, **kwargs)
     except SeqgenError:
         return  # transformers' validation already rejects the combination
     assert unsupported_reason(config) is not None
     with pytest.raises(SeqgenError):
-        generate(get_decoder(model, generic=True), random_batch(model, 2), config)
+        generate(get_decoder(model, generic=True), text_batch(loaded, 2), config)

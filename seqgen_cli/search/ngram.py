@@ -28,7 +28,9 @@ class NGramBlocker:
         tokens = history.tokens  # [N, cap]
         device = tokens.device
         # powers[k] = V**(n-2-k): [n-1] int64
-        self.powers = torch.tensor([vocab_size ** (n - 2 - k) for k in range(n - 1)], dtype=torch.long, device=device)
+        self.powers = torch.tensor(
+            [vocab_size ** (n - 2 - k) for k in range(n - 1)], dtype=torch.long, device=device
+        )
         # keys[:, j] = packed (n-1)-gram starting at column j; columns [0, length - n + 2) are valid.
         self.keys = torch.zeros((tokens.shape[0], tokens.shape[1] + 1), dtype=torch.long, device=device)
         length = history.length

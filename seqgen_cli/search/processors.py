@@ -83,11 +83,15 @@ class BadWords:
 class LogitsPipeline:
     """All processors for one search call. Stateful ones follow row selection via :meth:`select`."""
 
-    def __init__(self, settings: SearchSettings, history: TokenHistory, vocab_size: int, device: torch.device):
+    def __init__(
+        self, settings: SearchSettings, history: TokenHistory, vocab_size: int, device: torch.device
+    ):
         s = settings
         self.settings = s
         self.vocab_size = vocab_size
-        self.ngram = NGramBlocker(s.no_repeat_ngram_size, vocab_size, history) if s.no_repeat_ngram_size > 0 else None
+        self.ngram = (
+            NGramBlocker(s.no_repeat_ngram_size, vocab_size, history) if s.no_repeat_ngram_size > 0 else None
+        )
         self.bad_words = BadWords(s.bad_words, vocab_size, device) if s.bad_words else None
         self.eos_mask = _vocab_mask(s.eos, vocab_size, device)
         self.forced_eos_mask = _vocab_mask(s.forced_eos, vocab_size, device)

@@ -147,7 +147,9 @@ def resolve_mode(config: GenerationConfig) -> Mode:
     """Greedy / beam / sample, or :class:`SeqgenError` for what seqgen leaves to transformers."""
     for name, unsupported in _UNSUPPORTED.items():
         if unsupported(getattr(config, name, None)):
-            raise SeqgenError(f"generation option {name}={getattr(config, name)!r} is not supported by seqgen's engine")
+            raise SeqgenError(
+                f"generation option {name}={getattr(config, name)!r} is not supported by seqgen's engine"
+            )
     num_beams, do_sample = _get(config, "num_beams"), bool(_get(config, "do_sample"))
     nrs = _get(config, "num_return_sequences")
     if num_beams > 1 and do_sample:
@@ -183,7 +185,9 @@ def resolve_settings(
     if is_encoder_decoder and decoder_start is None:
         decoder_start = config.bos_token_id
     if is_encoder_decoder and decoder_start is None:
-        raise SeqgenError("decoder_start_token_id or bos_token_id has to be set for encoder-decoder generation")
+        raise SeqgenError(
+            "decoder_start_token_id or bos_token_id has to be set for encoder-decoder generation"
+        )
     if isinstance(decoder_start, (list, tuple)):
         raise SeqgenError("per-input decoder_start_token_id lists are not supported")
 
@@ -200,11 +204,15 @@ def resolve_settings(
     if config.min_new_tokens is not None:
         min_length = max(min_length, config.min_new_tokens + prompt_len)
     if max_length <= prompt_len:
-        raise SeqgenError(f"max_length ({max_length}) leaves no room to generate after {prompt_len} prompt positions")
+        raise SeqgenError(
+            f"max_length ({max_length}) leaves no room to generate after {prompt_len} prompt positions"
+        )
 
     # Processors (_get_logits_processor); NoBadWords drops single-token entries that are an EOS token.
     bad_words = tuple(
-        tuple(int(t) for t in seq) for seq in (config.bad_words_ids or []) if not (len(seq) == 1 and seq[0] in eos)
+        tuple(int(t) for t in seq)
+        for seq in (config.bad_words_ids or [])
+        if not (len(seq) == 1 and seq[0] in eos)
     )
     forced_bos = config.forced_bos_token_id
     forced_eos = _token_list(config.forced_eos_token_id)
