@@ -151,7 +151,7 @@ def test_top_k_never_leaves_the_top_k(tiny_models) -> None:
             history = TokenHistory(dec[:, :1], s.max_length)
             pipe = LogitsPipeline(s, history, logits.shape[-1], logits.device)
             for t, tok in enumerate(seq):
-                scores = pipe(history, logits[t : t + 1])[0]
+                scores = pipe(history, logits[t : t + 1].clone())[0]
                 assert scores[tok] >= torch.topk(scores, k).values[-1], (i, t, tok)
                 history.append(torch.tensor([tok]))
 

@@ -50,7 +50,7 @@ class NGramBlocker:
             self.keys[:, start] = (gram * self.powers).sum(-1)
 
     def __call__(self, history: TokenHistory, scores: torch.Tensor) -> torch.Tensor:
-        """``scores``: [N, V] -> scores with banned entries set to -inf."""
+        """``scores``: [N, V]; banned entries set to -inf in place."""
         n, length = self.n, history.length
         windows = length - n + 1  # complete n-grams in the history
         if windows <= 0:
@@ -68,4 +68,4 @@ class NGramBlocker:
         values = torch.full(matches.shape, float("inf"), dtype=scores.dtype, device=scores.device)
         values.masked_fill_(matches & in_vocab, float("-inf"))
         # amin with +inf leaves a score unchanged, with -inf bans it: order-free, so deterministic on GPU.
-        return scores.scatter_reduce(1, banned.clamp(max=self.vocab_size - 1), values, reduce="amin")
+        return scores.scatter_reduce_(1, banned.clamp(max=self.vocab_size - 1), values, reduce="amin")

@@ -1,6 +1,6 @@
 """Logits processors, applied in transformers' order (``GenerationMixin._get_logits_processor``).
 
-All of them are vectorised over rows and step-dependent conditions use the host-side ``cur_len`` (the same
+The pipeline owns the scores it is given and may modify them in place. All processors are vectorised over rows and step-dependent conditions use the host-side ``cur_len`` (the same
 for every row), so a step needs no device->host sync. Each one performs the same elementwise arithmetic as
 its transformers counterpart, so processed scores match bit for bit.
 
@@ -67,7 +67,7 @@ class BadWords:
 
     def __call__(self, history: TokenHistory, scores: torch.Tensor) -> torch.Tensor:
         if self.static is not None:
-            scores = scores.masked_fill(self.static, NEG_INF)
+            scores.masked_fill_(self.static, NEG_INF)
         for prefixes, last in self.groups:
             p = prefixes.shape[1]
             if p > history.length:
@@ -76,7 +76,7 @@ class BadWords:
             matches = (suffix[:, None, :] == prefixes[None]).all(-1)  # [N, G]
             values = torch.full(matches.shape, float("inf"), dtype=scores.dtype, device=scores.device)
             values.masked_fill_(matches, NEG_INF)
-            scores = scores.scatter_reduce(1, last.expand(matches.shape), values, reduce="amin")
+            scores.scatter_reduce_(1, last.expand(matches.shape), values, reduce="amin")
         return scores
 
 
@@ -108,7 +108,8 @@ class LogitsPipeline:
             self.ngram.appended(history)
 
     def __call__(self, history: TokenHistory, scores: torch.Tensor) -> torch.Tensor:
-        """``scores``: [N, V] (log-probs in beam search, raw logits otherwise) -> processed [N, V]."""
+        """``scores``: [N, V] float (log-probs in beam search, raw logits otherwise; modified in place)
+        -> processed [N, V]."""
         s, cur_len = self.settings, history.length
         if s.repetition_penalty != 1.0:
             scores = repetition_penalty(history, scores, s.repetition_penalty)
@@ -117,7 +118,7 @@ class LogitsPipeline:
         if self.bad_words is not None:
             scores = self.bad_words(history, scores)
         if self.eos_mask is not None and cur_len < s.min_length:
-            scores = scores.masked_fill(self.eos_mask, NEG_INF)
+            scores.masked_fill_(self.eos_mask, NEG_INF)
         if s.forced_bos is not None and cur_len == 1:
             scores = torch.full_like(scores, NEG_INF)
             scores[:, s.forced_bos] = 0
@@ -125,9 +126,9 @@ class LogitsPipeline:
             scores = torch.full_like(scores, NEG_INF)
             scores[:, self.forced_eos_mask] = 0
         if self.suppress_mask is not None:
-            scores = scores.masked_fill(self.suppress_mask, NEG_INF)
+            scores.masked_fill_(self.suppress_mask, NEG_INF)
         if self.begin_suppress_mask is not None and cur_len == s.begin_index:
-            scores = scores.masked_fill(self.begin_suppress_mask, NEG_INF)
+            scores.masked_fill_(self.begin_suppress_mask, NEG_INF)
         if self.warpers is not None:
             scores = self.warpers(scores)
         return scores

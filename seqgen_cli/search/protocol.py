@@ -56,7 +56,10 @@ class Decoder(Protocol):
         ...
 
     def step(self, state: Any, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per running row (``tokens``: [N] int64); return next-token logits [N, V]."""
+        """Feed one token per running row (``tokens``: [N] int64); return next-token logits [N, V].
+
+        The search owns the returned tensor (it may modify it in place).
+        """
         ...
 
     def reorder(self, state: Any, rows: torch.Tensor) -> None:
