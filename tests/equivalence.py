@@ -89,7 +89,7 @@ def hf_generate(model: PreTrainedModel, batch: Batch, kwargs: dict[str, Any]):
         **kwargs,
     )
     start = 1 if model.config.is_encoder_decoder else batch.input_ids.shape[1]
-    eos = model.generation_config.eos_token_id
+    eos = kwargs.get("eos_token_id", model.generation_config.eos_token_id)
     eos = set(eos) if isinstance(eos, list) else {eos}
     nrs = kwargs.get("num_return_sequences", 1)
     rows = [_strip(row[start:], eos) for row in out.sequences.tolist()]
