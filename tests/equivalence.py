@@ -140,9 +140,13 @@ def check_equivalence(
     kwargs: dict[str, Any],
     *,
     rtol: float = 1e-5,
+    keep_dtype: bool = False,
 ) -> EquivalenceResult:
-    """Run seqgen (via ``backend_factory(model)``) and ``model.generate()`` on ``batch``; compare tokens."""
-    model = model.float().eval()
+    """Run seqgen (via ``backend_factory(model)``) and ``model.generate()`` on ``batch``; compare tokens.
+
+    The model runs in float32 unless ``keep_dtype``.
+    """
+    model = (model if keep_dtype else model.float()).eval()
     config = merge_generation_config(model.generation_config, None, **kwargs)
     decoder = backend_factory(model)
     ours = generate(decoder, batch, config)

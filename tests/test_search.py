@@ -211,3 +211,23 @@ def test_unsupported_settings_raise(tiny_models, kwargs: dict) -> None:
     assert unsupported_reason(config) is not None
     with pytest.raises(SeqgenError):
         generate(get_decoder(model, generic=True), text_batch(loaded, 2), config)
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_bfloat16_model(tiny_models, family: str) -> None:
+    """Half-precision logits go through the same float32 search; same forward ops, so same tokens as generate()."""
+    import copy
+
+    from tests.equivalence import check_equivalence
+
+    loaded = load(tiny_models(family))
+    model = copy.deepcopy(loaded.model).to(torch.bfloat16)
+    batch = text_batch(loaded, 8, seed=6)
+    for kwargs in (dict(max_new_tokens=12), dict(num_beams=3, max_new_tokens=12, no_repeat_ngram_size=2)):
+        config = merge_generation_config(model.generation_config, None, **kwargs)
+        out = generate(get_decoder(model, generic=True), batch, config)
+        assert all(0 < len(s[0]) <= 12 for s in out.sequences)
+        result = check_equivalence(
+            model, lambda m: get_decoder(m, generic=True), batch, kwargs, keep_dtype=True
+        )
+        assert result.identical == result.total, result.summary()

@@ -123,7 +123,9 @@ class LogitsPipeline:
             scores = torch.full_like(scores, NEG_INF)
             scores[:, s.forced_bos] = 0
         if self.forced_eos_mask is not None and cur_len == s.max_length - 1:
-            scores = torch.full_like(scores, NEG_INF).masked_fill_(self.forced_eos_mask, 0.0)  # no mask indexing: no sync
+            scores = torch.full_like(scores, NEG_INF).masked_fill_(
+                self.forced_eos_mask, 0.0
+            )  # no mask indexing: no sync
         if self.suppress_mask is not None:
             scores.masked_fill_(self.suppress_mask, NEG_INF)
         if self.begin_suppress_mask is not None and cur_len == s.begin_index:

@@ -42,6 +42,8 @@ class Decoder(Protocol):
 
     is_encoder_decoder: bool
     vocab_size: int  # width of the logits step() returns
+    # Optional (read with getattr): ``max_position_embeddings: int | None`` caps transformers' default
+    # max_length (20 new tokens) as generate() does.
 
     def start(
         self, batch: Batch, rows_per_input: int, max_new_tokens: int
