@@ -74,6 +74,18 @@ def test_repetition_penalty(case, penalty, pad):
     assert _same(pipe(history, scores.clone()), expected)
 
 
+def test_repetition_penalty_prompt_ids_beyond_the_lm_head():
+    """Prompt ids >= V (embedding vocab larger than the head) are ignored, as transformers does."""
+    ids, scores = _case(3, 4, 12, 20)
+    ids[:, 2] = 25
+    pad_lengths = torch.tensor([0, 1, 3, 0])
+    history = TokenHistory(ids, 13, pad_lengths)
+    pipe = _pipeline(history, 20, 12, repetition_penalty=1.5)
+    assert not pipe.ids_in_vocab
+    expected = RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=pad_lengths)(ids, scores)
+    assert _same(pipe(history, scores.clone()), expected)
+
+
 @settings(max_examples=60, deadline=None)
 @given(cases, st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=3), min_size=1, max_size=6))
 def test_bad_words(case, bad):

@@ -30,16 +30,27 @@ def _vocab_mask(tokens: tuple[int, ...], vocab_size: int, device: torch.device) 
     return mask
 
 
-def repetition_penalty(history: TokenHistory, scores: torch.Tensor, penalty: float) -> torch.Tensor:
+def repetition_penalty(
+    history: TokenHistory, scores: torch.Tensor, penalty: float, ids_in_vocab: bool = False
+) -> torch.Tensor:
     """Penalise every token already in the row's history (left-padding excluded). ``scores``: [N, V].
 
     Same arithmetic as ``RepetitionPenaltyLogitsProcessor``: negative scores are multiplied by the penalty,
-    others divided. ``O(L)`` gather/scatter per row, no state to reorder.
+    others divided. ``O(L)`` gather/scatter per row, no state to reorder. With ``ids_in_vocab`` (no history
+    id >= V) it works in place: left-pad positions are pointed at the row's last token, whose duplicate
+    writes carry the same value. Otherwise, like transformers, through a spare column.
     """
     vocab_size = scores.shape[-1]
-    ids = history.filled.clamp(max=vocab_size)  # [N, L]; ids beyond the lm head go to the spare column
+    ids = history.filled  # [N, L]
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    if ids_in_vocab:
+        if history.pad_lengths is not None:
+            ids = torch.where(positions[None, :] < history.pad_lengths[:, None], ids[:, -1:], ids)
+        picked = torch.gather(scores, 1, ids)
+        picked = torch.where(picked < 0, picked * penalty, picked / penalty)
+        return scores.scatter_(1, ids, picked)
+    ids = ids.clamp(max=vocab_size)  # ids beyond the lm head go to the spare column
     if history.pad_lengths is not None:
-        positions = torch.arange(ids.shape[1], device=ids.device)
         ids = ids.masked_fill(positions[None, :] < history.pad_lengths[:, None], vocab_size)
     padded = torch.nn.functional.pad(scores, (0, 1))  # [N, V + 1]
     picked = torch.gather(padded, 1, ids)
@@ -98,6 +109,8 @@ class LogitsPipeline:
         self.suppress_mask = _vocab_mask(s.suppress_tokens, vocab_size, device)
         self.begin_suppress_mask = _vocab_mask(s.begin_suppress_tokens, vocab_size, device)
         self.warpers = Warpers(s) if s.mode == "sample" else None
+        # Generated ids are always < V; only a prompt id could be out of the lm head's range (one sync here).
+        self.ids_in_vocab = s.repetition_penalty != 1.0 and bool((history.filled < vocab_size).all())
 
     def select(self, rows: torch.Tensor) -> None:
         if self.ngram is not None:
@@ -112,7 +125,7 @@ class LogitsPipeline:
         -> processed [N, V]."""
         s, cur_len = self.settings, history.length
         if s.repetition_penalty != 1.0:
-            scores = repetition_penalty(history, scores, s.repetition_penalty)
+            scores = repetition_penalty(history, scores, s.repetition_penalty, self.ids_in_vocab)
         if self.ngram is not None:
             scores = self.ngram(history, scores)
         if self.bad_words is not None:
