@@ -207,3 +207,41 @@ def tune_eos(
             lo, hi = (lo, mid) if mean < mean_length else (mid, hi)
         bias[eos] = (lo + hi) / 2
     return model
+
+
+def main() -> None:
+    """Print the agreement table: ``python -m tests.equivalence [--backend module:factory] [--families ..]``."""
+    import argparse
+    import importlib
+
+    from tests.engine_models import FAMILIES, load, text_batch
+    from tests.tiny_models import cached_build
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument(
+        "--backend", default="seqgen_cli.models:get_decoder", help="module:callable(model) -> Decoder"
+    )
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
+    ap.add_argument("--settings", nargs="*", default=list(SETTINGS))
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args()
+    module, name = args.backend.split(":")
+    factory = getattr(importlib.import_module(module), name)
+    print(f"| family | {' | '.join(args.settings)} |")
+    print(f"|---|{'---|' * len(args.settings)}")
+    notes = []
+    for family in args.families:
+        loaded = load(cached_build(family))
+        batch = text_batch(loaded, args.batch)
+        cells = []
+        for setting in args.settings:
+            r = check_equivalence(loaded.model, factory, batch, SETTINGS[setting])
+            cells.append(f"{r.agreement:.1f} %" + (f" ({len(r.near_ties)} tie)" if r.near_ties else ""))
+            notes += [f"{family} {setting}: {x}" for x in r.near_ties + r.mismatches]
+        print(f"| {family} | {' | '.join(cells)} |", flush=True)
+    for note in notes:
+        print(note)
+
+
+if __name__ == "__main__":
+    main()
