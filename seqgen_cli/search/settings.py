@@ -201,8 +201,8 @@ def resolve_settings(
     else:
         max_length = config.max_length
     min_length = _get(config, "min_length")
-    if config.min_new_tokens is not None:
-        min_length = max(min_length, config.min_new_tokens + prompt_len)
+    if config.min_new_tokens is not None:  # replaces min_length, even one from the checkpoint's config
+        min_length = config.min_new_tokens + prompt_len
     if max_length <= prompt_len:
         raise SeqgenError(
             f"max_length ({max_length}) leaves no room to generate after {prompt_len} prompt positions"
