@@ -249,3 +249,108 @@ def presets() -> None:
             f", {k}={v!r}" for k, v in (("prefix", p.prefix), ("max_source_length", p.max_source_length)) if v
         )
         click.echo(f"{p.name:<14} {p.description}\n{'':<14} {settings}{extra}")
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        items = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if not items or min(items) < 1:
+        raise click.BadParameter("give positive integers, e.g. 1,8,32")
+    return items
+
+
+def _name_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+@main.command()
+@click.argument("input", type=click.Path(exists=True, dir_okay=False))
+@click.option("-m", "--model", required=True, help="Checkpoint folder.")
+@click.option(
+    "--n", "n", type=click.IntRange(min=1), default=32, show_default=True, help="Inputs (first N lines)."
+)
+@click.option(
+    "--batch-sizes", default="1,8,32", show_default=True, callback=_int_list, help="Comma-separated."
+)
+@click.option("--num-beams", default="1,4", show_default=True, callback=_int_list, help="Comma-separated.")
+@click.option(
+    "--compare",
+    default="hf,ct2",
+    show_default=True,
+    callback=_name_list,
+    help="Systems besides seqgen: hf (transformers generate()), ct2 (CTranslate2, skipped if not installed).",
+)
+@click.option(
+    "--mode",
+    "modes",
+    default="decode",
+    show_default=True,
+    callback=_name_list,
+    help="decode (generation only), e2e (whole process, files to files), or decode,e2e.",
+)
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+    default="auto",
+    show_default=True,
+)
+@click.option(
+    "--fixed-new-tokens",
+    type=click.IntRange(min=1),
+    help="Force exactly N new tokens per output (min = max) so random-weight timings are comparable.",
+)
+@click.option(
+    "--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs; median reported."
+)
+@click.option(
+    "--warmup/--no-warmup", default=True, show_default=True, help="One untimed batch per system first."
+)
+@click.option(
+    "--max-batches",
+    type=click.IntRange(min=1),
+    help="At most this many batches per cell (n = min(N, K x batch size)): keeps batch 1 affordable.",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), help="CPU threads for torch and CTranslate2 (default: torch's)."
+)
+@click.option("--out", default="bench-results", show_default=True, help="Folder for bench.json/.md/.png.")
+@click.option(
+    "--ct2-cache", help="Folder for converted CTranslate2 models (default ~/.cache/seqgen-bench/ct2)."
+)
+@click.option("--preset", help="Task preset name or .toml file.")
+@click.option("--prefix", help="Text prepended to every input.")
+@click.option("--max-source-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1))
+@click.option("--min-new-tokens", type=click.IntRange(min=0))
+@click.option("--max-length", type=click.IntRange(min=1))
+@click.option("--min-length", type=click.IntRange(min=0))
+@click.option("--length-penalty", type=float)
+@click.option("--early-stopping", type=click.Choice(list(EARLY_STOPPING)))
+@click.option("--no-repeat-ngram-size", type=click.IntRange(min=0))
+@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True))
+def bench(input: str, model: str, **opts) -> None:
+    """Speed and agreement of seqgen against transformers generate() and CTranslate2.
+
+    For each (beams, batch size) every system generates for the same first N lines of INPUT, after a
+    warm-up, interleaved (A B C A B C ...); medians of --repeats runs. Writes bench.json (every run),
+    bench.md (table) and bench.png (samples/s vs batch size) into --out.
+    """
+    from seqgen_cli.bench import BenchSettings, run_bench
+
+    early = opts.pop("early_stopping")
+    generation = {k: opts.pop(k) for k in list(opts) if k in _GENERATION_FLAGS and k != "num_beams"}
+    generation["early_stopping"] = EARLY_STOPPING[early] if early else None
+    settings = BenchSettings(model=model, input=input, generation=generation, **opts)
+    command = "seqgen bench " + " ".join(_quote(a) for a in sys.argv[2:] if sys.argv[1:2] == ["bench"])
+    report = run_bench(settings, command=command if sys.argv[1:2] == ["bench"] else "")
+    click.echo(report["table"])
+    click.echo(f"seqgen bench: wrote {Path(settings.out) / 'bench.json'}, bench.md, bench.png", err=True)
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
