@@ -91,7 +91,9 @@ def test_decode_outputs_json_table_png(tiny_models, input_file: Path, tmp_path: 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
 def test_fixed_new_tokens_exact(tiny_models, texts: list[str], tmp_path: Path, family: str) -> None:
-    s = _settings(tiny_models(family), Path("-"), tmp_path, num_beams=[2], compare=["hf", "ct2"], warmup=False)
+    s = _settings(
+        tiny_models(family), Path("-"), tmp_path, num_beams=[2], compare=["hf", "ct2"], warmup=False
+    )
     results, _, meta = bench_decode(s, texts, log=lambda _: None)
     for r in results:
         assert [len(o) for o in r.outputs] == [N_NEW] * 4, r.system
@@ -124,7 +126,7 @@ def test_ct2_missing_is_skipped_cleanly(no_ct2, tiny_models, input_file: Path, t
 def test_cli_bench(no_ct2, tiny_models, input_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "cli"
     args = ["bench", "-m", str(tiny_models("marian")), str(input_file), "--n", "2", "--batch-sizes", "2"]
-    args += ["--num-beams", "2", "--repeats", "1", "--no-warmup", "--fixed-new-tokens", "3", "--out", str(out)]
+    args += "--num-beams 2 --repeats 1 --no-warmup --fixed-new-tokens 3 --out".split() + [str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "| 2 | 2 | seqgen |" in result.output
