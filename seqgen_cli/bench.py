@@ -37,6 +37,7 @@ from seqgen_cli.errors import SeqgenError
 SYSTEMS = ("seqgen", "hf", "ct2")
 MODES = ("decode", "e2e")
 REPO_ROOT = Path(__file__).resolve().parent.parent
+WARMUP_ROWS = 8
 
 
 @dataclass
@@ -334,7 +335,7 @@ def bench_decode(
             ids = encoded[:n]
             batches = [[ids[i] for i in b] for b in make_batches([len(x) for x in ids], bs)]
             log(f"decode beams={beams} batch={bs} n={n}: {', '.join(x.name for x in systems)}")
-            cell, schedule = _run_cell(systems, batches, s, device)
+            cell, schedule = _run_cell(systems, batches, s, device, log)
             schedules.append(schedule)
             for sys_ in systems:
                 times, outputs, peak, delta = cell[sys_.name]
@@ -407,7 +408,11 @@ def make_ct2_plan(gen: Any, vocab: list[str]) -> bench_ct2.Ct2Plan:
 
 
 def _run_cell(
-    systems: list[System], batches: list[list[list[int]]], s: BenchSettings, device: torch.device
+    systems: list[System],
+    batches: list[list[list[int]]],
+    s: BenchSettings,
+    device: torch.device,
+    log: Callable[[str], None] = _log,
 ) -> tuple[dict[str, tuple[list[float], list[list[int]], float | None, float | None]], list[str]]:
     """Warm up, then run the systems interleaved ``repeats`` times; per system: times, outputs, peak."""
     by_name = {x.name: x for x in systems}
@@ -421,7 +426,8 @@ def _run_cell(
     schedule: list[str] = []
     for name, rep in interleave([x.name for x in systems], s.repeats, s.warmup):
         system = by_name[name]
-        work = prepared[name][:1] if rep < 0 else prepared[name]
+        # Warm-up: the first batch, at most WARMUP_ROWS inputs (same shapes' code paths, less time).
+        work = [prepared[name][0][:WARMUP_ROWS]] if rep < 0 else prepared[name]
         call = system.run_tokens if isinstance(system, Ct2System) else system.run
         schedule.append(f"{name}:{'warmup' if rep < 0 else rep}")
         with peak_memory(device) as mem:
@@ -434,6 +440,7 @@ def _run_cell(
             elapsed = time.perf_counter() - start
         if rep < 0:
             continue
+        log(f"  {name} run {rep + 1}/{s.repeats}: {elapsed:.2f}s")
         times[name].append(elapsed)
         if system.mem_kind != "n/a":
             peaks[name] = max(peaks[name] or 0.0, mem["peak"])
@@ -566,6 +573,7 @@ def bench_e2e(
                     raise SeqgenError(f"bench e2e: {name} exited with {rc}: {' | '.join(tail)}")
                 if rep < 0:
                     continue
+                log(f"  {name} run {rep + 1}/{s.repeats}: {elapsed:.2f}s")
                 times[name].append(elapsed)
                 peaks[name] = max(peaks[name], rss)
                 if rep == 0:
