@@ -389,12 +389,12 @@ def _ct2_system(s: BenchSettings, gen: Any, state: dict[str, Any], log: Callable
         elif device.index is not None:
             kwargs["device_index"] = device.index
         state.update(engine=cls(str(path), **kwargs), path=path, vocab=bench_ct2.vocabulary(path))
-    plan = make_ct2_plan(gen, state["vocab"])
+    plan = make_ct2_plan(gen, state["vocab"], bench_ct2.start_in_prefix(state["path"]))
     state["plan"] = plan
     return Ct2System(state["engine"], plan, gen.tokenizer, state["vocab"], gen.is_encoder_decoder)
 
 
-def make_ct2_plan(gen: Any, vocab: list[str]) -> bench_ct2.Ct2Plan:
+def make_ct2_plan(gen: Any, vocab: list[str], start_in_prefix: bool = False) -> bench_ct2.Ct2Plan:
     """CTranslate2 options for a Generator's resolved settings."""
     seq2seq = gen.is_encoder_decoder
     return bench_ct2.plan(
@@ -404,6 +404,7 @@ def make_ct2_plan(gen: Any, vocab: list[str]) -> bench_ct2.Ct2Plan:
         max_new=gen.max_new_tokens(),
         min_new=min_new_tokens(gen.config, seq2seq),
         causal=not seq2seq,
+        start_token_in_prefix=start_in_prefix,
     )
 
 
@@ -528,7 +529,7 @@ def bench_e2e(
         if want_ct2:
             try:
                 ct2_path = ct2_path or bench_ct2.convert(s.model, Path(s.ct2_cache) if s.ct2_cache else None)
-                p = make_ct2_plan(gen, bench_ct2.vocabulary(ct2_path))
+                p = make_ct2_plan(gen, bench_ct2.vocabulary(ct2_path), bench_ct2.start_in_prefix(ct2_path))
                 ct2_settings = json.dumps({**asdict(p)})
             except SeqgenError as err:
                 log(f"skipping ct2: {err}")

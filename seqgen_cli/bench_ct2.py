@@ -6,15 +6,18 @@ is: ``forced_bos_token_id`` becomes a one-token target prefix (CTranslate2 count
 lengths, as transformers counts the forced token); ``forced_eos_token_id`` is emulated by decoding one
 token fewer and appending EOS to hypotheses that did not end (with ``--fixed-new-tokens`` this is exactly
 what transformers does: its last step is forced to EOS, adding 0 to every beam's score).
-``bad_words_ids`` of length one become ``suppress_sequences``. CTranslate2 renormalises the distribution
+``bad_words_ids`` of length one become ``suppress_sequences``. Where the converted model has no decoder
+start token (mBART), the prefix starts with transformers' ``decoder_start_token_id``. CTranslate2 renormalises the distribution
 after masking banned tokens, so beam scores (and rarely the outputs) can differ from ``generate()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,13 +73,37 @@ def convert(model: str, cache: Path | None = None, quantization: str | None = No
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     try:
-        TransformersConverter(str(model_dir)).convert(str(tmp), quantization=quantization, force=True)
+        with _transformers5_compat():
+            TransformersConverter(str(model_dir)).convert(str(tmp), quantization=quantization, force=True)
     except Exception as err:  # the converter raises many types (ValueError, NotImplementedError, ...)
         raise SeqgenError(
             f"ct2: cannot convert {model} with CTranslate2 {ct2.__version__}: {type(err).__name__}: {err}"
         ) from None
     tmp.rename(out)
     return out
+
+
+@contextlib.contextmanager
+def _transformers5_compat() -> Iterator[None]:
+    """CTranslate2's mBART/Pegasus loaders read ``config.normalize_before``, which transformers 5 configs no
+    longer define; both architectures are pre-norm, so provide ``True`` while converting."""
+    import transformers
+
+    patched = []
+    for name, attrs in (
+        ("MBartConfig", {"normalize_before": True}),
+        ("PegasusConfig", {"normalize_before": True, "normalize_embedding": False}),
+    ):
+        cls = getattr(transformers, name, None)
+        for attr, value in attrs.items():
+            if cls is not None and not hasattr(cls, attr):
+                setattr(cls, attr, value)
+                patched.append((cls, attr))
+    try:
+        yield
+    finally:
+        for cls, attr in patched:
+            delattr(cls, attr)
 
 
 def vocabulary(ct2_dir: Path) -> list[str]:
@@ -109,7 +136,24 @@ def _ids(value: Any) -> list[int]:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def plan(config: Any, tokenizer: Any, vocab: list[str], max_new: int, min_new: int, causal: bool) -> Ct2Plan:
+def start_in_prefix(ct2_dir: Path) -> bool:
+    """Whether the converted model has no decoder start token (mBART): the prefix must begin with it."""
+    path = ct2_dir / "config.json"
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text(encoding="utf-8"))
+    return "decoder_start_token" in config and config["decoder_start_token"] is None
+
+
+def plan(
+    config: Any,
+    tokenizer: Any,
+    vocab: list[str],
+    max_new: int,
+    min_new: int,
+    causal: bool,
+    start_token_in_prefix: bool = False,
+) -> Ct2Plan:
     """CTranslate2 options equivalent to a transformers ``GenerationConfig`` (as far as they exist)."""
     known = set(vocab)
     tok = tokenizer.convert_ids_to_tokens
@@ -123,6 +167,9 @@ def plan(config: Any, tokenizer: Any, vocab: list[str], max_new: int, min_new: i
         append_eos = tok(_ids(config.forced_eos_token_id)[0])
         max_new -= 1  # the forced last token is appended afterwards
         min_new = min(min_new, max_new)
+    if start_token_in_prefix and not causal:
+        # CTranslate2 then takes the prefix's first token as the start token: neither returned nor counted.
+        prefix = [tok(config.decoder_start_token_id)] + (prefix or [])
     suppress = []
     for seq in config.bad_words_ids or []:
         tokens = [tok(i) for i in seq]

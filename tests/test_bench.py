@@ -101,11 +101,14 @@ def test_fixed_new_tokens_exact(tiny_models, texts: list[str], tmp_path: Path, f
         assert {r.system for r in results} == {"seqgen", "hf", "ct2"}
 
 
-def test_ct2_matches_hf_with_forced_bos_eos(tiny_models, texts: list[str], tmp_path: Path) -> None:
-    """BART forces BOS first and EOS last: the CTranslate2 plan emulates both (prefix, append EOS)."""
+@pytest.mark.parametrize("family", ["bart", "mbart", "pegasus"])
+def test_ct2_matches_hf(tiny_models, texts: list[str], tmp_path: Path, family: str) -> None:
+    """The CTranslate2 quirks: BART/mBART force BOS first and EOS last (prefix, appended EOS), converted
+    mBART has no decoder start token (prefix), Pegasus/mBART need the transformers-5 conversion patch."""
     pytest.importorskip("ctranslate2")
-    s = _settings(tiny_models("bart"), Path("-"), tmp_path, compare=["hf", "ct2"], warmup=False)
-    results, _, _ = bench_decode(s, texts, log=lambda _: None)
+    s = _settings(tiny_models(family), Path("-"), tmp_path, compare=["hf", "ct2"], warmup=False)
+    results, _, meta = bench_decode(s, texts, log=lambda _: None)
+    assert "ct2_skipped" not in meta
     by = {r.system: r.outputs for r in results}
     assert by["ct2"] == by["hf"]  # greedy, float32: identical token ids
 
