@@ -674,14 +674,22 @@ def plot(results: list[RunResult], path: Path, title: str) -> bool:
         for j, b in enumerate(beams):
             ax = axes[i][j]
             for system in SYSTEMS:
-                pts = sorted(
-                    (r.batch_size, r.samples_per_s)
-                    for r in results
-                    if r.mode == mode and r.num_beams == b and r.system == system
+                rows = sorted(
+                    (r for r in results if r.mode == mode and r.num_beams == b and r.system == system),
+                    key=lambda r: r.batch_size,
                 )
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+                if rows:
+                    label = (
+                        f"seqgen ({rows[0].backend})" if system == "seqgen" and mode == "decode" else system
+                    )
+                    ax.plot(
+                        [r.batch_size for r in rows], [r.samples_per_s for r in rows], marker="o", label=label
+                    )
+            sizes = sorted({r.batch_size for r in results})
             ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(x) for x in sizes])
+            ax.minorticks_off()
+            ax.set_ylim(bottom=0)
             ax.set_title(f"{mode}, beams={b}", fontsize=10)
             ax.set_xlabel("batch size")
             ax.set_ylabel("samples/s")
@@ -765,3 +773,21 @@ def run_bench(s: BenchSettings, command: str = "", log: Callable[[str], None] = 
         log("matplotlib is not installed: no plot (pip install matplotlib)")
     report["table"] = table
     return report
+
+
+def rerender(json_path: str | Path) -> str:
+    """Rewrite ``bench.md`` and ``bench.png`` next to a ``bench.json`` (e.g. after a plotting change)."""
+    path = Path(json_path)
+    report = json.loads(path.read_text(encoding="utf-8"))
+    results = [RunResult(**r) for r in report["runs"]]
+    table = markdown_table(results)
+    command = report.get("command", "")
+    (path.parent / "bench.md").write_text(
+        (f"Command: `{command}`\n\n" if command else "") + table + "\n", encoding="utf-8"
+    )
+    s = report.get("settings", {})
+    title = f"{Path(s.get('model', '')).name}: {report.get('device', '')}, {report.get('dtype', '')}"
+    if s.get("fixed_new_tokens"):
+        title += f", {s['fixed_new_tokens']} new tokens"
+    plot(results, path.parent / "bench.png", title)
+    return table
