@@ -296,6 +296,7 @@ def _name_list(ctx: click.Context, param: click.Parameter, value: str) -> list[s
     type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
     default="auto",
     show_default=True,
+    help="auto: float32 on CPU, bfloat16 (else float16) on GPU; CTranslate2 gets the same compute type.",
 )
 @click.option(
     "--fixed-new-tokens",
@@ -323,14 +324,22 @@ def _name_list(ctx: click.Context, param: click.Parameter, value: str) -> list[s
 @click.option("--preset", help="Task preset name or .toml file.")
 @click.option("--prefix", help="Text prepended to every input.")
 @click.option("--max-source-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1))
-@click.option("--min-new-tokens", type=click.IntRange(min=0))
-@click.option("--max-length", type=click.IntRange(min=1))
-@click.option("--min-length", type=click.IntRange(min=0))
-@click.option("--length-penalty", type=float)
-@click.option("--early-stopping", type=click.Choice(list(EARLY_STOPPING)))
-@click.option("--no-repeat-ngram-size", type=click.IntRange(min=0))
-@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True))
+@click.option("--max-new-tokens", type=click.IntRange(min=1), help="Most new tokens per output.")
+@click.option("--min-new-tokens", type=click.IntRange(min=0), help="Fewest new tokens before EOS.")
+@click.option(
+    "--max-length", type=click.IntRange(min=1), help="Most tokens in total, as transformers counts."
+)
+@click.option(
+    "--min-length", type=click.IntRange(min=0), help="Fewest tokens in total, as transformers counts."
+)
+@click.option("--length-penalty", type=float, help="Beam scores are divided by length**penalty.")
+@click.option("--early-stopping", type=click.Choice(list(EARLY_STOPPING)), help="Beam search stop rule.")
+@click.option(
+    "--no-repeat-ngram-size", type=click.IntRange(min=0), help="Never repeat an n-gram of this size."
+)
+@click.option(
+    "--repetition-penalty", type=click.FloatRange(min=0, min_open=True), help="Penalise repeated tokens."
+)
 def bench(input: str, model: str, **opts) -> None:
     """Speed and agreement of seqgen against transformers generate() and CTranslate2.
 
