@@ -326,6 +326,7 @@ def bench_decode(
         if want_ct2:
             try:
                 systems.append(_ct2_system(s, gen, ct2_state, log))
+                meta.setdefault("ct2_plan", {})[str(beams)] = asdict(ct2_state["plan"])
             except SeqgenError as err:
                 log(f"skipping ct2: {err}")
                 meta["ct2_skipped"] = str(err)
@@ -702,6 +703,13 @@ def plot(results: list[RunResult], path: Path, title: str) -> bool:
     return True
 
 
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def environment() -> dict[str, Any]:
     """Versions and machine facts for the JSON file."""
     import transformers
@@ -741,6 +749,7 @@ def run_bench(s: BenchSettings, command: str = "", log: Callable[[str], None] = 
     schedules: list[list[str]] = []
     meta: dict[str, Any] = {}
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    load_start = _loadavg()
     if "decode" in s.modes:
         r, sch, m = bench_decode(s, texts, log)
         results += r
@@ -758,6 +767,7 @@ def run_bench(s: BenchSettings, command: str = "", log: Callable[[str], None] = 
         "started": started,
         "settings": asdict(s),
         "environment": environment(),
+        "load_average": {"start": load_start, "end": _loadavg()},  # other work on the machine
         **meta,
         "schedules": schedules,
         "runs": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results],
