@@ -33,9 +33,10 @@ def tiny_gpt2(**kw) -> torch.nn.Module:
 
 
 def tiny_llama(**kw) -> torch.nn.Module:
+    kw = {"num_key_value_heads": 2, **kw}
     cfg = LlamaConfig(
-        vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64, **kw,
+        vocab_size=V, hidden_size=32, num_attention_heads=4, intermediate_size=48,
+        num_hidden_layers=2, max_position_embeddings=64, **kw,
     )
     return _sharpen(AutoModelForCausalLM.from_config(cfg), 1)
 

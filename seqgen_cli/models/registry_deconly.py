@@ -12,7 +12,9 @@ import torch
 
 from ..search.protocol import Decoder
 from .gpt2 import GPT2Decoder
+from .llama import LlamaDecoder
 
 FAST_DECODERS: dict[str, Callable[[torch.nn.Module], Decoder]] = {
     "gpt2": GPT2Decoder,
+    "llama": LlamaDecoder,
 }
