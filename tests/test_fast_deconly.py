@@ -145,3 +145,47 @@ def test_cache_accounting(name: str) -> None:
     assert sizes == {"prompt": 2 * L * B * Hkv * P * d * 4, "generated": 2 * L * B * R * Hkv * T * d * 4}
     if name == "llama":
         assert Hkv == 2 < H
+
+
+# --- through seqgen's engine, against transformers' generate() --------------------------------------
+
+ENGINE_SETTINGS = {
+    "greedy": dict(num_beams=1, max_new_tokens=16),
+    "beam4": dict(num_beams=4, max_new_tokens=16, length_penalty=0.8),
+    "beam3_ngram2_nrs2": dict(num_beams=3, no_repeat_ngram_size=2, num_return_sequences=2, max_new_tokens=12),
+}
+
+
+def _engine_vs_generate(model, batch: Batch, kwargs: dict) -> tuple[int, int, list[str]]:
+    """(identical, total, differences) of seqgen+fast decoder vs ``model.generate()`` (generated tokens)."""
+    from seqgen_cli.search import generate, merge_generation_config
+
+    config = merge_generation_config(model.generation_config, None, **kwargs)
+    ours = generate(FAST_DECODERS[model.config.model_type](model), batch, config)
+    with torch.no_grad():
+        out = model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, **kwargs)
+    P, R = batch.input_ids.shape[1], kwargs.get("num_return_sequences", 1)
+    eos, pad = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+    same, total, diffs = 0, 0, []
+    for b, seqs in enumerate(ours.sequences):
+        for i, mine in enumerate(seqs):
+            hf = out.sequences[b * R + i, P:].tolist()
+            hf = hf[: hf.index(eos) + 1] if eos in hf else [t for t in hf if t != pad]
+            total += 1
+            if mine == hf:
+                same += 1
+            else:
+                hs = out.sequences_scores[b * R + i].item() if kwargs.get("num_beams", 1) > 1 else None
+                diffs.append(f"input {b} #{i}: {mine} (score {ours.scores and ours.scores[b][i]}) vs {hf} ({hs})")
+    return same, total, diffs
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("setting", list(ENGINE_SETTINGS))
+def test_engine_matches_generate(tiny_models, family: str, setting: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_models(family), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 3, 6, 12, 1)]
+    same, total, diffs = _engine_vs_generate(model, left_pad(prompts), ENGINE_SETTINGS[setting])
+    assert same == total, f"{same}/{total} identical:\n" + "\n".join(diffs)

@@ -150,13 +150,14 @@ def check_batch(batch: Batch) -> None:
 class DecoderOnly:
     """Protocol glue shared by the families: prefill through the model's own base forward, then cached steps.
 
-    Subclasses set ``self.base`` (the transformer without LM head), ``self.lm_head`` and implement ``step``.
+    Subclasses set ``self.model``, ``self.base`` (the transformer without LM head) and implement ``step``.
     """
 
     is_encoder_decoder = False
     vocab_size: int
+    max_position_embeddings: int
+    model: torch.nn.Module
     base: torch.nn.Module
-    lm_head: torch.nn.Module
 
     @torch.inference_mode()
     def start(self, batch: Batch, rows_per_input: int, max_new_tokens: int) -> tuple[KVState, Tensor]:
@@ -170,7 +171,7 @@ class DecoderOnly:
         pk = [layer.keys for layer in layers]  # [B, Hkv, P, d]
         pv = [layer.values for layer in layers]
         state = new_state(pk, pv, mask, rows_per_input, max_new_tokens)
-        logits = self.lm_head(out.last_hidden_state[:, -1]).float()  # [B, V]
+        logits = self.model.get_output_embeddings()(out.last_hidden_state[:, -1]).float()  # [B, V]
         return state, logits
 
     def reorder(self, state: KVState, rows: Tensor) -> None:

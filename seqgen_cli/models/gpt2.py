@@ -27,8 +27,8 @@ class GPT2Decoder(DecoderOnly):
             raise ValueError("GPT-2 with cross-attention is not a decoder-only LM")
         self.model = model
         self.base = model.transformer
-        self.lm_head = model.lm_head
-        self.vocab_size = model.lm_head.out_features
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_position_embeddings = model.config.n_positions
         self.n_head = cfg.n_head
 
     @torch.inference_mode()
@@ -52,4 +52,4 @@ class GPT2Decoder(DecoderOnly):
             x = x + _conv1d(mlp.act(_conv1d(h, mlp.c_fc)), mlp.c_proj)
         x = F.layer_norm(x, (D,), tr.ln_f.weight, tr.ln_f.bias, tr.ln_f.eps)
         end_step(state)
-        return self.lm_head(x).float()  # [N, V]
+        return self.model.get_output_embeddings()(x).float()  # [N, V]

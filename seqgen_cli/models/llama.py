@@ -36,8 +36,8 @@ class LlamaDecoder(DecoderOnly):
             raise ValueError("pretraining_tp > 1 is not supported by the fast decoder")
         self.model = model
         self.base = model.model
-        self.lm_head = model.lm_head
-        self.vocab_size = model.lm_head.out_features
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_position_embeddings = model.config.max_position_embeddings
         attn = self.base.layers[0].self_attn
         self.n_head, self.head_dim = cfg.num_attention_heads, attn.head_dim
         self.n_kv = cfg.num_key_value_heads
@@ -66,4 +66,4 @@ class LlamaDecoder(DecoderOnly):
             x = x + linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
         x = m.norm(x)
         end_step(state)
-        return self.lm_head(x).float()  # [N, V]
+        return self.model.get_output_embeddings()(x).float()  # [N, V]
