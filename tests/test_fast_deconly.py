@@ -134,8 +134,10 @@ def test_cache_accounting(name: str) -> None:
     L, H = cfg.num_hidden_layers, cfg.num_attention_heads
     Hkv = getattr(cfg, "num_key_value_heads", H)
     d = cfg.hidden_size // H
-    assert all(k.shape == (B, Hkv, P, d) for k in state.pk + state.pv)
-    assert all(k.shape == (B, Hkv, T, R, d) for k in state.gk + state.gv)
+    assert all(k.shape == (B, Hkv, d, P) for k in state.pk)  # K stored transposed
+    assert all(v.shape == (B, Hkv, P, d) for v in state.pv)
+    assert all(k.shape == (B, Hkv, d, T, R) for k in state.gk)
+    assert all(v.shape == (B, Hkv, T, R, d) for v in state.gv)
     ptrs = {k.data_ptr() for k in state.gk + state.gv}
     for _ in range(T):
         dec.step(state, torch.ones(B * R, dtype=torch.long))

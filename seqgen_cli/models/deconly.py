@@ -2,10 +2,12 @@
 
 Cache layout (per layer, ``Hkv`` = K/V heads, never repeated for GQA):
 
-- prompt K/V: ``[B, Hkv, P, d]`` -- once per *input*, shared by its ``R`` rows (beams), straight from
-  the prefill (left-padded; ``prompt_bias`` masks the padding).
-- generated K/V: ``[B, Hkv, T, R, d]`` -- preallocated for ``T = max_new_tokens`` steps; step ``t`` writes
-  slot ``t`` of every row in place. The layout makes ``[:, :, :t]`` a free view ``[B, Hkv, t*R, d]``.
+- prompt K (transposed) / V: ``[B, Hkv, d, P]`` / ``[B, Hkv, P, d]`` -- once per *input*, shared by its
+  ``R`` rows (beams), from the prefill (left-padded; ``prompt_bias`` masks the padding).
+- generated K (transposed) / V: ``[B, Hkv, d, T, R]`` / ``[B, Hkv, T, R, d]`` -- preallocated for
+  ``T = max_new_tokens`` steps; step ``t`` writes slot ``t`` of every row in place. The layouts make the used
+  part free views ``[B, Hkv, d, t*R]`` / ``[B, Hkv, t*R, d]``. Keys are stored transposed because CPU
+  ``bmm`` is ~2x faster on a contiguous ``K^T`` than on a transposed view (benchmarks/micro_reorder.py).
 
 Beam reordering copies no K/V: ``ptr[n, s]`` (back-pointers, ``[N, T]``) says which beam of row ``n``'s
 input wrote the slot-``s`` entry of row ``n``'s history. Each query row scores against all ``R`` beams' slots
@@ -27,9 +29,9 @@ from ..search.protocol import Batch
 class KVState:
     """Per-call cache state. ``N = B * R`` rows, input-major."""
 
-    pk: list[Tensor]  # per layer [B, Hkv, P, d]
+    pk: list[Tensor]  # per layer [B, Hkv, d, P] (K transposed)
     pv: list[Tensor]  # per layer [B, Hkv, P, d]
-    gk: list[Tensor]  # per layer [B, Hkv, T, R, d]
+    gk: list[Tensor]  # per layer [B, Hkv, d, T, R] (K transposed)
     gv: list[Tensor]  # per layer [B, Hkv, T, R, d]
     prompt_bias: Tensor  # [B, 1, 1, P] float32: 0 for real prompt tokens, -inf for padding
     pos: Tensor  # [N] int64: position id of the next token fed to each row
@@ -57,11 +59,12 @@ def prompt_positions(mask: Tensor) -> Tensor:
 def new_state(
     pk: list[Tensor], pv: list[Tensor], mask: Tensor, R: int, T: int  # noqa: N803
 ) -> KVState:
-    """Adopt the prefill's prompt K/V ([B, Hkv, P, d] per layer, no copy) and preallocate the rest."""
+    """Take the prefill's prompt K/V ([B, Hkv, P, d] per layer; K is stored transposed) and preallocate the rest."""
     B, Hkv, _, d = pk[0].shape
     T = max(T, 1)
     dev, dt = pk[0].device, pk[0].dtype
-    gk = [torch.empty(B, Hkv, T, R, d, device=dev, dtype=dt) for _ in pk]
+    pk = [k.transpose(-1, -2).contiguous() for k in pk]  # [B, Hkv, d, P]; the prefill's copy is released
+    gk = [torch.empty(B, Hkv, d, T, R, device=dev, dtype=dt) for _ in pk]
     gv = [torch.empty(B, Hkv, T, R, d, device=dev, dtype=dt) for _ in pk]
     bias = torch.zeros(mask.shape, device=dev, dtype=torch.float32)
     bias = bias.masked_fill(mask == 0, float("-inf"))[:, None, None, :]
@@ -100,14 +103,14 @@ def attend(
     Hkv = k.shape[1]
     G = H // Hkv
     gk, gv = state.gk[layer], state.gv[layer]
-    gk[:, :, t] = k.view(B, R, Hkv, d).transpose(1, 2)  # [B, Hkv, R, d]
-    gv[:, :, t] = v.view(B, R, Hkv, d).transpose(1, 2)
+    gk[:, :, :, t] = k.view(B, R, Hkv, d).permute(0, 2, 3, 1)  # [B, Hkv, d, R]
+    gv[:, :, t] = v.view(B, R, Hkv, d).transpose(1, 2)  # [B, Hkv, R, d]
     # queries of one input's beams and one K/V head's group: [B, Hkv, R*G, d]
     qg = q.view(B, R, Hkv, G, d).transpose(1, 2).reshape(B, Hkv, R * G, d)
-    keys = gk[:, :, : t + 1].view(B, Hkv, (t + 1) * R, d)  # slot-major: index s*R + beam
+    keys_t = gk[:, :, :, : t + 1].view(B, Hkv, d, (t + 1) * R)  # slot-major: index s*R + beam
     vals = gv[:, :, : t + 1].view(B, Hkv, (t + 1) * R, d)
-    sp = torch.matmul(qg, state.pk[layer].transpose(-1, -2)).mul_(scale)  # [B, Hkv, R*G, P]
-    sg = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)  # [B, Hkv, R*G, (t+1)*R]
+    sp = torch.matmul(qg, state.pk[layer]).mul_(scale)  # [B, Hkv, R*G, P]
+    sg = torch.matmul(qg, keys_t).mul_(scale)  # [B, Hkv, R*G, (t+1)*R]
     P = sp.shape[-1]
     scores = torch.cat([sp.float() + state.prompt_bias, sg.float()], dim=-1)  # [B, Hkv, R*G, P+(t+1)*R]
     if gen_bias is not None:
@@ -131,10 +134,10 @@ def drop(state: KVState, keep: Tensor) -> None:
     for i in range(len(state.pk)):
         state.pk[i] = state.pk[i].index_select(0, keep)
         state.pv[i] = state.pv[i].index_select(0, keep)
-        for cache in (state.gk, state.gv):
+        for cache, slot_dim in ((state.gk, 3), (state.gv, 2)):
             old = cache[i]
             new = old.new_empty((keep.shape[0], *old.shape[1:]))
-            new[:, :, :t] = old[:, :, :t].index_select(0, keep)
+            new.narrow(slot_dim, 0, t).copy_(old.narrow(slot_dim, 0, t).index_select(0, keep))
             cache[i] = new
     state.prompt_bias = state.prompt_bias.index_select(0, keep)
     state.pos = state.pos.index_select(0, rows)
