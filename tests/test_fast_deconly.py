@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from seqgen_cli.models.deconly import prompt_positions
-from seqgen_cli.models.registry_deconly import FAST_DECODERS
+from seqgen_cli.models.registry_deconly import FAST_DECODERS, fast_decoder
 from seqgen_cli.search.protocol import Batch
 
 V = 97
@@ -32,9 +32,9 @@ def tiny_gpt2(**kw) -> torch.nn.Module:
     return _sharpen(AutoModelForCausalLM.from_config(cfg), 0)
 
 
-def tiny_llama(**kw) -> torch.nn.Module:
+def tiny_llama(config_class=LlamaConfig, **kw) -> torch.nn.Module:
     kw = {"num_key_value_heads": 2, **kw}
-    cfg = LlamaConfig(
+    cfg = config_class(
         vocab_size=V, hidden_size=32, num_attention_heads=4, intermediate_size=48,
         num_hidden_layers=2, max_position_embeddings=64, **kw,
     )
@@ -48,6 +48,8 @@ MODELS = {
     "llama-mha-bias": lambda: tiny_llama(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
     "llama-rope-linear": lambda: tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
     "llama-mqa": lambda: tiny_llama(num_key_value_heads=1, tie_word_embeddings=True),
+    "mistral": lambda: tiny_llama(MistralConfig, sliding_window=None, head_dim=12),
+    "qwen2": lambda: tiny_llama(Qwen2Config),  # q/k/v biases
 }
 
 
@@ -191,3 +193,28 @@ def test_engine_matches_generate(tiny_models, family: str, setting: str) -> None
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 3, 6, 12, 1)]
     same, total, diffs = _engine_vs_generate(model, left_pad(prompts), ENGINE_SETTINGS[setting])
     assert same == total, f"{same}/{total} identical:\n" + "\n".join(diffs)
+
+
+def test_refused_variants() -> None:
+    assert fast_decoder(tiny_llama(MistralConfig, sliding_window=4)) is None
+    assert fast_decoder(tiny_llama(Qwen2Config, use_sliding_window=True, sliding_window=4, max_window_layers=0)) is None
+    assert fast_decoder(tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})) is None
+    assert isinstance(fast_decoder(tiny_llama()), FAST_DECODERS["llama"])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_bfloat16_close_to_hf(name: str) -> None:
+    """Half precision runs and stays near transformers' own bf16 forward (loose: bf16 rounding differs)."""
+    model = MODELS[name]().to(torch.bfloat16)
+    dec = FAST_DECODERS[model.config.model_type](model)
+    state, first = dec.start(left_pad(PROMPTS), rows_per_input=2, max_new_tokens=3)
+    assert first.dtype == torch.float32 and state.pk[0].dtype == torch.bfloat16
+    hist = [[] for _ in range(8)]
+    for t in range(3):
+        tokens = torch.arange(8) + 3 * t + 1
+        logits = dec.step(state, tokens)
+        for n, tok in enumerate(tokens.tolist()):
+            hist[n].append(tok)
+    ref = reference(model, [PROMPTS[n // 2] + hist[n] for n in range(8)])
+    err = (logits - ref).abs().max() / ref.abs().max()
+    assert err < 0.05, err

@@ -1,5 +1,8 @@
 """Fast cached decoder for Llama-style models (RoPE, RMSNorm, SwiGLU, GQA) over the checkpoint's own weights.
 
+Also serves Mistral and Qwen2 (same blocks; Qwen2's q/k/v biases go through ``F.linear``) when they use full
+attention in every layer; sliding-window configs are refused.
+
 Only the ``num_key_value_heads`` K/V heads are cached; query groups broadcast against them in ``attend``.
 RoPE cos/sin come from the model's own rotary module (so its rope type/scaling is honoured exactly).
 """
@@ -25,7 +28,7 @@ def linear(x: Tensor, m: torch.nn.Linear) -> Tensor:
 
 
 class LlamaDecoder(DecoderOnly):
-    """``Decoder`` for ``LlamaForCausalLM``; holds references to the model's modules, no weight copies."""
+    """``Decoder`` for ``Llama/Mistral/Qwen2ForCausalLM``; references the model's modules, no weight copies."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.config
@@ -34,6 +37,10 @@ class LlamaDecoder(DecoderOnly):
             raise ValueError(f"rope_type {rope!r} (length-dependent RoPE) is not supported by the fast decoder")
         if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
             raise ValueError("pretraining_tp > 1 is not supported by the fast decoder")
+        if getattr(cfg, "sliding_window", None) is not None or any(
+            t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()
+        ):
+            raise ValueError("sliding-window attention is not supported by the fast decoder")
         self.model = model
         self.base = model.model
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
