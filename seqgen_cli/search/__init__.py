@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig
 
+from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.beam import beam_search
 from seqgen_cli.search.greedy import greedy_search
 from seqgen_cli.search.output import SearchOutput
 from seqgen_cli.search.protocol import Batch, Decoder
 from seqgen_cli.search.sampling import sample_search
-from seqgen_cli.search.settings import SearchSettings, merge_generation_config, resolve_settings
+from seqgen_cli.search.settings import SearchSettings, merge_generation_config, resolve_mode, resolve_settings
 
 __all__ = [
     "Batch",
@@ -28,7 +29,17 @@ __all__ = [
     "merge_generation_config",
     "resolve_settings",
     "settings_for",
+    "unsupported_reason",
 ]
+
+
+def unsupported_reason(config: GenerationConfig) -> str | None:
+    """Why the engine cannot run ``config`` (then use ``model.generate()``), or ``None`` when it can."""
+    try:
+        resolve_mode(config)
+    except SeqgenError as err:
+        return str(err)
+    return None
 
 
 def settings_for(decoder: Decoder, batch: Batch, config: GenerationConfig) -> SearchSettings:
