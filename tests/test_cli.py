@@ -45,8 +45,22 @@ def bart(tiny_models) -> Path:
 
 def test_stdin_to_stdout_two_lines_equal_hf_and_direct_generate(bart: Path) -> None:
     stdin = "first line\nsecond line\n"
-    fast = seqgen("generate", "-m", str(bart), "--num-beams", "4", "--max-new-tokens", "12", "-q", input=stdin)
-    hf = seqgen("generate", "-m", str(bart), "--num-beams", "4", "--max-new-tokens", "12", "-q", "--backend", "hf", input=stdin)
+    fast = seqgen(
+        "generate", "-m", str(bart), "--num-beams", "4", "--max-new-tokens", "12", "-q", input=stdin
+    )
+    hf = seqgen(
+        "generate",
+        "-m",
+        str(bart),
+        "--num-beams",
+        "4",
+        "--max-new-tokens",
+        "12",
+        "-q",
+        "--backend",
+        "hf",
+        input=stdin,
+    )
     assert fast.exit_code == 0, fast.stderr
     lines = fast.stdout.splitlines()
     assert len(lines) == 2
@@ -59,7 +73,9 @@ def test_files_and_jsonl_agree_and_keep_order(bart: Path, tmp_path: Path) -> Non
     src = tmp_path / "in.txt"
     src.write_text("\n".join(texts) + "\n", encoding="utf-8")
     jsrc = tmp_path / "in.jsonl"
-    jsrc.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+    jsrc.write_text(
+        "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)), encoding="utf-8"
+    )
     out_txt, out_json = tmp_path / "out.txt", tmp_path / "out.jsonl"
     common = ["-m", str(bart), "--max-new-tokens", "8", "--batch-size", "3", "-q"]
     assert seqgen("generate", str(src), "-o", str(out_txt), *common).exit_code == 0
@@ -68,12 +84,25 @@ def test_files_and_jsonl_agree_and_keep_order(bart: Path, tmp_path: Path) -> Non
     records = [json.loads(line) for line in out_json.read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in records] == list(range(7))  # order and passthrough fields kept
     assert [r["output"] for r in records] == out_txt.read_text(encoding="utf-8").splitlines()
-    assert out_txt.read_text(encoding="utf-8").splitlines() == reference_generate(bart, texts, max_new_tokens=8)
+    assert out_txt.read_text(encoding="utf-8").splitlines() == reference_generate(
+        bart, texts, max_new_tokens=8
+    )
 
 
 def test_num_return_sequences_lines_and_lists(bart: Path) -> None:
     stdin = "one input\nanother input\n"
-    args = ["generate", "-m", str(bart), "--num-beams", "3", "--num-return-sequences", "3", "--max-new-tokens", "6", "-q"]
+    args = [
+        "generate",
+        "-m",
+        str(bart),
+        "--num-beams",
+        "3",
+        "--num-return-sequences",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "-q",
+    ]
     text = seqgen(*args, input=stdin)
     assert text.exit_code == 0, text.stderr
     assert len(text.stdout.splitlines()) == 6
@@ -105,7 +134,9 @@ def test_preset_then_flags_override(bart: Path) -> None:
 
     gen = Generator(str(bart), preset="cnndm-bart", max_new_tokens=9)
     assert gen.config.num_beams == 4 and gen.config.no_repeat_ngram_size == 3
-    assert gen.config.max_new_tokens == 9 and gen.config.max_length is None  # flag replaced the preset's max_length
+    assert (
+        gen.config.max_new_tokens == 9 and gen.config.max_length is None
+    )  # flag replaced the preset's max_length
     assert gen.config.min_length == 56
 
 
@@ -117,7 +148,16 @@ def test_presets_command_lists_required_presets() -> None:
 
 
 def test_truncation_is_counted_on_stderr(bart: Path) -> None:
-    res = seqgen("generate", "-m", str(bart), "--max-source-length", "5", "--max-new-tokens", "3", input="short\n" + "word " * 40 + "\n")
+    res = seqgen(
+        "generate",
+        "-m",
+        str(bart),
+        "--max-source-length",
+        "5",
+        "--max-new-tokens",
+        "3",
+        input="short\n" + "word " * 40 + "\n",
+    )
     assert res.exit_code == 0
     assert "1 of 2 inputs truncated to 5 tokens" in res.stderr
 
@@ -143,18 +183,28 @@ def test_folder_without_checkpoint(tmp_path: Path) -> None:
 def test_hub_id_while_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
-    _assert_one_line_error(seqgen("generate", "-m", "some-org/some-model", input="x\n"), "cannot be reached", "-m /path")
+    _assert_one_line_error(
+        seqgen("generate", "-m", "some-org/some-model", input="x\n"), "cannot be reached", "-m /path"
+    )
 
 
 def test_architecture_that_cannot_generate(tmp_path: Path) -> None:
     from transformers import ViTConfig
 
-    ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8).save_pretrained(tmp_path)
-    _assert_one_line_error(seqgen("generate", "-m", str(tmp_path), input="x\n"), "'vit'", "not a text-generation model")
+    ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8).save_pretrained(
+        tmp_path
+    )
+    _assert_one_line_error(
+        seqgen("generate", "-m", str(tmp_path), input="x\n"), "'vit'", "not a text-generation model"
+    )
 
 
 def test_missing_input_file(bart: Path, tmp_path: Path) -> None:
-    _assert_one_line_error(seqgen("generate", "-m", str(bart), str(tmp_path / "missing.txt")), "missing.txt", "no such input file")
+    _assert_one_line_error(
+        seqgen("generate", "-m", str(bart), str(tmp_path / "missing.txt")),
+        "missing.txt",
+        "no such input file",
+    )
 
 
 def test_non_utf8_line_is_named(bart: Path, tmp_path: Path) -> None:
@@ -195,7 +245,9 @@ def test_output_folder_missing(bart: Path, tmp_path: Path) -> None:
 
 
 def test_unknown_preset(bart: Path) -> None:
-    _assert_one_line_error(seqgen("generate", "-m", str(bart), "--preset", "nope", input="x\n"), "unknown preset")
+    _assert_one_line_error(
+        seqgen("generate", "-m", str(bart), "--preset", "nope", input="x\n"), "unknown preset"
+    )
 
 
 def test_eval_mismatched_lines(tmp_path: Path) -> None:

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_every_subpackage_is_listed_in_pyproject() -> None:
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {
-        ".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "seqgen_cli").rglob("__init__.py")
-    }
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "seqgen_cli").rglob("__init__.py")}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
 
 

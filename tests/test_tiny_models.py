@@ -27,7 +27,9 @@ def _load(path: Path, family: str) -> tuple[torch.nn.Module, object]:
     return auto.from_pretrained(path).eval(), tok
 
 
-def _generate(model: torch.nn.Module, tok: object, family: str, texts: list[str], **kw: object) -> list[list[int]]:
+def _generate(
+    model: torch.nn.Module, tok: object, family: str, texts: list[str], **kw: object
+) -> list[list[int]]:
     enc = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=256)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=12, do_sample=False, **kw)

@@ -58,34 +58,141 @@ CAUSAL_MAX_POSITIONS = 1024
 # ----------------------------------------------------------------------------------------------------------
 
 _SUBJECTS = [
-    "the government", "a spokesman", "the committee", "the old man", "my sister", "the company", "researchers",
-    "the police", "the mayor", "local residents", "the team", "a young woman", "the president", "the children",
-    "the bank", "scientists", "the minister", "the court", "our neighbours", "the airline", "the new manager",
-    "the students", "a doctor", "the city council", "the football club", "the museum", "farmers", "the judge",
+    "the government",
+    "a spokesman",
+    "the committee",
+    "the old man",
+    "my sister",
+    "the company",
+    "researchers",
+    "the police",
+    "the mayor",
+    "local residents",
+    "the team",
+    "a young woman",
+    "the president",
+    "the children",
+    "the bank",
+    "scientists",
+    "the minister",
+    "the court",
+    "our neighbours",
+    "the airline",
+    "the new manager",
+    "the students",
+    "a doctor",
+    "the city council",
+    "the football club",
+    "the museum",
+    "farmers",
+    "the judge",
 ]
 _VERBS = [
-    "announced", "rejected", "described", "approved", "discussed", "reported", "found", "built", "visited",
-    "criticised", "welcomed", "opened", "sold", "bought", "studied", "explained", "changed", "supported",
-    "planned", "questioned", "delivered", "painted", "measured", "celebrated", "repaired", "closed",
+    "announced",
+    "rejected",
+    "described",
+    "approved",
+    "discussed",
+    "reported",
+    "found",
+    "built",
+    "visited",
+    "criticised",
+    "welcomed",
+    "opened",
+    "sold",
+    "bought",
+    "studied",
+    "explained",
+    "changed",
+    "supported",
+    "planned",
+    "questioned",
+    "delivered",
+    "painted",
+    "measured",
+    "celebrated",
+    "repaired",
+    "closed",
 ]
 _ADJECTIVES = [
-    "new", "old", "large", "small", "important", "difficult", "public", "quiet", "famous", "green", "early",
-    "final", "recent", "local", "national", "strange", "simple", "expensive", "popular", "careful", "bright",
+    "new",
+    "old",
+    "large",
+    "small",
+    "important",
+    "difficult",
+    "public",
+    "quiet",
+    "famous",
+    "green",
+    "early",
+    "final",
+    "recent",
+    "local",
+    "national",
+    "strange",
+    "simple",
+    "expensive",
+    "popular",
+    "careful",
+    "bright",
 ]
 _OBJECTS = [
-    "plan", "report", "bridge", "school", "project", "budget", "law", "station", "hospital", "garden", "road",
-    "book", "film", "decision", "study", "market", "house", "river", "company", "museum", "agreement", "vote",
-    "price", "storm", "season", "festival", "machine", "system", "proposal", "meeting",
+    "plan",
+    "report",
+    "bridge",
+    "school",
+    "project",
+    "budget",
+    "law",
+    "station",
+    "hospital",
+    "garden",
+    "road",
+    "book",
+    "film",
+    "decision",
+    "study",
+    "market",
+    "house",
+    "river",
+    "company",
+    "museum",
+    "agreement",
+    "vote",
+    "price",
+    "storm",
+    "season",
+    "festival",
+    "machine",
+    "system",
+    "proposal",
+    "meeting",
 ]
 _PLACES = [
-    "in London", "in Berlin", "near the coast", "in the north", "on Monday", "last year", "on Friday evening",
-    "in the capital", "after the election", "during the summer", "in 2014", "at the weekend", "in Paris",
-    "across the country", "before the match", "in the city centre", "at the end of the month",
+    "in London",
+    "in Berlin",
+    "near the coast",
+    "in the north",
+    "on Monday",
+    "last year",
+    "on Friday evening",
+    "in the capital",
+    "after the election",
+    "during the summer",
+    "in 2014",
+    "at the weekend",
+    "in Paris",
+    "across the country",
+    "before the match",
+    "in the city centre",
+    "at the end of the month",
 ]
 _CONNECTORS = ["because", "although", "while", "after", "before", "and", "but", "so", "when", "since"]
 _QUOTES = [
-    "\"We are very happy with the result,\" she said.",
-    "\"It was not an easy decision,\" he told reporters.",
+    '"We are very happy with the result," she said.',
+    '"It was not an easy decision," he told reporters.',
     "The figures were published on Tuesday.",
     "More than 300 people attended the event.",
     "Prices rose by 4.5% in the first quarter.",
@@ -210,7 +317,10 @@ def _train_unigram(special: list[str], unk: str, prepend_scheme: str = "always")
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
     trainer = trainers.UnigramTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=special, unk_token=unk, initial_alphabet=_ALPHABET,
+        vocab_size=VOCAB_SIZE,
+        special_tokens=special,
+        unk_token=unk,
+        initial_alphabet=_ALPHABET,
         show_progress=False,
     )
     tok.train_from_iterator(builtin_corpus(), trainer=trainer)
@@ -236,20 +346,39 @@ def _make_tokenizer(family: str) -> Any:
         tok = _train_bpe_bytelevel(["<s>", "<pad>", "</s>", "<unk>"])
         tok.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
         _template(tok, "<s> $A </s>", "<s> $A </s> </s> $B </s>")
-        kw = dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-                  cls_token="<s>", sep_token="</s>", mask_token="<mask>")
+        kw = dict(
+            bos_token="<s>",
+            eos_token="</s>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+            cls_token="<s>",
+            sep_token="</s>",
+            mask_token="<mask>",
+        )
     elif family == "gpt2":
         tok = _train_bpe_bytelevel([])
         tok.add_special_tokens(["<|endoftext|>"])  # last id, as in real GPT-2
-        kw = dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>",
-                  pad_token="<|endoftext|>", padding_side="left")
+        kw = dict(
+            bos_token="<|endoftext|>",
+            eos_token="<|endoftext|>",
+            unk_token="<|endoftext|>",
+            pad_token="<|endoftext|>",
+            padding_side="left",
+        )
     elif family == "mbart":
         tok = _train_unigram(["<s>", "<pad>", "</s>", "<unk>"], unk="<unk>")
         tok.add_special_tokens(list(MBART_LANG_CODES) + ["<mask>"])
         _template(tok, f"{MBART_SRC_LANG} $A </s>", f"{MBART_SRC_LANG} $A $B </s>")
-        kw = dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-                  cls_token="<s>", sep_token="</s>", mask_token="<mask>",
-                  additional_special_tokens=list(MBART_LANG_CODES))
+        kw = dict(
+            bos_token="<s>",
+            eos_token="</s>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+            cls_token="<s>",
+            sep_token="</s>",
+            mask_token="<mask>",
+            additional_special_tokens=list(MBART_LANG_CODES),
+        )
     elif family == "marian":
         tok = _train_unigram(["</s>", "<unk>"], unk="<unk>")
         tok.add_special_tokens(["<pad>"])  # last id, as in real OPUS-MT
@@ -262,8 +391,9 @@ def _make_tokenizer(family: str) -> Any:
     elif family == "llama":
         tok = _train_unigram(["<unk>", "<s>", "</s>"], unk="<unk>", prepend_scheme="first")
         _template(tok, "<s> $A", "<s> $A <s> $B")
-        kw = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>",
-                  padding_side="left")
+        kw = dict(
+            bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>", padding_side="left"
+        )
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=SEQ2SEQ_MAX_POSITIONS, **kw)
@@ -275,23 +405,45 @@ def _make_tokenizer(family: str) -> Any:
 # ----------------------------------------------------------------------------------------------------------
 
 _BART_LIKE_SIZES: dict[str, Any] = dict(
-    d_model=D_MODEL, encoder_layers=N_LAYERS, decoder_layers=N_LAYERS, encoder_attention_heads=N_HEADS,
-    decoder_attention_heads=N_HEADS, encoder_ffn_dim=FFN_DIM, decoder_ffn_dim=FFN_DIM, init_std=SEQ2SEQ_INIT_STD,
-    dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    d_model=D_MODEL,
+    encoder_layers=N_LAYERS,
+    decoder_layers=N_LAYERS,
+    encoder_attention_heads=N_HEADS,
+    decoder_attention_heads=N_HEADS,
+    encoder_ffn_dim=FFN_DIM,
+    decoder_ffn_dim=FFN_DIM,
+    init_std=SEQ2SEQ_INIT_STD,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
 )
 _T5_SIZES: dict[str, Any] = dict(
-    d_model=D_MODEL, d_kv=D_MODEL // N_HEADS, d_ff=FFN_DIM, num_layers=N_LAYERS, num_decoder_layers=N_LAYERS,
-    num_heads=N_HEADS, initializer_factor=SEQ2SEQ_INIT_STD, dropout_rate=0.0,
+    d_model=D_MODEL,
+    d_kv=D_MODEL // N_HEADS,
+    d_ff=FFN_DIM,
+    num_layers=N_LAYERS,
+    num_decoder_layers=N_LAYERS,
+    num_heads=N_HEADS,
+    initializer_factor=SEQ2SEQ_INIT_STD,
+    dropout_rate=0.0,
 )
 _GPT2_SIZES: dict[str, Any] = dict(
-    n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, initializer_range=INIT_STD,
-    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    n_embd=D_MODEL,
+    n_layer=N_LAYERS,
+    n_head=N_HEADS,
+    initializer_range=INIT_STD,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
 )
 
 
 def _ids(tok: Any) -> dict[str, int | None]:
     return {
-        "bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id, "unk": tok.unk_token_id,
+        "bos": tok.bos_token_id,
+        "eos": tok.eos_token_id,
+        "pad": tok.pad_token_id,
+        "unk": tok.unk_token_id,
     }
 
 
@@ -311,39 +463,92 @@ def _config_and_generation(family: str, tok: Any) -> tuple[Any, dict[str, Any]]:
     vocab = len(tok)
     gen: dict[str, Any]
     if family == "bart":
-        ids = dict(bos_token_id=i["bos"], eos_token_id=i["eos"], pad_token_id=i["pad"],
-                   decoder_start_token_id=i["eos"], forced_bos_token_id=i["bos"], forced_eos_token_id=i["eos"])
-        cfg = BartConfig(vocab_size=vocab, max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
-                         scale_embedding=False, normalize_before=False, activation_function="gelu",
-                         **_BART_LIKE_SIZES, **ids)
+        ids = dict(
+            bos_token_id=i["bos"],
+            eos_token_id=i["eos"],
+            pad_token_id=i["pad"],
+            decoder_start_token_id=i["eos"],
+            forced_bos_token_id=i["bos"],
+            forced_eos_token_id=i["eos"],
+        )
+        cfg = BartConfig(
+            vocab_size=vocab,
+            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
+            scale_embedding=False,
+            normalize_before=False,
+            activation_function="gelu",
+            **_BART_LIKE_SIZES,
+            **ids,
+        )
         gen = ids
     elif family == "mbart":
-        ids = dict(bos_token_id=i["bos"], eos_token_id=i["eos"], pad_token_id=i["pad"],
-                   decoder_start_token_id=i["eos"], forced_bos_token_id=tok.convert_tokens_to_ids(MBART_TGT_LANG),
-                   forced_eos_token_id=i["eos"])
-        cfg = MBartConfig(vocab_size=vocab, max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
-                          scale_embedding=True, activation_function="relu", **_BART_LIKE_SIZES, **ids)
+        ids = dict(
+            bos_token_id=i["bos"],
+            eos_token_id=i["eos"],
+            pad_token_id=i["pad"],
+            decoder_start_token_id=i["eos"],
+            forced_bos_token_id=tok.convert_tokens_to_ids(MBART_TGT_LANG),
+            forced_eos_token_id=i["eos"],
+        )
+        cfg = MBartConfig(
+            vocab_size=vocab,
+            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
+            scale_embedding=True,
+            activation_function="relu",
+            **_BART_LIKE_SIZES,
+            **ids,
+        )
         gen = ids
     elif family == "marian":
-        ids = dict(bos_token_id=i["eos"], eos_token_id=i["eos"], pad_token_id=i["pad"],
-                   decoder_start_token_id=i["pad"], forced_eos_token_id=i["eos"])
-        cfg = MarianConfig(vocab_size=vocab, decoder_vocab_size=vocab, max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
-                           scale_embedding=True, static_position_embeddings=True, activation_function="swish",
-                           share_encoder_decoder_embeddings=True, **_BART_LIKE_SIZES, **ids)
+        ids = dict(
+            bos_token_id=i["eos"],
+            eos_token_id=i["eos"],
+            pad_token_id=i["pad"],
+            decoder_start_token_id=i["pad"],
+            forced_eos_token_id=i["eos"],
+        )
+        cfg = MarianConfig(
+            vocab_size=vocab,
+            decoder_vocab_size=vocab,
+            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
+            scale_embedding=True,
+            static_position_embeddings=True,
+            activation_function="swish",
+            share_encoder_decoder_embeddings=True,
+            **_BART_LIKE_SIZES,
+            **ids,
+        )
         gen = dict(ids, bad_words_ids=[[i["pad"]]])
     elif family == "pegasus":
-        ids = dict(bos_token_id=i["pad"], eos_token_id=i["eos"], pad_token_id=i["pad"],
-                   decoder_start_token_id=i["pad"], forced_eos_token_id=i["eos"])
-        cfg = PegasusConfig(vocab_size=vocab, max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
-                            scale_embedding=True, activation_function="relu", **_BART_LIKE_SIZES, **ids)
+        ids = dict(
+            bos_token_id=i["pad"],
+            eos_token_id=i["eos"],
+            pad_token_id=i["pad"],
+            decoder_start_token_id=i["pad"],
+            forced_eos_token_id=i["eos"],
+        )
+        cfg = PegasusConfig(
+            vocab_size=vocab,
+            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
+            scale_embedding=True,
+            activation_function="relu",
+            **_BART_LIKE_SIZES,
+            **ids,
+        )
         gen = ids
     elif family in ("t5", "flan-t5"):
         ids = dict(eos_token_id=i["eos"], pad_token_id=i["pad"], decoder_start_token_id=i["pad"])
         v11 = family == "flan-t5"
-        cfg = T5Config(vocab_size=vocab, n_positions=SEQ2SEQ_MAX_POSITIONS,
-                       feed_forward_proj="gated-gelu" if v11 else "relu", tie_word_embeddings=not v11,
-                       relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                       **_T5_SIZES, **ids)
+        cfg = T5Config(
+            vocab_size=vocab,
+            n_positions=SEQ2SEQ_MAX_POSITIONS,
+            feed_forward_proj="gated-gelu" if v11 else "relu",
+            tie_word_embeddings=not v11,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=20,
+            **_T5_SIZES,
+            **ids,
+        )
         gen = ids
     elif family == "gpt2":
         ids = dict(bos_token_id=i["eos"], eos_token_id=i["eos"], pad_token_id=i["eos"])
@@ -351,10 +556,20 @@ def _config_and_generation(family: str, tok: Any) -> tuple[Any, dict[str, Any]]:
         gen = ids
     elif family == "llama":
         ids = dict(bos_token_id=i["bos"], eos_token_id=i["eos"], pad_token_id=i["pad"])
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=D_MODEL, intermediate_size=FFN_DIM,
-                          num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS, num_key_value_heads=2,
-                          max_position_embeddings=CAUSAL_MAX_POSITIONS, rms_norm_eps=1e-6, hidden_act="silu",
-                          initializer_range=INIT_STD, tie_word_embeddings=False, **ids)
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=D_MODEL,
+            intermediate_size=FFN_DIM,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=N_HEADS,
+            num_key_value_heads=2,
+            max_position_embeddings=CAUSAL_MAX_POSITIONS,
+            rms_norm_eps=1e-6,
+            hidden_act="silu",
+            initializer_range=INIT_STD,
+            tie_word_embeddings=False,
+            **ids,
+        )
         gen = ids
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -447,10 +662,17 @@ def _spm_without_protobuf() -> Iterator[None]:
         cst.SentencePieceExtractor = original
 
 
-_GEN_ID_KEYS = frozenset({
-    "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_bos_token_id",
-    "forced_eos_token_id", "bad_words_ids",
-})
+_GEN_ID_KEYS = frozenset(
+    {
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "decoder_start_token_id",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "bad_words_ids",
+    }
+)
 
 
 def _shrink_config(config: Any) -> Any:
