@@ -50,7 +50,9 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the dev machine is shared: 1 is steadier)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the dev machine is shared: 1 is steadier)"
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -67,8 +69,13 @@ def main() -> None:
 
     def run_hf() -> list[list[int]]:
         with torch.inference_mode():
-            out = model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                 do_sample=False, pad_token_id=tok.eos_token_id, **kw)
+            out = model.generate(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+                **kw,
+            )
         P = batch.input_ids.shape[1]
         return [out[b, P:].tolist() for b in range(args.batch)]
 
@@ -87,7 +94,9 @@ def main() -> None:
     base = statistics.median(times["generate()"])
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"{name:18s} median {med:7.2f} s  ({', '.join(f'{t:.2f}' for t in ts)})  speed-up x{base / med:.2f}")
+        print(
+            f"{name:18s} median {med:7.2f} s  ({', '.join(f'{t:.2f}' for t in ts)})  speed-up x{base / med:.2f}"
+        )
     print(f"top beam identical for {same}/{args.batch} inputs")
 
 

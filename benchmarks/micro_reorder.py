@@ -59,10 +59,21 @@ def main() -> None:
     bias = torch.zeros(B, 1, 1, P)
     mask = torch.ones(B, P, dtype=torch.long)
     gk_c, gv_c = torch.randn(N, H, d, T), torch.randn(N, H, T, d)
-    print(f"B={B} R={R} H={H} d={d} P={P} T={T}, threads {a.threads}; ms per layer-step, min / median of {a.reps}")
+    print(
+        f"B={B} R={R} H={H} d={d} P={P} T={T}, threads {a.threads}; ms per layer-step, min / median of {a.reps}"
+    )
     for t in (1, T // 2, T - 1):
-        st = KVState([pk], [pv], [torch.randn(B, H, d, T, R)], [torch.randn(B, H, T, R, d)], bias,
-                     mask.sum(-1).repeat_interleave(R), torch.zeros(N, T, dtype=torch.long), R, t)
+        st = KVState(
+            [pk],
+            [pv],
+            [torch.randn(B, H, d, T, R)],
+            [torch.randn(B, H, T, R, d)],
+            bias,
+            mask.sum(-1).repeat_interleave(R),
+            torch.zeros(N, T, dtype=torch.long),
+            R,
+            t,
+        )
         q, k, v = torch.randn(N, H, d), torch.randn(N, H, d), torch.randn(N, H, d)
         rows = torch.arange(N) // R * R + torch.randint(R, (N,))
         ta, tb = [], []

@@ -57,7 +57,11 @@ def prompt_positions(mask: Tensor) -> Tensor:
 
 
 def new_state(
-    pk: list[Tensor], pv: list[Tensor], mask: Tensor, R: int, T: int  # noqa: N803
+    pk: list[Tensor],
+    pv: list[Tensor],
+    mask: Tensor,
+    R: int,
+    T: int,  # noqa: N803
 ) -> KVState:
     """Take the prefill's prompt K/V ([B, Hkv, P, d] per layer; K is stored transposed) and preallocate the rest."""
     B, Hkv, _, d = pk[0].shape

@@ -34,7 +34,9 @@ class LlamaDecoder(DecoderOnly):
         cfg = model.config
         rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope not in STATIC_ROPE:
-            raise ValueError(f"rope_type {rope!r} (length-dependent RoPE) is not supported by the fast decoder")
+            raise ValueError(
+                f"rope_type {rope!r} (length-dependent RoPE) is not supported by the fast decoder"
+            )
         if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
             raise ValueError("pretraining_tp > 1 is not supported by the fast decoder")
         if getattr(cfg, "sliding_window", None) is not None or any(
