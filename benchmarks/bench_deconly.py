@@ -65,7 +65,7 @@ def main() -> None:
     kw = dict(num_beams=args.beams, max_new_tokens=args.new, min_new_tokens=args.new, early_stopping=True)
     config = merge_generation_config(model.generation_config, None, **kw)
     lens = batch.attention_mask.sum(-1).tolist()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}, prompts {lens}, {kw}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}, prompts {lens}, {kw}", flush=True)
 
     def run_hf() -> list[list[int]]:
         with torch.inference_mode():
@@ -90,6 +90,7 @@ def main() -> None:
             t0 = time.perf_counter()
             outs[name] = fn()
             times[name].append(time.perf_counter() - t0)
+            print(f"  {name}: {times[name][-1]:.2f} s", flush=True)
     same = sum(a == b for a, b in zip(outs["generate()"], outs["seqgen fast gpt2"], strict=True))
     base = statistics.median(times["generate()"])
     for name, ts in times.items():
