@@ -123,6 +123,11 @@ def test_steps_match_teacher_forced_forward(name: str, R: int) -> None:
     run_checked(MODELS[name](), PROMPTS, R=R, steps=6)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_unpadded_prompts(name: str) -> None:
+    run_checked(MODELS[name](), [[5, 6, 7, 8], [9, 10, 11, 12]], R=2, steps=4)
+
+
 def test_check_can_fail() -> None:
     """A corrupted cache must be caught by the same check."""
     model = tiny_gpt2()

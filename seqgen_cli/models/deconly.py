@@ -171,8 +171,9 @@ class DecoderOnly:
         """Prefill once per input: [B, P] -> state, last-position logits [B, V]."""
         check_batch(batch)
         ids, mask = batch.input_ids, batch.attention_mask
+        hf_mask = mask if not bool(mask.all()) else None  # as generate(): no mask without padding
         out = self.base(
-            input_ids=ids, attention_mask=mask, position_ids=prompt_positions(mask), use_cache=True
+            input_ids=ids, attention_mask=hf_mask, position_ids=prompt_positions(mask), use_cache=True
         )
         layers = out.past_key_values.layers
         pk = [layer.keys for layer in layers]  # [B, Hkv, P, d]
