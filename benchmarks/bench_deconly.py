@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from seqgen_cli.models.generic import GenericDecoder  # noqa: E402
 from seqgen_cli.models.registry_deconly import FAST_DECODERS  # noqa: E402
 from seqgen_cli.search import Batch, generate, merge_generation_config  # noqa: E402
 
@@ -50,6 +51,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--arms", default="hf,fast", help="comma list of hf (generate()), generic, fast")
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (the dev machine is shared: 1 is steadier)"
     )
@@ -65,7 +67,10 @@ def main() -> None:
     kw = dict(num_beams=args.beams, max_new_tokens=args.new, min_new_tokens=args.new, early_stopping=True)
     config = merge_generation_config(model.generation_config, None, **kw)
     lens = batch.attention_mask.sum(-1).tolist()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}, prompts {lens}, {kw}", flush=True)
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}, prompts {lens}, {kw}",
+        flush=True,
+    )
 
     def run_hf() -> list[list[int]]:
         with torch.inference_mode():
@@ -83,22 +88,34 @@ def main() -> None:
         out = generate(FAST_DECODERS["gpt2"](model), batch, config)
         return [s[0] for s in out.sequences]
 
-    times: dict[str, list[float]] = {"generate()": [], "seqgen fast gpt2": []}
+    def run_generic() -> list[list[int]]:  # seqgen's engine over transformers' own forward + DynamicCache
+        out = generate(GenericDecoder(model), batch, config)
+        return [s[0] for s in out.sequences]
+
+    arms = {
+        "generate()": ("hf", run_hf),
+        "seqgen generic": ("generic", run_generic),
+        "seqgen fast gpt2": ("fast", run_fast),
+    }
+    arms = {name: fn for name, (key, fn) in arms.items() if key in args.arms.split(",")}
+    times: dict[str, list[float]] = {name: [] for name in arms}
     outs = {}
-    for _ in range(args.repeats):  # interleaved, so that machine noise hits both alike
-        for name, fn in (("generate()", run_hf), ("seqgen fast gpt2", run_fast)):
+    for _ in range(args.repeats):  # interleaved, so that machine noise hits all arms alike
+        for name, fn in arms.items():
             t0 = time.perf_counter()
             outs[name] = fn()
             times[name].append(time.perf_counter() - t0)
             print(f"  {name}: {times[name][-1]:.2f} s", flush=True)
-    same = sum(a == b for a, b in zip(outs["generate()"], outs["seqgen fast gpt2"], strict=True))
-    base = statistics.median(times["generate()"])
+    ref = next(iter(outs))
+    base = statistics.median(times[ref])
     for name, ts in times.items():
         med = statistics.median(ts)
         print(
             f"{name:18s} median {med:7.2f} s  ({', '.join(f'{t:.2f}' for t in ts)})  speed-up x{base / med:.2f}"
         )
-    print(f"top beam identical for {same}/{args.batch} inputs")
+    for name in list(outs)[1:]:
+        same = sum(a == b for a, b in zip(outs[ref], outs[name], strict=True))
+        print(f"top beam of {name} identical to {ref} for {same}/{args.batch} inputs")
 
 
 if __name__ == "__main__":
