@@ -206,13 +206,14 @@ def test_refused_variants() -> None:
     assert isinstance(fast_decoder(tiny_llama()), FAST_DECODERS["llama"])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_bfloat16_close_to_hf(name: str) -> None:
-    """Half precision runs and stays near transformers' own bf16 forward (loose: bf16 rounding differs)."""
-    model = MODELS[name]().to(torch.bfloat16)
+def test_half_precision_close_to_hf(name: str, dtype: torch.dtype) -> None:
+    """Half precision runs and stays near transformers' own forward in that dtype (loose: rounding differs)."""
+    model = MODELS[name]().to(dtype)
     dec = FAST_DECODERS[model.config.model_type](model)
     state, first = dec.start(left_pad(PROMPTS), rows_per_input=2, max_new_tokens=3)
-    assert first.dtype == torch.float32 and state.pk[0].dtype == torch.bfloat16
+    assert first.dtype == torch.float32 and state.pk[0].dtype == dtype
     hist = [[] for _ in range(8)]
     for t in range(3):
         tokens = torch.arange(8) + 3 * t + 1
