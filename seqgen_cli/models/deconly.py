@@ -40,7 +40,7 @@ class KVState:
     t: int = 0  # tokens fed by step() so far (host int: no device sync)
 
     @property
-    def B(self) -> int:  # noqa: N802
+    def B(self) -> int:
         return self.prompt_bias.shape[0]
 
     def cache_bytes(self) -> dict[str, int]:
@@ -61,7 +61,7 @@ def new_state(
     pv: list[Tensor],
     mask: Tensor,
     R: int,
-    T: int,  # noqa: N803
+    T: int,
 ) -> KVState:
     """Take the prefill's prompt K/V ([B, Hkv, P, d] per layer; K is stored transposed) and preallocate the rest."""
     B, Hkv, _, d = pk[0].shape
