@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from seqgen_cli.models.generic import GenericDecoder  # noqa: E402
-from seqgen_cli.models.registry_deconly import FAST_DECODERS  # noqa: E402
+from seqgen_cli.models.registry_deconly import fast_decoder  # noqa: E402
 from seqgen_cli.search import Batch, generate, merge_generation_config  # noqa: E402
 
 SHARED = Path(os.environ.get("SEQGEN_SHARED", ROOT.parent / "shared"))
@@ -85,7 +85,7 @@ def main() -> None:
         return [out[b, P:].tolist() for b in range(args.batch)]
 
     def run_fast() -> list[list[int]]:
-        out = generate(FAST_DECODERS["gpt2"](model), batch, config)
+        out = generate(fast_decoder(model), batch, config)
         return [s[0] for s in out.sequences]
 
     def run_generic() -> list[list[int]]:  # seqgen's engine over transformers' own forward + DynamicCache

@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from seqgen_cli.models.deconly import prompt_positions
+from seqgen_cli.models.deconly import DecoderOnly, prompt_positions
 from seqgen_cli.models.generic import GenericDecoder
+from seqgen_cli.models.llama import LlamaDecoder
 from seqgen_cli.models.registry_deconly import FAST_DECODERS, fast_decoder
 from seqgen_cli.search.protocol import Batch
 from tests.engine_models import tiny_model
@@ -63,6 +64,13 @@ MODELS = {
 }
 
 
+def fast(model) -> DecoderOnly:
+    """The fast decoder (never the generic fallback)."""
+    decoder = fast_decoder(model)
+    assert decoder is not None and not isinstance(decoder, GenericDecoder)
+    return decoder
+
+
 def left_pad(seqs: list[list[int]]) -> Batch:
     P = max(map(len, seqs))
     ids = torch.tensor([[PAD] * (P - len(s)) + s for s in seqs])
@@ -88,7 +96,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def run_checked(model, prompts: list[list[int]], R: int, steps: int, seed: int = 0) -> dict:
     """Drive the decoder with random tokens, reorders and one drop; check every step's logits."""
-    dec = FAST_DECODERS[model.config.model_type](model)
+    dec = fast(model)
     g = torch.Generator().manual_seed(seed)
     state, first = dec.start(left_pad(prompts), rows_per_input=R, max_new_tokens=steps)
     close(first, reference(model, prompts))
@@ -131,7 +139,7 @@ def test_unpadded_prompts(name: str) -> None:
 def test_check_can_fail() -> None:
     """A corrupted cache must be caught by the same check."""
     model = tiny_gpt2()
-    dec = FAST_DECODERS["gpt2"](model)
+    dec = fast(model)
     state, _ = dec.start(left_pad(PROMPTS[:2]), rows_per_input=2, max_new_tokens=3)
     dec.step(state, torch.tensor([1, 2, 3, 4]))
     dec.reorder(state, torch.tensor([1, 1, 2, 3]))  # row 0 now continues row 1 (token 2)...
@@ -147,7 +155,7 @@ def test_cache_accounting(name: str) -> None:
     model = MODELS[name]()
     cfg = model.config
     B, R, T = 2, 4, 5
-    dec = FAST_DECODERS[cfg.model_type](model)
+    dec = fast(model)
     batch = left_pad(PROMPTS[:B])
     P = batch.input_ids.shape[1]
     state, _ = dec.start(batch, rows_per_input=R, max_new_tokens=T)
@@ -170,12 +178,6 @@ def test_cache_accounting(name: str) -> None:
 
 
 # --- through seqgen's engine, against transformers' generate() (the equivalence harness) ---------------
-
-
-def fast(model):
-    decoder = fast_decoder(model)
-    assert decoder is not None and not isinstance(decoder, GenericDecoder)
-    return decoder
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -203,7 +205,9 @@ def test_refused_variants() -> None:
         fast_decoder(tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
         is None
     )
-    assert isinstance(fast_decoder(tiny_llama()), FAST_DECODERS["llama"])
+    assert isinstance(fast_decoder(tiny_llama()), LlamaDecoder)
+    refused = tiny_llama(MistralConfig, sliding_window=4)
+    assert isinstance(FAST_DECODERS["mistral"](refused), GenericDecoder)  # the registry falls back
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -211,7 +215,7 @@ def test_refused_variants() -> None:
 def test_half_precision_close_to_hf(name: str, dtype: torch.dtype) -> None:
     """Half precision runs and stays near transformers' own forward in that dtype (loose: rounding differs)."""
     model = MODELS[name]().to(dtype)
-    dec = FAST_DECODERS[model.config.model_type](model)
+    dec = fast(model)
     state, first = dec.start(left_pad(PROMPTS), rows_per_input=2, max_new_tokens=3)
     assert first.dtype == torch.float32 and state.pk[0].dtype == dtype
     hist = [[] for _ in range(8)]

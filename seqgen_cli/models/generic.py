@@ -72,7 +72,9 @@ class GenericDecoder:
         return out.logits[:, -1, :]  # [rows, V]
 
     @torch.inference_mode()
-    def start(self, batch: Batch, rows_per_input: int, max_new_tokens: int) -> tuple[GenericState, torch.Tensor | None]:
+    def start(
+        self, batch: Batch, rows_per_input: int, max_new_tokens: int
+    ) -> tuple[GenericState, torch.Tensor | None]:
         r = rows_per_input
         input_ids, mask = batch.input_ids, batch.attention_mask
         if self.is_encoder_decoder:
