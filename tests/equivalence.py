@@ -25,16 +25,28 @@ from seqgen_cli.search.settings import SearchSettings
 SETTINGS: dict[str, dict[str, Any]] = {
     "greedy": dict(num_beams=1, max_new_tokens=24),
     "beam4_ngram3_lp2_minmax_es": dict(
-        num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, min_new_tokens=4, max_new_tokens=20, early_stopping=True
+        num_beams=4,
+        no_repeat_ngram_size=3,
+        length_penalty=2.0,
+        min_new_tokens=4,
+        max_new_tokens=20,
+        early_stopping=True,
     ),
     "beam5_es_false": dict(num_beams=5, early_stopping=False, max_new_tokens=24),
     "beam5_es_never": dict(num_beams=5, early_stopping="never", max_new_tokens=24),
     "beam4_lp0.6": dict(num_beams=4, length_penalty=0.6, max_new_tokens=24),
     "beam4_nrs3": dict(num_beams=4, num_return_sequences=3, max_new_tokens=24),
     "beam4_rep1.2": dict(num_beams=4, repetition_penalty=1.2, max_new_tokens=24),
+    # max_length/min_length count the prompt (decoder-only) or the decoder start token (encoder-decoder).
+    "beam4_maxlen48_minlen44": dict(num_beams=4, max_length=48, min_length=44),
+    # no length given: 20 new tokens; processors in greedy act on raw logits.
+    "greedy_rep1.3_ngram2_default_len": dict(repetition_penalty=1.3, no_repeat_ngram_size=2),
 }
 
 BackendFactory = Callable[[PreTrainedModel], Decoder]
+
+# 2 shared CPU cores: intra-op threads only oversubscribe them (10x slower under load).
+torch.set_num_threads(1)
 
 
 @dataclass
@@ -58,35 +70,6 @@ class EquivalenceResult:
         )
 
 
-def _special_ids(model: PreTrainedModel) -> set[int]:
-    gc = model.generation_config
-    ids = {gc.bos_token_id, gc.pad_token_id, gc.decoder_start_token_id}
-    eos = gc.eos_token_id
-    ids |= set(eos) if isinstance(eos, list) else {eos}
-    return {i for i in ids if i is not None}
-
-
-def random_batch(model: PreTrainedModel, n: int, *, min_len: int = 2, max_len: int = 14, seed: int = 0) -> Batch:
-    """``n`` random inputs of varied lengths (no special tokens), padded the way generate() expects."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    special = _special_ids(model)
-    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
-    width = max(lengths)
-    pad = model.generation_config.pad_token_id
-    pad = pad if pad is not None else 0
-    input_ids = torch.full((n, width), pad, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for i, length in enumerate(lengths):
-        toks = torch.randint(0, vocab, (length,), generator=g)
-        for s in special:
-            toks[toks == s] = (s + 7) % vocab if (s + 7) % vocab not in special else 5
-        cols = slice(0, length) if model.config.is_encoder_decoder else slice(width - length, width)
-        input_ids[i, cols] = toks
-        mask[i, cols] = 1
-    return Batch(input_ids, mask)
-
-
 def _strip(tokens: list[int], eos: set[int]) -> list[int]:
     out = []
     for t in tokens:
@@ -99,10 +82,14 @@ def _strip(tokens: list[int], eos: set[int]) -> list[int]:
 def hf_generate(model: PreTrainedModel, batch: Batch, kwargs: dict[str, Any]):
     """transformers' output in seqgen's format: (sequences per input, sequence scores per input or None)."""
     out = model.generate(
-        batch.input_ids, attention_mask=batch.attention_mask, return_dict_in_generate=True, output_scores=True, **kwargs
+        batch.input_ids,
+        attention_mask=batch.attention_mask,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kwargs,
     )
     start = 1 if model.config.is_encoder_decoder else batch.input_ids.shape[1]
-    eos = model.generation_config.eos_token_id
+    eos = kwargs.get("eos_token_id", model.generation_config.eos_token_id)
     eos = set(eos) if isinstance(eos, list) else {eos}
     nrs = kwargs.get("num_return_sequences", 1)
     rows = [_strip(row[start:], eos) for row in out.sequences.tolist()]
@@ -115,7 +102,9 @@ def hf_generate(model: PreTrainedModel, batch: Batch, kwargs: dict[str, Any]):
 
 
 @torch.inference_mode()
-def rescore(model: PreTrainedModel, batch: Batch, index: int, tokens: list[int], settings: SearchSettings) -> float:
+def rescore(
+    model: PreTrainedModel, batch: Batch, index: int, tokens: list[int], settings: SearchSettings
+) -> float:
     """Teacher-forced beam score of ``tokens`` for input ``index``: processed log-probs, length-penalised."""
     ids, mask = batch.input_ids[index : index + 1], batch.attention_mask[index : index + 1]
     seq = torch.tensor([tokens], dtype=torch.long)
@@ -129,7 +118,9 @@ def rescore(model: PreTrainedModel, batch: Batch, index: int, tokens: list[int],
         full = torch.cat([ids, seq], dim=1)
         full_mask = torch.cat([mask, torch.ones_like(seq)], dim=1)
         pos = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 1)
-        logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits[0, ids.shape[1] - 1 :]
+        logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits[
+            0, ids.shape[1] - 1 :
+        ]
         pad_lengths = (mask != 0).int().argmax(dim=1)
     history = TokenHistory(prompt, settings.max_length, pad_lengths)
     pipeline = LogitsPipeline(settings, history, logits.shape[-1], logits.device)
@@ -149,9 +140,13 @@ def check_equivalence(
     kwargs: dict[str, Any],
     *,
     rtol: float = 1e-5,
+    keep_dtype: bool = False,
 ) -> EquivalenceResult:
-    """Run seqgen (via ``backend_factory(model)``) and ``model.generate()`` on ``batch``; compare tokens."""
-    model = model.float().eval()
+    """Run seqgen (via ``backend_factory(model)``) and ``model.generate()`` on ``batch``; compare tokens.
+
+    The model runs in float32 unless ``keep_dtype``.
+    """
+    model = (model if keep_dtype else model.float()).eval()
     config = merge_generation_config(model.generation_config, None, **kwargs)
     decoder = backend_factory(model)
     ours = generate(decoder, batch, config)
@@ -181,7 +176,9 @@ def check_equivalence(
     return result
 
 
-def tune_eos(model: PreTrainedModel, mean_length: float = 6.0, max_new_tokens: int = 24) -> PreTrainedModel:
+def tune_eos(
+    model: PreTrainedModel, batch: Batch, mean_length: float = 8.0, max_new_tokens: int = 24
+) -> PreTrainedModel:
     """Make a random model stop at varied lengths (random models otherwise never, or always, emit EOS).
 
     Adds a bias to the EOS logit (``final_logits_bias`` where the model has one, else a bias on an untied
@@ -200,7 +197,6 @@ def tune_eos(model: PreTrainedModel, mean_length: float = 6.0, max_new_tokens: i
         model.set_output_embeddings(head)
         model.config.tie_word_embeddings = False
         bias = head.bias
-    batch = random_batch(model, 16, seed=123)
     lo, hi = -20.0, 20.0
     with torch.inference_mode():
         for _ in range(14):
@@ -211,3 +207,41 @@ def tune_eos(model: PreTrainedModel, mean_length: float = 6.0, max_new_tokens: i
             lo, hi = (lo, mid) if mean < mean_length else (mid, hi)
         bias[eos] = (lo + hi) / 2
     return model
+
+
+def main() -> None:
+    """Print the agreement table: ``python -m tests.equivalence [--backend module:factory] [--families ..]``."""
+    import argparse
+    import importlib
+
+    from tests.engine_models import FAMILIES, load, text_batch
+    from tests.tiny_models import cached_build
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument(
+        "--backend", default="seqgen_cli.models:get_decoder", help="module:callable(model) -> Decoder"
+    )
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
+    ap.add_argument("--settings", nargs="*", default=list(SETTINGS))
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args()
+    module, name = args.backend.split(":")
+    factory = getattr(importlib.import_module(module), name)
+    print(f"| family | {' | '.join(args.settings)} |")
+    print(f"|---|{'---|' * len(args.settings)}")
+    notes = []
+    for family in args.families:
+        loaded = load(cached_build(family))
+        batch = text_batch(loaded, args.batch)
+        cells = []
+        for setting in args.settings:
+            r = check_equivalence(loaded.model, factory, batch, SETTINGS[setting])
+            cells.append(f"{r.agreement:.1f} %" + (f" ({len(r.near_ties)} tie)" if r.near_ties else ""))
+            notes += [f"{family} {setting}: {x}" for x in r.near_ties + r.mismatches]
+        print(f"| {family} | {' | '.join(cells)} |", flush=True)
+    for note in notes:
+        print(note)
+
+
+if __name__ == "__main__":
+    main()

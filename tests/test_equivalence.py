@@ -7,8 +7,8 @@ import torch
 
 from seqgen_cli.models import get_decoder
 from seqgen_cli.models.generic import GenericDecoder
-from tests.engine_models import FAMILIES, tiny_model
-from tests.equivalence import SETTINGS, check_equivalence, random_batch
+from tests.engine_models import FAMILIES, load, text_batch
+from tests.equivalence import SETTINGS, check_equivalence
 
 BATCH = 32
 
@@ -19,9 +19,9 @@ def generic(model):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_equivalence(family: str, setting: str) -> None:
-    model = tiny_model(family)
-    result = check_equivalence(model, generic, random_batch(model, BATCH), SETTINGS[setting])
+def test_equivalence(tiny_models, family: str, setting: str) -> None:
+    loaded = load(tiny_models(family))
+    result = check_equivalence(loaded.model, generic, text_batch(loaded, BATCH), SETTINGS[setting])
     print(f"{family} {setting}: {result.summary()}")
     for line in result.near_ties:
         print("  near-tie:", line)
@@ -39,7 +39,34 @@ class NoisyDecoder(GenericDecoder):
 
 
 @pytest.mark.parametrize("setting", ["greedy", "beam5_es_false"])
-def test_harness_detects_differences(setting: str) -> None:
-    model = tiny_model("bart")
-    result = check_equivalence(model, NoisyDecoder, random_batch(model, BATCH), SETTINGS[setting])
+def test_harness_detects_differences(tiny_models, setting: str) -> None:
+    loaded = load(tiny_models("bart"))
+    result = check_equivalence(loaded.model, NoisyDecoder, text_batch(loaded, BATCH), SETTINGS[setting])
     assert result.mismatches
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_equivalence_multiple_eos_tokens(tiny_models, family: str) -> None:
+    """A list of EOS ids (llama-3 style): 1 + n_eos candidates per beam, any of them ends a hypothesis."""
+    loaded = load(tiny_models(family))
+    batch = text_batch(loaded, BATCH, seed=4)
+    eos = loaded.model.generation_config.eos_token_id
+    # The second "EOS" is a token the model actually produces, so both ids end hypotheses.
+    frequent = int(torch.mode(batch.input_ids[batch.attention_mask == 1]).values)
+    for kwargs in (
+        dict(max_new_tokens=20, eos_token_id=[eos, frequent]),
+        dict(num_beams=3, max_new_tokens=20, eos_token_id=[eos, frequent], num_return_sequences=2),
+    ):
+        result = check_equivalence(loaded.model, generic, batch, kwargs)
+        print(f"{family} multi-eos {kwargs}: {result.summary()}")
+        assert not result.mismatches, "\n".join(result.mismatches[:5])
+
+
+@pytest.mark.parametrize("family", ["bart", "t5", "gpt2"])
+@pytest.mark.parametrize("setting", ["beam4_ngram3_lp2_minmax_es", "beam5_es_never"])
+def test_equivalence_real_vocabularies(real_tokenizer_models, family: str, setting: str) -> None:
+    """Tiny models with the real tokenizers' vocabularies (32k-60k): realistic top-k widths."""
+    loaded = load(real_tokenizer_models(family))
+    result = check_equivalence(loaded.model, generic, text_batch(loaded, BATCH, seed=1), SETTINGS[setting])
+    print(f"real-{family} {setting}: {result.summary()}")
+    assert not result.mismatches, "\n".join(result.mismatches[:5])

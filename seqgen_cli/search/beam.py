@@ -113,7 +113,9 @@ def beam_search(
         # Sequences: old slots keep theirs, candidate slots copy their beam's history plus the new token.
         from_candidate = chosen >= k  # [B, K]
         cand = (chosen - k).clamp(min=0)
-        cand_rows = (torch.arange(bsz, device=device)[:, None] * k + torch.gather(topk_beams, 1, cand)).reshape(-1)
+        cand_rows = (
+            torch.arange(bsz, device=device)[:, None] * k + torch.gather(topk_beams, 1, cand)
+        ).reshape(-1)
         cand_tokens = torch.zeros((bsz * k, total), dtype=torch.long, device=device)  # [B*K, T]
         cand_tokens[:, :t] = history.generated.index_select(0, cand_rows)
         cand_tokens[:, t] = torch.gather(topk_tokens, 1, cand).reshape(-1)
@@ -136,7 +138,9 @@ def beam_search(
             best_length = next_len - prompt_len
         best_running = running_scores[:, :1] / (best_length**lp)
         worst_finished = torch.where(is_finished, torch.min(beam_scores, dim=1, keepdim=True)[0], BIG)
-        heuristic_unsatisfied = heuristic_unsatisfied & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
+        heuristic_unsatisfied = heuristic_unsatisfied & torch.any(
+            best_running > worst_finished, dim=-1, keepdim=True
+        )
 
         # Continue the chosen beams: reorder rows (history, processors, cache), then append their tokens.
         beam_rows = (torch.arange(bsz, device=device)[:, None] * k + next_beams).reshape(-1)  # [N]

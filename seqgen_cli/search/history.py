@@ -12,7 +12,9 @@ class TokenHistory:
     decoder start token for encoder-decoder models), exactly as transformers' ``input_ids`` would.
     """
 
-    def __init__(self, prompt: torch.Tensor, max_length: int, pad_lengths: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, prompt: torch.Tensor, max_length: int, pad_lengths: torch.Tensor | None = None
+    ) -> None:
         n, prompt_len = prompt.shape  # prompt: [N, P] int64
         self.tokens = torch.zeros((n, max_length), dtype=torch.long, device=prompt.device)  # [N, max_length]
         self.tokens[:, :prompt_len] = prompt

@@ -28,7 +28,9 @@ class NGramBlocker:
         tokens = history.tokens  # [N, cap]
         device = tokens.device
         # powers[k] = V**(n-2-k): [n-1] int64
-        self.powers = torch.tensor([vocab_size ** (n - 2 - k) for k in range(n - 1)], dtype=torch.long, device=device)
+        self.powers = torch.tensor(
+            [vocab_size ** (n - 2 - k) for k in range(n - 1)], dtype=torch.long, device=device
+        )
         # keys[:, j] = packed (n-1)-gram starting at column j; columns [0, length - n + 2) are valid.
         self.keys = torch.zeros((tokens.shape[0], tokens.shape[1] + 1), dtype=torch.long, device=device)
         length = history.length
@@ -48,7 +50,7 @@ class NGramBlocker:
             self.keys[:, start] = (gram * self.powers).sum(-1)
 
     def __call__(self, history: TokenHistory, scores: torch.Tensor) -> torch.Tensor:
-        """``scores``: [N, V] -> scores with banned entries set to -inf."""
+        """``scores``: [N, V]; banned entries set to -inf in place."""
         n, length = self.n, history.length
         windows = length - n + 1  # complete n-grams in the history
         if windows <= 0:
@@ -66,4 +68,4 @@ class NGramBlocker:
         values = torch.full(matches.shape, float("inf"), dtype=scores.dtype, device=scores.device)
         values.masked_fill_(matches & in_vocab, float("-inf"))
         # amin with +inf leaves a score unchanged, with -inf bans it: order-free, so deterministic on GPU.
-        return scores.scatter_reduce(1, banned.clamp(max=self.vocab_size - 1), values, reduce="amin")
+        return scores.scatter_reduce_(1, banned.clamp(max=self.vocab_size - 1), values, reduce="amin")

@@ -83,7 +83,10 @@ def merge_generation_config(
     merged = copy.deepcopy(config) if config is not None else GenerationConfig()
     if model_generation_config is not None:
         merged.update(**model_generation_config.to_dict(), defaults_only=True)
-    unused = merged.update(**kwargs)
+    try:
+        unused = merged.update(**kwargs)
+    except ValueError as err:  # transformers' own validation of the combination
+        raise SeqgenError(str(err).splitlines()[0]) from err
     if unused:
         raise SeqgenError(f"unknown generation option(s): {', '.join(sorted(unused))}")
     return merged
@@ -144,7 +147,9 @@ def resolve_mode(config: GenerationConfig) -> Mode:
     """Greedy / beam / sample, or :class:`SeqgenError` for what seqgen leaves to transformers."""
     for name, unsupported in _UNSUPPORTED.items():
         if unsupported(getattr(config, name, None)):
-            raise SeqgenError(f"generation option {name}={getattr(config, name)!r} is not supported by seqgen's engine")
+            raise SeqgenError(
+                f"generation option {name}={getattr(config, name)!r} is not supported by seqgen's engine"
+            )
     num_beams, do_sample = _get(config, "num_beams"), bool(_get(config, "do_sample"))
     nrs = _get(config, "num_return_sequences")
     if num_beams > 1 and do_sample:
@@ -180,7 +185,9 @@ def resolve_settings(
     if is_encoder_decoder and decoder_start is None:
         decoder_start = config.bos_token_id
     if is_encoder_decoder and decoder_start is None:
-        raise SeqgenError("decoder_start_token_id or bos_token_id has to be set for encoder-decoder generation")
+        raise SeqgenError(
+            "decoder_start_token_id or bos_token_id has to be set for encoder-decoder generation"
+        )
     if isinstance(decoder_start, (list, tuple)):
         raise SeqgenError("per-input decoder_start_token_id lists are not supported")
 
@@ -194,14 +201,18 @@ def resolve_settings(
     else:
         max_length = config.max_length
     min_length = _get(config, "min_length")
-    if config.min_new_tokens is not None:
-        min_length = max(min_length, config.min_new_tokens + prompt_len)
+    if config.min_new_tokens is not None:  # replaces min_length, even one from the checkpoint's config
+        min_length = config.min_new_tokens + prompt_len
     if max_length <= prompt_len:
-        raise SeqgenError(f"max_length ({max_length}) leaves no room to generate after {prompt_len} prompt positions")
+        raise SeqgenError(
+            f"max_length ({max_length}) leaves no room to generate after {prompt_len} prompt positions"
+        )
 
     # Processors (_get_logits_processor); NoBadWords drops single-token entries that are an EOS token.
     bad_words = tuple(
-        tuple(int(t) for t in seq) for seq in (config.bad_words_ids or []) if not (len(seq) == 1 and seq[0] in eos)
+        tuple(int(t) for t in seq)
+        for seq in (config.bad_words_ids or [])
+        if not (len(seq) == 1 and seq[0] in eos)
     )
     forced_bos = config.forced_bos_token_id
     forced_eos = _token_list(config.forced_eos_token_id)
