@@ -15,8 +15,8 @@ from seqgen_cli.models.generic import GenericDecoder
 from seqgen_cli.models.llama import LlamaDecoder
 from seqgen_cli.models.registry_deconly import FAST_DECODERS, fast_decoder
 from seqgen_cli.search.protocol import Batch
-from tests.engine_models import tiny_model
-from tests.equivalence import SETTINGS, check_equivalence, random_batch
+from tests.engine_models import load, text_batch
+from tests.equivalence import SETTINGS, check_equivalence
 
 V = 97
 PAD = 0
@@ -182,10 +182,10 @@ def test_cache_accounting(name: str) -> None:
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_engine_equivalence(family: str, setting: str) -> None:
+def test_engine_equivalence(tiny_models, family: str, setting: str) -> None:
     """Greedy 100 % token-identical; beam 100 % except near-ties, which are printed as such."""
-    model = tiny_model(family)
-    result = check_equivalence(model, fast, random_batch(model, 12, seed=1), SETTINGS[setting])
+    loaded = load(tiny_models(family))
+    result = check_equivalence(loaded.model, fast, text_batch(loaded, 12), SETTINGS[setting])
     print(f"{family} {setting}: {result.summary()}")
     for line in result.near_ties:
         print("  near-tie:", line)
