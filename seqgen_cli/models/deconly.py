@@ -7,7 +7,7 @@ Cache layout (per layer, ``Hkv`` = K/V heads, never repeated for GQA):
 - generated K (transposed) / V: ``[B, Hkv, d, T, R]`` / ``[B, Hkv, T, R, d]`` -- preallocated for
   ``T = max_new_tokens`` steps; step ``t`` writes slot ``t`` of every row in place. The layouts make the used
   part free views ``[B, Hkv, d, t*R]`` / ``[B, Hkv, t*R, d]``. Keys are stored transposed because CPU
-  ``bmm`` is ~2x faster on a contiguous ``K^T`` than on a transposed view (benchmarks/micro_reorder.py).
+  ``bmm`` is ~2x faster on a contiguous ``K^T`` than on a transposed view (scripts/micro_reorder_deconly.py).
 
 Beam reordering copies no K/V: ``ptr[n, s]`` (back-pointers, ``[N, T]``) says which beam of row ``n``'s
 input wrote the slot-``s`` entry of row ``n``'s history. Each query row scores against all ``R`` beams' slots

@@ -2,7 +2,7 @@
 
 Shape: a Llama-1B-like layer (D=2048, 32 q heads / 8 KV heads of 64, FFN 5632), N=32 rows (8 inputs x 4 beams).
 
-    python benchmarks/micro_fuse.py --threads 1
+    python scripts/micro_fuse_llama.py --threads 1
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ B) copy-reorder: ``index_select`` of the used part of per-row caches (K^T [N, H,
    every reorder, then per-row attention.
 Both include the prompt part (shared K^T [B, H, d, P] / V [B, H, P, d], one softmax) and store K transposed.
 
-    python benchmarks/micro_reorder.py --threads 1
+    python scripts/micro_reorder_deconly.py --threads 1
 """
 
 from __future__ import annotations

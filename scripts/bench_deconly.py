@@ -3,7 +3,7 @@
 Real gpt2 config + tokenizer from ``../shared/tokenizers/gpt2`` (random weights: speed only, never quality),
 CNN/DM articles from ``../shared/data/cnndm/summeval.source`` cut to 200..400 tokens.
 
-    python benchmarks/bench_deconly.py --batch 8 --beams 4 --new 60 --repeats 3
+    python scripts/bench_deconly.py --batch 8 --beams 4 --new 60 --repeats 3
 """
 
 from __future__ import annotations
