@@ -284,10 +284,15 @@ def _log(msg: str) -> None:
 
 
 # -- decode-only mode ----------------------------------------------------------------------------------
+OnCell = Callable[[list[RunResult], list[list[str]], dict[str, Any]], None]
+
+
 def bench_decode(
-    s: BenchSettings, texts: list[str], log: Callable[[str], None] = _log
+    s: BenchSettings, texts: list[str], log: Callable[[str], None] = _log, on_cell: OnCell | None = None
 ) -> tuple[list[RunResult], list[list[str]], dict[str, Any]]:
-    """Run every decode-only cell; returns results, the run schedule (per cell), and run metadata."""
+    """Run every decode-only cell; returns results, the run schedule (per cell), and run metadata.
+
+    ``on_cell(results, schedules, meta)`` is called after every cell (to save partial results)."""
     from seqgen_cli.generator import Generator
 
     results: list[RunResult] = []
@@ -364,6 +369,8 @@ def bench_decode(
                         outputs=outputs,
                     )
                 )
+            if on_cell:
+                on_cell(results, schedules, meta)
         del systems, gen
     return results, schedules, meta
 
@@ -499,7 +506,11 @@ def _spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> tuple[float, 
 
 
 def bench_e2e(
-    s: BenchSettings, texts: list[str], workdir: Path, log: Callable[[str], None] = _log
+    s: BenchSettings,
+    texts: list[str],
+    workdir: Path,
+    log: Callable[[str], None] = _log,
+    on_cell: OnCell | None = None,
 ) -> tuple[list[RunResult], list[list[str]], dict[str, Any]]:
     """Time whole processes, files to files: ``seqgen generate`` vs plain-transformers/CTranslate2 scripts."""
     from seqgen_cli.generator import Generator
@@ -604,6 +615,8 @@ def bench_e2e(
                     outputs=texts_out.get(name, []),
                 )
                 results.append(r)
+            if on_cell:
+                on_cell(results, schedules, meta)
     return results, schedules, meta
 
 
@@ -750,29 +763,41 @@ def run_bench(s: BenchSettings, command: str = "", log: Callable[[str], None] = 
     meta: dict[str, Any] = {}
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     load_start = _loadavg()
+
+    def save(
+        more: list[RunResult], more_sched: list[list[str]], more_meta: dict[str, Any], partial: bool = True
+    ) -> dict[str, Any]:
+        """Write bench.json with everything measured so far (after every cell, so a stop keeps it)."""
+        runs = results + more
+        add_ratios(runs)
+        report = {
+            "command": command,
+            "started": started,
+            "partial": partial,
+            "settings": asdict(s),
+            "environment": environment(),
+            "load_average": {"start": load_start, "end": _loadavg()},  # other work on the machine
+            **{k: v for k, v in more_meta.items() if k not in meta},
+            **meta,
+            "schedules": schedules + more_sched,
+            "runs": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in runs],
+        }
+        text = json.dumps(report, indent=2, default=str) + "\n"
+        (out / "bench.json").write_text(text, encoding="utf-8")
+        return report
+
     if "decode" in s.modes:
-        r, sch, m = bench_decode(s, texts, log)
+        r, sch, m = bench_decode(s, texts, log, on_cell=save)
         results += r
         schedules += sch
         meta.update(m)
     if "e2e" in s.modes:
         with tempfile.TemporaryDirectory(prefix="seqgen-bench-") as tmp:
-            r, sch, m = bench_e2e(s, texts, Path(tmp), log)
+            r, sch, m = bench_e2e(s, texts, Path(tmp), log, on_cell=save)
         results += r
         schedules += sch
         meta.update({k: v for k, v in m.items() if k not in meta})
-    add_ratios(results)
-    report = {
-        "command": command,
-        "started": started,
-        "settings": asdict(s),
-        "environment": environment(),
-        "load_average": {"start": load_start, "end": _loadavg()},  # other work on the machine
-        **meta,
-        "schedules": schedules,
-        "runs": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results],
-    }
-    (out / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    report = save([], [], {}, partial=False)
     table = markdown_table(results)
     header = f"Command: `{command}`\n\n" if command else ""
     (out / "bench.md").write_text(header + table + "\n", encoding="utf-8")

@@ -84,6 +84,7 @@ def test_decode_outputs_json_table_png(tiny_models, input_file: Path, tmp_path: 
         assert r["peak_mem_mb"] > 0
     assert data["schedules"][0] == ["seqgen:warmup", "hf:warmup", "seqgen:0", "hf:0", "seqgen:1", "hf:1"]
     assert data["seqgen_backend"] in ("hf", "fast")
+    assert data["partial"] is False  # rewritten after every cell; final once complete
     assert "| beams | batch | system |" in report["table"]
     pytest.importorskip("matplotlib")
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
