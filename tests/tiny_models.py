@@ -1,0 +1,788 @@
+"""Tiny, randomly initialised Hugging Face checkpoints for tests, built fully offline.
+
+``build(family, dest)`` writes a complete checkpoint folder (config, generation config, safetensors weights,
+tokenizer) for one of :data:`FAMILIES`; ``build_real_tokenizer(family, dest)`` does the same with a real
+tokenizer + real config from ``../shared/tokenizers`` shrunk to tiny widths/depths (real vocab and special ids).
+Weights are random (seeded), so outputs are meaningless text, but deterministic and varied across inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+FAMILIES: tuple[str, ...] = ("bart", "mbart", "marian", "pegasus", "t5", "flan-t5", "gpt2", "llama")
+SEQ2SEQ_FAMILIES: frozenset[str] = frozenset({"bart", "mbart", "marian", "pegasus", "t5", "flan-t5"})
+CAUSAL_FAMILIES: frozenset[str] = frozenset({"gpt2", "llama"})
+
+#: family -> folder under ``shared/tokenizers`` used by :func:`build_real_tokenizer` (mbart/llama: none).
+REAL_TOKENIZER_DIRS: dict[str, str] = {
+    "bart": "bart-large-cnn",
+    "marian": "opus-mt-tc-big-en-pt",
+    "pegasus": "pegasus-xsum",
+    "t5": "t5-small",
+    "flan-t5": "flan-t5-small",
+    "gpt2": "gpt2",
+}
+
+#: mBART language-code tokens present in the tiny mBART vocabulary (appended after the trained vocab).
+MBART_LANG_CODES: tuple[str, ...] = ("en_XX", "de_DE", "fr_XX", "ro_RO", "pt_XX")
+MBART_SRC_LANG = "en_XX"
+MBART_TGT_LANG = "de_DE"
+
+SEED = 0
+VOCAB_SIZE = 600
+D_MODEL = 32
+FFN_DIM = 64
+N_HEADS = 4
+N_LAYERS = 2
+# Random-init knobs, tuned so greedy outputs are long (EOS is not argmax everywhere) and differ between
+# inputs. Small-std seq2seq models collapse to "argmax = current token" (tied embeddings + residual stream
+# dominated by the input embedding); large sub-layer weights plus down-scaled token embeddings avoid that.
+INIT_STD = 0.2  # decoder-only (gpt2/llama) initializer_range
+SEQ2SEQ_INIT_STD = 1.0  # bart/mbart/marian/pegasus init_std; T5 initializer_factor
+EMBED_SCALE: dict[str, float] = {"bart": 0.3, "mbart": 0.3, "marian": 0.3, "pegasus": 0.3, "t5": 0.1}
+_ALPHABET = [chr(c) for c in range(33, 127)] + list("éèêàâäöüïçñßÉÜÖÄ€£°’“”–—")
+SEQ2SEQ_MAX_POSITIONS = 512
+CAUSAL_MAX_POSITIONS = 1024
+
+# ----------------------------------------------------------------------------------------------------------
+# Built-in English text (deterministic, generated from a small grammar)
+# ----------------------------------------------------------------------------------------------------------
+
+_SUBJECTS = [
+    "the government",
+    "a spokesman",
+    "the committee",
+    "the old man",
+    "my sister",
+    "the company",
+    "researchers",
+    "the police",
+    "the mayor",
+    "local residents",
+    "the team",
+    "a young woman",
+    "the president",
+    "the children",
+    "the bank",
+    "scientists",
+    "the minister",
+    "the court",
+    "our neighbours",
+    "the airline",
+    "the new manager",
+    "the students",
+    "a doctor",
+    "the city council",
+    "the football club",
+    "the museum",
+    "farmers",
+    "the judge",
+]
+_VERBS = [
+    "announced",
+    "rejected",
+    "described",
+    "approved",
+    "discussed",
+    "reported",
+    "found",
+    "built",
+    "visited",
+    "criticised",
+    "welcomed",
+    "opened",
+    "sold",
+    "bought",
+    "studied",
+    "explained",
+    "changed",
+    "supported",
+    "planned",
+    "questioned",
+    "delivered",
+    "painted",
+    "measured",
+    "celebrated",
+    "repaired",
+    "closed",
+]
+_ADJECTIVES = [
+    "new",
+    "old",
+    "large",
+    "small",
+    "important",
+    "difficult",
+    "public",
+    "quiet",
+    "famous",
+    "green",
+    "early",
+    "final",
+    "recent",
+    "local",
+    "national",
+    "strange",
+    "simple",
+    "expensive",
+    "popular",
+    "careful",
+    "bright",
+]
+_OBJECTS = [
+    "plan",
+    "report",
+    "bridge",
+    "school",
+    "project",
+    "budget",
+    "law",
+    "station",
+    "hospital",
+    "garden",
+    "road",
+    "book",
+    "film",
+    "decision",
+    "study",
+    "market",
+    "house",
+    "river",
+    "company",
+    "museum",
+    "agreement",
+    "vote",
+    "price",
+    "storm",
+    "season",
+    "festival",
+    "machine",
+    "system",
+    "proposal",
+    "meeting",
+]
+_PLACES = [
+    "in London",
+    "in Berlin",
+    "near the coast",
+    "in the north",
+    "on Monday",
+    "last year",
+    "on Friday evening",
+    "in the capital",
+    "after the election",
+    "during the summer",
+    "in 2014",
+    "at the weekend",
+    "in Paris",
+    "across the country",
+    "before the match",
+    "in the city centre",
+    "at the end of the month",
+]
+_CONNECTORS = ["because", "although", "while", "after", "before", "and", "but", "so", "when", "since"]
+_QUOTES = [
+    '"We are very happy with the result," she said.',
+    '"It was not an easy decision," he told reporters.',
+    "The figures were published on Tuesday.",
+    "More than 300 people attended the event.",
+    "Prices rose by 4.5% in the first quarter.",
+    "Officials said the work would take about 18 months.",
+    "Nobody was injured, according to the fire service.",
+    "The talks will continue next week in Geneva.",
+    "It is the first time this has happened since 1998.",
+    "Critics say the cost of $2.3 million is too high.",
+]
+
+
+def _sentence(rng: random.Random) -> str:
+    """One random English sentence from the built-in grammar."""
+    if rng.random() < 0.15:
+        return rng.choice(_QUOTES)
+    clause = (
+        f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} the {rng.choice(_ADJECTIVES)} {rng.choice(_OBJECTS)}"
+    )
+    if rng.random() < 0.6:
+        clause += f" {rng.choice(_PLACES)}"
+    if rng.random() < 0.4:
+        clause += (
+            f" {rng.choice(_CONNECTORS)} {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)}"
+            f" a {rng.choice(_ADJECTIVES)} {rng.choice(_OBJECTS)}"
+        )
+    clause = clause[0].upper() + clause[1:]
+    return clause + rng.choice([".", ".", ".", "!", "?"])
+
+
+def builtin_corpus(n: int = 600, seed: int = SEED) -> list[str]:
+    """``n`` deterministic built-in English sentences (tokenizer training data and offline sample texts)."""
+    rng = random.Random(seed)
+    return [_sentence(rng) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shared reference folder and sample texts
+# ----------------------------------------------------------------------------------------------------------
+
+
+def shared_dir() -> Path | None:
+    """The read-only ``shared`` folder (``$SEQGEN_SHARED`` or ``<repo>/../shared``), or None when absent."""
+    repo_root = Path(__file__).resolve().parent.parent
+    path = Path(os.environ.get("SEQGEN_SHARED", repo_root.parent / "shared"))
+    return path if path.is_dir() else None
+
+
+def _read_lines(path: Path, limit: int) -> list[str]:
+    lines: list[str] = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            line = " ".join(line.split())
+            if line:
+                lines.append(line)
+            if len(lines) >= limit:
+                break
+    return lines
+
+
+def sample_texts(n: int, seed: int = 0) -> list[str]:
+    """``n`` deterministic English inputs of varied length (about 3 to 120 words).
+
+    Uses WMT14 newstest sentences and CNN/DM (SummEval) articles from ``shared/data`` when present, otherwise
+    the built-in grammar. Roughly: 1/4 short fragments, 1/2 single sentences, 1/4 truncated articles.
+    """
+    rng = random.Random(seed)
+    shared = shared_dir()
+    sentences: list[str] = []
+    articles: list[str] = []
+    if shared is not None:
+        wmt = shared / "data" / "wmt" / "en-de" / "newstest2014.en"
+        cnn = shared / "data" / "cnndm" / "summeval.source"
+        if wmt.is_file():
+            sentences = [s for s in _read_lines(wmt, 1000) if 3 <= len(s.split()) <= 60]
+        if cnn.is_file():
+            articles = _read_lines(cnn, 100)
+    if not sentences:
+        sentences = builtin_corpus(1000, seed=1234)
+    if not articles:
+        pool = builtin_corpus(2000, seed=4321)
+        articles = [" ".join(pool[i : i + 20]) for i in range(0, len(pool), 20)]
+    out: list[str] = []
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 0.25:
+            words = rng.choice(sentences).split()
+            out.append(" ".join(words[: rng.randint(3, 8)]))
+        elif kind < 0.75:
+            out.append(rng.choice(sentences))
+        else:
+            words = rng.choice(articles).split()
+            out.append(" ".join(words[: rng.randint(40, 120)]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _train_bpe_bytelevel(special: list[str]) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(builtin_corpus(), trainer=trainer)
+    return tok
+
+
+def _train_unigram(special: list[str], unk: str, prepend_scheme: str = "always") -> Any:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(" {2,}", " ")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    trainer = trainers.UnigramTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=special,
+        unk_token=unk,
+        initial_alphabet=_ALPHABET,
+        show_progress=False,
+    )
+    tok.train_from_iterator(builtin_corpus(), trainer=trainer)
+    return tok
+
+
+def _template(tok: Any, single: str, pair: str) -> None:
+    from tokenizers import processors
+
+    names = {t for t in (single + " " + pair).split() if not t.startswith("$")}
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=[(t, tok.token_to_id(t)) for t in sorted(names)]
+    )
+
+
+def _make_tokenizer(family: str) -> Any:
+    """A ``PreTrainedTokenizerFast`` with the family's special-token layout (see module report for ids)."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    kw: dict[str, Any]
+    if family == "bart":
+        tok = _train_bpe_bytelevel(["<s>", "<pad>", "</s>", "<unk>"])
+        tok.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
+        _template(tok, "<s> $A </s>", "<s> $A </s> </s> $B </s>")
+        kw = dict(
+            bos_token="<s>",
+            eos_token="</s>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+            cls_token="<s>",
+            sep_token="</s>",
+            mask_token="<mask>",
+        )
+    elif family == "gpt2":
+        tok = _train_bpe_bytelevel([])
+        tok.add_special_tokens(["<|endoftext|>"])  # last id, as in real GPT-2
+        kw = dict(
+            bos_token="<|endoftext|>",
+            eos_token="<|endoftext|>",
+            unk_token="<|endoftext|>",
+            pad_token="<|endoftext|>",
+            padding_side="left",
+        )
+    elif family == "mbart":
+        tok = _train_unigram(["<s>", "<pad>", "</s>", "<unk>"], unk="<unk>")
+        tok.add_special_tokens(list(MBART_LANG_CODES) + ["<mask>"])
+        _template(tok, f"{MBART_SRC_LANG} $A </s>", f"{MBART_SRC_LANG} $A $B </s>")
+        kw = dict(
+            bos_token="<s>",
+            eos_token="</s>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+            cls_token="<s>",
+            sep_token="</s>",
+            mask_token="<mask>",
+            additional_special_tokens=list(MBART_LANG_CODES),
+        )
+    elif family == "marian":
+        tok = _train_unigram(["</s>", "<unk>"], unk="<unk>")
+        tok.add_special_tokens(["<pad>"])  # last id, as in real OPUS-MT
+        _template(tok, "$A </s>", "$A $B </s>")
+        kw = dict(eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    elif family in ("pegasus", "t5", "flan-t5"):
+        tok = _train_unigram(["<pad>", "</s>", "<unk>"], unk="<unk>")
+        _template(tok, "$A </s>", "$A </s> $B </s>")
+        kw = dict(eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    elif family == "llama":
+        tok = _train_unigram(["<unk>", "<s>", "</s>"], unk="<unk>", prepend_scheme="first")
+        _template(tok, "<s> $A", "<s> $A <s> $B")
+        kw = dict(
+            bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>", padding_side="left"
+        )
+    else:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=SEQ2SEQ_MAX_POSITIONS, **kw)
+    return fast
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------------------
+
+_BART_LIKE_SIZES: dict[str, Any] = dict(
+    d_model=D_MODEL,
+    encoder_layers=N_LAYERS,
+    decoder_layers=N_LAYERS,
+    encoder_attention_heads=N_HEADS,
+    decoder_attention_heads=N_HEADS,
+    encoder_ffn_dim=FFN_DIM,
+    decoder_ffn_dim=FFN_DIM,
+    init_std=SEQ2SEQ_INIT_STD,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+)
+_T5_SIZES: dict[str, Any] = dict(
+    d_model=D_MODEL,
+    d_kv=D_MODEL // N_HEADS,
+    d_ff=FFN_DIM,
+    num_layers=N_LAYERS,
+    num_decoder_layers=N_LAYERS,
+    num_heads=N_HEADS,
+    initializer_factor=SEQ2SEQ_INIT_STD,
+    dropout_rate=0.0,
+)
+_GPT2_SIZES: dict[str, Any] = dict(
+    n_embd=D_MODEL,
+    n_layer=N_LAYERS,
+    n_head=N_HEADS,
+    initializer_range=INIT_STD,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
+
+
+def _ids(tok: Any) -> dict[str, int | None]:
+    return {
+        "bos": tok.bos_token_id,
+        "eos": tok.eos_token_id,
+        "pad": tok.pad_token_id,
+        "unk": tok.unk_token_id,
+    }
+
+
+def _config_and_generation(family: str, tok: Any) -> tuple[Any, dict[str, Any]]:
+    """The model config and generation-config token ids (nothing but token ids) for a tiny family."""
+    from transformers import (
+        BartConfig,
+        GPT2Config,
+        LlamaConfig,
+        MarianConfig,
+        MBartConfig,
+        PegasusConfig,
+        T5Config,
+    )
+
+    i = _ids(tok)
+    vocab = len(tok)
+    gen: dict[str, Any]
+    if family == "bart":
+        ids = dict(
+            bos_token_id=i["bos"],
+            eos_token_id=i["eos"],
+            pad_token_id=i["pad"],
+            decoder_start_token_id=i["eos"],
+            forced_bos_token_id=i["bos"],
+            forced_eos_token_id=i["eos"],
+        )
+        cfg = BartConfig(
+            vocab_size=vocab,
+            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
+            scale_embedding=False,
+            normalize_before=False,
+            activation_function="gelu",
+            **_BART_LIKE_SIZES,
+            **ids,
+        )
+        gen = ids
+    elif family == "mbart":
+        ids = dict(
+            bos_token_id=i["bos"],
+            eos_token_id=i["eos"],
+            pad_token_id=i["pad"],
+            decoder_start_token_id=i["eos"],
+            forced_bos_token_id=tok.convert_tokens_to_ids(MBART_TGT_LANG),
+            forced_eos_token_id=i["eos"],
+        )
+        cfg = MBartConfig(
+            vocab_size=vocab,
+            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
+            scale_embedding=True,
+            activation_function="relu",
+            **_BART_LIKE_SIZES,
+            **ids,
+        )
+        gen = ids
+    elif family == "marian":
+        ids = dict(
+            bos_token_id=i["eos"],
+            eos_token_id=i["eos"],
+            pad_token_id=i["pad"],
+            decoder_start_token_id=i["pad"],
+            forced_eos_token_id=i["eos"],
+        )
+        cfg = MarianConfig(
+            vocab_size=vocab,
+            decoder_vocab_size=vocab,
+            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
+            scale_embedding=True,
+            static_position_embeddings=True,
+            activation_function="swish",
+            share_encoder_decoder_embeddings=True,
+            **_BART_LIKE_SIZES,
+            **ids,
+        )
+        gen = dict(ids, bad_words_ids=[[i["pad"]]])
+    elif family == "pegasus":
+        ids = dict(
+            bos_token_id=i["pad"],
+            eos_token_id=i["eos"],
+            pad_token_id=i["pad"],
+            decoder_start_token_id=i["pad"],
+            forced_eos_token_id=i["eos"],
+        )
+        cfg = PegasusConfig(
+            vocab_size=vocab,
+            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
+            scale_embedding=True,
+            activation_function="relu",
+            **_BART_LIKE_SIZES,
+            **ids,
+        )
+        gen = ids
+    elif family in ("t5", "flan-t5"):
+        ids = dict(eos_token_id=i["eos"], pad_token_id=i["pad"], decoder_start_token_id=i["pad"])
+        v11 = family == "flan-t5"
+        cfg = T5Config(
+            vocab_size=vocab,
+            n_positions=SEQ2SEQ_MAX_POSITIONS,
+            feed_forward_proj="gated-gelu" if v11 else "relu",
+            tie_word_embeddings=not v11,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=20,
+            **_T5_SIZES,
+            **ids,
+        )
+        gen = ids
+    elif family == "gpt2":
+        ids = dict(bos_token_id=i["eos"], eos_token_id=i["eos"], pad_token_id=i["eos"])
+        cfg = GPT2Config(vocab_size=vocab, n_positions=CAUSAL_MAX_POSITIONS, **_GPT2_SIZES, **ids)
+        gen = ids
+    elif family == "llama":
+        ids = dict(bos_token_id=i["bos"], eos_token_id=i["eos"], pad_token_id=i["pad"])
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=D_MODEL,
+            intermediate_size=FFN_DIM,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=N_HEADS,
+            num_key_value_heads=2,
+            max_position_embeddings=CAUSAL_MAX_POSITIONS,
+            rms_norm_eps=1e-6,
+            hidden_act="silu",
+            initializer_range=INIT_STD,
+            tie_word_embeddings=False,
+            **ids,
+        )
+        gen = ids
+    else:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    return cfg, gen
+
+
+def _save_model(config: Any, gen_ids: dict[str, Any], causal: bool, dest: Path) -> None:
+    """Seeded ``from_config`` + embedding rescale (see :data:`EMBED_SCALE`) + ``save_pretrained``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, GenerationConfig
+
+    torch.manual_seed(SEED)
+    auto = AutoModelForCausalLM if causal else AutoModelForSeq2SeqLM
+    model = auto.from_config(config)
+    scale = EMBED_SCALE.get(config.model_type)
+    if scale is not None:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(scale)  # tied heads scale along, which is harmless
+    model.eval()
+    model.generation_config = GenerationConfig(**gen_ids)
+    model.save_pretrained(dest)
+
+
+def build(family: str, dest: Path) -> Path:
+    """Write a tiny random checkpoint folder for ``family`` into ``dest`` (created) and return ``dest``."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(family)
+    cfg, gen = _config_and_generation(family, tok)
+    _save_model(cfg, gen, family in CAUSAL_FAMILIES, dest)
+    tok.save_pretrained(dest)
+    return dest
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Real tokenizers + real configs, shrunk
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _SpmPiece(types.SimpleNamespace):
+    piece: str
+    score: float
+    type: int
+
+
+@contextlib.contextmanager
+def _spm_without_protobuf() -> Iterator[None]:
+    """Let transformers read ``.model`` sentencepiece files when ``protobuf`` is not installed.
+
+    transformers 5 parses spm files with protobuf; this swaps in an extractor backed by the ``sentencepiece``
+    library (no precompiled normaliser charsmap, so NFKC-type normalisation is skipped).
+    """
+    try:
+        import google.protobuf  # noqa: F401
+
+        yield
+        return
+    except ImportError:
+        pass
+    import importlib
+
+    import sentencepiece as spm
+
+    # not ``import transformers.convert_slow_tokenizer``: that name is shadowed by a function of the package
+    cst = importlib.import_module("transformers.convert_slow_tokenizer")
+
+    original = cst.SentencePieceExtractor
+
+    class _Extractor(original):  # type: ignore[misc, valid-type]
+        def __init__(self, model: str) -> None:
+            sp = spm.SentencePieceProcessor(model_file=str(model))
+            pieces = []
+            for k in range(sp.get_piece_size()):
+                kind = 2 if sp.is_unknown(k) else 3 if sp.is_control(k) else 5 if sp.is_unused(k) else 1
+                if kind == 1 and hasattr(sp, "is_byte") and sp.is_byte(k):
+                    kind = 6
+                pieces.append(_SpmPiece(piece=sp.id_to_piece(k), score=sp.get_score(k), type=kind))
+            self.proto = types.SimpleNamespace(
+                pieces=pieces,
+                trainer_spec=types.SimpleNamespace(unk_id=sp.unk_id(), model_type=1, byte_fallback=False),
+                normalizer_spec=types.SimpleNamespace(precompiled_charsmap=b"", add_dummy_prefix=True),
+            )
+
+    cst.SentencePieceExtractor = _Extractor
+    try:
+        yield
+    finally:
+        cst.SentencePieceExtractor = original
+
+
+_GEN_ID_KEYS = frozenset(
+    {
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "decoder_start_token_id",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "bad_words_ids",
+    }
+)
+
+
+def _shrink_config(config: Any) -> Any:
+    """Shrink width/depth of a real config in place, keeping vocab, special ids and architecture quirks."""
+    mt = config.model_type
+    if mt in ("bart", "mbart", "marian", "pegasus"):
+        for k, v in _BART_LIKE_SIZES.items():
+            setattr(config, k, v)
+        config.num_hidden_layers = N_LAYERS
+    elif mt == "t5":
+        for k, v in _T5_SIZES.items():
+            setattr(config, k, v)
+    elif mt == "gpt2":
+        for k, v in _GPT2_SIZES.items():
+            setattr(config, k, v)
+    else:
+        raise ValueError(f"cannot shrink model_type {mt!r}")
+    return config
+
+
+def build_real_tokenizer(family: str, dest: Path) -> Path | None:
+    """Tiny random model with a real tokenizer/config from ``shared/tokenizers``; None if not available.
+
+    Keeps the real vocab size, special-token ids and architecture flags; widths and depths are shrunk. The
+    generation config keeps only the real token-id fields (:data:`_GEN_ID_KEYS`), not search defaults such
+    as bart-large-cnn's beam 4 / min 56 / no-repeat 3 (read those from ``shared/tokenizers/<name>``).
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    shared = shared_dir()
+    name = REAL_TOKENIZER_DIRS.get(family)
+    if shared is None or name is None or not (shared / "tokenizers" / name).is_dir():
+        return None
+    src = shared / "tokenizers" / name
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tok_kw: dict[str, Any] = {"padding_side": "left"} if family in CAUSAL_FAMILIES else {}
+    with _spm_without_protobuf():
+        tok = AutoTokenizer.from_pretrained(src, **tok_kw)  # padding_side set later is not saved (v5)
+    config = _shrink_config(AutoConfig.from_pretrained(src))
+    real_gen = GenerationConfig.from_pretrained(src).to_dict()
+    gen = {k: v for k, v in real_gen.items() if k in _GEN_ID_KEYS and v is not None}
+    if family == "gpt2":  # GPT-2 has no pad token: pad = eos for batching, as in the tiny gpt2
+        gen["pad_token_id"] = config.pad_token_id = gen["eos_token_id"]
+    _save_model(config, gen, family in CAUSAL_FAMILIES, dest)
+    if family == "gpt2":
+        tok.pad_token = tok.eos_token
+    tok.save_pretrained(dest)
+    # Only a tokenizer.json-based tokenizer should be loaded from dest (no spm/protobuf needed later).
+    info = {"source": name, "vocab_size": config.vocab_size, "len_tokenizer": len(tok)}
+    (dest / "TINY_REAL_TOKENIZER.json").write_text(json.dumps(info, indent=2) + "\n")
+    return dest
+
+
+def copy_checkpoint(src: Path, dest: Path) -> Path:
+    """Copy a built checkpoint folder (for tests that want to modify one)."""
+    shutil.copytree(src, dest, dirs_exist_ok=True)
+    return dest
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cross-session cache
+# ----------------------------------------------------------------------------------------------------------
+
+
+def factory_hash() -> str:
+    """Hash of this module's source and the transformers/tokenizers versions (cache key)."""
+    import hashlib
+
+    import tokenizers
+    import transformers
+
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(f"{transformers.__version__}/{tokenizers.__version__}".encode())
+    return h.hexdigest()[:16]
+
+
+def default_cache_root() -> Path:
+    """``$SEQGEN_TEST_CACHE`` or ``~/.cache/seqgen-tests``, with :func:`factory_hash` appended."""
+    root = Path(os.environ.get("SEQGEN_TEST_CACHE", Path.home() / ".cache" / "seqgen-tests"))
+    return root / factory_hash()
+
+
+def cached_build(family: str, real: bool = False, cache_root: Path | None = None) -> Path | None:
+    """Build (or reuse) ``<cache_root>/<family>`` (``real-<family>`` for real-tokenizer variants).
+
+    Builds into a temporary sibling folder and renames it into place, so concurrent test sessions never see
+    a half-written checkpoint. Returns None where :func:`build_real_tokenizer` does.
+    """
+    import tempfile
+
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    final = root / (f"real-{family}" if real else family)
+    if final.is_dir():
+        return final
+    if real and (family not in REAL_TOKENIZER_DIRS or shared_dir() is None):
+        return None
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        out = build_real_tokenizer(family, tmp) if real else build(family, tmp)
+        if out is None:
+            return None
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # lost a race only if the winner's folder exists
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
