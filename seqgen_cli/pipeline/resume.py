@@ -98,20 +98,22 @@ def _read_index(index: Path) -> tuple[dict[str, Any], ResumeState]:
 
 
 def skip_done(records: Iterator[Record], state: ResumeState, digest: InputDigest) -> Iterator[Record]:
-    """Pass over the ``state.done`` inputs already written (hashing them), then yield the rest."""
+    """Read past the ``state.done`` inputs already written, hashing and checking them, now.
+
+    Returns the iterator positioned at the first input still to generate.
+    """
+    records = iter(records)
     seen = 0
-    for record in records:
-        if seen < state.done:
-            digest.update(record)
-            seen += 1
-            if seen == state.done and digest.hexdigest() != state.sha256:
-                raise SeqgenError(
-                    f"--resume: the first {seen} inputs differ from those of the interrupted run "
-                    "(same files, same order?)"
-                )
-            continue
-        yield record
-    if seen < state.done:
+    while seen < state.done:
+        record = next(records, None)
+        if record is None:
+            raise SeqgenError(
+                f"--resume: the input has only {seen} entries but the interrupted run already wrote {state.done}"
+            )
+        digest.update(record)
+        seen += 1
+    if state.done and digest.hexdigest() != state.sha256:
         raise SeqgenError(
-            f"--resume: the input has only {seen} entries but the interrupted run already wrote {state.done}"
+            f"--resume: the first {seen} inputs differ from those of the interrupted run (same files, same order?)"
         )
+    return records

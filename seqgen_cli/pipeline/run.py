@@ -18,7 +18,7 @@ from seqgen_cli.pipeline.output import Sink
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.read import Record
 from seqgen_cli.pipeline.resume import InputDigest
-from seqgen_cli.pipeline.stats import Summary
+from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
 from seqgen_cli.pipeline.tokenise import Item, ReaderStage
 from seqgen_cli.pipeline.write import OrderedWriter, Result
 
@@ -105,7 +105,9 @@ def run(
     with ``on_error="fail"`` (everything before it is written either way).
     """
     t_start = time.perf_counter()
-    summary = Summary(backend=gen.backend, resumed_from=start, output=sink.name)
+    summary = Summary(
+        backend=gen.backend, resumed_from=start, output=sink.name, rss_at_start_mb=peak_rss_mb()
+    )
     progress = progress or Progress(False)
     cfg = gen.config
     n_seq = cfg.num_return_sequences or 1

@@ -27,6 +27,7 @@ class Summary:
     interrupted: bool = False
     error: str | None = None
     metrics: dict[str, Any] | None = field(default=None)
+    rss_at_start_mb: float = 0.0  # peak resident memory before the run (model loaded)
 
     @property
     def samples_per_second(self) -> float:
