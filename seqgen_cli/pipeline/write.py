@@ -80,7 +80,7 @@ class OrderedWriter:
         self.digest = digest or InputDigest()
         self.keep = keep  # when a list: the first output of every input is appended (for scoring)
         self._pending: dict[int, tuple[Record, list[str], str | None]] = {}
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.Queue = queue.Queue(maxsize=64)  # backpressure: a slow sink slows generation
         self.error: BaseException | None = None
         self.seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="seqgen-write", daemon=True)
@@ -90,9 +90,14 @@ class OrderedWriter:
         return self
 
     def put(self, results: list[Result]) -> None:
-        if self.error is not None:
-            raise self.error
-        self._q.put(results)
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self._q.put(results, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     @property
     def backlog(self) -> int:
@@ -101,7 +106,12 @@ class OrderedWriter:
 
     def close(self) -> None:
         """Write everything that can be written in order, commit, and stop the thread."""
-        self._q.put(_CLOSE)
+        while self._thread.is_alive():
+            try:
+                self._q.put(_CLOSE, timeout=0.1)
+                break
+            except queue.Full:
+                continue
         self._thread.join()
         if self.error is not None:
             raise self.error
