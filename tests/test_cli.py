@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner
@@ -281,3 +282,13 @@ def test_real_pipe_through_console_entry(bart: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr.decode()
     assert len(out.read_text(encoding="utf-8").splitlines()) == 2
     assert b"inputs in" in proc.stderr  # the summary goes to stderr, never into the output
+
+
+def test_every_option_has_help() -> None:
+    """`seqgen COMMAND --help` explains every option."""
+    for name, command in main.commands.items():
+        assert command.help, name
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"seqgen {name} {param.opts[0]} has no help text"
+        assert seqgen(name, "--help").exit_code == 0
