@@ -41,13 +41,19 @@ def sync_loop(gen: Generator, path: str, out: str, batch_size: int, window: int)
                 fh.write(format_output(r, outs.get(r.index, [""]), "text", "output"))
             n += len(chunk)
     secs = time.perf_counter() - t0
-    return {"samples_per_s": n / secs, "padding": 1 - real / padded if padded else 0.0, "seconds": secs}
+    padding = 1 - real / padded if padded else 0.0
+    return {"samples_per_s": n / secs, "padding": padding, "seconds": secs, "stages": "(serial)"}
 
 
 def pipelined(gen: Generator, path: str, out: str, **opts) -> dict:
     Path(f"{out}.seqgen-index").unlink(missing_ok=True)
     s = run(gen, read_records([path]), FileSink(out, {}), RunOptions(**opts))
-    return {"samples_per_s": s.samples_per_second, "padding": s.padding_ratio, "seconds": s.seconds}
+    return {
+        "samples_per_s": s.samples_per_second,
+        "padding": s.padding_ratio,
+        "seconds": s.seconds,
+        "stages": f"{s.read_seconds + s.tokenise_seconds:.2f} / {s.generate_seconds:.2f} / {s.write_seconds:.2f}",
+    }
 
 
 def main() -> None:
@@ -92,12 +98,13 @@ def main() -> None:
         f"{args.input} ({lines} lines), {args.model}, max_new_tokens={args.max_new_tokens}, "
         f"beams={args.num_beams}, batch size {bs}, budget {args.batch_tokens}, {args.repeats} repeats"
     )
-    print("| variant | samples/s (median) | all repeats | padding |\n| --- | ---: | --- | ---: |")
+    print("| variant | samples/s (median) | all repeats | padding | read+tokenise / generate / write s |")
+    print("| --- | ---: | --- | ---: | --- |")
     for name, rs in results.items():
         rates = [r["samples_per_s"] for r in rs]
         print(
             f"| {name} | {statistics.median(rates):.1f} | {', '.join(f'{r:.1f}' for r in rates)} | "
-            f"{100 * rs[0]['padding']:.1f}% |"
+            f"{100 * rs[0]['padding']:.1f}% | {rs[-1]['stages']} |"
         )
     same = outputs["sync loop, sorted window, batch size"] == outputs["pipeline, sorted window, batch size"]
     print(f"sync loop and pipeline outputs identical: {same}")
