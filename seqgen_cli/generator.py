@@ -63,6 +63,7 @@ class Generator:
         if seed is not None:
             torch.manual_seed(seed)
         self.backend = self._pick_backend(backend)
+        self._decoder = None  # the engine's model backend, built on first use
 
     # -- settings ---------------------------------------------------------------------------------
     def _source_limit(self, requested: int | None) -> int | None:
@@ -98,10 +99,8 @@ class Generator:
 
     def _fast_unsupported(self) -> str | None:
         """Why seqgen's engine cannot run the resolved settings, or ``None`` when it can."""
-        try:
-            from seqgen_cli.search import unsupported_reason
-        except ImportError:
-            return "the decoding engine is not available in this build"
+        from seqgen_cli.search import unsupported_reason
+
         return unsupported_reason(self.config)
 
     # -- tokens -----------------------------------------------------------------------------------
@@ -153,13 +152,17 @@ class Generator:
             raise SeqgenError("cannot generate from an empty token sequence")
         input_ids, mask = self.pad(batch)
         if self.backend == "fast":
-            from seqgen_cli.models import get_decoder
-            from seqgen_cli.search import generate
-            from seqgen_cli.search.protocol import Batch
-
-            out = generate(get_decoder(self.model), Batch(input_ids, mask), self.config, seed=self.seed)
-            return out.sequences
+            return self._generate_fast(input_ids, mask)
         return self._generate_hf(input_ids, mask)
+
+    def _generate_fast(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
+        from seqgen_cli.models import get_decoder
+        from seqgen_cli.search import generate
+        from seqgen_cli.search.protocol import Batch
+
+        if self._decoder is None:
+            self._decoder = get_decoder(self.model)
+        return generate(self._decoder, Batch(input_ids, mask), self.config, seed=self.seed).sequences
 
     def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
         sequences = self.model.generate(

@@ -1,0 +1,75 @@
+"""seqgen's decoding engine: greedy, beam search and sampling over any :class:`Decoder` backend.
+
+``generate(decoder, batch, config)`` takes a ``GenerationConfig`` already merged with the model's own
+``generation_config`` (see :func:`merge_generation_config`); fields left ``None`` take transformers' global
+defaults. Special tokens, lengths and the mode are resolved here (:func:`resolve_settings`), because
+lengths depend on the batch's prompt width. Unsupported options raise ``SeqgenError``: fall back to
+``model.generate()``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.search.beam import beam_search
+from seqgen_cli.search.greedy import greedy_search
+from seqgen_cli.search.output import SearchOutput
+from seqgen_cli.search.protocol import Batch, Decoder
+from seqgen_cli.search.sampling import sample_search
+from seqgen_cli.search.settings import SearchSettings, merge_generation_config, resolve_mode, resolve_settings
+
+__all__ = [
+    "Batch",
+    "Decoder",
+    "SearchOutput",
+    "SearchSettings",
+    "generate",
+    "merge_generation_config",
+    "resolve_settings",
+    "settings_for",
+    "unsupported_reason",
+]
+
+
+def unsupported_reason(config: GenerationConfig) -> str | None:
+    """Why the engine cannot run ``config`` (then use ``model.generate()``), or ``None`` when it can."""
+    try:
+        resolve_mode(config)
+    except SeqgenError as err:
+        return str(err)
+    return None
+
+
+def settings_for(decoder: Decoder, batch: Batch, config: GenerationConfig) -> SearchSettings:
+    """Resolve ``config`` for this decoder and batch (prompt width: 1 decoder start token, or the padded prompt)."""
+    prompt_len = 1 if decoder.is_encoder_decoder else batch.input_ids.shape[1]
+    return resolve_settings(
+        config,
+        is_encoder_decoder=decoder.is_encoder_decoder,
+        prompt_len=prompt_len,
+        max_position_embeddings=getattr(decoder, "max_position_embeddings", None),
+    )
+
+
+@torch.inference_mode()
+def generate(
+    decoder: Decoder,
+    batch: Batch,
+    config: GenerationConfig,
+    *,
+    seed: int | None = None,
+    sync_every: int | None = None,
+) -> SearchOutput:
+    """Generate for every input of ``batch``; token-identical to ``model.generate()`` for greedy and beam search.
+
+    ``seed`` seeds sampling (ignored otherwise). ``sync_every``: steps between host checks for finished
+    inputs (default: every step on CPU, every 4 on GPU); it never changes results.
+    """
+    settings = settings_for(decoder, batch, config)
+    if settings.mode == "beam":
+        return beam_search(decoder, batch, settings, sync_every)
+    if settings.mode == "sample":
+        return sample_search(decoder, batch, settings, seed, sync_every)
+    return greedy_search(decoder, batch, settings, sync_every)

@@ -42,6 +42,8 @@ class Decoder(Protocol):
 
     is_encoder_decoder: bool
     vocab_size: int  # width of the logits step() returns
+    # Optional (read with getattr): ``max_position_embeddings: int | None`` caps transformers' default
+    # max_length (20 new tokens) as generate() does.
 
     def start(
         self, batch: Batch, rows_per_input: int, max_new_tokens: int
@@ -56,7 +58,10 @@ class Decoder(Protocol):
         ...
 
     def step(self, state: Any, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per running row (``tokens``: [N] int64); return next-token logits [N, V]."""
+        """Feed one token per running row (``tokens``: [N] int64); return next-token logits [N, V].
+
+        The search owns the returned tensor (it may modify it in place).
+        """
         ...
 
     def reorder(self, state: Any, rows: torch.Tensor) -> None:

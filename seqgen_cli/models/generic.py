@@ -1,0 +1,140 @@
+"""A :class:`~seqgen_cli.search.protocol.Decoder` over any transformers causal-LM or seq2seq model.
+
+It feeds the model exactly what ``generate()`` feeds it: inputs built by the model's own
+``prepare_inputs_for_generation``, transformers' cache objects (``DynamicCache`` / ``EncoderDecoderCache``),
+position ids from the cumulative attention mask (decoder-only, left padding), a mask dropped when it has no
+padding, ``logits_to_keep=1`` where supported. So its logits match ``generate()``'s bit for bit on the same
+rows. Speed comes from the per-family backends; this one is the reference and the fallback.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+
+from seqgen_cli.search.protocol import Batch
+
+
+@dataclass
+class GenericState:
+    cache: Any  # DynamicCache | EncoderDecoderCache, rows = N
+    rows_per_input: int
+    encoder_outputs: BaseModelOutput | None = None  # last_hidden_state [N, S, d] (encoder-decoder)
+    attention_mask: torch.Tensor | None = None  # enc-dec: encoder mask [N, S]; dec-only: [N, L] or None
+    position_ids: torch.Tensor | None = None  # decoder-only: [N, 1] position of the last fed token
+
+
+class GenericDecoder:
+    """Reference backend: one ``model(...)`` call per step through transformers' own input preparation."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model.eval()
+        self.is_encoder_decoder = bool(model.config.is_encoder_decoder)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        text_config = model.config.get_text_config(decoder=True)
+        self.max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
+        self._cache_config = text_config
+        params = set(inspect.signature(model.forward).parameters)
+        self._logits_to_keep = "logits_to_keep" in params
+        self._accepts_position_ids = "position_ids" in params
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def _new_cache(self) -> Any:
+        cache = DynamicCache(config=self._cache_config)
+        if self.is_encoder_decoder:
+            cache = EncoderDecoderCache(cache, DynamicCache(config=self._cache_config))
+        return cache
+
+    def _forward(self, input_ids: torch.Tensor, state: GenericState, first: bool) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"past_key_values": state.cache, "use_cache": True}
+        if state.attention_mask is not None:
+            kwargs["attention_mask"] = state.attention_mask
+        if self.is_encoder_decoder:
+            kwargs["encoder_outputs"] = state.encoder_outputs
+        else:
+            if state.position_ids is not None:
+                kwargs["position_ids"] = state.position_ids
+            if self._logits_to_keep:
+                kwargs["logits_to_keep"] = 1
+        inputs = self.model.prepare_inputs_for_generation(
+            input_ids, next_sequence_length=None if first else 1, is_first_iteration=first, **kwargs
+        )
+        out = self.model(**inputs, return_dict=True)
+        state.cache = out.past_key_values
+        return out.logits[:, -1, :]  # [rows, V]
+
+    @torch.inference_mode()
+    def start(
+        self, batch: Batch, rows_per_input: int, max_new_tokens: int
+    ) -> tuple[GenericState, torch.Tensor | None]:
+        r = rows_per_input
+        input_ids, mask = batch.input_ids, batch.attention_mask
+        if self.is_encoder_decoder:
+            encoder = self.model.get_encoder()
+            enc = encoder(input_ids=input_ids, attention_mask=mask, return_dict=True)
+            hidden = enc.last_hidden_state.repeat_interleave(r, dim=0)  # [N, S, d]
+            state = GenericState(
+                cache=self._new_cache(),
+                rows_per_input=r,
+                encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
+                attention_mask=mask.repeat_interleave(r, dim=0),  # [N, S]
+            )
+            return state, None
+        # Decoder-only prefill, once per input ([B] rows); rows are expanded to B * R afterwards.
+        position_ids = None
+        if self._accepts_position_ids:
+            position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [B, S]
+        has_padding = not bool((mask == 1).all())
+        state = GenericState(
+            cache=self._new_cache(),
+            rows_per_input=r,
+            attention_mask=mask if has_padding else None,  # generate() drops an all-ones mask
+            position_ids=position_ids,
+        )
+        logits = self._forward(input_ids, state, first=True)  # [B, V]
+        if r > 1:
+            state.cache.batch_repeat_interleave(r)
+            if state.attention_mask is not None:
+                state.attention_mask = state.attention_mask.repeat_interleave(r, dim=0)
+            if position_ids is not None:
+                state.position_ids = position_ids.repeat_interleave(r, dim=0)
+        if state.position_ids is not None:
+            state.position_ids = state.position_ids[:, -1:]
+        return state, logits
+
+    @torch.inference_mode()
+    def step(self, state: GenericState, tokens: torch.Tensor) -> torch.Tensor:
+        if not self.is_encoder_decoder:
+            if state.attention_mask is not None:
+                ones = state.attention_mask.new_ones((state.attention_mask.shape[0], 1))
+                state.attention_mask = torch.cat([state.attention_mask, ones], dim=-1)  # [N, L + 1]
+            if state.position_ids is not None:
+                state.position_ids = state.position_ids + 1  # [N, 1]
+        return self._forward(tokens[:, None], state, first=False)
+
+    def reorder(self, state: GenericState, rows: torch.Tensor) -> None:
+        # Rows only move within an input, so masks, positions and the cross-attention cache are unchanged.
+        cache = state.cache
+        if isinstance(cache, EncoderDecoderCache):
+            cache = cache.self_attention_cache
+        cache.reorder_cache(rows)
+
+    def drop(self, state: GenericState, keep: torch.Tensor) -> None:
+        r = state.rows_per_input
+        rows = (keep[:, None] * r + torch.arange(r, device=keep.device)).reshape(-1)  # [B' * R]
+        state.cache.batch_select_indices(rows)
+        if state.encoder_outputs is not None:
+            hidden = state.encoder_outputs.last_hidden_state.index_select(0, rows)
+            state.encoder_outputs = BaseModelOutput(last_hidden_state=hidden)
+        if state.attention_mask is not None:
+            state.attention_mask = state.attention_mask.index_select(0, rows)
+        if state.position_ids is not None:
+            state.position_ids = state.position_ids.index_select(0, rows)

@@ -1,0 +1,86 @@
+"""The running rows shared by every search loop: backend state, token history and processors.
+
+Rows are input-major (``row = b * R + k``, see ``protocol.py``). Inputs that finish leave together with
+all their rows: :meth:`Rows.keep_inputs` applies one selection to the backend, the history and the stateful
+processors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from seqgen_cli.search.history import TokenHistory
+from seqgen_cli.search.processors import LogitsPipeline
+from seqgen_cli.search.protocol import Batch, Decoder
+from seqgen_cli.search.settings import SearchSettings
+
+
+def default_sync_every(device: torch.device) -> int:
+    """Steps between "which inputs are done?" host checks.
+
+    On CPU a sync is free, so check every step (finished inputs leave at once). On GPU a check drains the
+    launch queue, so check every 4 steps: in between, finished inputs keep running with frozen results,
+    which wastes at most 3 steps of their rows.
+    """
+    return 1 if device.type == "cpu" else 4
+
+
+@dataclass
+class Rows:
+    decoder: Decoder
+    state: Any
+    history: TokenHistory
+    pipeline: LogitsPipeline
+    rows_per_input: int
+    inputs: list[int]  # original batch index of each active input
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.inputs)
+
+    def row_index(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Rows of the given active inputs: [B'] -> [B' * R] int64."""
+        r = self.rows_per_input
+        return (inputs[:, None] * r + torch.arange(r, device=inputs.device)).reshape(-1)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Beam reordering within inputs: new row ``i`` continues old row ``rows[i]``."""
+        self.history.select(rows)
+        self.pipeline.select(rows)
+        self.decoder.reorder(self.state, rows)
+
+    def keep_inputs(self, keep: torch.Tensor) -> None:
+        """Finished inputs leave: keep active inputs ``keep`` ([B'] int64, ascending, on device)."""
+        rows = self.row_index(keep)
+        self.history.select(rows)
+        self.pipeline.select(rows)
+        self.decoder.drop(self.state, keep)
+        self.inputs = [self.inputs[i] for i in keep.tolist()]
+
+
+def start_rows(
+    decoder: Decoder, batch: Batch, settings: SearchSettings, rows_per_input: int
+) -> tuple[Rows, torch.Tensor]:
+    """Start the backend and the history for ``B * R`` rows; returns the rows and the first logits [N, V]."""
+    r = rows_per_input
+    bsz = batch.input_ids.shape[0]
+    device = batch.input_ids.device
+    state, first = decoder.start(batch, rows_per_input=r, max_new_tokens=settings.max_new_tokens)
+    if decoder.is_encoder_decoder:
+        prompt = torch.full((bsz * r, 1), settings.decoder_start, dtype=torch.long, device=device)  # [N, 1]
+        pad_lengths = None
+    else:
+        prompt = batch.input_ids.repeat_interleave(r, dim=0)  # [N, S] left-padded
+        # RepetitionPenaltyLogitsProcessor ignores the left padding (first non-zero mask position).
+        pad_lengths = (batch.attention_mask != 0).int().argmax(dim=1).repeat_interleave(r, dim=0)  # [N]
+    history = TokenHistory(prompt, settings.max_length, pad_lengths)
+    pipeline = LogitsPipeline(settings, history, decoder.vocab_size, device)
+    rows = Rows(decoder, state, history, pipeline, r, list(range(bsz)))
+    if first is None:
+        logits = decoder.step(state, prompt[:, -1])  # [N, V]
+    else:
+        logits = first.repeat_interleave(r, dim=0) if r > 1 else first  # [B, V] -> [N, V]
+    return rows, logits

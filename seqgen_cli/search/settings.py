@@ -1,0 +1,248 @@
+"""Resolve a ``transformers.GenerationConfig`` into the plain settings the search loops run on.
+
+Two steps, mirroring ``GenerationMixin.generate()``:
+
+1. :func:`merge_generation_config` -- user config / kwargs over the model's ``generation_config``
+   (``_prepare_generation_config``). Unset fields stay ``None``.
+2. :func:`resolve_settings` -- global defaults for ``None`` fields, special tokens
+   (``_prepare_special_tokens``), ``max_length``/``min_length`` (``_prepare_generated_length``), and the
+   generation mode. Anything seqgen does not implement raises :class:`SeqgenError`, so the caller can fall
+   back to ``model.generate()``.
+
+``seqgen_cli.search.generate`` takes the *merged* config of step 1 and does step 2 itself, because lengths
+depend on the prompt width of the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from transformers import GenerationConfig
+
+from seqgen_cli.errors import SeqgenError
+
+Mode = Literal["greedy", "beam", "sample"]
+
+# transformers' GenerationConfig._get_default_generation_params(), for the fields we use.
+_DEFAULTS: dict[str, Any] = {
+    "max_length": 20,
+    "min_length": 0,
+    "do_sample": False,
+    "early_stopping": False,
+    "num_beams": 1,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "num_return_sequences": 1,
+}
+
+# Fields whose non-default value selects something seqgen does not implement: name -> "is unsupported" test.
+_UNSUPPORTED: dict[str, Any] = {
+    "constraints": lambda v: v is not None,
+    "force_words_ids": lambda v: v is not None,
+    "num_beam_groups": lambda v: v is not None and v > 1,
+    "diversity_penalty": lambda v: v is not None and v != 0.0,
+    "penalty_alpha": lambda v: v is not None and v > 0,
+    "sequence_bias": lambda v: v is not None,
+    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+    "encoder_no_repeat_ngram_size": lambda v: v is not None and v > 0,
+    "guidance_scale": lambda v: v is not None and v != 1,
+    "exponential_decay_length_penalty": lambda v: v is not None,
+    "remove_invalid_values": lambda v: bool(v),
+    "renormalize_logits": lambda v: bool(v),
+    "watermarking_config": lambda v: v is not None,
+    "stop_strings": lambda v: v is not None,
+    "max_time": lambda v: v is not None,
+    "typical_p": lambda v: v is not None and v < 1.0,
+    "epsilon_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
+    "eta_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
+    "min_p": lambda v: v is not None,
+    "top_h": lambda v: v is not None,
+    "prompt_lookup_num_tokens": lambda v: v is not None,
+    "assistant_early_exit": lambda v: v is not None,
+    "use_mtp": lambda v: bool(v),
+    "token_healing": lambda v: bool(v),
+    "low_memory": lambda v: bool(v),
+    "prefill_chunk_size": lambda v: v is not None,
+}
+
+
+def merge_generation_config(
+    model_generation_config: GenerationConfig | None, config: GenerationConfig | None = None, **kwargs: Any
+) -> GenerationConfig:
+    """kwargs > ``config`` > the model's ``generation_config``, as ``generate()`` merges them.
+
+    Global defaults are *not* filled in: ``resolve_settings`` needs to see whether ``max_length`` was set.
+    """
+    merged = copy.deepcopy(config) if config is not None else GenerationConfig()
+    if model_generation_config is not None:
+        merged.update(**model_generation_config.to_dict(), defaults_only=True)
+    try:
+        unused = merged.update(**kwargs)
+    except ValueError as err:  # transformers' own validation of the combination
+        raise SeqgenError(str(err).splitlines()[0]) from err
+    if unused:
+        raise SeqgenError(f"unknown generation option(s): {', '.join(sorted(unused))}")
+    return merged
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """Everything a search loop needs, in transformers' conventions.
+
+    Lengths count decoder positions like transformers' ``cur_len``: the prompt (decoder-only, padded width)
+    or the decoder start token (encoder-decoder) included.
+    """
+
+    mode: Mode
+    num_beams: int
+    num_return_sequences: int
+    prompt_len: int  # decoder positions before the first generated token (1 for encoder-decoder)
+    max_length: int  # generation stops when cur_len reaches this
+    min_length: int  # EOS is masked while cur_len < min_length
+    eos: tuple[int, ...]
+    pad: int | None
+    decoder_start: int | None
+    forced_bos: int | None
+    forced_eos: tuple[int, ...]
+    bad_words: tuple[tuple[int, ...], ...]
+    suppress_tokens: tuple[int, ...]
+    begin_suppress_tokens: tuple[int, ...]
+    begin_index: int  # cur_len at which begin_suppress_tokens apply
+    repetition_penalty: float
+    no_repeat_ngram_size: int
+    length_penalty: float
+    early_stopping: bool | str
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_length - self.prompt_len
+
+
+def _get(config: GenerationConfig, name: str) -> Any:
+    value = getattr(config, name, None)
+    return _DEFAULTS.get(name) if value is None else value
+
+
+def _token_list(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def resolve_mode(config: GenerationConfig) -> Mode:
+    """Greedy / beam / sample, or :class:`SeqgenError` for what seqgen leaves to transformers."""
+    for name, unsupported in _UNSUPPORTED.items():
+        if unsupported(getattr(config, name, None)):
+            raise SeqgenError(
+                f"generation option {name}={getattr(config, name)!r} is not supported by seqgen's engine"
+            )
+    num_beams, do_sample = _get(config, "num_beams"), bool(_get(config, "do_sample"))
+    nrs = _get(config, "num_return_sequences")
+    if num_beams > 1 and do_sample:
+        raise SeqgenError("beam sampling (num_beams > 1 with do_sample) is not supported by seqgen's engine")
+    if num_beams > 1:
+        if nrs > num_beams:
+            raise SeqgenError(f"num_return_sequences ({nrs}) must be <= num_beams ({num_beams})")
+        return "beam"
+    if do_sample:
+        return "sample"
+    if nrs != 1:
+        raise SeqgenError("greedy search cannot return more than one sequence (num_return_sequences > 1)")
+    return "greedy"
+
+
+def resolve_settings(
+    config: GenerationConfig,
+    *,
+    is_encoder_decoder: bool,
+    prompt_len: int,
+    max_position_embeddings: int | None = None,
+) -> SearchSettings:
+    """Resolve a merged config (see :func:`merge_generation_config`) for a batch whose decoder prompt is
+    ``prompt_len`` positions wide (1 for encoder-decoder models: the decoder start token)."""
+    mode = resolve_mode(config)
+
+    # Special tokens (_prepare_special_tokens).
+    eos = _token_list(config.eos_token_id)
+    pad = config.pad_token_id
+    if pad is None and eos:
+        pad = eos[0]
+    decoder_start = config.decoder_start_token_id
+    if is_encoder_decoder and decoder_start is None:
+        decoder_start = config.bos_token_id
+    if is_encoder_decoder and decoder_start is None:
+        raise SeqgenError(
+            "decoder_start_token_id or bos_token_id has to be set for encoder-decoder generation"
+        )
+    if isinstance(decoder_start, (list, tuple)):
+        raise SeqgenError("per-input decoder_start_token_id lists are not supported")
+
+    # Lengths (_prepare_generated_length): max_new_tokens wins over max_length; unset max_length means 20 new.
+    if config.max_new_tokens is not None:
+        max_length = config.max_new_tokens + prompt_len
+    elif config.max_length is None:
+        max_length = _DEFAULTS["max_length"] + prompt_len
+        if max_position_embeddings is not None:
+            max_length = min(max_length, max_position_embeddings)
+    else:
+        max_length = config.max_length
+    min_length = _get(config, "min_length")
+    if config.min_new_tokens is not None:  # replaces min_length, even one from the checkpoint's config
+        min_length = config.min_new_tokens + prompt_len
+    if max_length <= prompt_len:
+        raise SeqgenError(
+            f"max_length ({max_length}) leaves no room to generate after {prompt_len} prompt positions"
+        )
+
+    # Processors (_get_logits_processor); NoBadWords drops single-token entries that are an EOS token.
+    bad_words = tuple(
+        tuple(int(t) for t in seq)
+        for seq in (config.bad_words_ids or [])
+        if not (len(seq) == 1 and seq[0] in eos)
+    )
+    forced_bos = config.forced_bos_token_id
+    forced_eos = _token_list(config.forced_eos_token_id)
+    begin_index = prompt_len if (prompt_len > 1 or forced_bos is None) else prompt_len + 1
+    early_stopping = _get(config, "early_stopping")
+    if early_stopping not in (True, False, "never"):
+        raise SeqgenError(f"early_stopping must be True, False or 'never', not {early_stopping!r}")
+    top_k = _get(config, "top_k")
+
+    return SearchSettings(
+        mode=mode,
+        num_beams=_get(config, "num_beams"),
+        num_return_sequences=_get(config, "num_return_sequences"),
+        prompt_len=prompt_len,
+        max_length=max_length,
+        min_length=min_length if eos else 0,
+        eos=eos,
+        pad=pad,
+        decoder_start=decoder_start,
+        forced_bos=forced_bos,
+        forced_eos=forced_eos,
+        bad_words=bad_words,
+        suppress_tokens=_token_list(config.suppress_tokens),
+        begin_suppress_tokens=_token_list(config.begin_suppress_tokens),
+        begin_index=begin_index,
+        repetition_penalty=float(_get(config, "repetition_penalty")),
+        no_repeat_ngram_size=int(_get(config, "no_repeat_ngram_size")),
+        length_penalty=float(_get(config, "length_penalty")),
+        early_stopping=early_stopping,
+        temperature=float(_get(config, "temperature")),
+        top_k=int(top_k) if top_k else 0,
+        top_p=float(_get(config, "top_p")),
+    )

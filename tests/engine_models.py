@@ -1,0 +1,55 @@
+"""Tiny checkpoints for the engine tests: the shared fixture checkpoints, loaded once, EOS-tuned.
+
+The fixture models (``tests/tiny_models.py``) rarely emit EOS, which would leave early stopping, finished
+hypotheses and dropping finished inputs untested; :func:`tune_eos` biases the EOS logit in memory so that
+outputs end at varied lengths. Inputs are real text (``sample_texts``) through each family's tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    PreTrainedModel,
+)
+
+from seqgen_cli.search import Batch
+from tests.equivalence import tune_eos
+from tests.tiny_models import FAMILIES, sample_texts
+
+__all__ = ["FAMILIES", "Loaded", "load", "text_batch"]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    model: PreTrainedModel
+    tokenizer: object
+
+
+@functools.cache
+def load(path: Path) -> Loaded:
+    """Load a fixture checkpoint in float32 and tune its EOS bias (cached per path)."""
+    config = AutoConfig.from_pretrained(path)
+    cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    loaded = Loaded(model, tokenizer)
+    tune_eos(model, text_batch(loaded, 16, seed=99))
+    return loaded
+
+
+def text_batch(loaded: Loaded, n: int, seed: int = 0, max_tokens: int = 40) -> Batch:
+    """``n`` sample texts of varied length, padded as generate() expects (right: enc-dec, left: decoder-only)."""
+    tok = loaded.tokenizer
+    tok.padding_side = "right" if loaded.model.config.is_encoder_decoder else "left"
+    enc = tok(
+        sample_texts(n, seed=seed), return_tensors="pt", padding=True, truncation=True, max_length=max_tokens
+    )
+    return Batch(enc["input_ids"], enc["attention_mask"])

@@ -1,0 +1,234 @@
+"""Search-level properties: batch invariance, dropping finished inputs, sampling, unsupported settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.models import get_decoder
+from seqgen_cli.models.generic import GenericDecoder
+from seqgen_cli.search import Batch, generate, merge_generation_config, settings_for, unsupported_reason
+from seqgen_cli.search.history import TokenHistory
+from seqgen_cli.search.processors import LogitsPipeline
+from tests.engine_models import load, text_batch
+from tests.equivalence import rescore
+
+
+def _run(model, batch: Batch, seed: int | None = None, **kwargs):
+    config = merge_generation_config(model.generation_config, None, **kwargs)
+    return generate(get_decoder(model, generic=True), batch, config, seed=seed)
+
+
+def _unpad(model, batch: Batch, i: int) -> Batch:
+    """Input ``i`` alone, without padding."""
+    keep = batch.attention_mask[i] == 1
+    return Batch(batch.input_ids[i : i + 1, keep], batch.attention_mask[i : i + 1, keep])
+
+
+def _subset(model, batch: Batch, idx: list[int]) -> Batch:
+    """Inputs ``idx`` re-padded to their own width (as a smaller batch would be)."""
+    lengths = batch.attention_mask[idx].sum(1)
+    width = int(lengths.max())
+    pad = batch.input_ids[batch.attention_mask == 0]
+    pad_id = int(pad[0]) if len(pad) else 0
+    ids = torch.full((len(idx), width), pad_id)
+    mask = torch.zeros((len(idx), width), dtype=torch.long)
+    for j, i in enumerate(idx):
+        one = _unpad(model, batch, i)
+        n = one.input_ids.shape[1]
+        cols = slice(0, n) if model.config.is_encoder_decoder else slice(width - n, width)
+        ids[j, cols], mask[j, cols] = one.input_ids[0], 1
+    return Batch(ids, mask)
+
+
+@pytest.mark.parametrize("family", ["bart", "t5", "gpt2", "llama"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_new_tokens=16),
+        dict(num_beams=4, max_new_tokens=16, no_repeat_ngram_size=3, early_stopping=True),
+        dict(num_beams=3, max_new_tokens=16, num_return_sequences=2, length_penalty=0.6),
+    ],
+    ids=["greedy", "beam4", "beam3_nrs2"],
+)
+def test_batch_invariance(tiny_models, family: str, kwargs: dict) -> None:
+    """An input's output does not depend on its batch: alone, in a batch of 4, in a batch of 24.
+
+    For decoder-only models the prompt width changes with the batch (left padding); differences are then
+    only allowed where re-scoring shows a near-tie.
+    """
+    loaded = load(tiny_models(family))
+    model = loaded.model
+    large = text_batch(loaded, 24, seed=7)
+    full = _run(model, large, **kwargs)
+    small_idx = [3, 5, 11, 17]
+    small = _run(model, _subset(model, large, small_idx), **kwargs)
+    for j, i in enumerate(small_idx):
+        alone = _run(model, _unpad(model, large, i), **kwargs)
+        for other in (small.sequences[j], alone.sequences[0]):
+            if other == full.sequences[i]:
+                continue
+            assert not model.config.is_encoder_decoder, (i, other, full.sequences[i])
+            assert kwargs.get("num_beams", 1) > 1, "greedy must not depend on the batch"
+            one = _unpad(model, large, i)
+            s = settings_for(
+                get_decoder(model, generic=True),
+                one,
+                merge_generation_config(model.generation_config, None, **kwargs),
+            )
+            a, b = rescore(model, one, 0, other[0], s), rescore(model, one, 0, full.sequences[i][0], s)
+            assert abs(a - b) <= 1e-5 * max(abs(a), abs(b)), (i, other, full.sequences[i])
+
+
+class CountingDecoder(GenericDecoder):
+    def __init__(self, model):
+        super().__init__(model)
+        self.dropped: list[int] = []
+
+    def drop(self, state, keep):
+        self.dropped.append(len(keep))
+        super().drop(state, keep)
+
+
+@pytest.mark.parametrize("family", ["marian", "gpt2"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_new_tokens=20),
+        dict(num_beams=4, max_new_tokens=20, early_stopping=True),
+        dict(num_beams=4, max_new_tokens=20, early_stopping=False, length_penalty=0.5),
+        dict(do_sample=True, top_k=5, num_return_sequences=2, max_new_tokens=20),
+    ],
+    ids=["greedy", "beam_es", "beam_heuristic", "sample"],
+)
+def test_dropping_finished_inputs_changes_nothing(tiny_models, family: str, kwargs: dict) -> None:
+    loaded = load(tiny_models(family))
+    model = loaded.model
+    batch = text_batch(loaded, 16, seed=3)
+    config = merge_generation_config(model.generation_config, None, **kwargs)
+    keeping = CountingDecoder(model)
+    ref = generate(keeping, batch, config, seed=0, sync_every=10**9)  # like generate(): nobody leaves
+    assert not keeping.dropped
+    for sync_every in (1, 3):  # leave at once / a few steps late (the GPU default is 4)
+        dropping = CountingDecoder(model)
+        out = generate(dropping, batch, config, seed=0, sync_every=sync_every)
+        assert dropping.dropped, "no input ever left the batch: the test is vacuous"
+        if kwargs.get("do_sample"):
+            continue  # the RNG stream depends on the number of rows; only determinism is promised (below)
+        assert out.sequences == ref.sequences
+        assert out.scores == ref.scores
+
+
+def test_sampling_is_deterministic_with_a_seed(tiny_models) -> None:
+    loaded = load(tiny_models("t5"))
+    model = loaded.model
+    batch = text_batch(loaded, 8, seed=5)
+    kwargs = dict(do_sample=True, num_return_sequences=3, max_new_tokens=16, top_p=0.9)
+    a, b = _run(model, batch, seed=1, **kwargs), _run(model, batch, seed=1, **kwargs)
+    c = _run(model, batch, seed=2, **kwargs)
+    assert a.sequences == b.sequences
+    assert a.sequences != c.sequences
+    assert all(len(per) == 3 for per in a.sequences)
+
+
+@torch.inference_mode()
+def test_top_k_never_leaves_the_top_k(tiny_models) -> None:
+    loaded = load(tiny_models("t5"))
+    model = loaded.model
+    batch = text_batch(loaded, 6, seed=9)
+    k = 3
+    kwargs = dict(do_sample=True, top_k=k, num_return_sequences=4, max_new_tokens=12, temperature=1.5)
+    out = _run(model, batch, seed=0, **kwargs)
+    config = merge_generation_config(
+        model.generation_config, None, max_new_tokens=12
+    )  # processors, no warpers
+    s = settings_for(get_decoder(model, generic=True), batch, config)
+    for i, per_input in enumerate(out.sequences):
+        for seq in per_input:
+            dec = torch.tensor([[s.decoder_start, *seq]])
+            ids, mask = batch.input_ids[i : i + 1], batch.attention_mask[i : i + 1]
+            logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits[0].float()
+            history = TokenHistory(dec[:, :1], s.max_length)
+            pipe = LogitsPipeline(s, history, logits.shape[-1], logits.device)
+            for t, tok in enumerate(seq):
+                scores = pipe(history, logits[t : t + 1].clone())[0]
+                assert scores[tok] >= torch.topk(scores, k).values[-1], (i, t, tok)
+                history.append(torch.tensor([tok]))
+
+
+@torch.inference_mode()
+def test_sampling_follows_the_distribution(tiny_models) -> None:
+    """One step, many samples: empirical frequencies close to softmax(logits / T) restricted to the top k."""
+    loaded = load(tiny_models("t5"))
+    model = loaded.model
+    batch = text_batch(loaded, 1, seed=2)
+    n, temperature, k = 3000, 2.0, 6
+    out = _run(
+        model,
+        batch,
+        seed=0,
+        do_sample=True,
+        num_return_sequences=n,
+        max_new_tokens=1,
+        top_k=k,
+        temperature=temperature,
+    )
+    decoder = get_decoder(model, generic=True)
+    config = merge_generation_config(model.generation_config, None, max_new_tokens=1)
+    s = settings_for(decoder, batch, config)
+    dec = torch.tensor([[s.decoder_start]])
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, decoder_input_ids=dec
+    ).logits[0, -1]
+    assert s.forced_bos is None and not s.forced_eos
+    probs = torch.softmax(logits.float() / temperature, -1)
+    top = torch.topk(probs, k)
+    expected = torch.zeros_like(probs)
+    expected[top.indices] = top.values / top.values.sum()
+    counts = torch.bincount(torch.tensor([seq[0] for seq in out.sequences[0]]), minlength=probs.shape[0])
+    tv = 0.5 * (counts.float() / n - expected).abs().sum()
+    assert tv < 0.05, tv
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_beams=4, do_sample=True),
+        dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5),
+        dict(force_words_ids=[[5]], num_beams=2),
+        dict(penalty_alpha=0.6, top_k=4),
+        dict(num_return_sequences=2),
+        dict(sequence_bias=[[[5], -1.0]]),
+    ],
+)
+def test_unsupported_settings_raise(tiny_models, kwargs: dict) -> None:
+    loaded = load(tiny_models("bart"))
+    model = loaded.model
+    try:
+        config = merge_generation_config(model.generation_config, None, **kwargs)
+    except SeqgenError:
+        return  # transformers' validation already rejects the combination
+    assert unsupported_reason(config) is not None
+    with pytest.raises(SeqgenError):
+        generate(get_decoder(model, generic=True), text_batch(loaded, 2), config)
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_bfloat16_model(tiny_models, family: str) -> None:
+    """Half-precision logits go through the same float32 search; same forward ops, so same tokens as generate()."""
+    import copy
+
+    from tests.equivalence import check_equivalence
+
+    loaded = load(tiny_models(family))
+    model = copy.deepcopy(loaded.model).to(torch.bfloat16)
+    batch = text_batch(loaded, 8, seed=6)
+    for kwargs in (dict(max_new_tokens=12), dict(num_beams=3, max_new_tokens=12, no_repeat_ngram_size=2)):
+        config = merge_generation_config(model.generation_config, None, **kwargs)
+        out = generate(get_decoder(model, generic=True), batch, config)
+        assert all(0 < len(s[0]) <= 12 for s in out.sequences)
+        result = check_equivalence(
+            model, lambda m: get_decoder(m, generic=True), batch, kwargs, keep_dtype=True
+        )
+        assert result.identical == result.total, result.summary()
