@@ -29,7 +29,9 @@ def seqgen(*args: str, input: str | None = None):
 def spawn(*args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "seqgen_cli", "generate", *args]
-    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, **kw)
+    # A shell's background job inherits SIGINT ignored (and Python then keeps ignoring it): undo that.
+    reset = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=reset, **kw)
 
 
 def index_done(out: Path) -> int:

@@ -42,6 +42,7 @@ def settings_of(gen: Generator, opts: JobOptions) -> dict:
     }
     return resume.settings_fingerprint(
         model=_model_id(gen),
+        backend=gen.backend,
         generation=config,
         prefix=gen.prefix,
         max_source_length=gen.max_source_length,
