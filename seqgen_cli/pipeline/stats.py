@@ -18,7 +18,7 @@ class Summary:
     batches: int = 0
     padding_ratio: float = 0.0  # share of padded source tokens that are padding
     seconds: float = 0.0
-    read_seconds: float = 0.0
+    read_seconds: float = 0.0  # includes waiting for data when the input is a pipe
     tokenise_seconds: float = 0.0
     generate_seconds: float = 0.0
     write_seconds: float = 0.0
