@@ -157,16 +157,50 @@ def main() -> None:
 @click.option(
     "--output-field", default="output", show_default=True, help="JSONL field the output is written to."
 )
+@click.option(
+    "--sort-window",
+    type=click.IntRange(min=0),
+    help="Inputs read ahead and sorted by length to form batches (default: 16 x --batch-size, at "
+    "least 2048; 0 = no sorting, batches in input order). Output order is always the input order.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted run into -o FILE (checked against FILE.seqgen-index); "
+    "starts afresh when FILE does not exist.",
+)
+@click.option(
+    "--on-error",
+    type=click.Choice(["fail", "skip"]),
+    default="fail",
+    show_default=True,
+    help="A bad input line, or one input that cannot run even alone (out of memory): fail = stop "
+    "(after writing every output before it); skip = warn, write an empty line (JSONL: an error field).",
+)
+@click.option(
+    "--stats", "stats_path", type=click.Path(dir_okay=False), help="Write the run's statistics here (JSON)."
+)
+@click.option(
+    "--reference",
+    type=click.Path(dir_okay=False, exists=True),
+    help="Score the outputs against this file at the end (as `seqgen eval`).",
+)
+@click.option("--metrics", help="With --reference: comma-separated rouge, bleu, chrf (default: all).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary on stderr.")
 def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     """Generate one output per input line, in input order.
 
     INPUTS are text files (one input per line) or JSONL files; none or - reads stdin. Settings
     resolve as in transformers: the checkpoint's generation_config.json, then --preset, then flags.
+
+    Reading and tokenising run ahead of the model and writing behind it, in background threads.
+    Output to a file is written in whole lines and indexed in FILE.seqgen-index as it goes, so an
+    interrupted run (Ctrl-C, a crash, SIGKILL) continues with --resume. Ctrl-C writes what is done
+    and exits with status 130.
     """
     from seqgen_cli.generator import Generator
-    from seqgen_cli.pipeline.read import read_records
-    from seqgen_cli.pipeline.run import run
+    from seqgen_cli.pipeline.job import JobOptions, closing_message, generate_job
+    from seqgen_cli.pipeline.read import check_inputs
 
     if output != "-":
         parent = Path(output).resolve().parent
@@ -174,6 +208,11 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
             raise SeqgenError(f"output folder {parent} does not exist")
         if any(i != "-" and Path(i).resolve() == Path(output).resolve() for i in inputs):
             raise SeqgenError(f"{output} is both an input and the output")
+    elif opts["resume"]:
+        raise SeqgenError("--resume needs -o FILE: output written to stdout cannot be resumed")
+    if opts["metrics"] and not opts["reference"]:
+        raise SeqgenError("--metrics needs --reference FILE")
+    check_inputs(inputs)
     early = opts.pop("early_stopping")
     gen = Generator(
         model,
@@ -188,30 +227,41 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         **{k: opts.pop(k) for k in list(opts) if k in _GENERATION_FLAGS},
     )
     quiet = opts["quiet"]
-    records = read_records(list(inputs), opts["input_format"], opts["input_field"])
-    stream = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")  # noqa: SIM115
-    try:
-        summary = run(
-            gen,
-            records,
-            stream,
-            batch_size=opts["batch_size"],
-            batch_tokens=opts["batch_tokens"],
-            output_format=opts["output_format"],
-            output_field=opts["output_field"],
-            progress=not quiet and sys.stderr.isatty(),
-            flush_lines=not stream.isatty() and output == "-",
-        )
-    finally:
-        if stream is not sys.stdout:
-            stream.close()
+    job = JobOptions(
+        batch_size=opts["batch_size"],
+        batch_tokens=opts["batch_tokens"],
+        sort_window=opts["sort_window"],
+        output_format=opts["output_format"],
+        output_field=opts["output_field"],
+        on_error=opts["on_error"],
+        input_format=opts["input_format"],
+        input_field=opts["input_field"],
+        resume=opts["resume"],
+        progress=not quiet and sys.stderr.isatty(),
+        stats=opts["stats_path"],
+        reference=opts["reference"],
+        metrics=opts["metrics"],
+    )
+    summary = generate_job(gen, inputs, output, job)
     if summary.truncated:
         click.echo(
             f"seqgen: {summary.truncated} of {summary.inputs} inputs truncated to {gen.max_source_length} tokens",
             err=True,
         )
+    if summary.skipped:
+        click.echo(f"seqgen: {summary.skipped} inputs skipped (empty outputs; see the warnings)", err=True)
     if not quiet:
         click.echo(summary.line(), err=True)
+    if summary.metrics is not None:
+        from seqgen_cli.metrics import format_table
+
+        click.echo(format_table(summary.metrics), err=True)
+    message = closing_message(summary, output)
+    if summary.interrupted:
+        click.echo(message, err=True)
+        sys.exit(130)
+    if message is not None:
+        raise SeqgenError(message)
 
 
 _GENERATION_FLAGS = {
