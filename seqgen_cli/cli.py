@@ -157,16 +157,50 @@ def main() -> None:
 @click.option(
     "--output-field", default="output", show_default=True, help="JSONL field the output is written to."
 )
+@click.option(
+    "--sort-window",
+    type=click.IntRange(min=0),
+    help="Inputs read ahead and sorted by length to form batches (default: 16 x --batch-size, at "
+    "least 2048; 0 = no sorting, batches in input order). Output order is always the input order.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted run into -o FILE (checked against FILE.seqgen-index); "
+    "starts afresh when FILE does not exist.",
+)
+@click.option(
+    "--on-error",
+    type=click.Choice(["fail", "skip"]),
+    default="fail",
+    show_default=True,
+    help="A bad input line, or one input that cannot run even alone (out of memory): fail = stop "
+    "(after writing every output before it); skip = warn, write an empty line (JSONL: an error field).",
+)
+@click.option(
+    "--stats", "stats_path", type=click.Path(dir_okay=False), help="Write the run's statistics here (JSON)."
+)
+@click.option(
+    "--reference",
+    type=click.Path(dir_okay=False, exists=True),
+    help="Score the outputs against this file at the end (as `seqgen eval`).",
+)
+@click.option("--metrics", help="With --reference: comma-separated rouge, bleu, chrf (default: all).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary on stderr.")
 def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     """Generate one output per input line, in input order.
 
     INPUTS are text files (one input per line) or JSONL files; none or - reads stdin. Settings
     resolve as in transformers: the checkpoint's generation_config.json, then --preset, then flags.
+
+    Reading and tokenising run ahead of the model and writing behind it, in background threads.
+    Output to a file is written in whole lines and indexed in FILE.seqgen-index as it goes, so an
+    interrupted run (Ctrl-C, a crash, SIGKILL) continues with --resume. Ctrl-C writes what is done
+    and exits with status 130.
     """
     from seqgen_cli.generator import Generator
-    from seqgen_cli.pipeline.read import read_records
-    from seqgen_cli.pipeline.run import run
+    from seqgen_cli.pipeline.job import JobOptions, closing_message, generate_job
+    from seqgen_cli.pipeline.read import check_inputs
 
     if output != "-":
         parent = Path(output).resolve().parent
@@ -174,6 +208,11 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
             raise SeqgenError(f"output folder {parent} does not exist")
         if any(i != "-" and Path(i).resolve() == Path(output).resolve() for i in inputs):
             raise SeqgenError(f"{output} is both an input and the output")
+    elif opts["resume"]:
+        raise SeqgenError("--resume needs -o FILE: output written to stdout cannot be resumed")
+    if opts["metrics"] and not opts["reference"]:
+        raise SeqgenError("--metrics needs --reference FILE")
+    check_inputs(inputs)
     early = opts.pop("early_stopping")
     gen = Generator(
         model,
@@ -188,30 +227,41 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         **{k: opts.pop(k) for k in list(opts) if k in _GENERATION_FLAGS},
     )
     quiet = opts["quiet"]
-    records = read_records(list(inputs), opts["input_format"], opts["input_field"])
-    stream = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")  # noqa: SIM115
-    try:
-        summary = run(
-            gen,
-            records,
-            stream,
-            batch_size=opts["batch_size"],
-            batch_tokens=opts["batch_tokens"],
-            output_format=opts["output_format"],
-            output_field=opts["output_field"],
-            progress=not quiet and sys.stderr.isatty(),
-            flush_lines=not stream.isatty() and output == "-",
-        )
-    finally:
-        if stream is not sys.stdout:
-            stream.close()
+    job = JobOptions(
+        batch_size=opts["batch_size"],
+        batch_tokens=opts["batch_tokens"],
+        sort_window=opts["sort_window"],
+        output_format=opts["output_format"],
+        output_field=opts["output_field"],
+        on_error=opts["on_error"],
+        input_format=opts["input_format"],
+        input_field=opts["input_field"],
+        resume=opts["resume"],
+        progress=not quiet and sys.stderr.isatty(),
+        stats=opts["stats_path"],
+        reference=opts["reference"],
+        metrics=opts["metrics"],
+    )
+    summary = generate_job(gen, inputs, output, job)
     if summary.truncated:
         click.echo(
             f"seqgen: {summary.truncated} of {summary.inputs} inputs truncated to {gen.max_source_length} tokens",
             err=True,
         )
+    if summary.skipped:
+        click.echo(f"seqgen: {summary.skipped} inputs skipped (empty outputs; see the warnings)", err=True)
     if not quiet:
         click.echo(summary.line(), err=True)
+    if summary.metrics is not None:
+        from seqgen_cli.metrics import format_table
+
+        click.echo(format_table(summary.metrics), err=True)
+    message = closing_message(summary, output)
+    if summary.interrupted:
+        click.echo(message, err=True)
+        sys.exit(130)
+    if message is not None:
+        raise SeqgenError(message)
 
 
 _GENERATION_FLAGS = {
@@ -249,3 +299,117 @@ def presets() -> None:
             f", {k}={v!r}" for k, v in (("prefix", p.prefix), ("max_source_length", p.max_source_length)) if v
         )
         click.echo(f"{p.name:<14} {p.description}\n{'':<14} {settings}{extra}")
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        items = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if not items or min(items) < 1:
+        raise click.BadParameter("give positive integers, e.g. 1,8,32")
+    return items
+
+
+def _name_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+@main.command()
+@click.argument("input", type=click.Path(exists=True, dir_okay=False))
+@click.option("-m", "--model", required=True, help="Checkpoint folder.")
+@click.option(
+    "--n", "n", type=click.IntRange(min=1), default=32, show_default=True, help="Inputs (first N lines)."
+)
+@click.option(
+    "--batch-sizes", default="1,8,32", show_default=True, callback=_int_list, help="Comma-separated."
+)
+@click.option("--num-beams", default="1,4", show_default=True, callback=_int_list, help="Comma-separated.")
+@click.option(
+    "--compare",
+    default="hf,ct2",
+    show_default=True,
+    callback=_name_list,
+    help="Systems besides seqgen: hf (transformers generate()), ct2 (CTranslate2, skipped if not installed).",
+)
+@click.option(
+    "--mode",
+    "modes",
+    default="decode",
+    show_default=True,
+    callback=_name_list,
+    help="decode (generation only), e2e (whole process, files to files), or decode,e2e.",
+)
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="auto: float32 on CPU, bfloat16 (else float16) on GPU; CTranslate2 gets the same compute type.",
+)
+@click.option(
+    "--fixed-new-tokens",
+    type=click.IntRange(min=1),
+    help="Force exactly N new tokens per output (min = max) so random-weight timings are comparable.",
+)
+@click.option(
+    "--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs; median reported."
+)
+@click.option(
+    "--warmup/--no-warmup", default=True, show_default=True, help="One untimed batch per system first."
+)
+@click.option(
+    "--max-batches",
+    type=click.IntRange(min=1),
+    help="At most this many batches per cell (n = min(N, K x batch size)): keeps batch 1 affordable.",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), help="CPU threads for torch and CTranslate2 (default: torch's)."
+)
+@click.option("--out", default="bench-results", show_default=True, help="Folder for bench.json/.md/.png.")
+@click.option(
+    "--ct2-cache", help="Folder for converted CTranslate2 models (default ~/.cache/seqgen-bench/ct2)."
+)
+@click.option("--preset", help="Task preset name or .toml file.")
+@click.option("--prefix", help="Text prepended to every input.")
+@click.option("--max-source-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), help="Most new tokens per output.")
+@click.option("--min-new-tokens", type=click.IntRange(min=0), help="Fewest new tokens before EOS.")
+@click.option(
+    "--max-length", type=click.IntRange(min=1), help="Most tokens in total, as transformers counts."
+)
+@click.option(
+    "--min-length", type=click.IntRange(min=0), help="Fewest tokens in total, as transformers counts."
+)
+@click.option("--length-penalty", type=float, help="Beam scores are divided by length**penalty.")
+@click.option("--early-stopping", type=click.Choice(list(EARLY_STOPPING)), help="Beam search stop rule.")
+@click.option(
+    "--no-repeat-ngram-size", type=click.IntRange(min=0), help="Never repeat an n-gram of this size."
+)
+@click.option(
+    "--repetition-penalty", type=click.FloatRange(min=0, min_open=True), help="Penalise repeated tokens."
+)
+def bench(input: str, model: str, **opts) -> None:
+    """Speed and agreement of seqgen against transformers generate() and CTranslate2.
+
+    For each (beams, batch size) every system generates for the same first N lines of INPUT, after a
+    warm-up, interleaved (A B C A B C ...); medians of --repeats runs. Writes bench.json (every run),
+    bench.md (table) and bench.png (samples/s vs batch size) into --out.
+    """
+    from seqgen_cli.bench import BenchSettings, run_bench
+
+    early = opts.pop("early_stopping")
+    generation = {k: opts.pop(k) for k in list(opts) if k in _GENERATION_FLAGS and k != "num_beams"}
+    generation["early_stopping"] = EARLY_STOPPING[early] if early else None
+    settings = BenchSettings(model=model, input=input, generation=generation, **opts)
+    command = "seqgen bench " + " ".join(_quote(a) for a in sys.argv[2:] if sys.argv[1:2] == ["bench"])
+    report = run_bench(settings, command=command if sys.argv[1:2] == ["bench"] else "")
+    click.echo(report["table"])
+    click.echo(f"seqgen bench: wrote {Path(settings.out) / 'bench.json'}, bench.md, bench.png", err=True)
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)

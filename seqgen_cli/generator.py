@@ -64,6 +64,7 @@ class Generator:
             torch.manual_seed(seed)
         self.backend = self._pick_backend(backend)
         self._decoder = None  # the engine's model backend, built on first use
+        self._calls = 0  # batches generated so far (sampling seeds differ per batch)
 
     # -- settings ---------------------------------------------------------------------------------
     def _source_limit(self, requested: int | None) -> int | None:
@@ -162,7 +163,9 @@ class Generator:
 
         if self._decoder is None:
             self._decoder = get_decoder(self.model)
-        return generate(self._decoder, Batch(input_ids, mask), self.config, seed=self.seed).sequences
+        seed = None if self.seed is None else self.seed + self._calls  # fresh draws for every batch
+        self._calls += 1
+        return generate(self._decoder, Batch(input_ids, mask), self.config, seed=seed).sequences
 
     def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
         sequences = self.model.generate(

@@ -292,3 +292,11 @@ def test_every_option_has_help() -> None:
             if isinstance(param, click.Option):
                 assert param.help, f"seqgen {name} {param.opts[0]} has no help text"
         assert seqgen(name, "--help").exit_code == 0
+
+
+def test_sampling_with_a_seed_repeats(bart: Path) -> None:
+    args = ["generate", "-m", str(bart), "--do-sample", "--top-k", "20", "--seed", "3", "--max-new-tokens", "8", "--batch-size", "2", "-q"]
+    stdin = "".join(f"input number {i}\n" for i in range(5))
+    first, second = seqgen(*args, input=stdin), seqgen(*args, input=stdin)
+    assert first.exit_code == 0, first.stderr
+    assert first.stdout == second.stdout and len(first.stdout.splitlines()) == 5

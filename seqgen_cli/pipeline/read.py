@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -16,13 +18,21 @@ DEFAULT_FIELDS = ("text", "src", "source", "input")
 
 @dataclass
 class Record:
-    """One input: its text and, for JSONL, the whole object (passed through to JSONL output)."""
+    """One input: its text and, for JSONL, the whole object (passed through to JSONL output).
+
+    ``error`` is set (and ``text`` empty) for a bad line read with ``on_error="skip"``.
+    """
 
     index: int  # position among all inputs, 0-based
     source: str  # file name ("<stdin>" for standard input)
     line: int  # 1-based line number in that file
     text: str
     fields: dict[str, Any] | None = field(default=None)
+    error: str | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.line}"
 
 
 def _open(path: str) -> tuple[BinaryIO, str]:
@@ -38,6 +48,22 @@ def _open(path: str) -> tuple[BinaryIO, str]:
         raise SeqgenError(f"{path}: cannot read: {err.strerror}") from None
 
 
+def check_inputs(paths: Sequence[str]) -> None:
+    """Fail early (before the model loads) on an input file that cannot be opened."""
+    for path in paths:
+        if path != "-":
+            _open(path)[0].close()
+
+
+def is_regular(path: str) -> bool:
+    """Whether ``path`` (``-`` = stdin) is a regular file, i.e. reads never wait on a writer."""
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode if path == "-" else os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISREG(mode)
+
+
 def _detect(path: str, first: bytes) -> str:
     if path.endswith((".jsonl", ".json")):
         return "jsonl"
@@ -51,9 +77,16 @@ def _detect(path: str, first: bytes) -> str:
 
 
 def read_records(
-    paths: Sequence[str], input_format: str = "auto", input_field: str | None = None
+    paths: Sequence[str],
+    input_format: str = "auto",
+    input_field: str | None = None,
+    on_error: str = "fail",
 ) -> Iterator[Record]:
-    """Stream records from ``paths`` (``-`` = stdin) in order, never holding a whole file."""
+    """Stream records from ``paths`` (``-`` = stdin) in order, never holding a whole file.
+
+    A bad line raises :class:`SeqgenError` naming it; with ``on_error="skip"`` it becomes a record
+    with ``error`` set instead, so that output alignment holds.
+    """
     index = 0
     for path in paths or ["-"]:
         stream, name = _open(path)
@@ -63,17 +96,25 @@ def read_records(
                 if fmt == "auto":
                     fmt = _detect(path, raw)
                 try:
-                    line = raw.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError as err:
-                    raise SeqgenError(f"{name}:{number}: not valid UTF-8 (byte {err.start + 1})") from None
-                if fmt == "jsonl":
-                    yield _json_record(index, name, number, line, input_field)
-                else:
-                    yield Record(index, name, number, line)
+                    yield _record(index, name, number, raw, fmt, input_field)
+                except SeqgenError as err:
+                    if on_error != "skip":
+                        raise
+                    yield Record(index, name, number, "", None, error=str(err))
                 index += 1
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()
+
+
+def _record(index: int, name: str, number: int, raw: bytes, fmt: str, input_field: str | None) -> Record:
+    try:
+        line = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as err:
+        raise SeqgenError(f"{name}:{number}: not valid UTF-8 (byte {err.start + 1})") from None
+    if fmt == "jsonl":
+        return _json_record(index, name, number, line, input_field)
+    return Record(index, name, number, line)
 
 
 def _json_record(index: int, name: str, number: int, line: str, input_field: str | None) -> Record:

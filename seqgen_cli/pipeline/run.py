@@ -1,99 +1,193 @@
-"""The generate loop: read a window of inputs, sort by length, batch, generate, write in input order."""
+"""The generate loop: reader thread -> batcher -> model (this thread) -> writer thread.
+
+The model runs in the calling thread while the reader tokenises ahead and the writer detokenises
+and writes behind. A batch that runs out of memory is split in halves and retried, down to one input;
+no input is ever dropped silently. Ctrl-C stops reading and writes what is done, in order.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from itertools import islice
-from typing import TextIO
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from tqdm import tqdm
-
+from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
+from seqgen_cli.pipeline.batch import Batcher
+from seqgen_cli.pipeline.output import Sink
+from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.read import Record
-from seqgen_cli.pipeline.write import format_output, write_output
+from seqgen_cli.pipeline.resume import InputDigest
+from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
+from seqgen_cli.pipeline.tokenise import Item, ReaderStage
+from seqgen_cli.pipeline.write import OrderedWriter, Result
+
+ON_ERROR = ("fail", "skip")
+MAX_WARNINGS = 20
 
 
 @dataclass
-class Summary:
-    """What a run did, for the closing line on stderr."""
+class RunOptions:
+    batch_size: int = 32
+    batch_tokens: int | None = None
+    sort_window: int | None = None  # inputs looked ahead and sorted; None: auto; 0 or 1: no sorting
+    output_format: str = "text"
+    output_field: str = "output"
+    on_error: str = "fail"
+    streaming: bool = False  # the input is a pipe: hand lines on as they arrive
 
-    inputs: int = 0
-    truncated: int = 0
-    generated_tokens: int = 0
-    seconds: float = 0.0
-    backend: str = ""
-    notes: list[str] = field(default_factory=list)
-
-    def line(self) -> str:
-        rate = self.inputs / self.seconds if self.seconds else 0.0
-        tok = self.generated_tokens / self.seconds if self.seconds else 0.0
-        return (
-            f"seqgen: {self.inputs} inputs in {self.seconds:.1f}s ({rate:.2f} inputs/s, {tok:.1f} tokens/s), "
-            f"backend {self.backend}"
-        )
+    def window(self) -> int:
+        if self.sort_window is None:
+            return max(16 * self.batch_size, 2048)
+        return self.sort_window
 
 
-def make_batches(
-    lengths: list[int], batch_size: int, batch_tokens: int | None, rows_per_input: int
-) -> Iterator[list[int]]:
-    """Group input positions, shortest first, so each batch has at most ``batch_size`` inputs and at most
-    ``batch_tokens`` padded source tokens counted per row (``rows_per_input`` rows per input)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batch: list[int] = []
-    for i in order:
-        width = max(lengths[i], max((lengths[j] for j in batch), default=0))
-        too_many_tokens = (
-            batch_tokens is not None and width * (len(batch) + 1) * rows_per_input > batch_tokens
-        )
-        if batch and (len(batch) >= batch_size or too_many_tokens):
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
+def is_oom(err: BaseException) -> bool:
+    """CUDA (or host) out of memory."""
+    if isinstance(err, MemoryError):
+        return True
+    try:
+        import torch
+
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            return True
+    except (ImportError, AttributeError):
+        pass
+    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+
+
+def _free_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def generate_split(gen: Generator, items: list[Item], splits: list[int] | None = None) -> list[Result]:
+    """Generate for ``items``; on out-of-memory split the batch in halves and retry, down to one input.
+
+    A single input that still fails comes back as a ``Result`` with ``error`` naming its line.
+    """
+    failure: str | None = None
+    try:
+        out = gen.generate_ids([it.ids for it in items])
+        return [Result(it.record, seqs) for it, seqs in zip(items, out, strict=True)]
+    except Exception as err:  # noqa: BLE001 - only out-of-memory and user errors are handled
+        if not (is_oom(err) or isinstance(err, SeqgenError)):
+            raise
+        failure = "out of memory" if is_oom(err) else str(err)
+    # Outside the except block, so the failed attempt's tensors can be freed before the retry.
+    _free_device_memory()
+    if len(items) == 1:
+        it = items[0]
+        n = len(it.ids or ())
+        return [Result(it.record, None, f"{it.record.where}: {failure} (input of {n} tokens, run alone)")]
+    if splits is not None:
+        splits.append(len(items))
+    half = len(items) // 2
+    return generate_split(gen, items[:half], splits) + generate_split(gen, items[half:], splits)
 
 
 def run(
     gen: Generator,
     records: Iterable[Record],
-    out: TextIO,
+    sink: Sink,
+    opts: RunOptions,
     *,
-    batch_size: int = 32,
-    batch_tokens: int | None = None,
-    output_format: str = "text",
-    output_field: str = "output",
-    progress: bool = False,
-    flush_lines: bool = False,
-    window: int | None = None,
+    start: int = 0,
+    digest: InputDigest | None = None,
+    progress: Progress | None = None,
+    keep: list[str] | None = None,
 ) -> Summary:
-    """Generate for every record and write the outputs to ``out`` in input order."""
-    summary = Summary(backend=gen.backend)
-    start = time.perf_counter()
-    rows = max(gen.config.num_beams or 1, gen.config.num_return_sequences or 1)
-    window = window or max(batch_size * 8, 256)
-    stream = iter(records)
-    bar = tqdm(unit="input", disable=not progress, dynamic_ncols=True, leave=False)
+    """Generate for every record and write the outputs to ``sink`` in input order.
+
+    Returns the summary; ``summary.interrupted`` after Ctrl-C, ``summary.error`` when an input failed
+    with ``on_error="fail"`` (everything before it is written either way).
+    """
+    t_start = time.perf_counter()
+    summary = Summary(
+        backend=gen.backend, resumed_from=start, output=sink.name, rss_at_start_mb=peak_rss_mb()
+    )
+    progress = progress or Progress(False)
+    cfg = gen.config
+    n_seq = cfg.num_return_sequences or 1
+    rows = max(cfg.num_beams or 1, n_seq)
+    warned = 0
+
+    def warn(message: str) -> None:
+        nonlocal warned
+        warned += 1
+        if warned <= MAX_WARNINGS:
+            progress.write(f"seqgen: warning: {message}")
+        elif warned == MAX_WARNINGS + 1:
+            progress.write("seqgen: warning: further warnings not shown (see the counts at the end)")
+
+    reader = ReaderStage(iter(records), gen.encode, streaming=opts.streaming).start()
+    writer = OrderedWriter(
+        sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
+        num_sequences=n_seq, start=start, digest=digest, keep=keep,
+    ).start()  # fmt: skip
+
+    def passthrough(items: list[Item]) -> None:
+        for it in items:
+            if it.record.error is not None:
+                warn(f"{it.record.error} (skipped: empty output)")
+                summary.skipped += 1
+        writer.put([Result(it.record, None, it.record.error) for it in items])
+        progress.update(len(items), summary.generated_tokens / max(time.perf_counter() - t_start, 1e-9))
+
+    batcher = Batcher(
+        reader.chunks(), passthrough, batch_size=opts.batch_size, batch_tokens=opts.batch_tokens,
+        rows=rows, window=opts.window(),
+    )  # fmt: skip
+    fail: Result | None = None
+    fail_window = -1
     try:
-        while chunk := list(islice(stream, window)):
-            live = [r for r in chunk if r.text.strip()]
-            encoded = gen.encode([r.text for r in live])
-            summary.truncated += sum(e.truncated for e in encoded)
-            outputs: dict[int, list[str]] = {}
-            for batch in make_batches([len(e.ids) for e in encoded], batch_size, batch_tokens, rows):
-                results = gen.generate_ids([encoded[i].ids for i in batch])
-                for i, seqs in zip(batch, results, strict=True):
-                    outputs[live[i].index] = gen.decode(seqs)
-                    summary.generated_tokens += sum(len(s) for s in seqs)
-                bar.update(len(batch))
-            n_out = gen.config.num_return_sequences or 1
-            for r in chunk:
-                texts = outputs.get(r.index, [""] * n_out)
-                write_output(out, format_output(r, texts, output_format, output_field), flush_lines)
-            out.flush()
-            summary.inputs += len(chunk)
+        for batch in batcher:
+            items = batch.items
+            if fail is not None:
+                if batch.window != fail_window:
+                    break
+                items = [it for it in items if it.record.index < fail.record.index]
+                if not items:
+                    continue
+            t0 = time.perf_counter()
+            results = generate_split(gen, items)
+            summary.generate_seconds += time.perf_counter() - t0
+            bad = [r for r in results if r.error is not None]
+            if bad and opts.on_error == "fail":
+                first = min(bad, key=lambda r: r.record.index)
+                if fail is None or first.record.index < fail.record.index:
+                    fail, fail_window = first, batch.window
+                    batcher.stop()  # finish this window's inputs before the failure, read no further
+                results = [r for r in results if r.record.index < fail.record.index]
+            for r in bad if opts.on_error == "skip" else ():
+                warn(f"{r.error} (skipped: empty output)")
+                summary.skipped += 1
+            summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
+            writer.put(results)
+            elapsed = time.perf_counter() - t_start
+            progress.update(len(items), summary.generated_tokens / elapsed)
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    except SeqgenError as err:  # a bad input line (on_error="fail"): what came before it is written
+        summary.error = str(err)
     finally:
-        bar.close()
-        summary.seconds = time.perf_counter() - start
+        reader.stop()
+        progress.close()
+        try:
+            writer.close()
+        finally:
+            complete = not summary.interrupted and summary.error is None and fail is None
+            sink.close(complete)
+    if fail is not None and summary.error is None:
+        summary.error = fail.error
+    summary.inputs = writer.next - start
+    summary.truncated = reader.truncated
+    summary.batches = batcher.batches
+    summary.padding_ratio = batcher.padding_ratio
+    summary.read_seconds = reader.read_seconds
+    summary.tokenise_seconds = reader.tokenise_seconds
+    summary.write_seconds = writer.seconds
+    summary.seconds = time.perf_counter() - t_start
     return summary

@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""Build randomly initialised benchmark checkpoints with real configs and tokenizers.
+
+    python scripts/make_bench_models.py                      # all models into ~/.cache/seqgen-bench/
+    python scripts/make_bench_models.py bart-base marian-base --out /tmp/bench-models
+
+Each model is ``from_config`` under a fixed seed, saved with ``save_pretrained`` (safetensors) next to
+its tokenizer and generation config. The weights are random: the outputs are meaningless text, but the
+shapes, vocabularies and token counts are the real ones, so speed measurements are realistic. Tokenizers
+and configs come from ``../shared/tokenizers`` (or ``$SEQGEN_SHARED/tokenizers``); nothing is copied
+into the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = Path("~/.cache/seqgen-bench").expanduser()
+
+# name -> (tokenizer/config folder in shared/tokenizers, config overrides)
+MODELS: dict[str, tuple[str, dict]] = {
+    "bart-large-cnn": ("bart-large-cnn", {}),
+    "distilbart-cnn-12-6": ("distilbart-cnn-12-6", {}),
+    "t5-small": ("t5-small", {}),
+    "gpt2": ("gpt2", {}),
+    "opus-mt-tc-big-en-pt": ("opus-mt-tc-big-en-pt", {}),
+    # bart-base shape (6+6 layers, d_model 768, 12 heads, ffn 3072) with the bart-large-cnn tokenizer and
+    # generation settings.
+    "bart-base": (
+        "bart-large-cnn",
+        {
+            "encoder_layers": 6,
+            "decoder_layers": 6,
+            "num_hidden_layers": 6,
+            "d_model": 768,
+            "encoder_attention_heads": 12,
+            "decoder_attention_heads": 12,
+            "encoder_ffn_dim": 3072,
+            "decoder_ffn_dim": 3072,
+        },
+    ),
+    # Marian shape of the classic OPUS-MT models (e.g. opus-mt-en-de: 6+6 layers, d_model 512, 8 heads,
+    # ffn 2048, swish) with the opus-mt-tc-big-en-pt tokenizer (vocabulary 54776).
+    "marian-base": (
+        "opus-mt-tc-big-en-pt",
+        {
+            "d_model": 512,
+            "encoder_attention_heads": 8,
+            "decoder_attention_heads": 8,
+            "encoder_ffn_dim": 2048,
+            "decoder_ffn_dim": 2048,
+            "activation_function": "swish",
+            "max_position_embeddings": 512,
+        },
+    ),
+}
+
+
+def shared_dir() -> Path:
+    """``$SEQGEN_SHARED`` or ``../shared`` next to the repository root."""
+    return Path(os.environ.get("SEQGEN_SHARED", REPO.parent / "shared"))
+
+
+def build(name: str, out: Path, seed: int = 0, force: bool = False) -> Path:
+    """Build one checkpoint folder ``out/name`` (skipped when it already holds weights)."""
+    import torch
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        AutoTokenizer,
+        GenerationConfig,
+    )
+
+    source_name, overrides = MODELS[name]
+    source = shared_dir() / "tokenizers" / source_name
+    if not source.is_dir():
+        sys.exit(f"make_bench_models: {source} does not exist (set SEQGEN_SHARED to the shared folder)")
+    target = out / name
+    if (target / "model.safetensors").is_file() and not force:
+        print(f"{name}: exists at {target} (use --force to rebuild)")
+        return target
+    config = AutoConfig.from_pretrained(source)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    model = auto.from_config(config)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if (source / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"{name}: {params:.0f}M parameters, saved to {target} in {time.perf_counter() - start:.0f}s")
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("names", nargs="*", help=f"models to build (default: all): {', '.join(MODELS)}")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"cache folder (default {DEFAULT_OUT})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="rebuild existing models")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)} (choose from {', '.join(MODELS)})")
+    out = args.out.expanduser().resolve()
+    if out == REPO or REPO in out.parents:
+        parser.error("--out must be outside the repository")
+    for name in args.names or list(MODELS):
+        build(name, out, seed=args.seed, force=args.force)
+
+
+if __name__ == "__main__":
+    main()

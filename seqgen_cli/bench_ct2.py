@@ -1,0 +1,204 @@
+"""CTranslate2 for ``seqgen bench``: a clear message when it is missing, a cached conversion, and the
+translation of transformers generation settings into CTranslate2 options.
+
+CTranslate2 counts lengths differently from transformers and has no forced-EOS option, so the mapping
+is: ``forced_bos_token_id`` becomes a one-token target prefix (CTranslate2 counts the prefix in its
+lengths, as transformers counts the forced token); ``forced_eos_token_id`` is emulated by decoding one
+token fewer and appending EOS to hypotheses that did not end (with ``--fixed-new-tokens`` this is exactly
+what transformers does: its last step is forced to EOS, adding 0 to every beam's score).
+``bad_words_ids`` of length one become ``suppress_sequences``. Where the converted model has no decoder
+start token (mBART), the prefix starts with transformers' ``decoder_start_token_id``. CTranslate2 renormalises the distribution
+after masking banned tokens, so beam scores (and rarely the outputs) can differ from ``generate()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from seqgen_cli.errors import SeqgenError
+
+INSTALL_HINT = "pip install ctranslate2 (or pip install 'seqgen-cli[bench]')"
+DEFAULT_CACHE = Path(os.environ.get("SEQGEN_BENCH_CACHE", "~/.cache/seqgen-bench")).expanduser() / "ct2"
+
+
+def ct2_available() -> str | None:
+    """``None`` when ``ctranslate2`` imports, else a one-line reason (for skipping it cleanly)."""
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError as err:
+        return f"ctranslate2 is not installed ({err.msg}); {INSTALL_HINT}"
+    return None
+
+
+def require_ct2():
+    """The ``ctranslate2`` module, or a ``SeqgenError`` that says how to install it."""
+    reason = ct2_available()
+    if reason:
+        raise SeqgenError(reason)
+    import ctranslate2
+
+    return ctranslate2
+
+
+def _fingerprint(model_dir: Path) -> str:
+    """A short hash of the checkpoint's files (name, size, mtime) and the CTranslate2 version."""
+    ct2 = require_ct2()
+    h = hashlib.sha1(ct2.__version__.encode())
+    for p in sorted(model_dir.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
+def convert(model: str, cache: Path | None = None, quantization: str | None = None) -> Path:
+    """Convert a checkpoint folder once with ``TransformersConverter``; reuse the cached conversion."""
+    ct2 = require_ct2()
+    from ctranslate2.converters import TransformersConverter
+
+    model_dir = Path(model).expanduser().resolve()
+    if not (model_dir / "config.json").is_file():
+        raise SeqgenError(f"ct2: {model} is not a local checkpoint folder; only folders are converted")
+    key = f"{model_dir.name}-{_fingerprint(model_dir)}-{quantization or 'none'}"
+    out = (cache or DEFAULT_CACHE).expanduser() / key
+    if (out / "model.bin").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    try:
+        with _transformers5_compat():
+            TransformersConverter(str(model_dir)).convert(str(tmp), quantization=quantization, force=True)
+    except Exception as err:  # the converter raises many types (ValueError, NotImplementedError, ...)
+        raise SeqgenError(
+            f"ct2: cannot convert {model} with CTranslate2 {ct2.__version__}: {type(err).__name__}: {err}"
+        ) from None
+    tmp.rename(out)
+    return out
+
+
+@contextlib.contextmanager
+def _transformers5_compat() -> Iterator[None]:
+    """CTranslate2's mBART/Pegasus loaders read ``config.normalize_before``, which transformers 5 configs no
+    longer define; both architectures are pre-norm, so provide ``True`` while converting."""
+    import transformers
+
+    patched = []
+    for name, attrs in (
+        ("MBartConfig", {"normalize_before": True}),
+        ("PegasusConfig", {"normalize_before": True, "normalize_embedding": False}),
+    ):
+        cls = getattr(transformers, name, None)
+        for attr, value in attrs.items():
+            if cls is not None and not hasattr(cls, attr):
+                setattr(cls, attr, value)
+                patched.append((cls, attr))
+    try:
+        yield
+    finally:
+        for cls, attr in patched:
+            delattr(cls, attr)
+
+
+def vocabulary(ct2_dir: Path) -> list[str]:
+    """The converted model's target vocabulary (CTranslate2 may drop tokens, e.g. Marian's ``<pad>``)."""
+    for name in ("target_vocabulary.json", "shared_vocabulary.json", "vocabulary.json"):
+        path = ct2_dir / name
+        if path.is_file():
+            return json.loads(path.read_text(encoding="utf-8"))
+    for name in ("target_vocabulary.txt", "shared_vocabulary.txt", "vocabulary.txt"):
+        path = ct2_dir / name
+        if path.is_file():
+            return path.read_text(encoding="utf-8").split("\n")
+    raise SeqgenError(f"ct2: no vocabulary file in {ct2_dir}")
+
+
+@dataclass
+class Ct2Plan:
+    """How one generation config runs in CTranslate2."""
+
+    options: dict[str, Any]
+    prefix: list[str] | None = None  # forced BOS as a target prefix (encoder-decoder)
+    append_eos: str | None = None  # forced EOS emulation: append this token to unfinished outputs
+    eos: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def start_in_prefix(ct2_dir: Path) -> bool:
+    """Whether the converted model has no decoder start token (mBART): the prefix must begin with it."""
+    path = ct2_dir / "config.json"
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text(encoding="utf-8"))
+    return "decoder_start_token" in config and config["decoder_start_token"] is None
+
+
+def plan(
+    config: Any,
+    tokenizer: Any,
+    vocab: list[str],
+    max_new: int,
+    min_new: int,
+    causal: bool,
+    start_token_in_prefix: bool = False,
+) -> Ct2Plan:
+    """CTranslate2 options equivalent to a transformers ``GenerationConfig`` (as far as they exist)."""
+    known = set(vocab)
+    tok = tokenizer.convert_ids_to_tokens
+    eos = [tok(i) for i in _ids(config.eos_token_id)]
+    notes: list[str] = []
+    prefix = None
+    if not causal and config.forced_bos_token_id is not None:
+        prefix = [tok(config.forced_bos_token_id)]
+    append_eos = None
+    if config.forced_eos_token_id is not None:
+        append_eos = tok(_ids(config.forced_eos_token_id)[0])
+        max_new -= 1  # the forced last token is appended afterwards
+        min_new = min(min_new, max_new)
+    if start_token_in_prefix and not causal:
+        # CTranslate2 then takes the prefix's first token as the start token: neither returned nor counted.
+        prefix = [tok(config.decoder_start_token_id)] + (prefix or [])
+    suppress = []
+    for seq in config.bad_words_ids or []:
+        tokens = [tok(i) for i in seq]
+        if all(t in known for t in tokens):
+            suppress.append(tokens)
+        else:
+            notes.append(f"banned {tokens} not in the CTranslate2 vocabulary (cannot be generated anyway)")
+    beams = config.num_beams or 1
+    options: dict[str, Any] = {
+        "beam_size": beams,
+        "num_hypotheses": 1,
+        "no_repeat_ngram_size": config.no_repeat_ngram_size or 0,
+        "repetition_penalty": config.repetition_penalty or 1.0,
+        "return_end_token": True,
+        "end_token": [t for t in eos if t in known] or None,
+    }
+    if beams > 1:
+        options["length_penalty"] = config.length_penalty if config.length_penalty is not None else 1.0
+    if suppress:
+        options["suppress_sequences"] = suppress
+    if config.do_sample:
+        options.update(
+            sampling_topk=config.top_k or 0,
+            sampling_topp=config.top_p or 1.0,
+            sampling_temperature=config.temperature or 1.0,
+        )
+        notes.append("sampling: outputs differ from generate() by design")
+    if causal:
+        options.update(max_length=max_new, min_length=min_new, include_prompt_in_result=False)
+    else:
+        options.update(max_decoding_length=max_new, min_decoding_length=min_new, max_input_length=0)
+    return Ct2Plan(options, prefix, append_eos, eos, notes)

@@ -1,0 +1,157 @@
+"""One ``seqgen generate`` job: inputs and output files, resume, the run, stats and scoring."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.generator import Generator
+from seqgen_cli.pipeline import resume
+from seqgen_cli.pipeline.output import FileSink, Sink, StreamSink
+from seqgen_cli.pipeline.progress import Progress
+from seqgen_cli.pipeline.read import is_regular, read_records
+from seqgen_cli.pipeline.run import RunOptions, run
+from seqgen_cli.pipeline.stats import Summary
+
+
+@dataclass
+class JobOptions(RunOptions):
+    input_format: str = "auto"
+    input_field: str | None = None
+    resume: bool = False
+    progress: bool = False
+    stats: str | None = None
+    reference: str | None = None
+    metrics: str | None = None
+    num_sequences: int = 1  # set from the generation settings
+
+
+def settings_of(gen: Generator, opts: JobOptions) -> dict:
+    """What decides the output bytes (checked by ``--resume``)."""
+    config = {
+        k: v
+        for k, v in json.loads(gen.config.to_json_string(use_diff=False)).items()
+        if not k.startswith("_") and k != "transformers_version"
+    }
+    return resume.settings_fingerprint(
+        model=_model_id(gen),
+        backend=gen.backend,
+        generation=config,
+        prefix=gen.prefix,
+        max_source_length=gen.max_source_length,
+        input_format=opts.input_format,
+        input_field=opts.input_field,
+        output_format=opts.output_format,
+        output_field=opts.output_field,
+        on_error=opts.on_error,
+    )
+
+
+def _model_id(gen: Generator) -> str:
+    name = str(getattr(gen.model.config, "_name_or_path", ""))
+    return os.path.realpath(name) if name and os.path.isdir(name) else name
+
+
+def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOptions) -> Summary:
+    """Run the job; the summary says whether it was interrupted or failed (after writing what it could)."""
+    paths = list(inputs) or ["-"]
+    if opts.resume and output == "-":
+        raise SeqgenError("--resume needs -o FILE: output written to stdout cannot be resumed")
+    records = read_records(paths, opts.input_format, opts.input_field, opts.on_error)
+    digest = resume.InputDigest()
+    start = 0
+    sink: Sink
+    if output == "-":
+        sink = StreamSink(sys.stdout.buffer)
+    else:
+        settings = settings_of(gen, opts)
+        state = resume.load(output, settings) if opts.resume else _check_fresh(output)
+        if state is not None:
+            start = state.done
+            records = resume.skip_done(records, state, digest)
+            sink = FileSink(output, settings, done=state.done, offset=state.offset)
+        else:
+            sink = FileSink(output, settings)
+    opts.num_sequences = gen.config.num_return_sequences or 1
+    opts.streaming = any(not is_regular(p) for p in paths)  # stdin or a named pipe
+    keep: list[str] | None = [] if opts.reference and output == "-" else None
+    progress = Progress(opts.progress, paths, initial=start)
+    with _sigterm_as_interrupt():
+        summary = run(gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep)
+    if opts.reference and summary.error is None and not summary.interrupted:
+        summary.metrics = score(output, keep, opts)
+    if opts.stats:
+        Path(opts.stats).write_text(json.dumps(summary.as_dict(), indent=2) + "\n", encoding="utf-8")
+    return summary
+
+
+def _check_fresh(output: str) -> None:
+    index = resume.index_path(output)
+    if index.exists():
+        raise SeqgenError(
+            f"{output} holds an interrupted run ({index.name} exists): add --resume to continue it, "
+            f"or delete {index.name} to start over"
+        )
+    return None
+
+
+def score(output: str, keep: list[str] | None, opts: JobOptions) -> dict:
+    """Score the first output of every input against ``--reference`` (``seqgen eval``)."""
+    from seqgen_cli import metrics as m
+
+    n = opts.num_sequences
+    hyps = keep if keep is not None else _read_hypotheses(output, opts.output_format, opts.output_field, n)
+    names = [s.strip() for s in opts.metrics.split(",") if s.strip()] if opts.metrics else m.default_metrics()
+    return m.score(hyps, m.read_lines(opts.reference), names)
+
+
+def _read_hypotheses(output: str, output_format: str, output_field: str, n: int) -> list[str]:
+    """The first output of every input, read back from the output file."""
+    from seqgen_cli import metrics as m
+
+    lines = m.read_lines(output)
+    if output_format == "jsonl":
+        outs = [json.loads(line)[output_field] for line in lines]
+        return [o[0] if isinstance(o, list) else o for o in outs]
+    return lines[::n]  # text: n consecutive lines per input
+
+
+class _sigterm_as_interrupt:
+    """SIGTERM (a job scheduler's stop) is handled like Ctrl-C: write what is done, then exit 130."""
+
+    def __enter__(self) -> None:
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def closing_message(summary: Summary, output: str) -> str | None:
+    """What to tell the user after an interrupted or failed run (None after a complete one)."""
+    where = "stdout" if output == "-" else output
+    done = summary.resumed_from + summary.inputs
+    if summary.interrupted:
+        tail = (
+            "rerun the same command with --resume to continue"
+            if output != "-"
+            else "writing to stdout cannot be resumed (use -o FILE and --resume)"
+        )
+        return f"seqgen: interrupted: the outputs for the first {done} inputs are in {where}; {tail}"
+    if summary.error is not None:
+        tail = "; fix it and rerun with --resume to continue" if output != "-" else ""
+        return f"{summary.error} (the outputs for the {done} inputs before it are in {where}{tail})"
+    return None

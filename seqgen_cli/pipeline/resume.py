@@ -1,0 +1,119 @@
+"""``--resume``: continue an interrupted run from its output file and side index.
+
+The index (see :mod:`seqgen_cli.pipeline.output`) records the run's settings and, per flush, how many
+inputs were written, the output's byte length and a SHA-256 of those inputs. Resuming checks the
+settings, re-reads (without regenerating) the inputs already done, checks their digest, truncates the
+output to the recorded length and goes on from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.pipeline.output import index_path
+from seqgen_cli.pipeline.read import Record
+
+
+class InputDigest:
+    """A running SHA-256 over the inputs, in order (text, JSON object, or the read error)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def update(self, record: Record) -> None:
+        if record.error is not None:
+            part = "\x02" + record.error
+        elif record.fields is not None:
+            part = "\x01" + json.dumps(record.fields, sort_keys=True, ensure_ascii=False)
+        else:
+            part = record.text
+        self._h.update(part.encode("utf-8", "surrogatepass") + b"\n")
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+@dataclass
+class ResumeState:
+    done: int
+    offset: int
+    sha256: str
+
+
+def settings_fingerprint(**settings: Any) -> dict[str, Any]:
+    """The settings that decide the output bytes, in a JSON-comparable form."""
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> ResumeState | None:
+    """What an interrupted run to ``output`` left, checked against ``settings``; ``None``: start fresh."""
+    index = index_path(output)
+    out = Path(output)
+    if not index.exists():
+        if out.exists() and out.stat().st_size > 0:
+            raise SeqgenError(
+                f"--resume: {output} has no {index.name} (it finished, or was not written by seqgen); "
+                "nothing to resume: remove it or drop --resume"
+            )
+        return None
+    header, last = _read_index(index)
+    old = header.get("settings", {})
+    if old != settings:
+        keys = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+        raise SeqgenError(
+            f"--resume: {output} was written with different settings ({', '.join(keys)}); "
+            f"rerun with the same settings, or delete {index.name} to start over"
+        )
+    size = out.stat().st_size if out.exists() else 0
+    if last.offset > size:
+        raise SeqgenError(
+            f"--resume: {output} is shorter than {index.name} records; delete both to start over"
+        )
+    return last
+
+
+def _read_index(index: Path) -> tuple[dict[str, Any], ResumeState]:
+    header: dict[str, Any] | None = None
+    last = ResumeState(0, 0, "")
+    with open(index, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                break  # a torn last line: the entry before it holds
+            if header is None:
+                header = entry
+            elif isinstance(entry, dict) and "done" in entry:
+                last = ResumeState(int(entry["done"]), int(entry["offset"]), str(entry["sha256"]))
+    if not isinstance(header, dict) or header.get("seqgen_index") != 1:
+        raise SeqgenError(f"--resume: {index} is not a seqgen index; delete it to start over")
+    return header, last
+
+
+def skip_done(records: Iterator[Record], state: ResumeState, digest: InputDigest) -> Iterator[Record]:
+    """Read past the ``state.done`` inputs already written, hashing and checking them, now.
+
+    Returns the iterator positioned at the first input still to generate.
+    """
+    records = iter(records)
+    seen = 0
+    while seen < state.done:
+        record = next(records, None)
+        if record is None:
+            raise SeqgenError(
+                f"--resume: the input has only {seen} entries but the interrupted run already wrote {state.done}"
+            )
+        digest.update(record)
+        seen += 1
+    if state.done and digest.hexdigest() != state.sha256:
+        raise SeqgenError(
+            f"--resume: the first {seen} inputs differ from those of the interrupted run (same files, same order?)"
+        )
+    return records

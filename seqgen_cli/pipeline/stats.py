@@ -1,0 +1,62 @@
+"""What a run did: the closing one-line summary on stderr and the ``--stats`` JSON."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Summary:
+    inputs: int = 0  # inputs written by this run
+    resumed_from: int = 0  # inputs already in the output when this run started
+    skipped: int = 0  # inputs written empty (--on-error skip)
+    truncated: int = 0
+    generated_tokens: int = 0
+    batches: int = 0
+    padding_ratio: float = 0.0  # share of padded source tokens that are padding
+    seconds: float = 0.0
+    read_seconds: float = 0.0  # includes waiting for data when the input is a pipe
+    tokenise_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    write_seconds: float = 0.0
+    backend: str = ""
+    output: str = ""
+    interrupted: bool = False
+    error: str | None = None
+    metrics: dict[str, Any] | None = field(default=None)
+    rss_at_start_mb: float = 0.0  # peak resident memory before the run (model loaded)
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.inputs / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    def line(self) -> str:
+        done = f"{self.inputs} inputs" + (
+            f" (after {self.resumed_from} resumed)" if self.resumed_from else ""
+        )
+        return (
+            f"seqgen: {done} in {self.seconds:.1f}s: {self.samples_per_second:.2f} samples/s, "
+            f"{self.tokens_per_second:.1f} generated tokens/s, padding {100 * self.padding_ratio:.1f}%; "
+            f"time read+tokenise {self.read_seconds + self.tokenise_seconds:.1f}s, "
+            f"generate {self.generate_seconds:.1f}s, write {self.write_seconds:.1f}s; backend {self.backend}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["samples_per_second"] = self.samples_per_second
+        d["generated_tokens_per_second"] = self.tokens_per_second
+        d["peak_rss_mb"] = peak_rss_mb()
+        return d
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / (1024 * 1024) if sys.platform == "darwin" else kb / 1024

@@ -1,0 +1,157 @@
+"""``seqgen bench`` harness on tiny random models: files produced, agreement, order, fixed lengths, ct2.
+
+No timing assertions: the machines these run on are shared.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from seqgen_cli import bench_ct2
+from seqgen_cli.bench import BenchSettings, bench_decode, interleave, make_batches, run_bench
+from seqgen_cli.cli import main
+from seqgen_cli.errors import SeqgenError
+from tests.tiny_models import sample_texts
+
+N_NEW = 5
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return sample_texts(4)
+
+
+@pytest.fixture
+def input_file(tmp_path: Path, texts: list[str]) -> Path:
+    path = tmp_path / "inputs.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def no_ct2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``import ctranslate2`` fail, as on a machine without it."""
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)
+
+
+def _settings(model: Path, input_file: Path, out: Path, **kw) -> BenchSettings:
+    base = dict(
+        model=str(model),
+        input=str(input_file),
+        n=4,
+        batch_sizes=[2],
+        num_beams=[1],
+        compare=["hf"],
+        repeats=1,
+        fixed_new_tokens=N_NEW,
+        out=str(out),
+        ct2_cache=str(out / "ct2"),
+        generation={"no_repeat_ngram_size": 2},
+    )
+    base.update(kw)
+    return BenchSettings(**base)
+
+
+def test_interleave_order() -> None:
+    assert interleave(["seqgen", "hf", "ct2"], 2, warmup=True) == [
+        ("seqgen", -1), ("hf", -1), ("ct2", -1),
+        ("seqgen", 0), ("hf", 0), ("ct2", 0),
+        ("seqgen", 1), ("hf", 1), ("ct2", 1),
+    ]  # fmt: skip
+    assert interleave(["a", "b"], 1, warmup=False) == [("a", 0), ("b", 0)]
+
+
+def test_batches_sorted_by_length() -> None:
+    assert make_batches([5, 1, 3, 2, 4], 2) == [[1, 3], [2, 4], [0]]
+
+
+def test_decode_outputs_json_table_png(tiny_models, input_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    report = run_bench(_settings(tiny_models("marian"), input_file, out, num_beams=[1, 2], repeats=2))
+    data = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.md").read_text().count("| seqgen |") == 2
+    runs = data["runs"]
+    assert {(r["system"], r["num_beams"]) for r in runs} == {(s, b) for s in ("seqgen", "hf") for b in (1, 2)}
+    for r in runs:
+        assert len(r["seconds"]) == 2 and r["median_s"] > 0 and r["samples_per_s"] > 0
+        assert r["generated_tokens"] == 4 * N_NEW  # every output exactly N_NEW tokens (max is N_NEW)
+        assert r["agreement_vs_hf"] == 100.0  # seqgen (hf or fast backend) vs generate()
+        assert r["peak_mem_mb"] > 0
+    assert data["schedules"][0] == ["seqgen:warmup", "hf:warmup", "seqgen:0", "hf:0", "seqgen:1", "hf:1"]
+    assert data["seqgen_backend"] in ("hf", "fast")
+    assert data["partial"] is False  # rewritten after every cell; final once complete
+    assert "| beams | batch | system |" in report["table"]
+    pytest.importorskip("matplotlib")
+    assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_fixed_new_tokens_exact(tiny_models, texts: list[str], tmp_path: Path, family: str) -> None:
+    s = _settings(
+        tiny_models(family), Path("-"), tmp_path, num_beams=[2], compare=["hf", "ct2"], warmup=False
+    )
+    results, _, meta = bench_decode(s, texts, log=lambda _: None)
+    for r in results:
+        assert [len(o) for o in r.outputs] == [N_NEW] * 4, r.system
+    if "ct2_skipped" not in meta:
+        assert {r.system for r in results} == {"seqgen", "hf", "ct2"}
+
+
+@pytest.mark.parametrize("family", ["bart", "mbart", "pegasus"])
+def test_ct2_matches_hf(tiny_models, texts: list[str], tmp_path: Path, family: str) -> None:
+    """The CTranslate2 quirks: BART/mBART force BOS first and EOS last (prefix, appended EOS), converted
+    mBART has no decoder start token (prefix), Pegasus/mBART need the transformers-5 conversion patch."""
+    pytest.importorskip("ctranslate2")
+    s = _settings(tiny_models(family), Path("-"), tmp_path, compare=["hf", "ct2"], warmup=False)
+    results, _, meta = bench_decode(s, texts, log=lambda _: None)
+    assert "ct2_skipped" not in meta
+    by = {r.system: r.outputs for r in results}
+    assert by["ct2"] == by["hf"]  # greedy, float32: identical token ids
+
+
+def test_ct2_missing_is_skipped_cleanly(no_ct2, tiny_models, input_file: Path, tmp_path: Path) -> None:
+    assert bench_ct2.ct2_available() is not None
+    with pytest.raises(SeqgenError, match="pip install ctranslate2"):
+        bench_ct2.require_ct2()
+    out = tmp_path / "res"
+    messages: list[str] = []
+    run_bench(_settings(tiny_models("gpt2"), input_file, out, compare=["hf", "ct2"]), log=messages.append)
+    data = json.loads((out / "bench.json").read_text())
+    assert "not installed" in data["ct2_skipped"]
+    assert {r["system"] for r in data["runs"]} == {"seqgen", "hf"}
+    assert any("skipping ct2" in m for m in messages)
+
+
+def test_cli_bench(no_ct2, tiny_models, input_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    args = ["bench", "-m", str(tiny_models("marian")), str(input_file), "--n", "2", "--batch-sizes", "2"]
+    args += "--num-beams 2 --repeats 1 --no-warmup --fixed-new-tokens 3 --out".split() + [str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "| 2 | 2 | seqgen |" in result.output
+    data = json.loads((out / "bench.json").read_text())
+    assert {(r["system"], r["num_beams"], r["generated_tokens"]) for r in data["runs"]} == {
+        ("seqgen", 2, 6),
+        ("hf", 2, 6),
+    }
+
+
+def test_cli_bench_bad_lists(tmp_path: Path, input_file: Path) -> None:
+    result = CliRunner().invoke(main, ["bench", "-m", str(tmp_path), str(input_file), "--batch-sizes", "1,x"])
+    assert result.exit_code == 2 and "comma-separated list of integers" in result.output
+
+
+def test_e2e_mode(tiny_models, input_file: Path, tmp_path: Path) -> None:
+    """Whole processes, files to files: seqgen generate vs the plain-transformers script."""
+    out = tmp_path / "e2e"
+    s = _settings(tiny_models("gpt2"), input_file, out, n=2, modes=["e2e"], warmup=False)
+    run_bench(s, log=lambda _: None)
+    runs = json.loads((out / "bench.json").read_text())["runs"]
+    assert {r["system"] for r in runs} == {"seqgen", "hf"}
+    for r in runs:
+        assert r["mode"] == "e2e" and r["agreement_vs_hf"] == 100.0 and r["peak_mem_mb"] > 0

@@ -1,0 +1,229 @@
+"""Fast decoder-only decoders (GPT-2, Llama) against the HF model's own teacher-forced forward.
+
+Every ``step`` is checked against a full forward of ``[left-padded prompt ; this row's history]`` with the
+position ids ``generate()`` uses, through beam reorders and drops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from seqgen_cli.models.deconly import DecoderOnly, prompt_positions
+from seqgen_cli.models.generic import GenericDecoder
+from seqgen_cli.models.llama import LlamaDecoder
+from seqgen_cli.models.registry_deconly import FAST_DECODERS, fast_decoder
+from seqgen_cli.search.protocol import Batch
+from tests.engine_models import load, text_batch
+from tests.equivalence import SETTINGS, check_equivalence
+
+V = 97
+PAD = 0
+
+
+def _sharpen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random weights large enough that attention is far from uniform (so wrong caches show)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0)
+    return model.eval()
+
+
+def tiny_gpt2(**kw) -> torch.nn.Module:
+    cfg = GPT2Config(vocab_size=V, n_embd=32, n_head=4, n_layer=2, n_positions=64, **kw)
+    return _sharpen(AutoModelForCausalLM.from_config(cfg), 0)
+
+
+def tiny_llama(config_class=LlamaConfig, **kw) -> torch.nn.Module:
+    kw = {"num_key_value_heads": 2, **kw}
+    cfg = config_class(
+        vocab_size=V,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        **kw,
+    )
+    return _sharpen(AutoModelForCausalLM.from_config(cfg), 1)
+
+
+MODELS = {
+    "gpt2": tiny_gpt2,
+    "gpt2-layerscale": lambda: tiny_gpt2(scale_attn_by_inverse_layer_idx=True),
+    "llama": tiny_llama,
+    "llama-mha-bias": lambda: tiny_llama(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+    "llama-rope-linear": lambda: tiny_llama(
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
+    ),
+    "llama-mqa": lambda: tiny_llama(num_key_value_heads=1, tie_word_embeddings=True),
+    "mistral": lambda: tiny_llama(MistralConfig, sliding_window=None, head_dim=12),
+    "qwen2": lambda: tiny_llama(Qwen2Config),  # q/k/v biases
+}
+
+
+def fast(model) -> DecoderOnly:
+    """The fast decoder (never the generic fallback)."""
+    decoder = fast_decoder(model)
+    assert decoder is not None and not isinstance(decoder, GenericDecoder)
+    return decoder
+
+
+def left_pad(seqs: list[list[int]]) -> Batch:
+    P = max(map(len, seqs))
+    ids = torch.tensor([[PAD] * (P - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in seqs])
+    return Batch(ids, mask)
+
+
+@torch.no_grad()
+def reference(model: torch.nn.Module, seqs: list[list[int]]) -> torch.Tensor:
+    """HF teacher-forced last-position logits of left-padded ``seqs``: [len(seqs), V]."""
+    b = left_pad(seqs)
+    out = model(
+        input_ids=b.input_ids,
+        attention_mask=b.attention_mask,
+        position_ids=prompt_positions(b.attention_mask),
+    )
+    return out.logits[:, -1].float()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def run_checked(model, prompts: list[list[int]], R: int, steps: int, seed: int = 0) -> dict:
+    """Drive the decoder with random tokens, reorders and one drop; check every step's logits."""
+    dec = fast(model)
+    g = torch.Generator().manual_seed(seed)
+    state, first = dec.start(left_pad(prompts), rows_per_input=R, max_new_tokens=steps)
+    close(first, reference(model, prompts))
+    active = list(range(len(prompts)))  # original input of each active input
+    hist: list[list[int]] = [[] for _ in range(len(prompts) * R)]
+    for t in range(steps):
+        N = len(active) * R
+        if t % 2 == 1 and R > 1:  # beams jump to other beams of the same input
+            rows = torch.arange(N) // R * R + torch.randint(R, (N,), generator=g)
+            dec.reorder(state, rows)
+            hist = [list(hist[r]) for r in rows.tolist()]
+        if t == steps // 2 and len(active) > 1:  # the middle input finishes
+            keep = [i for i in range(len(active)) if i != len(active) // 2]
+            dec.drop(state, torch.tensor(keep))
+            active = [active[i] for i in keep]
+            hist = [hist[i * R + k] for i in keep for k in range(R)]
+            N = len(active) * R
+        tokens = torch.randint(1, V, (N,), generator=g)
+        logits = dec.step(state, tokens)
+        for n, tok in enumerate(tokens.tolist()):
+            hist[n].append(tok)
+        close(logits, reference(model, [prompts[active[n // R]] + hist[n] for n in range(N)]))
+    return {"dec": dec, "state": state}
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [3]]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("R", [1, 3])
+def test_steps_match_teacher_forced_forward(name: str, R: int) -> None:
+    run_checked(MODELS[name](), PROMPTS, R=R, steps=6)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_unpadded_prompts(name: str) -> None:
+    run_checked(MODELS[name](), [[5, 6, 7, 8], [9, 10, 11, 12]], R=2, steps=4)
+
+
+def test_check_can_fail() -> None:
+    """A corrupted cache must be caught by the same check."""
+    model = tiny_gpt2()
+    dec = fast(model)
+    state, _ = dec.start(left_pad(PROMPTS[:2]), rows_per_input=2, max_new_tokens=3)
+    dec.step(state, torch.tensor([1, 2, 3, 4]))
+    dec.reorder(state, torch.tensor([1, 1, 2, 3]))  # row 0 now continues row 1 (token 2)...
+    logits = dec.step(state, torch.tensor([5, 5, 5, 5]))
+    with pytest.raises(AssertionError):  # ...so its own old history [1, 5] no longer matches
+        close(logits[:1], reference(model, [PROMPTS[0] + [1, 5]]))
+    close(logits[:1], reference(model, [PROMPTS[0] + [2, 5]]))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_cache_accounting(name: str) -> None:
+    """Prompt K/V stored once per input (not per beam), only the K/V heads, generated K/V preallocated."""
+    model = MODELS[name]()
+    cfg = model.config
+    B, R, T = 2, 4, 5
+    dec = fast(model)
+    batch = left_pad(PROMPTS[:B])
+    P = batch.input_ids.shape[1]
+    state, _ = dec.start(batch, rows_per_input=R, max_new_tokens=T)
+    L, H = cfg.num_hidden_layers, cfg.num_attention_heads
+    Hkv = getattr(cfg, "num_key_value_heads", H)
+    d = cfg.hidden_size // H
+    assert all(k.shape == (B, Hkv, d, P) for k in state.pk)  # K stored transposed
+    assert all(v.shape == (B, Hkv, P, d) for v in state.pv)
+    assert all(k.shape == (B, Hkv, d, T, R) for k in state.gk)
+    assert all(v.shape == (B, Hkv, T, R, d) for v in state.gv)
+    ptrs = {k.data_ptr() for k in state.gk + state.gv}
+    for _ in range(T):
+        dec.step(state, torch.ones(B * R, dtype=torch.long))
+        dec.reorder(state, torch.tensor([0, 0, 1, 1, 7, 6, 5, 4]))
+    assert {k.data_ptr() for k in state.gk + state.gv} == ptrs  # written in place, never reallocated
+    sizes = state.cache_bytes()
+    assert sizes == {"prompt": 2 * L * B * Hkv * P * d * 4, "generated": 2 * L * B * R * Hkv * T * d * 4}
+    if name == "llama":
+        assert Hkv == 2 < H
+
+
+# --- through seqgen's engine, against transformers' generate() (the equivalence harness) ---------------
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_engine_equivalence(tiny_models, family: str, setting: str) -> None:
+    """Greedy 100 % token-identical; beam 100 % except near-ties, which are printed as such."""
+    loaded = load(tiny_models(family))
+    result = check_equivalence(loaded.model, fast, text_batch(loaded, 12), SETTINGS[setting])
+    print(f"{family} {setting}: {result.summary()}")
+    for line in result.near_ties:
+        print("  near-tie:", line)
+    assert not result.mismatches, "\n".join(result.mismatches[:5])
+    assert max(result.lengths) > 1  # EOS-tuned: outputs of varied length, not all empty
+    if SETTINGS[setting].get("num_beams", 1) == 1:
+        assert result.identical == result.total
+
+
+def test_refused_variants() -> None:
+    assert fast_decoder(tiny_llama(MistralConfig, sliding_window=4)) is None
+    assert (
+        fast_decoder(tiny_llama(Qwen2Config, use_sliding_window=True, sliding_window=4, max_window_layers=0))
+        is None
+    )
+    assert (
+        fast_decoder(tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+        is None
+    )
+    assert isinstance(fast_decoder(tiny_llama()), LlamaDecoder)
+    refused = tiny_llama(MistralConfig, sliding_window=4)
+    assert isinstance(FAST_DECODERS["mistral"](refused), GenericDecoder)  # the registry falls back
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_half_precision_close_to_hf(name: str, dtype: torch.dtype) -> None:
+    """Half precision runs and stays near transformers' own forward in that dtype (loose: rounding differs)."""
+    model = MODELS[name]().to(dtype)
+    dec = fast(model)
+    state, first = dec.start(left_pad(PROMPTS), rows_per_input=2, max_new_tokens=3)
+    assert first.dtype == torch.float32 and state.pk[0].dtype == dtype
+    hist = [[] for _ in range(8)]
+    for t in range(3):
+        tokens = torch.arange(8) + 3 * t + 1
+        logits = dec.step(state, tokens)
+        for n, tok in enumerate(tokens.tolist()):
+            hist[n].append(tok)
+    ref = reference(model, [PROMPTS[n // 2] + hist[n] for n in range(8)])
+    err = (logits - ref).abs().max() / ref.abs().max()
+    assert err < 0.05, err

@@ -1,0 +1,284 @@
+"""The I/O pipeline on a fake model (fast): order, batching, OOM splitting, bad lines, interrupt, resume."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import GenerationConfig
+
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.generator import Encoded
+from seqgen_cli.pipeline import resume
+from seqgen_cli.pipeline.batch import plan
+from seqgen_cli.pipeline.job import JobOptions, closing_message, generate_job
+from seqgen_cli.pipeline.output import StreamSink, index_path
+from seqgen_cli.pipeline.read import read_records
+from seqgen_cli.pipeline.run import RunOptions, run
+
+
+class FakeGen:
+    """Token ids are code points; the "generation" of an input is its text reversed."""
+
+    backend = "fake"
+    prefix = None
+    max_source_length = None
+
+    def __init__(self, n: int = 1, fail=None) -> None:
+        self.config = GenerationConfig(num_return_sequences=n, num_beams=n)
+        self.model = SimpleNamespace(config=SimpleNamespace(_name_or_path="fake-model"))
+        self.batches: list[list[list[int]]] = []
+        self.fail = fail  # called with the batch before generating; may raise
+
+    def encode(self, texts):
+        return [Encoded([ord(c) for c in t], False) for t in texts]
+
+    def generate_ids(self, batch):
+        if self.fail is not None:
+            self.fail(batch)
+        self.batches.append([list(ids) for ids in batch])
+        n = self.config.num_return_sequences
+        return [[list(reversed(ids)) + [ord("0") + k] * (k > 0) for k in range(n)] for ids in batch]
+
+    def decode(self, seqs):
+        return ["".join(map(chr, s)) for s in seqs]
+
+
+def expected(texts: list[str]) -> str:
+    return "".join(t.strip() and t[::-1] + "\n" or "\n" for t in texts)
+
+
+def shuffled_texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        out.append("" if rng.random() < 0.05 else f"{i}:" + "x" * rng.choice([1, 2, 5, 40, 200]))
+    return out
+
+
+def write_lines(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+class Capture:
+    """A binary stream for StreamSink."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def write(self, b: bytes) -> None:
+        self.chunks.append(bytes(b))
+
+    def flush(self) -> None:
+        pass
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode()
+
+
+@pytest.mark.parametrize(
+    "batch_size,batch_tokens,window",
+    [(1, None, None), (4, None, None), (7, 300, 64), (64, 1000, 0), (32, 50, 16), (1000, 10**6, 5000)],
+)
+def test_order_preserved_with_shuffled_lengths(tmp_path: Path, batch_size, batch_tokens, window) -> None:
+    texts = shuffled_texts(400, seed=batch_size)
+    src = write_lines(tmp_path / "in.txt", texts)
+    gen, out = FakeGen(), Capture()
+    opts = RunOptions(batch_size=batch_size, batch_tokens=batch_tokens, sort_window=window)
+    summary = run(gen, read_records([str(src)]), StreamSink(out, flush_lines=False), opts)
+    assert out.text() == expected(texts)
+    assert summary.inputs == 400 and summary.error is None
+    for b in gen.batches:
+        assert len(b) <= batch_size
+        if batch_tokens and len(b) > 1:
+            assert max(map(len, b)) * len(b) <= batch_tokens
+    if window != 0 and 1 < batch_size < 100:  # sorted within a window: little padding
+        assert summary.padding_ratio < 0.5
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 300), max_size=80),
+    st.integers(1, 16),
+    st.one_of(st.none(), st.integers(1, 2000)),
+    st.integers(1, 4),
+    st.booleans(),
+)
+def test_plan_partitions_within_limits(lengths, batch_size, batch_tokens, rows, sort) -> None:
+    batches = plan(lengths, batch_size, batch_tokens, rows, sort)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert 1 <= len(b) <= batch_size
+        if batch_tokens is not None and len(b) > 1:
+            assert max(lengths[i] for i in b) * len(b) * rows <= batch_tokens
+    if not sort:
+        assert [i for b in batches for i in b] == list(range(len(lengths)))
+
+
+def test_token_budget_counts_beams(tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.txt", ["abcd"] * 20)
+    gen = FakeGen(n=4)  # 4 beams: 4 rows per input
+    run(gen, read_records([str(src)]), StreamSink(Capture()), RunOptions(batch_size=100, batch_tokens=64))
+    assert {len(b) for b in gen.batches} == {4}  # 4 tokens x 4 rows x 4 inputs = 64
+
+
+def test_oom_is_split_down_and_nothing_is_lost(tmp_path: Path) -> None:
+    def oom_above_3(batch):
+        if len(batch) > 3:
+            raise MemoryError
+
+    texts = shuffled_texts(100, seed=3)
+    src = write_lines(tmp_path / "in.txt", texts)
+    gen, out = FakeGen(fail=oom_above_3), Capture()
+    summary = run(gen, read_records([str(src)]), StreamSink(out), RunOptions(batch_size=32))
+    assert out.text() == expected(texts)
+    assert max(map(len, gen.batches)) <= 3 and summary.skipped == 0
+
+
+def _poison(batch):
+    if any(ids == [ord(c) for c in "BOOM"] for ids in batch):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_input_that_fails_alone_is_skipped_with_its_line(tmp_path: Path, capsys) -> None:
+    texts = ["aa", "bbb", "BOOM", "c", "dddd"]
+    src = write_lines(tmp_path / "in.txt", texts)
+    out = Capture()
+    opts = RunOptions(batch_size=8, on_error="skip")
+    summary = run(FakeGen(fail=_poison), read_records([str(src)]), StreamSink(out), opts)
+    assert out.text() == "aa\nbbb\n\nc\ndddd\n"
+    assert summary.skipped == 1
+    assert f"{src}:3: out of memory" in capsys.readouterr().err
+
+
+def test_input_that_fails_alone_stops_after_writing_all_before_it(tmp_path: Path) -> None:
+    # Sorted by length, "BOOM" (line 6) runs before the long lines 1-5: those must still be written.
+    texts = ["x" * 50 + str(i) for i in range(5)] + ["BOOM"] + ["y", "zz"] + ["w" * 9] * 30
+    src = write_lines(tmp_path / "in.txt", texts)
+    out = Capture()
+    opts = RunOptions(batch_size=2, on_error="fail", sort_window=100)
+    summary = run(FakeGen(fail=_poison), read_records([str(src)]), StreamSink(out), opts)
+    assert out.text() == expected(texts[:5])
+    assert summary.error is not None and summary.error.startswith(f"{src}:6: out of memory")
+    assert "the 5 inputs before it" in closing_message(summary, "-")
+
+
+@pytest.mark.parametrize(
+    "bad,needle", [(b"{not json}\n", "invalid JSON"), (b'{"text": 3}\n', "field 'text'")]
+)
+def test_bad_jsonl_line_is_named_and_earlier_outputs_written(tmp_path: Path, bad, needle) -> None:
+    lines = [json.dumps({"id": i, "text": "t" * (10 - i)}).encode() + b"\n" for i in range(6)]
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"".join(lines[:4]) + bad + b"".join(lines[4:]))
+    out = Capture()
+    opts = RunOptions(output_format="jsonl", sort_window=100)
+    summary = run(FakeGen(), read_records([str(src)]), StreamSink(out), opts)
+    assert summary.error.startswith(f"{src}:5: ") and needle in summary.error
+    rows = [json.loads(line) for line in out.text().splitlines()]
+    assert [r["id"] for r in rows] == [0, 1, 2, 3] and rows[0]["output"] == "t" * 10
+
+    out = Capture()
+    opts = RunOptions(output_format="jsonl", on_error="skip")
+    summary = run(FakeGen(), read_records([str(src)], on_error="skip"), StreamSink(out), opts)
+    rows = [json.loads(line) for line in out.text().splitlines()]
+    assert len(rows) == 7 and summary.skipped == 1 and summary.error is None
+    assert rows[4]["output"] == "" and needle in rows[4]["error"] and f"{src}:5" in rows[4]["error"]
+    assert [r.get("id") for r in rows[5:]] == [4, 5]
+
+
+def test_jsonl_fields_passed_through_and_lists_for_several_sequences(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "src": "abc", "lang": "de"}\n{"id": "b", "src": "xy"}\n', encoding="utf-8")
+    out = Capture()
+    run(
+        FakeGen(n=2),
+        read_records([str(src)]),
+        StreamSink(out),
+        RunOptions(output_format="jsonl", output_field="hyp"),
+    )
+    rows = [json.loads(line) for line in out.text().splitlines()]
+    assert rows[0] == {"id": "a", "src": "abc", "lang": "de", "hyp": ["cba", "cba1"]}
+    assert rows[1]["hyp"] == ["yx", "yx1"]
+    out = Capture()  # text: N consecutive lines per input
+    run(FakeGen(n=2), read_records([str(src)]), StreamSink(out), RunOptions())
+    assert out.text() == "cba\ncba1\nyx\nyx1\n"
+
+
+def _job(gen, src: Path, out: Path, **kw) -> object:
+    opts = JobOptions(batch_size=kw.pop("batch_size", 3), sort_window=kw.pop("sort_window", 12), **kw)
+    return generate_job(gen, [str(src)], str(out), opts)
+
+
+def test_interrupt_writes_done_then_resume_is_byte_identical(tmp_path: Path) -> None:
+    texts = shuffled_texts(120, seed=7)
+    src = write_lines(tmp_path / "in.txt", texts)
+    calls = {"n": 0}
+
+    def interrupt_on_9th(batch):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "out.txt"
+    summary = _job(FakeGen(fail=interrupt_on_9th), src, out)
+    assert summary.interrupted and 0 < summary.inputs < 120
+    assert out.read_text(encoding="utf-8") == expected(texts[: summary.inputs])
+    assert "--resume" in closing_message(summary, str(out))
+    assert index_path(out).exists()
+    with pytest.raises(SeqgenError, match="interrupted run"):  # no silent overwrite
+        _job(FakeGen(), src, out)
+    done = summary.inputs
+    summary = _job(FakeGen(), src, out, resume=True, stats=str(tmp_path / "s.json"))
+    assert summary.resumed_from == done and summary.inputs == 120 - done
+    assert out.read_text(encoding="utf-8") == expected(texts)
+    assert not index_path(out).exists()  # complete: nothing left to resume
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["resumed_from"] == done and stats["inputs"] == 120 - done
+    with pytest.raises(SeqgenError, match="nothing to resume"):
+        _job(FakeGen(), src, out, resume=True)
+
+
+def test_resume_truncates_an_unindexed_tail_and_checks_input_and_settings(tmp_path: Path) -> None:
+    texts = shuffled_texts(60, seed=1)
+    src = write_lines(tmp_path / "in.txt", texts)
+    out = tmp_path / "out.txt"
+    calls = {"n": 0}
+
+    def interrupt(batch):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+
+    _job(FakeGen(fail=interrupt), src, out)
+    with open(out, "ab") as fh:  # what a crash between write and index could leave
+        fh.write(b"half a li")
+    with pytest.raises(SeqgenError, match="different settings.*output_format"):
+        _job(FakeGen(), src, out, resume=True, output_format="jsonl")
+    other = write_lines(tmp_path / "other.txt", ["changed"] + texts[1:])
+    with pytest.raises(SeqgenError, match="differ from those of the interrupted run"):
+        _job(FakeGen(), other, out, resume=True)
+    _job(FakeGen(), src, out, resume=True)
+    assert out.read_text(encoding="utf-8") == expected(texts)
+
+
+def test_resume_without_output_file_starts_fresh(tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.txt", ["abc", "de"])
+    out = tmp_path / "new.txt"
+    summary = _job(FakeGen(), src, out, resume=True)
+    assert summary.inputs == 2 and out.read_text() == "cba\ned\n"
+
+
+def test_resume_state_ignores_a_torn_index_line(tmp_path: Path) -> None:
+    out = tmp_path / "o.txt"
+    out.write_bytes(b"a\nb\nc\n")
+    settings = {"k": 1}
+    lines = [{"seqgen_index": 1, "settings": settings}, {"done": 2, "offset": 4, "sha256": "x"}]
+    index_path(out).write_text("".join(json.dumps(e) + "\n" for e in lines) + '{"done": 3, "off')
+    state = resume.load(out, settings)
+    assert (state.done, state.offset) == (2, 4)
