@@ -65,7 +65,8 @@ class BartDecoder(EncDecBackend):
         self.ln_embed = getattr(dec, "layernorm_embedding", None)
         self.ln_final = getattr(dec, "layer_norm", None)
         self.dec_layers = [_Layer(layer) for layer in dec.layers]
-        self.lm_w = model.get_output_embeddings().weight  # [V, D]
+        self.lm_head = model.get_output_embeddings()
+        self.lm_w = self.lm_head.weight  # [V, D]
         bias = getattr(model, "final_logits_bias", None)
         self.lm_b = None if bias is None else bias.view(-1)  # [V]
         self.vocab_size = int(self.lm_w.shape[0])
@@ -118,7 +119,7 @@ class BartDecoder(EncDecBackend):
                 x = lay.ln_ffn(x)
         if self.ln_final is not None:
             x = self.ln_final(x)
-        logits = F.linear(x, self.lm_w)  # [N, V]
+        logits = F.linear(x, self.lm_w, self.lm_head.bias)  # [N, V] (head bias: None in checkpoints)
         if self.lm_b is not None:
             logits = logits + self.lm_b
         state.t = t + 1

@@ -18,3 +18,8 @@ FAST_DECODERS: dict[str, Callable[[PreTrainedModel], Decoder]] = {
     "t5": T5Decoder,
     "mt5": T5Decoder,
 }
+
+
+def fast_decoder(model: PreTrainedModel) -> Decoder:
+    """The fast backend for ``model``'s family (``python -m tests.equivalence --backend ...:fast_decoder``)."""
+    return FAST_DECODERS[model.config.model_type](model)

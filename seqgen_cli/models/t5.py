@@ -58,7 +58,8 @@ class T5Decoder(EncDecBackend):
         self.rel_attn = dec.block[0].layer[0].SelfAttention  # owns relative_attention_bias
         self.ln_final = dec.final_layer_norm
         self.out_scale = float(cfg.d_model) ** -0.5 if getattr(cfg, "scale_decoder_outputs", False) else None
-        self.lm_w = model.get_output_embeddings().weight  # [V, D]
+        self.lm_head = model.get_output_embeddings()
+        self.lm_w = self.lm_head.weight  # [V, D]
         self.vocab_size = int(self.lm_w.shape[0])
         self.layers = len(self.blocks)
         self.heads = int(cfg.num_heads)
@@ -101,4 +102,4 @@ class T5Decoder(EncDecBackend):
         if self.out_scale is not None:
             x = x * self.out_scale
         state.t = t + 1
-        return F.linear(x, self.lm_w)  # [N, V]
+        return F.linear(x, self.lm_w, self.lm_head.bias)  # [N, V] (bias: None unless the head was replaced)
