@@ -22,8 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from seqgen_cli.models import fast_decoder  # noqa: E402
 from seqgen_cli.models.generic import GenericDecoder  # noqa: E402
-from seqgen_cli.models.registry_deconly import fast_decoder  # noqa: E402
 from seqgen_cli.search import Batch, generate, merge_generation_config  # noqa: E402
 
 SHARED = Path(os.environ.get("SEQGEN_SHARED", ROOT.parent / "shared"))

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
 
+from seqgen_cli.models import FAST_DECODERS
 from seqgen_cli.models.generic import GenericDecoder
-from seqgen_cli.models.registry import FAST_DECODERS
 from seqgen_cli.search import Batch, generate, merge_generation_config
 
 SHARED = Path("/work/shared")
@@ -32,8 +32,15 @@ SHAPES = {
     # name: (tokenizer/config dir, config overrides, sources)
     "bart-base": (
         "bart-large-cnn",
-        dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
-             decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072),
+        dict(
+            d_model=768,
+            encoder_layers=6,
+            decoder_layers=6,
+            encoder_attention_heads=12,
+            decoder_attention_heads=12,
+            encoder_ffn_dim=3072,
+            decoder_ffn_dim=3072,
+        ),
         "data/cnndm/summeval.source",
     ),
     "bart-large-cnn": ("bart-large-cnn", {}, "data/cnndm/summeval.source"),
@@ -84,10 +91,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok, lines = build(args.shape)
-    enc = tok(lines[: args.batch], padding=True, truncation=True, max_length=args.src_len, return_tensors="pt")
+    enc = tok(
+        lines[: args.batch], padding=True, truncation=True, max_length=args.src_len, return_tensors="pt"
+    )
     batch = Batch(enc["input_ids"], enc["attention_mask"])
-    kwargs = dict(num_beams=args.beams, do_sample=False, max_new_tokens=args.new_tokens,
-                  min_new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat)
+    kwargs = dict(
+        num_beams=args.beams,
+        do_sample=False,
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        no_repeat_ngram_size=args.no_repeat,
+    )
     times: dict[str, list[float]] = {impl: [] for impl in args.impls}
     outputs: dict[str, list[list[int]]] = {}
     run(args.impls[-1], model, Batch(batch.input_ids[:1], batch.attention_mask[:1]), kwargs)  # warm-up
@@ -102,11 +116,21 @@ def main() -> None:
     for impl in args.impls:
         med = statistics.median(times[impl])
         same = sum(a == b for a, b in zip(outputs[impl], ref, strict=True))
-        print(json.dumps({
-            "shape": args.shape, "batch": args.batch, "beams": args.beams, "src_tokens": int(batch.input_ids.shape[1]),
-            "impl": impl, "median_s": round(med, 2), "runs": [round(t, 2) for t in times[impl]],
-            "speedup_vs_" + args.impls[0]: round(base / med, 2), "identical_to_first": f"{same}/{len(ref)}",
-        }))
+        print(
+            json.dumps(
+                {
+                    "shape": args.shape,
+                    "batch": args.batch,
+                    "beams": args.beams,
+                    "src_tokens": int(batch.input_ids.shape[1]),
+                    "impl": impl,
+                    "median_s": round(med, 2),
+                    "runs": [round(t, 2) for t in times[impl]],
+                    "speedup_vs_" + args.impls[0]: round(base / med, 2),
+                    "identical_to_first": f"{same}/{len(ref)}",
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

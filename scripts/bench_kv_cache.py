@@ -54,9 +54,11 @@ def main() -> None:
                 totals[name].append(sum(steps))
                 late[name].append(statistics.median(steps[-10:]))
     for name in KV_CACHES:
-        print(f"{name:10s} total {statistics.median(totals[name]):6.2f}s over {args.steps} steps "
-              f"(runs {[round(x, 2) for x in totals[name]]}); last-10-steps median "
-              f"{1e3 * statistics.median(late[name]):6.1f} ms/step")
+        print(
+            f"{name:10s} total {statistics.median(totals[name]):6.2f}s over {args.steps} steps "
+            f"(runs {[round(x, 2) for x in totals[name]]}); last-10-steps median "
+            f"{1e3 * statistics.median(late[name]):6.1f} ms/step"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Profile the fast enc-dec path: start() vs bare decoder steps vs engine total, and torch.profiler of 10 steps.
 
-    PYTHONPATH=. python scripts/profile_encdec.py bart-base 32
+PYTHONPATH=. python scripts/profile_encdec.py bart-base 32
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.profiler import profile
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_encdec import build  # noqa: E402
 
-from seqgen_cli.models.registry import FAST_DECODERS  # noqa: E402
+from seqgen_cli.models import FAST_DECODERS  # noqa: E402
 from seqgen_cli.search import Batch, generate, merge_generation_config  # noqa: E402
 
 
@@ -41,7 +41,9 @@ def main() -> None:
         t2 = time.perf_counter()
         generate(dec, batch, cfg)
         t3 = time.perf_counter()
-        print(f"{shape} {bsz}x{r}: start {t1 - t0:.2f}s, 60 bare steps {t2 - t1:.2f}s, engine total {t3 - t2:.2f}s")
+        print(
+            f"{shape} {bsz}x{r}: start {t1 - t0:.2f}s, 60 bare steps {t2 - t1:.2f}s, engine total {t3 - t2:.2f}s"
+        )
         state, _ = dec.start(batch, r, 60)
         with profile() as prof:
             for _ in range(10):

@@ -295,7 +295,21 @@ def test_every_option_has_help() -> None:
 
 
 def test_sampling_with_a_seed_repeats(bart: Path) -> None:
-    args = ["generate", "-m", str(bart), "--do-sample", "--top-k", "20", "--seed", "3", "--max-new-tokens", "8", "--batch-size", "2", "-q"]
+    args = [
+        "generate",
+        "-m",
+        str(bart),
+        "--do-sample",
+        "--top-k",
+        "20",
+        "--seed",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--batch-size",
+        "2",
+        "-q",
+    ]
     stdin = "".join(f"input number {i}\n" for i in range(5))
     first, second = seqgen(*args, input=stdin), seqgen(*args, input=stdin)
     assert first.exit_code == 0, first.stderr

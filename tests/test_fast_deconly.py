@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
+from seqgen_cli.models import fast_decoder, get_decoder
 from seqgen_cli.models.deconly import DecoderOnly, prompt_positions
 from seqgen_cli.models.generic import GenericDecoder
 from seqgen_cli.models.llama import LlamaDecoder
-from seqgen_cli.models.registry_deconly import FAST_DECODERS, fast_decoder
 from seqgen_cli.search.protocol import Batch
 from tests.engine_models import load, text_batch
 from tests.equivalence import SETTINGS, check_equivalence
@@ -207,7 +207,7 @@ def test_refused_variants() -> None:
     )
     assert isinstance(fast_decoder(tiny_llama()), LlamaDecoder)
     refused = tiny_llama(MistralConfig, sliding_window=4)
-    assert isinstance(FAST_DECODERS["mistral"](refused), GenericDecoder)  # the registry falls back
+    assert isinstance(get_decoder(refused), GenericDecoder)  # get_decoder falls back
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM
 
-from seqgen_cli.models.registry import FAST_DECODERS
+from seqgen_cli.models import FAST_DECODERS
 from seqgen_cli.search.protocol import Batch
 
 ENCDEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
@@ -38,7 +38,9 @@ def _reference(model, batch: Batch, inputs: list[int], r: int, hist: torch.Tenso
     idx = torch.tensor(inputs).repeat_interleave(r)
     with torch.no_grad():
         out = model(
-            input_ids=batch.input_ids[idx], attention_mask=batch.attention_mask[idx], decoder_input_ids=hist,
+            input_ids=batch.input_ids[idx],
+            attention_mask=batch.attention_mask[idx],
+            decoder_input_ids=hist,
         )
     return out.logits[:, -1]
 

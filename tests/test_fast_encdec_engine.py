@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+from seqgen_cli.models import FAST_DECODERS
 from seqgen_cli.models.generic import GenericDecoder
-from seqgen_cli.models.registry import FAST_DECODERS
 from seqgen_cli.search import Batch, generate, merge_generation_config
 from tests.tiny_models import sample_texts
 
@@ -17,8 +17,12 @@ SETTINGS = {
     "greedy-norepeat": {"num_beams": 1, "do_sample": False, "max_new_tokens": 12, "no_repeat_ngram_size": 2},
     "beam4": {"num_beams": 4, "do_sample": False, "max_new_tokens": 12, "length_penalty": 1.3},
     "beam3-norepeat-early": {
-        "num_beams": 3, "do_sample": False, "max_new_tokens": 10, "min_new_tokens": 4,
-        "no_repeat_ngram_size": 3, "early_stopping": True,
+        "num_beams": 3,
+        "do_sample": False,
+        "max_new_tokens": 10,
+        "min_new_tokens": 4,
+        "no_repeat_ngram_size": 3,
+        "early_stopping": True,
     },
 }
 
@@ -43,7 +47,9 @@ def loaded(tiny_models):
             path = tiny_models(family)
             model = AutoModelForSeq2SeqLM.from_pretrained(path, dtype=torch.float32).eval()
             tok = AutoTokenizer.from_pretrained(path)
-            enc = tok(sample_texts(5, seed=7), padding=True, truncation=True, max_length=64, return_tensors="pt")
+            enc = tok(
+                sample_texts(5, seed=7), padding=True, truncation=True, max_length=64, return_tensors="pt"
+            )
             cache[family] = (model, Batch(enc["input_ids"], enc["attention_mask"]))
         return cache[family]
 
@@ -69,7 +75,13 @@ def test_engine_through_fast_decoder_matches_generate(loaded, family: str, setti
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_sampling_fast_equals_generic(loaded, family: str) -> None:
     model, batch = loaded(family)
-    kwargs = {"do_sample": True, "top_k": 20, "temperature": 0.9, "max_new_tokens": 10, "num_return_sequences": 2}
+    kwargs = {
+        "do_sample": True,
+        "top_k": 20,
+        "temperature": 0.9,
+        "max_new_tokens": 10,
+        "num_return_sequences": 2,
+    }
     config = merge_generation_config(model.generation_config, **kwargs)
     fast = generate(FAST_DECODERS[model.config.model_type](model), batch, config, seed=11)
     slow = generate(GenericDecoder(model), batch, config, seed=11)

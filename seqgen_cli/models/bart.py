@@ -83,7 +83,9 @@ class BartDecoder(EncDecBackend):
     def _cross_kv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lay = self.dec_layers[layer]
         b, s, _ = hidden.shape
-        kv = F.linear(hidden, lay.ckv_w, lay.ckv_b).view(b, s, 2, self.heads, self.head_dim)  # [B, S, 2, H, d]
+        kv = F.linear(hidden, lay.ckv_w, lay.ckv_b).view(
+            b, s, 2, self.heads, self.head_dim
+        )  # [B, S, 2, H, d]
         kv = kv.permute(2, 0, 3, 1, 4)  # [2, B, H, S, d]
         return kv[0].contiguous(), kv[1].contiguous()
 

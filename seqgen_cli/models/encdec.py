@@ -42,9 +42,7 @@ def cross_attention(
     return out.transpose(1, 2).reshape(n, h * d)
 
 
-def self_attention(
-    qkv: torch.Tensor, cache: SelfCache, layer: int, heads: int, scale: float
-) -> torch.Tensor:
+def self_attention(qkv: torch.Tensor, cache: SelfCache, layer: int, heads: int, scale: float) -> torch.Tensor:
     """``qkv`` [N, 3*H*d] for this step; writes k/v into ``cache``; returns the attention output [N, H*d]."""
     q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)  # [N, H, d] each
     return cache.attend(layer, q, k, v, scale)
@@ -81,8 +79,12 @@ class EncDecBackend:
             self.layers, bsz, rows_per_input, self.heads, max_len, self.head_dim, self.dtype, hidden.device
         )
         state = EncDecState(
-            cross_k=[k for k, _ in cross], cross_v=[v for _, v in cross], cross_mask=mask,
-            cache=cache, rows_per_input=rows_per_input, max_len=max_len,
+            cross_k=[k for k, _ in cross],
+            cross_v=[v for _, v in cross],
+            cross_mask=mask,
+            cache=cache,
+            rows_per_input=rows_per_input,
+            max_len=max_len,
         )
         return state, None
 

@@ -27,8 +27,15 @@ class CopyCache:
     """Reorder copies the filled prefix; reads are strided views."""
 
     def __init__(
-        self, layers: int, inputs: int, rows_per_input: int, heads: int, max_len: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
+        self,
+        layers: int,
+        inputs: int,
+        rows_per_input: int,
+        heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         shape = (layers, inputs * rows_per_input, heads, max_len, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, N, H, T, d]
@@ -46,7 +53,9 @@ class CopyCache:
         self.v[layer, :, :, t] = v
         return self.k[layer, :, :, : t + 1], self.v[layer, :, :, : t + 1]  # [N, H, t+1, d]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """Store this step's ``k``/``v`` ([N, H, d]); attend ``q`` [N, H, d] over the row's history -> [N, H*d]."""
         keys, values = self._kv(layer, k, v)
         out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=self.bias, scale=scale)
@@ -72,8 +81,15 @@ class BackPointerCache(CopyCache):
     """Reorder permutes back-pointers ([N, T] int64); reads gather keys through them."""
 
     def __init__(
-        self, layers: int, inputs: int, rows_per_input: int, heads: int, max_len: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
+        self,
+        layers: int,
+        inputs: int,
+        rows_per_input: int,
+        heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__(layers, inputs, rows_per_input, heads, max_len, head_dim, dtype, device)
         self.r = rows_per_input
@@ -122,8 +138,15 @@ class BeamMaskCache:
     """Beams as query positions over all their input's keys; back-pointers as the attention mask."""
 
     def __init__(
-        self, layers: int, inputs: int, rows_per_input: int, heads: int, max_len: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
+        self,
+        layers: int,
+        inputs: int,
+        rows_per_input: int,
+        heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         shape = (layers, inputs, heads, max_len, rows_per_input, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, B, H, T, R, d]
@@ -156,7 +179,9 @@ class BeamMaskCache:
         else:
             self.mask = visible
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """Store this step's ``k``/``v`` ([N, H, d]); attend ``q`` [N, H, d] over the row's history -> [N, H*d]."""
         t = self.len
         _, b, h, _, r, d = self.k.shape
@@ -166,7 +191,9 @@ class BeamMaskCache:
         keys = kl[:, :, : t + 1].view(b, h, (t + 1) * r, d)  # contiguous per (b, h): no copy
         values = vl[:, :, : t + 1].view(b, h, (t + 1) * r, d)
         qb = q.view(b, r, h, d).transpose(1, 2)  # [B, H, Rq, d]
-        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=self.mask, scale=scale)  # [B, H, Rq, d]
+        out = F.scaled_dot_product_attention(
+            qb, keys, values, attn_mask=self.mask, scale=scale
+        )  # [B, H, Rq, d]
         return out.transpose(1, 2).reshape(b * r, h * d)
 
     def reorder(self, rows: torch.Tensor) -> None:

@@ -73,7 +73,9 @@ class T5Decoder(EncDecBackend):
 
     def _cross_kv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, _ = hidden.shape
-        kv = F.linear(hidden, self.blocks[layer].ckv_w).view(b, s, 2, self.heads, self.head_dim)  # [B, S, 2, H, d]
+        kv = F.linear(hidden, self.blocks[layer].ckv_w).view(
+            b, s, 2, self.heads, self.head_dim
+        )  # [B, S, 2, H, d]
         kv = kv.permute(2, 0, 3, 1, 4)  # [2, B, H, S, d]
         return kv[0].contiguous(), kv[1].contiguous()
 
@@ -95,7 +97,9 @@ class T5Decoder(EncDecBackend):
         for i, blk in enumerate(self.blocks):
             a = self_attention(F.linear(blk.ln_self(x), blk.qkv_w), cache, i, self.heads, 1.0)  # [N, I]
             x = _clamp_fp16(x + blk.o(a))
-            a = cross_attention(blk.cq(blk.ln_cross(x)), state.cross_k[i], state.cross_v[i], state.cross_mask, 1.0)
+            a = cross_attention(
+                blk.cq(blk.ln_cross(x)), state.cross_k[i], state.cross_v[i], state.cross_mask, 1.0
+            )
             x = _clamp_fp16(x + blk.co(a))
             x = _clamp_fp16(x + blk.ff(blk.ln_ff(x)))
         x = self.ln_final(x)

@@ -1,0 +1,42 @@
+"""Backend choice: every supported family gets its fast decoder; anything else the generic one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, OPTConfig, OPTForCausalLM
+
+from seqgen_cli.generator import Generator
+from seqgen_cli.models import FAST_DECODERS, GenericDecoder, get_decoder
+from tests.tiny_models import CAUSAL_FAMILIES, FAMILIES
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_auto_picks_the_fast_decoder_for_each_family(tiny_models, family: str) -> None:
+    path = tiny_models(family)
+    auto = AutoModelForCausalLM if family in CAUSAL_FAMILIES else AutoModelForSeq2SeqLM
+    model = auto.from_pretrained(path).eval()
+    decoder = get_decoder(model)
+    assert type(decoder) is FAST_DECODERS[model.config.model_type]
+    assert isinstance(get_decoder(model, generic=True), GenericDecoder)
+
+
+def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_models) -> None:
+    """An architecture without a fast decoder (OPT) still runs in seqgen's engine, exactly."""
+    torch.manual_seed(0)
+    gpt2_tok = AutoTokenizer.from_pretrained(tiny_models("gpt2"))
+    config = OPTConfig(
+        vocab_size=len(gpt2_tok), hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+        word_embed_proj_dim=32, max_position_embeddings=256, pad_token_id=gpt2_tok.pad_token_id,
+        bos_token_id=gpt2_tok.bos_token_id, eos_token_id=gpt2_tok.eos_token_id,
+    )  # fmt: skip
+    OPTForCausalLM(config).save_pretrained(tmp_path)
+    gpt2_tok.save_pretrained(tmp_path)
+    fast = Generator(str(tmp_path), backend="auto", max_new_tokens=6, num_beams=3)
+    assert fast.backend == "fast" and fast.model.config.model_type not in FAST_DECODERS
+    hf = Generator(str(tmp_path), backend="hf", max_new_tokens=6, num_beams=3)
+    texts = ["the cat sat on the mat", "once upon a time", "a"]
+    assert fast.generate(texts) == hf.generate(texts)
+    assert isinstance(fast._decoder, GenericDecoder)
