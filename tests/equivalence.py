@@ -41,6 +41,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "beam4_maxlen48_minlen44": dict(num_beams=4, max_length=48, min_length=44),
     # no length given: 20 new tokens; processors in greedy act on raw logits.
     "greedy_rep1.3_ngram2_default_len": dict(repetition_penalty=1.3, no_repeat_ngram_size=2),
+    "beam4_ngram3_renormalize": dict(
+        num_beams=4, no_repeat_ngram_size=3, renormalize_logits=True, max_new_tokens=24
+    ),
 }
 
 BackendFactory = Callable[[PreTrainedModel], Decoder]

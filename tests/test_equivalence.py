@@ -1,4 +1,5 @@
-"""seqgen's engine (generic backend) vs transformers generate(), token for token, every family x setting."""
+"""seqgen's engine vs transformers generate(), token for token: every family x setting x backend
+(the generic backend and each family's fast decoder)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ def generic(model):
     return get_decoder(model, generic=True)
 
 
+BACKENDS = {"generic": generic, "fast": get_decoder}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_equivalence(tiny_models, family: str, setting: str) -> None:
+def test_equivalence(tiny_models, family: str, setting: str, backend: str) -> None:
     loaded = load(tiny_models(family))
-    result = check_equivalence(loaded.model, generic, text_batch(loaded, BATCH), SETTINGS[setting])
-    print(f"{family} {setting}: {result.summary()}")
+    result = check_equivalence(loaded.model, BACKENDS[backend], text_batch(loaded, BATCH), SETTINGS[setting])
+    print(f"{family} {setting} {backend}: {result.summary()}")
     for line in result.near_ties:
         print("  near-tie:", line)
     assert not result.mismatches, "\n".join(result.mismatches[:5])

@@ -145,4 +145,6 @@ class LogitsPipeline:
             scores.masked_fill_(self.begin_suppress_mask, NEG_INF)
         if self.warpers is not None:
             scores = self.warpers(scores)
+        if s.renormalize_logits:  # always last, as transformers' LogitNormalization
+            scores = scores.log_softmax(dim=-1)
         return scores

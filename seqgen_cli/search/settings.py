@@ -55,7 +55,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "guidance_scale": lambda v: v is not None and v != 1,
     "exponential_decay_length_penalty": lambda v: v is not None,
     "remove_invalid_values": lambda v: bool(v),
-    "renormalize_logits": lambda v: bool(v),
     "watermarking_config": lambda v: v is not None,
     "stop_strings": lambda v: v is not None,
     "max_time": lambda v: v is not None,
@@ -116,6 +115,7 @@ class SearchSettings:
     begin_suppress_tokens: tuple[int, ...]
     begin_index: int  # cur_len at which begin_suppress_tokens apply
     repetition_penalty: float
+    renormalize_logits: bool  # log_softmax after every processor (transformers' LogitNormalization)
     no_repeat_ngram_size: int
     length_penalty: float
     early_stopping: bool | str
@@ -239,6 +239,7 @@ def resolve_settings(
         begin_suppress_tokens=_token_list(config.begin_suppress_tokens),
         begin_index=begin_index,
         repetition_penalty=float(_get(config, "repetition_penalty")),
+        renormalize_logits=bool(config.renormalize_logits),
         no_repeat_ngram_size=int(_get(config, "no_repeat_ngram_size")),
         length_penalty=float(_get(config, "length_penalty")),
         early_stopping=early_stopping,
