@@ -22,8 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from seqgen_cli.models import fast_decoder  # noqa: E402
-from seqgen_cli.models.generic import GenericDecoder  # noqa: E402
+from seqgen_cli.models import fast_backend  # noqa: E402
+from seqgen_cli.models.generic import GenericBackend  # noqa: E402
 from seqgen_cli.search import Batch, generate, merge_generation_config  # noqa: E402
 
 SHARED = Path(os.environ.get("SEQGEN_SHARED", ROOT.parent / "shared"))
@@ -85,11 +85,11 @@ def main() -> None:
         return [out[b, P:].tolist() for b in range(args.batch)]
 
     def run_fast() -> list[list[int]]:
-        out = generate(fast_decoder(model), batch, config)
+        out = generate(fast_backend(model), batch, config)
         return [s[0] for s in out.sequences]
 
     def run_generic() -> list[list[int]]:  # seqgen's engine over transformers' own forward + DynamicCache
-        out = generate(GenericDecoder(model), batch, config)
+        out = generate(GenericBackend(model), batch, config)
         return [s[0] for s in out.sequences]
 
     arms = {

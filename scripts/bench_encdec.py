@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
 
-from seqgen_cli.models import FAST_DECODERS
-from seqgen_cli.models.generic import GenericDecoder
+from seqgen_cli.models import FAST_BACKENDS
+from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.search import Batch, generate, merge_generation_config
 
 SHARED = Path("/work/shared")
@@ -68,10 +68,10 @@ def run(impl: str, model, batch: Batch, kwargs: dict) -> tuple[float, list[list[
             seqs = [row[1:].tolist() for row in out]
         else:
             if impl == "generic":
-                dec = GenericDecoder(model)
+                dec = GenericBackend(model)
             else:
                 cache = impl.removeprefix("fast-") if impl.startswith("fast-") else "beam-mask"
-                dec = FAST_DECODERS[model.config.model_type](model, cache=cache)
+                dec = FAST_BACKENDS[model.config.model_type](model, cache=cache)
             config = merge_generation_config(model.generation_config, **kwargs)
             seqs = [s[0] for s in generate(dec, batch, config).sequences]
     return time.perf_counter() - t0, seqs

@@ -21,7 +21,7 @@ from transformers import AutoModelForSeq2SeqLM, BartConfig, EncoderDecoderCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from seqgen_cli.models.generic import GenericDecoder  # noqa: E402
+from seqgen_cli.models.generic import GenericBackend  # noqa: E402
 from seqgen_cli.search import Batch, generate, merge_generation_config  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def main() -> None:
 
     # seqgen: time the backend's calls; the rest of generate() is search + processors.
     ours = Timer(device)
-    decoder = GenericDecoder(model)
+    decoder = GenericBackend(model)
     decoder.start = ours.wrap("encoder", decoder.start)
     decoder.step = ours.wrap("decoder step", decoder.step)
     decoder.reorder = ours.wrap("cache reorder", decoder.reorder)

@@ -157,12 +157,12 @@ class Generator:
         return self._generate_hf(input_ids, mask)
 
     def _generate_fast(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
-        from seqgen_cli.models import get_decoder
+        from seqgen_cli.models import get_backend
         from seqgen_cli.search import generate
         from seqgen_cli.search.protocol import Batch
 
         if self._decoder is None:
-            self._decoder = get_decoder(self.model)
+            self._decoder = get_backend(self.model)
         seed = None if self.seed is None else self.seed + self._calls  # fresh draws for every batch
         self._calls += 1
         return generate(self._decoder, Batch(input_ids, mask), self.config, seed=seed).sequences

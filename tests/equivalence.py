@@ -1,6 +1,6 @@
 """Equivalence harness: seqgen's engine vs transformers ``generate()``, token for token, in float32.
 
-Reusable for any backend: :func:`check_equivalence` takes a ``backend_factory(model) -> Decoder``.
+Reusable for any backend: :func:`check_equivalence` takes a ``backend_factory(model) -> ModelBackend``.
 
 Greedy must agree 100 %. Beam search must agree 100 % except where a *near-tie* explains a difference,
 found one of two ways:
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from seqgen_cli.search import Batch, Decoder, generate, merge_generation_config, settings_for
+from seqgen_cli.search import Batch, ModelBackend, generate, merge_generation_config, settings_for
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.settings import SearchSettings
@@ -52,7 +52,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     ),
 }
 
-BackendFactory = Callable[[PreTrainedModel], Decoder]
+BackendFactory = Callable[[PreTrainedModel], ModelBackend]
 
 # 2 shared CPU cores: intra-op threads only oversubscribe them (10x slower under load).
 torch.set_num_threads(1)
@@ -190,10 +190,10 @@ def check_equivalence(
     """
     model = (model if keep_dtype else model.float()).eval()
     config = merge_generation_config(model.generation_config, None, **kwargs)
-    decoder = backend_factory(model)
-    ours = generate(decoder, batch, config)
+    backend = backend_factory(model)
+    ours = generate(backend, batch, config)
     theirs, their_scores = hf_generate(model, batch, kwargs)
-    settings = settings_for(decoder, batch, config)
+    settings = settings_for(backend, batch, config)
     result = EquivalenceResult()
     unexplained: dict[tuple[int, int], tuple[list[int], str]] = {}
     for b, (mine, hf) in enumerate(zip(ours.sequences, theirs, strict=True)):
@@ -269,7 +269,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument(
-        "--backend", default="seqgen_cli.models:get_decoder", help="module:callable(model) -> Decoder"
+        "--backend", default="seqgen_cli.models:get_backend", help="module:callable(model) -> ModelBackend"
     )
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     ap.add_argument("--settings", nargs="*", default=list(SETTINGS))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seqgen_cli.models import get_decoder
-from seqgen_cli.models.generic import GenericDecoder
+from seqgen_cli.models import get_backend
+from seqgen_cli.models.generic import GenericBackend
 from tests.engine_models import FAMILIES, load, text_batch
 from tests.equivalence import SETTINGS, check_equivalence
 
@@ -15,10 +15,10 @@ BATCH = 32
 
 
 def generic(model):
-    return get_decoder(model, generic=True)
+    return get_backend(model, generic=True)
 
 
-BACKENDS = {"generic": generic, "fast": get_decoder}
+BACKENDS = {"generic": generic, "fast": get_backend}
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -35,7 +35,7 @@ def test_equivalence(tiny_models, family: str, setting: str, backend: str) -> No
         assert result.identical == result.total
 
 
-class NoisyDecoder(GenericDecoder):
+class NoisyBackend(GenericBackend):
     """Logits perturbed by 1e-2: the harness must notice."""
 
     def step(self, state, tokens):
@@ -46,7 +46,7 @@ class NoisyDecoder(GenericDecoder):
 @pytest.mark.parametrize("setting", ["greedy", "beam5_es_false"])
 def test_harness_detects_differences(tiny_models, setting: str) -> None:
     loaded = load(tiny_models("bart"))
-    result = check_equivalence(loaded.model, NoisyDecoder, text_batch(loaded, BATCH), SETTINGS[setting])
+    result = check_equivalence(loaded.model, NoisyBackend, text_batch(loaded, BATCH), SETTINGS[setting])
     assert result.mismatches
 
 

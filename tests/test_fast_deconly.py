@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from seqgen_cli.models import fast_decoder, get_decoder
-from seqgen_cli.models.deconly import DecoderOnly, prompt_positions
-from seqgen_cli.models.generic import GenericDecoder
-from seqgen_cli.models.llama import LlamaDecoder
+from seqgen_cli.models import fast_backend, get_backend
+from seqgen_cli.models.deconly import DecoderOnlyBackend, prompt_positions
+from seqgen_cli.models.generic import GenericBackend
+from seqgen_cli.models.llama import LlamaBackend
 from seqgen_cli.search.protocol import Batch
 
 V = 97
@@ -62,10 +62,10 @@ MODELS = {
 }
 
 
-def fast(model) -> DecoderOnly:
+def fast(model) -> DecoderOnlyBackend:
     """The fast decoder (never the generic fallback)."""
-    decoder = fast_decoder(model)
-    assert decoder is not None and not isinstance(decoder, GenericDecoder)
+    decoder = fast_backend(model)
+    assert decoder is not None and not isinstance(decoder, GenericBackend)
     return decoder
 
 
@@ -176,18 +176,18 @@ def test_cache_accounting(name: str) -> None:
 
 
 def test_refused_variants() -> None:
-    assert fast_decoder(tiny_llama(MistralConfig, sliding_window=4)) is None
+    assert fast_backend(tiny_llama(MistralConfig, sliding_window=4)) is None
     assert (
-        fast_decoder(tiny_llama(Qwen2Config, use_sliding_window=True, sliding_window=4, max_window_layers=0))
+        fast_backend(tiny_llama(Qwen2Config, use_sliding_window=True, sliding_window=4, max_window_layers=0))
         is None
     )
     assert (
-        fast_decoder(tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+        fast_backend(tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
         is None
     )
-    assert isinstance(fast_decoder(tiny_llama()), LlamaDecoder)
+    assert isinstance(fast_backend(tiny_llama()), LlamaBackend)
     refused = tiny_llama(MistralConfig, sliding_window=4)
-    assert isinstance(get_decoder(refused), GenericDecoder)  # get_decoder falls back
+    assert isinstance(get_backend(refused), GenericBackend)  # get_backend falls back
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM
 
-from seqgen_cli.models import FAST_DECODERS
+from seqgen_cli.models import FAST_BACKENDS
 from seqgen_cli.search.protocol import Batch
 
 ENCDEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
@@ -49,7 +49,7 @@ def _reference(model, batch: Batch, inputs: list[int], r: int, hist: torch.Tenso
 @pytest.mark.parametrize("family", ENCDEC)
 def test_step_logits_match_hf_with_reorder_and_drop(tiny_models, family: str, cache: str) -> None:
     model = _load(tiny_models(family))
-    dec = FAST_DECODERS[model.config.model_type](model, cache=cache)
+    dec = FAST_BACKENDS[model.config.model_type](model, cache=cache)
     r, steps = 3, 7
     batch = _batch(model, [5, 9, 2], seed=1)
     g = torch.Generator().manual_seed(2)
@@ -87,7 +87,7 @@ def test_step_logits_match_hf_with_reorder_and_drop(tiny_models, family: str, ca
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
     model = _load(tiny_models(family))
-    dec = FAST_DECODERS[model.config.model_type](model)
+    dec = FAST_BACKENDS[model.config.model_type](model)
     bsz, r, s = 2, 4, 6
     batch = _batch(model, [s, 3], seed=3)
     state, _ = dec.start(batch, rows_per_input=r, max_new_tokens=5)
@@ -105,14 +105,14 @@ def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
 def test_fused_qkv_shares_the_model_weights(tiny_models) -> None:
     model = _load(tiny_models("bart"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    dec = FAST_DECODERS["bart"](model)
+    dec = FAST_BACKENDS["bart"](model)
     lay = model.get_decoder().layers[0].self_attn
     fused = dec.dec_layers[0].qkv_w
     assert fused.untyped_storage().data_ptr() == lay.q_proj.weight.untyped_storage().data_ptr()
     assert lay.v_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    again = FAST_DECODERS["bart"](model)  # a second backend reuses the fused storage
+    again = FAST_BACKENDS["bart"](model)  # a second backend reuses the fused storage
     assert again.dec_layers[0].qkv_w.data_ptr() == fused.data_ptr()
 
 
@@ -120,7 +120,7 @@ def test_fused_qkv_shares_the_model_weights(tiny_models) -> None:
 @pytest.mark.parametrize("family", ["mbart", "t5"])
 def test_half_precision_runs_and_tracks_hf(tiny_models, family: str, dtype: torch.dtype) -> None:
     model = AutoModelForSeq2SeqLM.from_pretrained(tiny_models(family), dtype=dtype).eval()
-    dec = FAST_DECODERS[model.config.model_type](model)
+    dec = FAST_BACKENDS[model.config.model_type](model)
     r = 2
     batch = _batch(model, [4, 6], seed=5)
     state, _ = dec.start(batch, rows_per_input=r, max_new_tokens=3)

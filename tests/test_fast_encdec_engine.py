@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from seqgen_cli.models import FAST_DECODERS
-from seqgen_cli.models.generic import GenericDecoder
+from seqgen_cli.models import FAST_BACKENDS
+from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.search import Batch, generate, merge_generation_config
 from tests.tiny_models import sample_texts
 
@@ -41,6 +41,6 @@ def test_sampling_fast_equals_generic(loaded, family: str) -> None:
         "num_return_sequences": 2,
     }
     config = merge_generation_config(model.generation_config, **kwargs)
-    fast = generate(FAST_DECODERS[model.config.model_type](model), batch, config, seed=11)
-    slow = generate(GenericDecoder(model), batch, config, seed=11)
+    fast = generate(FAST_BACKENDS[model.config.model_type](model), batch, config, seed=11)
+    slow = generate(GenericBackend(model), batch, config, seed=11)
     assert fast.sequences == slow.sequences

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, OPTConfig, OPTForCausalLM
 
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import FAST_DECODERS, GenericDecoder, get_decoder
+from seqgen_cli.models import FAST_BACKENDS, GenericBackend, get_backend
 from tests.tiny_models import CAUSAL_FAMILIES, FAMILIES
 
 
@@ -18,9 +18,9 @@ def test_auto_picks_the_fast_decoder_for_each_family(tiny_models, family: str) -
     path = tiny_models(family)
     auto = AutoModelForCausalLM if family in CAUSAL_FAMILIES else AutoModelForSeq2SeqLM
     model = auto.from_pretrained(path).eval()
-    decoder = get_decoder(model)
-    assert type(decoder) is FAST_DECODERS[model.config.model_type]
-    assert isinstance(get_decoder(model, generic=True), GenericDecoder)
+    decoder = get_backend(model)
+    assert type(decoder) is FAST_BACKENDS[model.config.model_type]
+    assert isinstance(get_backend(model, generic=True), GenericBackend)
 
 
 def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_models) -> None:
@@ -35,8 +35,8 @@ def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_m
     OPTForCausalLM(config).save_pretrained(tmp_path)
     gpt2_tok.save_pretrained(tmp_path)
     fast = Generator(str(tmp_path), backend="auto", max_new_tokens=6, num_beams=3)
-    assert fast.backend == "fast" and fast.model.config.model_type not in FAST_DECODERS
+    assert fast.backend == "fast" and fast.model.config.model_type not in FAST_BACKENDS
     hf = Generator(str(tmp_path), backend="hf", max_new_tokens=6, num_beams=3)
     texts = ["the cat sat on the mat", "once upon a time", "a"]
     assert fast.generate(texts) == hf.generate(texts)
-    assert isinstance(fast._decoder, GenericDecoder)
+    assert isinstance(fast._decoder, GenericBackend)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.models import get_decoder
-from seqgen_cli.models.generic import GenericDecoder
+from seqgen_cli.models import get_backend
+from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.search import Batch, generate, merge_generation_config, settings_for, unsupported_reason
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
@@ -17,7 +17,7 @@ from tests.equivalence import rescore
 
 def _run(model, batch: Batch, seed: int | None = None, **kwargs):
     config = merge_generation_config(model.generation_config, None, **kwargs)
-    return generate(get_decoder(model, generic=True), batch, config, seed=seed)
+    return generate(get_backend(model, generic=True), batch, config, seed=seed)
 
 
 def _unpad(model, batch: Batch, i: int) -> Batch:
@@ -73,7 +73,7 @@ def test_batch_invariance(tiny_models, family: str, kwargs: dict) -> None:
             assert kwargs.get("num_beams", 1) > 1, "greedy must not depend on the batch"
             one = _unpad(model, large, i)
             s = settings_for(
-                get_decoder(model, generic=True),
+                get_backend(model, generic=True),
                 one,
                 merge_generation_config(model.generation_config, None, **kwargs),
             )
@@ -81,7 +81,7 @@ def test_batch_invariance(tiny_models, family: str, kwargs: dict) -> None:
             assert abs(a - b) <= 1e-5 * max(abs(a), abs(b)), (i, other, full.sequences[i])
 
 
-class CountingDecoder(GenericDecoder):
+class CountingDecoder(GenericBackend):
     def __init__(self, model):
         super().__init__(model)
         self.dropped: list[int] = []
@@ -143,7 +143,7 @@ def test_top_k_never_leaves_the_top_k(tiny_models) -> None:
     config = merge_generation_config(
         model.generation_config, None, max_new_tokens=12
     )  # processors, no warpers
-    s = settings_for(get_decoder(model, generic=True), batch, config)
+    s = settings_for(get_backend(model, generic=True), batch, config)
     for i, per_input in enumerate(out.sequences):
         for seq in per_input:
             dec = torch.tensor([[s.decoder_start, *seq]])
@@ -174,7 +174,7 @@ def test_sampling_follows_the_distribution(tiny_models) -> None:
         top_k=k,
         temperature=temperature,
     )
-    decoder = get_decoder(model, generic=True)
+    decoder = get_backend(model, generic=True)
     config = merge_generation_config(model.generation_config, None, max_new_tokens=1)
     s = settings_for(decoder, batch, config)
     dec = torch.tensor([[s.decoder_start]])
@@ -211,7 +211,7 @@ def test_unsupported_settings_raise(tiny_models, kwargs: dict) -> None:
         return  # transformers' validation already rejects the combination
     assert unsupported_reason(config) is not None
     with pytest.raises(SeqgenError):
-        generate(get_decoder(model, generic=True), text_batch(loaded, 2), config)
+        generate(get_backend(model, generic=True), text_batch(loaded, 2), config)
 
 
 @pytest.mark.parametrize("family", ["bart", "llama"])
@@ -226,9 +226,9 @@ def test_bfloat16_model(tiny_models, family: str) -> None:
     batch = text_batch(loaded, 8, seed=6)
     for kwargs in (dict(max_new_tokens=12), dict(num_beams=3, max_new_tokens=12, no_repeat_ngram_size=2)):
         config = merge_generation_config(model.generation_config, None, **kwargs)
-        out = generate(get_decoder(model, generic=True), batch, config)
+        out = generate(get_backend(model, generic=True), batch, config)
         assert all(0 < len(s[0]) <= 12 for s in out.sequences)
         result = check_equivalence(
-            model, lambda m: get_decoder(m, generic=True), batch, kwargs, keep_dtype=True
+            model, lambda m: get_backend(m, generic=True), batch, kwargs, keep_dtype=True
         )
         assert result.identical == result.total, result.summary()

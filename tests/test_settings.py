@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.models import get_decoder
+from seqgen_cli.models import get_backend
 from seqgen_cli.search import merge_generation_config, settings_for
 from tests.engine_models import load, text_batch
 from tests.equivalence import check_equivalence
@@ -22,7 +22,7 @@ from tests.equivalence import check_equivalence
 )
 def test_length_precedence_matches_generate(tiny_models, family: str, kwargs: dict) -> None:
     loaded = load(tiny_models(family))
-    result = check_equivalence(loaded.model, get_decoder, text_batch(loaded, 8, seed=2), kwargs)
+    result = check_equivalence(loaded.model, get_backend, text_batch(loaded, 8, seed=2), kwargs)
     assert result.identical == result.total, result.summary()
 
 
@@ -32,7 +32,7 @@ def test_resolved_lengths(tiny_models) -> None:
     for loaded, prompt_len in ((enc, 1), (dec, None)):
         batch = text_batch(loaded, 4)
         width = batch.input_ids.shape[1] if prompt_len is None else prompt_len
-        decoder = get_decoder(loaded.model)
+        decoder = get_backend(loaded.model)
         gc = loaded.model.generation_config
         s = settings_for(
             decoder, batch, merge_generation_config(gc, None, max_new_tokens=7, min_new_tokens=2)
@@ -47,7 +47,7 @@ def test_resolved_lengths(tiny_models) -> None:
         assert s.max_new_tokens == 20
     with pytest.raises(SeqgenError, match="no room"):
         settings_for(
-            get_decoder(dec.model),
+            get_backend(dec.model),
             text_batch(dec, 4),
             merge_generation_config(dec.model.generation_config, None, max_length=2),
         )
@@ -58,7 +58,7 @@ def test_special_tokens_fall_back_like_generate(tiny_models) -> None:
     gc = loaded.model.generation_config
     config = merge_generation_config(gc, None, eos_token_id=[gc.eos_token_id, 5], pad_token_id=None)
     config.pad_token_id = None
-    s = settings_for(get_decoder(loaded.model), text_batch(loaded, 2), config)
+    s = settings_for(get_backend(loaded.model), text_batch(loaded, 2), config)
     assert s.eos == (gc.eos_token_id, 5)
     assert s.pad == gc.eos_token_id  # pad falls back to the first EOS
     assert s.decoder_start == gc.decoder_start_token_id

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.encdec import EncDecBackend, EncDecState, cross_attention, self_attention
+from seqgen_cli.models.encdec import EncDecState, EncoderDecoderBackend, cross_attention, self_attention
 from seqgen_cli.models.fuse import fuse_linears
 from seqgen_cli.search.protocol import Batch
 
@@ -46,8 +46,8 @@ class _Layer:
         self.ln_ffn = layer.final_layer_norm
 
 
-class BartDecoder(EncDecBackend):
-    """:class:`~seqgen_cli.search.protocol.Decoder` for bart / mbart / marian / pegasus checkpoints."""
+class BartBackend(EncoderDecoderBackend):
+    """:class:`~seqgen_cli.search.protocol.ModelBackend` for bart / mbart / marian / pegasus checkpoints."""
 
     def __init__(self, model: PreTrainedModel, cache: str = "beam-mask") -> None:
         super().__init__(cache)

@@ -154,7 +154,7 @@ def check_batch(batch: Batch) -> None:
         raise ValueError("decoder-only prompts must be left-padded")
 
 
-class DecoderOnly:
+class DecoderOnlyBackend:
     """Protocol glue shared by the families: prefill through the model's own base forward, then cached steps.
 
     Subclasses set ``self.model``, ``self.base`` (the transformer without LM head) and implement ``step``.

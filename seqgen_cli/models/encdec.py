@@ -48,7 +48,7 @@ def self_attention(qkv: torch.Tensor, cache: SelfCache, layer: int, heads: int, 
     return cache.attend(layer, q, k, v, scale)
 
 
-class EncDecBackend:
+class EncoderDecoderBackend:
     """Protocol plumbing shared by the BART-family and T5 backends; subclasses provide the model math."""
 
     is_encoder_decoder = True

@@ -1,4 +1,4 @@
-"""A :class:`~seqgen_cli.search.protocol.Decoder` over any transformers causal-LM or seq2seq model.
+"""A :class:`~seqgen_cli.search.protocol.ModelBackend` over any transformers causal-LM or seq2seq model.
 
 It feeds the model exactly what ``generate()`` feeds it: inputs built by the model's own
 ``prepare_inputs_for_generation``, transformers' cache objects (``DynamicCache`` / ``EncoderDecoderCache``),
@@ -29,7 +29,7 @@ class GenericState:
     position_ids: torch.Tensor | None = None  # decoder-only: [N, 1] position of the last fed token
 
 
-class GenericDecoder:
+class GenericBackend:
     """Reference backend: one ``model(...)`` call per step through transformers' own input preparation."""
 
     def __init__(self, model: PreTrainedModel) -> None:

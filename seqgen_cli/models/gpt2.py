@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .deconly import DecoderOnly, KVState, attend, begin_step, end_step
+from .deconly import DecoderOnlyBackend, KVState, attend, begin_step, end_step
 
 
 def _conv1d(x: Tensor, conv: torch.nn.Module) -> Tensor:
@@ -18,8 +18,8 @@ def _conv1d(x: Tensor, conv: torch.nn.Module) -> Tensor:
     return torch.addmm(conv.bias, x, conv.weight)
 
 
-class GPT2Decoder(DecoderOnly):
-    """``Decoder`` for GPT-2; holds references to the model's modules, no weight copies."""
+class GPT2Backend(DecoderOnlyBackend):
+    """``ModelBackend`` for GPT-2; holds references to the model's modules, no weight copies."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.config

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .deconly import DecoderOnly, KVState, attend, begin_step, end_step
+from .deconly import DecoderOnlyBackend, KVState, attend, begin_step, end_step
 
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies do not depend on the sequence length
 
@@ -27,8 +27,8 @@ def linear(x: Tensor, m: torch.nn.Linear) -> Tensor:
     return F.linear(x, m.weight, m.bias)
 
 
-class LlamaDecoder(DecoderOnly):
-    """``Decoder`` for ``Llama/Mistral/Qwen2ForCausalLM``; references the model's modules, no weight copies."""
+class LlamaBackend(DecoderOnlyBackend):
+    """``ModelBackend`` for ``Llama/Mistral/Qwen2ForCausalLM``; references the model's modules, no weight copies."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.config

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.encdec import EncDecBackend, EncDecState, cross_attention, self_attention
+from seqgen_cli.models.encdec import EncDecState, EncoderDecoderBackend, cross_attention, self_attention
 from seqgen_cli.models.fuse import fuse_linears
 from seqgen_cli.search.protocol import Batch
 
@@ -44,8 +44,8 @@ def _clamp_fp16(x: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x, min=-limit, max=limit)
 
 
-class T5Decoder(EncDecBackend):
-    """:class:`~seqgen_cli.search.protocol.Decoder` for t5 / mt5 checkpoints (incl. Flan-T5)."""
+class T5Backend(EncoderDecoderBackend):
+    """:class:`~seqgen_cli.search.protocol.ModelBackend` for t5 / mt5 checkpoints (incl. Flan-T5)."""
 
     def __init__(self, model: PreTrainedModel, cache: str = "beam-mask") -> None:
         super().__init__(cache)

@@ -1,6 +1,6 @@
-"""seqgen's decoding engine: greedy, beam search and sampling over any :class:`Decoder` backend.
+"""seqgen's decoding engine: greedy, beam search and sampling over any :class:`ModelBackend`.
 
-``generate(decoder, batch, config)`` takes a ``GenerationConfig`` already merged with the model's own
+``generate(backend, batch, config)`` takes a ``GenerationConfig`` already merged with the model's own
 ``generation_config`` (see :func:`merge_generation_config`); fields left ``None`` take transformers' global
 defaults. Special tokens, lengths and the mode are resolved here (:func:`resolve_settings`), because
 lengths depend on the batch's prompt width. Unsupported options raise ``SeqgenError``: fall back to
@@ -16,13 +16,13 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.beam import beam_search
 from seqgen_cli.search.greedy import greedy_search
 from seqgen_cli.search.output import SearchOutput
-from seqgen_cli.search.protocol import Batch, Decoder
+from seqgen_cli.search.protocol import Batch, ModelBackend
 from seqgen_cli.search.sampling import sample_search
 from seqgen_cli.search.settings import SearchSettings, merge_generation_config, resolve_mode, resolve_settings
 
 __all__ = [
     "Batch",
-    "Decoder",
+    "ModelBackend",
     "SearchOutput",
     "SearchSettings",
     "generate",
@@ -42,20 +42,20 @@ def unsupported_reason(config: GenerationConfig) -> str | None:
     return None
 
 
-def settings_for(decoder: Decoder, batch: Batch, config: GenerationConfig) -> SearchSettings:
-    """Resolve ``config`` for this decoder and batch (prompt width: 1 decoder start token, or the padded prompt)."""
-    prompt_len = 1 if decoder.is_encoder_decoder else batch.input_ids.shape[1]
+def settings_for(backend: ModelBackend, batch: Batch, config: GenerationConfig) -> SearchSettings:
+    """Resolve ``config`` for this backend and batch (prompt width: 1 decoder start token, or the padded prompt)."""
+    prompt_len = 1 if backend.is_encoder_decoder else batch.input_ids.shape[1]
     return resolve_settings(
         config,
-        is_encoder_decoder=decoder.is_encoder_decoder,
+        is_encoder_decoder=backend.is_encoder_decoder,
         prompt_len=prompt_len,
-        max_position_embeddings=getattr(decoder, "max_position_embeddings", None),
+        max_position_embeddings=getattr(backend, "max_position_embeddings", None),
     )
 
 
 @torch.inference_mode()
 def generate(
-    decoder: Decoder,
+    backend: ModelBackend,
     batch: Batch,
     config: GenerationConfig,
     *,
@@ -67,9 +67,9 @@ def generate(
     ``seed`` seeds sampling (ignored otherwise). ``sync_every``: steps between host checks for finished
     inputs (default: every step on CPU, every 4 on GPU); it never changes results.
     """
-    settings = settings_for(decoder, batch, config)
+    settings = settings_for(backend, batch, config)
     if settings.mode == "beam":
-        return beam_search(decoder, batch, settings, sync_every)
+        return beam_search(backend, batch, settings, sync_every)
     if settings.mode == "sample":
-        return sample_search(decoder, batch, settings, seed, sync_every)
-    return greedy_search(decoder, batch, settings, sync_every)
+        return sample_search(backend, batch, settings, seed, sync_every)
+    return greedy_search(backend, batch, settings, sync_every)

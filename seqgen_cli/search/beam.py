@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from seqgen_cli.search.output import SearchOutput
-from seqgen_cli.search.protocol import Batch, Decoder
+from seqgen_cli.search.protocol import Batch, ModelBackend
 from seqgen_cli.search.rows import default_sync_every, start_rows
 from seqgen_cli.search.settings import SearchSettings
 
@@ -28,7 +28,7 @@ BIG = -1.0e9  # transformers' "impossible" score
 
 
 def beam_search(
-    decoder: Decoder, batch: Batch, settings: SearchSettings, sync_every: int | None = None
+    backend: ModelBackend, batch: Batch, settings: SearchSettings, sync_every: int | None = None
 ) -> SearchOutput:
     s = settings
     k = s.num_beams
@@ -43,7 +43,7 @@ def beam_search(
         (torch.ones(k, dtype=torch.bool, device=device), torch.zeros(c - k, dtype=torch.bool, device=device))
     )  # [C]
 
-    rows, logits = start_rows(decoder, batch, s, k)
+    rows, logits = start_rows(backend, batch, s, k)
     history = rows.history
     vocab = logits.shape[-1]
 
@@ -167,7 +167,7 @@ def beam_search(
                 tokens = tokens[rows.row_index(keep)]
                 rows.keep_inputs(keep)
 
-        logits = decoder.step(rows.state, tokens)  # [N, V]
+        logits = backend.step(rows.state, tokens)  # [N, V]
 
     collect(torch.arange(running_scores.shape[0], device=device), rows.inputs)
     return SearchOutput(sequences=results, scores=result_scores)

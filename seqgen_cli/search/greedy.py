@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from seqgen_cli.search.output import SearchOutput
-from seqgen_cli.search.protocol import Batch, Decoder
+from seqgen_cli.search.protocol import Batch, ModelBackend
 from seqgen_cli.search.rows import default_sync_every, start_rows
 from seqgen_cli.search.settings import SearchSettings
 
@@ -20,7 +20,7 @@ Picker = Callable[[torch.Tensor], torch.Tensor]  # processed scores [N, V] -> to
 
 
 def token_search(
-    decoder: Decoder,
+    backend: ModelBackend,
     batch: Batch,
     settings: SearchSettings,
     pick: Picker,
@@ -31,7 +31,7 @@ def token_search(
     s, r = settings, rows_per_input
     device = batch.input_ids.device
     sync_every = sync_every or default_sync_every(device)
-    rows, logits = start_rows(decoder, batch, s, r)
+    rows, logits = start_rows(backend, batch, s, r)
     history = rows.history
     total = s.max_new_tokens
     eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
@@ -72,14 +72,14 @@ def token_search(
                 kept_rows = rows.row_index(keep)
                 finished, lengths, tokens = finished[kept_rows], lengths[kept_rows], tokens[kept_rows]
                 rows.keep_inputs(keep)
-        logits = decoder.step(rows.state, tokens)  # [N, V]
+        logits = backend.step(rows.state, tokens)  # [N, V]
 
     collect(torch.arange(history.tokens.shape[0], device=device), rows.inputs)
     return SearchOutput(sequences=results)
 
 
 def greedy_search(
-    decoder: Decoder, batch: Batch, settings: SearchSettings, sync_every: int | None = None
+    backend: ModelBackend, batch: Batch, settings: SearchSettings, sync_every: int | None = None
 ) -> SearchOutput:
     """Arg-max decoding (``num_beams=1``, no sampling)."""
-    return token_search(decoder, batch, settings, lambda scores: scores.argmax(dim=-1), 1, sync_every)
+    return token_search(backend, batch, settings, lambda scores: scores.argmax(dim=-1), 1, sync_every)

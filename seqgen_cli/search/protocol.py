@@ -8,13 +8,13 @@ beam search, ``num_return_sequences`` for sampling, 1 for greedy.
 
 Life of a call::
 
-    state, first = decoder.start(batch, rows_per_input=R, max_new_tokens=T)
-    logits = first if first is not None else decoder.step(state, start_tokens)   # [N, V]
+    state, first = backend.start(batch, rows_per_input=R, max_new_tokens=T)
+    logits = first if first is not None else backend.step(state, start_tokens)   # [N, V]
     loop:
         ... choose tokens, maybe beams ...
-        decoder.reorder(state, rows)        # beam search only: row i continues old row rows[i]
-        decoder.drop(state, keep)           # some inputs finished: keep these inputs (indices, ascending)
-        logits = decoder.step(state, tokens)
+        backend.reorder(state, rows)        # beam search only: row i continues old row rows[i]
+        backend.drop(state, keep)           # some inputs finished: keep these inputs (indices, ascending)
+        logits = backend.step(state, tokens)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Batch:
     attention_mask: torch.Tensor
 
 
-class Decoder(Protocol):
+class ModelBackend(Protocol):
     """What a model backend implements. ``State`` is opaque to the search."""
 
     is_encoder_decoder: bool

@@ -14,7 +14,7 @@ import torch
 
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
-from seqgen_cli.search.protocol import Batch, Decoder
+from seqgen_cli.search.protocol import Batch, ModelBackend
 from seqgen_cli.search.settings import SearchSettings
 
 
@@ -30,7 +30,7 @@ def default_sync_every(device: torch.device) -> int:
 
 @dataclass
 class Rows:
-    decoder: Decoder
+    backend: ModelBackend
     state: Any
     history: TokenHistory
     pipeline: LogitsPipeline
@@ -50,26 +50,26 @@ class Rows:
         """Beam reordering within inputs: new row ``i`` continues old row ``rows[i]``."""
         self.history.select(rows)
         self.pipeline.select(rows)
-        self.decoder.reorder(self.state, rows)
+        self.backend.reorder(self.state, rows)
 
     def keep_inputs(self, keep: torch.Tensor) -> None:
         """Finished inputs leave: keep active inputs ``keep`` ([B'] int64, ascending, on device)."""
         rows = self.row_index(keep)
         self.history.select(rows)
         self.pipeline.select(rows)
-        self.decoder.drop(self.state, keep)
+        self.backend.drop(self.state, keep)
         self.inputs = [self.inputs[i] for i in keep.tolist()]
 
 
 def start_rows(
-    decoder: Decoder, batch: Batch, settings: SearchSettings, rows_per_input: int
+    backend: ModelBackend, batch: Batch, settings: SearchSettings, rows_per_input: int
 ) -> tuple[Rows, torch.Tensor]:
     """Start the backend and the history for ``B * R`` rows; returns the rows and the first logits [N, V]."""
     r = rows_per_input
     bsz = batch.input_ids.shape[0]
     device = batch.input_ids.device
-    state, first = decoder.start(batch, rows_per_input=r, max_new_tokens=settings.max_new_tokens)
-    if decoder.is_encoder_decoder:
+    state, first = backend.start(batch, rows_per_input=r, max_new_tokens=settings.max_new_tokens)
+    if backend.is_encoder_decoder:
         prompt = torch.full((bsz * r, 1), settings.decoder_start, dtype=torch.long, device=device)  # [N, 1]
         pad_lengths = None
     else:
@@ -77,10 +77,10 @@ def start_rows(
         # RepetitionPenaltyLogitsProcessor ignores the left padding (first non-zero mask position).
         pad_lengths = (batch.attention_mask != 0).int().argmax(dim=1).repeat_interleave(r, dim=0)  # [N]
     history = TokenHistory(prompt, settings.max_length, pad_lengths)
-    pipeline = LogitsPipeline(settings, history, decoder.vocab_size, device)
-    rows = Rows(decoder, state, history, pipeline, r, list(range(bsz)))
+    pipeline = LogitsPipeline(settings, history, backend.vocab_size, device)
+    rows = Rows(backend, state, history, pipeline, r, list(range(bsz)))
     if first is None:
-        logits = decoder.step(state, prompt[:, -1])  # [N, V]
+        logits = backend.step(state, prompt[:, -1])  # [N, V]
     else:
         logits = first.repeat_interleave(r, dim=0) if r > 1 else first  # [B, V] -> [N, V]
     return rows, logits

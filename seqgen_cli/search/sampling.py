@@ -11,12 +11,12 @@ import torch
 
 from seqgen_cli.search.greedy import token_search
 from seqgen_cli.search.output import SearchOutput
-from seqgen_cli.search.protocol import Batch, Decoder
+from seqgen_cli.search.protocol import Batch, ModelBackend
 from seqgen_cli.search.settings import SearchSettings
 
 
 def sample_search(
-    decoder: Decoder,
+    backend: ModelBackend,
     batch: Batch,
     settings: SearchSettings,
     seed: int | None = None,
@@ -32,4 +32,4 @@ def sample_search(
         probs = torch.nn.functional.softmax(scores, dim=-1)
         return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
 
-    return token_search(decoder, batch, settings, pick, settings.num_return_sequences, sync_every)
+    return token_search(backend, batch, settings, pick, settings.num_return_sequences, sync_every)
