@@ -79,14 +79,27 @@ class Generator:
             return limit
         return min(requested, limit) if limit else requested
 
+    @property
+    def num_return_sequences(self) -> int:
+        """Outputs per input."""
+        return self.config.num_return_sequences or 1
+
+    def _prompt_positions(self, prompt_len: int) -> int:
+        return 1 if self.is_encoder_decoder else prompt_len  # the decoder start token, or the prompt
+
     def max_new_tokens(self, prompt_len: int = 0) -> int:
-        """New tokens allowed for a prompt of ``prompt_len`` tokens under the resolved settings."""
-        c = self.config
-        if c.max_new_tokens is not None:
-            return c.max_new_tokens
-        if self.is_encoder_decoder:
-            return (c.max_length or 20) - 1  # max_length counts the decoder start token
-        return max(0, (c.max_length or 20) - prompt_len)
+        """Most new tokens for a prompt of ``prompt_len`` tokens (ignored for encoder-decoder models)."""
+        from seqgen_cli.search.settings import length_limits
+
+        positions = self._prompt_positions(prompt_len)
+        return max(0, length_limits(self.config, positions)[0] - positions)
+
+    def min_new_tokens(self, prompt_len: int = 0) -> int:
+        """Fewest new tokens before EOS is allowed, for a prompt of ``prompt_len`` tokens."""
+        from seqgen_cli.search.settings import length_limits
+
+        positions = self._prompt_positions(prompt_len)
+        return max(0, length_limits(self.config, positions)[1] - positions)
 
     def _pick_backend(self, backend: str) -> str:
         if backend == "hf":
@@ -172,7 +185,7 @@ class Generator:
             input_ids=input_ids, attention_mask=mask, generation_config=self.config
         )
         start = 1 if self.is_encoder_decoder else input_ids.shape[1]
-        n = self.config.num_return_sequences or 1
+        n = self.num_return_sequences
         rows = [strip_generated(row[start:].tolist(), self.config.eos_token_id) for row in sequences]
         return [rows[i * n : (i + 1) * n] for i in range(len(input_ids))]
 

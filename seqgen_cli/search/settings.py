@@ -143,6 +143,28 @@ def _token_list(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def length_limits(
+    config: GenerationConfig, prompt_len: int, max_position_embeddings: int | None = None
+) -> tuple[int, int]:
+    """``(max_length, min_length)`` in decoder positions, as ``_prepare_generated_length`` resolves them.
+
+    ``max_new_tokens`` wins over ``max_length``; an unset ``max_length`` means 20 new tokens (capped by the
+    model's positions); ``min_new_tokens`` replaces ``min_length``, even one from the checkpoint's config.
+    """
+    if config.max_new_tokens is not None:
+        max_length = config.max_new_tokens + prompt_len
+    elif config.max_length is None:
+        max_length = _DEFAULTS["max_length"] + prompt_len
+        if max_position_embeddings is not None:
+            max_length = min(max_length, max_position_embeddings)
+    else:
+        max_length = config.max_length
+    min_length = _get(config, "min_length")
+    if config.min_new_tokens is not None:
+        min_length = config.min_new_tokens + prompt_len
+    return max_length, min_length
+
+
 def resolve_mode(config: GenerationConfig) -> Mode:
     """Greedy / beam / sample, or :class:`SeqgenError` for what seqgen leaves to transformers."""
     for name, unsupported in _UNSUPPORTED.items():
@@ -191,18 +213,7 @@ def resolve_settings(
     if isinstance(decoder_start, (list, tuple)):
         raise SeqgenError("per-input decoder_start_token_id lists are not supported")
 
-    # Lengths (_prepare_generated_length): max_new_tokens wins over max_length; unset max_length means 20 new.
-    if config.max_new_tokens is not None:
-        max_length = config.max_new_tokens + prompt_len
-    elif config.max_length is None:
-        max_length = _DEFAULTS["max_length"] + prompt_len
-        if max_position_embeddings is not None:
-            max_length = min(max_length, max_position_embeddings)
-    else:
-        max_length = config.max_length
-    min_length = _get(config, "min_length")
-    if config.min_new_tokens is not None:  # replaces min_length, even one from the checkpoint's config
-        min_length = config.min_new_tokens + prompt_len
+    max_length, min_length = length_limits(config, prompt_len, max_position_embeddings)
     if max_length <= prompt_len:
         raise SeqgenError(
             f"max_length ({max_length}) leaves no room to generate after {prompt_len} prompt positions"
