@@ -14,8 +14,8 @@ import time
 from itertools import islice
 from pathlib import Path
 
+from seqgen_cli.batching import plan_batches
 from seqgen_cli.generator import Generator
-from seqgen_cli.pipeline.batch import plan
 from seqgen_cli.pipeline.output import FileSink
 from seqgen_cli.pipeline.read import read_records
 from seqgen_cli.pipeline.run import RunOptions, run
@@ -32,7 +32,7 @@ def sync_loop(gen: Generator, path: str, out: str, batch_size: int, window: int)
             live = [r for r in chunk if r.text.strip()]
             enc = [e.ids for e in gen.encode([r.text for r in live])]
             outs: dict[int, list[str]] = {}
-            for idx in plan([len(e) for e in enc], batch_size, None):
+            for idx in plan_batches([len(e) for e in enc], batch_size, None):
                 real += sum(len(enc[i]) for i in idx)
                 padded += max(len(enc[i]) for i in idx) * len(idx)
                 for i, seqs in zip(idx, gen.generate_ids([enc[i] for i in idx]), strict=True):

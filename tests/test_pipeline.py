@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig
 
+from seqgen_cli.batching import plan_batches
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Encoded
 from seqgen_cli.pipeline import resume
-from seqgen_cli.pipeline.batch import plan
 from seqgen_cli.pipeline.job import JobOptions, closing_message, generate_job
 from seqgen_cli.pipeline.output import StreamSink, index_path
 from seqgen_cli.pipeline.read import read_records
@@ -111,7 +111,7 @@ def test_order_preserved_with_shuffled_lengths(tmp_path: Path, batch_size, batch
     st.booleans(),
 )
 def test_plan_partitions_within_limits(lengths, batch_size, batch_tokens, rows, sort) -> None:
-    batches = plan(lengths, batch_size, batch_tokens, rows, sort)
+    batches = plan_batches(lengths, batch_size, batch_tokens, rows, sort)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert 1 <= len(b) <= batch_size

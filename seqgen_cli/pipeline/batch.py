@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from seqgen_cli.batching import plan_batches
 from seqgen_cli.pipeline.tokenise import Chunk, Item
 
 
@@ -18,27 +19,6 @@ from seqgen_cli.pipeline.tokenise import Chunk, Item
 class Batch:
     items: list[Item]
     window: int  # which look-ahead window it came from (0, 1, ...)
-
-
-def plan(
-    lengths: list[int], batch_size: int, batch_tokens: int | None, rows: int = 1, sort: bool = True
-) -> list[list[int]]:
-    """Positions grouped into batches: shortest first when ``sort``, else in the given order."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__) if sort else range(len(lengths))
-    batches: list[list[int]] = []
-    batch: list[int] = []
-    width = 0
-    for i in order:
-        wider = max(width, lengths[i])
-        over = batch_tokens is not None and wider * (len(batch) + 1) * rows > batch_tokens
-        if batch and (len(batch) >= batch_size or over):
-            batches.append(batch)
-            batch, wider = [], lengths[i]
-        batch.append(i)
-        width = wider
-    if batch:
-        batches.append(batch)
-    return batches
 
 
 class Batcher:
@@ -85,7 +65,7 @@ class Batcher:
         lengths = [len(it.ids or ()) for it in pending]
         window = self._windows
         self._windows += 1
-        for idx in plan(lengths, self.batch_size, self.batch_tokens, self.rows, self.sort):
+        for idx in plan_batches(lengths, self.batch_size, self.batch_tokens, self.rows, self.sort):
             width = max(lengths[i] for i in idx)
             self.source_tokens += sum(lengths[i] for i in idx)
             self.padded_tokens += width * len(idx)
