@@ -16,10 +16,10 @@ from pathlib import Path
 
 from seqgen_cli.batching import plan_batches
 from seqgen_cli.generator import Generator
-from seqgen_cli.pipeline.output import FileSink
-from seqgen_cli.pipeline.read import read_records
+from seqgen_cli.pipeline.sinks import FileSink
+from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.run import RunOptions, run
-from seqgen_cli.pipeline.write import format_output
+from seqgen_cli.pipeline.writer import format_output
 
 
 def sync_loop(gen: Generator, path: str, out: str, batch_size: int, window: int) -> dict:

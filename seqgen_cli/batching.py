@@ -1,11 +1,61 @@
-"""Batching: inputs grouped by length under an input count and a padded-token budget.
+"""Batching, shared by ``Generator.generate_iterable`` and the file pipeline.
 
-A batch holds at most ``batch_size`` inputs and at most ``batch_tokens`` padded source tokens, counted
-once per row the model runs (``rows`` = beams, or returned sequences when more). An input longer than
-the budget on its own still forms a batch of one.
+Inputs arrive as :class:`Item` chunks in input order. :class:`Batcher` reads a look-ahead *window* of them,
+sorts it by source length and cuts batches of at most ``batch_size`` inputs and ``batch_tokens`` padded
+source tokens, counted once per row the model runs (``rows`` = beams, or returned sequences when more); an
+input longer than the budget on its own still forms a batch of one. Windows are consecutive in input order,
+so every input of a later window comes after every input of an earlier one. :func:`generate_split` runs a
+batch and, when it runs out of memory, splits it in halves down to a single input: no input is dropped.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from seqgen_cli.errors import SeqgenError
+
+MIN_WINDOW = 2048
+
+
+@dataclass
+class Item:
+    """One input: its position, its token ids (``None``: nothing to generate) and what to report it as."""
+
+    index: int  # position among all inputs, 0-based
+    ids: list[int] | None
+    where: str  # e.g. "data.txt:17", for messages
+    truncated: bool = False
+    record: Any = None  # the caller's own object, handed back in the Result (the pipeline's Record)
+
+
+@dataclass
+class Chunk:
+    """Items in input order; ``starved``: no further input was waiting when it was made (a slow pipe)."""
+
+    items: list[Item]
+    starved: bool = False
+
+
+@dataclass
+class Batch:
+    items: list[Item]
+    window: int  # which look-ahead window it came from (0, 1, ...)
+
+
+@dataclass
+class Result:
+    """One input's outcome: generated token ids per returned sequence, or nothing and maybe an error."""
+
+    item: Item
+    sequences: list[list[int]] | None = None
+    error: str | None = None
+
+
+def default_window(batch_size: int) -> int:
+    """Inputs read ahead and sorted by length: 16 batches, at least ``MIN_WINDOW``."""
+    return max(16 * batch_size, MIN_WINDOW)
 
 
 def plan_batches(
@@ -27,3 +77,126 @@ def plan_batches(
     if batch:
         batches.append(batch)
     return batches
+
+
+class Batcher:
+    """Turns chunks of items into batches; items with nothing to generate go to ``passthrough``.
+
+    A window is cut when it holds ``window`` inputs, at the end of the input, or when the reader is
+    starved (a pipe with nothing more to read yet), so a slow producer still sees its outputs early.
+    ``window <= 1`` turns sorting off: batches follow input order.
+    """
+
+    def __init__(
+        self,
+        chunks: Iterator[Chunk],
+        passthrough: Callable[[list[Item]], None],
+        *,
+        batch_size: int,
+        batch_tokens: int | None = None,
+        rows: int = 1,
+        window: int | None = None,
+    ) -> None:
+        self._chunks = chunks
+        self._passthrough = passthrough
+        self.batch_size = batch_size
+        self.batch_tokens = batch_tokens
+        self.rows = rows
+        window = default_window(batch_size) if window is None else window
+        self.sort = window > 1
+        self.window = window if self.sort else batch_size
+        self.source_tokens = 0  # real source tokens in generated batches
+        self.padded_tokens = 0  # the same, padded to each batch's widest input
+        self.batches = 0
+        self._windows = 0
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Finish the current window's batches, then end (read no further)."""
+        self._stopped = True
+
+    @property
+    def padding_ratio(self) -> float:
+        """Share of the padded source tokens that are padding."""
+        return 1 - self.source_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+    def _cut(self, pending: list[Item]) -> Iterator[Batch]:
+        lengths = [len(it.ids or ()) for it in pending]
+        window = self._windows
+        self._windows += 1
+        for idx in plan_batches(lengths, self.batch_size, self.batch_tokens, self.rows, self.sort):
+            self.source_tokens += sum(lengths[i] for i in idx)
+            self.padded_tokens += max(lengths[i] for i in idx) * len(idx)
+            self.batches += 1
+            yield Batch([pending[i] for i in idx], window)
+
+    def __iter__(self) -> Iterator[Batch]:
+        pending: list[Item] = []
+        try:
+            for chunk in self._chunks:
+                if self._stopped:
+                    return
+                skip = [it for it in chunk.items if it.ids is None]
+                if skip:
+                    self._passthrough(skip)
+                pending.extend(it for it in chunk.items if it.ids is not None)
+                while len(pending) >= self.window and not self._stopped:
+                    head, pending = pending[: self.window], pending[self.window :]
+                    yield from self._cut(head)
+                if pending and chunk.starved and not self._stopped:
+                    yield from self._cut(pending)
+                    pending = []
+        except Exception:
+            if pending and not self._stopped:  # generate what came before a bad line, then raise
+                yield from self._cut(pending)
+            raise
+        if pending and not self._stopped:
+            yield from self._cut(pending)
+
+
+class GeneratesIds(Protocol):
+    def generate_ids(self, batch: Sequence[Sequence[int]]) -> list[list[list[int]]]: ...
+
+
+def is_oom(err: BaseException) -> bool:
+    """CUDA (or host) out of memory."""
+    if isinstance(err, MemoryError):
+        return True
+    try:
+        import torch
+
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            return True
+    except (ImportError, AttributeError):
+        pass
+    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+
+
+def _free_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def generate_split(gen: GeneratesIds, items: list[Item]) -> list[Result]:
+    """Generate for ``items``; on out-of-memory split the batch in halves and retry, down to one input.
+
+    A single input that still fails (out of memory, or a ``SeqgenError``) comes back as a ``Result`` whose
+    ``error`` names its line.
+    """
+    try:
+        out = gen.generate_ids([it.ids for it in items])
+        return [Result(it, seqs) for it, seqs in zip(items, out, strict=True)]
+    except Exception as err:  # noqa: BLE001 - only out-of-memory and user errors are handled
+        if not (is_oom(err) or isinstance(err, SeqgenError)):
+            raise
+        failure = "out of memory" if is_oom(err) else str(err)
+    # Outside the except block, so the failed attempt's tensors can be freed before the retry.
+    _free_device_memory()
+    if len(items) == 1:
+        it = items[0]
+        n = len(it.ids or ())
+        return [Result(it, None, f"{it.where}: {failure} (input of {n} tokens, run alone)")]
+    half = len(items) // 2
+    return generate_split(gen, items[:half]) + generate_split(gen, items[half:])

@@ -200,7 +200,7 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     """
     from seqgen_cli.generator import Generator
     from seqgen_cli.pipeline.job import JobOptions, closing_message, generate_job
-    from seqgen_cli.pipeline.read import check_inputs
+    from seqgen_cli.pipeline.records import check_inputs
 
     if output != "-":
         parent = Path(output).resolve().parent

@@ -3,6 +3,11 @@
     gen = Generator("path/to/checkpoint", preset="cnndm-bart")
     outputs = gen.generate(["first article ...", "second article ..."])   # list[list[str]]
 
+Three layers, as CTranslate2's ``translate_batch`` / ``translate_iterable`` / ``translate_file``:
+``generate_ids(batch)`` runs one batch of token ids; ``generate_iterable(texts)`` streams any number of
+texts through length-sorted, token-budget batches (``seqgen_cli.batching``) with out-of-memory splitting;
+the file pipeline (``seqgen_cli.pipeline``) adds reader and writer threads, input order and resume on top.
+
 Backends: ``hf`` is plain transformers ``generate()`` (the reference); ``fast`` is seqgen's own
 decoding engine over the model (per-family fast decoders where they exist, a generic one otherwise);
 ``auto`` picks ``fast`` when the settings are ones the engine supports, else ``hf``.
@@ -10,12 +15,13 @@ decoding engine over the model (per-family fast decoders where they exist, a gen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from seqgen_cli.batching import Batcher, Chunk, Item, generate_split
 from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load
@@ -83,6 +89,11 @@ class Generator:
     def num_return_sequences(self) -> int:
         """Outputs per input."""
         return self.config.num_return_sequences or 1
+
+    @property
+    def rows_per_input(self) -> int:
+        """Rows the model runs per input: beams, or returned sequences when more (sampling)."""
+        return max(self.config.num_beams or 1, self.num_return_sequences)
 
     def _prompt_positions(self, prompt_len: int) -> int:
         return 1 if self.is_encoder_decoder else prompt_len  # the decoder start token, or the prompt
@@ -189,16 +200,67 @@ class Generator:
         rows = [strip_generated(row[start:].tolist(), self.config.eos_token_id) for row in sequences]
         return [rows[i * n : (i + 1) * n] for i in range(len(input_ids))]
 
+    def generate_iterable(
+        self,
+        texts: Iterable[str],
+        *,
+        batch_size: int = 32,
+        batch_tokens: int | None = None,
+        sort_window: int | None = None,
+    ) -> Iterator[list[str]]:
+        """Per input, ``num_return_sequences`` strings (best first), in input order, streaming.
+
+        Reads ``sort_window`` texts ahead (default :func:`~seqgen_cli.batching.default_window`), sorts them
+        by length and cuts batches of ``batch_size`` inputs and ``batch_tokens`` padded tokens x rows; a
+        batch that runs out of memory is split. An empty text gives empty strings. Raises ``SeqgenError``
+        for an input that cannot run even alone.
+        """
+        done: dict[int, list[str]] = {}
+        empty = [""] * self.num_return_sequences
+
+        def passthrough(items: list[Item]) -> None:
+            done.update((it.index, empty) for it in items)
+
+        batcher = Batcher(
+            self._chunks(texts), passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
+            rows=self.rows_per_input, window=sort_window,
+        )  # fmt: skip
+        following = 0  # the next input to yield
+        for batch in batcher:
+            for result in generate_split(self, batch.items):
+                if result.error is not None:
+                    raise SeqgenError(result.error)
+                done[result.item.index] = self.decode(result.sequences)
+            while following in done:
+                yield done.pop(following)
+                following += 1
+        while following in done:  # empty inputs after the last batch
+            yield done.pop(following)
+            following += 1
+
+    def _chunks(self, texts: Iterable[str], size: int = 256) -> Iterator[Chunk]:
+        """Tokenised items in input order, ``size`` at a time."""
+        group: list[str] = []
+        start = 0
+        for text in texts:
+            group.append(text)
+            if len(group) == size:
+                yield self._chunk(group, start)
+                start += size
+                group = []
+        if group:
+            yield self._chunk(group, start)
+
+    def _chunk(self, texts: list[str], start: int) -> Chunk:
+        items = [Item(start + i, None, f"input {start + i + 1}") for i in range(len(texts))]
+        todo = [it for it, text in zip(items, texts, strict=True) if text.strip()]
+        for it, enc in zip(todo, self.encode([texts[it.index - start] for it in todo]), strict=True):
+            it.ids, it.truncated = enc.ids, enc.truncated
+        return Chunk(items)
+
     def generate(self, texts: Sequence[str], batch_size: int = 32) -> list[list[str]]:
         """Generate for texts: per input, ``num_return_sequences`` strings, best first."""
-        encoded = [e.ids for e in self.encode(texts)]
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-        results: list[list[str]] = [[] for _ in encoded]
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            for i, seqs in zip(idx, self.generate_ids([encoded[i] for i in idx]), strict=True):
-                results[i] = self.decode(seqs)
-        return results
+        return list(self.generate_iterable(texts, batch_size=batch_size))
 
 
 def strip_generated(tokens: list[int], eos: int | list[int] | None) -> list[int]:

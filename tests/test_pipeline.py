@@ -17,8 +17,8 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Encoded
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.job import JobOptions, closing_message, generate_job
-from seqgen_cli.pipeline.output import StreamSink, index_path
-from seqgen_cli.pipeline.read import read_records
+from seqgen_cli.pipeline.sinks import StreamSink, index_path
+from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.run import RunOptions, run
 
 
@@ -34,6 +34,12 @@ class FakeGen:
         self.model = SimpleNamespace(config=SimpleNamespace(_name_or_path="fake-model"))
         self.batches: list[list[list[int]]] = []
         self.fail = fail  # called with the batch before generating; may raise
+
+    @property
+    def num_return_sequences(self) -> int:
+        return self.config.num_return_sequences
+
+    rows_per_input = num_return_sequences
 
     def encode(self, texts):
         return [Encoded([ord(c) for c in t], False) for t in texts]

@@ -14,10 +14,10 @@ from pathlib import Path
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline import resume
-from seqgen_cli.pipeline.output import FileSink, Sink, StreamSink
 from seqgen_cli.pipeline.progress import Progress
-from seqgen_cli.pipeline.read import is_regular, read_records
+from seqgen_cli.pipeline.records import check_inputs, is_regular, read_records
 from seqgen_cli.pipeline.run import RunOptions, run
+from seqgen_cli.pipeline.sinks import FileSink, Sink, StreamSink
 from seqgen_cli.pipeline.stats import Summary
 
 
@@ -30,7 +30,6 @@ class JobOptions(RunOptions):
     stats: str | None = None
     reference: str | None = None
     metrics: str | None = None
-    num_sequences: int = 1  # set from the generation settings
 
 
 def settings_of(gen: Generator, opts: JobOptions) -> dict:
@@ -59,11 +58,25 @@ def _model_id(gen: Generator) -> str:
     return os.path.realpath(name) if name and os.path.isdir(name) else name
 
 
+def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> None:
+    """Fail before the (slow) model load on what cannot work: missing files, clashing options."""
+    if output != "-":
+        parent = Path(output).resolve().parent
+        if not parent.is_dir():
+            raise SeqgenError(f"output folder {parent} does not exist")
+        if any(i != "-" and Path(i).resolve() == Path(output).resolve() for i in inputs):
+            raise SeqgenError(f"{output} is both an input and the output")
+    elif opts.resume:
+        raise SeqgenError("--resume needs -o FILE: output written to stdout cannot be resumed")
+    if opts.metrics and not opts.reference:
+        raise SeqgenError("--metrics needs --reference FILE")
+    check_inputs(inputs)
+
+
 def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOptions) -> Summary:
     """Run the job; the summary says whether it was interrupted or failed (after writing what it could)."""
     paths = list(inputs) or ["-"]
-    if opts.resume and output == "-":
-        raise SeqgenError("--resume needs -o FILE: output written to stdout cannot be resumed")
+    check_job(inputs, output, opts)
     records = read_records(paths, opts.input_format, opts.input_field, opts.on_error)
     digest = resume.InputDigest()
     start = 0
@@ -79,14 +92,16 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
             sink = FileSink(output, settings, done=state.done, offset=state.offset)
         else:
             sink = FileSink(output, settings)
-    opts.num_sequences = gen.config.num_return_sequences or 1
-    opts.streaming = any(not is_regular(p) for p in paths)  # stdin or a named pipe
+    streaming = any(not is_regular(p) for p in paths)  # stdin or a named pipe: hand lines on at once
     keep: list[str] | None = [] if opts.reference and output == "-" else None
     progress = Progress(opts.progress, paths, initial=start)
     with _sigterm_as_interrupt():
-        summary = run(gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep)
+        summary = run(
+            gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep,
+            streaming=streaming,
+        )  # fmt: skip
     if opts.reference and summary.error is None and not summary.interrupted:
-        summary.metrics = score(output, keep, opts)
+        summary.metrics = score(output, keep, opts, gen.num_return_sequences)
     if opts.stats:
         Path(opts.stats).write_text(json.dumps(summary.as_dict(), indent=2) + "\n", encoding="utf-8")
     return summary
@@ -102,11 +117,10 @@ def _check_fresh(output: str) -> None:
     return None
 
 
-def score(output: str, keep: list[str] | None, opts: JobOptions) -> dict:
-    """Score the first output of every input against ``--reference`` (``seqgen eval``)."""
+def score(output: str, keep: list[str] | None, opts: JobOptions, n: int) -> dict:
+    """Score the first of the ``n`` outputs of every input against ``--reference`` (``seqgen eval``)."""
     from seqgen_cli import metrics as m
 
-    n = opts.num_sequences
     hyps = keep if keep is not None else _read_hypotheses(output, opts.output_format, opts.output_field, n)
     names = [s.strip() for s in opts.metrics.split(",") if s.strip()] if opts.metrics else m.default_metrics()
     return m.score(hyps, m.read_lines(opts.reference), names)

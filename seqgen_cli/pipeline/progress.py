@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from seqgen_cli.pipeline.read import is_regular
+from seqgen_cli.pipeline.records import is_regular
 
 
 def count_lines(paths: Sequence[str]) -> int | None:

@@ -1,6 +1,6 @@
 """``--resume``: continue an interrupted run from its output file and side index.
 
-The index (see :mod:`seqgen_cli.pipeline.output`) records the run's settings and, per flush, how many
+The index (see :mod:`seqgen_cli.pipeline.sinks`) records the run's settings and, per flush, how many
 inputs were written, the output's byte length and a SHA-256 of those inputs. Resuming checks the
 settings, re-reads (without regenerating) the inputs already done, checks their digest, truncates the
 output to the recorded length and goes on from there.
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.pipeline.output import index_path
-from seqgen_cli.pipeline.read import Record
+from seqgen_cli.pipeline.records import Record
+from seqgen_cli.pipeline.sinks import index_path
 
 
 class InputDigest:

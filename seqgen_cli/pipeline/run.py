@@ -11,18 +11,17 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from seqgen_cli.batching import Batcher, Item, Result, generate_split
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
-from seqgen_cli.pipeline.batch import Batcher
-from seqgen_cli.pipeline.output import Sink
 from seqgen_cli.pipeline.progress import Progress
-from seqgen_cli.pipeline.read import Record
+from seqgen_cli.pipeline.reader import ReaderStage
+from seqgen_cli.pipeline.records import Record
 from seqgen_cli.pipeline.resume import InputDigest
+from seqgen_cli.pipeline.sinks import Sink
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
-from seqgen_cli.pipeline.tokenise import Item, ReaderStage
-from seqgen_cli.pipeline.write import OrderedWriter, Result
+from seqgen_cli.pipeline.writer import OrderedWriter
 
-ON_ERROR = ("fail", "skip")
 MAX_WARNINGS = 20
 
 
@@ -34,58 +33,6 @@ class RunOptions:
     output_format: str = "text"
     output_field: str = "output"
     on_error: str = "fail"
-    streaming: bool = False  # the input is a pipe: hand lines on as they arrive
-
-    def window(self) -> int:
-        if self.sort_window is None:
-            return max(16 * self.batch_size, 2048)
-        return self.sort_window
-
-
-def is_oom(err: BaseException) -> bool:
-    """CUDA (or host) out of memory."""
-    if isinstance(err, MemoryError):
-        return True
-    try:
-        import torch
-
-        if isinstance(err, torch.cuda.OutOfMemoryError):
-            return True
-    except (ImportError, AttributeError):
-        pass
-    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
-
-
-def _free_device_memory() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def generate_split(gen: Generator, items: list[Item], splits: list[int] | None = None) -> list[Result]:
-    """Generate for ``items``; on out-of-memory split the batch in halves and retry, down to one input.
-
-    A single input that still fails comes back as a ``Result`` with ``error`` naming its line.
-    """
-    failure: str | None = None
-    try:
-        out = gen.generate_ids([it.ids for it in items])
-        return [Result(it.record, seqs) for it, seqs in zip(items, out, strict=True)]
-    except Exception as err:  # noqa: BLE001 - only out-of-memory and user errors are handled
-        if not (is_oom(err) or isinstance(err, SeqgenError)):
-            raise
-        failure = "out of memory" if is_oom(err) else str(err)
-    # Outside the except block, so the failed attempt's tensors can be freed before the retry.
-    _free_device_memory()
-    if len(items) == 1:
-        it = items[0]
-        n = len(it.ids or ())
-        return [Result(it.record, None, f"{it.record.where}: {failure} (input of {n} tokens, run alone)")]
-    if splits is not None:
-        splits.append(len(items))
-    half = len(items) // 2
-    return generate_split(gen, items[:half], splits) + generate_split(gen, items[half:], splits)
 
 
 def run(
@@ -98,20 +45,19 @@ def run(
     digest: InputDigest | None = None,
     progress: Progress | None = None,
     keep: list[str] | None = None,
+    streaming: bool = False,
 ) -> Summary:
     """Generate for every record and write the outputs to ``sink`` in input order.
 
     Returns the summary; ``summary.interrupted`` after Ctrl-C, ``summary.error`` when an input failed
-    with ``on_error="fail"`` (everything before it is written either way).
+    with ``on_error="fail"`` (everything before it is written either way). ``streaming``: the input is a
+    pipe, so lines are handed on as they arrive.
     """
     t_start = time.perf_counter()
     summary = Summary(
         backend=gen.backend, resumed_from=start, output=sink.name, rss_at_start_mb=peak_rss_mb()
     )
     progress = progress or Progress(False)
-    cfg = gen.config
-    n_seq = cfg.num_return_sequences or 1
-    rows = max(cfg.num_beams or 1, n_seq)
     warned = 0
 
     def warn(message: str) -> None:
@@ -122,10 +68,10 @@ def run(
         elif warned == MAX_WARNINGS + 1:
             progress.write("seqgen: warning: further warnings not shown (see the counts at the end)")
 
-    reader = ReaderStage(iter(records), gen.encode, streaming=opts.streaming).start()
+    reader = ReaderStage(iter(records), gen.encode, streaming=streaming).start()
     writer = OrderedWriter(
         sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
-        num_sequences=n_seq, start=start, digest=digest, keep=keep,
+        num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep,
     ).start()  # fmt: skip
 
     def passthrough(items: list[Item]) -> None:
@@ -133,12 +79,12 @@ def run(
             if it.record.error is not None:
                 warn(f"{it.record.error} (skipped: empty output)")
                 summary.skipped += 1
-        writer.put([Result(it.record, None, it.record.error) for it in items])
+        writer.put([Result(it, None, it.record.error) for it in items])
         progress.update(len(items), summary.generated_tokens / max(time.perf_counter() - t_start, 1e-9))
 
     batcher = Batcher(
         reader.chunks(), passthrough, batch_size=opts.batch_size, batch_tokens=opts.batch_tokens,
-        rows=rows, window=opts.window(),
+        rows=gen.rows_per_input, window=opts.sort_window,
     )  # fmt: skip
     fail: Result | None = None
     fail_window = -1
@@ -148,7 +94,7 @@ def run(
             if fail is not None:
                 if batch.window != fail_window:
                     break
-                items = [it for it in items if it.record.index < fail.record.index]
+                items = [it for it in items if it.index < fail.item.index]
                 if not items:
                     continue
             t0 = time.perf_counter()
@@ -156,11 +102,11 @@ def run(
             summary.generate_seconds += time.perf_counter() - t0
             bad = [r for r in results if r.error is not None]
             if bad and opts.on_error == "fail":
-                first = min(bad, key=lambda r: r.record.index)
-                if fail is None or first.record.index < fail.record.index:
+                first = min(bad, key=lambda r: r.item.index)
+                if fail is None or first.item.index < fail.item.index:
                     fail, fail_window = first, batch.window
                     batcher.stop()  # finish this window's inputs before the failure, read no further
-                results = [r for r in results if r.record.index < fail.record.index]
+                results = [r for r in results if r.item.index < fail.item.index]
             for r in bad if opts.on_error == "skip" else ():
                 warn(f"{r.error} (skipped: empty output)")
                 summary.skipped += 1

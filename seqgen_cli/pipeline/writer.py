@@ -12,11 +12,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from seqgen_cli.pipeline.output import Sink
-from seqgen_cli.pipeline.read import Record
+from seqgen_cli.batching import Result
+from seqgen_cli.pipeline.records import Record
 from seqgen_cli.pipeline.resume import InputDigest
+from seqgen_cli.pipeline.sinks import Sink
 
 Decode = Callable[[Sequence[Sequence[int]]], list[str]]
 
@@ -42,15 +42,6 @@ def format_output(
             obj["error"] = error
         return json.dumps(obj, ensure_ascii=False) + "\n"
     return "".join(" ".join(o.splitlines()) + "\n" for o in outputs)
-
-
-@dataclass
-class Result:
-    """One input's outcome: generated token ids (per returned sequence), or nothing and maybe an error."""
-
-    record: Record
-    sequences: list[list[int]] | None = None
-    error: str | None = None
 
 
 _CLOSE = object()
@@ -99,11 +90,6 @@ class OrderedWriter:
             except queue.Full:
                 continue
 
-    @property
-    def backlog(self) -> int:
-        """Outputs waiting for an earlier one (a measure of reordering)."""
-        return len(self._pending)
-
     def close(self) -> None:
         """Write everything that can be written in order, commit, and stop the thread."""
         while self._thread.is_alive():
@@ -142,7 +128,7 @@ class OrderedWriter:
         texts = iter(self._decode(seqs) if seqs else [])
         for r in results:
             outs = [next(texts) for _ in r.sequences] if r.sequences is not None else [""] * self._n
-            self._pending[r.record.index] = (r.record, outs, r.error)
+            self._pending[r.item.index] = (r.item.record, outs, r.error)
         while self.next in self._pending:
             record, outs, error = self._pending.pop(self.next)
             line = format_output(record, outs, self._format, self._field, error)

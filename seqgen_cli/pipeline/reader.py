@@ -14,27 +14,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from seqgen_cli.batching import Chunk, Item
 from seqgen_cli.generator import Encoded
-from seqgen_cli.pipeline.read import Record
+from seqgen_cli.pipeline.records import Record
 
 Encode = Callable[[Sequence[str]], list[Encoded]]
-
-
-@dataclass
-class Item:
-    """A record and its token ids; ``ids`` is ``None`` when there is nothing to generate."""
-
-    record: Record
-    ids: list[int] | None
-    truncated: bool = False
-
-
-@dataclass
-class Chunk:
-    """Tokenised items in input order; ``starved``: no further input was waiting when it was made."""
-
-    items: list[Item]
-    starved: bool
 
 
 class _End:
@@ -67,7 +51,6 @@ class ReaderStage:
         self._stop = threading.Event()
         self.read_seconds = 0.0
         self.tokenise_seconds = 0.0
-        self.inputs = 0
         self.truncated = 0
         self._threads = [
             threading.Thread(target=self._read_loop, name="seqgen-read", daemon=True),
@@ -148,13 +131,12 @@ class ReaderStage:
 
     def _tokenise(self, records: list[Record]) -> list[Item]:
         t0 = time.perf_counter()
-        items = [Item(r, None) for r in records]
+        items = [Item(r.index, None, r.where, record=r) for r in records]
         todo = [it for it in items if it.record.error is None and it.record.text.strip()]
         if todo:
             for it, enc in zip(todo, self._encode([it.record.text for it in todo]), strict=True):
                 it.ids, it.truncated = enc.ids, enc.truncated
                 self.truncated += enc.truncated
-        self.inputs += len(records)
         self.tokenise_seconds += time.perf_counter() - t0
         return items
 

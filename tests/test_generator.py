@@ -1,0 +1,97 @@
+"""The Python API's layers: generate_ids (one batch) -> generate_iterable (streaming) -> generate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.generator import Generator
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_models) -> Generator:
+    return Generator(str(tiny_models("bart")), backend="hf", max_new_tokens=4)
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = "the a cat sat on mat with hat and then ran far".split()
+    return ["" if rng.random() < 0.1 else " ".join(rng.choices(words, k=rng.randint(1, 30))) for _ in range(n)]
+
+
+def one_by_one(gen: Generator, inputs: list[str]) -> list[list[str]]:
+    """Each input alone through the batch layer: what any batching must reproduce."""
+    out = []
+    for text in inputs:
+        if not text.strip():
+            out.append([""])
+            continue
+        out.append(gen.decode(gen.generate_ids([gen.encode([text])[0].ids])[0]))
+    return out
+
+
+@pytest.mark.parametrize("batch_size,batch_tokens,window", [(3, None, 8), (16, 120, None), (5, None, 0)])
+def test_generate_iterable_streams_in_input_order(gen: Generator, batch_size, batch_tokens, window) -> None:
+    inputs = texts(40, seed=batch_size)
+    calls: list[int] = []
+    generate_ids = gen.generate_ids
+
+    def spy(batch):
+        calls.append(len(batch))
+        if batch_tokens is not None and len(batch) > 1:
+            assert max(map(len, batch)) * len(batch) <= batch_tokens
+        return generate_ids(batch)
+
+    gen.generate_ids = spy  # type: ignore[method-assign]
+    try:
+        stream = gen.generate_iterable(
+            iter(inputs), batch_size=batch_size, batch_tokens=batch_tokens, sort_window=window
+        )
+        first = next(stream)  # streaming: the first output comes before the input is exhausted
+        got = [first, *stream]
+    finally:
+        del gen.generate_ids
+    assert got == one_by_one(gen, inputs)
+    assert max(calls) <= batch_size and sum(calls) == sum(1 for t in inputs if t.strip())
+
+
+def test_generate_is_generate_iterable(gen: Generator) -> None:
+    inputs = texts(10, seed=5)
+    assert gen.generate(inputs, batch_size=4) == list(gen.generate_iterable(inputs, batch_size=4))
+
+
+def test_generate_iterable_splits_a_batch_that_runs_out_of_memory(gen: Generator) -> None:
+    inputs = [t for t in texts(12, seed=2) if t.strip()]
+    generate_ids = gen.generate_ids
+    sizes: list[int] = []
+
+    def small_memory(batch):
+        sizes.append(len(batch))
+        if len(batch) > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
+        return generate_ids(batch)
+
+    gen.generate_ids = small_memory  # type: ignore[method-assign]
+    try:
+        got = gen.generate(inputs, batch_size=8)
+        assert got == one_by_one(gen, inputs) and max(sizes) == 8
+
+        def always(batch):
+            raise MemoryError
+
+        gen.generate_ids = always  # type: ignore[method-assign]
+        with pytest.raises(SeqgenError, match=r"input 1: out of memory \(input of \d+ tokens, run alone\)"):
+            gen.generate(inputs[:1])
+    finally:
+        del gen.generate_ids
+
+
+def test_length_rules(gen: Generator, tiny_models) -> None:
+    assert (gen.max_new_tokens(), gen.min_new_tokens()) == (4, 0)
+    enc_dec = Generator(str(tiny_models("bart")), backend="hf", max_length=10, min_length=3)
+    assert (enc_dec.max_new_tokens(), enc_dec.min_new_tokens()) == (9, 2)  # the decoder start token counts
+    causal = Generator(str(tiny_models("gpt2")), backend="hf", max_length=10, min_length=3)
+    assert (causal.max_new_tokens(prompt_len=4), causal.min_new_tokens(prompt_len=2)) == (6, 1)
+    assert causal.num_return_sequences == 1 and causal.rows_per_input == 1
