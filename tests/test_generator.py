@@ -18,7 +18,9 @@ def gen(tiny_models) -> Generator:
 def texts(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     words = "the a cat sat on mat with hat and then ran far".split()
-    return ["" if rng.random() < 0.1 else " ".join(rng.choices(words, k=rng.randint(1, 30))) for _ in range(n)]
+    return [
+        "" if rng.random() < 0.1 else " ".join(rng.choices(words, k=rng.randint(1, 30))) for _ in range(n)
+    ]
 
 
 def one_by_one(gen: Generator, inputs: list[str]) -> list[list[str]]:
