@@ -283,7 +283,7 @@ def eval_(hypotheses: str, references: str, metrics: str | None, as_json: bool) 
     """
     from seqgen_cli import metrics as m
 
-    names = [s.strip() for s in metrics.split(",") if s.strip()] if metrics else m.default_metrics()
+    names = m.parse_metrics(metrics)
     result = m.score(m.read_lines(hypotheses), m.read_lines(references), names)
     click.echo(json.dumps(result, indent=2) if as_json else m.format_table(result))
 

@@ -26,12 +26,6 @@ from seqgen_cli.errors import SeqgenError
 METRICS: tuple[str, ...] = ("rouge", "bleu", "chrf")
 ROUGE_TYPES: tuple[str, ...] = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
-_TASK_DEFAULTS: dict[str, tuple[str, ...]] = {
-    "summarization": ("rouge",),
-    "summarisation": ("rouge",),
-    "translation": ("bleu", "chrf"),
-}
-
 # --------------------------------------------------------------------------- sentence splitting
 
 # Words that end in "." without ending a sentence (compared case-insensitively, without the dot).
@@ -106,15 +100,11 @@ def _is_abbreviation(before: str) -> bool:
 # --------------------------------------------------------------------------- scoring
 
 
-def default_metrics(task: str | None = None) -> list[str]:
-    """Metrics to compute when the user names none: ROUGE for summarisation, BLEU+chrF for
-    translation, all of :data:`METRICS` when no task is given."""
-    if task is None:
+def parse_metrics(names: str | None) -> list[str]:
+    """``--metrics`` (comma-separated names) as a list; all of :data:`METRICS` when none are given."""
+    if not names:
         return list(METRICS)
-    key = task.strip().lower()
-    if key not in _TASK_DEFAULTS:
-        raise SeqgenError(f"unknown task {task!r}: expected one of {', '.join(sorted(_TASK_DEFAULTS))}")
-    return list(_TASK_DEFAULTS[key])
+    return _check_metrics([s for s in names.split(",") if s.strip()])
 
 
 def _check_metrics(metrics: Sequence[str]) -> list[str]:

@@ -19,8 +19,8 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.metrics import (
     METRICS,
     ROUGE_TYPES,
-    default_metrics,
     format_table,
+    parse_metrics,
     read_lines,
     score,
     split_sentences,
@@ -150,12 +150,11 @@ def test_empty_input_is_an_error() -> None:
         score([], [], ["rouge"])
 
 
-def test_default_metrics() -> None:
-    assert default_metrics() == list(METRICS)
-    assert default_metrics("summarization") == ["rouge"]
-    assert default_metrics("Translation") == ["bleu", "chrf"]
-    with pytest.raises(SeqgenError, match="unknown task"):
-        default_metrics("dancing")
+def test_parse_metrics() -> None:
+    assert parse_metrics(None) == parse_metrics("") == list(METRICS)
+    assert parse_metrics(" bleu, ROUGE,bleu") == ["bleu", "rouge"]
+    with pytest.raises(SeqgenError, match="unknown metric 'bertscore'"):
+        parse_metrics("rouge,bertscore")
 
 
 def test_format_table() -> None:

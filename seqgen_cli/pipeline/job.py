@@ -122,8 +122,7 @@ def score(output: str, keep: list[str] | None, opts: JobOptions, n: int) -> dict
     from seqgen_cli import metrics as m
 
     hyps = keep if keep is not None else _read_hypotheses(output, opts.output_format, opts.output_field, n)
-    names = [s.strip() for s in opts.metrics.split(",") if s.strip()] if opts.metrics else m.default_metrics()
-    return m.score(hyps, m.read_lines(opts.reference), names)
+    return m.score(hyps, m.read_lines(opts.reference), m.parse_metrics(opts.metrics))
 
 
 def _read_hypotheses(output: str, output_format: str, output_field: str, n: int) -> list[str]:
