@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from seqgen_cli import bench_ct2
-from seqgen_cli.bench import BenchSettings, bench_decode, interleave, make_batches, run_bench
+from seqgen_cli.batching import plan_batches
+from seqgen_cli.bench import BenchSettings, run_bench
+from seqgen_cli.bench import ct2 as bench_ct2
+from seqgen_cli.bench.cells import interleave
+from seqgen_cli.bench.decode import bench_decode
 from seqgen_cli.cli import main
 from seqgen_cli.errors import SeqgenError
 from tests.tiny_models import sample_texts
@@ -67,7 +70,8 @@ def test_interleave_order() -> None:
 
 
 def test_batches_sorted_by_length() -> None:
-    assert make_batches([5, 1, 3, 2, 4], 2) == [[1, 3], [2, 4], [0]]
+    """Bench cells batch as ``seqgen generate`` does: positions sorted by length, cut into batches."""
+    assert plan_batches([5, 1, 3, 2, 4], 2, None) == [[1, 3], [2, 4], [0]]
 
 
 def test_decode_outputs_json_table_png(tiny_models, input_file: Path, tmp_path: Path) -> None:

@@ -1,12 +1,15 @@
 """Minimal stand-alone generation scripts that ``seqgen bench --mode e2e`` times against
 ``seqgen generate``: the few lines a user would write with plain transformers or plain CTranslate2.
 
-    python -m seqgen_cli.bench_e2e hf  --model DIR --input IN --output OUT --batch-size 8 --settings JSON
-    python -m seqgen_cli.bench_e2e ct2 --model DIR --ct2-model CT2DIR --input IN --output OUT ...
+    python -m seqgen_cli.bench.baselines hf  --model DIR --input IN --output OUT --batch-size 8 --settings JSON
+    python -m seqgen_cli.bench.baselines ct2 --model DIR --ct2-model CT2DIR --input IN --output OUT ...
 
 Both read one input per line, tokenise (with an optional prefix, truncated to --max-source-length), sort
 by length, generate in batches, decode without special tokens and write one line per input, in input
-order. Deliberately no seqgen imports: this is the baseline.
+order. The settings are not resolved here: the driver (:mod:`seqgen_cli.bench.e2e`) resolves them with
+seqgen's ``Generator``, as ``seqgen generate`` does, and passes them as JSON (``--settings``: a
+``GenerationConfig`` dict for hf, a :class:`~seqgen_cli.bench.ct2.Ct2Plan` for ct2), with the resolved
+``--prefix`` and ``--max-source-length``. Otherwise deliberately no seqgen imports: this is the baseline.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def _read(path: str, prefix: str | None) -> list[str]:
@@ -28,7 +32,7 @@ def _write(path: str, outputs: list[str]) -> None:
             f.write(" ".join(text.splitlines()) + "\n")
 
 
-def _encode(tokenizer, texts: list[str], limit: int | None) -> list[list[int]]:
+def _encode(tokenizer: Any, texts: list[str], limit: int | None) -> list[list[int]]:
     if limit:
         return tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
     return tokenizer(texts)["input_ids"]

@@ -1,5 +1,5 @@
 """CTranslate2 for ``seqgen bench``: a clear message when it is missing, a cached conversion, and the
-translation of transformers generation settings into CTranslate2 options.
+translation of seqgen's resolved generation settings into CTranslate2 options (the "plan").
 
 CTranslate2 counts lengths differently from transformers and has no forced-EOS option, so the mapping
 is: ``forced_bos_token_id`` becomes a one-token target prefix (CTranslate2 counts the prefix in its
@@ -20,9 +20,14 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from seqgen_cli.errors import SeqgenError
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from seqgen_cli.generator import Generator
 
 INSTALL_HINT = "pip install ctranslate2 (or pip install 'seqgen-cli[bench]')"
 DEFAULT_CACHE = Path(os.environ.get("SEQGEN_BENCH_CACHE", "~/.cache/seqgen-bench")).expanduser() / "ct2"
@@ -37,7 +42,7 @@ def ct2_available() -> str | None:
     return None
 
 
-def require_ct2():
+def require_ct2() -> ModuleType:
     """The ``ctranslate2`` module, or a ``SeqgenError`` that says how to install it."""
     reason = ct2_available()
     if reason:
@@ -143,6 +148,19 @@ def start_in_prefix(ct2_dir: Path) -> bool:
         return False
     config = json.loads(path.read_text(encoding="utf-8"))
     return "decoder_start_token" in config and config["decoder_start_token"] is None
+
+
+def plan_for(gen: Generator, ct2_dir: Path, vocab: list[str] | None = None) -> Ct2Plan:
+    """The plan for a ``Generator``'s resolved settings on the model converted into ``ct2_dir``."""
+    return plan(
+        gen.config,
+        gen.tokenizer,
+        vocab if vocab is not None else vocabulary(ct2_dir),
+        max_new=gen.max_new_tokens(),
+        min_new=gen.min_new_tokens(),
+        causal=not gen.is_encoder_decoder,
+        start_token_in_prefix=start_in_prefix(ct2_dir),
+    )
 
 
 def plan(

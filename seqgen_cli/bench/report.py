@@ -1,0 +1,153 @@
+"""What ``seqgen bench`` writes: ratios and agreement per cell, ``bench.json``, the Markdown table
+(``bench.md``) and the plot (``bench.png``), with the environment facts the JSON records."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from seqgen_cli.bench.cells import MODES, SYSTEMS, RunResult
+
+
+def add_ratios(results: list[RunResult]) -> None:
+    """Speed-ups (median time ratios) and agreement against transformers / CTranslate2 in each cell."""
+    cells: dict[tuple[str, int, int], dict[str, RunResult]] = {}
+    for r in results:
+        cells.setdefault((r.mode, r.batch_size, r.num_beams), {})[r.system] = r
+    for cell in cells.values():
+        hf, ct2 = cell.get("hf"), cell.get("ct2")
+        for r in cell.values():
+            if hf is not None:
+                r.speedup_vs_hf = hf.median_s / r.median_s
+                ref, mine = hf.outputs, r.outputs
+                if ref and len(ref) == len(mine):
+                    r.agreement_vs_hf = 100.0 * sum(a == b for a, b in zip(mine, ref, strict=True)) / len(ref)
+            if ct2 is not None:
+                r.speedup_vs_ct2 = ct2.median_s / r.median_s
+
+
+def write_json(path: Path, head: dict[str, Any], results: list[RunResult]) -> dict[str, Any]:
+    """Write ``bench.json``: ``head`` (command, settings, metadata, schedules ...), then every run (ratios
+    added, outputs left out). Returns the report written."""
+    add_ratios(results)
+    report = {**head, "runs": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results]}
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    return report
+
+
+def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def markdown_table(results: list[RunResult]) -> str:
+    """One Markdown table per mode, rows by (beams, batch size, system)."""
+    parts = []
+    for mode in MODES:
+        rows = [r for r in results if r.mode == mode]
+        if not rows:
+            continue
+        title = (
+            "decode-only (model loaded, inputs tokenised)"
+            if mode == "decode"
+            else "end-to-end (files to files, fresh process)"
+        )
+        parts.append(f"**{title}**\n")
+        parts.append(
+            "| beams | batch | system | backend | n | median s | samples/s | tokens/s | peak MiB | +run MiB | "
+            "vs hf | vs ct2 | same as hf |\n|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        )
+        for r in sorted(rows, key=lambda r: (r.num_beams, r.batch_size, SYSTEMS.index(r.system))):
+            parts.append(
+                f"| {r.num_beams} | {r.batch_size} | {r.system} | {r.backend} | {r.n} | {r.median_s:.2f} | "
+                f"{r.samples_per_s:.2f} | {_fmt(r.tokens_per_s, '.0f')} | {_fmt(r.peak_mem_mb, '.0f')} | "
+                f"{_fmt(r.run_mem_mb, '.0f')} | {_fmt(r.speedup_vs_hf, '.2f', '×')} | "
+                f"{_fmt(r.speedup_vs_ct2, '.2f', '×')} | {_fmt(r.agreement_vs_hf, '.0f', ' %')} |"
+            )
+        parts.append("")
+    return "\n".join(parts)
+
+
+def write_markdown(path: Path, table: str, command: str) -> None:
+    """Write ``bench.md``: the command line, then the table."""
+    header = f"Command: `{command}`\n\n" if command else ""
+    path.write_text(header + table + "\n", encoding="utf-8")
+
+
+def plot(results: list[RunResult], path: Path, title: str) -> bool:
+    """Throughput (samples/s) vs batch size, a line per system, a panel per (mode, beams). False: no matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    modes = [m for m in MODES if any(r.mode == m for r in results)]
+    beams = sorted({r.num_beams for r in results})
+    sizes = sorted({r.batch_size for r in results})
+    fig, axes = plt.subplots(
+        len(modes), len(beams), figsize=(4.5 * len(beams), 3.6 * len(modes)), squeeze=False
+    )
+    for i, mode in enumerate(modes):
+        for j, b in enumerate(beams):
+            ax = axes[i][j]
+            for system in SYSTEMS:
+                rows = sorted(
+                    (r for r in results if r.mode == mode and r.num_beams == b and r.system == system),
+                    key=lambda r: r.batch_size,
+                )
+                if rows:
+                    label = (
+                        f"seqgen ({rows[0].backend})" if system == "seqgen" and mode == "decode" else system
+                    )
+                    ax.plot(
+                        [r.batch_size for r in rows], [r.samples_per_s for r in rows], marker="o", label=label
+                    )
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(x) for x in sizes])
+            ax.minorticks_off()
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{mode}, beams={b}", fontsize=10)
+            ax.set_xlabel("batch size")
+            ax.set_ylabel("samples/s")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def loadavg() -> list[float] | None:
+    """The 1/5/15-minute load averages (other work on the machine), or ``None`` where unknown."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts for the JSON file."""
+    import torch
+    import transformers
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    with contextlib.suppress(ImportError):
+        import ctranslate2
+
+        info["ctranslate2"] = ctranslate2.__version__
+    return info
