@@ -1,4 +1,4 @@
-"""Fast decoder-only decoders (GPT-2, Llama) against the HF model's own teacher-forced forward.
+"""Fast decoder-only backends (GPT-2, Llama) against the HF model's own teacher-forced forward.
 
 Every ``step`` is checked against a full forward of ``[left-padded prompt ; this row's history]`` with the
 position ids ``generate()`` uses, through beam reorders and drops.
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from seqgen_cli.models import fast_backend, get_backend
-from seqgen_cli.models.deconly import DecoderOnlyBackend, prompt_positions
+from seqgen_cli.models.decoder_only import DecoderOnlyBackend, prompt_positions
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.llama import LlamaBackend
 from seqgen_cli.search.protocol import Batch
@@ -63,10 +63,10 @@ MODELS = {
 
 
 def fast(model) -> DecoderOnlyBackend:
-    """The fast decoder (never the generic fallback)."""
-    decoder = fast_backend(model)
-    assert decoder is not None and not isinstance(decoder, GenericBackend)
-    return decoder
+    """The fast backend (never the generic fallback)."""
+    backend = fast_backend(model)
+    assert backend is not None and not isinstance(backend, GenericBackend)
+    return backend
 
 
 def left_pad(seqs: list[list[int]]) -> Batch:
@@ -93,7 +93,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def run_checked(model, prompts: list[list[int]], R: int, steps: int, seed: int = 0) -> dict:
-    """Drive the decoder with random tokens, reorders and one drop; check every step's logits."""
+    """Drive the backend with random tokens, reorders and one drop; check every step's logits."""
     dec = fast(model)
     g = torch.Generator().manual_seed(seed)
     state, first = dec.start(left_pad(prompts), rows_per_input=R, max_new_tokens=steps)
@@ -108,7 +108,7 @@ def run_checked(model, prompts: list[list[int]], R: int, steps: int, seed: int =
             hist = [list(hist[r]) for r in rows.tolist()]
         if t == steps // 2 and len(active) > 1:  # the middle input finishes
             keep = [i for i in range(len(active)) if i != len(active) // 2]
-            dec.drop(state, torch.tensor(keep))
+            dec.drop(state, torch.tensor(keep), torch.tensor([i * R + k for i in keep for k in range(R)]))
             active = [active[i] for i in keep]
             hist = [hist[i * R + k] for i in keep for k in range(R)]
             N = len(active) * R
@@ -160,16 +160,20 @@ def test_cache_accounting(name: str) -> None:
     L, H = cfg.num_hidden_layers, cfg.num_attention_heads
     Hkv = getattr(cfg, "num_key_value_heads", H)
     d = cfg.hidden_size // H
-    assert all(k.shape == (B, Hkv, d, P) for k in state.pk)  # K stored transposed
-    assert all(v.shape == (B, Hkv, P, d) for v in state.pv)
-    assert all(k.shape == (B, Hkv, d, T, R) for k in state.gk)
-    assert all(v.shape == (B, Hkv, T, R, d) for v in state.gv)
-    ptrs = {k.data_ptr() for k in state.gk + state.gv}
+    assert all(k.shape == (B, Hkv, d, P) for k in state.cache.pk)  # K stored transposed
+    assert all(v.shape == (B, Hkv, P, d) for v in state.cache.pv)
+    assert all(k.shape == (B, Hkv, d, T, R) for k in state.cache.gk)
+    assert all(v.shape == (B, Hkv, T, R, d) for v in state.cache.gv)
+    ptrs = {k.data_ptr() for k in state.cache.gk + state.cache.gv}
     for _ in range(T):
         dec.step(state, torch.ones(B * R, dtype=torch.long))
         dec.reorder(state, torch.tensor([0, 0, 1, 1, 7, 6, 5, 4]))
-    assert {k.data_ptr() for k in state.gk + state.gv} == ptrs  # written in place, never reallocated
-    sizes = state.cache_bytes()
+    assert {
+        k.data_ptr() for k in state.cache.gk + state.cache.gv
+    } == ptrs  # written in place, never reallocated
+    with pytest.raises(ValueError, match="beyond the 5 positions"):
+        dec.step(state, torch.ones(B * R, dtype=torch.long))
+    sizes = dec.cache_nbytes(state)
     assert sizes == {"prompt": 2 * L * B * Hkv * P * d * 4, "generated": 2 * L * B * R * Hkv * T * d * 4}
     if name == "llama":
         assert Hkv == 2 < H
@@ -197,7 +201,7 @@ def test_half_precision_close_to_hf(name: str, dtype: torch.dtype) -> None:
     model = MODELS[name]().to(dtype)
     dec = fast(model)
     state, first = dec.start(left_pad(PROMPTS), rows_per_input=2, max_new_tokens=3)
-    assert first.dtype == torch.float32 and state.pk[0].dtype == dtype
+    assert first.dtype == torch.float32 and state.cache.pk[0].dtype == dtype
     hist = [[] for _ in range(8)]
     for t in range(3):
         tokens = torch.arange(8) + 3 * t + 1

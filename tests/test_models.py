@@ -1,4 +1,4 @@
-"""Backend choice: every supported family gets its fast decoder; anything else the generic one."""
+"""Backend choice: every supported family gets its fast backend; anything else the generic one."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ from tests.tiny_models import CAUSAL_FAMILIES, FAMILIES
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_auto_picks_the_fast_decoder_for_each_family(tiny_models, family: str) -> None:
+def test_auto_picks_the_fast_backend_for_each_family(tiny_models, family: str) -> None:
     path = tiny_models(family)
     auto = AutoModelForCausalLM if family in CAUSAL_FAMILIES else AutoModelForSeq2SeqLM
     model = auto.from_pretrained(path).eval()
-    decoder = get_backend(model)
-    assert type(decoder) is FAST_BACKENDS[model.config.model_type]
+    backend = get_backend(model)
+    assert type(backend) is FAST_BACKENDS[model.config.model_type]
     assert isinstance(get_backend(model, generic=True), GenericBackend)
 
 
 def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_models) -> None:
-    """An architecture without a fast decoder (OPT) still runs in seqgen's engine, exactly."""
+    """An architecture without a fast backend (OPT) still runs in seqgen's engine, exactly."""
     torch.manual_seed(0)
     gpt2_tok = AutoTokenizer.from_pretrained(tiny_models("gpt2"))
     config = OPTConfig(

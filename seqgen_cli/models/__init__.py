@@ -1,6 +1,6 @@
 """Model backends: ``get_backend(model)`` picks the fastest :class:`ModelBackend` for a transformers model.
 
-``FAST_BACKENDS`` maps ``config.model_type`` to a fast per-family decoder class over the checkpoint's own
+``FAST_BACKENDS`` maps ``config.model_type`` to a fast per-family backend class over the checkpoint's own
 weights. A class raises ``ValueError`` for a variant it does not reproduce exactly (e.g. sliding-window
 attention); such models, and every unlisted family, get the :class:`GenericBackend` reference backend.
 """
@@ -31,7 +31,7 @@ FAST_BACKENDS: dict[str, type] = {
 
 
 def fast_backend(model: PreTrainedModel) -> ModelBackend | None:
-    """The fast decoder for ``model``, or ``None`` (unlisted family or unsupported variant)."""
+    """The fast backend for ``model``, or ``None`` (unlisted family or unsupported variant)."""
     cls = FAST_BACKENDS.get(model.config.model_type)
     if cls is None:
         return None
@@ -43,8 +43,8 @@ def fast_backend(model: PreTrainedModel) -> ModelBackend | None:
 
 def get_backend(model: PreTrainedModel, *, generic: bool = False) -> ModelBackend:
     """The fast backend for ``model``'s family where there is one, else (or with ``generic=True``) the generic."""
-    decoder = None if generic else fast_backend(model)
-    return decoder if decoder is not None else GenericBackend(model)
+    backend = None if generic else fast_backend(model)
+    return backend if backend is not None else GenericBackend(model)
 
 
 __all__ = ["FAST_BACKENDS", "GenericBackend", "fast_backend", "get_backend"]

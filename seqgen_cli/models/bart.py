@@ -1,4 +1,4 @@
-"""Fast decoder for the BART family: BART / DistilBART, mBART, Marian, Pegasus.
+"""Fast backend for the BART family: BART / DistilBART, mBART, Marian, Pegasus.
 
 One architecture with switches, read off the transformers modules (their own weights, no conversion):
 
@@ -22,9 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.encdec import EncDecState, EncoderDecoderBackend, cross_attention, self_attention
+from seqgen_cli.models.encoder_decoder import (
+    EncoderDecoderBackend,
+    EncoderDecoderState,
+    cross_attention,
+    self_attention,
+)
 from seqgen_cli.models.fuse import fuse_linears
-from seqgen_cli.search.protocol import Batch
 
 PRE_NORM = {"mbart", "pegasus"}
 
@@ -49,53 +53,28 @@ class _Layer:
 class BartBackend(EncoderDecoderBackend):
     """:class:`~seqgen_cli.search.protocol.ModelBackend` for bart / mbart / marian / pegasus checkpoints."""
 
-    def __init__(self, model: PreTrainedModel, cache: str = "beam-mask") -> None:
-        super().__init__(cache)
+    def __init__(self, model: PreTrainedModel) -> None:
         cfg = model.config
-        self.model = model.eval()
-        self.encoder = model.get_encoder()
         dec = model.get_decoder()
-        self.pre_norm = cfg.model_type in PRE_NORM
+        heads = int(cfg.decoder_attention_heads)
         emb = dec.embed_tokens
-        self.embed = emb.weight  # [V_in, D]
+        layers = [_Layer(layer) for layer in dec.layers]
+        super().__init__(model, emb.weight, layers, heads, int(cfg.d_model) // heads)
+        self.pre_norm = cfg.model_type in PRE_NORM
         self.embed_scale = getattr(emb, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)
         self.positions = dec.embed_positions.weight  # [P (+ offset), D]
         self.pos_offset = int(getattr(dec.embed_positions, "offset", 0))  # 2 for learned BART positions
         self.max_position_embeddings = self.positions.shape[0] - self.pos_offset
         self.ln_embed = getattr(dec, "layernorm_embedding", None)
         self.ln_final = getattr(dec, "layer_norm", None)
-        self.dec_layers = [_Layer(layer) for layer in dec.layers]
-        self.lm_head = model.get_output_embeddings()
-        self.lm_w = self.lm_head.weight  # [V, D]
         bias = getattr(model, "final_logits_bias", None)
         self.lm_b = None if bias is None else bias.view(-1)  # [V]
-        self.vocab_size = int(self.lm_w.shape[0])
-        self.layers = len(self.dec_layers)
-        self.heads = int(cfg.decoder_attention_heads)
-        self.head_dim = int(cfg.d_model) // self.heads
-        self.dtype = self.embed.dtype
-        self.device = self.embed.device
-
-    def _encode(self, batch: Batch) -> torch.Tensor:
-        out = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
-        return out.last_hidden_state  # [B, S, D]
-
-    def _cross_kv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lay = self.dec_layers[layer]
-        b, s, _ = hidden.shape
-        kv = F.linear(hidden, lay.ckv_w, lay.ckv_b).view(
-            b, s, 2, self.heads, self.head_dim
-        )  # [B, S, 2, H, d]
-        kv = kv.permute(2, 0, 3, 1, 4)  # [2, B, H, S, d]
-        return kv[0].contiguous(), kv[1].contiguous()
 
     @torch.inference_mode()
-    def step(self, state: EncDecState, tokens: torch.Tensor) -> torch.Tensor:
+    def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
         t = state.t
-        if t >= state.max_len:
-            raise ValueError(f"step {t} beyond the {state.max_len} positions allocated by start()")
         cache = state.cache
-        cache.begin(t)
+        cache.begin(t)  # raises ValueError past the positions allocated by start()
         x = F.embedding(tokens, self.embed) * self.embed_scale  # [N, D]
         x = x + self.positions[t + self.pos_offset]
         if self.ln_embed is not None:

@@ -23,7 +23,6 @@ from seqgen_cli.search.protocol import Batch
 @dataclass
 class GenericState:
     cache: Any  # DynamicCache | EncoderDecoderCache, rows = N
-    rows_per_input: int
     encoder_outputs: BaseModelOutput | None = None  # last_hidden_state [N, S, d] (encoder-decoder)
     attention_mask: torch.Tensor | None = None  # enc-dec: encoder mask [N, S]; dec-only: [N, L] or None
     position_ids: torch.Tensor | None = None  # decoder-only: [N, 1] position of the last fed token
@@ -83,7 +82,6 @@ class GenericBackend:
             hidden = enc.last_hidden_state.repeat_interleave(r, dim=0)  # [N, S, d]
             state = GenericState(
                 cache=self._new_cache(),
-                rows_per_input=r,
                 encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
                 attention_mask=mask.repeat_interleave(r, dim=0),  # [N, S]
             )
@@ -95,7 +93,6 @@ class GenericBackend:
         has_padding = not bool((mask == 1).all())
         state = GenericState(
             cache=self._new_cache(),
-            rows_per_input=r,
             attention_mask=mask if has_padding else None,  # generate() drops an all-ones mask
             position_ids=position_ids,
         )
@@ -127,9 +124,7 @@ class GenericBackend:
             cache = cache.self_attention_cache
         cache.reorder_cache(rows)
 
-    def drop(self, state: GenericState, keep: torch.Tensor) -> None:
-        r = state.rows_per_input
-        rows = (keep[:, None] * r + torch.arange(r, device=keep.device)).reshape(-1)  # [B' * R]
+    def drop(self, state: GenericState, keep: torch.Tensor, rows: torch.Tensor) -> None:
         state.cache.batch_select_indices(rows)
         if state.encoder_outputs is not None:
             hidden = state.encoder_outputs.last_hidden_state.index_select(0, rows)

@@ -1,4 +1,4 @@
-"""Fast cached decoder for GPT-2 (``GPT2LMHeadModel``) over the checkpoint's own weights.
+"""Fast cached backend for GPT-2 (``GPT2LMHeadModel``) over the checkpoint's own weights.
 
 Conv1D weights are [in, out] (``x @ W + b`` = ``addmm``); c_attn is already a fused q|k|v projection;
 learned absolute positions; the MLP activation is the module's own (``gelu_new`` for gpt2).
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .deconly import DecoderOnlyBackend, KVState, attend, begin_step, end_step
+from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
 
 
 def _conv1d(x: Tensor, conv: torch.nn.Module) -> Tensor:
@@ -32,10 +32,10 @@ class GPT2Backend(DecoderOnlyBackend):
         self.n_head = cfg.n_head
 
     @torch.inference_mode()
-    def step(self, state: KVState, tokens: Tensor) -> Tensor:
+    def step(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
         """tokens [N] -> logits [N, V] (float32)."""
         tr = self.base
-        gen_bias = begin_step(state)
+        state.cache.begin(state.t)  # raises ValueError past the max_new_tokens allocated by start()
         x = tr.wte(tokens) + tr.wpe(state.pos)  # [N, D]
         N, D = x.shape
         H = self.n_head
@@ -43,13 +43,12 @@ class GPT2Backend(DecoderOnlyBackend):
             attn = block.attn
             h = F.layer_norm(x, (D,), block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
             q, k, v = _conv1d(h, attn.c_attn).split(D, dim=-1)  # 3 x [N, D]
-            a = attend(
-                q.view(N, H, -1), k.view(N, H, -1), v.view(N, H, -1), i, state, gen_bias, attn.scaling
-            )  # [N, D]
+            # [N, D] -> [N, H, d] each; attention output [N, D]
+            a = state.cache.attend(i, q.view(N, H, -1), k.view(N, H, -1), v.view(N, H, -1), attn.scaling)
             x = x + _conv1d(a, attn.c_proj)
             h = F.layer_norm(x, (D,), block.ln_2.weight, block.ln_2.bias, block.ln_2.eps)
             mlp = block.mlp
             x = x + _conv1d(mlp.act(_conv1d(h, mlp.c_fc)), mlp.c_proj)
         x = F.layer_norm(x, (D,), tr.ln_f.weight, tr.ln_f.bias, tr.ln_f.eps)
-        end_step(state)
+        state.advance()
         return self.model.get_output_embeddings()(x).float()  # [N, V]

@@ -1,9 +1,10 @@
-"""Fast cached decoder for Llama-style models (RoPE, RMSNorm, SwiGLU, GQA) over the checkpoint's own weights.
+"""Fast cached backend for Llama-style models (RoPE, RMSNorm, SwiGLU, GQA) over the checkpoint's own weights.
 
 Also serves Mistral and Qwen2 (same blocks; Qwen2's q/k/v biases go through ``F.linear``) when they use full
 attention in every layer; sliding-window configs are refused.
 
-Only the ``num_key_value_heads`` K/V heads are cached; query groups broadcast against them in ``attend``.
+Only the ``num_key_value_heads`` K/V heads are cached; query groups broadcast against them in
+``DecoderOnlyKVCache.attend``.
 RoPE cos/sin come from the model's own rotary module (so its rope type/scaling is honoured exactly).
 """
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .deconly import DecoderOnlyBackend, KVState, attend, begin_step, end_step
+from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
 
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies do not depend on the sequence length
 
@@ -35,14 +36,14 @@ class LlamaBackend(DecoderOnlyBackend):
         rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope not in STATIC_ROPE:
             raise ValueError(
-                f"rope_type {rope!r} (length-dependent RoPE) is not supported by the fast decoder"
+                f"rope_type {rope!r} (length-dependent RoPE) is not supported by the fast backend"
             )
         if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-            raise ValueError("pretraining_tp > 1 is not supported by the fast decoder")
+            raise ValueError("pretraining_tp > 1 is not supported by the fast backend")
         if getattr(cfg, "sliding_window", None) is not None or any(
             t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()
         ):
-            raise ValueError("sliding-window attention is not supported by the fast decoder")
+            raise ValueError("sliding-window attention is not supported by the fast backend")
         self.model = model
         self.base = model.model
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -52,10 +53,10 @@ class LlamaBackend(DecoderOnlyBackend):
         self.n_kv = cfg.num_key_value_heads
 
     @torch.inference_mode()
-    def step(self, state: KVState, tokens: Tensor) -> Tensor:
+    def step(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
         """tokens [N] -> logits [N, V] (float32)."""
         m = self.base
-        gen_bias = begin_step(state)
+        state.cache.begin(state.t)  # raises ValueError past the max_new_tokens allocated by start()
         x = m.embed_tokens(tokens)  # [N, D]
         N = x.shape[0]
         H, Hkv, d = self.n_head, self.n_kv, self.head_dim
@@ -69,10 +70,10 @@ class LlamaBackend(DecoderOnlyBackend):
             v = linear(h, at.v_proj).view(N, Hkv, d)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            x = x + linear(attend(q, k, v, i, state, gen_bias, at.scaling), at.o_proj)
+            x = x + linear(state.cache.attend(i, q, k, v, at.scaling), at.o_proj)
             h = layer.post_attention_layernorm(x)
             mlp = layer.mlp
             x = x + linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
         x = m.norm(x)
-        end_step(state)
+        state.advance()
         return self.model.get_output_embeddings()(x).float()  # [N, V]

@@ -1,4 +1,4 @@
-"""Fast decoder for T5 v1.0, T5 v1.1 / Flan-T5 and mT5 over the checkpoint's own modules.
+"""Fast backend for T5 v1.0, T5 v1.1 / Flan-T5 and mT5 over the checkpoint's own modules.
 
 Quirks, each as transformers does them: unscaled attention (scale 1) with a learned relative-position bias
 from the first block's self-attention, shared by all blocks; for an incremental query at position ``t`` the
@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.encdec import EncDecState, EncoderDecoderBackend, cross_attention, self_attention
+from seqgen_cli.models.encoder_decoder import (
+    EncoderDecoderBackend,
+    EncoderDecoderState,
+    cross_attention,
+    self_attention,
+)
 from seqgen_cli.models.fuse import fuse_linears
 from seqgen_cli.search.protocol import Batch
 
@@ -29,7 +34,7 @@ class _Block:
         self.o = sa.SelfAttention.o
         self.ln_cross = ca.layer_norm
         self.cq = ca.EncDecAttention.q
-        self.ckv_w, _ = fuse_linears([ca.EncDecAttention.k, ca.EncDecAttention.v])  # [2I, D]
+        self.ckv_w, self.ckv_b = fuse_linears([ca.EncDecAttention.k, ca.EncDecAttention.v])  # [2I, D], None
         self.co = ca.EncDecAttention.o
         self.ln_ff = ff.layer_norm
         self.ff = ff.DenseReluDense
@@ -47,54 +52,32 @@ def _clamp_fp16(x: torch.Tensor) -> torch.Tensor:
 class T5Backend(EncoderDecoderBackend):
     """:class:`~seqgen_cli.search.protocol.ModelBackend` for t5 / mt5 checkpoints (incl. Flan-T5)."""
 
-    def __init__(self, model: PreTrainedModel, cache: str = "beam-mask") -> None:
-        super().__init__(cache)
+    def __init__(self, model: PreTrainedModel) -> None:
         cfg = model.config
-        self.model = model.eval()
-        self.encoder = model.get_encoder()
         dec = model.get_decoder()
-        self.embed = dec.embed_tokens.weight  # [V_in, D]
-        self.blocks = [_Block(b) for b in dec.block]
+        blocks = [_Block(b) for b in dec.block]
+        super().__init__(model, dec.embed_tokens.weight, blocks, int(cfg.num_heads), int(cfg.d_kv))
         self.rel_attn = dec.block[0].layer[0].SelfAttention  # owns relative_attention_bias
         self.ln_final = dec.final_layer_norm
         self.out_scale = float(cfg.d_model) ** -0.5 if getattr(cfg, "scale_decoder_outputs", False) else None
-        self.lm_head = model.get_output_embeddings()
-        self.lm_w = self.lm_head.weight  # [V, D]
-        self.vocab_size = int(self.lm_w.shape[0])
-        self.layers = len(self.blocks)
-        self.heads = int(cfg.num_heads)
-        self.head_dim = int(cfg.d_kv)
-        self.dtype = self.embed.dtype
-        self.device = self.embed.device
-
-    def _encode(self, batch: Batch) -> torch.Tensor:
-        out = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
-        return out.last_hidden_state  # [B, S, D]
-
-    def _cross_kv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, s, _ = hidden.shape
-        kv = F.linear(hidden, self.blocks[layer].ckv_w).view(
-            b, s, 2, self.heads, self.head_dim
-        )  # [B, S, 2, H, d]
-        kv = kv.permute(2, 0, 3, 1, 4)  # [2, B, H, S, d]
-        return kv[0].contiguous(), kv[1].contiguous()
 
     @torch.inference_mode()
-    def start(self, batch: Batch, rows_per_input: int, max_new_tokens: int) -> tuple[EncDecState, None]:
+    def start(
+        self, batch: Batch, rows_per_input: int, max_new_tokens: int
+    ) -> tuple[EncoderDecoderState, None]:
         state, _ = super().start(batch, rows_per_input, max_new_tokens)
         t = state.max_len
         state.self_bias = self.rel_attn.compute_bias(t, t, device=self.device).to(self.dtype)  # [1, H, T, T]
         return state, None
 
     @torch.inference_mode()
-    def step(self, state: EncDecState, tokens: torch.Tensor) -> torch.Tensor:
+    def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
         t = state.t
-        if t >= state.max_len:
-            raise ValueError(f"step {t} beyond the {state.max_len} positions allocated by start()")
         cache = state.cache
-        cache.begin(t, state.self_bias[:, :, t : t + 1, : t + 1])  # bias [1, H, 1, t+1], shared by all blocks
+        # bias [1, H, 1, t+1], shared by all blocks; begin() raises ValueError past the allocated positions
+        cache.begin(t, state.self_bias[:, :, t : t + 1, : t + 1])
         x = F.embedding(tokens, self.embed)  # [N, D]
-        for i, blk in enumerate(self.blocks):
+        for i, blk in enumerate(self.dec_layers):
             a = self_attention(F.linear(blk.ln_self(x), blk.qkv_w), cache, i, self.heads, 1.0)  # [N, I]
             x = _clamp_fp16(x + blk.o(a))
             a = cross_attention(

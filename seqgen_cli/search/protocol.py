@@ -13,7 +13,7 @@ Life of a call::
     loop:
         ... choose tokens, maybe beams ...
         backend.reorder(state, rows)        # beam search only: row i continues old row rows[i]
-        backend.drop(state, keep)           # some inputs finished: keep these inputs (indices, ascending)
+        backend.drop(state, keep, kept)     # inputs finished: keep inputs keep [B'], i.e. rows kept [B' * R]
         logits = backend.step(state, tokens)
 """
 
@@ -68,6 +68,10 @@ class ModelBackend(Protocol):
         """Beam reordering: new row ``i`` continues old row ``rows[i]`` ([N] int64, same input)."""
         ...
 
-    def drop(self, state: Any, keep: torch.Tensor) -> None:
-        """Finished inputs leave: keep only inputs ``keep`` ([B'] int64, ascending, indices among active)."""
+    def drop(self, state: Any, keep: torch.Tensor, rows: torch.Tensor) -> None:
+        """Finished inputs leave: keep only inputs ``keep`` ([B'] int64, ascending, indices among active).
+
+        ``rows`` ([B' * R] int64) are their rows, ``keep[i] * R + k`` for ``k < R``: computed once by the
+        search (``Rows.keep_inputs``) for the backend's per-row state.
+        """
         ...

@@ -53,11 +53,14 @@ class Rows:
         self.backend.reorder(self.state, rows)
 
     def keep_inputs(self, keep: torch.Tensor) -> None:
-        """Finished inputs leave: keep active inputs ``keep`` ([B'] int64, ascending, on device)."""
-        rows = self.row_index(keep)
+        """Finished inputs leave: keep active inputs ``keep`` ([B'] int64, ascending, on device).
+
+        Their row indices are computed here, once, for the history, the processors and the backend.
+        """
+        rows = self.row_index(keep)  # [B' * R]
         self.history.select(rows)
         self.pipeline.select(rows)
-        self.backend.drop(self.state, keep)
+        self.backend.drop(self.state, keep, rows)
         self.inputs = [self.inputs[i] for i in keep.tolist()]
 
 

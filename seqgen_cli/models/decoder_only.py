@@ -1,0 +1,91 @@
+"""What the fast decoder-only backends (GPT-2, Llama) share: the prefill, positions, and the protocol glue.
+
+The prompt is prefilled once per *input* through the model's own base forward (left-padded, positions as
+``generate()`` builds them); its keys and values go into a
+:class:`~seqgen_cli.models.kv_cache.DecoderOnlyKVCache` shared by the input's ``R`` rows. Subclasses
+implement ``step``: ``state.cache.begin(state.t)``, the layers (attention through ``state.cache.attend``), then
+``state.advance()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from seqgen_cli.models.kv_cache import DecoderOnlyKVCache
+from seqgen_cli.search.protocol import Batch
+
+
+@dataclass
+class DecoderOnlyState:
+    """Per-call state. ``N = B * R`` rows, input-major."""
+
+    cache: DecoderOnlyKVCache
+    pos: Tensor  # [N] int64: position id of the next token fed to each row
+    t: int = 0  # tokens fed by step() so far (host int: no device sync)
+
+    def advance(self) -> None:
+        """A step is done: every row moves one position on."""
+        self.t += 1
+        self.pos += 1
+
+
+def prompt_positions(mask: Tensor) -> Tensor:
+    """Position ids of a left-padded prompt exactly as ``generate()`` builds them: [B, P] -> [B, P]."""
+    pos = mask.long().cumsum(-1) - 1
+    return pos.masked_fill(mask == 0, 1)
+
+
+def check_batch(batch: Batch) -> None:
+    """Decoder-only prompts must be left-padded: every row's last position is a real token."""
+    if batch.attention_mask.shape[1] and not bool(batch.attention_mask[:, -1].all()):
+        raise ValueError("decoder-only prompts must be left-padded")
+
+
+class DecoderOnlyBackend:
+    """Protocol glue shared by the families: prefill through the model's own base forward, then cached steps.
+
+    Subclasses set ``self.model``, ``self.base`` (the transformer without LM head) and implement ``step``.
+    """
+
+    is_encoder_decoder = False
+    vocab_size: int
+    max_position_embeddings: int
+    model: torch.nn.Module
+    base: torch.nn.Module
+
+    @torch.inference_mode()
+    def start(
+        self, batch: Batch, rows_per_input: int, max_new_tokens: int
+    ) -> tuple[DecoderOnlyState, Tensor]:
+        """Prefill once per input: [B, P] -> state, last-position logits [B, V]."""
+        check_batch(batch)
+        ids, mask = batch.input_ids, batch.attention_mask
+        hf_mask = mask if not bool(mask.all()) else None  # as generate(): no mask without padding
+        out = self.base(
+            input_ids=ids, attention_mask=hf_mask, position_ids=prompt_positions(mask), use_cache=True
+        )
+        layers = out.past_key_values.layers
+        pk = [layer.keys for layer in layers]  # [B, Hkv, P, d]
+        pv = [layer.values for layer in layers]
+        cache = DecoderOnlyKVCache(pk, pv, mask, rows_per_input, max_new_tokens)
+        b, r = mask.shape[0], rows_per_input
+        pos = mask.long().sum(-1)[:, None].expand(b, r).reshape(b * r)  # [B] -> [B, R] -> [N]
+        logits = self.model.get_output_embeddings()(out.last_hidden_state[:, -1]).float()  # [B, V]
+        return DecoderOnlyState(cache, pos), logits
+
+    def reorder(self, state: DecoderOnlyState, rows: Tensor) -> None:
+        state.cache.reorder(rows)
+        state.pos = state.pos.index_select(0, rows)
+
+    def drop(self, state: DecoderOnlyState, keep: Tensor, rows: Tensor) -> None:
+        state.cache.keep(keep, rows)
+        state.pos = state.pos.index_select(0, rows)
+
+    def cache_nbytes(self, state: DecoderOnlyState) -> dict[str, int]:
+        """Bytes of the prompt K/V (per input) and the generated-token K/V (all layers; no back-pointers)."""
+        c = state.cache
+        prompt = sum(x.nbytes for x in c.pk + c.pv)
+        return {"prompt": prompt, "generated": sum(x.nbytes for x in c.gk + c.gv)}
