@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
 
 import click
 
@@ -13,6 +15,122 @@ from seqgen_cli import __version__
 from seqgen_cli.errors import SeqgenError
 
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _early_stopping(ctx: click.Context, param: click.Parameter, value: str | None) -> bool | str | None:
+    """``--early-stopping true|false|never`` as transformers takes it: True, False or "never"."""
+    return None if value is None else EARLY_STOPPING[value]
+
+
+class _Flag(NamedTuple):
+    """One generation flag: ``click.option`` declarations and keywords; ``brief``: shorter help for bench."""
+
+    decls: tuple[str, ...]
+    kwargs: dict[str, Any]
+    brief: str | None = None
+
+
+def _flag(*decls: str, brief: str | None = None, **kwargs: Any) -> _Flag:
+    return _Flag(decls, kwargs, brief)
+
+
+# The generation flags, keyed by transformers' names: the keys of seqgen_cli.config.GENERATION_KEYS (not
+# imported here: it loads transformers, and `seqgen --help` should not; tests/test_cli.py checks the two
+# agree). Every value reaches Generator(**flags) unchanged, --early-stopping through its callback.
+GENERATION_OPTIONS: dict[str, _Flag] = {
+    "num_beams": _flag("--num-beams", type=click.IntRange(min=1), help="Beam size (1 = greedy or sampling)."),
+    "max_new_tokens": _flag(
+        "--max-new-tokens",
+        type=click.IntRange(min=1),
+        help="Most tokens to generate (excludes the prompt).",
+        brief="Most new tokens per output.",
+    ),
+    "min_new_tokens": _flag(
+        "--min-new-tokens",
+        type=click.IntRange(min=0),
+        help="Fewest tokens to generate before EOS is allowed.",
+        brief="Fewest new tokens before EOS.",
+    ),
+    "max_length": _flag(
+        "--max-length",
+        type=click.IntRange(min=1),
+        help="Most tokens in total, as transformers counts them (decoder start token / prompt included).",
+        brief="Most tokens in total, as transformers counts.",
+    ),
+    "min_length": _flag(
+        "--min-length",
+        type=click.IntRange(min=0),
+        help="Fewest tokens in total, as transformers counts them.",
+        brief="Fewest tokens in total, as transformers counts.",
+    ),
+    "length_penalty": _flag(
+        "--length-penalty",
+        type=float,
+        help="Beam scores are divided by length**penalty (>1 favours longer outputs).",
+        brief="Beam scores are divided by length**penalty.",
+    ),
+    "early_stopping": _flag(
+        "--early-stopping",
+        type=click.Choice(list(EARLY_STOPPING)),
+        callback=_early_stopping,
+        help="Beam search stop rule, as in transformers.",
+        brief="Beam search stop rule.",
+    ),
+    "no_repeat_ngram_size": _flag(
+        "--no-repeat-ngram-size",
+        type=click.IntRange(min=0),
+        help="Never repeat an n-gram of this size (0 = off).",
+        brief="Never repeat an n-gram of this size.",
+    ),
+    "num_return_sequences": _flag(
+        "--num-return-sequences",
+        type=click.IntRange(min=1),
+        help="Outputs per input: N consecutive lines (text) or a list (JSONL), best first.",
+    ),
+    "do_sample": _flag("--do-sample/--no-do-sample", default=None, help="Sample instead of searching."),
+    "temperature": _flag(
+        "--temperature", type=click.FloatRange(min=0, min_open=True), help="Sampling temperature."
+    ),
+    "top_k": _flag("--top-k", type=click.IntRange(min=0), help="Sample among the k most likely tokens."),
+    "top_p": _flag(
+        "--top-p",
+        type=click.FloatRange(0, 1, min_open=True),
+        help="Sample within the top-p probability mass.",
+    ),
+    "repetition_penalty": _flag(
+        "--repetition-penalty",
+        type=click.FloatRange(min=0, min_open=True),
+        help="Penalise tokens already in the output (1.0 = off).",
+        brief="Penalise repeated tokens.",
+    ),
+}
+# Not bench flags: --num-beams is bench's own comma-separated list; bench times one searched output per input.
+_BENCH_EXCLUDES = ("num_beams", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p")
+
+
+def generation_options(exclude: Collection[str] = (), brief: bool = False) -> Callable[[F], F]:
+    """Add the generation flags (all but ``exclude``) in table order; ``brief``: the shorter help texts."""
+    unknown = set(exclude) - set(GENERATION_OPTIONS)
+    if unknown:
+        raise ValueError(f"no generation flag {', '.join(sorted(unknown))}")
+
+    def decorate(f: F) -> F:
+        for name, flag in reversed(GENERATION_OPTIONS.items()):
+            if name not in exclude:
+                kwargs = {**flag.kwargs, "help": (brief and flag.brief) or flag.kwargs["help"]}
+                f = click.option(*flag.decls, name, **kwargs)(f)
+        return f
+
+    return decorate
+
+
+def _pop_generation(opts: dict[str, Any], exclude: Collection[str] = ()) -> dict[str, Any]:
+    """Take the generation flags (``GENERATION_KEYS`` but ``exclude``) out of a command's options."""
+    from seqgen_cli.config import GENERATION_KEYS
+
+    return {k: opts.pop(k) for k in GENERATION_KEYS if k not in exclude and k in opts}
 
 
 class _Group(click.Group):
@@ -80,53 +198,8 @@ def main() -> None:
     show_default=True,
     help="auto: float32 on CPU, bfloat16 (else float16) on GPU.",
 )
-@click.option("--num-beams", type=click.IntRange(min=1), help="Beam size (1 = greedy or sampling).")
-@click.option(
-    "--max-new-tokens", type=click.IntRange(min=1), help="Most tokens to generate (excludes the prompt)."
-)
-@click.option(
-    "--min-new-tokens", type=click.IntRange(min=0), help="Fewest tokens to generate before EOS is allowed."
-)
-@click.option(
-    "--max-length",
-    type=click.IntRange(min=1),
-    help="Most tokens in total, as transformers counts them (decoder start token / prompt included).",
-)
-@click.option(
-    "--min-length", type=click.IntRange(min=0), help="Fewest tokens in total, as transformers counts them."
-)
-@click.option(
-    "--length-penalty",
-    type=float,
-    help="Beam scores are divided by length**penalty (>1 favours longer outputs).",
-)
-@click.option(
-    "--early-stopping",
-    type=click.Choice(list(EARLY_STOPPING)),
-    help="Beam search stop rule, as in transformers.",
-)
-@click.option(
-    "--no-repeat-ngram-size",
-    type=click.IntRange(min=0),
-    help="Never repeat an n-gram of this size (0 = off).",
-)
-@click.option(
-    "--num-return-sequences",
-    type=click.IntRange(min=1),
-    help="Outputs per input: N consecutive lines (text) or a list (JSONL), best first.",
-)
-@click.option("--do-sample/--no-do-sample", default=None, help="Sample instead of searching.")
-@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), help="Sampling temperature.")
-@click.option("--top-k", type=click.IntRange(min=0), help="Sample among the k most likely tokens.")
-@click.option(
-    "--top-p", type=click.FloatRange(0, 1, min_open=True), help="Sample within the top-p probability mass."
-)
+@generation_options()
 @click.option("--seed", type=int, help="Random seed for sampling.")
-@click.option(
-    "--repetition-penalty",
-    type=click.FloatRange(min=0, min_open=True),
-    help="Penalise tokens already in the output (1.0 = off).",
-)
 @click.option(
     "--batch-size", type=click.IntRange(min=1), default=32, show_default=True, help="Most inputs per batch."
 )
@@ -213,7 +286,6 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     if opts["metrics"] and not opts["reference"]:
         raise SeqgenError("--metrics needs --reference FILE")
     check_inputs(inputs)
-    early = opts.pop("early_stopping")
     gen = Generator(
         model,
         backend=opts.pop("backend"),
@@ -223,8 +295,7 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         prefix=opts.pop("prefix"),
         max_source_length=opts.pop("max_source_length"),
         seed=opts.pop("seed"),
-        early_stopping=EARLY_STOPPING[early] if early else None,
-        **{k: opts.pop(k) for k in list(opts) if k in _GENERATION_FLAGS},
+        **_pop_generation(opts),
     )
     quiet = opts["quiet"]
     job = JobOptions(
@@ -262,13 +333,6 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         sys.exit(130)
     if message is not None:
         raise SeqgenError(message)
-
-
-_GENERATION_FLAGS = {
-    "num_beams", "max_new_tokens", "min_new_tokens", "max_length", "min_length", "length_penalty",
-    "no_repeat_ngram_size", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p",
-    "repetition_penalty",
-}  # fmt: skip
 
 
 @main.command("eval")
@@ -374,22 +438,7 @@ def _name_list(ctx: click.Context, param: click.Parameter, value: str) -> list[s
 @click.option("--preset", help="Task preset name or .toml file.")
 @click.option("--prefix", help="Text prepended to every input.")
 @click.option("--max-source-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), help="Most new tokens per output.")
-@click.option("--min-new-tokens", type=click.IntRange(min=0), help="Fewest new tokens before EOS.")
-@click.option(
-    "--max-length", type=click.IntRange(min=1), help="Most tokens in total, as transformers counts."
-)
-@click.option(
-    "--min-length", type=click.IntRange(min=0), help="Fewest tokens in total, as transformers counts."
-)
-@click.option("--length-penalty", type=float, help="Beam scores are divided by length**penalty.")
-@click.option("--early-stopping", type=click.Choice(list(EARLY_STOPPING)), help="Beam search stop rule.")
-@click.option(
-    "--no-repeat-ngram-size", type=click.IntRange(min=0), help="Never repeat an n-gram of this size."
-)
-@click.option(
-    "--repetition-penalty", type=click.FloatRange(min=0, min_open=True), help="Penalise repeated tokens."
-)
+@generation_options(exclude=_BENCH_EXCLUDES, brief=True)
 def bench(input: str, model: str, **opts) -> None:
     """Speed and agreement of seqgen against transformers generate() and CTranslate2.
 
@@ -399,9 +448,7 @@ def bench(input: str, model: str, **opts) -> None:
     """
     from seqgen_cli.bench import BenchSettings, run_bench
 
-    early = opts.pop("early_stopping")
-    generation = {k: opts.pop(k) for k in list(opts) if k in _GENERATION_FLAGS and k != "num_beams"}
-    generation["early_stopping"] = EARLY_STOPPING[early] if early else None
+    generation = _pop_generation(opts, exclude=_BENCH_EXCLUDES)
     settings = BenchSettings(model=model, input=input, generation=generation, **opts)
     command = "seqgen bench " + " ".join(_quote(a) for a in sys.argv[2:] if sys.argv[1:2] == ["bench"])
     report = run_bench(settings, command=command if sys.argv[1:2] == ["bench"] else "")

@@ -14,7 +14,8 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
-from seqgen_cli.cli import main
+from seqgen_cli.cli import GENERATION_OPTIONS, main
+from seqgen_cli.config import GENERATION_KEYS
 from tests.tiny_models import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -292,6 +293,30 @@ def test_every_option_has_help() -> None:
             if isinstance(param, click.Option):
                 assert param.help, f"seqgen {name} {param.opts[0]} has no help text"
         assert seqgen(name, "--help").exit_code == 0
+
+
+def test_every_generation_key_is_a_flag() -> None:
+    """The one table of generation flags covers GENERATION_KEYS, the keys presets and Generator take."""
+    assert list(GENERATION_OPTIONS) == list(GENERATION_KEYS)
+    generate_params = {p.name for p in main.commands["generate"].params}
+    assert set(GENERATION_KEYS) <= generate_params
+    bench_params = {p.name for p in main.commands["bench"].params}
+    assert {"max_new_tokens", "early_stopping", "repetition_penalty"} <= bench_params
+    assert not {"do_sample", "num_return_sequences"} & bench_params
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("given, value", [("true", True), ("false", False), ("never", "never"), (None, None)])
+def test_early_stopping_values(
+    command: str, given: str | None, value: bool | str | None, tmp_path: Path
+) -> None:
+    """--early-stopping true|false|never reaches both commands as transformers takes it."""
+    args = ["-m", "m", *(["--early-stopping", given] if given else [])]
+    if command == "bench":
+        (tmp_path / "in.txt").write_text("x\n")
+        args.append(str(tmp_path / "in.txt"))
+    with main.commands[command].make_context(command, args) as ctx:
+        assert ctx.params["early_stopping"] == value
 
 
 def test_sampling_with_a_seed_repeats(bart: Path) -> None:
