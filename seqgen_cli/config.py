@@ -36,6 +36,7 @@ GENERATION_KEYS = (
     "top_p",
     "repetition_penalty",
 )
+_DEFAULT_CONFIG = GenerationConfig()
 # Pairs that say the same thing in two units: the later layer's choice wins.
 _SAME_LIMIT = {
     "max_new_tokens": "max_length",
@@ -107,20 +108,23 @@ def _read_preset(path: Path) -> Preset:
 
 
 def resolve_generation_config(
-    base: GenerationConfig, preset: Preset | None, flags: dict[str, Any]
+    base: GenerationConfig, preset: Preset | None = None, flags: dict[str, Any] | None = None
 ) -> GenerationConfig:
-    """Checkpoint config, then preset, then explicit flags (``None`` values are "not given").
+    """Checkpoint config, then preset, then explicit settings (``None`` values are "not given").
 
-    Raises ``SeqgenError`` for contradictory flags or settings transformers rejects.
+    The one merge of generation settings: the app, the tests and the scripts all use it. ``flags`` may
+    hold any ``GenerationConfig`` field (the CLI exposes :data:`GENERATION_KEYS`). A layer that gives both
+    units of a limit keeps both, and ``max_new_tokens``/``min_new_tokens`` win, as in ``generate()``.
+    Raises ``SeqgenError`` for unknown settings or settings transformers rejects.
     """
-    flags = check_flags(flags)
+    flags = _given(flags or {})
     config = copy.deepcopy(base)
     given: set[str] = set()
     for layer in (preset.generation if preset else {}, flags):
         for key, value in layer.items():
             other = _SAME_LIMIT.get(key)
-            if other is not None:
-                setattr(config, other, GenerationConfig().__getattribute__(other))
+            if other is not None and other not in layer:
+                setattr(config, other, getattr(_DEFAULT_CONFIG, other))
                 given.discard(other)
             setattr(config, key, value)
             given.add(key)
@@ -130,12 +134,18 @@ def resolve_generation_config(
     return config
 
 
-def check_flags(flags: dict[str, Any]) -> dict[str, Any]:
-    """The flags that were given (not ``None``), after checking they do not contradict each other."""
+def _given(flags: dict[str, Any]) -> dict[str, Any]:
+    """The settings that were given (not ``None``); unknown names are an error."""
     flags = {k: v for k, v in flags.items() if v is not None}
-    unknown = sorted(set(flags) - set(GENERATION_KEYS))
+    unknown = sorted(k for k in flags if k not in GENERATION_KEYS and not hasattr(_DEFAULT_CONFIG, k))
     if unknown:
         raise SeqgenError(f"unknown generation setting(s) {', '.join(unknown)}")
+    return flags
+
+
+def check_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """The flags a user gave (not ``None``), after checking they do not contradict each other."""
+    flags = _given(flags)
     for a, b in (("max_new_tokens", "max_length"), ("min_new_tokens", "min_length")):
         if a in flags and b in flags:
             raise SeqgenError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} contradict; give one")

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from seqgen_cli.search import Batch, ModelBackend, generate, merge_generation_config, settings_for
+from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.search import Batch, ModelBackend, generate, settings_for
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.settings import SearchSettings
@@ -189,7 +190,7 @@ def check_equivalence(
     The model runs in float32 unless ``keep_dtype``.
     """
     model = (model if keep_dtype else model.float()).eval()
-    config = merge_generation_config(model.generation_config, None, **kwargs)
+    config = resolve_generation_config(model.generation_config, None, kwargs)
     backend = backend_factory(model)
     ours = generate(backend, batch, config)
     theirs, their_scores = hf_generate(model, batch, kwargs)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.search import Batch, generate, merge_generation_config, settings_for, unsupported_reason
+from seqgen_cli.search import Batch, generate, settings_for, unsupported_reason
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
 from tests.engine_models import load, text_batch
@@ -16,7 +17,7 @@ from tests.equivalence import rescore
 
 
 def _run(model, batch: Batch, seed: int | None = None, **kwargs):
-    config = merge_generation_config(model.generation_config, None, **kwargs)
+    config = resolve_generation_config(model.generation_config, None, kwargs)
     return generate(get_backend(model, generic=True), batch, config, seed=seed)
 
 
@@ -75,7 +76,7 @@ def test_batch_invariance(tiny_models, family: str, kwargs: dict) -> None:
             s = settings_for(
                 get_backend(model, generic=True),
                 one,
-                merge_generation_config(model.generation_config, None, **kwargs),
+                resolve_generation_config(model.generation_config, None, kwargs),
             )
             a, b = rescore(model, one, 0, other[0], s), rescore(model, one, 0, full.sequences[i][0], s)
             assert abs(a - b) <= 1e-5 * max(abs(a), abs(b)), (i, other, full.sequences[i])
@@ -86,9 +87,9 @@ class CountingDecoder(GenericBackend):
         super().__init__(model)
         self.dropped: list[int] = []
 
-    def drop(self, state, keep):
+    def drop(self, state, keep, rows):
         self.dropped.append(len(keep))
-        super().drop(state, keep)
+        super().drop(state, keep, rows)
 
 
 @pytest.mark.parametrize("family", ["marian", "gpt2"])
@@ -106,7 +107,7 @@ def test_dropping_finished_inputs_changes_nothing(tiny_models, family: str, kwar
     loaded = load(tiny_models(family))
     model = loaded.model
     batch = text_batch(loaded, 16, seed=3)
-    config = merge_generation_config(model.generation_config, None, **kwargs)
+    config = resolve_generation_config(model.generation_config, None, kwargs)
     keeping = CountingDecoder(model)
     ref = generate(keeping, batch, config, seed=0, sync_every=10**9)  # like generate(): nobody leaves
     assert not keeping.dropped
@@ -140,8 +141,8 @@ def test_top_k_never_leaves_the_top_k(tiny_models) -> None:
     k = 3
     kwargs = dict(do_sample=True, top_k=k, num_return_sequences=4, max_new_tokens=12, temperature=1.5)
     out = _run(model, batch, seed=0, **kwargs)
-    config = merge_generation_config(
-        model.generation_config, None, max_new_tokens=12
+    config = resolve_generation_config(
+        model.generation_config, None, dict(max_new_tokens=12)
     )  # processors, no warpers
     s = settings_for(get_backend(model, generic=True), batch, config)
     for i, per_input in enumerate(out.sequences):
@@ -175,7 +176,7 @@ def test_sampling_follows_the_distribution(tiny_models) -> None:
         temperature=temperature,
     )
     decoder = get_backend(model, generic=True)
-    config = merge_generation_config(model.generation_config, None, max_new_tokens=1)
+    config = resolve_generation_config(model.generation_config, None, dict(max_new_tokens=1))
     s = settings_for(decoder, batch, config)
     dec = torch.tensor([[s.decoder_start]])
     logits = model(
@@ -206,7 +207,7 @@ def test_unsupported_settings_raise(tiny_models, kwargs: dict) -> None:
     loaded = load(tiny_models("bart"))
     model = loaded.model
     try:
-        config = merge_generation_config(model.generation_config, None, **kwargs)
+        config = resolve_generation_config(model.generation_config, None, kwargs)
     except SeqgenError:
         return  # transformers' validation already rejects the combination
     assert unsupported_reason(config) is not None
@@ -225,7 +226,7 @@ def test_bfloat16_model(tiny_models, family: str) -> None:
     model = copy.deepcopy(loaded.model).to(torch.bfloat16)
     batch = text_batch(loaded, 8, seed=6)
     for kwargs in (dict(max_new_tokens=12), dict(num_beams=3, max_new_tokens=12, no_repeat_ngram_size=2)):
-        config = merge_generation_config(model.generation_config, None, **kwargs)
+        config = resolve_generation_config(model.generation_config, None, kwargs)
         out = generate(get_backend(model, generic=True), batch, config)
         assert all(0 < len(s[0]) <= 12 for s in out.sequences)
         result = check_equivalence(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.models import get_backend
-from seqgen_cli.search import merge_generation_config, settings_for
+from seqgen_cli.search import settings_for
 from tests.engine_models import load, text_batch
 from tests.equivalence import check_equivalence
 
@@ -35,7 +36,7 @@ def test_resolved_lengths(tiny_models) -> None:
         decoder = get_backend(loaded.model)
         gc = loaded.model.generation_config
         s = settings_for(
-            decoder, batch, merge_generation_config(gc, None, max_new_tokens=7, min_new_tokens=2)
+            decoder, batch, resolve_generation_config(gc, None, dict(max_new_tokens=7, min_new_tokens=2))
         )
         assert (s.prompt_len, s.max_length, s.min_length, s.max_new_tokens) == (
             width,
@@ -43,20 +44,20 @@ def test_resolved_lengths(tiny_models) -> None:
             width + 2,
             7,
         )
-        s = settings_for(decoder, batch, merge_generation_config(gc, None))  # nothing set: 20 new tokens
+        s = settings_for(decoder, batch, resolve_generation_config(gc))  # nothing set: 20 new tokens
         assert s.max_new_tokens == 20
     with pytest.raises(SeqgenError, match="no room"):
         settings_for(
             get_backend(dec.model),
             text_batch(dec, 4),
-            merge_generation_config(dec.model.generation_config, None, max_length=2),
+            resolve_generation_config(dec.model.generation_config, None, dict(max_length=2)),
         )
 
 
 def test_special_tokens_fall_back_like_generate(tiny_models) -> None:
     loaded = load(tiny_models("t5"))
     gc = loaded.model.generation_config
-    config = merge_generation_config(gc, None, eos_token_id=[gc.eos_token_id, 5], pad_token_id=None)
+    config = resolve_generation_config(gc, None, dict(eos_token_id=[gc.eos_token_id, 5], pad_token_id=None))
     config.pad_token_id = None
     s = settings_for(get_backend(loaded.model), text_batch(loaded, 2), config)
     assert s.eos == (gc.eos_token_id, 5)
