@@ -23,6 +23,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.generator import strip_generated
 from seqgen_cli.search import Batch, ModelBackend, generate, settings_for
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
@@ -80,15 +81,6 @@ class EquivalenceResult:
         )
 
 
-def _strip(tokens: list[int], eos: set[int]) -> list[int]:
-    out = []
-    for t in tokens:
-        out.append(t)
-        if t in eos:
-            break
-    return out
-
-
 def hf_generate(model: PreTrainedModel, batch: Batch, kwargs: dict[str, Any]):
     """transformers' output in seqgen's format: (sequences per input, sequence scores per input or None)."""
     out = model.generate(
@@ -100,9 +92,8 @@ def hf_generate(model: PreTrainedModel, batch: Batch, kwargs: dict[str, Any]):
     )
     start = 1 if model.config.is_encoder_decoder else batch.input_ids.shape[1]
     eos = kwargs.get("eos_token_id", model.generation_config.eos_token_id)
-    eos = set(eos) if isinstance(eos, list) else {eos}
     nrs = kwargs.get("num_return_sequences", 1)
-    rows = [_strip(row[start:], eos) for row in out.sequences.tolist()]
+    rows = [strip_generated(row[start:], eos) for row in out.sequences.tolist()]
     seqs = [rows[i * nrs : (i + 1) * nrs] for i in range(batch.input_ids.shape[0])]
     scores = None
     if getattr(out, "sequences_scores", None) is not None:
