@@ -18,8 +18,9 @@ from seqgen_cli.generator import Encoded
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.job import JobOptions, closing_message, generate_job
 from seqgen_cli.pipeline.records import read_records
+from seqgen_cli.pipeline.resume import index_path
 from seqgen_cli.pipeline.run import RunOptions, run
-from seqgen_cli.pipeline.sinks import StreamSink, index_path
+from seqgen_cli.pipeline.sinks import StreamSink
 
 
 class FakeGen:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import threading
@@ -32,32 +31,6 @@ class JobOptions(RunOptions):
     metrics: str | None = None
 
 
-def settings_of(gen: Generator, opts: JobOptions) -> dict:
-    """What decides the output bytes (checked by ``--resume``)."""
-    config = {
-        k: v
-        for k, v in json.loads(gen.config.to_json_string(use_diff=False)).items()
-        if not k.startswith("_") and k != "transformers_version"
-    }
-    return resume.settings_fingerprint(
-        model=_model_id(gen),
-        backend=gen.backend,
-        generation=config,
-        prefix=gen.prefix,
-        max_source_length=gen.max_source_length,
-        input_format=opts.input_format,
-        input_field=opts.input_field,
-        output_format=opts.output_format,
-        output_field=opts.output_field,
-        on_error=opts.on_error,
-    )
-
-
-def _model_id(gen: Generator) -> str:
-    name = str(getattr(gen.model.config, "_name_or_path", ""))
-    return os.path.realpath(name) if name and os.path.isdir(name) else name
-
-
 def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> None:
     """Fail before the (slow) model load on what cannot work: missing files, clashing options."""
     if output != "-":
@@ -84,8 +57,8 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
     if output == "-":
         sink = StreamSink(sys.stdout.buffer)
     else:
-        settings = settings_of(gen, opts)
-        state = resume.load(output, settings) if opts.resume else _check_fresh(output)
+        settings = resume.fingerprint(gen, opts)
+        state = resume.load(output, settings) if opts.resume else resume.check_fresh(output)
         if state is not None:
             start = state.done
             records = resume.skip_done(records, state, digest)
@@ -105,16 +78,6 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
     if opts.stats:
         Path(opts.stats).write_text(json.dumps(summary.as_dict(), indent=2) + "\n", encoding="utf-8")
     return summary
-
-
-def _check_fresh(output: str) -> None:
-    index = resume.index_path(output)
-    if index.exists():
-        raise SeqgenError(
-            f"{output} holds an interrupted run ({index.name} exists): add --resume to continue it, "
-            f"or delete {index.name} to start over"
-        )
-    return None
 
 
 def score(output: str, keep: list[str] | None, opts: JobOptions, n: int) -> dict:

@@ -14,11 +14,20 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline.records import Record
-from seqgen_cli.pipeline.sinks import index_path
+
+if TYPE_CHECKING:
+    from seqgen_cli.generator import Generator
+    from seqgen_cli.pipeline.job import JobOptions
+
+INDEX_SUFFIX = ".seqgen-index"
+
+
+def index_path(output: str | os.PathLike[str]) -> Path:
+    return Path(f"{os.fspath(output)}{INDEX_SUFFIX}")
 
 
 class InputDigest:
@@ -47,9 +56,62 @@ class ResumeState:
     sha256: str
 
 
-def settings_fingerprint(**settings: Any) -> dict[str, Any]:
-    """The settings that decide the output bytes, in a JSON-comparable form."""
+def fingerprint(gen: Generator, opts: JobOptions) -> dict[str, Any]:
+    """The settings that decide the output bytes, in a JSON-comparable form (checked by ``--resume``)."""
+    generation = {
+        k: v
+        for k, v in json.loads(gen.config.to_json_string(use_diff=False)).items()
+        if not k.startswith("_") and k != "transformers_version"
+    }
+    name = str(getattr(gen.model.config, "_name_or_path", ""))
+    settings = dict(
+        model=os.path.realpath(name) if name and os.path.isdir(name) else name,
+        backend=gen.backend,
+        generation=generation,
+        prefix=gen.prefix,
+        max_source_length=gen.max_source_length,
+        input_format=opts.input_format,
+        input_field=opts.input_field,
+        output_format=opts.output_format,
+        output_field=opts.output_field,
+        on_error=opts.on_error,
+    )
     return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def check_fresh(output: str) -> None:
+    """A run without ``--resume`` must not overwrite an interrupted one."""
+    index = index_path(output)
+    if index.exists():
+        raise SeqgenError(
+            f"{output} holds an interrupted run ({index.name} exists): add --resume to continue it, "
+            f"or delete {index.name} to start over"
+        )
+
+
+class IndexWriter:
+    """Appends progress entries to ``OUTPUT.seqgen-index``, each flushed and fsynced."""
+
+    def __init__(self, output: str | os.PathLike[str], settings: dict[str, Any], *, fresh: bool) -> None:
+        self.path = index_path(output)
+        self._fh = open(self.path, "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
+        if fresh:
+            self._append({"seqgen_index": 1, "settings": settings})
+            self.append(0, 0, "")
+
+    def append(self, done: int, offset: int, sha256: str) -> None:
+        self._append({"done": done, "offset": offset, "sha256": sha256})
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(entry) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self, complete: bool) -> None:
+        """Close; a complete run's index is removed (nothing is left to resume)."""
+        self._fh.close()
+        if complete:
+            self.path.unlink(missing_ok=True)
 
 
 def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> ResumeState | None:

@@ -1,28 +1,17 @@
 """Where outputs go: a resumable file (complete lines only, plus a side index) or a stream.
 
 ``FileSink`` appends whole lines with one ``os.write`` per flush, so a crash or SIGKILL never leaves a
-torn line, and after each ``fsync`` appends a JSON line to ``OUTPUT.seqgen-index``::
-
-    {"done": 1200, "offset": 83411, "sha256": "..."}   # inputs written, bytes, digest of those inputs
-
-The index's first line holds the run's settings. ``--resume`` truncates the output to the last
-entry's offset and regenerates from input ``done`` on (see :mod:`seqgen_cli.pipeline.resume`).
+torn line, and after each ``fsync`` records the progress in the side index (:mod:`~.resume`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import time
-from pathlib import Path
 from typing import BinaryIO
 
-INDEX_SUFFIX = ".seqgen-index"
-
-
-def index_path(output: str | os.PathLike[str]) -> Path:
-    return Path(f"{os.fspath(output)}{INDEX_SUFFIX}")
+from seqgen_cli.pipeline.resume import IndexWriter
 
 
 class Sink:
@@ -82,7 +71,6 @@ class FileSink(Sink):
         interval: float = 0.5,
     ) -> None:
         self.name = os.fspath(path)
-        self.index = index_path(path)
         self.interval = interval
         flags = os.O_WRONLY | os.O_CREAT
         self.fd = os.open(self.name, flags, 0o666)
@@ -92,12 +80,7 @@ class FileSink(Sink):
         self.offset = offset
         self._buf: list[bytes] = []
         self._last = time.monotonic()
-        if done == 0:
-            self._index = open(self.index, "w", encoding="utf-8")  # noqa: SIM115
-            self._append({"seqgen_index": 1, "settings": header})
-            self._append({"done": 0, "offset": 0, "sha256": ""})
-        else:
-            self._index = open(self.index, "a", encoding="utf-8")  # noqa: SIM115
+        self._index = IndexWriter(path, header, fresh=done == 0)
 
     def write(self, data: bytes, inputs: int = 1) -> None:
         self._buf.append(data)
@@ -114,17 +97,10 @@ class FileSink(Sink):
         os.fsync(self.fd)
         self.offset += len(data)
         self.committed = self.done
-        self._append({"done": self.done, "offset": self.offset, "sha256": digest})
+        self._index.append(self.done, self.offset, digest)
         self._last = time.monotonic()
-
-    def _append(self, entry: dict) -> None:
-        self._index.write(json.dumps(entry) + "\n")
-        self._index.flush()
-        os.fsync(self._index.fileno())
 
     def close(self, complete: bool) -> None:
         """Close; a complete run's index is removed (nothing is left to resume)."""
         os.close(self.fd)
-        self._index.close()
-        if complete:
-            self.index.unlink(missing_ok=True)
+        self._index.close(complete)
