@@ -1,6 +1,10 @@
 """Benchmark the I/O pipeline: pipelined vs a synchronous read-generate-write loop, and the effect of
-length sorting + a token budget on padding and throughput. One model load, variants interleaved per
-repeat, medians reported. See docs/BENCHMARKS.md ("I/O pipeline").
+length sorting + a token budget on padding and throughput.
+
+Measures samples per second, padding and per-stage seconds of whole files-to-file runs: one model load,
+variants interleaved per repeat, medians reported; checks the sync loop and the pipeline write the same
+bytes. See docs/BENCHMARKS.md ("I/O pipeline"). From the repository root, with the package installed
+(``pip install -e .``):
 
     python scripts/bench_pipeline.py -m MODEL INPUT [--limit N] [--repeats 3] [--max-new-tokens 16]
 """
@@ -14,11 +18,13 @@ import time
 from itertools import islice
 from pathlib import Path
 
+from _common import interleaved
+
 from seqgen_cli.batching import plan_batches
 from seqgen_cli.generator import Generator
-from seqgen_cli.pipeline.sinks import FileSink
 from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.run import RunOptions, run
+from seqgen_cli.pipeline.sinks import FileSink
 from seqgen_cli.pipeline.writer import format_output
 
 
@@ -86,13 +92,12 @@ def main() -> None:
         ),
     }
     gen.generate_ids([gen.encode(["warm up"])[0].ids])
-    results: dict[str, list[dict]] = {k: [] for k in variants}
-    outputs: dict[str, bytes] = {}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
-            out = str(tmp / "out.txt")
-            results[name].append(fn(out))
-            outputs[name] = Path(out).read_bytes()
+    out = str(tmp / "out.txt")
+    _, runs = interleaved(
+        {name: lambda fn=fn: (fn(out), Path(out).read_bytes()) for name, fn in variants.items()}, args.repeats
+    )
+    results = {name: [stats for stats, _ in rs] for name, rs in runs.items()}
+    outputs = {name: rs[-1][1] for name, rs in runs.items()}
     lines = sum(1 for _ in open(src, encoding="utf-8"))
     print(
         f"{args.input} ({lines} lines), {args.model}, max_new_tokens={args.max_new_tokens}, "

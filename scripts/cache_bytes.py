@@ -1,21 +1,21 @@
 """KV-cache bytes: seqgen's fast BART backend vs transformers' ``generate()`` (beam search).
 
-Analytic at the bart-large-cnn shape (batch 32 x beam 4, source 1024, 142 new tokens, float32), verified by
-measuring real tensors at the same width with fewer layers and inputs (bytes are linear in both):
-``generate()``'s returned ``past_key_values`` vs the fast backend's preallocated cache after ``start()``.
+Measures bytes, not time. Analytic at the bart-large-cnn shape (batch 32 x beam 4, source 1024, 142 new
+tokens, float32), verified by measuring real tensors at the same width with fewer layers and inputs (bytes
+are linear in both): ``generate()``'s returned ``past_key_values`` vs the fast backend's preallocated cache
+after ``start()``. Needs the bart-large-cnn config in the shared data folder. See docs/BENCHMARKS.md
+("KV-cache memory"). From the repository root, with the package installed (``pip install -e .``):
 
-    PYTHONPATH=. python scripts/cache_bytes.py
+    python scripts/cache_bytes.py
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForSeq2SeqLM
+from _common import random_model
 
-from seqgen_cli.models import FAST_DECODERS
+from seqgen_cli.models import FAST_BACKENDS
 from seqgen_cli.search.protocol import Batch
-
-CNN = "/work/shared/tokenizers/bart-large-cnn"
 
 
 def analytic(
@@ -47,10 +47,7 @@ def cache_tensor_bytes(cache) -> int:
 
 
 def measure(layers: int, batch: int, beams: int, src: int, new: int) -> tuple[int, int]:
-    cfg = AutoConfig.from_pretrained(CNN)
-    cfg.encoder_layers, cfg.decoder_layers = 1, layers
-    torch.manual_seed(0)
-    model = AutoModelForSeq2SeqLM.from_config(cfg).eval()
+    model, _ = random_model("bart-large-cnn", {"encoder_layers": 1, "decoder_layers": layers})
     ids = torch.randint(4, 1000, (batch, src))
     mask = torch.ones_like(ids)
     with torch.inference_mode():
@@ -64,9 +61,9 @@ def measure(layers: int, batch: int, beams: int, src: int, new: int) -> tuple[in
             use_cache=True,
         )
     hf = cache_tensor_bytes(out.past_key_values)
-    dec = FAST_DECODERS["bart"](model)
-    state, _ = dec.start(Batch(ids, mask), rows_per_input=beams, max_new_tokens=new)
-    ours = sum(dec.cache_nbytes(state).values())
+    backend = FAST_BACKENDS["bart"](model)
+    state, _ = backend.start(Batch(ids, mask), rows_per_input=beams, max_new_tokens=new)
+    ours = sum(backend.cache_nbytes(state).values())
     return hf, ours
 
 

@@ -1,54 +1,59 @@
-"""Profile the fast enc-dec path: start() vs bare decoder steps vs engine total, and torch.profiler of 10 steps.
+"""Profile the fast encoder-decoder path: ``start()`` vs bare backend steps vs the engine's total, then a
+torch.profiler table of 10 steps.
 
-PYTHONPATH=. python scripts/profile_encdec.py bart-base 32
+Same models and inputs as ``bench_encdec.py`` (beam 4, sources cut to 400 tokens, 60 new tokens with
+no-repeat 3-grams, 2 threads). See docs/BENCHMARKS.md ("Where the time goes"). From the repository root,
+with the package installed (``pip install -e .``):
+
+    python scripts/profile_encdec.py --shape bart-base --batch 32
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
-from pathlib import Path
 
 import torch
+from _common import ENCDEC_SHAPES, encdec_inputs
 from torch.profiler import profile
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_encdec import build  # noqa: E402
-
-from seqgen_cli.models import FAST_DECODERS  # noqa: E402
-from seqgen_cli.search import Batch, generate, merge_generation_config  # noqa: E402
+from seqgen_cli.models import FAST_BACKENDS
+from seqgen_cli.search import Batch, generate, merge_generation_config
 
 
 def main() -> None:
-    shape, bsz, r = sys.argv[1], int(sys.argv[2]), 4
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="bart-base", choices=list(ENCDEC_SHAPES))
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args()
+    bsz, r, new = args.batch, 4, 60
     torch.set_num_threads(2)
-    model, tok, lines = build(shape)
-    enc = tok(lines[:bsz], padding=True, truncation=True, max_length=400, return_tensors="pt")
-    batch = Batch(enc["input_ids"], enc["attention_mask"])
-    dec = FAST_DECODERS[model.config.model_type](model)
-    kw = dict(num_beams=r, do_sample=False, max_new_tokens=60, min_new_tokens=60, no_repeat_ngram_size=3)
+    model, batch = encdec_inputs(args.shape, bsz)
+    backend = FAST_BACKENDS[model.config.model_type](model)
+    kw = dict(num_beams=r, do_sample=False, max_new_tokens=new, min_new_tokens=new, no_repeat_ngram_size=3)
     cfg = merge_generation_config(model.generation_config, **kw)
+    tokens = torch.full((bsz * r,), 2)  # [N]
+    rows = (torch.arange(bsz * r) // r) * r  # [N]: every row continues its input's beam 0
     with torch.inference_mode():
-        generate(dec, Batch(batch.input_ids[:1], batch.attention_mask[:1]), cfg)  # warm-up
+        generate(backend, Batch(batch.input_ids[:1], batch.attention_mask[:1]), cfg)  # warm-up
         t0 = time.perf_counter()
-        state, _ = dec.start(batch, r, 60)
+        state, _ = backend.start(batch, r, new)
         t1 = time.perf_counter()
-        tokens = torch.full((bsz * r,), 2)
-        rows = (torch.arange(bsz * r) // r) * r
-        for _ in range(60):
-            dec.step(state, tokens)
-            dec.reorder(state, rows)
+        for _ in range(new):
+            backend.step(state, tokens)
+            backend.reorder(state, rows)
         t2 = time.perf_counter()
-        generate(dec, batch, cfg)
+        generate(backend, batch, cfg)
         t3 = time.perf_counter()
         print(
-            f"{shape} {bsz}x{r}: start {t1 - t0:.2f}s, 60 bare steps {t2 - t1:.2f}s, engine total {t3 - t2:.2f}s"
+            f"{args.shape} {bsz}x{r}: start {t1 - t0:.2f}s, {new} bare steps {t2 - t1:.2f}s, "
+            f"engine total {t3 - t2:.2f}s"
         )
-        state, _ = dec.start(batch, r, 60)
+        state, _ = backend.start(batch, r, new)
         with profile() as prof:
             for _ in range(10):
-                dec.step(state, tokens)
-                dec.reorder(state, rows)
+                backend.step(state, tokens)
+                backend.reorder(state, rows)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
 
 

@@ -3,7 +3,8 @@
 A random BART-shaped model (6+6 layers, d_model 512, vocab 50265), batch 8 x beam 4, CNN/DM-like
 settings (no_repeat_ngram_size 3, length_penalty 2.0). Times model forward calls (encoder, decoder steps),
 cache reordering and everything else (search + logits processors) per step, for both. Also checks the
-two produce the same tokens.
+two produce the same tokens. Needs no shared data (synthetic inputs). See docs/BENCHMARKS.md ("Decoding
+engine profile"). From the repository root, with the package installed (``pip install -e .``):
 
     python scripts/profile_engine.py [--batch 8] [--beams 4] [--steps 40] [--threads 1] [--device cpu]
 """
@@ -11,18 +12,15 @@ two produce the same tokens.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
+from _common import bart_shape
 from transformers import AutoModelForSeq2SeqLM, BartConfig, EncoderDecoderCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from seqgen_cli.models.generic import GenericBackend  # noqa: E402
-from seqgen_cli.search import Batch, generate, merge_generation_config  # noqa: E402
+from seqgen_cli.models.generic import GenericBackend
+from seqgen_cli.search import Batch, generate, merge_generation_config
 
 
 class Timer:
@@ -51,16 +49,7 @@ class Timer:
 def build_model(device: torch.device) -> AutoModelForSeq2SeqLM:
     torch.manual_seed(0)
     config = BartConfig(
-        vocab_size=50265,
-        d_model=512,
-        encoder_layers=6,
-        decoder_layers=6,
-        encoder_attention_heads=8,
-        decoder_attention_heads=8,
-        encoder_ffn_dim=2048,
-        decoder_ffn_dim=2048,
-        max_position_embeddings=1024,
-        forced_eos_token_id=2,
+        vocab_size=50265, max_position_embeddings=1024, forced_eos_token_id=2, **bart_shape(512, 6, 8, 2048)
     )
     return AutoModelForSeq2SeqLM.from_config(config).to(device).eval()
 
@@ -105,14 +94,14 @@ def main() -> None:
 
     # seqgen: time the backend's calls; the rest of generate() is search + processors.
     ours = Timer(device)
-    decoder = GenericBackend(model)
-    decoder.start = ours.wrap("encoder", decoder.start)
-    decoder.step = ours.wrap("decoder step", decoder.step)
-    decoder.reorder = ours.wrap("cache reorder", decoder.reorder)
-    decoder.drop = ours.wrap("drop finished", decoder.drop)
+    backend = GenericBackend(model)
+    backend.start = ours.wrap("encoder", backend.start)
+    backend.step = ours.wrap("decoder step", backend.step)
+    backend.reorder = ours.wrap("cache reorder", backend.reorder)
+    backend.drop = ours.wrap("drop finished", backend.drop)
     ours.sync()
     t = time.perf_counter()
-    out = generate(decoder, batch, config)
+    out = generate(backend, batch, config)
     ours.sync()
     ours_total = time.perf_counter() - t
     ours_steps = ours.calls["decoder step"]
