@@ -95,7 +95,7 @@ def timing_args(
 def interleaved(
     arms: dict[str, Callable[[], Any]], reps: int
 ) -> tuple[dict[str, list[float]], dict[str, list]]:
-    """Run every arm once per repetition, in turn (so machine noise hits all alike): seconds and results per run."""
+    """Run each arm once per repetition, in turn (noise hits all alike): seconds and results per run."""
     times: dict[str, list[float]] = {name: [] for name in arms}
     results: dict[str, list] = {name: [] for name in arms}
     for _ in range(reps):

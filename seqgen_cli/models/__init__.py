@@ -42,7 +42,7 @@ def fast_backend(model: PreTrainedModel) -> ModelBackend | None:
 
 
 def get_backend(model: PreTrainedModel, *, generic: bool = False) -> ModelBackend:
-    """The fast backend for ``model``'s family where there is one, else (or with ``generic=True``) the generic."""
+    """The fast backend for ``model`` if its family has one, else (or if ``generic``) the generic one."""
     backend = None if generic else fast_backend(model)
     return backend if backend is not None else GenericBackend(model)
 

@@ -3,8 +3,8 @@
 The prompt is prefilled once per *input* through the model's own base forward (left-padded, positions as
 ``generate()`` builds them); its keys and values go into a
 :class:`~seqgen_cli.models.kv_cache.DecoderOnlyKVCache` shared by the input's ``R`` rows. Subclasses
-implement ``step``: ``state.cache.begin(state.t)``, the layers (attention through ``state.cache.attend``), then
-``state.advance()``.
+implement ``step``: ``state.cache.begin(state.t)``, the layers (attention through
+``state.cache.attend``), then ``state.advance()``.
 """
 
 from __future__ import annotations

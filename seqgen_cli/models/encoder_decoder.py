@@ -1,8 +1,8 @@
-"""What the fast encoder-decoder backends (BART family, T5) share: encoder, cross-attention K/V, reorder, drop.
+"""What the fast encoder-decoder backends (BART family, T5) share: encoder, cross-attention, reorder, drop.
 
 The model's own encoder runs once per input. Cross-attention keys/values are projected once per *input*
-(``[B, H, S, d]``), never per beam: a step's ``N = B * R`` queries are viewed as ``[B, H, R, d]``, so the ``R``
-beams of an input act as query positions against that input's keys (FastSeq's trick). They are never
+(``[B, H, S, d]``), never per beam: a step's ``N = B * R`` queries are viewed as ``[B, H, R, d]``, so the
+``R`` beams of an input act as query positions against that input's keys (FastSeq's trick). They are never
 reordered (beams stay within their input) and only shrink when inputs finish. Self-attention goes through
 :class:`~seqgen_cli.models.kv_cache.EncoderDecoderKVCache`.
 
@@ -54,7 +54,7 @@ def self_attention(
 
 
 class EncoderDecoderBackend:
-    """Protocol glue shared by the BART-family and T5 backends; subclasses provide ``step`` (the decoder math)."""
+    """Protocol glue shared by the BART-family and T5 backends; subclasses implement ``step``."""
 
     is_encoder_decoder = True
 

@@ -28,7 +28,8 @@ class BackPointers:
         self.reordered = False  # host flag: before any reorder, every row's history is all its own
 
     def begin(self, t: int) -> Tensor | None:
-        """Step ``t`` writes slot ``t`` of every row; which slots each row sees: bool [B, Rq, t+1, R] (None if R = 1).
+        """Step ``t`` writes slot ``t`` of every row. Returns which slots each query row sees: bool
+        [B, Rq, t+1, R] (slot ``s`` of beam ``r``), or None if R = 1 (a row sees all its slots).
 
         Raises ``ValueError`` past the ``T`` slots allocated by the backend's ``start()``.
         """
@@ -54,7 +55,7 @@ class BackPointers:
 
 
 class EncoderDecoderKVCache:
-    """Decoder self-attention of the encoder-decoder backends: one SDPA per layer, back-pointers as its mask."""
+    """Self-attention of the encoder-decoder backends' decoders: one SDPA per layer, back-pointers as mask."""
 
     def __init__(
         self,
@@ -90,7 +91,7 @@ class EncoderDecoderKVCache:
             self.mask = visible
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Store this step's ``k``/``v`` ([N, H, d]); attend ``q`` [N, H, d] over the row's history -> [N, H*d]."""
+        """Store this step's ``k``/``v`` ([N, H, d]); attend ``q`` [N, H, d] over each history -> [N, H*d]."""
         t = self.t
         _, b, h, _, r, d = self.k.shape
         kl, vl = self.k[layer], self.v[layer]  # [B, H, T, R, d]
@@ -130,7 +131,7 @@ class DecoderOnlyKVCache:
     def __init__(
         self, pk: list[Tensor], pv: list[Tensor], mask: Tensor, rows_per_input: int, max_len: int
     ) -> None:
-        """Take the prefill's prompt K/V ([B, Hkv, P, d] per layer) and its mask [B, P]; allocate ``max_len`` slots."""
+        """Take the prefill's K/V ([B, Hkv, P, d] per layer) and mask [B, P]; allocate ``max_len`` slots."""
         b, hkv, _, d = pk[0].shape
         r, max_len = rows_per_input, max(max_len, 1)
         dev, dt = pk[0].device, pk[0].dtype
@@ -162,7 +163,7 @@ class DecoderOnlyKVCache:
         self.gen_bias = bias.view(b, 1, r, 1, (t + 1) * r)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Store this step's ``k``/``v`` ([N, Hkv, d], after RoPE if any); attend ``q`` [N, H, d] -> [N, H*d]."""
+        """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE); attend ``q`` [N, H, d] -> [N, H*d]."""
         n, h, d = q.shape
         b, r, t = self.prompt_bias.shape[0], self.r, self.t
         hkv = k.shape[1]
@@ -190,7 +191,7 @@ class DecoderOnlyKVCache:
         self.ptrs.reorder(rows)
 
     def keep(self, inputs: Tensor, rows: Tensor) -> None:
-        """Keep inputs ``inputs`` ([B']), i.e. rows ``rows`` ([B' * R]); copies only the used generated slots."""
+        """Keep inputs ``inputs`` ([B']), i.e. rows ``rows`` ([B' * R]); copies only the used slots."""
         used = self.used
         for i in range(len(self.pk)):
             self.pk[i] = self.pk[i].index_select(0, inputs)

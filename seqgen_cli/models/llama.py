@@ -29,7 +29,7 @@ def linear(x: Tensor, m: torch.nn.Linear) -> Tensor:
 
 
 class LlamaBackend(DecoderOnlyBackend):
-    """``ModelBackend`` for ``Llama/Mistral/Qwen2ForCausalLM``; references the model's modules, no weight copies."""
+    """``ModelBackend`` for ``Llama/Mistral/Qwen2ForCausalLM``: the model's own modules, no weight copies."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.config
