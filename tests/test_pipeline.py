@@ -289,3 +289,54 @@ def test_resume_state_ignores_a_torn_index_line(tmp_path: Path) -> None:
     index_path(out).write_text("".join(json.dumps(e) + "\n" for e in lines) + '{"done": 3, "off')
     state = resume.load(out, settings)
     assert (state.done, state.offset) == (2, 4)
+
+
+def _killed_run(src: Path, out: Path, kill_at_batch: int) -> list[int]:
+    """Run a job in a forked child that SIGKILLs itself when batch ``kill_at_batch`` starts.
+
+    Returns the sizes of the batches it generated before (the child reports them through a pipe).
+    """
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        sizes: list[int] = []
+
+        def kill(batch):
+            if len(sizes) == kill_at_batch:
+                writer.send(sizes)
+                time.sleep(0.5)  # the writer thread takes the batches already handed to it
+                os.kill(os.getpid(), signal.SIGKILL)
+            sizes.append(len(batch))
+
+        _job(FakeGen(fail=kill), src, out, batch_size=4, sort_window=1000)
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    sizes = reader.recv()
+    proc.join(30)
+    assert proc.exitcode == -signal.SIGKILL
+    return sizes
+
+
+def test_sigkill_loses_no_generated_output(tmp_path: Path) -> None:
+    # One sort window over the whole input: batches run shortest first, so almost every finished output
+    # waits for an earlier (longer) input. The journal keeps them; --resume generates only the rest.
+    texts = [f"{i:03d}" + "x" * ((i * 37) % 50) for i in range(120)]
+    src = write_lines(tmp_path / "in.txt", texts)
+    out = tmp_path / "out.txt"
+    sizes = _killed_run(src, out, kill_at_batch=10)
+    generated = sum(sizes)
+    assert generated == 40
+    gen = FakeGen()
+    summary = _job(gen, src, out, resume=True, batch_size=4, sort_window=1000)
+    regenerated = sum(len(b) for b in gen.batches)
+    assert regenerated == len(texts) - generated  # nothing that was generated is generated again
+    assert summary.resumed_from + summary.inputs == len(texts)
+    assert out.read_text(encoding="utf-8") == expected(texts)
+    assert not resume.journal_path(out).exists() and not index_path(out).exists()

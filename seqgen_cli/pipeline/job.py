@@ -53,6 +53,7 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
     records = read_records(paths, opts.input_format, opts.input_field, opts.on_error)
     digest = resume.InputDigest()
     start = 0
+    journaled: dict[int, str] = {}
     sink: Sink
     if output == "-":
         sink = StreamSink(sys.stdout.buffer)
@@ -62,6 +63,7 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
         if state is not None:
             start = state.done
             records = resume.skip_done(records, state, digest)
+            journaled = resume.load_journal(output, state.done)
             sink = FileSink(output, settings, done=state.done, offset=state.offset)
         else:
             sink = FileSink(output, settings)
@@ -71,7 +73,7 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
     with _sigterm_as_interrupt():
         summary = run(
             gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep,
-            streaming=streaming,
+            streaming=streaming, journaled=journaled,
         )  # fmt: skip
     if opts.reference and summary.error is None and not summary.interrupted:
         summary.metrics = score(output, keep, opts, gen.num_return_sequences)

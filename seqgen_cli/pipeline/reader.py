@@ -41,8 +41,10 @@ class ReaderStage:
         chunk_size: int = 256,
         max_chunks: int = 8,
         streaming: bool = False,
+        skip: set[int] | None = None,
     ) -> None:
         self._records = records
+        self._skip = skip or set()  # inputs not to tokenise (their outputs are known: a resume's journal)
         self._encode = encode
         self._chunk_size = chunk_size
         self._streaming = streaming  # hand on every record at once (a pipe: lines arrive slowly)
@@ -132,7 +134,11 @@ class ReaderStage:
     def _tokenise(self, records: list[Record]) -> list[Item]:
         t0 = time.perf_counter()
         items = [Item(r.index, None, r.where, record=r) for r in records]
-        todo = [it for it in items if it.record.error is None and it.record.text.strip()]
+        todo = [
+            it
+            for it in items
+            if it.record.error is None and it.record.text.strip() and it.index not in self._skip
+        ]
         if todo:
             for it, enc in zip(todo, self._encode([it.record.text for it in todo]), strict=True):
                 it.ids, it.truncated = enc.ids, enc.truncated

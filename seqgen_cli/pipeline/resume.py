@@ -24,10 +24,15 @@ if TYPE_CHECKING:
     from seqgen_cli.pipeline.job import JobOptions
 
 INDEX_SUFFIX = ".seqgen-index"
+JOURNAL_SUFFIX = ".seqgen-journal"
 
 
 def index_path(output: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(output)}{INDEX_SUFFIX}")
+
+
+def journal_path(output: str | os.PathLike[str]) -> Path:
+    return Path(f"{os.fspath(output)}{JOURNAL_SUFFIX}")
 
 
 class InputDigest:
@@ -87,6 +92,44 @@ def check_fresh(output: str) -> None:
             f"{output} holds an interrupted run ({index.name} exists): add --resume to continue it, "
             f"or delete {index.name} to start over"
         )
+
+
+class Journal:
+    """Finished outputs that wait for an earlier input, keyed by input index; appended and fsynced."""
+
+    def __init__(self, output: str | os.PathLike[str], *, fresh: bool) -> None:
+        self.path = journal_path(output)
+        self._fh = open(self.path, "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
+
+    def add(self, entries: list[tuple[int, str]]) -> None:
+        if not entries:
+            return
+        self._fh.write("".join(json.dumps({"i": i, "out": out}) + "\n" for i, out in entries))
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self, complete: bool) -> None:
+        self._fh.close()
+        if complete:
+            self.path.unlink(missing_ok=True)
+
+
+def load_journal(output: str | os.PathLike[str], done: int) -> dict[int, str]:
+    """The journaled outputs of inputs ``done`` and later (a torn last line is ignored)."""
+    path = journal_path(output)
+    found: dict[int, str] = {}
+    if not path.exists():
+        return found
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                entry = json.loads(line)
+                index, out = int(entry["i"]), str(entry["out"])
+            except (ValueError, KeyError, TypeError):
+                break
+            if index >= done:
+                found[index] = out
+    return found
 
 
 class IndexWriter:

@@ -46,12 +46,14 @@ def run(
     progress: Progress | None = None,
     keep: list[str] | None = None,
     streaming: bool = False,
+    journaled: dict[int, str] | None = None,
 ) -> Summary:
     """Generate for every record and write the outputs to ``sink`` in input order.
 
     Returns the summary; ``summary.interrupted`` after Ctrl-C, ``summary.error`` when an input failed
     with ``on_error="fail"`` (everything before it is written either way). ``streaming``: the input is a
-    pipe, so lines are handed on as they arrive.
+    pipe, so lines are handed on as they arrive. ``journaled``: outputs a resumed run found in the journal
+    (by input index): written, not generated again.
     """
     t_start = time.perf_counter()
     summary = Summary(
@@ -68,10 +70,11 @@ def run(
         elif warned == MAX_WARNINGS + 1:
             progress.write("seqgen: warning: further warnings not shown (see the counts at the end)")
 
-    reader = ReaderStage(iter(records), gen.encode, streaming=streaming).start()
+    journaled = journaled or {}
+    reader = ReaderStage(iter(records), gen.encode, streaming=streaming, skip=set(journaled)).start()
     writer = OrderedWriter(
         sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
-        num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep,
+        num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, journaled=journaled,
     ).start()  # fmt: skip
 
     def passthrough(items: list[Item]) -> None:

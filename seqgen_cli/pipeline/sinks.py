@@ -1,7 +1,8 @@
 """Where outputs go: a resumable file (complete lines only, plus a side index) or a stream.
 
 ``FileSink`` appends whole lines with one ``os.write`` per flush, so a crash or SIGKILL never leaves a
-torn line, and after each ``fsync`` records the progress in the side index (:mod:`~.resume`).
+torn line, and after each ``fsync`` records the progress in the side index; outputs that wait for an
+earlier input go to the journal (both in :mod:`~.resume`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import stat
 import time
 from typing import BinaryIO
 
-from seqgen_cli.pipeline.resume import IndexWriter
+from seqgen_cli.pipeline.resume import IndexWriter, Journal
 
 
 class Sink:
@@ -25,6 +26,9 @@ class Sink:
 
     def commit(self, digest: str = "", force: bool = False) -> None:
         """Make what was written so far durable (as far as this sink can)."""
+
+    def journal(self, entries: list[tuple[int, str]]) -> None:
+        """Keep outputs that wait for an earlier input, ``(index, text)``, where a resume can find them."""
 
     def close(self, complete: bool) -> None:
         pass
@@ -81,6 +85,7 @@ class FileSink(Sink):
         self._buf: list[bytes] = []
         self._last = time.monotonic()
         self._index = IndexWriter(path, header, fresh=done == 0)
+        self._journal = Journal(path, fresh=done == 0)
 
     def write(self, data: bytes, inputs: int = 1) -> None:
         self._buf.append(data)
@@ -100,7 +105,11 @@ class FileSink(Sink):
         self._index.append(self.done, self.offset, digest)
         self._last = time.monotonic()
 
+    def journal(self, entries: list[tuple[int, str]]) -> None:
+        self._journal.add(entries)
+
     def close(self, complete: bool) -> None:
-        """Close; a complete run's index is removed (nothing is left to resume)."""
+        """Close; a complete run's index and journal are removed (nothing is left to resume)."""
         os.close(self.fd)
+        self._journal.close(complete)
         self._index.close(complete)
