@@ -267,36 +267,14 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     resolve as in transformers: the checkpoint's generation_config.json, then --preset, then flags.
 
     Reading and tokenising run ahead of the model and writing behind it, in background threads.
-    Output to a file is written in whole lines and indexed in FILE.seqgen-index as it goes, so an
-    interrupted run (Ctrl-C, a crash, SIGKILL) continues with --resume. Ctrl-C writes what is done
+    Output to a file is written in whole lines and indexed in FILE.seqgen-index as it goes, and
+    outputs that wait for an earlier input are journaled, so an interrupted run (Ctrl-C, a crash,
+    SIGKILL) continues with --resume and generates only what is missing. Ctrl-C writes what is done
     and exits with status 130.
     """
     from seqgen_cli.generator import Generator
-    from seqgen_cli.pipeline.job import JobOptions, closing_message, generate_job
-    from seqgen_cli.pipeline.records import check_inputs
+    from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, generate_job
 
-    if output != "-":
-        parent = Path(output).resolve().parent
-        if not parent.is_dir():
-            raise SeqgenError(f"output folder {parent} does not exist")
-        if any(i != "-" and Path(i).resolve() == Path(output).resolve() for i in inputs):
-            raise SeqgenError(f"{output} is both an input and the output")
-    elif opts["resume"]:
-        raise SeqgenError("--resume needs -o FILE: output written to stdout cannot be resumed")
-    if opts["metrics"] and not opts["reference"]:
-        raise SeqgenError("--metrics needs --reference FILE")
-    check_inputs(inputs)
-    gen = Generator(
-        model,
-        backend=opts.pop("backend"),
-        device=opts.pop("device"),
-        dtype=opts.pop("dtype"),
-        preset=opts.pop("preset"),
-        prefix=opts.pop("prefix"),
-        max_source_length=opts.pop("max_source_length"),
-        seed=opts.pop("seed"),
-        **_pop_generation(opts),
-    )
     quiet = opts["quiet"]
     job = JobOptions(
         batch_size=opts["batch_size"],
@@ -312,6 +290,18 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         stats=opts["stats_path"],
         reference=opts["reference"],
         metrics=opts["metrics"],
+    )
+    check_job(inputs, output, job)  # before the (slow) model load
+    gen = Generator(
+        model,
+        backend=opts.pop("backend"),
+        device=opts.pop("device"),
+        dtype=opts.pop("dtype"),
+        preset=opts.pop("preset"),
+        prefix=opts.pop("prefix"),
+        max_source_length=opts.pop("max_source_length"),
+        seed=opts.pop("seed"),
+        **_pop_generation(opts),
     )
     summary = generate_job(gen, inputs, output, job)
     if summary.truncated:
