@@ -18,9 +18,10 @@ import random
 import torch
 from _common import interleaved, print_medians, random_model, read_sources, timing_args
 
+from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import fast_backend
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.search import Batch, generate, merge_generation_config
+from seqgen_cli.search import Batch, generate
 
 
 def prompts(tok, n: int, lo: int, hi: int, seed: int = 0) -> Batch:
@@ -54,7 +55,7 @@ def main() -> None:
         min_new_tokens=args.new_tokens,
         early_stopping=True,
     )
-    config = merge_generation_config(model.generation_config, None, **kw)
+    config = resolve_generation_config(model.generation_config, None, kw)
     lens = batch.attention_mask.sum(-1).tolist()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}, prompts {lens}, {kw}")
 

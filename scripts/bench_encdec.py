@@ -17,9 +17,10 @@ import argparse
 import torch
 from _common import ENCDEC_SHAPES, encdec_inputs, interleaved, print_medians, timing_args
 
+from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import FAST_BACKENDS
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.search import Batch, generate, merge_generation_config
+from seqgen_cli.search import Batch, generate
 
 IMPLS = ("generate", "generic", "fast")
 
@@ -33,7 +34,7 @@ def run(impl: str, model, batch: Batch, kwargs: dict) -> list[list[int]]:
         backend = (
             GenericBackend(model) if impl == "generic" else FAST_BACKENDS[model.config.model_type](model)
         )
-        config = merge_generation_config(model.generation_config, **kwargs)
+        config = resolve_generation_config(model.generation_config, None, kwargs)
         return [s[0] for s in generate(backend, batch, config).sequences]
 
 

@@ -17,8 +17,9 @@ import torch
 from _common import ENCDEC_SHAPES, encdec_inputs
 from torch.profiler import profile
 
+from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import FAST_BACKENDS
-from seqgen_cli.search import Batch, generate, merge_generation_config
+from seqgen_cli.search import Batch, generate
 
 
 def main() -> None:
@@ -31,7 +32,7 @@ def main() -> None:
     model, batch = encdec_inputs(args.shape, bsz)
     backend = FAST_BACKENDS[model.config.model_type](model)
     kw = dict(num_beams=r, do_sample=False, max_new_tokens=new, min_new_tokens=new, no_repeat_ngram_size=3)
-    cfg = merge_generation_config(model.generation_config, **kw)
+    cfg = resolve_generation_config(model.generation_config, None, kw)
     tokens = torch.full((bsz * r,), 2)  # [N]
     rows = (torch.arange(bsz * r) // r) * r  # [N]: every row continues its input's beam 0
     with torch.inference_mode():

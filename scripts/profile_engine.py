@@ -19,8 +19,9 @@ import torch
 from _common import bart_shape
 from transformers import AutoModelForSeq2SeqLM, BartConfig, EncoderDecoderCache
 
+from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.search import Batch, generate, merge_generation_config
+from seqgen_cli.search import Batch, generate
 
 
 class Timer:
@@ -85,7 +86,7 @@ def main() -> None:
         max_new_tokens=args.steps,
         early_stopping=True,
     )
-    config = merge_generation_config(model.generation_config, None, **kwargs)
+    config = resolve_generation_config(model.generation_config, None, kwargs)
 
     with torch.inference_mode():  # warm-up (allocator, kernels)
         model.generate(

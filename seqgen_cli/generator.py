@@ -69,7 +69,7 @@ class Generator:
         if seed is not None:
             torch.manual_seed(seed)
         self.backend = self._pick_backend(backend)
-        self._decoder = None  # the engine's model backend, built on first use
+        self._backend = None  # the engine's model backend, built on first use
         self._calls = 0  # batches generated so far (sampling seeds differ per batch)
 
     # -- settings ---------------------------------------------------------------------------------
@@ -185,11 +185,11 @@ class Generator:
         from seqgen_cli.search import generate
         from seqgen_cli.search.protocol import Batch
 
-        if self._decoder is None:
-            self._decoder = get_backend(self.model)
+        if self._backend is None:
+            self._backend = get_backend(self.model)
         seed = None if self.seed is None else self.seed + self._calls  # fresh draws for every batch
         self._calls += 1
-        return generate(self._decoder, Batch(input_ids, mask), self.config, seed=seed).sequences
+        return generate(self._backend, Batch(input_ids, mask), self.config, seed=seed).sequences
 
     def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
         sequences = self.model.generate(

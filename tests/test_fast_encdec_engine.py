@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import FAST_BACKENDS
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.search import Batch, generate, merge_generation_config
+from seqgen_cli.search import Batch, generate
 from tests.tiny_models import sample_texts
 
 
@@ -40,7 +41,7 @@ def test_sampling_fast_equals_generic(loaded, family: str) -> None:
         "max_new_tokens": 10,
         "num_return_sequences": 2,
     }
-    config = merge_generation_config(model.generation_config, **kwargs)
+    config = resolve_generation_config(model.generation_config, None, kwargs)
     fast = generate(FAST_BACKENDS[model.config.model_type](model), batch, config, seed=11)
     slow = generate(GenericBackend(model), batch, config, seed=11)
     assert fast.sequences == slow.sequences

@@ -1,7 +1,7 @@
 """seqgen's decoding engine: greedy, beam search and sampling over any :class:`ModelBackend`.
 
 ``generate(backend, batch, config)`` takes a ``GenerationConfig`` already merged with the model's own
-``generation_config`` (see :func:`merge_generation_config`); fields left ``None`` take transformers' global
+``generation_config`` (:func:`seqgen_cli.config.resolve_generation_config`); fields left ``None`` take transformers' global
 defaults. Special tokens, lengths and the mode are resolved here (:func:`resolve_settings`), because
 lengths depend on the batch's prompt width. Unsupported options raise ``SeqgenError``: fall back to
 ``model.generate()``.
@@ -18,7 +18,7 @@ from seqgen_cli.search.greedy import greedy_search
 from seqgen_cli.search.output import SearchOutput
 from seqgen_cli.search.protocol import Batch, ModelBackend
 from seqgen_cli.search.sampling import sample_search
-from seqgen_cli.search.settings import SearchSettings, merge_generation_config, resolve_mode, resolve_settings
+from seqgen_cli.search.settings import SearchSettings, resolve_mode, resolve_settings
 
 __all__ = [
     "Batch",
@@ -26,7 +26,6 @@ __all__ = [
     "SearchOutput",
     "SearchSettings",
     "generate",
-    "merge_generation_config",
     "resolve_settings",
     "settings_for",
     "unsupported_reason",

@@ -1,21 +1,15 @@
-"""Resolve a ``transformers.GenerationConfig`` into the plain settings the search loops run on.
+"""Resolve a merged ``transformers.GenerationConfig`` into the plain settings the search loops run on.
 
-Two steps, mirroring ``GenerationMixin.generate()``:
-
-1. :func:`merge_generation_config` -- user config / kwargs over the model's ``generation_config``
-   (``_prepare_generation_config``). Unset fields stay ``None``.
-2. :func:`resolve_settings` -- global defaults for ``None`` fields, special tokens
-   (``_prepare_special_tokens``), ``max_length``/``min_length`` (``_prepare_generated_length``), and the
-   generation mode. Anything seqgen does not implement raises :class:`SeqgenError`, so the caller can fall
-   back to ``model.generate()``.
-
-``seqgen_cli.search.generate`` takes the *merged* config of step 1 and does step 2 itself, because lengths
-depend on the prompt width of the batch.
+The merge (checkpoint config, preset, user settings) is :func:`seqgen_cli.config.resolve_generation_config`.
+:func:`resolve_settings` then does what ``GenerationMixin.generate()`` does next: global defaults for
+``None`` fields, special tokens (``_prepare_special_tokens``), ``max_length``/``min_length``
+(:func:`length_limits`, as ``_prepare_generated_length``) and the generation mode. Anything seqgen does not
+implement raises :class:`SeqgenError`, so the caller can fall back to ``model.generate()``. It runs per
+batch, because lengths depend on the batch's prompt width.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -70,25 +64,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "low_memory": lambda v: bool(v),
     "prefill_chunk_size": lambda v: v is not None,
 }
-
-
-def merge_generation_config(
-    model_generation_config: GenerationConfig | None, config: GenerationConfig | None = None, **kwargs: Any
-) -> GenerationConfig:
-    """kwargs > ``config`` > the model's ``generation_config``, as ``generate()`` merges them.
-
-    Global defaults are *not* filled in: ``resolve_settings`` needs to see whether ``max_length`` was set.
-    """
-    merged = copy.deepcopy(config) if config is not None else GenerationConfig()
-    if model_generation_config is not None:
-        merged.update(**model_generation_config.to_dict(), defaults_only=True)
-    try:
-        unused = merged.update(**kwargs)
-    except ValueError as err:  # transformers' own validation of the combination
-        raise SeqgenError(str(err).splitlines()[0]) from err
-    if unused:
-        raise SeqgenError(f"unknown generation option(s): {', '.join(sorted(unused))}")
-    return merged
 
 
 @dataclass(frozen=True)
@@ -194,7 +169,7 @@ def resolve_settings(
     prompt_len: int,
     max_position_embeddings: int | None = None,
 ) -> SearchSettings:
-    """Resolve a merged config (see :func:`merge_generation_config`) for a batch whose decoder prompt is
+    """Resolve a merged config (:func:`seqgen_cli.config.resolve_generation_config`) for a batch whose decoder prompt is
     ``prompt_len`` positions wide (1 for encoder-decoder models: the decoder start token)."""
     mode = resolve_mode(config)
 
