@@ -94,67 +94,65 @@ def check_fresh(output: str) -> None:
         )
 
 
-class Journal:
-    """Finished outputs that wait for an earlier input, keyed by input index; appended and fsynced."""
+class JsonLog:
+    """An append-only file of JSON lines, each batch of lines flushed and fsynced; removed when complete."""
 
-    def __init__(self, output: str | os.PathLike[str], *, fresh: bool) -> None:
-        self.path = journal_path(output)
-        self._fh = open(self.path, "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
+    def __init__(self, path: Path, *, fresh: bool) -> None:
+        self.path = path
+        self._fh = open(path, "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
 
-    def add(self, entries: list[tuple[int, str]]) -> None:
-        if not entries:
-            return
-        self._fh.write("".join(json.dumps({"i": i, "out": out}) + "\n" for i, out in entries))
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+    def append(self, entries: list[dict[str, Any]]) -> None:
+        if entries:
+            self._fh.write("".join(json.dumps(e) + "\n" for e in entries))
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
 
     def close(self, complete: bool) -> None:
+        """Close; a complete run's file is removed (nothing is left to resume)."""
         self._fh.close()
         if complete:
             self.path.unlink(missing_ok=True)
 
 
-def load_journal(output: str | os.PathLike[str], done: int) -> dict[int, str]:
-    """The journaled outputs of inputs ``done`` and later (a torn last line is ignored)."""
-    path = journal_path(output)
-    found: dict[int, str] = {}
-    if not path.exists():
-        return found
+def read_json_lines(path: Path) -> Iterator[Any]:
+    """The entries of a :class:`JsonLog`, up to a torn last line (a kill mid-write)."""
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             try:
-                entry = json.loads(line)
-                index, out = int(entry["i"]), str(entry["out"])
-            except (ValueError, KeyError, TypeError):
-                break
-            if index >= done:
-                found[index] = out
-    return found
+                yield json.loads(line)
+            except ValueError:
+                return
 
 
-class IndexWriter:
-    """Appends progress entries to ``OUTPUT.seqgen-index``, each flushed and fsynced."""
+class Journal(JsonLog):
+    """Finished outputs that wait for an earlier input: ``{"i": index, "out": text}``."""
+
+    def __init__(self, output: str | os.PathLike[str], *, fresh: bool) -> None:
+        super().__init__(journal_path(output), fresh=fresh)
+
+    def add(self, entries: list[tuple[int, str]]) -> None:
+        self.append([{"i": i, "out": out} for i, out in entries])
+
+
+def load_journal(output: str | os.PathLike[str], done: int) -> dict[int, str]:
+    """The journaled outputs of inputs ``done`` and later."""
+    path = journal_path(output)
+    if not path.exists():
+        return {}
+    entries = (e for e in read_json_lines(path) if isinstance(e, dict) and e.get("i", -1) >= done)
+    return {int(e["i"]): str(e["out"]) for e in entries}
+
+
+class IndexWriter(JsonLog):
+    """Progress entries ``{"done", "offset", "sha256"}`` after the settings header."""
 
     def __init__(self, output: str | os.PathLike[str], settings: dict[str, Any], *, fresh: bool) -> None:
-        self.path = index_path(output)
-        self._fh = open(self.path, "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
+        super().__init__(index_path(output), fresh=fresh)
         if fresh:
-            self._append({"seqgen_index": 1, "settings": settings})
-            self.append(0, 0, "")
+            self.append([{"seqgen_index": 1, "settings": settings}, {"done": 0, "offset": 0, "sha256": ""}])
 
-    def append(self, done: int, offset: int, sha256: str) -> None:
-        self._append({"done": done, "offset": offset, "sha256": sha256})
-
-    def _append(self, entry: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(entry) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-
-    def close(self, complete: bool) -> None:
-        """Close; a complete run's index is removed (nothing is left to resume)."""
-        self._fh.close()
-        if complete:
-            self.path.unlink(missing_ok=True)
+    def add(self, done: int, offset: int, sha256: str) -> None:
+        self.append([{"done": done, "offset": offset, "sha256": sha256}])
 
 
 def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> ResumeState | None:
@@ -187,16 +185,11 @@ def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> ResumeStat
 def _read_index(index: Path) -> tuple[dict[str, Any], ResumeState]:
     header: dict[str, Any] | None = None
     last = ResumeState(0, 0, "")
-    with open(index, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                break  # a torn last line: the entry before it holds
-            if header is None:
-                header = entry
-            elif isinstance(entry, dict) and "done" in entry:
-                last = ResumeState(int(entry["done"]), int(entry["offset"]), str(entry["sha256"]))
+    for entry in read_json_lines(index):
+        if header is None:
+            header = entry
+        elif isinstance(entry, dict) and "done" in entry:
+            last = ResumeState(int(entry["done"]), int(entry["offset"]), str(entry["sha256"]))
     if not isinstance(header, dict) or header.get("seqgen_index") != 1:
         raise SeqgenError(f"--resume: {index} is not a seqgen index; delete it to start over")
     return header, last

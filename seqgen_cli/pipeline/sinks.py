@@ -102,7 +102,7 @@ class FileSink(Sink):
         os.fsync(self.fd)
         self.offset += len(data)
         self.committed = self.done
-        self._index.append(self.done, self.offset, digest)
+        self._index.add(self.done, self.offset, digest)
         self._last = time.monotonic()
 
     def journal(self, entries: list[tuple[int, str]]) -> None:
