@@ -438,6 +438,44 @@ _GPT2_SIZES: dict[str, Any] = dict(
 )
 
 
+# BART-like families: config class, the roles of (bos, eos, pad, decoder start, forced BOS) token ids, and
+# the architecture switches (every one also forces EOS at max length).
+_ROLE_NAMES = (
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "decoder_start_token_id",
+    "forced_bos_token_id",
+)
+_BART_LIKE: dict[str, tuple[str, tuple[str | None, ...], dict[str, Any]]] = {
+    "bart": (
+        "BartConfig",
+        ("bos", "eos", "pad", "eos", "bos"),
+        dict(scale_embedding=False, normalize_before=False, activation_function="gelu"),
+    ),
+    "mbart": (
+        "MBartConfig",
+        ("bos", "eos", "pad", "eos", "lang"),
+        dict(scale_embedding=True, activation_function="relu"),
+    ),
+    "marian": (
+        "MarianConfig",
+        ("eos", "eos", "pad", "pad", None),
+        dict(
+            scale_embedding=True,
+            static_position_embeddings=True,
+            activation_function="swish",
+            share_encoder_decoder_embeddings=True,
+        ),
+    ),  # fmt: skip
+    "pegasus": (
+        "PegasusConfig",
+        ("pad", "eos", "pad", "pad", None),
+        dict(scale_embedding=True, activation_function="relu"),
+    ),
+}
+
+
 def _ids(tok: Any) -> dict[str, int | None]:
     return {
         "bos": tok.bos_token_id,
@@ -449,93 +487,23 @@ def _ids(tok: Any) -> dict[str, int | None]:
 
 def _config_and_generation(family: str, tok: Any) -> tuple[Any, dict[str, Any]]:
     """The model config and generation-config token ids (nothing but token ids) for a tiny family."""
-    from transformers import (
-        BartConfig,
-        GPT2Config,
-        LlamaConfig,
-        MarianConfig,
-        MBartConfig,
-        PegasusConfig,
-        T5Config,
-    )
+    import transformers
+    from transformers import GPT2Config, LlamaConfig, T5Config
 
     i = _ids(tok)
     vocab = len(tok)
     gen: dict[str, Any]
-    if family == "bart":
-        ids = dict(
-            bos_token_id=i["bos"],
-            eos_token_id=i["eos"],
-            pad_token_id=i["pad"],
-            decoder_start_token_id=i["eos"],
-            forced_bos_token_id=i["bos"],
-            forced_eos_token_id=i["eos"],
-        )
-        cfg = BartConfig(
-            vocab_size=vocab,
-            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
-            scale_embedding=False,
-            normalize_before=False,
-            activation_function="gelu",
-            **_BART_LIKE_SIZES,
-            **ids,
-        )
-        gen = ids
-    elif family == "mbart":
-        ids = dict(
-            bos_token_id=i["bos"],
-            eos_token_id=i["eos"],
-            pad_token_id=i["pad"],
-            decoder_start_token_id=i["eos"],
-            forced_bos_token_id=tok.convert_tokens_to_ids(MBART_TGT_LANG),
-            forced_eos_token_id=i["eos"],
-        )
-        cfg = MBartConfig(
-            vocab_size=vocab,
-            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
-            scale_embedding=True,
-            activation_function="relu",
-            **_BART_LIKE_SIZES,
-            **ids,
-        )
-        gen = ids
-    elif family == "marian":
-        ids = dict(
-            bos_token_id=i["eos"],
-            eos_token_id=i["eos"],
-            pad_token_id=i["pad"],
-            decoder_start_token_id=i["pad"],
-            forced_eos_token_id=i["eos"],
-        )
-        cfg = MarianConfig(
-            vocab_size=vocab,
-            decoder_vocab_size=vocab,
-            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
-            scale_embedding=True,
-            static_position_embeddings=True,
-            activation_function="swish",
-            share_encoder_decoder_embeddings=True,
-            **_BART_LIKE_SIZES,
-            **ids,
-        )
-        gen = dict(ids, bad_words_ids=[[i["pad"]]])
-    elif family == "pegasus":
-        ids = dict(
-            bos_token_id=i["pad"],
-            eos_token_id=i["eos"],
-            pad_token_id=i["pad"],
-            decoder_start_token_id=i["pad"],
-            forced_eos_token_id=i["eos"],
-        )
-        cfg = PegasusConfig(
-            vocab_size=vocab,
-            max_position_embeddings=SEQ2SEQ_MAX_POSITIONS,
-            scale_embedding=True,
-            activation_function="relu",
-            **_BART_LIKE_SIZES,
-            **ids,
-        )
-        gen = ids
+    if family in _BART_LIKE:
+        cls, roles, arch = _BART_LIKE[family]
+        i["lang"] = tok.convert_tokens_to_ids(MBART_TGT_LANG) if family == "mbart" else None
+        ids = {name: i[role] for name, role in zip(_ROLE_NAMES, roles, strict=True) if role is not None}
+        ids["forced_eos_token_id"] = i["eos"]
+        extra = dict(decoder_vocab_size=vocab) if family == "marian" else {}
+        cfg = getattr(transformers, cls)(
+            vocab_size=vocab, max_position_embeddings=SEQ2SEQ_MAX_POSITIONS, **extra, **arch,
+            **_BART_LIKE_SIZES, **ids,
+        )  # fmt: skip
+        gen = dict(ids, bad_words_ids=[[i["pad"]]]) if family == "marian" else ids
     elif family in ("t5", "flan-t5"):
         ids = dict(eos_token_id=i["eos"], pad_token_id=i["pad"], decoder_start_token_id=i["pad"])
         v11 = family == "flan-t5"
