@@ -25,15 +25,14 @@ def _early_stopping(ctx: click.Context, param: click.Parameter, value: str | Non
 
 
 class _Flag(NamedTuple):
-    """One generation flag: ``click.option`` declarations and keywords; ``brief``: shorter help for bench."""
+    """One generation flag: ``click.option`` declarations and keywords."""
 
     decls: tuple[str, ...]
     kwargs: dict[str, Any]
-    brief: str | None = None
 
 
-def _flag(*decls: str, brief: str | None = None, **kwargs: Any) -> _Flag:
-    return _Flag(decls, kwargs, brief)
+def _flag(*decls: str, **kwargs: Any) -> _Flag:
+    return _Flag(decls, kwargs)
 
 
 # The generation flags, keyed by transformers' names: the keys of seqgen_cli.config.GENERATION_KEYS (not
@@ -45,44 +44,37 @@ GENERATION_OPTIONS: dict[str, _Flag] = {
         "--max-new-tokens",
         type=click.IntRange(min=1),
         help="Most tokens to generate (excludes the prompt).",
-        brief="Most new tokens per output.",
     ),
     "min_new_tokens": _flag(
         "--min-new-tokens",
         type=click.IntRange(min=0),
         help="Fewest tokens to generate before EOS is allowed.",
-        brief="Fewest new tokens before EOS.",
     ),
     "max_length": _flag(
         "--max-length",
         type=click.IntRange(min=1),
         help="Most tokens in total, as transformers counts them (decoder start token / prompt included).",
-        brief="Most tokens in total, as transformers counts.",
     ),
     "min_length": _flag(
         "--min-length",
         type=click.IntRange(min=0),
         help="Fewest tokens in total, as transformers counts them.",
-        brief="Fewest tokens in total, as transformers counts.",
     ),
     "length_penalty": _flag(
         "--length-penalty",
         type=float,
         help="Beam scores are divided by length**penalty (>1 favours longer outputs).",
-        brief="Beam scores are divided by length**penalty.",
     ),
     "early_stopping": _flag(
         "--early-stopping",
         type=click.Choice(list(EARLY_STOPPING)),
         callback=_early_stopping,
         help="Beam search stop rule, as in transformers.",
-        brief="Beam search stop rule.",
     ),
     "no_repeat_ngram_size": _flag(
         "--no-repeat-ngram-size",
         type=click.IntRange(min=0),
         help="Never repeat an n-gram of this size (0 = off).",
-        brief="Never repeat an n-gram of this size.",
     ),
     "num_return_sequences": _flag(
         "--num-return-sequences",
@@ -103,15 +95,14 @@ GENERATION_OPTIONS: dict[str, _Flag] = {
         "--repetition-penalty",
         type=click.FloatRange(min=0, min_open=True),
         help="Penalise tokens already in the output (1.0 = off).",
-        brief="Penalise repeated tokens.",
     ),
 }
 # Not bench flags: --num-beams is bench's own comma-separated list; bench times one searched output per input.
 _BENCH_EXCLUDES = ("num_beams", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p")
 
 
-def generation_options(exclude: Collection[str] = (), brief: bool = False) -> Callable[[F], F]:
-    """Add the generation flags (all but ``exclude``) in table order; ``brief``: the shorter help texts."""
+def generation_options(exclude: Collection[str] = ()) -> Callable[[F], F]:
+    """Add the generation flags (all but ``exclude``) in table order."""
     unknown = set(exclude) - set(GENERATION_OPTIONS)
     if unknown:
         raise ValueError(f"no generation flag {', '.join(sorted(unknown))}")
@@ -119,8 +110,7 @@ def generation_options(exclude: Collection[str] = (), brief: bool = False) -> Ca
     def decorate(f: F) -> F:
         for name, flag in reversed(GENERATION_OPTIONS.items()):
             if name not in exclude:
-                kwargs = {**flag.kwargs, "help": (brief and flag.brief) or flag.kwargs["help"]}
-                f = click.option(*flag.decls, name, **kwargs)(f)
+                f = click.option(*flag.decls, name, **flag.kwargs)(f)
         return f
 
     return decorate
@@ -428,7 +418,7 @@ def _name_list(ctx: click.Context, param: click.Parameter, value: str) -> list[s
 @click.option("--preset", help="Task preset name or .toml file.")
 @click.option("--prefix", help="Text prepended to every input.")
 @click.option("--max-source-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
-@generation_options(exclude=_BENCH_EXCLUDES, brief=True)
+@generation_options(exclude=_BENCH_EXCLUDES)
 def bench(input: str, model: str, **opts) -> None:
     """Speed and agreement of seqgen against transformers generate() and CTranslate2.
 
