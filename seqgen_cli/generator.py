@@ -69,7 +69,7 @@ class Generator:
         if seed is not None:
             torch.manual_seed(seed)
         self.backend = self._pick_backend(backend)
-        self._backend = None  # the engine's model backend, built on first use
+        self._model_backend = None  # the engine's model backend, built on first use
         self._calls = 0  # batches generated so far (sampling seeds differ per batch)
 
     # -- settings ---------------------------------------------------------------------------------
@@ -113,20 +113,17 @@ class Generator:
         return max(0, length_limits(self.config, positions)[1] - positions)
 
     def _pick_backend(self, backend: str) -> str:
+        """``fast`` (seqgen's engine) where it runs the resolved settings, else ``hf`` (``generate()``)."""
+        from seqgen_cli.search import unsupported_reason
+
         if backend == "hf":
             return "hf"
-        reason = self._fast_unsupported()
+        reason = unsupported_reason(self.config)
         if reason is None:
             return "fast"
         if backend == "fast":
             raise SeqgenError(f"--backend fast cannot run these settings: {reason} (use --backend hf)")
         return "hf"
-
-    def _fast_unsupported(self) -> str | None:
-        """Why seqgen's engine cannot run the resolved settings, or ``None`` when it can."""
-        from seqgen_cli.search import unsupported_reason
-
-        return unsupported_reason(self.config)
 
     # -- tokens -----------------------------------------------------------------------------------
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
@@ -185,11 +182,11 @@ class Generator:
         from seqgen_cli.search import generate
         from seqgen_cli.search.protocol import Batch
 
-        if self._backend is None:
-            self._backend = get_backend(self.model)
+        if self._model_backend is None:
+            self._model_backend = get_backend(self.model)
         seed = None if self.seed is None else self.seed + self._calls  # fresh draws for every batch
         self._calls += 1
-        return generate(self._backend, Batch(input_ids, mask), self.config, seed=seed).sequences
+        return generate(self._model_backend, Batch(input_ids, mask), self.config, seed=seed).sequences
 
     def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
         sequences = self.model.generate(

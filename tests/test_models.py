@@ -39,4 +39,4 @@ def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_m
     hf = Generator(str(tmp_path), backend="hf", max_new_tokens=6, num_beams=3)
     texts = ["the cat sat on the mat", "once upon a time", "a"]
     assert fast.generate(texts) == hf.generate(texts)
-    assert isinstance(fast._backend, GenericBackend)
+    assert isinstance(fast._model_backend, GenericBackend)
