@@ -249,6 +249,36 @@ def main() -> None:
     help="Score the outputs against this file at the end (as `seqgen eval`).",
 )
 @click.option("--metrics", help="With --reference: comma-separated rouge, bleu, chrf (default: all).")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    help="Run on N Ray workers (each loads the model once and takes shards of the input as it frees up); "
+    "the output is the same as one process writes. Needs the ray extra.",
+)
+@click.option(
+    "--address", help="With --workers: the Ray cluster to join (auto, or HOST:PORT); default: a local one."
+)
+@click.option(
+    "--gpus-per-worker", type=click.FloatRange(min=0), help="With --workers: GPUs per worker (default 0)."
+)
+@click.option(
+    "--cpus-per-worker",
+    type=click.FloatRange(min=0, min_open=True),
+    help="With --workers: CPUs per worker (default 1; also its torch threads on CPU).",
+)
+@click.option(
+    "--shard-size",
+    type=click.IntRange(min=1),
+    help="With --workers: inputs per shard, the unit a worker takes, retries and the driver merges "
+    "(default: 4096, fewer for small inputs).",
+)
+@click.option(
+    "--shard",
+    "shard_spec",
+    metavar="I/N|auto",
+    help="Run only shard I (from 0) of N contiguous shards of the input, for other launchers (SLURM "
+    "arrays, torchrun); auto: I/N from RANK/WORLD_SIZE. Join the outputs with `seqgen merge`.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary on stderr.")
 def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     """Generate one output per input line, in input order.
@@ -262,10 +292,17 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     SIGKILL) continues with --resume and generates only what is missing. Ctrl-C writes what is done
     and exits with status 130.
     """
-    from seqgen_cli.generator import Generator
     from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, generate_job
+    from seqgen_cli.pipeline.records import parse_shard
 
     quiet = opts["quiet"]
+    cluster_flags = {k: opts.pop(k) for k in ("address", "gpus_per_worker", "cpus_per_worker", "shard_size")}
+    workers, shard_spec = opts.pop("workers"), opts.pop("shard_spec")
+    if workers is None and any(v is not None for v in cluster_flags.values()):
+        given = next(k for k, v in cluster_flags.items() if v is not None)
+        raise SeqgenError(f"--{given.replace('_', '-')} needs --workers N")
+    if workers is not None and shard_spec is not None:
+        raise SeqgenError("--shard and --workers cannot be combined (--workers shards the input itself)")
     job = JobOptions(
         batch_size=opts["batch_size"],
         batch_tokens=opts["batch_tokens"],
@@ -280,10 +317,11 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         stats=opts["stats_path"],
         reference=opts["reference"],
         metrics=opts["metrics"],
+        shard=parse_shard(shard_spec, os.environ) if shard_spec is not None else None,
     )
     check_job(inputs, output, job)  # before the (slow) model load
-    gen = Generator(
-        model,
+    settings = dict(
+        model=model,
         backend=opts.pop("backend"),
         device=opts.pop("device"),
         dtype=opts.pop("dtype"),
@@ -293,10 +331,21 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         seed=opts.pop("seed"),
         **_pop_generation(opts),
     )
-    summary = generate_job(gen, inputs, output, job)
+    if workers is not None:  # Ray is imported only here
+        from seqgen_cli.pipeline.distributed import ClusterOptions, generate_distributed
+
+        flags = {k: v for k, v in cluster_flags.items() if v is not None}
+        summary = generate_distributed(settings, inputs, output, job, ClusterOptions(workers, **flags))
+        max_source_length = (summary.distributed or {}).get("max_source_length")
+    else:
+        from seqgen_cli.generator import Generator
+
+        gen = Generator(**settings)
+        summary = generate_job(gen, inputs, output, job)
+        max_source_length = gen.max_source_length
     if summary.truncated:
         click.echo(
-            f"seqgen: {summary.truncated} of {summary.inputs} inputs truncated to {gen.max_source_length} tokens",
+            f"seqgen: {summary.truncated} of {summary.inputs} inputs truncated to {max_source_length} tokens",
             err=True,
         )
     if summary.skipped:
@@ -313,6 +362,26 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         sys.exit(130)
     if message is not None:
         raise SeqgenError(message)
+
+
+@main.command()
+@click.argument("parts", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    required=True,
+    help="The joined file; - is stdout.",
+)
+def merge(parts: tuple[str, ...], output: str) -> None:
+    """Join the outputs of a `seqgen generate --shard I/N` run, given in shard order (0 to N-1), into
+    the file one process would have written. Refuses a part that is not finished (it still has its
+    .seqgen-index: rerun that shard with --resume)."""
+    from seqgen_cli.pipeline.merge import merge_parts
+
+    lines = merge_parts(parts, output)
+    where = "stdout" if output == "-" else output
+    click.echo(f"seqgen: merged {len(parts)} parts ({lines} lines) into {where}", err=True)
 
 
 @main.command("eval")

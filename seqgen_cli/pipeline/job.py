@@ -6,15 +6,16 @@ import json
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline import resume
-from seqgen_cli.pipeline.progress import Progress
-from seqgen_cli.pipeline.records import check_inputs, is_regular, read_records
+from seqgen_cli.pipeline.progress import Progress, count_lines
+from seqgen_cli.pipeline.records import Record, check_inputs, is_regular, read_records, shard_range
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.sinks import FileSink, Sink, StreamSink
 from seqgen_cli.pipeline.stats import Summary
@@ -29,6 +30,7 @@ class JobOptions(RunOptions):
     stats: str | None = None
     reference: str | None = None
     metrics: str | None = None
+    shard: tuple[int, int] | None = None  # --shard I/N: only shard I (from 0) of N contiguous ones
 
 
 def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> None:
@@ -44,13 +46,47 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> None:
     if opts.metrics and not opts.reference:
         raise SeqgenError("--metrics needs --reference FILE")
     check_inputs(inputs)
+    if opts.shard is not None and count_lines(list(inputs)) is None:
+        raise SeqgenError(
+            "--shard needs input files (each shard counts the lines to find its range), not stdin"
+        )
 
 
 def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOptions) -> Summary:
     """Run the job; the summary says whether it was interrupted or failed (after writing what it could)."""
     paths = list(inputs) or ["-"]
     check_job(inputs, output, opts)
-    records = read_records(paths, opts.input_format, opts.input_field, opts.on_error)
+    select, total, extra = None, None, None
+    if opts.shard is not None:
+        i, n = opts.shard
+        lines = count_lines(paths)
+        assert lines is not None  # check_job: --shard needs regular input files
+        select = shard_range(lines, i, n)
+        total, extra = select[1] - select[0], {"shard": [i, n]}
+    records = read_records(paths, opts.input_format, opts.input_field, opts.on_error, select=select)
+    streaming = any(not is_regular(p) for p in paths)  # stdin or a named pipe: hand lines on at once
+    progress = Progress(opts.progress, paths, total=total)
+    summary = write_records(gen, records, output, opts, progress=progress, streaming=streaming, extra=extra)
+    if opts.stats:
+        write_stats(opts.stats, summary)
+    return summary
+
+
+def write_records(
+    gen: Generator,
+    records: Iterator[Record],
+    output: str,
+    opts: JobOptions,
+    *,
+    progress: Progress,
+    streaming: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> Summary:
+    """Generate for ``records`` into ``output`` (a file, resumable, or ``-``): the pipeline of one job.
+
+    Also the unit of work of a Ray worker (one shard into one part file). ``extra``: settings besides
+    the generator's that the output depends on (``--resume`` checks them).
+    """
     digest = resume.InputDigest()
     start = 0
     journaled: dict[int, str] = {}
@@ -58,7 +94,7 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
     if output == "-":
         sink = StreamSink(sys.stdout.buffer)
     else:
-        settings = resume.fingerprint(gen, opts)
+        settings = {**resume.fingerprint(gen, opts), **(extra or {})}
         state = resume.load(output, settings) if opts.resume else resume.check_fresh(output)
         if state is not None:
             start = state.done
@@ -67,9 +103,8 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
             sink = FileSink(output, settings, done=state.done, offset=state.offset)
         else:
             sink = FileSink(output, settings)
-    streaming = any(not is_regular(p) for p in paths)  # stdin or a named pipe: hand lines on at once
     keep: list[str] | None = [] if opts.reference and output == "-" else None
-    progress = Progress(opts.progress, paths, initial=start)
+    progress.start_at(start)
     with _sigterm_as_interrupt():
         summary = run(
             gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep,
@@ -77,9 +112,12 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
         )  # fmt: skip
     if opts.reference and summary.error is None and not summary.interrupted:
         summary.metrics = score(output, keep, opts, gen.num_return_sequences)
-    if opts.stats:
-        Path(opts.stats).write_text(json.dumps(summary.as_dict(), indent=2) + "\n", encoding="utf-8")
     return summary
+
+
+def write_stats(path: str, summary: Summary) -> None:
+    """``--stats FILE``: the summary as JSON."""
+    Path(path).write_text(json.dumps(summary.as_dict(), indent=2) + "\n", encoding="utf-8")
 
 
 def score(output: str, keep: list[str] | None, opts: JobOptions, n: int) -> dict:

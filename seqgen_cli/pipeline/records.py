@@ -6,7 +6,7 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -81,12 +81,16 @@ def read_records(
     input_format: str = "auto",
     input_field: str | None = None,
     on_error: str = "fail",
+    select: tuple[int, int] | None = None,
 ) -> Iterator[Record]:
     """Stream records from ``paths`` (``-`` = stdin) in order, never holding a whole file.
 
     A bad line raises :class:`SeqgenError` naming it; with ``on_error="skip"`` it becomes a record
-    with ``error`` set instead, so that output alignment holds.
+    with ``error`` set instead, so that output alignment holds. ``select=(lo, hi)``: only the inputs
+    ``lo <= index < hi`` (one shard of ``--shard I/N``), re-indexed from 0; the others are not parsed
+    (a bad line outside the range is not this shard's error), only counted.
     """
+    lo, hi = select if select is not None else (0, None)
     index = 0
     for path in paths or ["-"]:
         stream, name = _open(path)
@@ -94,17 +98,43 @@ def read_records(
             fmt = input_format
             for number, raw in enumerate(stream, start=1):
                 if fmt == "auto":
-                    fmt = _detect(path, raw)
-                try:
-                    yield _record(index, name, number, raw, fmt, input_field)
-                except SeqgenError as err:
-                    if on_error != "skip":
-                        raise
-                    yield Record(index, name, number, "", None, error=str(err))
+                    fmt = _detect(path, raw)  # from the file's first line, selected or not
+                if hi is not None and index >= hi:
+                    return
+                if index >= lo:
+                    try:
+                        yield _record(index - lo, name, number, raw, fmt, input_field)
+                    except SeqgenError as err:
+                        if on_error != "skip":
+                            raise
+                        yield Record(index - lo, name, number, "", None, error=str(err))
                 index += 1
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()
+
+
+def shard_range(total: int, shard: int, shards: int) -> tuple[int, int]:
+    """Inputs ``[lo, hi)`` of shard ``shard`` (0-based) of ``shards`` contiguous, near-equal shards."""
+    return total * shard // shards, total * (shard + 1) // shards
+
+
+def parse_shard(spec: str, environ: Mapping[str, str]) -> tuple[int, int]:
+    """``--shard I/N`` (0-based I, as ``RANK``), or ``auto``: ``RANK``/``WORLD_SIZE`` from ``environ``."""
+    if spec == "auto":
+        rank, world = environ.get("RANK"), environ.get("WORLD_SIZE")
+        if rank is None or world is None:
+            raise SeqgenError("--shard auto needs the RANK and WORLD_SIZE environment variables")
+        spec, where = f"{rank}/{world}", f"RANK={rank}, WORLD_SIZE={world}"
+    else:
+        where = f"--shard {spec}"
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise SeqgenError(f"{where}: expected I/N, e.g. 0/4 (shard I of N, I from 0)") from None
+    if n < 1 or not 0 <= i < n:
+        raise SeqgenError(f"{where}: need 0 <= I < N (shards are numbered from 0, as RANK)")
+    return i, n
 
 
 def _record(index: int, name: str, number: int, raw: bytes, fmt: str, input_field: str | None) -> Record:

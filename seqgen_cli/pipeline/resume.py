@@ -53,6 +53,12 @@ class InputDigest:
     def hexdigest(self) -> str:
         return self._h.hexdigest()
 
+    def copy(self) -> InputDigest:
+        """The digest so far, to go on from separately."""
+        other = InputDigest()
+        other._h = self._h.copy()
+        return other
+
 
 @dataclass
 class ResumeState:

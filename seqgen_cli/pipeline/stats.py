@@ -28,6 +28,8 @@ class Summary:
     error: str | None = None
     metrics: dict[str, Any] | None = field(default=None)
     rss_at_start_mb: float = 0.0  # peak resident memory before the run (model loaded)
+    # --workers: shards, shard size, retries, Ray start-up seconds and per-worker throughput ("workers")
+    distributed: dict[str, Any] | None = field(default=None)
 
     @property
     def samples_per_second(self) -> float:
