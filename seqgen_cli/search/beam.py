@@ -61,6 +61,8 @@ def beam_search(
     nrs = s.num_return_sequences
 
     def collect(idx: torch.Tensor, inputs: list[int]) -> None:
+        """Copy the finished hypotheses of active inputs ``idx`` ([D] int64; batch indices ``inputs``) to the
+        host: only after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
         toks = fin_tokens.index_select(0, idx)[:, :nrs].tolist()
         lens = fin_lengths.index_select(0, idx)[:, :nrs].tolist()
         scores = beam_scores.index_select(0, idx)[:, :nrs].tolist()
@@ -154,20 +156,19 @@ def beam_search(
             done = ~heuristic_unsatisfied[:, 0]
             if early_stopping is True:
                 done = done | is_finished.all(dim=1)
-            num_done = int(done.sum())
-            if num_done == bsz:
-                break
-            if num_done:
-                done_idx = done.nonzero().squeeze(1)
-                collect(done_idx, [rows.inputs[i] for i in done_idx.tolist()])
-                keep = (~done).nonzero().squeeze(1)
+            leaving = rows.check(done)
+            if leaving is not None:
+                if leaving.all_done:
+                    break
+                collect(leaving.done, leaving.inputs)
+                keep = leaving.keep
                 running_scores, beam_scores = running_scores[keep], beam_scores[keep]
                 is_finished, heuristic_unsatisfied = is_finished[keep], heuristic_unsatisfied[keep]
                 fin_tokens, fin_lengths = fin_tokens[keep], fin_lengths[keep]
                 tokens = tokens[rows.row_index(keep)]
-                rows.keep_inputs(keep)
+                rows.keep_inputs(leaving)
 
         logits = backend.step(rows.state, tokens)  # [N, V]
 
-    collect(torch.arange(running_scores.shape[0], device=device), rows.inputs)
+    collect(*rows.remaining())
     return SearchOutput(sequences=results, scores=result_scores)

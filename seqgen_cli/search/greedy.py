@@ -31,18 +31,21 @@ def token_search(
     s, r = settings, rows_per_input
     device = batch.input_ids.device
     sync_every = sync_every or default_sync_every(device)
+    # Host data goes to the device before the first step is queued (a copy after it would wait for it).
+    eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
     rows, logits = start_rows(backend, batch, s, r)
     history = rows.history
     total = s.max_new_tokens
-    eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
     pad = s.pad if s.pad is not None else 0
     n = logits.shape[0]
     finished = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
     lengths = torch.full((n,), total, dtype=torch.long, device=device)  # [N] generated length (EOS included)
     results: list[list[list[int]]] = [[] for _ in range(batch.input_ids.shape[0])]
 
-    def collect(row_ids: torch.Tensor, inputs: list[int]) -> None:
-        """Copy the finished rows of ``inputs`` (their rows ``row_ids``) to the host results."""
+    def collect(idx: torch.Tensor, inputs: list[int]) -> None:
+        """Copy the rows of active inputs ``idx`` ([D] int64; batch indices ``inputs``) to the host results:
+        only after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
+        row_ids = rows.row_index(idx)  # [D * R]
         tokens = history.generated.index_select(0, row_ids).tolist()
         lens = lengths.index_select(0, row_ids).tolist()
         for j, b in enumerate(inputs):
@@ -62,19 +65,17 @@ def token_search(
             break
         if eos is not None and (t + 1) % sync_every == 0:
             done = finished.view(-1, r).all(dim=1)  # [B_active]
-            num_done = int(done.sum())
-            if num_done == rows.num_inputs:
-                break
-            if num_done:
-                done_idx = done.nonzero().squeeze(1)
-                collect(rows.row_index(done_idx), [rows.inputs[i] for i in done_idx.tolist()])
-                keep = (~done).nonzero().squeeze(1)
-                kept_rows = rows.row_index(keep)
+            leaving = rows.check(done)
+            if leaving is not None:
+                if leaving.all_done:
+                    break
+                collect(leaving.done, leaving.inputs)
+                kept_rows = rows.row_index(leaving.keep)  # [B' * R]
                 finished, lengths, tokens = finished[kept_rows], lengths[kept_rows], tokens[kept_rows]
-                rows.keep_inputs(keep)
+                rows.keep_inputs(leaving)
         logits = backend.step(rows.state, tokens)  # [N, V]
 
-    collect(torch.arange(history.tokens.shape[0], device=device), rows.inputs)
+    collect(*rows.remaining())
     return SearchOutput(sequences=results)
 
 

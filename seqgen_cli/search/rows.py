@@ -3,12 +3,19 @@
 Rows are input-major (``row = b * R + k``, see ``protocol.py``). Inputs that finish leave together with
 all their rows: :meth:`Rows.keep_inputs` applies one selection to the backend, the history and the stateful
 processors.
+
+Host synchronisation. A decode step (processors, search update, reorder, model step) only queues device
+work: step counters are host integers, conditions on them are host branches, masks are tensors. The loop
+reads the device at two places only, both here: :meth:`Rows.check`, every ``sync_every`` steps ("which
+inputs are done?", one transfer), and :meth:`Rows.remaining` after the loop; the collection of finished
+results follows each. ``tests/test_host_sync.py`` runs the engine under a dispatch mode that records every
+synchronising op and holds the loops to this.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,6 +33,18 @@ def default_sync_every(device: torch.device) -> int:
     which wastes at most 3 steps of their rows.
     """
     return 1 if device.type == "cpu" else 4
+
+
+class Leaving(NamedTuple):
+    """What a host check found: some (not all) active inputs are done."""
+
+    done: torch.Tensor  # [D] int64: positions of the done inputs among the active ones, ascending
+    inputs: list[int]  # [D] their original batch indices
+    keep: torch.Tensor  # [B'] int64: positions of the inputs that keep running, ascending
+
+    @property
+    def all_done(self) -> bool:
+        return self.keep.shape[0] == 0  # a host-side shape: no sync
 
 
 @dataclass
@@ -52,16 +71,41 @@ class Rows:
         self.pipeline.select(rows)
         self.backend.reorder(self.state, rows)
 
-    def keep_inputs(self, keep: torch.Tensor) -> None:
-        """Finished inputs leave: keep active inputs ``keep`` ([B'] int64, ascending, on device).
+    def check(self, done: torch.Tensor) -> Leaving | None:
+        """The periodic "which inputs are done?" check: the decode loop's one device->host sync.
+
+        ``done``: [B_active] bool. Returns ``None`` when no input is done, else the :class:`Leaving` split
+        (one transfer of ``done`` to the host; the index tensors are built there).
+        """
+        flags = done.tolist()
+        if not any(flags):
+            return None
+        device = done.device
+        done_pos = [i for i, f in enumerate(flags) if f]
+        keep_pos = [i for i, f in enumerate(flags) if not f]
+        return Leaving(
+            torch.tensor(done_pos, dtype=torch.long, device=device),
+            [self.inputs[i] for i in done_pos],
+            torch.tensor(keep_pos, dtype=torch.long, device=device),
+        )
+
+    def remaining(self) -> tuple[torch.Tensor, list[int]]:
+        """The inputs still active when the loop ends, for the final collection: ([B] int64 positions,
+        their original batch indices)."""
+        return torch.arange(len(self.inputs), device=self.history.tokens.device), list(self.inputs)
+
+    def keep_inputs(self, leaving: Leaving) -> None:
+        """Finished inputs leave: keep active inputs ``leaving.keep`` ([B'] int64, ascending, on device).
 
         Their row indices are computed here, once, for the history, the processors and the backend.
         """
+        keep = leaving.keep
         rows = self.row_index(keep)  # [B' * R]
         self.history.select(rows)
         self.pipeline.select(rows)
         self.backend.drop(self.state, keep, rows)
-        self.inputs = [self.inputs[i] for i in keep.tolist()]
+        gone = set(leaving.inputs)
+        self.inputs = [b for b in self.inputs if b not in gone]
 
 
 def start_rows(

@@ -1,0 +1,312 @@
+"""No device->host synchronisation inside the decode loop (issue 10, part 1).
+
+On a GPU every op that reads device memory on the host (``.item()``, ``bool(t)``, ``nonzero``, boolean-mask
+indexing, ``tolist()``, a copy of host data into device memory, ...) drains the launch queue and leaves the
+GPU idle while Python catches up. The engine promises that a decode step queues work only, and that the
+loop reads the device every ``sync_every`` steps (``search/rows.py: default_sync_every``), in
+``Rows.check``, then once after the loop (``Rows.remaining``), each followed by the collection of finished
+results.
+
+On the CPU tensors already live on the host, so :class:`SyncRecorder` detects the *ops* that would
+synchronise on a GPU rather than transfers: a ``TorchDispatchMode`` sees every aten op, and ``tolist`` /
+``numpy`` / ``cpu`` / ``to("cpu")`` (which never reach the dispatcher for a CPU tensor) are wrapped at the
+Python level. Each op is recorded with the loop iteration and the phase it ran in:
+
+* ``setup``: before the first step (encoder or prefill, processor set-up): once per batch, allowed;
+* ``step``: an iteration's processors, search update, reordering and model step: must perform none;
+* ``check``: from ``Rows.check`` to the next model step (the check and the collection that follows);
+* ``finish``: the final collection after the loop.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tests.equivalence  # noqa: F401  (single intra-op thread)
+from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.models import get_backend
+from seqgen_cli.models.bart import BartBackend
+from seqgen_cli.search import Batch, generate
+from seqgen_cli.search.ngram import NGramBlocker
+from seqgen_cli.search.processors import LogitsPipeline
+from seqgen_cli.search.rows import Rows, default_sync_every
+from tests.engine_models import load, text_batch
+
+aten = torch.ops.aten
+
+# Ops whose result (or output size) the host must read from the device.
+SYNC_OPS = frozenset(
+    {
+        aten._local_scalar_dense,  # .item(), int(t), float(t)
+        aten.item,  # .item() as seen under inference mode
+        aten.is_nonzero,  # bool(t), `if t:`
+        aten.nonzero,  # also torch.where(cond), argwhere
+        aten.masked_select,
+        aten.equal,
+        aten.allclose,
+        aten._unique,
+        aten._unique2,
+        aten.unique_dim,
+        aten.unique_consecutive,
+        aten.bincount,
+    }
+)
+BOOL_INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
+
+
+@dataclass
+class Event:
+    phase: str  # setup | step | check | finish
+    iteration: int  # loop iteration (-1: before the first)
+    op: str
+    where: str  # innermost frames in seqgen_cli (or the test)
+
+    def __str__(self) -> str:
+        return f"iteration {self.iteration} ({self.phase}): {self.op} at {self.where}"
+
+
+@dataclass
+class SyncRecorder(TorchDispatchMode):
+    """Records the synchronising ops of one search call, with the iteration and phase they ran in."""
+
+    events: list[Event] = field(default_factory=list)
+    checks: list[int] = field(default_factory=list)  # iterations that ran Rows.check
+    iteration: int = -1
+    phase: str = "setup"
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    # -- what the instrumented code calls --------------------------------------------------------
+    def record(self, op: str) -> None:
+        frames = [
+            f for f in traceback.extract_stack()[:-2] if "seqgen_cli" in f.filename or "/tests/" in f.filename
+        ]
+        frames = [
+            f for f in frames if not f.filename.endswith("test_host_sync.py") or f.name.startswith("inj")
+        ]
+        where = " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in frames[::-1][:3])
+        self.events.append(Event(self.phase, self.iteration, op, where))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet in SYNC_OPS:
+            self.record(str(func))
+        elif packet in BOOL_INDEX_OPS and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        ):
+            self.record(f"{func} with a boolean mask")
+        elif packet is aten.lift_fresh and args[0].dim() > 0:
+            self.record("torch.tensor(host data): a copy from pageable host memory")
+        return func(*args, **kwargs)
+
+    def violations(self) -> list[Event]:
+        return [e for e in self.events if e.phase == "step"]
+
+    @property
+    def iterations(self) -> int:
+        return self.iteration + 1
+
+
+def _to_host(args: tuple, kwargs: dict) -> bool:
+    """``.to("cpu")`` / ``.to(device="cpu")``: a copy to the host. (``.to(x.device)``, device-generic code,
+    is not flagged: on a GPU run it stays on the GPU.)"""
+    targets = [*args, kwargs.get("device")]
+    return any(isinstance(a, str) and a.startswith("cpu") for a in targets)
+
+
+@contextmanager
+def recording(backend: Any) -> Iterator[SyncRecorder]:
+    """Run the code inside under a :class:`SyncRecorder` that follows the loop through ``backend``'s steps."""
+    rec = SyncRecorder()
+    pipeline_call, check, remaining = LogitsPipeline.__call__, Rows.check, Rows.remaining
+    step = backend.step
+
+    def on_pipeline(self: LogitsPipeline, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rec.iteration += 1  # the processors run first in every iteration
+        rec.phase = "step"
+        return pipeline_call(self, *args, **kwargs)
+
+    def on_check(self: Rows, done: torch.Tensor) -> Any:
+        rec.phase = "check"
+        rec.checks.append(rec.iteration)
+        return check(self, done)
+
+    def on_remaining(self: Rows) -> Any:
+        rec.phase = "finish"
+        return remaining(self)
+
+    def on_step(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+        rec.phase = "step"
+        return step(state, tokens)
+
+    def python_level(name: str, original: Callable, to_host_only: bool = False) -> Callable:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not to_host_only or _to_host(args, kwargs):
+                rec.record(f"Tensor.{name}")
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(LogitsPipeline, "__call__", on_pipeline))
+        stack.enter_context(mock.patch.object(Rows, "check", on_check))
+        stack.enter_context(mock.patch.object(Rows, "remaining", on_remaining))
+        stack.enter_context(mock.patch.object(backend, "step", on_step))
+        for name in ("tolist", "numpy", "cpu"):
+            stack.enter_context(
+                mock.patch.object(torch.Tensor, name, python_level(name, getattr(torch.Tensor, name)))
+            )
+        stack.enter_context(
+            mock.patch.object(torch.Tensor, "to", python_level("to", torch.Tensor.to, to_host_only=True))
+        )
+        stack.enter_context(rec)
+        yield rec
+
+
+def run_recorded(family: str, tiny_models: Any, kwargs: dict, sync_every: int | None, n: int = 8):
+    loaded = load(tiny_models(family))
+    batch: Batch = text_batch(loaded, n, seed=4)
+    config = resolve_generation_config(loaded.model.generation_config, None, kwargs)
+    backend = get_backend(loaded.model)
+    assert not type(backend).__name__.startswith("Generic"), "the fast backend is under test"
+    with recording(backend) as rec:
+        out = generate(backend, batch, config, seed=0, sync_every=sync_every)
+    return rec, out
+
+
+def assert_cadence(rec: SyncRecorder, every: int) -> None:
+    """Checks run after iterations every-1, 2*every-1, ... and nowhere else (the last may end the loop)."""
+    expected = [i for i in range(rec.iterations - 1) if (i + 1) % every == 0]
+    got = [i for i in rec.checks if i < rec.iterations - 1]
+    assert got == expected, f"host checks after iterations {rec.checks}, expected every {every}: {expected}"
+    assert all((i + 1) % every == 0 for i in rec.checks), rec.checks
+
+
+BEAM = dict(
+    num_beams=4,
+    no_repeat_ngram_size=3,
+    min_new_tokens=5,
+    max_new_tokens=24,
+    length_penalty=2.0,
+    early_stopping=True,
+)
+CASES = {
+    # bart's generation config forces BOS (0) first and EOS (2) last: forced tokens are exercised too.
+    "bart-beam-ngram-minlen-forced": ("bart", BEAM),
+    "bart-beam-heuristic-rep": ("bart", dict(BEAM, early_stopping=False, repetition_penalty=1.2)),
+    "t5-beam-never-badwords": ("t5", dict(BEAM, early_stopping="never", bad_words_ids=[[5], [7, 8]])),
+    "gpt2-beam-ngram-minlen-rep": ("gpt2", dict(BEAM, repetition_penalty=1.3, num_return_sequences=2)),
+    "llama-beam-ngram-minlen": ("llama", BEAM),
+    "bart-greedy": ("bart", dict(max_new_tokens=24, min_new_tokens=9)),
+    "llama-greedy-rep-ngram": (
+        "llama",
+        dict(max_new_tokens=24, min_new_tokens=9, repetition_penalty=1.3, no_repeat_ngram_size=2),
+    ),
+    "marian-sample": (
+        "marian",
+        dict(do_sample=True, top_k=8, top_p=0.9, temperature=0.8, max_new_tokens=24, min_new_tokens=9),
+    ),
+    "gpt2-sample-nrs": (
+        "gpt2",
+        dict(do_sample=True, top_k=8, top_p=0.9, num_return_sequences=2, max_new_tokens=24, min_new_tokens=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("sync_every", [4, 3])
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_loop_never_syncs_between_checks(tiny_models, case: str, sync_every: int) -> None:
+    family, kwargs = CASES[case]
+    rec, out = run_recorded(family, tiny_models, kwargs, sync_every)
+    assert rec.iterations > 2 * sync_every, "too short to see two checks: the test would be vacuous"
+    assert rec.checks, "no host check ran"
+    bad = rec.violations()
+    assert not bad, "host syncs inside decode steps:\n" + "\n".join(map(str, bad))
+    assert_cadence(rec, sync_every)
+    assert any(e.phase == "check" for e in rec.events), "the check itself was not seen: the recorder is blind"
+    assert all(seq for per_input in out.sequences for seq in per_input)
+
+
+def test_cpu_default_checks_every_step(tiny_models) -> None:
+    assert default_sync_every(torch.device("cpu")) == 1
+    assert default_sync_every(torch.device("cuda")) == 4  # documented GPU cadence
+    rec, _ = run_recorded("gpt2", tiny_models, dict(BEAM), None)
+    assert not rec.violations(), "\n".join(map(str, rec.violations()))
+    assert_cadence(rec, 1)
+
+
+def inj_item(scores: torch.Tensor) -> None:
+    scores[0, 0].item()
+
+
+def inj_bool(scores: torch.Tensor) -> None:
+    if scores.max() > 1e30:
+        pass
+
+
+def inj_int(scores: torch.Tensor) -> None:
+    int(scores.argmax())
+
+
+def inj_nonzero(scores: torch.Tensor) -> None:
+    (scores > 0).nonzero()
+
+
+def inj_mask_index(scores: torch.Tensor) -> None:
+    _ = scores[scores > 0]
+
+
+def inj_tolist(scores: torch.Tensor) -> None:
+    scores[:, 0].tolist()
+
+
+def inj_cpu(scores: torch.Tensor) -> None:
+    scores.to("cpu")
+
+
+def inj_host_tensor(scores: torch.Tensor) -> None:
+    scores.new_zeros(2) + torch.tensor([1.0, 2.0])
+
+
+INJECTIONS = [inj_item, inj_bool, inj_int, inj_nonzero, inj_mask_index, inj_tolist, inj_cpu, inj_host_tensor]
+
+
+@pytest.mark.parametrize("inject", INJECTIONS, ids=[f.__name__ for f in INJECTIONS])
+def test_recorder_catches_an_inserted_sync(tiny_models, inject: Callable[[torch.Tensor], None]) -> None:
+    """The test can fail: one synchronising op inserted into the n-gram blocker is reported, with its step."""
+    blocker_call = NGramBlocker.__call__
+
+    def syncing_blocker(self: NGramBlocker, history: Any, scores: torch.Tensor) -> torch.Tensor:
+        inject(scores)
+        return blocker_call(self, history, scores)
+
+    with mock.patch.object(NGramBlocker, "__call__", syncing_blocker):
+        rec, _ = run_recorded("bart", tiny_models, BEAM, 4)
+    bad = rec.violations()
+    assert bad, f"{inject.__name__} went unnoticed"
+    assert {e.iteration for e in bad} == set(range(rec.iterations)), "every step should be reported"
+    assert all(inject.__name__ in e.where for e in bad), [str(e) for e in bad]
+
+
+def test_recorder_catches_a_sync_in_the_model_step(tiny_models) -> None:
+    step = BartBackend.step
+
+    def inj_step(self: BartBackend, state: Any, tokens: torch.Tensor) -> torch.Tensor:
+        if state.t > 2:
+            int(tokens.max())
+        return step(self, state, tokens)
+
+    with mock.patch.object(BartBackend, "step", inj_step):
+        rec, _ = run_recorded("bart", tiny_models, dict(max_new_tokens=24), 4)
+    assert rec.violations() and all("inj_step" in e.where for e in rec.violations())
