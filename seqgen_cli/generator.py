@@ -146,19 +146,35 @@ class Generator:
         return self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
 
     def pad(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pad to a rectangle: right for encoder-decoder sources, left for decoder-only prompts."""
+        """Pad to a rectangle: right for encoder-decoder sources, left for decoder-only prompts. [B, S] int64.
+
+        The rectangle is built on the host; for a CUDA device in pinned memory, copied with
+        ``non_blocking=True`` so the host queues the copy and goes on (the caching host allocator keeps the
+        pinned block until the copy is done).
+        """
         width = max(len(ids) for ids in batch)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        device = self.loaded.device
+        pinned = device.type == "cuda"
+        input_ids = torch.full(
+            (len(batch), width), self.tokenizer.pad_token_id, dtype=torch.long, pin_memory=pinned
+        )
+        mask = torch.zeros((len(batch), width), dtype=torch.long, pin_memory=pinned)
         for i, ids in enumerate(batch):
-            if self.is_encoder_decoder:
-                input_ids[i, : len(ids)] = torch.tensor(ids)
-                mask[i, : len(ids)] = 1
-            else:
-                input_ids[i, width - len(ids) :] = torch.tensor(ids)
-                mask[i, width - len(ids) :] = 1
-        return input_ids.to(self.loaded.device), mask.to(self.loaded.device)
+            cols = slice(0, len(ids)) if self.is_encoder_decoder else slice(width - len(ids), width)
+            input_ids[i, cols] = torch.tensor(ids, dtype=torch.long)
+            mask[i, cols] = 1
+        return input_ids.to(device, non_blocking=pinned), mask.to(device, non_blocking=pinned)
+
+    def device_stats(self) -> dict[str, Any]:
+        """Where the model runs, for ``--stats`` and the closing line: ``device``, ``dtype``, and on CUDA
+        ``device_name`` and ``peak_gpu_memory_mb`` (``torch.cuda.max_memory_allocated`` since the start or
+        the last ``torch.cuda.reset_peak_memory_stats``, in MiB)."""
+        device = self.loaded.device
+        out: dict[str, Any] = {"device": str(device), "dtype": str(self.loaded.dtype).removeprefix("torch.")}
+        if device.type == "cuda":
+            out["device_name"] = torch.cuda.get_device_name(device)
+            out["peak_gpu_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+        return out
 
     # -- generation -------------------------------------------------------------------------------
     @torch.inference_mode()

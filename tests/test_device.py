@@ -1,0 +1,126 @@
+"""GPU code paths that can be tested without a GPU: CUDA out-of-memory splitting, padding into pinned memory
+with a non-blocking copy, and ``Generator.device_stats``. (The CUDA-only checks run on a GPU machine through
+``scripts/gpu_bench.sh``.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from seqgen_cli.batching import Item, generate_split, is_oom
+from seqgen_cli.generator import Generator
+
+
+class FakeGen:
+    """``generate_ids`` that raises CUDA's out-of-memory error for batches of more than ``limit`` inputs."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.calls: list[int] = []
+
+    def generate_ids(self, batch: list[list[int]]) -> list[list[list[int]]]:
+        self.calls.append(len(batch))
+        if len(batch) > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA error: tried to allocate 20.00 GiB")  # no 'out of memory'
+        return [[list(reversed(ids))] for ids in batch]
+
+
+def test_cuda_oom_is_recognised_by_type() -> None:
+    err = torch.cuda.OutOfMemoryError("CUDA error: tried to allocate 20.00 GiB")
+    assert is_oom(err)
+    assert not is_oom(RuntimeError("CUDA error: device-side assert triggered"))
+
+
+def test_cuda_oom_splits_the_batch_like_a_host_oom() -> None:
+    items = [Item(i, [i + 1, i + 2, i + 3], f"line {i + 1}") for i in range(10)]
+    gen = FakeGen(limit=3)
+    results = generate_split(gen, items)
+    assert [r.item.index for r in results] == list(range(10))
+    assert all(r.error is None for r in results)
+    assert [r.sequences for r in results] == [[[i + 3, i + 2, i + 1]] for i in range(10)]
+    assert max(n for n in gen.calls if n <= 3) <= 3 and gen.calls[0] == 10
+
+
+def test_cuda_oom_of_a_single_input_is_reported_with_its_line() -> None:
+    results = generate_split(FakeGen(limit=0), [Item(0, [5, 6], "data.txt:7")])
+    assert results[0].sequences is None
+    assert (
+        results[0].error is not None
+        and "data.txt:7" in results[0].error
+        and "out of memory" in results[0].error
+    )
+
+
+def _fake_generator(
+    device: str, encoder_decoder: bool, dtype: torch.dtype = torch.float32
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        loaded=SimpleNamespace(device=torch.device(device), dtype=dtype),
+        tokenizer=SimpleNamespace(pad_token_id=9),
+        is_encoder_decoder=encoder_decoder,
+    )
+
+
+@pytest.mark.parametrize("encoder_decoder", [True, False])
+def test_pad_layout(encoder_decoder: bool) -> None:
+    ids, mask = Generator.pad(_fake_generator("cpu", encoder_decoder), [[1, 2, 3], [4]])
+    if encoder_decoder:  # right padding
+        assert ids.tolist() == [[1, 2, 3], [4, 9, 9]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    else:  # left padding
+        assert ids.tolist() == [[1, 2, 3], [9, 9, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
+def test_pad_for_cuda_pins_and_copies_without_blocking() -> None:
+    """On CUDA the rectangle is built in pinned memory and sent with non_blocking=True (mocked on the CPU)."""
+    pinned: list[bool] = []
+    copies: list[tuple] = []
+    full, zeros = torch.full, torch.zeros
+
+    def fake_full(*args, pin_memory: bool = False, **kwargs):
+        pinned.append(pin_memory)
+        return full(*args, **kwargs)
+
+    def fake_zeros(*args, pin_memory: bool = False, **kwargs):
+        pinned.append(pin_memory)
+        return zeros(*args, **kwargs)
+
+    def fake_to(self, *args, **kwargs):
+        copies.append((args, kwargs))
+        return self
+
+    with (
+        mock.patch.object(torch, "full", fake_full),
+        mock.patch.object(torch, "zeros", fake_zeros),
+        mock.patch.object(torch.Tensor, "to", fake_to),
+    ):
+        ids, _ = Generator.pad(_fake_generator("cuda", True), [[1, 2], [3]])
+    assert pinned == [True, True]
+    assert copies == [((torch.device("cuda"),), {"non_blocking": True})] * 2
+    assert ids.tolist() == [[1, 2], [3, 9]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pad_on_cuda_matches_the_host() -> None:
+    batch = [[1, 2, 3], [4], [5, 6]]
+    ids, mask = Generator.pad(_fake_generator("cuda", False), batch)
+    ref_ids, ref_mask = Generator.pad(_fake_generator("cpu", False), batch)
+    assert ids.is_cuda and torch.equal(ids.cpu(), ref_ids) and torch.equal(mask.cpu(), ref_mask)
+
+
+def test_device_stats_cpu_and_cuda() -> None:
+    assert Generator.device_stats(_fake_generator("cpu", True)) == {"device": "cpu", "dtype": "float32"}
+    with (
+        mock.patch.object(torch.cuda, "max_memory_allocated", return_value=3 * 2**30),
+        mock.patch.object(torch.cuda, "get_device_name", return_value="NVIDIA H100"),
+    ):
+        stats = Generator.device_stats(_fake_generator("cuda", True, torch.bfloat16))
+    assert stats == {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "device_name": "NVIDIA H100",
+        "peak_gpu_memory_mb": 3072.0,
+    }
