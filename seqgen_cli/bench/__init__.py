@@ -1,22 +1,15 @@
 """``seqgen bench``: speed and agreement of seqgen against transformers ``generate()`` and CTranslate2.
 
-For every (beams, batch size) cell the systems run on the same batches (the first ``n`` inputs, sorted by
-length, cut into batches), interleaved after a warm-up: ``A B C A B C ...``; the median of the repeats
-is reported. Two modes:
-
-- ``decode`` (:mod:`.decode`): model loaded, inputs tokenised; only generation is timed.
-- ``e2e`` (:mod:`.e2e`): the whole process from input file to output file, each system a fresh
-  subprocess (``python -m seqgen_cli generate`` against the plain scripts in :mod:`.baselines`).
-
-Agreement is the share of outputs token-identical (decode) or text-identical (e2e) to transformers'.
-Layout: :mod:`.cells` runs one cell, :mod:`.systems` and :mod:`.ct2` hold the decode systems and the
-CTranslate2 conversion, :mod:`.report` writes ``bench.json``, ``bench.md`` and ``bench.png``.
+For every (beams, batch size) cell the systems run the same work, interleaved after a warm-up
+(:mod:`.cells`), in two modes: :mod:`.decode` times generation only, :mod:`.e2e` whole processes, files
+to files (against the plain scripts in :mod:`.baselines`). Agreement is the share of outputs
+token-identical (decode) or text-identical (e2e) to transformers'. :mod:`.systems` holds the decode
+systems, :mod:`.ct2` the CTranslate2 conversion, :mod:`.report` writes ``bench.json``/``.md``/``.png``.
 """
 
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -128,30 +121,23 @@ def run_bench(s: BenchSettings, command: str = "", log: Callable[[str], None] = 
             "settings": asdict(s),
             "environment": rep.environment(),
             "load_average": {"start": load_start, "end": rep.loadavg()},  # other work on the machine
-            **{k: v for k, v in more_meta.items() if k not in meta},
-            **meta,
+            **more_meta,
+            **meta,  # decode's metadata first
             "schedules": schedules + more_sched,
         }
         return rep.write_json(out / "bench.json", head, results + more)
 
-    if "decode" in s.modes:
-        r, sch, m = bench_decode(s, texts, log, on_cell=save)
-        results += r
-        schedules += sch
-        meta.update(m)
-    if "e2e" in s.modes:
-        with tempfile.TemporaryDirectory(prefix="seqgen-bench-") as tmp:
-            r, sch, m = bench_e2e(s, texts, Path(tmp), log, on_cell=save)
-        results += r
-        schedules += sch
-        meta.update({k: v for k, v in m.items() if k not in meta})
+    for mode, bench in (("decode", bench_decode), ("e2e", bench_e2e)):
+        if mode in s.modes:
+            r, sch, m = bench(s, texts, log, on_cell=save)
+            results += r
+            schedules += sch
+            meta = {**m, **meta}
     report = save([], [], {}, partial=False)
-    table = rep.markdown_table(results)
-    rep.write_markdown(out / "bench.md", table, command)
+    report["table"] = rep.write_markdown(out / "bench.md", results, command)
     title = f"{Path(s.model).name}: {meta.get('device', s.device)}, {meta.get('dtype', s.dtype)}"
     if s.fixed_new_tokens:
         title += f", {s.fixed_new_tokens} new tokens"
     if not rep.plot(results, out / "bench.png", title):
         log("matplotlib is not installed: no plot (pip install matplotlib)")
-    report["table"] = table
     return report

@@ -1,23 +1,24 @@
-"""One benchmark cell: every system on the same work, warmed up, then interleaved ``A B C A B C ...``.
+"""Benchmark cells: every system on the same work, warmed up, then interleaved ``A B C A B C ...``.
 
-Both modes use :func:`run_cell`; a system is a "run once" callable that does its whole work for the cell
-(or the warm-up's smaller share of it) and returns a :class:`Sample`: wall time, outputs, peak memory.
+Both modes run their cells through :func:`run_mode` and :func:`run_cell`; a system is a "run once"
+callable that does its whole work for the cell (or the warm-up's smaller share of it) and returns a
+:class:`Sample`: wall time, outputs, peak memory.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from seqgen_cli.bench import ct2
+from seqgen_cli.errors import SeqgenError
+
 if TYPE_CHECKING:
-    import torch
+    from seqgen_cli.bench import BenchSettings
+    from seqgen_cli.bench.ct2 import Ct2Plan
+    from seqgen_cli.generator import Generator
 
 SYSTEMS = ("seqgen", "hf", "ct2")
 MODES = ("decode", "e2e")
@@ -35,20 +36,6 @@ class Sample:
 
 # run_once(warmup) -> Sample; warmup: run the smaller warm-up share of the work, untimed.
 RunOnce = Callable[[bool], Sample]
-
-
-@dataclass
-class CellStats:
-    """One system's repeats in one cell."""
-
-    seconds: list[float] = field(default_factory=list)
-    outputs: list[Any] = field(default_factory=list)  # the first repeat's
-    peak_mb: float | None = None  # max over repeats
-    run_mb: float | None = None  # max over repeats
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.seconds) if self.seconds else float("nan")
 
 
 @dataclass
@@ -88,124 +75,124 @@ def interleave(names: Sequence[str], repeats: int, warmup: bool) -> list[tuple[s
 
 def run_cell(
     systems: dict[str, RunOnce], repeats: int, warmup: bool, log: Callable[[str], None]
-) -> tuple[dict[str, CellStats], list[str]]:
+) -> tuple[dict[str, list[Sample]], list[str]]:
     """Warm up (optionally), then run the systems interleaved ``repeats`` times.
 
-    Returns per system its times, first-repeat outputs and peak memory, and the run order as
-    ``["seqgen:warmup", ..., "seqgen:0", "hf:0", ...]``."""
-    stats = {name: CellStats() for name in systems}
+    Returns per system its timed samples, and the run order as ``["seqgen:warmup", ..., "seqgen:0", ...]``."""
+    samples: dict[str, list[Sample]] = {name: [] for name in systems}
     schedule: list[str] = []
     for name, rep in interleave(list(systems), repeats, warmup):
         schedule.append(f"{name}:{'warmup' if rep < 0 else rep}")
         sample = systems[name](rep < 0)
-        if rep < 0:
-            continue
-        log(f"  {name} run {rep + 1}/{repeats}: {sample.seconds:.2f}s")
-        st = stats[name]
-        st.seconds.append(sample.seconds)
-        if sample.peak_mb is not None:
-            st.peak_mb = max(st.peak_mb or 0.0, sample.peak_mb)
-        if sample.run_mb is not None:
-            st.run_mb = max(st.run_mb or 0.0, sample.run_mb)
-        if rep == 0:
-            st.outputs = sample.outputs
-    return stats, schedule
+        if rep >= 0:
+            log(f"  {name} run {rep + 1}/{repeats}: {sample.seconds:.2f}s")
+            samples[name].append(sample)
+    return samples, schedule
 
 
-def run_result(
-    stats: CellStats,
-    *,
+@dataclass
+class Entrant:
+    """One system in one cell: its run-once callable and the labels of its ``runs`` row."""
+
+    run_once: RunOnce
+    backend: str
+    mem_kind: str  # what peak_mem_mb measures: "rss", "max allocated", "process max rss" or "n/a"
+    notes: list[str] = field(default_factory=list)
+
+
+Cell = dict[str, Entrant]  # the systems of one cell, by name
+# cells(beams, gen, ct2_part) -> cell(batch_size, n): a mode's systems for a cell of the first n inputs;
+# ct2_part is what ct2_setup(gen) readied for this beam count (None: no ct2).
+Cells = Callable[[int, "Generator", Any], Callable[[int, int], Cell]]
+
+
+def dtype_name(gen: Generator) -> str:
+    """The Generator's dtype as transformers and CTranslate2 spell it: ``float32``, ``bfloat16`` ..."""
+    return str(gen.loaded.dtype).replace("torch.", "")
+
+
+def run_mode(
     mode: str,
-    system: str,
-    backend: str,
-    batch_size: int,
-    num_beams: int,
-    n: int,
-    peak_mem_kind: str,
-    count_tokens: bool,
-    notes: Sequence[str] = (),
-) -> RunResult:
-    """The ``runs`` row for one system's cell of ``n`` inputs; ``count_tokens``: outputs are token ids."""
-    med = stats.median_s
-    toks = sum(len(o) for o in stats.outputs) if count_tokens else None
+    s: BenchSettings,
+    texts: list[str],
+    log: Callable[[str], None],
+    on_cell: OnCell | None,
+    ct2_setup: Callable[[Generator], tuple[Any, Ct2Plan]],
+    cells: Cells,
+) -> tuple[list[RunResult], list[list[str]], dict[str, Any]]:
+    """Every (beams, batch size) cell of one mode; returns results, the run order per cell and metadata.
+
+    Per beam count a ``Generator`` resolves the settings as ``seqgen generate`` does; ``ct2_setup`` readies
+    CTranslate2 for them (a ``SeqgenError`` skips ct2 from then on, noted in ``ct2_skipped``). A cell of
+    batch size ``bs`` runs the first ``n = min(len(texts), max_batches * bs)`` inputs. ``on_cell(results,
+    schedules, meta)`` is called after every cell (to save partial results)."""
+    from seqgen_cli.generator import Generator
+
+    results: list[RunResult] = []
+    schedules: list[list[str]] = []
+    meta: dict[str, Any] = {}
+    want_ct2 = "ct2" in s.compare
+    for beams in s.num_beams:
+        gen = Generator(
+            s.model, backend="auto", device=s.device, dtype=s.dtype, preset=s.preset, prefix=s.prefix,
+            max_source_length=s.max_source_length, **s.generation_flags(beams),
+        )  # fmt: skip
+        meta.setdefault("seqgen_backend", gen.backend)
+        meta.setdefault("max_source_length", gen.max_source_length)
+        meta.setdefault("device", str(gen.loaded.device))
+        meta.setdefault("dtype", dtype_name(gen))
+        meta.setdefault("generation_config", {})[str(beams)] = gen.config.to_diff_dict()
+        ct2_part = None
+        if want_ct2:
+            try:
+                ct2.require_ct2()
+                ct2_part, plan = ct2_setup(gen)
+                meta.setdefault("ct2_plan", {})[str(beams)] = asdict(plan)
+            except SeqgenError as err:
+                log(f"skipping ct2: {err}")
+                meta["ct2_skipped"] = str(err)
+                want_ct2 = False
+        cell = cells(beams, gen, ct2_part)
+        del gen  # e2e: no model in memory while the subprocesses run (decode's systems keep theirs)
+        for bs in s.batch_sizes:
+            n = min(len(texts), s.max_batches * bs) if s.max_batches else len(texts)
+            entrants = cell(bs, n)
+            log(f"{mode} beams={beams} batch={bs} n={n}: {', '.join(entrants)}")
+            samples, schedule = run_cell(
+                {name: e.run_once for name, e in entrants.items()}, s.repeats, s.warmup, log
+            )
+            schedules.append(schedule)
+            results += [_row(mode, name, e, samples[name], bs, beams, n) for name, e in entrants.items()]
+            if on_cell:
+                on_cell(results, schedules, meta)
+        cell = entrants = None  # free this beam count's model before the next one loads
+    return results, schedules, meta
+
+
+def _row(mode: str, system: str, e: Entrant, samples: list[Sample], bs: int, beams: int, n: int) -> RunResult:
+    """The ``runs`` row of one system's cell of ``n`` inputs: median time, first repeat's outputs (decode:
+    token ids, counted), memory peaks over the repeats."""
+    seconds = [x.seconds for x in samples]
+    med = statistics.median(seconds)
+    outputs = samples[0].outputs
+    toks = sum(len(o) for o in outputs) if mode == "decode" else None
+    peaks = [x.peak_mb for x in samples if x.peak_mb is not None]
+    runs = [x.run_mb for x in samples if x.run_mb is not None]
     return RunResult(
         mode=mode,
         system=system,
-        backend=backend,
-        batch_size=batch_size,
-        num_beams=num_beams,
+        backend=e.backend,
+        batch_size=bs,
+        num_beams=beams,
         n=n,
-        seconds=[round(t, 4) for t in stats.seconds],
+        seconds=[round(t, 4) for t in seconds],
         median_s=med,
         samples_per_s=n / med,
         tokens_per_s=None if toks is None else toks / med,
         generated_tokens=toks,
-        peak_mem_mb=stats.peak_mb,
-        peak_mem_kind=peak_mem_kind,
-        run_mem_mb=stats.run_mb,
-        notes=list(notes),
-        outputs=stats.outputs,
+        peak_mem_mb=max(peaks, default=None),
+        peak_mem_kind=e.mem_kind,
+        run_mem_mb=max(runs, default=None),
+        notes=list(e.notes),
+        outputs=outputs,
     )
-
-
-# -- in-process measurement (decode mode) ---------------------------------------------------------------
-def _rss_mb() -> float:
-    """This process's resident set size now (Linux ``/proc``; peak RSS elsewhere), MiB."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError):
-        import resource
-
-        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return kb / 1024 if sys.platform != "darwin" else kb / 2**20
-
-
-@contextlib.contextmanager
-def peak_memory(device: torch.device) -> Iterator[dict[str, float]]:
-    """Peak memory (MiB) while the block runs: max allocated on a GPU, else the process RSS (sampled
-    every 5 ms; ``delta`` is then the peak above the RSS at the start)."""
-    import torch
-
-    result: dict[str, float] = {}
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        yield result
-        torch.cuda.synchronize(device)
-        result["peak"] = torch.cuda.max_memory_allocated(device) / 2**20
-        return
-    stop = threading.Event()
-    before = _rss_mb()
-    peak = [before]
-
-    def sample() -> None:
-        while not stop.wait(0.005):
-            peak[0] = max(peak[0], _rss_mb())
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield result
-    finally:
-        stop.set()
-        thread.join()
-        result["peak"] = max(peak[0], _rss_mb())
-        result["delta"] = result["peak"] - before
-
-
-def timed(work: Callable[[], list[Any]], device: torch.device, track_memory: bool = True) -> Sample:
-    """Run ``work`` in this process: wall time (GPU work finished), its outputs and peak memory."""
-    import torch
-
-    with peak_memory(device) as mem:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        outputs = work()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
-    if not track_memory:
-        return Sample(elapsed, outputs)
-    return Sample(elapsed, outputs, mem["peak"], mem.get("delta"))

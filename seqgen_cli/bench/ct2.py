@@ -1,14 +1,7 @@
 """CTranslate2 for ``seqgen bench``: a clear message when it is missing, a cached conversion, and the
-translation of seqgen's resolved generation settings into CTranslate2 options (the "plan").
-
-CTranslate2 counts lengths differently from transformers and has no forced-EOS option, so the mapping
-is: ``forced_bos_token_id`` becomes a one-token target prefix (CTranslate2 counts the prefix in its
-lengths, as transformers counts the forced token); ``forced_eos_token_id`` is emulated by decoding one
-token fewer and appending EOS to hypotheses that did not end (with ``--fixed-new-tokens`` this is exactly
-what transformers does: its last step is forced to EOS, adding 0 to every beam's score).
-``bad_words_ids`` of length one become ``suppress_sequences``. Where the converted model has no decoder
-start token (mBART), the prefix starts with transformers' ``decoder_start_token_id``. CTranslate2 renormalises the distribution
-after masking banned tokens, so beam scores (and rarely the outputs) can differ from ``generate()``.
+translation of seqgen's resolved generation settings into CTranslate2 options (the "plan"; the mapping and
+its limits are in docs/BENCHMARKS.md). CTranslate2 has no forced EOS: it is emulated by decoding one token
+fewer and appending EOS to unfinished hypotheses (exact with ``--fixed-new-tokens``).
 """
 
 from __future__ import annotations
@@ -52,10 +45,9 @@ def require_ct2() -> ModuleType:
     return ctranslate2
 
 
-def _fingerprint(model_dir: Path) -> str:
+def _fingerprint(model_dir: Path, version: str) -> str:
     """A short hash of the checkpoint's files (name, size, mtime) and the CTranslate2 version."""
-    ct2 = require_ct2()
-    h = hashlib.sha1(ct2.__version__.encode())
+    h = hashlib.sha1(version.encode())
     for p in sorted(model_dir.iterdir()):
         if p.is_file():
             st = p.stat()
@@ -63,7 +55,7 @@ def _fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def convert(model: str, cache: Path | None = None, quantization: str | None = None) -> Path:
+def convert(model: str, cache: Path | None = None) -> Path:
     """Convert a checkpoint folder once with ``TransformersConverter``; reuse the cached conversion."""
     ct2 = require_ct2()
     from ctranslate2.converters import TransformersConverter
@@ -71,7 +63,7 @@ def convert(model: str, cache: Path | None = None, quantization: str | None = No
     model_dir = Path(model).expanduser().resolve()
     if not (model_dir / "config.json").is_file():
         raise SeqgenError(f"ct2: {model} is not a local checkpoint folder; only folders are converted")
-    key = f"{model_dir.name}-{_fingerprint(model_dir)}-{quantization or 'none'}"
+    key = f"{model_dir.name}-{_fingerprint(model_dir, ct2.__version__)}-none"  # not quantised
     out = (cache or DEFAULT_CACHE).expanduser() / key
     if (out / "model.bin").is_file():
         return out
@@ -79,7 +71,7 @@ def convert(model: str, cache: Path | None = None, quantization: str | None = No
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     try:
         with _transformers5_compat():
-            TransformersConverter(str(model_dir)).convert(str(tmp), quantization=quantization, force=True)
+            TransformersConverter(str(model_dir)).convert(str(tmp), force=True)
     except Exception as err:  # the converter raises many types (ValueError, NotImplementedError, ...)
         raise SeqgenError(
             f"ct2: cannot convert {model} with CTranslate2 {ct2.__version__}: {type(err).__name__}: {err}"
@@ -113,14 +105,12 @@ def _transformers5_compat() -> Iterator[None]:
 
 def vocabulary(ct2_dir: Path) -> list[str]:
     """The converted model's target vocabulary (CTranslate2 may drop tokens, e.g. Marian's ``<pad>``)."""
-    for name in ("target_vocabulary.json", "shared_vocabulary.json", "vocabulary.json"):
-        path = ct2_dir / name
-        if path.is_file():
-            return json.loads(path.read_text(encoding="utf-8"))
-    for name in ("target_vocabulary.txt", "shared_vocabulary.txt", "vocabulary.txt"):
-        path = ct2_dir / name
-        if path.is_file():
-            return path.read_text(encoding="utf-8").split("\n")
+    for ext in ("json", "txt"):
+        for stem in ("target_vocabulary", "shared_vocabulary", "vocabulary"):
+            path = ct2_dir / f"{stem}.{ext}"
+            if path.is_file():
+                text = path.read_text(encoding="utf-8")
+                return json.loads(text) if ext == "json" else text.split("\n")
     raise SeqgenError(f"ct2: no vocabulary file in {ct2_dir}")
 
 
@@ -141,40 +131,13 @@ def _ids(value: Any) -> list[int]:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def start_in_prefix(ct2_dir: Path) -> bool:
-    """Whether the converted model has no decoder start token (mBART): the prefix must begin with it."""
-    path = ct2_dir / "config.json"
-    if not path.is_file():
-        return False
-    config = json.loads(path.read_text(encoding="utf-8"))
-    return "decoder_start_token" in config and config["decoder_start_token"] is None
-
-
 def plan_for(gen: Generator, ct2_dir: Path, vocab: list[str] | None = None) -> Ct2Plan:
-    """The plan for a ``Generator``'s resolved settings on the model converted into ``ct2_dir``."""
-    return plan(
-        gen.config,
-        gen.tokenizer,
-        vocab if vocab is not None else vocabulary(ct2_dir),
-        max_new=gen.max_new_tokens(),
-        min_new=gen.min_new_tokens(),
-        causal=not gen.is_encoder_decoder,
-        start_token_in_prefix=start_in_prefix(ct2_dir),
-    )
-
-
-def plan(
-    config: Any,
-    tokenizer: Any,
-    vocab: list[str],
-    max_new: int,
-    min_new: int,
-    causal: bool,
-    start_token_in_prefix: bool = False,
-) -> Ct2Plan:
-    """CTranslate2 options equivalent to a transformers ``GenerationConfig`` (as far as they exist)."""
-    known = set(vocab)
-    tok = tokenizer.convert_ids_to_tokens
+    """CTranslate2 options equivalent to a ``Generator``'s resolved settings (as far as they exist), for the
+    model converted into ``ct2_dir`` (``vocab``: its vocabulary, when already read)."""
+    config, causal = gen.config, not gen.is_encoder_decoder
+    max_new, min_new = gen.max_new_tokens(), gen.min_new_tokens()
+    known = set(vocab if vocab is not None else vocabulary(ct2_dir))
+    tok = gen.tokenizer.convert_ids_to_tokens
     eos = [tok(i) for i in _ids(config.eos_token_id)]
     notes: list[str] = []
     prefix = None
@@ -185,8 +148,11 @@ def plan(
         append_eos = tok(_ids(config.forced_eos_token_id)[0])
         max_new -= 1  # the forced last token is appended afterwards
         min_new = min(min_new, max_new)
-    if start_token_in_prefix and not causal:
-        # CTranslate2 then takes the prefix's first token as the start token: neither returned nor counted.
+    config_path = ct2_dir / "config.json"
+    converted = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    if not causal and converted.get("decoder_start_token", 0) is None:
+        # The converted model has no decoder start token (mBART): the prefix begins with transformers';
+        # CTranslate2 takes the prefix's first token as the start token, neither returned nor counted.
         prefix = [tok(config.decoder_start_token_id)] + (prefix or [])
     suppress = []
     for seq in config.bad_words_ids or []:

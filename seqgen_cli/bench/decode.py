@@ -1,33 +1,29 @@
 """Decode mode: model loaded, inputs tokenised; only generation is timed (what CTranslate2 reports).
 
-Per beam count one ``Generator`` resolves the settings; every system then generates for the same batches
-(the first ``n`` inputs sorted by length, cut into batches) in each batch-size cell.
+Every system generates for the same batches of token ids (the first ``n`` inputs sorted by length).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from seqgen_cli.batching import plan_batches
 from seqgen_cli.bench import ct2
-from seqgen_cli.bench.cells import OnCell, RunOnce, RunResult, Sample, run_cell, run_result, timed
-from seqgen_cli.bench.systems import (
-    Ct2Model,
-    Ct2System,
-    HFSystem,
-    SeqgenSystem,
-    System,
-    check_compute_type,
-    load_ct2_model,
-)
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.bench.cells import Entrant, Sample, run_mode
+from seqgen_cli.bench.systems import Ct2Model, Ct2System, HFSystem, SeqgenSystem, System
 
 if TYPE_CHECKING:
-    import torch
-
     from seqgen_cli.bench import BenchSettings
+    from seqgen_cli.bench.cells import Cell, OnCell, RunOnce, RunResult
+    from seqgen_cli.generator import Generator
 
 WARMUP_ROWS = 8  # the warm-up runs the first batch's first rows: same code paths, less time
 
@@ -35,96 +31,97 @@ WARMUP_ROWS = 8  # the warm-up runs the first batch's first rows: same code path
 def bench_decode(
     s: BenchSettings, texts: list[str], log: Callable[[str], None], on_cell: OnCell | None = None
 ) -> tuple[list[RunResult], list[list[str]], dict[str, Any]]:
-    """Run every decode cell; returns results, the run schedule (per cell), and run metadata.
-
-    ``on_cell(results, schedules, meta)`` is called after every cell (to save partial results)."""
-    from seqgen_cli.generator import Generator
-
-    results: list[RunResult] = []
-    schedules: list[list[str]] = []
-    meta: dict[str, Any] = {}
+    """Run every decode cell (see :func:`~seqgen_cli.bench.cells.run_mode`)."""
     ct2_model: Ct2Model | None = None  # converted and loaded once, for every beam count
-    want_ct2 = "ct2" in s.compare
-    if want_ct2:
-        reason = ct2.ct2_available()
-        if reason:
-            log(f"skipping ct2: {reason}")
-            meta["ct2_skipped"] = reason
-            want_ct2 = False
-    for beams in s.num_beams:
-        gen = Generator(
-            s.model,
-            backend="auto",
-            device=s.device,
-            dtype=s.dtype,
-            preset=s.preset,
-            prefix=s.prefix,
-            max_source_length=s.max_source_length,
-            **s.generation_flags(beams),
-        )
+
+    def ct2_setup(gen: Generator) -> tuple[Ct2System, ct2.Ct2Plan]:
+        nonlocal ct2_model
+        ct2_model = ct2_model or Ct2Model(s.model, s.ct2_cache, gen, s.threads, log)
+        system = Ct2System(ct2_model, gen)
+        return system, system.plan
+
+    def cells(beams: int, gen: Generator, ct2_system: Ct2System | None) -> Callable[[int, int], Cell]:
         device = gen.loaded.device
-        meta.setdefault("seqgen_backend", gen.backend)
-        meta.setdefault("max_source_length", gen.max_source_length)
-        meta.setdefault("device", str(device))
-        meta.setdefault("dtype", str(gen.loaded.dtype).replace("torch.", ""))
-        meta.setdefault("generation_config", {})[str(beams)] = gen.config.to_diff_dict()
         encoded = [e.ids for e in gen.encode(texts)]
         systems: list[System] = [SeqgenSystem(gen)]
-        if "hf" in s.compare:
-            systems.append(HFSystem(gen))
-        if want_ct2:
-            try:
-                check_compute_type(gen)
-                ct2_model = ct2_model or load_ct2_model(s.model, s.ct2_cache, gen, s.threads, log)
-                plan = ct2.plan_for(gen, ct2_model.path, ct2_model.vocab)
-                systems.append(Ct2System(ct2_model, plan, gen.tokenizer, gen.is_encoder_decoder))
-                meta.setdefault("ct2_plan", {})[str(beams)] = asdict(plan)
-            except SeqgenError as err:
-                log(f"skipping ct2: {err}")
-                meta["ct2_skipped"] = str(err)
-                want_ct2 = False
-        for bs in s.batch_sizes:
-            n = min(len(encoded), s.max_batches * bs) if s.max_batches else len(encoded)
+        systems += [HFSystem(gen)] if "hf" in s.compare else []
+        systems += [ct2_system] if ct2_system else []
+
+        kind = "max allocated" if device.type == "cuda" else "rss"
+
+        def cell(bs: int, n: int) -> Cell:
             ids = encoded[:n]
             batches = [[ids[i] for i in b] for b in plan_batches([len(x) for x in ids], bs, None)]
-            log(f"decode beams={beams} batch={bs} n={n}: {', '.join(x.name for x in systems)}")
-            cell, schedule = run_cell(
-                {x.name: _run_once(x, batches, device) for x in systems}, s.repeats, s.warmup, log
-            )
-            schedules.append(schedule)
-            for x in systems:
-                kind = "n/a" if x.mem_kind == "n/a" else "max allocated" if device.type == "cuda" else "rss"
-                results.append(
-                    run_result(
-                        cell[x.name],
-                        mode="decode",
-                        system=x.name,
-                        backend=x.backend,
-                        batch_size=bs,
-                        num_beams=beams,
-                        n=n,
-                        peak_mem_kind=kind,
-                        count_tokens=True,
-                        notes=x.notes,
-                    )
+            return {
+                x.name: Entrant(
+                    _run_once(x, batches, device), x.backend, kind if x.measured else "n/a", x.notes
                 )
-            if on_cell:
-                on_cell(results, schedules, meta)
-        del systems, gen
-    return results, schedules, meta
+                for x in systems
+            }
+
+        return cell
+
+    return run_mode("decode", s, texts, log, on_cell, ct2_setup, cells)
 
 
 def _run_once(system: System, batches: list[list[list[int]]], device: torch.device) -> RunOnce:
-    """The cell's work for one system: every batch (the warm-up: the first batch's first rows)."""
+    """The cell's work for one system in this process: every batch (the warm-up: the first batch's first
+    rows); wall time with the GPU work finished, outputs and peak memory."""
     prepared = [system.prepare(b) for b in batches]  # untimed
     warmup_work = [prepared[0][:WARMUP_ROWS]]
 
     def run_once(warmup: bool) -> Sample:
-        work = warmup_work if warmup else prepared
-
-        def generate() -> list[list[int]]:
-            return [out for batch in work for out in system.run(batch)]
-
-        return timed(generate, device, track_memory=system.mem_kind != "n/a")
+        with peak_memory(device) as mem:
+            start = time.perf_counter()
+            outputs = [out for batch in (warmup_work if warmup else prepared) for out in system.run(batch)]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - start
+        if not system.measured:
+            return Sample(elapsed, outputs)
+        return Sample(elapsed, outputs, mem["peak"], mem.get("delta"))
 
     return run_once
+
+
+def _rss_mb() -> float:
+    """This process's resident set size now (Linux ``/proc``; peak RSS elsewhere), MiB."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        import resource
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device) -> Iterator[dict[str, float]]:
+    """Peak memory (MiB) while the block runs: max allocated on a GPU (synchronised before), else the
+    process RSS (sampled every 5 ms; ``delta`` is then the peak above the RSS at the start)."""
+    result: dict[str, float] = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result["peak"] = torch.cuda.max_memory_allocated(device) / 2**20
+        return
+    stop = threading.Event()
+    before = _rss_mb()
+    peak = [before]
+
+    def sample() -> None:
+        while not stop.wait(0.005):
+            peak[0] = max(peak[0], _rss_mb())
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        result["peak"] = max(peak[0], _rss_mb())
+        result["delta"] = result["peak"] - before

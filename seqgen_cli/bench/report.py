@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -40,6 +41,12 @@ def write_json(path: Path, head: dict[str, Any], results: list[RunResult]) -> di
     return report
 
 
+TITLES = {
+    "decode": "decode-only (model loaded, inputs tokenised)",
+    "e2e": "end-to-end (files to files, fresh process)",
+}
+
+
 def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if x is None else f"{x:{spec}}{suffix}"
 
@@ -51,12 +58,7 @@ def markdown_table(results: list[RunResult]) -> str:
         rows = [r for r in results if r.mode == mode]
         if not rows:
             continue
-        title = (
-            "decode-only (model loaded, inputs tokenised)"
-            if mode == "decode"
-            else "end-to-end (files to files, fresh process)"
-        )
-        parts.append(f"**{title}**\n")
+        parts.append(f"**{TITLES[mode]}**\n")
         parts.append(
             "| beams | batch | system | backend | n | median s | samples/s | tokens/s | peak MiB | +run MiB | "
             "vs hf | vs ct2 | same as hf |\n|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -72,10 +74,11 @@ def markdown_table(results: list[RunResult]) -> str:
     return "\n".join(parts)
 
 
-def write_markdown(path: Path, table: str, command: str) -> None:
-    """Write ``bench.md``: the command line, then the table."""
-    header = f"Command: `{command}`\n\n" if command else ""
-    path.write_text(header + table + "\n", encoding="utf-8")
+def write_markdown(path: Path, results: list[RunResult], command: str) -> str:
+    """Write ``bench.md``: the command line, then the tables; returns the tables."""
+    table = markdown_table(results)
+    path.write_text((f"Command: `{command}`\n\n" if command else "") + table + "\n", encoding="utf-8")
+    return table
 
 
 def plot(results: list[RunResult], path: Path, title: str) -> bool:
@@ -93,30 +96,23 @@ def plot(results: list[RunResult], path: Path, title: str) -> bool:
     fig, axes = plt.subplots(
         len(modes), len(beams), figsize=(4.5 * len(beams), 3.6 * len(modes)), squeeze=False
     )
-    for i, mode in enumerate(modes):
-        for j, b in enumerate(beams):
-            ax = axes[i][j]
-            for system in SYSTEMS:
-                rows = sorted(
-                    (r for r in results if r.mode == mode and r.num_beams == b and r.system == system),
-                    key=lambda r: r.batch_size,
+    for (i, mode), (j, b) in itertools.product(enumerate(modes), enumerate(beams)):
+        ax = axes[i][j]
+        for system in SYSTEMS:
+            rows = [r for r in results if (r.mode, r.num_beams, r.system) == (mode, b, system)]
+            rows.sort(key=lambda r: r.batch_size)
+            if rows:
+                label = f"seqgen ({rows[0].backend})" if system == "seqgen" and mode == "decode" else system
+                ax.plot(
+                    [r.batch_size for r in rows], [r.samples_per_s for r in rows], marker="o", label=label
                 )
-                if rows:
-                    label = (
-                        f"seqgen ({rows[0].backend})" if system == "seqgen" and mode == "decode" else system
-                    )
-                    ax.plot(
-                        [r.batch_size for r in rows], [r.samples_per_s for r in rows], marker="o", label=label
-                    )
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(sizes, [str(x) for x in sizes])
-            ax.minorticks_off()
-            ax.set_ylim(bottom=0)
-            ax.set_title(f"{mode}, beams={b}", fontsize=10)
-            ax.set_xlabel("batch size")
-            ax.set_ylabel("samples/s")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(x) for x in sizes])
+        ax.minorticks_off()
+        ax.set(ylim=(0, None), xlabel="batch size", ylabel="samples/s")
+        ax.set_title(f"{mode}, beams={b}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

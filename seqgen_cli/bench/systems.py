@@ -9,13 +9,13 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from seqgen_cli.bench import ct2
+from seqgen_cli.bench.cells import dtype_name
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import strip_generated
 
@@ -29,7 +29,7 @@ class System:
 
     name = ""
     backend = ""
-    mem_kind = "rss"  # "n/a": this system's memory is not measured (CTranslate2 on a GPU)
+    measured = True  # False: this system's memory is not measured (CTranslate2 on a GPU)
     notes: list[str]
 
     def prepare(self, batch: Sequence[Sequence[int]]) -> Any:
@@ -80,48 +80,33 @@ class HFSystem(System):
         return [strip_generated(row, self.config.eos_token_id) for row in out[:, start:].tolist()]
 
 
-@dataclass
 class Ct2Model:
-    """A converted model loaded once: the engine (``Translator`` or ``Generator``), its folder and vocabulary."""
+    """A checkpoint converted (or its cached conversion reused) and loaded once on the Generator's device and
+    dtype: ``engine`` (``Translator`` or ``Generator``), its folder ``path`` and its vocabulary ``vocab``.
+    A ``SeqgenError`` when CTranslate2 has no such compute type there."""
 
-    engine: Any
-    path: Path
-    vocab: list[str]
-
-
-def load_ct2_model(
-    model: str, cache: str | None, gen: Generator, threads: int | None, log: Callable[[str], None]
-) -> Ct2Model:
-    """Convert (or reuse the cached conversion of) ``model`` and load it on the Generator's device."""
-    ctranslate2 = ct2.require_ct2()
-    device = gen.loaded.device
-    ct2_device = "cuda" if device.type == "cuda" else "cpu"
-    start = time.perf_counter()
-    path = ct2.convert(model, Path(cache) if cache else None)
-    log(f"ct2 model at {path} ({time.perf_counter() - start:.1f}s)")
-    cls = ctranslate2.Translator if gen.is_encoder_decoder else ctranslate2.Generator
-    kwargs: dict[str, Any] = {"device": ct2_device, "compute_type": _dtype(gen)}
-    if ct2_device == "cpu":
-        kwargs["intra_threads"] = threads or torch.get_num_threads()
-    elif device.index is not None:
-        kwargs["device_index"] = device.index
-    return Ct2Model(cls(str(path), **kwargs), path, ct2.vocabulary(path))
-
-
-def check_compute_type(gen: Generator) -> None:
-    """A ``SeqgenError`` when CTranslate2 has no compute type matching the Generator's dtype and device."""
-    ctranslate2 = ct2.require_ct2()
-    dtype = _dtype(gen)
-    ct2_device = "cuda" if gen.loaded.device.type == "cuda" else "cpu"
-    supported = ctranslate2.get_supported_compute_types(ct2_device)
-    if dtype not in supported:
-        raise SeqgenError(
-            f"CTranslate2 has no {dtype} on {ct2_device} (it has {', '.join(sorted(supported))})"
-        )
-
-
-def _dtype(gen: Generator) -> str:
-    return str(gen.loaded.dtype).replace("torch.", "")
+    def __init__(
+        self, model: str, cache: str | None, gen: Generator, threads: int | None, log: Callable[[str], None]
+    ) -> None:
+        ctranslate2 = ct2.require_ct2()
+        device, dtype = gen.loaded.device, dtype_name(gen)
+        ct2_device = "cuda" if device.type == "cuda" else "cpu"
+        supported = ctranslate2.get_supported_compute_types(ct2_device)
+        if dtype not in supported:
+            raise SeqgenError(
+                f"CTranslate2 has no {dtype} on {ct2_device} (it has {', '.join(sorted(supported))})"
+            )
+        start = time.perf_counter()
+        self.path = ct2.convert(model, Path(cache) if cache else None)
+        log(f"ct2 model at {self.path} ({time.perf_counter() - start:.1f}s)")
+        cls = ctranslate2.Translator if gen.is_encoder_decoder else ctranslate2.Generator
+        kwargs: dict[str, Any] = {"device": ct2_device, "compute_type": dtype}
+        if ct2_device == "cpu":
+            kwargs["intra_threads"] = threads or torch.get_num_threads()
+        elif device.index is not None:
+            kwargs["device_index"] = device.index
+        self.engine = cls(str(self.path), **kwargs)
+        self.vocab = ct2.vocabulary(self.path)
 
 
 class Ct2System(System):
@@ -129,14 +114,15 @@ class Ct2System(System):
 
     name = "ct2"
 
-    def __init__(self, model: Ct2Model, plan: ct2.Ct2Plan, tokenizer: Any, seq2seq: bool) -> None:
+    def __init__(self, model: Ct2Model, gen: Generator) -> None:
         import ctranslate2
 
-        self.engine, self.plan, self.tokenizer, self.seq2seq = model.engine, plan, tokenizer, seq2seq
+        self.engine, self.tokenizer, self.seq2seq = model.engine, gen.tokenizer, gen.is_encoder_decoder
+        self.plan = ct2.plan_for(gen, model.path, model.vocab)
         self.index = {t: i for i, t in enumerate(model.vocab)}
         self.backend = f"ctranslate2 {ctranslate2.__version__}"
-        self.notes = list(plan.notes)
-        self.mem_kind = "rss" if self.engine.device == "cpu" else "n/a"
+        self.notes = list(self.plan.notes)
+        self.measured = self.engine.device == "cpu"
 
     def prepare(self, batch: Sequence[Sequence[int]]) -> list[list[str]]:
         """Token ids to the token strings CTranslate2 takes."""
