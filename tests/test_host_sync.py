@@ -20,6 +20,7 @@ Python level. Each op is recorded with the loop iteration and the phase it ran i
 
 from __future__ import annotations
 
+import copy
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -174,11 +175,14 @@ def recording(backend: Any) -> Iterator[SyncRecorder]:
         yield rec
 
 
-def run_recorded(family: str, tiny_models: Any, kwargs: dict, sync_every: int | None, n: int = 8):
+def run_recorded(
+    family: str, tiny_models: Any, kwargs: dict, sync_every: int | None, dtype: torch.dtype = torch.float32
+) -> tuple[SyncRecorder, Any]:
     loaded = load(tiny_models(family))
-    batch: Batch = text_batch(loaded, n, seed=4)
+    batch: Batch = text_batch(loaded, 8, seed=4)
     config = resolve_generation_config(loaded.model.generation_config, None, kwargs)
-    backend = get_backend(loaded.model)
+    model = loaded.model if dtype == torch.float32 else copy.deepcopy(loaded.model).to(dtype)
+    backend = get_backend(model)
     assert not type(backend).__name__.startswith("Generic"), "the fast backend is under test"
     with recording(backend) as rec:
         out = generate(backend, batch, config, seed=0, sync_every=sync_every)
@@ -208,6 +212,9 @@ CASES = {
     "t5-beam-never-badwords": ("t5", dict(BEAM, early_stopping="never", bad_words_ids=[[5], [7, 8]])),
     "gpt2-beam-ngram-minlen-rep": ("gpt2", dict(BEAM, repetition_penalty=1.3, num_return_sequences=2)),
     "llama-beam-ngram-minlen": ("llama", BEAM),
+    # fp16 T5 clamps activations after every sub-layer (sync-free); bf16 Llama keeps float32 attention scores.
+    "t5-fp16-beam": ("t5", BEAM, torch.float16),
+    "llama-bf16-beam": ("llama", BEAM, torch.bfloat16),
     "bart-greedy": ("bart", dict(max_new_tokens=24, min_new_tokens=9)),
     "llama-greedy-rep-ngram": (
         "llama",
@@ -227,8 +234,8 @@ CASES = {
 @pytest.mark.parametrize("sync_every", [4, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_decode_loop_never_syncs_between_checks(tiny_models, case: str, sync_every: int) -> None:
-    family, kwargs = CASES[case]
-    rec, out = run_recorded(family, tiny_models, kwargs, sync_every)
+    family, kwargs, *dtype = CASES[case]
+    rec, out = run_recorded(family, tiny_models, kwargs, sync_every, *dtype)
     assert rec.iterations > 2 * sync_every, "too short to see two checks: the test would be vacuous"
     assert rec.checks, "no host check ran"
     bad = rec.violations()

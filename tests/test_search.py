@@ -233,3 +233,56 @@ def test_bfloat16_model(tiny_models, family: str) -> None:
             model, lambda m: get_backend(m, generic=True), batch, kwargs, keep_dtype=True
         )
         assert result.identical == result.total, result.summary()
+
+
+def _ngrams_ok(row: list[int], start: int, n: int) -> bool:
+    """No token at position >= ``start`` of ``row`` completes an n-gram that already ended earlier."""
+    seen = {tuple(row[j - n + 1 : j + 1]) for j in range(n - 1, start)}
+    for j in range(max(start, n - 1), len(row)):
+        gram = tuple(row[j - n + 1 : j + 1])
+        if gram in seen:
+            return False
+        seen.add(gram)
+    return True
+
+
+@pytest.mark.parametrize("family", ["bart", "t5", "gpt2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_fast_backends(tiny_models, family: str, dtype: torch.dtype, record_property) -> None:
+    """bf16/fp16 weights and activations through the fast backends on the CPU: valid outputs, the bans hold
+    (n-gram, min length, forced BOS/EOS), float32 scores. Agreement with float32 is reported, not asserted."""
+    import copy
+
+    loaded = load(tiny_models(family))
+    batch = text_batch(loaded, 8, seed=12)
+    n, min_new, max_new = 2, 6, 16
+    kwargs = dict(num_beams=4, no_repeat_ngram_size=n, min_new_tokens=min_new, max_new_tokens=max_new)
+    config = resolve_generation_config(loaded.model.generation_config, None, kwargs)
+    ref = generate(get_backend(loaded.model), batch, config)
+    half = copy.deepcopy(loaded.model).to(dtype)
+    backend = get_backend(half)
+    assert not isinstance(backend, GenericBackend)
+    out = generate(backend, batch, config)
+    s = settings_for(backend, batch, config)
+    vocab = backend.vocab_size
+    ended = 0
+    for i, (per_input, scores) in enumerate(zip(out.sequences, out.scores, strict=True)):
+        seq, score = per_input[0], scores[0]
+        assert min_new <= len(seq) <= max_new and all(0 <= tok < vocab for tok in seq), seq
+        assert not any(tok in s.eos for tok in seq[:-1]), seq  # EOS only last,
+        if seq[-1] in s.eos:
+            ended += 1
+            assert len(seq) > min_new, seq  # never within the first min_new_tokens
+        else:
+            assert len(seq) == max_new, seq
+        assert torch.isfinite(torch.tensor(score)) and score < 0, score  # a float32 log-prob sum
+        if s.forced_bos is not None:
+            assert seq[0] == s.forced_bos
+        if s.forced_eos and len(seq) == max_new:
+            assert seq[-1] in s.forced_eos
+        prompt = [s.decoder_start] if half.config.is_encoder_decoder else batch.input_ids[i].tolist()
+        assert _ngrams_ok(prompt + seq, len(prompt), n), (prompt, seq)
+    assert ended, "no output ended with EOS: the min-length ban was not exercised"
+    same = sum(a == b for a, b in zip(out.sequences, ref.sequences, strict=True))
+    record_property("agreement_with_float32", f"{same}/{len(ref.sequences)}")
+    print(f"{family} {dtype}: {same}/{len(ref.sequences)} outputs identical to float32")
