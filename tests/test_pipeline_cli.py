@@ -179,3 +179,70 @@ def test_200k_lines_run_in_bounded_memory(bart: Path, tmp_path: Path) -> None:
         assert sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 20), b"")) == n
     assert data["inputs"] == n
     assert data["peak_rss_mb"] - data["rss_at_start_mb"] < 200, data
+
+
+def test_shards_merged_equal_the_one_process_run(bart: Path, job, tmp_path: Path) -> None:
+    src, reference, _ = job  # 30 inputs
+    parts = [tmp_path / f"part{i}.txt" for i in range(4)]
+    for i, part in enumerate(parts[:3]):
+        res = seqgen("generate", "-m", str(bart), str(src), "-o", str(part), "--shard", f"{i}/4", *ARGS)
+        assert res.exit_code == 0, res.stderr
+    env = {"RANK": "3", "WORLD_SIZE": "4"}  # as torchrun sets them
+    res = CliRunner().invoke(
+        main, ["generate", "-m", str(bart), str(src), "-o", str(parts[3]), "--shard", "auto", *ARGS], env=env
+    )
+    assert res.exit_code == 0, res.stderr
+    assert [p.read_bytes().count(b"\n") for p in parts] == [7, 8, 7, 8]
+    out = tmp_path / "merged.txt"
+    res = seqgen("merge", *map(str, parts), "-o", str(out))
+    assert res.exit_code == 0, res.stderr
+    assert out.read_bytes() == reference
+
+
+def test_merge_refuses_an_unfinished_part(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("x\n")
+    b.write_text("y\n")
+    index_path(b).write_text("{}\n")  # shard b was interrupted
+    out = tmp_path / "out.txt"
+    res = seqgen("merge", str(a), str(b), "-o", str(out))
+    assert res.exit_code == 2 and f"{b}: incomplete" in res.stderr and "--resume" in res.stderr
+    assert not out.exists()
+    index_path(b).unlink()
+    assert seqgen("merge", str(a), str(b), "-o", str(out)).exit_code == 0 and out.read_text() == "x\ny\n"
+
+
+def test_shard_errors(bart: Path, job) -> None:
+    src = str(job[0])
+    res = seqgen("generate", "-m", str(bart), src, "--shard", "4/4", *ARGS)
+    assert res.exit_code == 2 and "0 <= I < N" in res.stderr
+    res = CliRunner().invoke(main, ["generate", "-m", str(bart), src, "--shard", "auto"], env={"RANK": None})
+    assert res.exit_code == 2 and "RANK and WORLD_SIZE" in res.stderr
+    res = seqgen("generate", "-m", str(bart), "--shard", "0/2", *ARGS, input="a\n")
+    assert res.exit_code == 2 and "--shard needs input files" in res.stderr
+    res = seqgen("generate", "-m", str(bart), src, "--address", "auto", *ARGS)
+    assert res.exit_code == 2 and "--address needs --workers N" in res.stderr
+
+
+def test_without_workers_ray_is_never_imported(bart: Path, job, tmp_path: Path) -> None:
+    src, reference, _ = job
+    out = tmp_path / "out.txt"
+    code = (
+        "import sys; from seqgen_cli.cli import main\n"
+        f"try: main({['generate', '-m', str(bart), str(src), '-o', str(out), *ARGS]!r})\n"
+        "except SystemExit as e: assert not e.code, e.code\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+    assert res.returncode == 0, res.stderr.decode()
+    assert out.read_bytes() == reference
+
+
+def test_workers_without_ray_say_how_to_install_it(bart: Path, job, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    res = seqgen("generate", "-m", str(bart), str(job[0]), "--workers", "2", *ARGS)
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines() == [
+        "seqgen: error: --workers needs Ray, which is not installed: pip install 'seqgen-cli[ray]'"
+    ]

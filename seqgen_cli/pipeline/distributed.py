@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import resume
@@ -289,6 +289,7 @@ class _Worker:
         self.progress = 0  # inputs done in the current shard, as last polled
         self.started = 0.0
         self.deaths = 0
+        self.hello_failures = 0  # in a row
         self.pids: list[int] = []
         self.node = ""
         self.stats: dict[str, Any] = dict(shards=0, inputs=0, generated_tokens=0, busy_seconds=0.0)
@@ -330,12 +331,18 @@ def generate_distributed(
         resume.check_fresh(output)
     t0 = time.perf_counter()
     ray = import_ray()
-    connected = _connect(ray, cluster)
+    stdout = sys.stdout
+    sys.stdout = sys.stderr  # Ray prints its notices (e.g. a worker died) to sys.stdout: not into the output
     try:
-        return _Driver(ray, generator, list(inputs) or ["-"], output, opts, cluster, events, t0).run()
+        connected = _connect(ray, cluster)
+        try:
+            driver = _Driver(ray, generator, list(inputs) or ["-"], output, opts, cluster, events, t0)
+            return driver.run(stdout)
+        finally:
+            if connected:
+                ray.shutdown()
     finally:
-        if connected:
-            ray.shutdown()
+        sys.stdout = stdout
 
 
 def _connect(ray: Any, cluster: ClusterOptions) -> bool:
@@ -398,21 +405,22 @@ class _Driver:
         """Take a worker's hello; None when its process died (it is restarted, or dropped)."""
         try:
             info = self.ray.get(w.hello_ref)
-        except self.ray.exceptions.RayActorError:
-            self._lost(w)
+        except self.ray.exceptions.RayActorError:  # died loading the model, or was already dead when asked
+            w.hello_failures += 1
+            self._lost(w, died=False)
             return None
-        w.hello_ref = None
+        w.hello_ref, w.hello_failures = None, 0
         if info["error"] is not None:
             raise SeqgenError(f"a worker could not load the model: {info['error']}")
         w.ready, w.node = True, info["node"]
         w.pids.append(info["pid"])
         return info
 
-    def _lost(self, w: _Worker) -> None:
+    def _lost(self, w: _Worker, died: bool = True) -> None:
         """A worker's process died: wait for Ray to restart it, or drop it after ``max_restarts``."""
-        w.deaths += 1
+        w.deaths += died
         w.ready, w.task_ref, w.poll_ref, w.shard, w.progress = False, None, None, None, 0
-        if w.deaths > self.cluster.max_restarts:
+        if w.deaths > self.cluster.max_restarts or w.hello_failures > self.cluster.max_restarts + 1:
             self.workers.remove(w)
             self.lost_workers.append(w)
             if not self.workers:
@@ -429,9 +437,11 @@ class _Driver:
             if info is not None:
                 return info
 
-    def _open_output(self, settings: dict[str, Any], parts: Path) -> tuple[Sink, resume.ResumeState | None]:
+    def _open_output(
+        self, settings: dict[str, Any], parts: Path, stdout: TextIO
+    ) -> tuple[Sink, resume.ResumeState | None]:
         if self.output == "-":
-            return StreamSink(sys.stdout.buffer), None
+            return StreamSink(stdout.buffer), None
         state = resume.load(self.output, settings) if self.opts.resume else None
         if state is None:
             shutil.rmtree(parts, ignore_errors=True)  # parts of a run that is not being resumed
@@ -445,7 +455,7 @@ class _Driver:
         return FileSink(self.output, settings, done=state.done, offset=state.offset), state
 
     # -- the run -----------------------------------------------------------------------------------
-    def run(self) -> Summary:
+    def run(self, stdout: TextIO) -> Summary:
         self._check_resources()
         tmp = tempfile.mkdtemp(prefix="seqgen-parts-") if self.output == "-" else None
         parts = Path(tmp) if tmp else parts_dir(self.output)
@@ -459,7 +469,7 @@ class _Driver:
             self.settings = first["settings"]
             self.summary.backend = first["backend"]
             self.info = first
-            sink, state = self._open_output(self.settings, parts)
+            sink, state = self._open_output(self.settings, parts, stdout)
             self.start = state.done if state else 0
             self.summary.resumed_from = self.start
             startup = time.perf_counter() - self.t0
@@ -621,13 +631,11 @@ class _Driver:
         progress.set(done, self.summary.generated_tokens / max(time.perf_counter() - self.t0, 1e-9))
 
     def _add(self, r: ShardResult) -> None:
-        s, d = self.summary, r.summary
-        batches = s.batches + d.get("batches", 0)
-        if batches:
-            s.padding_ratio = (
-                s.padding_ratio * s.batches + d.get("padding_ratio", 0.0) * d["batches"]
-            ) / batches
-        s.batches = batches
+        s, d = self.summary, r.summary  # d is empty for a part finished before a driver loss
+        more = d.get("batches", 0)
+        if more:
+            s.padding_ratio = (s.padding_ratio * s.batches + d["padding_ratio"] * more) / (s.batches + more)
+        s.batches += more
         for key in ("skipped", "truncated", "generated_tokens"):
             setattr(s, key, getattr(s, key) + d.get(key, 0))
         for key in ("read_seconds", "tokenise_seconds", "generate_seconds", "write_seconds"):

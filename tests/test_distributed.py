@@ -1,0 +1,182 @@
+"""`seqgen generate --workers N` on a local Ray (one cluster for the session): same bytes as one process,
+a lost worker, a lost driver, a bad line in a late shard, --on-error skip across workers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from click.testing import CliRunner
+
+from seqgen_cli.cli import main
+from seqgen_cli.pipeline.distributed import ClusterOptions, generate_distributed, parts_dir
+from seqgen_cli.pipeline.job import JobOptions
+from seqgen_cli.pipeline.resume import index_path
+from tests.tiny_models import sample_texts
+
+REPO = Path(__file__).resolve().parent.parent
+NEW_TOKENS = 6
+BATCH = 8
+ARGS = ["--max-new-tokens", str(NEW_TOKENS), "--batch-size", str(BATCH), "-q"]
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> str:
+    """One local Ray for the whole session (2 CPUs, loopback, no dashboard): its address."""
+    ray.init(
+        num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=200 << 20,
+        log_to_driver=False, logging_level=logging.ERROR,
+    )  # fmt: skip
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def marian(tiny_models) -> Path:
+    return tiny_models("marian")
+
+
+def seqgen(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False, env=env)
+
+
+def shuffled(n: int, seed: int) -> list[str]:
+    """Inputs of shuffled lengths (3 to 120 words), some empty."""
+    texts = sample_texts(n, seed=seed)
+    rng = random.Random(seed)
+    rng.shuffle(texts)
+    return ["" if rng.random() < 0.05 else t for t in texts]
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(t + "\n" for t in lines), encoding="utf-8")
+    return path
+
+
+def one_process(model: Path, src: Path, out: Path, *more: str) -> bytes:
+    res = seqgen("generate", "-m", str(model), str(src), "-o", str(out), *ARGS, *more)
+    assert res.exit_code == 0, res.stderr
+    return out.read_bytes()
+
+
+def distributed(model: Path, src: Path, out: Path, shard_size: int, events=None, **job):
+    opts = JobOptions(**{"batch_size": BATCH, **job})
+    settings = dict(model=str(model), max_new_tokens=NEW_TOKENS)
+    cluster = ClusterOptions(workers=2, shard_size=shard_size)
+    return generate_distributed(settings, [str(src)], str(out), opts, cluster, events=events)
+
+
+@pytest.fixture(scope="module")
+def job(marian: Path, tmp_path_factory) -> tuple[Path, bytes]:
+    """160 inputs of shuffled lengths and the output one process writes for them."""
+    tmp = tmp_path_factory.mktemp("dist")
+    src = write_lines(tmp / "in.txt", shuffled(160, seed=11))
+    return src, one_process(marian, src, tmp / "reference.txt")
+
+
+@pytest.mark.parametrize("shard_size", [7, 1000])  # (16, 80 and 10 below)
+def test_two_workers_write_the_bytes_one_process_writes(
+    ray_address, marian: Path, job, tmp_path: Path, shard_size: int
+) -> None:
+    src, reference = job
+    out, stats = tmp_path / "out.txt", tmp_path / "stats.json"
+    summary = distributed(marian, src, out, shard_size, stats=str(stats))
+    assert summary.error is None and not summary.interrupted
+    assert out.read_bytes() == reference
+    assert not index_path(out).exists() and not parts_dir(str(out)).exists()  # merged parts are deleted
+    data = json.loads(stats.read_text())
+    dist = data["distributed"]
+    assert data["inputs"] == 160 and dist["shards"] == -(-160 // shard_size)
+    assert len(dist["workers"]) == 2 and sum(w["shards"] for w in dist["workers"]) == dist["shards"]
+    assert sum(w["inputs"] for w in dist["workers"]) == 160
+    if shard_size == 7:  # 23 shards: both workers took some, and report their throughput
+        assert all(w["shards"] > 0 and w["samples_per_second"] > 0 for w in dist["workers"])
+
+
+def test_a_killed_worker_is_replaced_and_the_output_is_complete(
+    ray_address, marian: Path, job, tmp_path: Path
+) -> None:
+    src, reference = job
+    out = tmp_path / "out.txt"
+    killed: list[int] = []
+
+    def kill_one_worker_mid_shard(kind: str, info: dict) -> None:
+        if kind == "progress" and not killed and info["seq"] >= 1 and info["done"] > 0:
+            os.kill(info["pid"], signal.SIGKILL)  # a worker process this run started (pid it reported)
+            killed.append(info["pid"])
+
+    # batch 1: shards of 80 take seconds, so the driver sees the second one under way
+    summary = distributed(marian, src, out, 80, events=kill_one_worker_mid_shard, batch_size=1)
+    assert killed, "no worker was seen mid-shard"
+    assert summary.error is None
+    assert out.read_bytes() == reference
+    dist = summary.distributed
+    assert dist["retried_shards"] >= 1
+    assert [w["restarts"] for w in dist["workers"] if killed[0] in w["pids"]] == [1]
+
+
+def test_a_killed_driver_resumes_where_it_stopped(ray_address, marian: Path, job, tmp_path: Path) -> None:
+    src, reference = job
+    out = tmp_path / "out.txt"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [
+        sys.executable, "-m", "seqgen_cli", "generate", "-m", str(marian), str(src), "-o", str(out), *ARGS,
+        "--workers", "2", "--address", ray_address, "--shard-size", "16",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 150
+        while not out.exists() or out.stat().st_size == 0:  # a shard is merged
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "no shard merged"
+            time.sleep(0.05)
+    finally:
+        proc.kill()  # the driver this test started
+        proc.wait()
+    merged = out.read_bytes()
+    assert merged and reference.startswith(merged) and merged != reference
+    assert index_path(out).exists()
+    summary = distributed(marian, src, out, 16, resume=True)
+    assert summary.error is None
+    assert summary.resumed_from == merged.count(b"\n") > 0  # merged shards are not generated again
+    assert out.read_bytes() == reference
+    assert not index_path(out).exists() and not parts_dir(str(out)).exists()
+
+
+def test_a_bad_line_in_a_late_shard_names_its_line_then_skip_and_resume(
+    ray_address, marian: Path, tmp_path: Path
+) -> None:
+    texts = shuffled(60, seed=3)
+    lines = [json.dumps({"id": i, "text": t}) for i, t in enumerate(texts)]
+    good = write_lines(tmp_path / "good.jsonl", lines)
+    reference = one_process(marian, good, tmp_path / "reference.jsonl", "--output-format", "jsonl")
+    bad_lines = list(lines)
+    bad_lines[46] = '{"id": 46, "text": "unterminated'
+    src = write_lines(tmp_path / "in.jsonl", bad_lines)
+    workers = ["--workers", "2", "--shard-size", "10", "--output-format", "jsonl"]
+    out = tmp_path / "out.jsonl"
+    res = seqgen("generate", "-m", str(marian), str(src), "-o", str(out), *ARGS, *workers)
+    assert res.exit_code == 2
+    assert f"{src}:47: invalid JSON" in res.stderr and "the outputs for the 46 inputs before it" in res.stderr
+    assert out.read_bytes() == b"".join(reference.splitlines(keepends=True)[:46])
+    # --on-error skip, to stdout: the bad line becomes an error object, everything else as one process
+    res = seqgen("generate", "-m", str(marian), str(src), *ARGS, *workers, "--on-error", "skip")
+    assert res.exit_code == 0, res.stderr
+    got = res.stdout.splitlines()
+    assert len(got) == 60 and "invalid JSON" in json.loads(got[46])["error"]
+    want = reference.decode().splitlines()
+    assert got[:46] == want[:46] and got[47:] == want[47:]
+    # fixed, the failed run resumes from the line it stopped at
+    write_lines(src, lines)
+    res = seqgen("generate", "-m", str(marian), str(src), "-o", str(out), *ARGS, *workers, "--resume")
+    assert res.exit_code == 0, res.stderr
+    assert out.read_bytes() == reference
