@@ -3,7 +3,8 @@ shapes, source texts, common options and interleaved timing with medians.
 
 The scripts import the installed package (``pip install -e .`` from the repository root) and this module
 (``python scripts/NAME.py`` puts ``scripts/`` on the import path). Tokenizers, configs and sources come from
-the shared data folder: ``$SEQGEN_SHARED``, else ``../shared`` next to the repository root.
+the shared data folder: ``$SEQGEN_SHARED``, else ``../shared`` next to the repository root, else ``.gpu-shared``
+(see :func:`find_shared`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from seqgen_cli.search import Batch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("SEQGEN_SHARED", REPO.parent / "shared"))
+STAGED = REPO / ".gpu-shared"  # the few shared files copied into the checkout for a GPU machine (ignored)
+
+
+def find_shared(explicit: Path | None = None) -> Path | None:
+    """The shared data folder: ``explicit`` (``--shared DIR``), else ``$SEQGEN_SHARED``, else ``../shared``
+    next to the repository root, else the staged copy ``.gpu-shared`` in the checkout; None if none exists."""
+    env = os.environ.get("SEQGEN_SHARED")
+    candidates = [explicit, Path(env) if env else None, REPO.parent / "shared", STAGED]
+    return next((c for c in candidates if c is not None and (c / "tokenizers").is_dir()), None)
+
+
+SHARED = find_shared() or REPO.parent / "shared"
 
 
 def bart_shape(d_model: int, layers: int, heads: int, ffn: int) -> dict[str, int]:

@@ -66,8 +66,20 @@ def shared_dir() -> Path:
     return Path(os.environ.get("SEQGEN_SHARED", REPO.parent / "shared"))
 
 
-def build(name: str, out: Path, seed: int = 0, force: bool = False) -> Path:
-    """Build one checkpoint folder ``out/name`` (skipped when it already holds weights)."""
+def build(
+    name: str,
+    out: Path,
+    seed: int = 0,
+    force: bool = False,
+    overrides: dict | None = None,
+    shared: Path | None = None,
+    target_name: str | None = None,
+) -> Path:
+    """Build one checkpoint folder ``out/name`` (skipped when it already holds weights).
+
+    ``overrides`` are applied on top of ``MODELS[name]``'s (e.g. tiny widths for a quick run, saved as
+    ``out/target_name``); ``shared`` is the shared folder (default :func:`shared_dir`).
+    """
     import torch
     from transformers import (
         AutoConfig,
@@ -77,11 +89,12 @@ def build(name: str, out: Path, seed: int = 0, force: bool = False) -> Path:
         GenerationConfig,
     )
 
-    source_name, overrides = MODELS[name]
-    source = shared_dir() / "tokenizers" / source_name
+    source_name, base_overrides = MODELS[name]
+    overrides = {**base_overrides, **(overrides or {})}
+    source = (shared or shared_dir()) / "tokenizers" / source_name
     if not source.is_dir():
         sys.exit(f"make_bench_models: {source} does not exist (set SEQGEN_SHARED to the shared folder)")
-    target = out / name
+    target = out / (target_name or name)
     if (target / "model.safetensors").is_file() and not force:
         print(f"{name}: exists at {target} (use --force to rebuild)")
         return target

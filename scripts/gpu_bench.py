@@ -1,0 +1,531 @@
+#!/usr/bin/env python
+"""Everything issue 10's GPU table needs, in one command (``scripts/gpu_bench.sh`` installs seqgen, then calls
+this). Sections, each written to ``--out`` as soon as it is done (``results.json``, ``results.md``):
+
+* ``env``: versions and the device;
+* ``equiv``: the float32 equivalence harness (``tests/equivalence.py``) on the device: the tiny fixture
+  families on the suite's settings, and the bench shapes (bart-large-cnn preset, GPT-2 beam 4);
+* ``sync``: (CUDA) one decode under ``torch.cuda.set_sync_debug_mode``: synchronising calls vs host checks;
+* ``bart``: bart-large-cnn shape (real config and tokenizer, random weights, seed 0), FastSeq's 128 CNN/DM
+  sources truncated to 1024 tokens, beam 4, no-repeat 3, length penalty 2, exactly 142 new tokens; per
+  dtype and batch size seqgen vs ``generate()``: samples/s, tokens/s, peak memory, agreement with float32;
+* ``gpt2``: GPT-2 shape, 512-token prompts (the same articles), beam 4, 128 new tokens, same measures;
+* ``cli``: ``Generator`` on the device (pinned, non-blocking input copies) and ``device_stats()``.
+
+    scripts/gpu_bench.sh --out DIR                                  # on a GPU machine: everything
+    scripts/gpu_bench.sh --out DIR --stages bart --batches 32,64    # one section (each fits a 10-minute call)
+    scripts/gpu_bench.sh --device cpu --quick --out DIR             # tiny shapes on the CPU (CI)
+    python scripts/gpu_bench.py --stage-shared                      # copy the needed shared files to .gpu-shared/
+
+The shared folder (tokenizers, configs, sources): ``--shared DIR``, else ``$SEQGEN_SHARED``, else ``../shared``,
+else ``.gpu-shared`` in the checkout (``../shared`` does not travel to a GPU machine: stage it, then carry
+``.gpu-shared``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import shutil
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from _common import REPO, STAGED, find_shared  # noqa: E402
+from make_bench_models import build  # noqa: E402
+
+from seqgen_cli.config import resolve_generation_config  # noqa: E402
+from seqgen_cli.models import get_backend  # noqa: E402
+from seqgen_cli.search import Batch, generate  # noqa: E402
+
+STAGE_FILES = ("tokenizers/bart-large-cnn", "tokenizers/gpt2", "data/cnndm/fastseq128/cnndm_128.txt")
+SOURCES = "data/cnndm/fastseq128/cnndm_128.txt"  # FastSeq's 128 CNN/DM test articles
+SECTIONS = ("env", "equiv", "sync", "bart", "gpt2", "cli")
+TINY_BART = {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "num_hidden_layers": 2}
+TINY_BART |= {"encoder_attention_heads": 4, "decoder_attention_heads": 4}
+TINY_BART |= {"encoder_ffn_dim": 128, "decoder_ffn_dim": 128}
+TINY_GPT2 = {"n_embd": 64, "n_layer": 2, "n_head": 4}
+
+
+def stage_shared(shared: Path) -> Path:
+    """Copy the files the bench needs from ``shared`` into ``.gpu-shared`` (ignored; carry it to the GPU)."""
+    for rel in STAGE_FILES:
+        src, dst = shared / rel, STAGED / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, dst)
+    size = sum(f.stat().st_size for f in STAGED.rglob("*") if f.is_file()) / 2**20
+    print(f"staged {len(STAGE_FILES)} paths ({size:.1f} MiB) into {STAGED}: carry '.gpu-shared'")
+    return STAGED
+
+
+class Report:
+    """Results so far: written to ``out/results.json`` and ``out/results.md`` after every section."""
+
+    def __init__(self, out: Path, args: argparse.Namespace) -> None:
+        self.out = out
+        self.data: dict[str, Any] = {
+            "command": " ".join(sys.argv),
+            "args": {k: str(v) for k, v in vars(args).items()},
+        }
+        self.md: list[str] = []
+        self.t0 = time.perf_counter()
+
+    def add(self, section: str, data: Any, md: list[str]) -> None:
+        self.data[section] = data
+        if isinstance(data, dict):
+            data["seconds"] = round(time.perf_counter() - self.t0, 1)
+        self.t0 = time.perf_counter()
+        self.md += md + [""]
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "results.json").write_text(json.dumps(self.data, indent=2) + "\n")
+        (self.out / "results.md").write_text("\n".join(self.md) + "\n")
+        print("\n".join(md), flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_mb(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# -- env -------------------------------------------------------------------------------------------------------
+def section_env(device: torch.device) -> tuple[dict, list[str]]:
+    import transformers
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "cuda": torch.version.cuda,
+        "bf16_supported": bool(device.type == "cuda" and torch.cuda.is_bf16_supported()),
+    }
+    return env, ["## Environment", "", *(f"- {k}: {v}" for k, v in env.items())]
+
+
+# -- equivalence -----------------------------------------------------------------------------------------------
+def _rescore_anywhere(original: Callable) -> Callable:
+    """``tests.equivalence.rescore`` builds its tensors on the CPU: rescore near-ties with a CPU copy."""
+    copies: dict[int, torch.nn.Module] = {}
+
+    def rescore(model: torch.nn.Module, batch: Batch, index: int, tokens: list[int], settings: Any) -> float:
+        if model.device.type == "cpu":
+            return original(model, batch, index, tokens, settings)
+        cpu = copies.setdefault(id(model), copy.deepcopy(model).cpu())
+        return original(
+            cpu, Batch(batch.input_ids.cpu(), batch.attention_mask.cpu()), index, tokens, settings
+        )
+
+    return rescore
+
+
+def section_equiv(
+    device: torch.device, quick: bool, models: dict[str, Path], texts: list[str]
+) -> tuple[dict, list[str]]:
+    import tests.equivalence as eq
+    from tests.engine_models import load, text_batch
+    from tests.tiny_models import FAMILIES, cached_build
+
+    eq.rescore = _rescore_anywhere(eq.rescore)
+    families = ("bart",) if quick else FAMILIES
+    settings = ("greedy", "beam4_ngram3_lp2_minmax_es") if quick else tuple(eq.SETTINGS)
+    rows, notes = {}, []
+    for family in families:
+        loaded = load(cached_build(family))
+        model = copy.deepcopy(loaded.model).to(device)
+        cpu_batch = text_batch(loaded, 4 if quick else 16)
+        batch = Batch(cpu_batch.input_ids.to(device), cpu_batch.attention_mask.to(device))
+        rows[family] = {}
+        for name in settings:
+            r = eq.check_equivalence(model, get_backend, batch, eq.SETTINGS[name])
+            rows[family][name] = {
+                "agreement": r.agreement,
+                "near_ties": len(r.near_ties),
+                "unexplained": r.mismatches,
+            }
+            notes += [f"{family} {name}: {x}" for x in r.near_ties + r.mismatches]
+        del model
+    # The bench shapes, float32, on real text: bart-large-cnn's own generation config, GPT-2 beam 4.
+    shapes = {
+        "bart-large-cnn shape": (
+            models["bart"],
+            {} if not quick else {"max_length": 20, "min_length": 6},
+            256,
+        ),
+        "gpt2 shape": (models["gpt2"], {"num_beams": 4, "max_new_tokens": 8 if quick else 64}, 128),
+    }
+    for name, (path, kwargs, src_len) in shapes.items():
+        model = load_model(path, torch.float32, device)
+        batch = encode(path, texts[: 4 if quick else 8], src_len, device, model.config.is_encoder_decoder)
+        r = eq.check_equivalence(model, get_backend, batch, kwargs, keep_dtype=True)
+        rows[name] = {
+            "bench-shape": {
+                "agreement": r.agreement,
+                "near_ties": len(r.near_ties),
+                "unexplained": r.mismatches,
+            }
+        }
+        notes += [f"{name}: {x}" for x in r.near_ties + r.mismatches]
+        del model
+    md = ["## float32 equivalence with generate() on " + str(device), ""]
+    cols = sorted({s for per in rows.values() for s in per}, key=lambda s: (s == "bench-shape", s))
+    md += ["| family | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for family, per in rows.items():
+        cells = [
+            f"{per[c]['agreement']:.1f} %" + (f" ({per[c]['near_ties']} tie)" if per[c]["near_ties"] else "")
+            if c in per
+            else ""
+            for c in cols
+        ]
+        md.append(f"| {family} | " + " | ".join(cells) + " |")
+    ok = all(not v["unexplained"] for per in rows.values() for v in per.values())
+    md += ["", f"all identical but for near-ties: {ok}", *notes]
+    return {"rows": rows, "ok": ok, "notes": notes}, md
+
+
+# -- models and inputs -----------------------------------------------------------------------------------------
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = (
+        AutoModelForSeq2SeqLM if AutoConfig.from_pretrained(path).is_encoder_decoder else AutoModelForCausalLM
+    )
+    return auto.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def encode(path: Path, texts: list[str], max_len: int, device: torch.device, encoder_decoder: bool) -> Batch:
+    """Tokenise ``texts`` truncated to ``max_len`` tokens: right-padded sources or left-padded prompts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "right" if encoder_decoder else "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(texts, padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+    return Batch(enc["input_ids"].to(device), enc["attention_mask"].to(device))  # [B, S]
+
+
+# -- sync audit ------------------------------------------------------------------------------------------------
+def section_sync(device: torch.device, path: Path, texts: list[str], quick: bool) -> tuple[dict, list[str]]:
+    """One fp16/bf16 decode with ``sync_every=4`` under CUDA's sync debug mode: every synchronising call warns."""
+    if device.type != "cuda":
+        return {"skipped": "needs CUDA"}, ["## Host syncs (CUDA sync debug mode): skipped, needs CUDA"]
+    model = load_model(path, torch.bfloat16, device)
+    batch = encode(path, texts[:8], 256, device, True)
+    steps = 16 if quick else 48
+    config = resolve_generation_config(
+        model.generation_config, None, dict(min_new_tokens=steps, max_new_tokens=steps)
+    )
+    backend = get_backend(model)
+    generate(backend, batch, config, sync_every=4)  # warm-up: allocator, kernels
+    sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            generate(backend, batch, config, sync_every=4)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            sites[key] = sites.get(key, 0) + 1
+    data = {
+        "steps": steps,
+        "host_checks": steps // 4,
+        "synchronising_calls": sum(sites.values()),
+        "sites": sites,
+    }
+    md = [
+        "## Host syncs (CUDA sync debug mode)",
+        "",
+        f"{steps} steps, sync_every 4 ({steps // 4} checks): {data['synchronising_calls']} synchronising calls",
+        *(f"- {k}: {v}" for k, v in sorted(sites.items(), key=lambda kv: -kv[1])),
+    ]
+    return data, md
+
+
+# -- the table -------------------------------------------------------------------------------------------------
+def timed(
+    fn: Callable[[], Any], device: torch.device, reps: int, warmup: bool
+) -> tuple[list[float], Any, float | None]:
+    """Seconds of ``reps`` runs (after a warm-up run if ``warmup``), the last result and the peak memory (MiB)."""
+    if warmup:
+        fn()
+    times, result = [], None
+    reset_peak(device)
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        result = fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, result, peak_mb(device)
+
+
+def measure_cell(
+    model: torch.nn.Module,
+    batch: Batch,
+    config: Any,
+    device: torch.device,
+    reps: int,
+    warmup: bool,
+    new_tokens: int,
+    reference: list,
+) -> dict[str, Any]:
+    """One table cell: seqgen and ``generate()`` on ``batch``, timed; agreement with the float32 reference."""
+    backend = get_backend(model)
+    size = batch.input_ids.shape[0]
+    try:
+        ours_t, ours, ours_mem = timed(
+            lambda: generate(backend, batch, config).sequences, device, reps, warmup
+        )
+        hf_t, hf, hf_mem = timed(
+            lambda: model.generate(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, generation_config=config
+            ),
+            device,
+            reps,
+            warmup,
+        )
+    except torch.cuda.OutOfMemoryError as err:
+        reset_peak(device)
+        return {"error": f"out of memory: {str(err).splitlines()[0]}"}
+    start = 1 if model.config.is_encoder_decoder else batch.input_ids.shape[1]
+    hf_seqs = [[ids[start:].tolist()] for ids in hf]
+    ours_first = [[per[0][:new_tokens]] for per in ours]
+    s, h = statistics.median(ours_t), statistics.median(hf_t)
+    return {
+        "seqgen_s": ours_t,
+        "generate_s": hf_t,
+        "seqgen_s_median": s,
+        "generate_s_median": h,
+        "speedup": h / s,
+        "seqgen_samples_per_s": size / s,
+        "seqgen_tokens_per_s": size * new_tokens / s,
+        "generate_samples_per_s": size / h,
+        "generate_tokens_per_s": size * new_tokens / h,
+        "seqgen_peak_mb": ours_mem,
+        "generate_peak_mb": hf_mem,
+        "same_as_float32": sum(a == b for a, b in zip(ours, reference, strict=True)) / size,
+        "same_as_generate": sum(a == b for a, b in zip(ours_first, hf_seqs, strict=True)) / size,
+    }
+
+
+def section_table(
+    name: str,
+    path: Path,
+    texts: list[str],
+    device: torch.device,
+    dtypes: list[str],
+    batches: list[int],
+    src_len: int,
+    new_tokens: int,
+    kwargs: dict,
+    reps: int,
+    warmup: bool,
+) -> tuple[dict, list[str]]:
+    """seqgen vs generate() per dtype and batch size; agreement of each dtype with seqgen in float32."""
+    fixed = dict(kwargs, min_new_tokens=new_tokens, max_new_tokens=new_tokens)
+    ref_model = load_model(path, torch.float32, device)
+    encdec = ref_model.config.is_encoder_decoder
+    config = resolve_generation_config(ref_model.generation_config, None, fixed)
+    rows: list[dict] = []
+    md = [
+        f"## {name}: beam {config.num_beams}, no-repeat {config.no_repeat_ngram_size or '-'}, {src_len}-token inputs, "
+        f"{new_tokens} new tokens, on {device}",
+        "",
+        "| dtype | batch | seqgen s | generate() s | speed-up | seqgen samples/s | seqgen tokens/s | "
+        "generate() samples/s | seqgen peak MiB | generate() peak MiB | = float32 | = generate() |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    references: dict[int, list] = {}
+    for batch_size in batches:  # float32 references (one seqgen run each)
+        batch = encode(path, texts[:batch_size], src_len, device, encdec)
+        references[batch_size] = generate(get_backend(ref_model), batch, config).sequences
+    del ref_model
+    reset_peak(device)
+    for dtype_name in dtypes:
+        model = load_model(path, getattr(torch, dtype_name), device)
+        for batch_size in batches:
+            batch = encode(path, texts[:batch_size], src_len, device, encdec)
+            row = measure_cell(model, batch, config, device, reps, warmup, new_tokens, references[batch_size])
+            row = {"dtype": dtype_name, "batch": batch_size, **row}
+            rows.append(row)
+            if "error" in row:
+                md.append(f"| {dtype_name} | {batch_size} | {row['error']} |")
+            else:
+                md.append(
+                    f"| {dtype_name} | {batch_size} | {row['seqgen_s_median']:.2f} | {row['generate_s_median']:.2f} "
+                    f"| {row['speedup']:.2f}x | {row['seqgen_samples_per_s']:.1f} | {row['seqgen_tokens_per_s']:.0f} "
+                    f"| {row['generate_samples_per_s']:.1f} | {row['seqgen_peak_mb'] or '-'} | {row['generate_peak_mb'] or '-'} | "
+                    f"{100 * row['same_as_float32']:.0f} % | {100 * row['same_as_generate']:.0f} % |"
+                )
+            print(md[-1], flush=True)
+        del model
+        reset_peak(device)
+    md += [
+        "",
+        "median of the timed runs; `= float32`: outputs identical to seqgen in float32; `= generate()`: "
+        "identical to generate() in the same dtype.",
+    ]
+    return {"settings": {k: str(v) for k, v in fixed.items()}, "src_len": src_len, "rows": rows}, md
+
+
+# -- Generator and CLI on the device ----------------------------------------------------------------------------
+def section_cli(
+    device: torch.device, path: Path, texts: list[str], out: Path, quick: bool
+) -> tuple[dict, list[str]]:
+    """``Generator`` (pinned, non-blocking input copies; ``device_stats``) and ``seqgen generate`` on the device."""
+    import subprocess
+
+    from seqgen_cli.generator import Generator
+
+    dtype = "float32" if device.type == "cpu" else "auto"
+    new = "8" if quick else "32"
+    gen = Generator(str(path), device=str(device), dtype=dtype, num_beams=4, max_new_tokens=int(new))
+    reset_peak(device)
+    outputs = gen.generate(texts[:8], batch_size=4)
+    stats = gen.device_stats()
+    api_ok = len(outputs) == 8 and all(len(o) == 1 for o in outputs)
+    del gen
+    src, dst, stats_file = out / "cli_input.txt", out / "cli_output.txt", out / "cli_stats.json"
+    src.write_text("\n".join(texts[:8]) + "\n", encoding="utf-8")
+    cmd = [
+        sys.executable,
+        "-m",
+        "seqgen_cli",
+        "generate",
+        "-m",
+        str(path),
+        "--device",
+        str(device),
+        "--dtype",
+        dtype,
+    ]
+    cmd += [
+        "--num-beams",
+        "4",
+        "--max-new-tokens",
+        new,
+        "--batch-size",
+        "4",
+        "-q",
+        "--stats",
+        str(stats_file),
+    ]
+    proc = subprocess.run([*cmd, str(src), "-o", str(dst)], capture_output=True, text=True, cwd=REPO)
+    lines = dst.read_text(encoding="utf-8").splitlines() if dst.exists() else []
+    cli_ok = proc.returncode == 0 and len(lines) == 8
+    cli_stats = json.loads(stats_file.read_text()) if stats_file.exists() else None
+    data = {"api_ok": api_ok, "device_stats": stats, "cli_ok": cli_ok, "cli_stderr": proc.stderr[-2000:]}
+    data["cli_stats"] = cli_stats
+    md = ["## Generator and `seqgen generate` on the device", "", f"- API, 8 inputs: {api_ok}; {stats}"]
+    md.append(
+        f"- CLI (`{' '.join(cmd[1:4])} ...`), 8 lines: {cli_ok}"
+        + ("" if cli_ok else f": {proc.stderr[-500:]}")
+    )
+    return data, md
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="folder for results.json and results.md")
+    ap.add_argument("--device", default="auto", help="auto (CUDA if any), cuda, cuda:N or cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and few runs (CI on the CPU)")
+    ap.add_argument(
+        "--shared", type=Path, help="shared folder (default: $SEQGEN_SHARED, ../shared, .gpu-shared)"
+    )
+    ap.add_argument(
+        "--models", type=Path, default=Path("~/.cache/seqgen-bench").expanduser(), help="checkpoints"
+    )
+    ap.add_argument("--stages", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--batches", default="32,64,128")
+    ap.add_argument("--reps", type=int, default=2, help="timed runs per arm (after one warm-up run)")
+    ap.add_argument(
+        "--stage-shared", action="store_true", help="copy the needed shared files to .gpu-shared/"
+    )
+    args = ap.parse_args(argv)
+    shared = find_shared(args.shared)
+    if args.stage_shared:
+        if shared is None or shared == STAGED:
+            ap.error("no shared folder to stage from (give --shared DIR or set SEQGEN_SHARED)")
+        stage_shared(shared)
+        return
+    if args.out is None:
+        ap.error("--out DIR is required")
+    if shared is None:
+        ap.error("no shared folder: give --shared DIR, set SEQGEN_SHARED, or stage .gpu-shared first")
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = set(stages) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown stage(s) {', '.join(sorted(unknown))}")
+    quick = args.quick
+    batches = [int(b) for b in args.batches.split(",")] if not quick else [2, 4]
+    dtypes = args.dtypes.split(",")
+    torch.set_num_threads(1 if device.type == "cpu" else torch.get_num_threads())
+    from seqgen_cli.loading import quiet_transformers
+
+    quiet_transformers()
+    report = Report(args.out, args)
+    report.add("env", *section_env(device))
+    print(f"shared folder: {shared}", flush=True)
+    tag = "-quick" if quick else ""
+    models = {
+        "bart": build("bart-large-cnn", args.models, overrides=TINY_BART if quick else None, shared=shared,
+                      target_name=f"bart-large-cnn{tag}"),
+        "gpt2": build("gpt2", args.models, overrides=TINY_GPT2 if quick else None, shared=shared,
+                      target_name=f"gpt2{tag}"),
+    }  # fmt: skip
+    texts = [
+        line.strip() for line in (shared / SOURCES).read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
+    t0 = time.perf_counter()
+    if "equiv" in stages:
+        report.add("equiv", *section_equiv(device, quick, models, texts))
+    if "sync" in stages:
+        report.add("sync", *section_sync(device, models["bart"], texts, quick))
+    reps, warmup = (1, False) if quick else (args.reps, True)
+    if "bart" in stages:
+        src, new = (64, 8) if quick else (1024, 142)
+        kwargs = dict(num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, early_stopping=True)
+        report.add("bart", *section_table("bart-large-cnn shape", models["bart"], texts, device, dtypes, batches,
+                                          src, new, kwargs, reps, warmup))  # fmt: skip
+    if "gpt2" in stages:
+        src, new = (64, 8) if quick else (512, 128)
+        report.add("gpt2", *section_table("GPT-2 shape", models["gpt2"], texts, device, dtypes, batches, src, new,
+                                          dict(num_beams=4), reps, warmup))  # fmt: skip
+    if "cli" in stages:
+        report.add("cli", *section_cli(device, models["bart"], texts, args.out, quick))
+    print(f"gpu_bench: done in {time.perf_counter() - t0:.0f}s; results in {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One command for a GPU machine (issue 10): install seqgen without dependencies, then run scripts/gpu_bench.py
+# (float32 equivalence on the device, host-sync audit, the bart-large-cnn and GPT-2 tables, the CLI).
+#
+#   scripts/gpu_bench.sh --out DIR [--shared DIR] [--stages equiv,sync,bart,gpt2,cli] [--batches 32,64,128]
+#   scripts/gpu_bench.sh --device cpu --quick --out DIR        # tiny shapes on the CPU (CI)
+#
+# The shared folder: --shared DIR, else $SEQGEN_SHARED, else ../shared, else .gpu-shared in the checkout.
+# ../shared does not travel to a GPU machine: run `python scripts/gpu_bench.py --stage-shared` here first and
+# carry '.gpu-shared'. Every other option goes to gpu_bench.py (--help lists them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if ! "$PYTHON" -c "import seqgen_cli" 2>/dev/null || [ "$("$PYTHON" -c 'import seqgen_cli, pathlib; print(pathlib.Path(seqgen_cli.__file__).resolve().parents[1])')" != "$(pwd -P)" ]; then
+  # seqgen's dependencies are already there (torch, transformers, click, tqdm); rouge-score and ctranslate2
+  # are not needed by `seqgen generate`. Without a usable setuptools, run from the checkout instead.
+  if ! "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . 2>/tmp/seqgen-pip.log; then
+    echo "gpu_bench: pip install failed (see /tmp/seqgen-pip.log); using PYTHONPATH=$(pwd -P)" >&2
+  fi
+fi
+export PYTHONPATH="$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+exec "$PYTHON" scripts/gpu_bench.py "$@"
