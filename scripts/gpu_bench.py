@@ -50,6 +50,7 @@ from seqgen_cli.search import Batch, generate  # noqa: E402
 
 STAGE_FILES = ("tokenizers/bart-large-cnn", "tokenizers/gpt2", "data/cnndm/fastseq128/cnndm_128.txt")
 SOURCES = "data/cnndm/fastseq128/cnndm_128.txt"  # FastSeq's 128 CNN/DM test articles
+TESTED_TRANSFORMERS = "5.23.0"  # the CI's version; the equivalence suite's generate() reference
 SECTIONS = ("env", "equiv", "sync", "bart", "gpt2", "cli")
 TINY_BART = {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "num_hidden_layers": 2}
 TINY_BART |= {"encoder_attention_heads": 4, "decoder_attention_heads": 4}
@@ -123,6 +124,13 @@ def section_env(device: torch.device) -> tuple[dict, list[str]]:
         "cuda": torch.version.cuda,
         "bf16_supported": bool(device.type == "cuda" and torch.cuda.is_bf16_supported()),
     }
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(TESTED_TRANSFORMERS):
+        env["warning"] = (
+            f"transformers {transformers.__version__} < {TESTED_TRANSFORMERS}, the version the equivalence suite "
+            "is defined against (5.17 penalises left padding under repetition_penalty): carry its wheel in .whl/"
+        )
     return env, ["## Environment", "", *(f"- {k}: {v}" for k, v in env.items())]
 
 

@@ -11,6 +11,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  # Carried wheels (e.g. transformers 5.23: 5.17 penalises left padding under repetition_penalty, so
+  # generate() itself differs): `pip download --no-deps -d .whl transformers==5.23.0` here, carry '.whl'.
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/seqgen-site .whl/*.whl
+  export PYTHONPATH="/tmp/seqgen-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if ! "$PYTHON" -c "import seqgen_cli" 2>/dev/null || [ "$("$PYTHON" -c 'import seqgen_cli, pathlib; print(pathlib.Path(seqgen_cli.__file__).resolve().parents[1])')" != "$(pwd -P)" ]; then
   # seqgen's dependencies are already there (torch, transformers, click, tqdm); rouge-score and ctranslate2
   # are not needed by `seqgen generate`. Without a usable setuptools, run from the checkout instead.
