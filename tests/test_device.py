@@ -124,3 +124,18 @@ def test_device_stats_cpu_and_cuda() -> None:
         "device_name": "NVIDIA H100",
         "peak_gpu_memory_mb": 3072.0,
     }
+
+
+def test_auto_dtype_is_float32_on_cpu_and_bf16_where_the_gpu_supports_it() -> None:
+    from seqgen_cli.loading import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype(None, torch.device("cpu")) == torch.float32
+    assert (
+        resolve_dtype("float16", torch.device("cpu")) == torch.float16
+    )  # explicit half works on the CPU too
+    cuda = torch.device("cuda")
+    with mock.patch.object(torch.cuda, "is_bf16_supported", return_value=True):
+        assert resolve_dtype("auto", cuda) == torch.bfloat16
+    with mock.patch.object(torch.cuda, "is_bf16_supported", return_value=False):
+        assert resolve_dtype("auto", cuda) == torch.float16

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -262,7 +264,16 @@ def test_half_precision_fast_backends(tiny_models, family: str, dtype: torch.dty
     half = copy.deepcopy(loaded.model).to(dtype)
     backend = get_backend(half)
     assert not isinstance(backend, GenericBackend)
-    out = generate(backend, batch, config)
+    seen: list[torch.dtype] = []
+    pipeline_call = LogitsPipeline.__call__
+
+    def spy(self: LogitsPipeline, history: TokenHistory, scores: torch.Tensor) -> torch.Tensor:
+        seen.append(scores.dtype)  # log-probs (beam) reach the processors in float32
+        return pipeline_call(self, history, scores)
+
+    with mock.patch.object(LogitsPipeline, "__call__", spy):
+        out = generate(backend, batch, config)
+    assert seen and set(seen) == {torch.float32}
     s = settings_for(backend, batch, config)
     vocab = backend.vocab_size
     ended = 0
