@@ -28,7 +28,14 @@ from typing import Any, TextIO
 
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import resume
-from seqgen_cli.pipeline.job import JobOptions, _sigterm_as_interrupt, check_job, score, write_records
+from seqgen_cli.pipeline.job import (
+    JobOptions,
+    _sigterm_as_interrupt,
+    check_job,
+    score,
+    write_records,
+    write_stats,
+)
 from seqgen_cli.pipeline.progress import CountingProgress, Progress, count_lines
 from seqgen_cli.pipeline.records import Record, read_records
 from seqgen_cli.pipeline.run import MAX_WARNINGS
@@ -130,6 +137,8 @@ class ShardWorker:
             self.gen = Generator(**generator)
         except SeqgenError as err:
             self.error = str(err)
+        except Exception as err:  # noqa: BLE001 - e.g. a torn checkpoint: told to the driver, not retried
+            self.error = f"{type(err).__name__}: {err}"
 
     def hello(self) -> dict[str, Any]:
         """Who this worker is and the settings it resolved (or why it could not load the model)."""
@@ -497,8 +506,6 @@ class _Driver:
         if self.opts.reference and complete:
             self.summary.metrics = score(self.output, None, self.opts, self.info["num_return_sequences"])
         if self.opts.stats:
-            from seqgen_cli.pipeline.job import write_stats
-
             write_stats(self.opts.stats, self.summary)
         return self.summary
 
