@@ -4,12 +4,11 @@
     python -m seqgen_cli.bench.baselines hf  --model DIR --input IN --output OUT --batch-size 8 --settings JSON
     python -m seqgen_cli.bench.baselines ct2 --model DIR --ct2-model CT2DIR --input IN --output OUT ...
 
-Both read one input per line, tokenise (with an optional prefix, truncated to --max-source-length), sort
-by length, generate in batches, decode without special tokens and write one line per input, in input
-order. The settings are not resolved here: the driver (:mod:`seqgen_cli.bench.e2e`) resolves them with
-seqgen's ``Generator``, as ``seqgen generate`` does, and passes them as JSON (``--settings``: a
-``GenerationConfig`` dict for hf, a :class:`~seqgen_cli.bench.ct2.Ct2Plan` for ct2), with the resolved
-``--prefix`` and ``--max-source-length``. Otherwise deliberately no seqgen imports: this is the baseline.
+Both read one input per line (optional --prefix, truncated to --max-source-length), generate in batches
+sorted by length and write one decoded line per input, in input order. The driver (seqgen_cli.bench.e2e)
+resolves the settings with seqgen's Generator, as `seqgen generate` does, and passes them as JSON
+(--settings: a GenerationConfig dict for hf, a CTranslate2 plan for ct2). Otherwise deliberately no
+seqgen imports: this is the baseline.
 """
 
 from __future__ import annotations
@@ -20,10 +19,19 @@ import sys
 from typing import Any
 
 
-def _read(path: str, prefix: str | None) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        lines = [line.rstrip("\n") for line in f]
-    return [(prefix or "") + line for line in lines]
+def _inputs(args: argparse.Namespace) -> tuple[Any, bool, list[list[int]]]:
+    """The tokenizer, whether the model is encoder-decoder, and every input line's token ids."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    seq2seq = AutoConfig.from_pretrained(args.model).is_encoder_decoder
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    with open(args.input, encoding="utf-8") as f:
+        texts = [(args.prefix or "") + line.rstrip("\n") for line in f]
+    limit = {"truncation": True, "max_length": args.max_source_length} if args.max_source_length else {}
+    return tokenizer, seq2seq, tokenizer(texts, **limit)["input_ids"]
 
 
 def _write(path: str, outputs: list[str]) -> None:
@@ -32,29 +40,13 @@ def _write(path: str, outputs: list[str]) -> None:
             f.write(" ".join(text.splitlines()) + "\n")
 
 
-def _encode(tokenizer: Any, texts: list[str], limit: int | None) -> list[list[int]]:
-    if limit:
-        return tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
-    return tokenizer(texts)["input_ids"]
-
-
 def run_hf(args: argparse.Namespace) -> None:
     """Plain transformers: ``AutoModel*.from_pretrained`` + ``generate()``."""
     import torch
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForSeq2SeqLM,
-        AutoTokenizer,
-        GenerationConfig,
-    )
-    from transformers.utils import logging
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, GenerationConfig
 
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
+    tokenizer, seq2seq, ids = _inputs(args)
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
-    seq2seq = AutoConfig.from_pretrained(args.model).is_encoder_decoder
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
     model = auto.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     if not seq2seq:
@@ -63,7 +55,6 @@ def run_hf(args: argparse.Namespace) -> None:
         eos = model.generation_config.eos_token_id
         tokenizer.pad_token_id = eos[0] if isinstance(eos, list) else eos
     config = GenerationConfig(**json.loads(args.settings))
-    ids = _encode(tokenizer, _read(args.input, args.prefix), args.max_source_length)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     outputs = [""] * len(ids)
     with torch.inference_mode():
@@ -80,17 +71,12 @@ def run_hf(args: argparse.Namespace) -> None:
 def run_ct2(args: argparse.Namespace) -> None:
     """Plain CTranslate2: ``Translator.translate_batch`` / ``Generator.generate_batch``."""
     import ctranslate2
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.utils import logging
 
-    logging.set_verbosity_error()
+    tokenizer, seq2seq, ids = _inputs(args)
     plan = json.loads(args.settings)
-    seq2seq = AutoConfig.from_pretrained(args.model).is_encoder_decoder
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     cls = ctranslate2.Translator if seq2seq else ctranslate2.Generator
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     engine = cls(args.ct2_model, device=device, compute_type=args.compute_type, intra_threads=args.threads)
-    ids = _encode(tokenizer, _read(args.input, args.prefix), args.max_source_length)
     tokens = [tokenizer.convert_ids_to_tokens(x) for x in ids]
     options = dict(plan["options"], max_batch_size=args.batch_size)
     if seq2seq:

@@ -1,9 +1,5 @@
-"""Benchmark cells: every system on the same work, warmed up, then interleaved ``A B C A B C ...``.
-
-Both modes run their cells through :func:`run_mode` and :func:`run_cell`; a system is a "run once"
-callable that does its whole work for the cell (or the warm-up's smaller share of it) and returns a
-:class:`Sample`: wall time, outputs, peak memory.
-"""
+"""Benchmark cells, for both modes: every system on the same work, warmed up, then interleaved ``A B C A B C
+...``; a system is a "run once" callable doing its work for the cell (or the warm-up's smaller share)."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from seqgen_cli.bench import ct2
 from seqgen_cli.errors import SeqgenError
 
 if TYPE_CHECKING:
@@ -122,10 +117,8 @@ def run_mode(
 ) -> tuple[list[RunResult], list[list[str]], dict[str, Any]]:
     """Every (beams, batch size) cell of one mode; returns results, the run order per cell and metadata.
 
-    Per beam count a ``Generator`` resolves the settings as ``seqgen generate`` does; ``ct2_setup`` readies
-    CTranslate2 for them (a ``SeqgenError`` skips ct2 from then on, noted in ``ct2_skipped``). A cell of
-    batch size ``bs`` runs the first ``n = min(len(texts), max_batches * bs)`` inputs. ``on_cell(results,
-    schedules, meta)`` is called after every cell (to save partial results)."""
+    Per beam count a ``Generator`` resolves the settings as ``seqgen generate`` does and ``ct2_setup``
+    readies CTranslate2 for them (a ``SeqgenError``: ct2 skipped from then on, noted in ``ct2_skipped``)."""
     from seqgen_cli.generator import Generator
 
     results: list[RunResult] = []
@@ -145,7 +138,6 @@ def run_mode(
         ct2_part = None
         if want_ct2:
             try:
-                ct2.require_ct2()
                 ct2_part, plan = ct2_setup(gen)
                 meta.setdefault("ct2_plan", {})[str(beams)] = asdict(plan)
             except SeqgenError as err:

@@ -1,8 +1,6 @@
 """End-to-end mode: the whole process from input file to output file, each system a fresh subprocess
-(``python -m seqgen_cli generate`` against the plain scripts in ``seqgen_cli.bench.baselines``).
-
-The settings every system gets are resolved once here, by a ``Generator`` exactly as ``seqgen generate``
-resolves them, and handed to the baselines as JSON (a ``GenerationConfig`` or a CTranslate2 plan).
+(``seqgen generate`` against the plain scripts in :mod:`.baselines`, given the settings the ``Generator``
+resolved as JSON: a ``GenerationConfig`` or a CTranslate2 plan).
 """
 
 from __future__ import annotations
