@@ -36,7 +36,8 @@ def default_sync_every(device: torch.device) -> int:
 
 
 class Leaving(NamedTuple):
-    """What a host check found: some (not all) active inputs are done."""
+    """What a host check found: the active inputs that are done and those that keep running (none left:
+    :attr:`all_done`)."""
 
     done: torch.Tensor  # [D] int64: positions of the done inputs among the active ones, ascending
     inputs: list[int]  # [D] their original batch indices
