@@ -135,21 +135,6 @@ def section_env(device: torch.device) -> tuple[dict, list[str]]:
 
 
 # -- equivalence -----------------------------------------------------------------------------------------------
-def _rescore_anywhere(original: Callable) -> Callable:
-    """``tests.equivalence.rescore`` builds its tensors on the CPU: rescore near-ties with a CPU copy."""
-    copies: dict[int, torch.nn.Module] = {}
-
-    def rescore(model: torch.nn.Module, batch: Batch, index: int, tokens: list[int], settings: Any) -> float:
-        if model.device.type == "cpu":
-            return original(model, batch, index, tokens, settings)
-        cpu = copies.setdefault(id(model), copy.deepcopy(model).cpu())
-        return original(
-            cpu, Batch(batch.input_ids.cpu(), batch.attention_mask.cpu()), index, tokens, settings
-        )
-
-    return rescore
-
-
 def section_equiv(
     device: torch.device, quick: bool, models: dict[str, Path], texts: list[str]
 ) -> tuple[dict, list[str]]:
@@ -157,7 +142,6 @@ def section_equiv(
     from tests.engine_models import load, text_batch
     from tests.tiny_models import FAMILIES, cached_build
 
-    eq.rescore = _rescore_anywhere(eq.rescore)
     families = ("bart",) if quick else FAMILIES
     settings = ("greedy", "beam4_ngram3_lp2_minmax_es") if quick else tuple(eq.SETTINGS)
     rows, notes = {}, []

@@ -108,9 +108,9 @@ def rescore(
 ) -> float:
     """Teacher-forced beam score of ``tokens`` for input ``index``: processed log-probs, length-penalised."""
     ids, mask = batch.input_ids[index : index + 1], batch.attention_mask[index : index + 1]
-    seq = torch.tensor([tokens], dtype=torch.long)
+    seq = torch.tensor([tokens], dtype=torch.long, device=ids.device)
     if model.config.is_encoder_decoder:
-        prompt = torch.tensor([[settings.decoder_start]])
+        prompt = torch.tensor([[settings.decoder_start]], device=ids.device)
         dec = torch.cat([prompt, seq], dim=1)
         logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits[0]  # [T + 1, V]
         pad_lengths = None
@@ -129,7 +129,7 @@ def rescore(
     for t, tok in enumerate(tokens):
         scores = pipeline(history, torch.log_softmax(logits[t : t + 1].float(), dim=-1))
         total += float(scores[0, tok])
-        history.append(torch.tensor([tok]))
+        history.append(torch.tensor([tok], device=ids.device))
         pipeline.appended(history)
     return total / (len(tokens) ** settings.length_penalty)
 
