@@ -1,10 +1,9 @@
 """``seqgen bench``: speed and agreement of seqgen against transformers ``generate()`` and CTranslate2.
 
-For every (beams, batch size) cell the systems run the same work, interleaved after a warm-up
-(:mod:`.cells`), in two modes: :mod:`.decode` times generation only, :mod:`.e2e` whole processes, files
-to files (against the plain scripts in :mod:`.baselines`). Agreement is the share of outputs
-token-identical (decode) or text-identical (e2e) to transformers'. :mod:`.systems` holds the decode
-systems, :mod:`.ct2` the CTranslate2 conversion, :mod:`.report` writes ``bench.json``/``.md``/``.png``.
+Every (beams, batch size) cell runs the systems on the same work, interleaved after a warm-up (:mod:`.cells`):
+:mod:`.decode` times generation only (systems in :mod:`.systems`, CTranslate2 in :mod:`.ct2`), :mod:`.e2e`
+whole processes, files to files (against :mod:`.baselines`). Agreement: outputs token-identical (decode) or
+text-identical (e2e) to transformers'. :mod:`.report` writes ``bench.json``, ``bench.md``, ``bench.png``.
 """
 
 from __future__ import annotations

@@ -92,13 +92,10 @@ class Entrant:
     run_once: RunOnce
     backend: str
     mem_kind: str  # what peak_mem_mb measures: "rss", "max allocated", "process max rss" or "n/a"
-    notes: list[str] = field(default_factory=list)
+    notes: Sequence[str] = ()
 
 
 Cell = dict[str, Entrant]  # the systems of one cell, by name
-# cells(beams, gen, ct2_part) -> cell(batch_size, n): a mode's systems for a cell of the first n inputs;
-# ct2_part is what ct2_setup(gen) readied for this beam count (None: no ct2).
-Cells = Callable[[int, "Generator", Any], Callable[[int, int], Cell]]
 
 
 def dtype_name(gen: Generator) -> str:
@@ -113,12 +110,13 @@ def run_mode(
     log: Callable[[str], None],
     on_cell: OnCell | None,
     ct2_setup: Callable[[Generator], tuple[Any, Ct2Plan]],
-    cells: Cells,
+    cells: Callable[[int, Generator, Any], Callable[[int, int], Cell]],
 ) -> tuple[list[RunResult], list[list[str]], dict[str, Any]]:
     """Every (beams, batch size) cell of one mode; returns results, the run order per cell and metadata.
 
     Per beam count a ``Generator`` resolves the settings as ``seqgen generate`` does and ``ct2_setup``
-    readies CTranslate2 for them (a ``SeqgenError``: ct2 skipped from then on, noted in ``ct2_skipped``)."""
+    readies CTranslate2 for them (a ``SeqgenError``: ct2 skipped from then on, noted in ``ct2_skipped``);
+    ``cells(beams, gen, ct2_part or None)`` gives ``cell(batch_size, n)``: the systems on the first n inputs."""
     from seqgen_cli.generator import Generator
 
     results: list[RunResult] = []
@@ -162,8 +160,7 @@ def run_mode(
 
 
 def _row(mode: str, system: str, e: Entrant, samples: list[Sample], bs: int, beams: int, n: int) -> RunResult:
-    """The ``runs`` row of one system's cell of ``n`` inputs: median time, first repeat's outputs (decode:
-    token ids, counted), memory peaks over the repeats."""
+    """The ``runs`` row of one system's cell of ``n`` inputs (decode: outputs are token ids, counted)."""
     seconds = [x.seconds for x in samples]
     med = statistics.median(seconds)
     outputs = samples[0].outputs

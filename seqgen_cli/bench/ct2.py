@@ -45,16 +45,6 @@ def require_ct2() -> ModuleType:
     return ctranslate2
 
 
-def _fingerprint(model_dir: Path, version: str) -> str:
-    """A short hash of the checkpoint's files (name, size, mtime) and the CTranslate2 version."""
-    h = hashlib.sha1(version.encode())
-    for p in sorted(model_dir.iterdir()):
-        if p.is_file():
-            st = p.stat()
-            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:12]
-
-
 def convert(model: str, cache: Path | None = None) -> Path:
     """Convert a checkpoint folder once with ``TransformersConverter``; reuse the cached conversion."""
     ct2 = require_ct2()
@@ -63,7 +53,11 @@ def convert(model: str, cache: Path | None = None) -> Path:
     model_dir = Path(model).expanduser().resolve()
     if not (model_dir / "config.json").is_file():
         raise SeqgenError(f"ct2: {model} is not a local checkpoint folder; only folders are converted")
-    key = f"{model_dir.name}-{_fingerprint(model_dir, ct2.__version__)}-none"  # not quantised
+    h = hashlib.sha1(ct2.__version__.encode())  # the key: the checkpoint's files and CTranslate2's version
+    for p in sorted(model_dir.iterdir()):
+        if p.is_file():
+            h.update(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}".encode())
+    key = f"{model_dir.name}-{h.hexdigest()[:12]}-none"  # not quantised
     out = (cache or DEFAULT_CACHE).expanduser() / key
     if (out / "model.bin").is_file():
         return out
@@ -126,9 +120,8 @@ class Ct2Plan:
 
 
 def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]
+    """A token id or a list of them (or None) as a list."""
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
 
 
 def plan_for(gen: Generator, ct2_dir: Path, vocab: list[str] | None = None) -> Ct2Plan:

@@ -1,7 +1,5 @@
-"""Decode mode: model loaded, inputs tokenised; only generation is timed (what CTranslate2 reports).
-
-Every system generates for the same batches of token ids (the first ``n`` inputs sorted by length).
-"""
+"""Decode mode: model loaded, inputs tokenised; only generation is timed (what CTranslate2 reports), every
+system on the same batches of token ids (the first ``n`` inputs sorted by length)."""
 
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ import torch
 from seqgen_cli.batching import plan_batches
 from seqgen_cli.bench import ct2
 from seqgen_cli.bench.cells import Entrant, Sample, run_mode
-from seqgen_cli.bench.systems import Ct2Model, Ct2System, HFSystem, SeqgenSystem, System
+from seqgen_cli.bench.systems import Ct2System, HFSystem, SeqgenSystem, System
 
 if TYPE_CHECKING:
     from seqgen_cli.bench import BenchSettings
@@ -32,21 +30,19 @@ def bench_decode(
     s: BenchSettings, texts: list[str], log: Callable[[str], None], on_cell: OnCell | None = None
 ) -> tuple[list[RunResult], list[list[str]], dict[str, Any]]:
     """Run every decode cell (see :func:`~seqgen_cli.bench.cells.run_mode`)."""
-    ct2_model: Ct2Model | None = None  # converted and loaded once, for every beam count
+    ct2_system: Ct2System | None = None  # converted and loaded once, for every beam count
 
     def ct2_setup(gen: Generator) -> tuple[Ct2System, ct2.Ct2Plan]:
-        nonlocal ct2_model
-        ct2_model = ct2_model or Ct2Model(s.model, s.ct2_cache, gen, s.threads, log)
-        system = Ct2System(ct2_model, gen)
-        return system, system.plan
+        nonlocal ct2_system
+        ct2_system = ct2_system or Ct2System(s.model, s.ct2_cache, gen, s.threads, log)
+        return ct2_system, ct2_system.use(gen)
 
-    def cells(beams: int, gen: Generator, ct2_system: Ct2System | None) -> Callable[[int, int], Cell]:
+    def cells(beams: int, gen: Generator, ct2_ready: Ct2System | None) -> Callable[[int, int], Cell]:
         device = gen.loaded.device
         encoded = [e.ids for e in gen.encode(texts)]
         systems: list[System] = [SeqgenSystem(gen)]
         systems += [HFSystem(gen)] if "hf" in s.compare else []
-        systems += [ct2_system] if ct2_system else []
-
+        systems += [ct2_ready] if ct2_ready else []
         kind = "max allocated" if device.type == "cuda" else "rss"
 
         def cell(bs: int, n: int) -> Cell:

@@ -33,8 +33,8 @@ def add_ratios(results: list[RunResult]) -> None:
 
 
 def write_json(path: Path, head: dict[str, Any], results: list[RunResult]) -> dict[str, Any]:
-    """Write ``bench.json``: ``head`` (command, settings, metadata, schedules ...), then every run (ratios
-    added, outputs left out). Returns the report written."""
+    """Write and return ``bench.json``: ``head`` (command, settings, metadata ...), then every run (ratios
+    added, outputs left out)."""
     add_ratios(results)
     report = {**head, "runs": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results]}
     path.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")

@@ -1,8 +1,6 @@
-"""The systems decode mode times, all on the same tokenised batches: seqgen's ``Generator``, plain
-transformers ``generate()`` on the same model object, and CTranslate2 on the converted model.
-
-Each turns a batch of token-id lists into the first output's generated ids per input (EOS kept).
-"""
+"""The systems decode mode times: seqgen's ``Generator``, plain transformers ``generate()`` on the same model
+object, and CTranslate2 on the converted model. Each turns a batch of token-id lists into the first
+output's generated ids per input (EOS kept)."""
 
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ class System:
     name = ""
     backend = ""
     measured = True  # False: this system's memory is not measured (CTranslate2 on a GPU)
-    notes: list[str]
+    notes: Sequence[str] = ()
 
     def prepare(self, batch: Sequence[Sequence[int]]) -> Any:
         return batch
@@ -64,26 +62,23 @@ class HFSystem(System):
         self.seq2seq, self.device = gen.is_encoder_decoder, gen.loaded.device
         self.config = copy.deepcopy(gen.config)
         self.config.num_return_sequences = 1
-        self.notes = []
 
     @torch.inference_mode()
     def run(self, prepared: Sequence[Sequence[int]]) -> list[list[int]]:
-        side = self.tokenizer.padding_side
-        self.tokenizer.padding_side = "right" if self.seq2seq else "left"
-        try:
-            enc = self.tokenizer.pad({"input_ids": [list(x) for x in prepared]}, return_tensors="pt")
-        finally:
-            self.tokenizer.padding_side = side
-        enc = enc.to(self.device)
+        ids = {"input_ids": [list(x) for x in prepared]}
+        side = "right" if self.seq2seq else "left"
+        enc = self.tokenizer.pad(ids, padding_side=side, return_tensors="pt").to(self.device)
         out = self.model.generate(**enc, generation_config=self.config)  # (batch, prompt + new)
         start = 1 if self.seq2seq else enc["input_ids"].shape[1]
         return [strip_generated(row, self.config.eos_token_id) for row in out[:, start:].tolist()]
 
 
-class Ct2Model:
-    """A checkpoint converted (or its cached conversion reused) and loaded once on the Generator's device and
-    dtype: ``engine`` (``Translator`` or ``Generator``), its folder ``path`` and its vocabulary ``vocab``.
-    A ``SeqgenError`` when CTranslate2 has no such compute type there."""
+class Ct2System(System):
+    """CTranslate2 ``Translator`` (encoder-decoder) or ``Generator`` (decoder-only): the checkpoint converted
+    (or its cached conversion reused) and loaded once on the Generator's device and dtype (a ``SeqgenError``
+    when CTranslate2 has no such compute type there); :meth:`use` sets each beam count's settings."""
+
+    name = "ct2"
 
     def __init__(
         self, model: str, cache: str | None, gen: Generator, threads: int | None, log: Callable[[str], None]
@@ -107,22 +102,16 @@ class Ct2Model:
             kwargs["device_index"] = device.index
         self.engine = cls(str(self.path), **kwargs)
         self.vocab = ct2.vocabulary(self.path)
-
-
-class Ct2System(System):
-    """CTranslate2 ``Translator`` (encoder-decoder) or ``Generator`` (decoder-only) on the converted model."""
-
-    name = "ct2"
-
-    def __init__(self, model: Ct2Model, gen: Generator) -> None:
-        import ctranslate2
-
-        self.engine, self.tokenizer, self.seq2seq = model.engine, gen.tokenizer, gen.is_encoder_decoder
-        self.plan = ct2.plan_for(gen, model.path, model.vocab)
-        self.index = {t: i for i, t in enumerate(model.vocab)}
+        self.index = {t: i for i, t in enumerate(self.vocab)}
+        self.tokenizer, self.seq2seq = gen.tokenizer, gen.is_encoder_decoder
         self.backend = f"ctranslate2 {ctranslate2.__version__}"
+        self.measured = ct2_device == "cpu"
+
+    def use(self, gen: Generator) -> ct2.Ct2Plan:
+        """Generate with ``gen``'s resolved settings from now on; returns their plan."""
+        self.plan = ct2.plan_for(gen, self.path, self.vocab)
         self.notes = list(self.plan.notes)
-        self.measured = self.engine.device == "cpu"
+        return self.plan
 
     def prepare(self, batch: Sequence[Sequence[int]]) -> list[list[str]]:
         """Token ids to the token strings CTranslate2 takes."""
