@@ -46,6 +46,7 @@ DEFAULT_SHARD_SIZE = 4096
 MIN_SHARD_SIZE = 16
 LOOKAHEAD_PER_WORKER = 2  # shards cut beyond the oldest unmerged one, per worker (bounds driver memory)
 PARTS_SUFFIX = ".seqgen-parts"
+STARTUP_NOTICE_SECONDS = 60.0
 INSTALL_HINT = "pip install 'seqgen-cli[ray]'"
 
 Events = Callable[[str, dict[str, Any]], None]
@@ -260,8 +261,9 @@ class _Cutter:
         own = resume.InputDigest()
         before = self._digest.copy()
         for record in records:
-            own.update(record)
-            self._digest.update(record)
+            data = own.encode(record)
+            own.update_encoded(data)
+            self._digest.update_encoded(data)
         name = f"{start:012d}-{len(records)}-{own.hexdigest()[:16]}.part"
         return _Shard(seq, start, records, name, before, self._digest.hexdigest())
 
@@ -438,9 +440,20 @@ class _Driver:
         w.hello_ref = w.handle.hello.remote()  # answered once the restarted process has loaded the model
 
     def _first_hello(self) -> dict[str, Any]:
+        waited = 0.0
         while True:
             refs = [w.hello_ref for w in self.workers if w.hello_ref is not None]
-            ready, _ = self.ray.wait(refs, num_returns=1)
+            ready, _ = self.ray.wait(refs, num_returns=1, timeout=STARTUP_NOTICE_SECONDS)
+            if not ready:
+                waited += STARTUP_NOTICE_SECONDS
+                cl = self.cluster
+                print(
+                    f"seqgen: still waiting after {waited:.0f}s for a worker to load the model (each needs "
+                    f"{cl.cpus_per_worker:g} CPUs, {cl.gpus_per_worker:g} GPUs; free in the cluster: "
+                    f"{self.ray.available_resources()})",
+                    file=sys.stderr,
+                )
+                continue
             w = next(w for w in self.workers if w.hello_ref == ready[0])
             info = self._hello(w)
             if info is not None:
@@ -494,7 +507,7 @@ class _Driver:
                 max_source_length=first["max_source_length"],
             )  # fmt: skip
         finally:
-            for w in self.workers:
+            for w in self.workers + self.lost_workers:
                 self.ray.kill(w.handle, no_restart=True)
             if sink is not None:
                 sink.close(complete)

@@ -42,13 +42,21 @@ class InputDigest:
         self._h = hashlib.sha256()
 
     def update(self, record: Record) -> None:
+        self.update_encoded(self.encode(record))
+
+    @staticmethod
+    def encode(record: Record) -> bytes:
+        """What :meth:`update` hashes for ``record`` (to feed several digests at the cost of one)."""
         if record.error is not None:
             part = "\x02" + record.error
         elif record.fields is not None:
             part = "\x01" + json.dumps(record.fields, sort_keys=True, ensure_ascii=False)
         else:
             part = record.text
-        self._h.update(part.encode("utf-8", "surrogatepass") + b"\n")
+        return part.encode("utf-8", "surrogatepass") + b"\n"
+
+    def update_encoded(self, data: bytes) -> None:
+        self._h.update(data)
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
