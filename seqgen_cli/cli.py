@@ -183,10 +183,11 @@ def main() -> None:
 )
 @click.option(
     "--dtype",
-    type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+    type=click.Choice(["auto", "float32", "float16", "bfloat16", "int8"]),
     default="auto",
     show_default=True,
-    help="auto: float32 on CPU, bfloat16 (else float16) on GPU.",
+    help="auto: float32 on CPU, bfloat16 (else float16) on GPU. int8 (CPU only): float32 weights, linear "
+    "layers in int8 (dynamic quantization; not exact).",
 )
 @generation_options()
 @click.option("--seed", type=int, help="Random seed for sampling.")
@@ -301,8 +302,6 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     if workers is None and any(v is not None for v in cluster_flags.values()):
         given = next(k for k, v in cluster_flags.items() if v is not None)
         raise SeqgenError(f"--{given.replace('_', '-')} needs --workers N")
-    if workers is not None and shard_spec is not None:
-        raise SeqgenError("--shard and --workers cannot be combined (--workers shards the input itself)")
     job = JobOptions(
         batch_size=opts["batch_size"],
         batch_tokens=opts["batch_tokens"],
@@ -456,10 +455,11 @@ def _name_list(ctx: click.Context, param: click.Parameter, value: str) -> list[s
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
 @click.option(
     "--dtype",
-    type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+    type=click.Choice(["auto", "float32", "float16", "bfloat16", "int8"]),
     default="auto",
     show_default=True,
-    help="auto: float32 on CPU, bfloat16 (else float16) on GPU; CTranslate2 gets the same compute type.",
+    help="auto: float32 on CPU, bfloat16 (else float16) on GPU; CTranslate2 gets the same compute type. "
+    "int8 (CPU): hf runs float32 generate() as the agreement reference.",
 )
 @click.option(
     "--fixed-new-tokens",

@@ -69,8 +69,10 @@ class Generator:
         if seed is not None:
             torch.manual_seed(seed)
         self.backend = self._pick_backend(backend)
-        self._model_backend = None  # the engine's model backend, built on first use
+        self._model_backend = None  # the engine's model backend, built on first use (int8: now)
         self._calls = 0  # batches generated so far (sampling seeds differ per batch)
+        if self.loaded.int8:
+            self._quantize()
 
     # -- settings ---------------------------------------------------------------------------------
     def _source_limit(self, requested: int | None) -> int | None:
@@ -125,6 +127,17 @@ class Generator:
             raise SeqgenError(f"--backend fast cannot run these settings: {reason} (use --backend hf)")
         return "hf"
 
+    def _quantize(self) -> None:
+        """``--dtype int8``: linear layers in int8 (in place): the int8 fast backend, or the whole model for
+        the generic backend and ``generate()`` (``models/quantize.py``)."""
+        from seqgen_cli.models import get_backend
+        from seqgen_cli.models.quantize import quantize_linears
+
+        if self.backend == "fast":
+            self._model_backend = get_backend(self.model, int8=True)
+        else:
+            quantize_linears(self.model)
+
     # -- tokens -----------------------------------------------------------------------------------
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
         """Tokenise (with the prefix), truncating to ``max_source_length``."""
@@ -170,7 +183,8 @@ class Generator:
         ``device_name`` and ``peak_gpu_memory_mb`` (``torch.cuda.max_memory_allocated`` since the start or
         the last ``torch.cuda.reset_peak_memory_stats``, in MiB)."""
         device = self.loaded.device
-        out: dict[str, Any] = {"device": str(device), "dtype": str(self.loaded.dtype).removeprefix("torch.")}
+        dtype = "int8" if self.loaded.int8 else str(self.loaded.dtype).removeprefix("torch.")
+        out: dict[str, Any] = {"device": str(device), "dtype": dtype}
         if device.type == "cuda":
             out["device_name"] = torch.cuda.get_device_name(device)
             out["peak_gpu_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)

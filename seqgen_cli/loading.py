@@ -15,6 +15,7 @@ import torch
 from seqgen_cli.errors import SeqgenError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+INT8 = "int8"  # float32 weights, linear layers run int8 (dynamic quantization, CPU only): models/quantize.py
 
 
 @dataclass
@@ -25,7 +26,8 @@ class Loaded:
     tokenizer: object
     is_encoder_decoder: bool
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the loaded weights (float32 for int8)
+    int8: bool = False  # --dtype int8: the Generator quantizes the linear layers before the first batch
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -42,12 +44,33 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """``auto`` = float32 on CPU; bfloat16 on a GPU that supports it, else float16."""
+    """``auto`` = float32 on CPU; bfloat16 on a GPU that supports it, else float16. ``int8`` loads float32
+    (CPU only: a one-line error on a GPU)."""
+    if dtype == INT8:
+        if device.type != "cpu":
+            raise SeqgenError(
+                f"--dtype int8 runs on the CPU only (dynamic int8 quantization), not on {device}; "
+                "use --device cpu, or --dtype float16/bfloat16 on a GPU"
+            )
+        return torch.float32
     if dtype in (None, "auto"):
         if device.type != "cuda":
             return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return DTYPES[dtype]
+
+
+def _int8_device(device: str | None) -> torch.device:
+    """The device for ``--dtype int8``: the CPU for ``auto``; any other device is the int8 error (before
+    asking whether it exists)."""
+    if device in (None, "auto"):
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        return resolve_device(device)  # its one-line error
+    resolve_dtype(INT8, dev)  # raises off the CPU
+    return dev
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -111,7 +134,7 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
 
     quiet_transformers()
     source = resolve_model_path(name)
-    dev = resolve_device(device)
+    dev = _int8_device(device) if dtype == INT8 else resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     try:
         config = AutoConfig.from_pretrained(source)
@@ -141,7 +164,7 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
     if tokenizer.pad_token_id is None:
         eos = model.generation_config.eos_token_id
         tokenizer.pad_token_id = eos[0] if isinstance(eos, list) else eos
-    return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype)
+    return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype, int8=dtype == INT8)
 
 
 def quiet_transformers() -> None:

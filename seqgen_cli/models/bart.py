@@ -13,6 +13,11 @@ pegasus    sinusoidal     0                   pre          no                   
 
 ``scale_embedding`` (sqrt(d_model)) and ``final_logits_bias`` come from the model too. Forced BOS (mBART)
 and the pad-token ban (Marian) are logits processors in the engine.
+
+``int8=True`` (``--dtype int8``, CPU): the decoder's linear layers (fused q/k/v, cross k/v, out-projections,
+feed-forward) and the LM head (with ``final_logits_bias`` folded into its bias) become dynamic-quantized
+int8 copies of the float32 weights (:mod:`seqgen_cli.models.quantize`), and the model's own encoder is
+quantized in place. Float32 runs the very same ``F.linear`` calls as before.
 """
 
 from __future__ import annotations
@@ -29,36 +34,44 @@ from seqgen_cli.models.encoder_decoder import (
     self_attention,
 )
 from seqgen_cli.models.fuse import fuse_linears
+from seqgen_cli.models.quantize import Linear, linear, quantize_linears
 
 PRE_NORM = {"mbart", "pegasus"}
 
 
 class _Layer:
-    """One decoder layer's weights (views of the model's parameters)."""
+    """One decoder layer's weights (views of the model's parameters) and its linear maps (float32 over those
+    views, or int8 copies)."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, int8: bool = False) -> None:
         sa, ca = layer.self_attn, layer.encoder_attn
+
+        def lin(module: nn.Module) -> Linear:
+            return linear(module.weight, module.bias, int8)
+
         self.qkv_w, self.qkv_b = fuse_linears([sa.q_proj, sa.k_proj, sa.v_proj])  # [3D, D], [3D]
-        self.o = sa.out_proj
+        self.qkv = linear(self.qkv_w, self.qkv_b, int8)
+        self.o = lin(sa.out_proj)
         self.scale = float(sa.scaling)
         self.ln_self = layer.self_attn_layer_norm
-        self.cq = ca.q_proj
+        self.cq = lin(ca.q_proj)
         self.ckv_w, self.ckv_b = fuse_linears([ca.k_proj, ca.v_proj])  # [2D, D], [2D]
-        self.co = ca.out_proj
+        self.ckv = linear(self.ckv_w, self.ckv_b, int8)
+        self.co = lin(ca.out_proj)
         self.ln_cross = layer.encoder_attn_layer_norm
-        self.fc1, self.fc2, self.act = layer.fc1, layer.fc2, layer.activation_fn
+        self.fc1, self.fc2, self.act = lin(layer.fc1), lin(layer.fc2), layer.activation_fn
         self.ln_ffn = layer.final_layer_norm
 
 
 class BartBackend(EncoderDecoderBackend):
     """:class:`~seqgen_cli.search.protocol.ModelBackend` for bart / mbart / marian / pegasus checkpoints."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, int8: bool = False) -> None:
         cfg = model.config
         dec = model.get_decoder()
         heads = int(cfg.decoder_attention_heads)
         emb = dec.embed_tokens
-        layers = [_Layer(layer) for layer in dec.layers]
+        layers = [_Layer(layer, int8) for layer in dec.layers]
         super().__init__(model, emb.weight, layers, heads, int(cfg.d_model) // heads)
         self.pre_norm = cfg.model_type in PRE_NORM
         self.embed_scale = getattr(emb, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)
@@ -69,6 +82,14 @@ class BartBackend(EncoderDecoderBackend):
         self.ln_final = getattr(dec, "layer_norm", None)
         bias = getattr(model, "final_logits_bias", None)
         self.lm_b = None if bias is None else bias.view(-1)  # [V]
+        self.int8 = int8
+        if int8:  # one int8 head with both biases folded in
+            head_b = self.lm_head.bias
+            if self.lm_b is not None:
+                head_b = self.lm_b if head_b is None else head_b + self.lm_b
+            self.lm = linear(self.lm_w, head_b, int8=True)
+            self.lm_b = None
+            quantize_linears(self.encoder)
 
     @torch.inference_mode()
     def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
@@ -83,7 +104,7 @@ class BartBackend(EncoderDecoderBackend):
         for i, lay in enumerate(self.dec_layers):
             # self-attention over this row's history
             h = lay.ln_self(x) if pre else x
-            a = self_attention(F.linear(h, lay.qkv_w, lay.qkv_b), cache, i, self.heads, lay.scale)  # [N, D]
+            a = self_attention(lay.qkv(h), cache, i, self.heads, lay.scale)  # [N, D]
             x = x + lay.o(a)
             if not pre:
                 x = lay.ln_self(x)
@@ -100,7 +121,7 @@ class BartBackend(EncoderDecoderBackend):
                 x = lay.ln_ffn(x)
         if self.ln_final is not None:
             x = self.ln_final(x)
-        logits = F.linear(x, self.lm_w, self.lm_head.bias)  # [N, V] (head bias: None in checkpoints)
+        logits = self.lm(x)  # [N, V] (float32: F.linear with the head's bias, None in checkpoints)
         if self.lm_b is not None:
             logits = logits + self.lm_b
         state.t = t + 1

@@ -6,8 +6,9 @@ The model's own encoder runs once per input. Cross-attention keys/values are pro
 reordered (beams stay within their input) and only shrink when inputs finish. Self-attention goes through
 :class:`~seqgen_cli.models.kv_cache.EncoderDecoderKVCache`.
 
-Subclasses build their per-layer weight views (with ``ckv_w``/``ckv_b``: fused cross-attention K|V) and
-implement ``step``.
+Subclasses build their per-layer weight views (with ``ckv``: the fused cross-attention K|V linear map) and
+implement ``step``; ``lm`` is the LM head as a linear map (float32 ``F.linear``; the int8 BART backend
+replaces it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
+from seqgen_cli.models.quantize import linear
 from seqgen_cli.search.protocol import Batch
 
 
@@ -71,6 +73,7 @@ class EncoderDecoderBackend:
         self.head_dim = head_dim
         self.lm_head = model.get_output_embeddings()
         self.lm_w = self.lm_head.weight  # [V, D]
+        self.lm = linear(self.lm_w, self.lm_head.bias)  # [N, D] -> [N, V]
         self.vocab_size = int(self.lm_w.shape[0])
         self.dtype = embed.dtype
         self.device = embed.device
@@ -80,9 +83,7 @@ class EncoderDecoderBackend:
         b, s, _ = hidden.shape
         out = []
         for lay in self.dec_layers:
-            kv = F.linear(hidden, lay.ckv_w, lay.ckv_b).view(
-                b, s, 2, self.heads, self.head_dim
-            )  # [B, S, 2, H, d]
+            kv = lay.ckv(hidden).view(b, s, 2, self.heads, self.head_dim)  # [B, S, 2, H, d]
             kv = kv.permute(2, 0, 3, 1, 4)  # [2, B, H, S, d]
             out.append((kv[0].contiguous(), kv[1].contiguous()))
         return out

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
+from seqgen_cli.models.quantize import out_features
 from seqgen_cli.search.protocol import Batch
 
 
@@ -34,7 +35,7 @@ class GenericBackend:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
         self.is_encoder_decoder = bool(model.config.is_encoder_decoder)
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = out_features(model.get_output_embeddings())  # float or int8 (quantized) head
         text_config = model.config.get_text_config(decoder=True)
         self.max_position_embeddings = getattr(model.config, "max_position_embeddings", None)
         self._cache_config = text_config

@@ -21,6 +21,7 @@ from seqgen_cli.models.encoder_decoder import (
     self_attention,
 )
 from seqgen_cli.models.fuse import fuse_linears
+from seqgen_cli.models.quantize import linear
 from seqgen_cli.search.protocol import Batch
 
 
@@ -35,6 +36,7 @@ class _Block:
         self.ln_cross = ca.layer_norm
         self.cq = ca.EncDecAttention.q
         self.ckv_w, self.ckv_b = fuse_linears([ca.EncDecAttention.k, ca.EncDecAttention.v])  # [2I, D], None
+        self.ckv = linear(self.ckv_w, self.ckv_b)
         self.co = ca.EncDecAttention.o
         self.ln_ff = ff.layer_norm
         self.ff = ff.DenseReluDense
