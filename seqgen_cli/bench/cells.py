@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,7 @@ class RunResult:
     peak_mem_kind: str
     run_mem_mb: float | None = None  # decode on CPU: peak RSS above the RSS just before the run
     agreement_vs_hf: float | None = None
+    bleu_vs_hf: float | None = None  # int8: BLEU of the detokenised outputs against hf's (float32)
     speedup_vs_hf: float | None = None
     speedup_vs_ct2: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -99,8 +101,27 @@ Cell = dict[str, Entrant]  # the systems of one cell, by name
 
 
 def dtype_name(gen: Generator) -> str:
-    """The Generator's dtype as transformers and CTranslate2 spell it: ``float32``, ``bfloat16`` ..."""
-    return str(gen.loaded.dtype).replace("torch.", "")
+    """The Generator's dtype as transformers and CTranslate2 spell it: ``float32``, ``bfloat16``, ``int8`` ..."""
+    return "int8" if gen.loaded.int8 else str(gen.loaded.dtype).replace("torch.", "")
+
+
+INT8_REFERENCE_NOTE = (
+    "int8: hf is float32 generate(), the agreement reference (same as hf: token-identical to float32; "
+    "BLEU vs hf: the detokenised outputs against float32's, sacrebleu)"
+)
+
+
+def bleu_vs_reference(rows: list[RunResult], detok: Callable[[list[Any]], list[str]]) -> None:
+    """Set ``bleu_vs_hf`` of every row of one cell: corpus BLEU of its outputs against the hf row's."""
+    import sacrebleu
+
+    ref = next((r for r in rows if r.system == "hf"), None)
+    if ref is None or not ref.outputs:
+        return
+    refs = detok(ref.outputs)
+    for r in rows:
+        if len(r.outputs) == len(refs):
+            r.bleu_vs_hf = round(sacrebleu.corpus_bleu(detok(r.outputs), [refs]).score, 2)
 
 
 def run_mode(
@@ -143,6 +164,7 @@ def run_mode(
                 meta["ct2_skipped"] = str(err)
                 want_ct2 = False
         cell = cells(beams, gen, ct2_part)
+        detok = functools.partial(_texts, mode, gen.tokenizer)
         del gen  # e2e: no model in memory while the subprocesses run (decode's systems keep theirs)
         for bs in s.batch_sizes:
             n = min(len(texts), s.max_batches * bs) if s.max_batches else len(texts)
@@ -152,11 +174,21 @@ def run_mode(
                 {name: e.run_once for name, e in entrants.items()}, s.repeats, s.warmup, log
             )
             schedules.append(schedule)
-            results += [_row(mode, name, e, samples[name], bs, beams, n) for name, e in entrants.items()]
+            rows = [_row(mode, name, e, samples[name], bs, beams, n) for name, e in entrants.items()]
+            if s.dtype == "int8":
+                bleu_vs_reference(rows, detok)
+            results += rows
             if on_cell:
                 on_cell(results, schedules, meta)
         cell = entrants = None  # free this beam count's model before the next one loads
     return results, schedules, meta
+
+
+def _texts(mode: str, tokenizer: Any, outputs: list[Any]) -> list[str]:
+    """Outputs as text: e2e's are lines already; decode's are token ids (ct2: -1 = not in its vocabulary)."""
+    if mode != "decode":
+        return outputs
+    return tokenizer.batch_decode([[t for t in o if t >= 0] for o in outputs], skip_special_tokens=True)
 
 
 def _row(mode: str, system: str, e: Entrant, samples: list[Sample], bs: int, beams: int, n: int) -> RunResult:

@@ -31,6 +31,7 @@ def bench_decode(
 ) -> tuple[list[RunResult], list[list[str]], dict[str, Any]]:
     """Run every decode cell (see :func:`~seqgen_cli.bench.cells.run_mode`)."""
     ct2_system: Ct2System | None = None  # converted and loaded once, for every beam count
+    reference: torch.nn.Module | None = None  # int8: the float32 model hf runs, loaded once
 
     def ct2_setup(gen: Generator) -> tuple[Ct2System, ct2.Ct2Plan]:
         nonlocal ct2_system
@@ -38,10 +39,16 @@ def bench_decode(
         return ct2_system, ct2_system.use(gen)
 
     def cells(beams: int, gen: Generator, ct2_ready: Ct2System | None) -> Callable[[int, int], Cell]:
+        nonlocal reference
         device = gen.loaded.device
         encoded = [e.ids for e in gen.encode(texts)]
         systems: list[System] = [SeqgenSystem(gen)]
-        systems += [HFSystem(gen)] if "hf" in s.compare else []
+        if "hf" in s.compare:
+            if gen.loaded.int8 and reference is None:
+                from seqgen_cli.loading import load
+
+                reference = load(s.model, str(device), "float32").model
+            systems.append(HFSystem(gen, reference if gen.loaded.int8 else None))
         systems += [ct2_ready] if ct2_ready else []
         kind = "max allocated" if device.type == "cuda" else "rss"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from seqgen_cli.bench import ct2
-from seqgen_cli.bench.cells import Entrant, Sample, dtype_name, run_mode
+from seqgen_cli.bench.cells import INT8_REFERENCE_NOTE, Entrant, Sample, dtype_name, run_mode
 from seqgen_cli.errors import SeqgenError
 
 if TYPE_CHECKING:
@@ -64,7 +64,8 @@ def bench_e2e(
         script_opts = ["--device", device, "--threads", threads]
         if "hf" in s.compare:
             hf_settings = json.dumps(gen.config.to_dict(), default=str)
-            heads["hf"] = [*script, "hf", *script_opts, "--dtype", dtype, "--settings", hf_settings]
+            hf_dtype = "float32" if dtype == "int8" else dtype  # int8: float32 is the agreement reference
+            heads["hf"] = [*script, "hf", *script_opts, "--dtype", hf_dtype, "--settings", hf_settings]
         if ct2_args:
             heads["ct2"] = [*script, "ct2", *script_opts, "--compute-type", dtype, *ct2_args]
 
@@ -76,8 +77,12 @@ def bench_e2e(
                 out = workdir / f"{name}-b{beams}-bs{bs}.txt"
                 io = [str(inp)] if name == "seqgen" else ["--input", str(inp)]
                 cmd = [*head, *io, "--model", s.model, "--output", str(out), "--batch-size", str(bs), *common]
+                label, notes = BACKENDS[name], []
+                if dtype == "int8":  # hf: the float32 reference
+                    label += " float32" if name == "hf" else " int8"
+                    notes = [INT8_REFERENCE_NOTE] if name == "hf" else []
                 entrants[name] = Entrant(
-                    _run_once(name, cmd, out, env, workdir), BACKENDS[name], "process max rss"
+                    _run_once(name, cmd, out, env, workdir), label, "process max rss", notes
                 )
             return entrants
 

@@ -58,10 +58,14 @@ def markdown_table(results: list[RunResult]) -> str:
         rows = [r for r in results if r.mode == mode]
         if not rows:
             continue
+        bleu = any(r.bleu_vs_hf is not None for r in rows)  # int8 benches: a BLEU column
         parts.append(f"**{TITLES[mode]}**\n")
         parts.append(
             "| beams | batch | system | backend | n | median s | samples/s | tokens/s | peak MiB | +run MiB | "
-            "vs hf | vs ct2 | same as hf |\n|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "vs hf | vs ct2 | same as hf |" + (" BLEU vs hf |" if bleu else "")
+        )
+        parts.append(
+            "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if bleu else "")
         )
         for r in sorted(rows, key=lambda r: (r.num_beams, r.batch_size, SYSTEMS.index(r.system))):
             parts.append(
@@ -69,7 +73,10 @@ def markdown_table(results: list[RunResult]) -> str:
                 f"{r.samples_per_s:.2f} | {_fmt(r.tokens_per_s, '.0f')} | {_fmt(r.peak_mem_mb, '.0f')} | "
                 f"{_fmt(r.run_mem_mb, '.0f')} | {_fmt(r.speedup_vs_hf, '.2f', '×')} | "
                 f"{_fmt(r.speedup_vs_ct2, '.2f', '×')} | {_fmt(r.agreement_vs_hf, '.0f', ' %')} |"
+                + (f" {_fmt(r.bleu_vs_hf, '.1f')} |" if bleu else "")
             )
+        notes = dict.fromkeys(f"{r.system}: {note}" for r in rows for note in r.notes)
+        parts += [""] + [f"- {note}" for note in notes] if notes else []
         parts.append("")
     return "\n".join(parts)
 

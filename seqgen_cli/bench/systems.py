@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from seqgen_cli.bench import ct2
-from seqgen_cli.bench.cells import dtype_name
+from seqgen_cli.bench.cells import INT8_REFERENCE_NOTE, dtype_name
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import strip_generated
 
@@ -44,7 +44,7 @@ class SeqgenSystem(System):
 
     def __init__(self, gen: Generator) -> None:
         self.gen = gen
-        self.backend = gen.backend
+        self.backend = gen.backend + (" int8" if gen.loaded.int8 else "")
         self.notes = [] if gen.backend == "fast" else ["seqgen's engine unavailable: backend hf"]
 
     def run(self, prepared: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -52,13 +52,16 @@ class SeqgenSystem(System):
 
 
 class HFSystem(System):
-    """Plain transformers ``generate()`` on the Generator's model, with a copy of its resolved settings."""
+    """Plain transformers ``generate()`` on the Generator's model, with a copy of its resolved settings; for
+    an int8 Generator on ``reference``, the float32 model (the agreement reference)."""
 
     name = "hf"
     backend = "transformers"
 
-    def __init__(self, gen: Generator) -> None:
-        self.model, self.tokenizer = gen.model, gen.tokenizer
+    def __init__(self, gen: Generator, reference: torch.nn.Module | None = None) -> None:
+        self.model, self.tokenizer = reference or gen.model, gen.tokenizer
+        if reference is not None:
+            self.backend, self.notes = "transformers float32", [INT8_REFERENCE_NOTE]
         self.seq2seq, self.device = gen.is_encoder_decoder, gen.loaded.device
         self.config = copy.deepcopy(gen.config)
         self.config.num_return_sequences = 1
@@ -104,7 +107,7 @@ class Ct2System(System):
         self.vocab = ct2.vocabulary(self.path)
         self.index = {t: i for i, t in enumerate(self.vocab)}
         self.tokenizer, self.seq2seq = gen.tokenizer, gen.is_encoder_decoder
-        self.backend = f"ctranslate2 {ctranslate2.__version__}"
+        self.backend = f"ctranslate2 {ctranslate2.__version__}" + (" int8" if dtype == "int8" else "")
         self.measured = ct2_device == "cpu"
 
     def use(self, gen: Generator) -> ct2.Ct2Plan:
