@@ -180,3 +180,12 @@ def test_a_bad_line_in_a_late_shard_names_its_line_then_skip_and_resume(
     res = seqgen("generate", "-m", str(marian), str(src), "-o", str(out), *ARGS, *workers, "--resume")
     assert res.exit_code == 0, res.stderr
     assert out.read_bytes() == reference
+
+
+def test_one_of_n_drivers_writes_its_shard(ray_address, marian: Path, job, tmp_path: Path) -> None:
+    """``--shard 1/2 --workers 2`` (one driver per machine, say): the second half of the one-process run."""
+    src, reference = job
+    out = tmp_path / "half.txt"
+    summary = distributed(marian, src, out, 16, shard=(1, 2))
+    assert summary.error is None and summary.inputs == 80
+    assert out.read_bytes() == b"".join(reference.splitlines(keepends=True)[80:])

@@ -37,7 +37,7 @@ from seqgen_cli.pipeline.job import (
     write_stats,
 )
 from seqgen_cli.pipeline.progress import CountingProgress, Progress, count_lines
-from seqgen_cli.pipeline.records import Record, read_records
+from seqgen_cli.pipeline.records import Record, read_records, shard_range
 from seqgen_cli.pipeline.run import MAX_WARNINGS
 from seqgen_cli.pipeline.sinks import FileSink, Sink, StreamSink
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
@@ -334,8 +334,6 @@ def generate_distributed(
     shard, done) and merged shard (``"merged"``), for tests and monitoring.
     """
     check_job(inputs, output, opts)
-    if opts.shard is not None:
-        raise SeqgenError("--shard and --workers cannot be combined (--workers shards the input itself)")
     if opts.reference and output == "-":
         raise SeqgenError("--reference with --workers needs -o FILE")
     if output != "-" and not opts.resume:
@@ -489,6 +487,8 @@ class _Driver:
         try:
             first = self._first_hello()
             self.settings = first["settings"]
+            if self.opts.shard is not None:  # one of N drivers (--shard I/N --workers M), as in one process
+                self.settings = {**self.settings, "shard": list(self.opts.shard)}
             self.summary.backend = first["backend"]
             self.info = first
             sink, state = self._open_output(self.settings, parts, stdout)
@@ -525,15 +525,20 @@ class _Driver:
     def _loop(self, sink: Sink, state: resume.ResumeState | None, parts: Path) -> bool:
         """Hand out shards, collect and merge results; True when every input is written."""
         ray, cl, opts = self.ray, self.cluster, self.opts
-        records = read_records(self.paths, opts.input_format, opts.input_field, on_error="skip")
+        total = count_lines(self.paths)
+        select = None
+        if opts.shard is not None:
+            assert total is not None  # check_job: --shard needs input files
+            select = shard_range(total, *opts.shard)
+            total = select[1] - select[0]
+        records = read_records(self.paths, opts.input_format, opts.input_field, "skip", select=select)
         digest = resume.InputDigest()
         if state is not None:
             records = resume.skip_done(records, state, digest)
-        total = count_lines(self.paths)
         self.size = size = cl.shard_size or auto_shard_size(total, cl.workers)
         ahead = LOOKAHEAD_PER_WORKER * cl.workers + 1
         cutter = _Cutter(records, self.start, size, digest, ahead)
-        progress = Progress(opts.progress, self.paths, initial=self.start)
+        progress = Progress(opts.progress, self.paths, initial=self.start, total=total)
         retry: list[_Shard] = []  # a heap, by shard order
         cut: dict[int, _Shard] = {}  # cut and not merged yet
         results: dict[int, ShardResult] = {}
