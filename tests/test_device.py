@@ -58,7 +58,7 @@ def _fake_generator(
     device: str, encoder_decoder: bool, dtype: torch.dtype = torch.float32
 ) -> SimpleNamespace:
     return SimpleNamespace(
-        loaded=SimpleNamespace(device=torch.device(device), dtype=dtype),
+        loaded=SimpleNamespace(device=torch.device(device), dtype=dtype, int8=False),
         tokenizer=SimpleNamespace(pad_token_id=9),
         is_encoder_decoder=encoder_decoder,
     )
