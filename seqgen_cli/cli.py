@@ -292,6 +292,9 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     outputs that wait for an earlier input are journaled, so an interrupted run (Ctrl-C, a crash,
     SIGKILL) continues with --resume and generates only what is missing. Ctrl-C writes what is done
     and exits with status 130.
+
+    --workers N runs the job on N Ray workers (a local cluster, or --address); the output is the same
+    file, in input order, and resumable the same way. --shard I/N runs one shard for other launchers.
     """
     from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, generate_job
     from seqgen_cli.pipeline.records import parse_shard

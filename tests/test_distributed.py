@@ -14,14 +14,16 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
-from click.testing import CliRunner
 
-from seqgen_cli.cli import main
-from seqgen_cli.pipeline.distributed import ClusterOptions, generate_distributed, parts_dir
-from seqgen_cli.pipeline.job import JobOptions
-from seqgen_cli.pipeline.resume import index_path
-from tests.tiny_models import sample_texts
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback (read at import)
+import ray  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+from seqgen_cli.cli import main  # noqa: E402
+from seqgen_cli.pipeline.distributed import ClusterOptions, generate_distributed, parts_dir  # noqa: E402
+from seqgen_cli.pipeline.job import JobOptions  # noqa: E402
+from seqgen_cli.pipeline.resume import index_path  # noqa: E402
+from tests.tiny_models import sample_texts  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 6
@@ -33,10 +35,12 @@ ARGS = ["--max-new-tokens", str(NEW_TOKENS), "--batch-size", str(BATCH), "-q"]
 def ray_address() -> str:
     """One local Ray for the whole session (2 CPUs, loopback, no dashboard): its address."""
     ray.init(
-        num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=200 << 20,
-        log_to_driver=False, logging_level=logging.ERROR,
+        num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
+        logging_level=logging.ERROR,
     )  # fmt: skip
-    yield ray.get_runtime_context().gcs_address
+    address = ray.get_runtime_context().gcs_address
+    assert address.startswith("127.0.0.1:"), address
+    yield address
     ray.shutdown()
 
 

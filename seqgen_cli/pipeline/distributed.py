@@ -12,6 +12,7 @@ parts are reused. Ray is imported only here, and this module only with ``--worke
 
 from __future__ import annotations
 
+import fcntl
 import heapq
 import logging
 import os
@@ -48,6 +49,7 @@ LOOKAHEAD_PER_WORKER = 2  # shards cut beyond the oldest unmerged one, per worke
 PARTS_SUFFIX = ".seqgen-parts"
 STARTUP_NOTICE_SECONDS = 60.0
 INSTALL_HINT = "pip install 'seqgen-cli[ray]'"
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray advertises 127.0.0.1 (single-machine mode)
 
 Events = Callable[[str, dict[str, Any]], None]
 
@@ -65,8 +67,14 @@ class ClusterOptions:
     max_restarts: int = 3  # restarts of one worker's process after it dies
 
 
-def import_ray() -> Any:
-    """Ray, or a one-line error saying how to install it."""
+def import_ray(local: bool = False) -> Any:
+    """Ray, or a one-line error saying how to install it.
+
+    ``local``: for a cluster on this machine only, Ray's addresses are loopback ones (Ray picks the
+    machine's outward address otherwise: an environment setting read when Ray is first imported).
+    """
+    if local and "ray" not in sys.modules:
+        os.environ.setdefault(LOOPBACK_ENV, "0")
     try:
         import ray
     except ImportError:
@@ -162,7 +170,10 @@ class ShardWorker:
         part = self.parts / task.name
         self._progress = progress = CountingProgress()
         result = ShardResult(task.name, pid=self.pid)
+        lock = open(f"{part}.lock", "w")  # noqa: SIM115 - held until the part is written
         try:
+            # An attempt the driver gave up on may still run (a node cut off, not dead): wait for it.
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             if part.exists() and part.stat().st_size and not resume.index_path(part).exists():
                 result.data, result.done = part.read_bytes(), len(task.records)  # done before a driver loss
             else:
@@ -181,6 +192,8 @@ class ShardWorker:
                 result.warnings = progress.messages
         except SeqgenError as err:
             result.fatal = str(err)
+        finally:
+            lock.close()
         if not self.local and result.fatal is None:  # the driver cannot delete it: it has the bytes now
             _remove_part(part)
         return result
@@ -195,7 +208,7 @@ def _raise_bad(records: list[Record], on_error: str) -> Iterator[Record]:
 
 
 def _remove_part(part: Path) -> None:
-    for path in (part, resume.index_path(part), resume.journal_path(part)):
+    for path in (part, resume.index_path(part), resume.journal_path(part), Path(f"{part}.lock")):
         path.unlink(missing_ok=True)
 
 
@@ -339,7 +352,7 @@ def generate_distributed(
     if output != "-" and not opts.resume:
         resume.check_fresh(output)
     t0 = time.perf_counter()
-    ray = import_ray()
+    ray = import_ray(local=cluster.address is None)
     stdout = sys.stdout
     sys.stdout = sys.stderr  # Ray prints its notices (e.g. a worker died) to sys.stdout: not into the output
     try:
@@ -364,7 +377,7 @@ def _connect(ray: Any, cluster: ClusterOptions) -> bool:
     else:  # a local cluster, on loopback, with room for every worker asked for
         need = int(cluster.workers * cluster.cpus_per_worker + 0.999)
         cpus = max(os.cpu_count() or 1, need)
-        ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
+        ray.init(num_cpus=cpus, include_dashboard=False, **quiet)
     return True
 
 
@@ -486,7 +499,7 @@ class _Driver:
         complete = False
         try:
             first = self._first_hello()
-            self.settings = first["settings"]
+            self.settings = self.worker_settings = first["settings"]
             if self.opts.shard is not None:  # one of N drivers (--shard I/N --workers M), as in one process
                 self.settings = {**self.settings, "shard": list(self.opts.shard)}
             self.summary.backend = first["backend"]
@@ -600,7 +613,7 @@ class _Driver:
                     w = next(w for w in self.workers if ref in (w.task_ref, w.hello_ref))
                     if ref is w.hello_ref:
                         info = self._hello(w)
-                        if info is not None and info["settings"] != self.settings:
+                        if info is not None and info["settings"] != self.worker_settings:
                             raise SeqgenError(
                                 f"the worker on node {info['node']} resolves other settings than the first "
                                 "(same model folder and software on every node?)"
