@@ -48,6 +48,7 @@ MIN_SHARD_SIZE = 16
 LOOKAHEAD_PER_WORKER = 2  # shards cut beyond the oldest unmerged one, per worker (bounds driver memory)
 PARTS_SUFFIX = ".seqgen-parts"
 STARTUP_NOTICE_SECONDS = 60.0
+DRIVER_MARK = ".seqgen-driver"  # in the parts folder: the driver's node id (workers that see it share it)
 INSTALL_HINT = "pip install 'seqgen-cli[ray]'"
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray advertises 127.0.0.1 (single-machine mode)
 
@@ -132,7 +133,7 @@ class ShardWorker:
         self.parts = Path(parts)
         self.opts = replace(opts, resume=True, progress=False, stats=None, reference=None, metrics=None)
         self.node = _node_id()
-        self.local = self.node == driver_node  # elsewhere the driver may not see the parts folder
+        self.driver_node = driver_node
         self._progress = CountingProgress()
         self.gen = None
         self.error: str | None = None
@@ -194,9 +195,16 @@ class ShardWorker:
             result.fatal = str(err)
         finally:
             lock.close()
-        if not self.local and result.fatal is None:  # the driver cannot delete it: it has the bytes now
+        if result.fatal is None and not self._shares_parts():  # the driver cannot delete it: it has the bytes
             _remove_part(part)
         return result
+
+    def _shares_parts(self) -> bool:
+        """Whether the driver sees this parts folder (same machine, or a shared filesystem)."""
+        try:
+            return (self.parts / DRIVER_MARK).read_text(encoding="utf-8") == self.driver_node
+        except OSError:
+            return False
 
 
 def _raise_bad(records: list[Record], on_error: str) -> Iterator[Record]:
@@ -505,6 +513,7 @@ class _Driver:
             self.summary.backend = first["backend"]
             self.info = first
             sink, state = self._open_output(self.settings, parts, stdout)
+            (parts / DRIVER_MARK).write_text(_node_id(), encoding="utf-8")
             self.start = state.done if state else 0
             self.summary.resumed_from = self.start
             startup = time.perf_counter() - self.t0
