@@ -55,6 +55,9 @@ class FakeGen:
     def decode(self, seqs):
         return ["".join(map(chr, s)) for s in seqs]
 
+    def device_stats(self):
+        return {"device": "cpu", "dtype": "float32"}
+
 
 def expected(texts: list[str]) -> str:
     return "".join(t.strip() and t[::-1] + "\n" or "\n" for t in texts)

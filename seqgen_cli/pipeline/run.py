@@ -139,4 +139,5 @@ def run(
     summary.tokenise_seconds = reader.tokenise_seconds
     summary.write_seconds = writer.seconds
     summary.seconds = time.perf_counter() - t_start
+    summary.device = gen.device_stats()
     return summary
