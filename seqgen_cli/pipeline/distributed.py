@@ -31,7 +31,7 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.job import (
     JobOptions,
-    _sigterm_as_interrupt,
+    sigterm_as_interrupt,
     check_job,
     score,
     write_records,
@@ -517,7 +517,7 @@ class _Driver:
             self.start = state.done if state else 0
             self.summary.resumed_from = self.start
             startup = time.perf_counter() - self.t0
-            with _sigterm_as_interrupt():
+            with sigterm_as_interrupt():
                 try:
                     complete = self._loop(sink, state, parts)
                 except KeyboardInterrupt:

@@ -105,7 +105,7 @@ def write_records(
             sink = FileSink(output, settings)
     keep: list[str] | None = [] if opts.reference and output == "-" else None
     progress.start_at(start)
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         summary = run(
             gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep,
             streaming=streaming, journaled=journaled,
@@ -139,7 +139,7 @@ def _read_hypotheses(output: str, output_format: str, output_field: str, n: int)
     return lines[::n]  # text: n consecutive lines per input
 
 
-class _sigterm_as_interrupt:
+class sigterm_as_interrupt:
     """SIGTERM (a job scheduler's stop) is handled like Ctrl-C: write what is done, then exit 130."""
 
     def __enter__(self) -> None:
