@@ -31,9 +31,9 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.job import (
     JobOptions,
-    sigterm_as_interrupt,
     check_job,
     score,
+    sigterm_as_interrupt,
     write_records,
     write_stats,
 )
