@@ -59,7 +59,8 @@ class HFSystem(System):
     backend = "transformers"
 
     def __init__(self, gen: Generator, reference: torch.nn.Module | None = None) -> None:
-        self.model, self.tokenizer = reference or gen.model, gen.tokenizer
+        self.model = reference if reference is not None else gen.model
+        self.tokenizer = gen.tokenizer
         if reference is not None:
             self.backend, self.notes = "transformers float32", [INT8_REFERENCE_NOTE]
         self.seq2seq, self.device = gen.is_encoder_decoder, gen.loaded.device
