@@ -165,7 +165,7 @@ def beam_search(
                 running_scores, beam_scores = running_scores[keep], beam_scores[keep]
                 is_finished, heuristic_unsatisfied = is_finished[keep], heuristic_unsatisfied[keep]
                 fin_tokens, fin_lengths = fin_tokens[keep], fin_lengths[keep]
-                tokens = tokens[rows.row_index(keep)]
+                tokens = tokens[leaving.kept_rows]
                 rows.keep_inputs(leaving)
 
         logits = backend.step(rows.state, tokens)  # [N, V]

@@ -70,7 +70,7 @@ def token_search(
                 if leaving.all_done:
                     break
                 collect(leaving.done, leaving.inputs)
-                kept_rows = rows.row_index(leaving.keep)  # [B' * R]
+                kept_rows = leaving.kept_rows  # [B' * R]
                 finished, lengths, tokens = finished[kept_rows], lengths[kept_rows], tokens[kept_rows]
                 rows.keep_inputs(leaving)
         logits = backend.step(rows.state, tokens)  # [N, V]

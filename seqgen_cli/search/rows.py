@@ -42,6 +42,7 @@ class Leaving(NamedTuple):
     done: torch.Tensor  # [D] int64: positions of the done inputs among the active ones, ascending
     inputs: list[int]  # [D] their original batch indices
     keep: torch.Tensor  # [B'] int64: positions of the inputs that keep running, ascending
+    kept_rows: torch.Tensor  # [B' * R] int64: their rows (computed once, for the search and the backend)
 
     @property
     def all_done(self) -> bool:
@@ -83,11 +84,12 @@ class Rows:
             return None
         device = done.device
         done_pos = [i for i, f in enumerate(flags) if f]
-        keep_pos = [i for i, f in enumerate(flags) if not f]
+        keep = torch.tensor([i for i, f in enumerate(flags) if not f], dtype=torch.long, device=device)
         return Leaving(
             torch.tensor(done_pos, dtype=torch.long, device=device),
             [self.inputs[i] for i in done_pos],
-            torch.tensor(keep_pos, dtype=torch.long, device=device),
+            keep,
+            self.row_index(keep),
         )
 
     def remaining(self) -> tuple[torch.Tensor, list[int]]:
@@ -98,10 +100,10 @@ class Rows:
     def keep_inputs(self, leaving: Leaving) -> None:
         """Finished inputs leave: keep active inputs ``leaving.keep`` ([B'] int64, ascending, on device).
 
-        Their row indices are computed here, once, for the history, the processors and the backend.
+        Their rows (``leaving.kept_rows``, computed once by :meth:`check`) select the history, the processors
+        and the backend's per-row state.
         """
-        keep = leaving.keep
-        rows = self.row_index(keep)  # [B' * R]
+        keep, rows = leaving.keep, leaving.kept_rows  # [B'], [B' * R]
         self.history.select(rows)
         self.pipeline.select(rows)
         self.backend.drop(self.state, keep, rows)
