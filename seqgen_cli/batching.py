@@ -53,6 +53,14 @@ class Result:
     error: str | None = None
 
 
+def encode_items(items: list[Item], texts: list[str], encode: Callable[[list[str]], list[Any]]) -> None:
+    """Set ``ids`` and ``truncated`` of ``items`` from ``encode(texts)`` (``Generator.encode``; one text
+    per item, none empty)."""
+    if items:
+        for it, enc in zip(items, encode(texts), strict=True):
+            it.ids, it.truncated = enc.ids, enc.truncated
+
+
 def default_window(batch_size: int) -> int:
     """Inputs read ahead and sorted by length: 16 batches, at least ``MIN_WINDOW``."""
     return max(16 * batch_size, MIN_WINDOW)

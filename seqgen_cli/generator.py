@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from seqgen_cli.batching import Batcher, Chunk, Item, generate_split
+from seqgen_cli.batching import Batcher, Chunk, Item, encode_items, generate_split
 from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load
@@ -281,8 +281,7 @@ class Generator:
     def _chunk(self, texts: list[str], start: int) -> Chunk:
         items = [Item(start + i, None, f"input {start + i + 1}") for i in range(len(texts))]
         todo = [it for it, text in zip(items, texts, strict=True) if text.strip()]
-        for it, enc in zip(todo, self.encode([texts[it.index - start] for it in todo]), strict=True):
-            it.ids, it.truncated = enc.ids, enc.truncated
+        encode_items(todo, [texts[it.index - start] for it in todo], self.encode)
         return Chunk(items)
 
     def generate(self, texts: Sequence[str], batch_size: int = 32) -> list[list[str]]:

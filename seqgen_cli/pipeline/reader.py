@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from seqgen_cli.batching import Chunk, Item
+from seqgen_cli.batching import Chunk, Item, encode_items
 from seqgen_cli.generator import Encoded
 from seqgen_cli.pipeline.records import Record
 
@@ -139,10 +139,8 @@ class ReaderStage:
             for it in items
             if it.record.error is None and it.record.text.strip() and it.index not in self._skip
         ]
-        if todo:
-            for it, enc in zip(todo, self._encode([it.record.text for it in todo]), strict=True):
-                it.ids, it.truncated = enc.ids, enc.truncated
-                self.truncated += enc.truncated
+        encode_items(todo, [it.record.text for it in todo], self._encode)
+        self.truncated += sum(it.truncated for it in todo)
         self.tokenise_seconds += time.perf_counter() - t0
         return items
 
