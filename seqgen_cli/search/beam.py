@@ -75,10 +75,12 @@ def beam_search(
         bsz = running_scores.shape[0]
         last_step = cur_len + 1 >= max_length
 
-        # b. log-probs -> processors -> accumulate: [N, V] -> [B, K * V]
-        log_probs = torch.nn.functional.log_softmax(logits.float(), dim=-1)
+        # b. log-probs -> processors -> accumulate: [N, V] -> [B, K * V]. The search owns the logits, so the
+        # vocabulary-wide passes work in place (same arithmetic and bits, no [N, V] allocation per pass).
+        log_probs = logits.float().contiguous()  # [N, V]
+        torch.log_softmax(log_probs, dim=-1, out=log_probs)
         log_probs = rows.pipeline(history, log_probs)
-        log_probs = log_probs.view(bsz, k, vocab) + running_scores[:, :, None]
+        log_probs = log_probs.view(bsz, k, vocab).add_(running_scores[:, :, None])
         log_probs = log_probs.reshape(bsz, k * vocab)
 
         # c. top-C continuations over all beams: [B, C]

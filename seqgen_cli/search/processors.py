@@ -1,6 +1,6 @@
 """Logits processors, applied in transformers' order (``GenerationMixin._get_logits_processor``).
 
-The pipeline owns the scores it is given and may modify them in place. All processors are vectorised over rows and step-dependent conditions use the host-side ``cur_len`` (the same
+The pipeline owns the scores it is given and modifies them in place where it can. All processors are vectorised over rows and step-dependent conditions use the host-side ``cur_len`` (the same
 for every row), so a step needs no device->host sync. Each one performs the same elementwise arithmetic as
 its transformers counterpart, so processed scores match bit for bit.
 
@@ -144,5 +144,6 @@ class LogitsPipeline:
         if self.warpers is not None:
             scores = self.warpers(scores)
         if s.renormalize_logits:  # always last, as transformers' LogitNormalization
-            scores = scores.log_softmax(dim=-1)
+            scores = scores.contiguous()
+            scores = torch.log_softmax(scores, dim=-1, out=scores)  # in place: same bits, no new [N, V]
         return scores
