@@ -189,6 +189,13 @@ def main() -> None:
     help="auto: float32 on CPU, bfloat16 (else float16) on GPU. int8 (CPU only): float32 weights, linear "
     "layers in int8 (dynamic quantization; not exact).",
 )
+@click.option(
+    "--capture/--no-capture",
+    default=True,
+    show_default=True,
+    help="On CUDA, replay the fast engine's decode step as CUDA graphs (torch.compile reduce-overhead, one "
+    "per batch shape); --no-capture runs it eagerly. The closing line and --stats name the step path.",
+)
 @generation_options()
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option(
@@ -327,6 +334,7 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         backend=opts.pop("backend"),
         device=opts.pop("device"),
         dtype=opts.pop("dtype"),
+        capture=opts.pop("capture"),
         preset=opts.pop("preset"),
         prefix=opts.pop("prefix"),
         max_source_length=opts.pop("max_source_length"),

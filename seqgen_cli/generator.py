@@ -51,8 +51,11 @@ class Generator:
         prefix: str | None = None,
         max_source_length: int | None = None,
         seed: int | None = None,
+        capture: bool = True,
         **generation: Any,
     ) -> None:
+        """``capture``: on CUDA, run the fast backends' decode step as CUDA graphs (``models/capture.py``);
+        ``False`` runs it eagerly (``step_path`` says which, and why)."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
@@ -69,7 +72,9 @@ class Generator:
         if seed is not None:
             torch.manual_seed(seed)
         self.backend = self._pick_backend(backend)
+        self.capture = capture
         self._model_backend = None  # the engine's model backend, built on first use (int8: now)
+        self._step_path = ""  # how the engine runs its decode step (see step_path)
         self._calls = 0  # batches generated so far (sampling seeds differ per batch)
         if self.loaded.int8:
             self._quantize()
@@ -134,9 +139,30 @@ class Generator:
         from seqgen_cli.models.quantize import quantize_linears
 
         if self.backend == "fast":
-            self._model_backend = get_backend(self.model, int8=True)
+            self._engine(get_backend(self.model, int8=True))
         else:
             quantize_linears(self.model)
+
+    def _engine(self, backend: Any = None) -> Any:
+        """The engine's model backend (built on first use, or ``backend``), behind the capture path."""
+        from seqgen_cli.models import get_backend
+        from seqgen_cli.models.capture import capture
+
+        if self._model_backend is None:
+            backend = get_backend(self.model) if backend is None else backend
+            self._model_backend, self._step_path = capture(backend, self.loaded.device, self.capture)
+        return self._model_backend
+
+    @property
+    def step_path(self) -> str:
+        """How decode steps run: ``captured`` (CUDA graphs), or ``eager (<reason>)``; ``generate()`` for the
+        hf backend."""
+        from seqgen_cli.models.capture import CapturedBackend
+
+        if self.backend != "fast":
+            return "generate()"
+        engine = self._engine()
+        return engine.path if isinstance(engine, CapturedBackend) else self._step_path  # path: may fall back
 
     # -- tokens -----------------------------------------------------------------------------------
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
@@ -179,12 +205,13 @@ class Generator:
         return input_ids.to(device, non_blocking=pinned), mask.to(device, non_blocking=pinned)
 
     def device_stats(self) -> dict[str, Any]:
-        """Where the model runs, for ``--stats`` and the closing line: ``device``, ``dtype``, and on CUDA
-        ``device_name`` and ``peak_gpu_memory_mb`` (``torch.cuda.max_memory_allocated`` since the start or
-        the last ``torch.cuda.reset_peak_memory_stats``, in MiB)."""
+        """Where and how the model runs, for ``--stats`` and the closing line: ``device``, ``dtype``,
+        ``step_path`` (:attr:`step_path`), and on CUDA ``device_name`` and ``peak_gpu_memory_mb``
+        (``torch.cuda.max_memory_allocated`` since the start or the last ``torch.cuda.reset_peak_memory_stats``,
+        in MiB)."""
         device = self.loaded.device
         dtype = "int8" if self.loaded.int8 else str(self.loaded.dtype).removeprefix("torch.")
-        out: dict[str, Any] = {"device": str(device), "dtype": dtype}
+        out: dict[str, Any] = {"device": str(device), "dtype": dtype, "step_path": self.step_path}
         if device.type == "cuda":
             out["device_name"] = torch.cuda.get_device_name(device)
             out["peak_gpu_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
@@ -208,15 +235,12 @@ class Generator:
         return self._generate_hf(input_ids, mask)
 
     def _generate_fast(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
-        from seqgen_cli.models import get_backend
         from seqgen_cli.search import generate
         from seqgen_cli.search.protocol import Batch
 
-        if self._model_backend is None:
-            self._model_backend = get_backend(self.model)
         seed = None if self.seed is None else self.seed + self._calls  # fresh draws for every batch
         self._calls += 1
-        return generate(self._model_backend, Batch(input_ids, mask), self.config, seed=seed).sequences
+        return generate(self._engine(), Batch(input_ids, mask), self.config, seed=seed).sequences
 
     def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
         sequences = self.model.generate(

@@ -61,6 +61,7 @@ def _fake_generator(
         loaded=SimpleNamespace(device=torch.device(device), dtype=dtype, int8=False),
         tokenizer=SimpleNamespace(pad_token_id=9),
         is_encoder_decoder=encoder_decoder,
+        step_path="eager (test)",
     )
 
 
@@ -112,7 +113,11 @@ def test_pad_on_cuda_matches_the_host() -> None:
 
 
 def test_device_stats_cpu_and_cuda() -> None:
-    assert Generator.device_stats(_fake_generator("cpu", True)) == {"device": "cpu", "dtype": "float32"}
+    assert Generator.device_stats(_fake_generator("cpu", True)) == {
+        "device": "cpu",
+        "dtype": "float32",
+        "step_path": "eager (test)",
+    }
     with (
         mock.patch.object(torch.cuda, "max_memory_allocated", return_value=3 * 2**30),
         mock.patch.object(torch.cuda, "get_device_name", return_value="NVIDIA H100"),
@@ -121,6 +126,7 @@ def test_device_stats_cpu_and_cuda() -> None:
     assert stats == {
         "device": "cuda",
         "dtype": "bfloat16",
+        "step_path": "eager (test)",
         "device_name": "NVIDIA H100",
         "peak_gpu_memory_mb": 3072.0,
     }

@@ -91,6 +91,7 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
             assert r["seqgen_samples_per_s"] > 0 and r["generate_tokens_per_s"] > 0
             assert 0 <= r["same_as_float32"] <= 1 and 0 <= r["same_as_generate"] <= 1
     assert results["cli"]["api_ok"] and results["cli"]["cli_ok"], results["cli"]
-    assert results["cli"]["device_stats"] == {"device": "cpu", "dtype": "float32"}
+    step = "eager (cpu: no CUDA graphs)"
+    assert results["cli"]["device_stats"] == {"device": "cpu", "dtype": "float32", "step_path": step}
     md = (out / "results.md").read_text()
     assert "## bart-large-cnn shape" in md and "## GPT-2 shape" in md and "float32 equivalence" in md

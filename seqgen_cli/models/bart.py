@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from seqgen_cli.models.capture import static_step
 from seqgen_cli.models.encoder_decoder import (
     EncoderDecoderBackend,
     EncoderDecoderState,
@@ -93,11 +94,14 @@ class BartBackend(EncoderDecoderBackend):
 
     @torch.inference_mode()
     def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
-        t = state.t
+        return static_step(self.decode, state, tokens)
+
+    def decode(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
+        """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V]."""
         cache = state.cache
-        cache.begin(t)  # raises ValueError past the positions allocated by start()
+        cache.begin()
         x = F.embedding(tokens, self.embed) * self.embed_scale  # [N, D]
-        x = x + self.positions[t + self.pos_offset]
+        x = x + self.positions.index_select(0, cache.slot + self.pos_offset)  # [1, D]
         if self.ln_embed is not None:
             x = self.ln_embed(x)
         pre = self.pre_norm
@@ -124,5 +128,4 @@ class BartBackend(EncoderDecoderBackend):
         logits = self.lm(x)  # [N, V] (float32: F.linear with the head's bias, None in checkpoints)
         if self.lm_b is not None:
             logits = logits + self.lm_b
-        state.t = t + 1
         return logits

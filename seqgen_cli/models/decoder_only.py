@@ -3,17 +3,19 @@
 The prompt is prefilled once per *input* through the model's own base forward (left-padded, positions as
 ``generate()`` builds them); its keys and values go into a
 :class:`~seqgen_cli.models.kv_cache.DecoderOnlyKVCache` shared by the input's ``R`` rows. Subclasses
-implement ``step``: ``state.cache.begin(state.t)``, the layers (attention through
-``state.cache.attend``), then ``state.advance()``.
+implement ``decode`` (the step's tensor work, see ``capture.py``): ``state.cache.begin()``, the layers (attention
+through ``state.cache.attend``) at positions ``state.start_pos + state.cache.slot``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from seqgen_cli.models.capture import static_step
 from seqgen_cli.models.kv_cache import DecoderOnlyKVCache
 from seqgen_cli.search.protocol import Batch
 
@@ -23,13 +25,8 @@ class DecoderOnlyState:
     """Per-call state. ``N = B * R`` rows, input-major."""
 
     cache: DecoderOnlyKVCache
-    pos: Tensor  # [N] int64: position id of the next token fed to each row
+    start_pos: Tensor  # [N] int64: position id of each row's first generated token (its prompt's length)
     t: int = 0  # tokens fed by step() so far (host int: no device sync)
-
-    def advance(self) -> None:
-        """A step is done: every row moves one position on."""
-        self.t += 1
-        self.pos += 1
 
 
 def prompt_positions(mask: Tensor) -> Tensor:
@@ -47,7 +44,7 @@ def check_batch(batch: Batch) -> None:
 class DecoderOnlyBackend:
     """Protocol glue shared by the families: prefill through the model's own base forward, then cached steps.
 
-    Subclasses set ``self.model``, ``self.base`` (the transformer without LM head) and implement ``step``.
+    Subclasses set ``self.model``, ``self.base`` (the transformer without LM head) and implement ``decode``.
     """
 
     is_encoder_decoder = False
@@ -55,6 +52,9 @@ class DecoderOnlyBackend:
     max_position_embeddings: int
     model: torch.nn.Module
     base: torch.nn.Module
+    decode: Callable[
+        [DecoderOnlyState, Tensor], Tensor
+    ]  # the step's tensor work: tokens [N] -> logits [N, V]
 
     @torch.inference_mode()
     def start(
@@ -76,13 +76,19 @@ class DecoderOnlyBackend:
         logits = self.model.get_output_embeddings()(out.last_hidden_state[:, -1]).float()  # [B, V]
         return DecoderOnlyState(cache, pos), logits
 
-    def reorder(self, state: DecoderOnlyState, rows: Tensor) -> None:
-        state.cache.reorder(rows)
-        state.pos = state.pos.index_select(0, rows)
+    @torch.inference_mode()
+    def step(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
+        """tokens [N] -> logits [N, V] (float32)."""
+        return static_step(self.decode, state, tokens)
 
+    @torch.inference_mode()
+    def reorder(self, state: DecoderOnlyState, rows: Tensor) -> None:
+        state.cache.reorder(rows)  # start_pos is the same for all rows of an input
+
+    @torch.inference_mode()
     def drop(self, state: DecoderOnlyState, keep: Tensor, rows: Tensor) -> None:
-        state.cache.keep(keep, rows)
-        state.pos = state.pos.index_select(0, rows)
+        state.cache.keep(keep, rows, used=state.t)
+        state.start_pos = state.start_pos.index_select(0, rows)
 
     def cache_nbytes(self, state: DecoderOnlyState) -> dict[str, int]:
         """Bytes of the prompt K/V (per input) and the generated-token K/V (all layers; no back-pointers)."""

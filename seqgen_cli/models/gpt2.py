@@ -31,12 +31,11 @@ class GPT2Backend(DecoderOnlyBackend):
         self.max_position_embeddings = model.config.n_positions
         self.n_head = cfg.n_head
 
-    @torch.inference_mode()
-    def step(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
-        """tokens [N] -> logits [N, V] (float32)."""
+    def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
+        """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""
         tr = self.base
-        state.cache.begin(state.t)  # raises ValueError past the max_new_tokens allocated by start()
-        x = tr.wte(tokens) + tr.wpe(state.pos)  # [N, D]
+        state.cache.begin()
+        x = tr.wte(tokens) + tr.wpe(state.start_pos + state.cache.slot)  # [N, D]
         N, D = x.shape
         H = self.n_head
         for i, block in enumerate(tr.h):
@@ -50,5 +49,4 @@ class GPT2Backend(DecoderOnlyBackend):
             mlp = block.mlp
             x = x + _conv1d(mlp.act(_conv1d(h, mlp.c_fc)), mlp.c_proj)
         x = F.layer_norm(x, (D,), tr.ln_f.weight, tr.ln_f.bias, tr.ln_f.eps)
-        state.advance()
         return self.model.get_output_embeddings()(x).float()  # [N, V]

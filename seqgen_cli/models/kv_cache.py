@@ -1,14 +1,23 @@
 """Self-attention caches of the fast backends: preallocated, written in place, never moved by beam reordering.
 
 Both hold ``T = max_new_tokens`` slots per row; step ``t`` writes slot ``t`` of every row. The keys and values
-of an input's ``R`` beams lie side by side (``[..., T, R, d]``), so the used part is a free view of
-``(t+1) * R`` keys per input. Reordering moves only back-pointers (:class:`BackPointers`); each query beam
-scores against all its input's keys and a mask built from the back-pointers keeps its own history. That
-costs ``R`` times the score FLOPs on tiny matrices instead of copying or gathering the cache every step
-(measured against both in docs/BENCHMARKS.md, "Self-attention cache: reorder strategies").
+of an input's ``R`` beams lie side by side (``[..., T, R, d]``), so all slots of an input are a free view of
+``T * R`` keys. Reordering moves only back-pointers (:class:`BackPointers`); each query beam scores against all
+its input's keys and a mask built from the back-pointers keeps its own history. That costs ``R`` times the
+score FLOPs on tiny matrices instead of copying or gathering the cache every step (measured against both in
+docs/BENCHMARKS.md, "Self-attention cache: reorder strategies").
 
-Step counters are host integers, so nothing here syncs with the device. Rows are input-major
-(``row = b * R + k``, see ``seqgen_cli/search/protocol.py``).
+Static shapes (issue 10, graph capture). A step reads the slot it writes from a device tensor (``slot``,
+[1] int64), writes with ``index_copy_``, and the visibility mask is built from tensors (slots ``<= slot``, and
+the back-pointers). With ``static`` (the default on CUDA, and under ``models/capture.py``) it attends over all
+``T`` slots: no host integer that changes per step reaches the step's tensor work, so it can be compiled or
+captured once and replayed. Otherwise it attends over the ``t + 1`` slots written so far (``span``, set by
+the host-side :meth:`check`): on the CPU that is cheaper than all ``T`` slots (docs/BENCHMARKS.md, "Static vs
+dynamic step"). Reordering is in place; only :meth:`keep` (inputs leaving) reallocates. Unwritten slots are
+zeros (masked keys must still be finite: ``0 * nan`` is ``nan``).
+
+Nothing here syncs with the device. Rows are input-major (``row = b * R + k``, see
+``seqgen_cli/search/protocol.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +27,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def check_slot(t: int, max_len: int) -> None:
+    """Host-side bounds check before step ``t``: ``ValueError`` past the ``max_len`` slots of ``start()``."""
+    if t >= max_len:
+        raise ValueError(f"step {t} beyond the {max_len} positions allocated by start()")
+
+
 class BackPointers:
     """``ptr[n, s]``: the beam (``0..R-1``, same input) whose slot ``s`` is in row ``n``'s history."""
 
@@ -25,29 +40,22 @@ class BackPointers:
         self.r = rows_per_input
         self.ptr = torch.zeros(inputs * rows_per_input, max_len, dtype=torch.long, device=device)  # [N, T]
         self.beams = torch.arange(rows_per_input, device=device)  # [R]
-        self.reordered = False  # host flag: before any reorder, every row's history is all its own
+        self.slots = torch.arange(max_len, device=device)  # [T]
 
-    def begin(self, t: int) -> Tensor | None:
-        """Step ``t`` writes slot ``t`` of every row. Returns which slots each query row sees: bool
-        [B, Rq, t+1, R] (slot ``s`` of beam ``r``), or None if R = 1 (a row sees all its slots).
-
-        Raises ``ValueError`` past the ``T`` slots allocated by the backend's ``start()``.
-        """
-        n, max_len = self.ptr.shape
-        if t >= max_len:
-            raise ValueError(f"step {t} beyond the {max_len} positions allocated by start()")
+    def visible(self, slot: Tensor, span: int) -> Tensor:
+        """This step writes slot ``slot`` ([1] int64) of every row. Returns which of the first ``span`` slots
+        each query row sees: bool [B, Rq, span, R] (slot ``s`` of beam ``r``); [1, 1, span, 1] if R = 1."""
+        n = self.ptr.shape[0]
         r, b = self.r, n // self.r
-        self.ptr[:, t] = self.beams.repeat(b)
+        upto = (self.slots[:span] <= slot)[:, None]  # [span, 1]
         if r == 1:
-            return None
-        if not self.reordered:  # own beam only
-            return (self.beams[:, None] == self.beams).view(1, r, 1, r).expand(b, r, t + 1, r)
-        return self.ptr.view(b, r, -1)[:, :, : t + 1, None] == self.beams  # [B, Rq, t+1, R]
+            return upto.view(1, 1, span, 1)
+        self.ptr.index_copy_(1, slot, self.beams.repeat(b)[:, None])  # [N, 1]: each row's own beam
+        return (self.ptr[:, :span].view(b, r, span, 1) == self.beams) & upto  # [B, Rq, span, R]
 
     def reorder(self, rows: Tensor) -> None:
-        """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input)."""
-        self.ptr = self.ptr.index_select(0, rows)
-        self.reordered = True
+        """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input); in place."""
+        self.ptr.copy_(self.ptr.index_select(0, rows))
 
     def keep(self, rows: Tensor) -> None:
         """Keep rows ``rows`` ([B' * R], whole inputs): beam indices stay valid within an input."""
@@ -69,36 +77,51 @@ class EncoderDecoderKVCache:
         device: torch.device,
     ) -> None:
         shape = (layers, inputs, heads, max_len, rows_per_input, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, B, H, T, R, d]
-        self.v = torch.empty(shape, dtype=dtype, device=device)  # [L, B, H, T, R, d]
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H, T, R, d]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H, T, R, d]
         self.ptrs = BackPointers(inputs, rows_per_input, max_len, device)
-        self.t = 0  # this step's slot
-        self.mask: Tensor | None = None  # bool or additive, [B or 1, 1 or H, Rq, (t+1)*R]; None = all
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]: the slot this step writes
+        self.static = device.type == "cuda"  # attend all T slots (capturable), else the t+1 written so far
+        self.span = max_len  # slots this step attends (host int; T if static)
+        self.mask: Tensor | None = None  # bool or additive, [B or 1, 1 or H, Rq, span*R]; None = all
 
-    def begin(self, t: int, bias: Tensor | None = None) -> None:
-        """Step ``t`` starts; ``bias`` [1, H, 1, t+1]: additive attention bias over positions (T5)."""
-        self.t = t
+    def check(self, t: int) -> None:
+        """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
+        max_len = self.k.shape[3]
+        check_slot(t, max_len)
+        self.span = max_len if self.static else t + 1
+
+    def begin(self, bias: Tensor | None = None) -> None:
+        """A step starts (before the layers); ``bias`` [1, H, 1, T]: additive attention bias over slots (T5)."""
         _, b, h, _, r, _ = self.k.shape
-        visible = self.ptrs.begin(t)  # [B, Rq, t+1, R] or None
-        if visible is not None:
-            visible = visible.reshape(b, 1, r, (t + 1) * r)  # [B, 1, Rq, (t+1)*R], key index p*R + r
+        span = self.span
+        visible = None  # a row sees all of the first t+1 slots (dynamic, R = 1)
+        if self.static or r > 1:
+            visible = self.ptrs.visible(self.slot, span)  # [B, Rq, span, R] or [1, 1, span, 1]
+            visible = visible.expand(-1, r, span, r).reshape(-1, 1, r, span * r)  # [B|1, 1, Rq, span*R]
         if bias is not None:
-            bias = bias[..., None].expand(1, h, 1, t + 1, r).reshape(1, h, 1, (t + 1) * r)
+            bias = bias[..., :span, None].expand(1, h, 1, span, r).reshape(1, h, 1, span * r)
             if visible is not None:
-                bias = bias.masked_fill(~visible, float("-inf"))  # [B, H, Rq, (t+1)*R]
+                bias = bias.masked_fill(~visible, float("-inf"))  # [B|1, H, Rq, span*R]
             self.mask = bias
         else:
             self.mask = visible
 
+    def advance(self) -> None:
+        """A step is done: the next one writes the next slot (queued on the device, no sync)."""
+        self.slot.add_(1)
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Store this step's ``k``/``v`` ([N, H, d]); attend ``q`` [N, H, d] over each history -> [N, H*d]."""
-        t = self.t
         _, b, h, _, r, d = self.k.shape
+        span = self.span
         kl, vl = self.k[layer], self.v[layer]  # [B, H, T, R, d]
-        kl[:, :, t] = k.view(b, r, h, d).transpose(1, 2)  # [N, H, d] -> [B, H, R, d]
-        vl[:, :, t] = v.view(b, r, h, d).transpose(1, 2)
-        keys = kl[:, :, : t + 1].view(b, h, (t + 1) * r, d)  # contiguous per (b, h): no copy
-        values = vl[:, :, : t + 1].view(b, h, (t + 1) * r, d)
+        kl.index_copy_(
+            2, self.slot, k.view(b, r, h, d).transpose(1, 2)[:, :, None]
+        )  # [N, H, d] -> [B, H, 1, R, d]
+        vl.index_copy_(2, self.slot, v.view(b, r, h, d).transpose(1, 2)[:, :, None])
+        keys = kl[:, :, :span].view(b, h, span * r, d)  # contiguous per (b, h): no copy
+        values = vl[:, :, :span].view(b, h, span * r, d)
         qb = q.view(b, r, h, d).transpose(1, 2)  # [B, H, Rq, d]
         out = F.scaled_dot_product_attention(
             qb, keys, values, attn_mask=self.mask, scale=scale
@@ -139,46 +162,58 @@ class DecoderOnlyKVCache:
             k.transpose(-1, -2).contiguous() for k in pk
         ]  # [B, Hkv, d, P]; the prefill's copy is freed
         self.pv = pv  # [B, Hkv, P, d]
-        self.gk = [torch.empty(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
-        self.gv = [torch.empty(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]
+        self.gk = [torch.zeros(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
+        self.gv = [torch.zeros(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]
         bias = torch.zeros(mask.shape, device=dev, dtype=torch.float32)
         self.prompt_bias = bias.masked_fill(mask == 0, float("-inf"))[:, None, None, :]  # [B, 1, 1, P]
         self.ptrs = BackPointers(b, r, max_len, dev)
         self.r = r
-        self.t = 0  # this step's slot
-        self.used = 0  # slots written so far
-        self.gen_bias: Tensor | None = None  # [B, 1, Rq, 1, (t+1)*R] float32; None if R == 1
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # [1]: the slot this step writes
+        self.static = dev.type == "cuda"  # attend all T slots (capturable), else the t+1 written so far
+        self.span = max_len  # slots this step attends (host int; T if static)
+        self.gen_bias: Tensor | None = None  # [B|1, 1, Rq, 1, span*R] float32, 0 or -inf; None = all
 
-    def begin(self, t: int) -> None:
-        """Step ``t`` starts: build the generated-slot bias once for all layers."""
-        own = self.ptrs.begin(t)  # [B, Rq, t+1, R] or None
-        self.t, self.used = t, t + 1
-        if own is None:
+    def check(self, t: int) -> None:
+        """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
+        max_len = self.gk[0].shape[3]
+        check_slot(t, max_len)
+        self.span = max_len if self.static else t + 1
+
+    def begin(self) -> None:
+        """A step starts: build the generated-slot bias once for all layers."""
+        r, span = self.r, self.span
+        if not self.static and r == 1:  # a row sees all of the first t+1 slots
             self.gen_bias = None
             return
-        b, r = own.shape[0], self.r
-        bias = torch.zeros(own.shape, device=own.device, dtype=torch.float32).masked_fill_(
-            ~own, float("-inf")
-        )
-        self.gen_bias = bias.view(b, 1, r, 1, (t + 1) * r)
+        visible = self.ptrs.visible(self.slot, span)  # [B, Rq, span, R] or [1, 1, span, 1]
+        visible = visible.expand(-1, r, span, r).reshape(-1, 1, r, 1, span * r)  # [B|1, 1, Rq, 1, span*R]
+        zeros = torch.zeros(visible.shape, device=visible.device, dtype=torch.float32)
+        self.gen_bias = zeros.masked_fill_(~visible, float("-inf"))
+
+    def advance(self) -> None:
+        """A step is done: the next one writes the next slot (queued on the device, no sync)."""
+        self.slot.add_(1)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE); attend ``q`` [N, H, d] -> [N, H*d]."""
         n, h, d = q.shape
-        b, r, t = self.prompt_bias.shape[0], self.r, self.t
+        b, r = self.prompt_bias.shape[0], self.r
         hkv = k.shape[1]
         g = h // hkv
         gk, gv = self.gk[layer], self.gv[layer]
-        gk[:, :, :, t] = k.view(b, r, hkv, d).permute(0, 2, 3, 1)  # [B, Hkv, d, R]
-        gv[:, :, t] = v.view(b, r, hkv, d).transpose(1, 2)  # [B, Hkv, R, d]
+        span = self.span
+        gk.index_copy_(
+            3, self.slot, k.view(b, r, hkv, d).permute(0, 2, 3, 1)[:, :, :, None]
+        )  # [B, Hkv, d, 1, R]
+        gv.index_copy_(2, self.slot, v.view(b, r, hkv, d).transpose(1, 2)[:, :, None])  # [B, Hkv, 1, R, d]
         # queries of one input's beams and one K/V head's group: [B, Hkv, R*G, d]
         qg = q.view(b, r, hkv, g, d).transpose(1, 2).reshape(b, hkv, r * g, d)
-        keys_t = gk[:, :, :, : t + 1].view(b, hkv, d, (t + 1) * r)  # slot-major: index s*R + beam
-        vals = gv[:, :, : t + 1].view(b, hkv, (t + 1) * r, d)
+        keys_t = gk[:, :, :, :span].view(b, hkv, d, span * r)  # slot-major: index s*R + beam
+        vals = gv[:, :, :span].view(b, hkv, span * r, d)
         sp = torch.matmul(qg, self.pk[layer]).mul_(scale)  # [B, Hkv, R*G, P]
-        sg = torch.matmul(qg, keys_t).mul_(scale)  # [B, Hkv, R*G, (t+1)*R]
+        sg = torch.matmul(qg, keys_t).mul_(scale)  # [B, Hkv, R*G, span*R]
         p = sp.shape[-1]
-        scores = torch.cat([sp.float() + self.prompt_bias, sg.float()], dim=-1)  # [B, Hkv, R*G, P+(t+1)*R]
+        scores = torch.cat([sp.float() + self.prompt_bias, sg.float()], dim=-1)  # [B, Hkv, R*G, P+span*R]
         if self.gen_bias is not None:
             scores.view(b, hkv, r, g, -1)[..., p:] += self.gen_bias
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -190,15 +225,14 @@ class DecoderOnlyKVCache:
         """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input): only back-pointers move."""
         self.ptrs.reorder(rows)
 
-    def keep(self, inputs: Tensor, rows: Tensor) -> None:
-        """Keep inputs ``inputs`` ([B']), i.e. rows ``rows`` ([B' * R]); copies only the used slots."""
-        used = self.used
+    def keep(self, inputs: Tensor, rows: Tensor, used: int) -> None:
+        """Keep inputs ``inputs`` ([B']), i.e. rows ``rows`` ([B' * R]); copies only the ``used`` slots."""
         for i in range(len(self.pk)):
             self.pk[i] = self.pk[i].index_select(0, inputs)
             self.pv[i] = self.pv[i].index_select(0, inputs)
             for cache, slot_dim in ((self.gk, 3), (self.gv, 2)):
                 old = cache[i]
-                new = old.new_empty((inputs.shape[0], *old.shape[1:]))
+                new = old.new_zeros((inputs.shape[0], *old.shape[1:]))
                 new.narrow(slot_dim, 0, used).copy_(old.narrow(slot_dim, 0, used).index_select(0, inputs))
                 cache[i] = new
         self.prompt_bias = self.prompt_bias.index_select(0, inputs)

@@ -52,15 +52,14 @@ class LlamaBackend(DecoderOnlyBackend):
         self.n_head, self.head_dim = cfg.num_attention_heads, attn.head_dim
         self.n_kv = cfg.num_key_value_heads
 
-    @torch.inference_mode()
-    def step(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
-        """tokens [N] -> logits [N, V] (float32)."""
+    def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
+        """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""
         m = self.base
-        state.cache.begin(state.t)  # raises ValueError past the max_new_tokens allocated by start()
+        state.cache.begin()
         x = m.embed_tokens(tokens)  # [N, D]
         N = x.shape[0]
         H, Hkv, d = self.n_head, self.n_kv, self.head_dim
-        cos, sin = m.rotary_emb(x, state.pos[None])  # [1, N, d]
+        cos, sin = m.rotary_emb(x, (state.start_pos + state.cache.slot)[None])  # [1, N, d]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, d]
         for i, layer in enumerate(m.layers):
             at = layer.self_attn
@@ -75,5 +74,4 @@ class LlamaBackend(DecoderOnlyBackend):
             mlp = layer.mlp
             x = x + linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
         x = m.norm(x)
-        state.advance()
         return self.model.get_output_embeddings()(x).float()  # [N, V]

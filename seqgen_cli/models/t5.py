@@ -2,7 +2,8 @@
 
 Quirks, each as transformers does them: unscaled attention (scale 1) with a learned relative-position bias
 from the first block's self-attention, shared by all blocks; for an incremental query at position ``t`` the
-bias row ``t`` of a ``[T, T]`` table (unidirectional buckets) built once per call; RMSNorm (``T5LayerNorm``);
+bias row ``t`` (picked by the cache's device slot) of a ``[T, T]`` table (unidirectional buckets) built once per
+call; RMSNorm (``T5LayerNorm``);
 ReLU (v1.0) or gated-GELU (v1.1/Flan) feed-forward (the model's own module, including its dtype casts);
 fp16 clamping after each sub-layer; v1.0's tied-embedding rescale ``d_model ** -0.5`` before the LM head.
 """
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from seqgen_cli.models.capture import static_step
 from seqgen_cli.models.encoder_decoder import (
     EncoderDecoderBackend,
     EncoderDecoderState,
@@ -74,10 +76,12 @@ class T5Backend(EncoderDecoderBackend):
 
     @torch.inference_mode()
     def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
-        t = state.t
+        return static_step(self.decode, state, tokens)
+
+    def decode(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
+        """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V]."""
         cache = state.cache
-        # bias [1, H, 1, t+1], shared by all blocks; begin() raises ValueError past the allocated positions
-        cache.begin(t, state.self_bias[:, :, t : t + 1, : t + 1])
+        cache.begin(state.self_bias.index_select(2, cache.slot))  # bias [1, H, 1, T], shared by all blocks
         x = F.embedding(tokens, self.embed)  # [N, D]
         for i, blk in enumerate(self.dec_layers):
             a = self_attention(F.linear(blk.ln_self(x), blk.qkv_w), cache, i, self.heads, 1.0)  # [N, I]
@@ -90,5 +94,4 @@ class T5Backend(EncoderDecoderBackend):
         x = self.ln_final(x)
         if self.out_scale is not None:
             x = x * self.out_scale
-        state.t = t + 1
         return F.linear(x, self.lm_w, self.lm_head.bias)  # [N, V] (bias: None unless the head was replaced)

@@ -28,7 +28,8 @@ class Summary:
     error: str | None = None
     metrics: dict[str, Any] | None = field(default=None)
     rss_at_start_mb: float = 0.0  # peak resident memory before the run (model loaded)
-    device: dict[str, Any] = field(default_factory=dict)  # Generator.device_stats(): device, dtype, GPU peak
+    # Generator.device_stats(): device, dtype, step path, GPU peak
+    device: dict[str, Any] = field(default_factory=dict)
     # --workers: shards, shard size, retries, Ray start-up seconds and per-worker throughput ("workers")
     distributed: dict[str, Any] | None = field(default=None)
 
@@ -50,6 +51,7 @@ class Summary:
             f"time read+tokenise {self.read_seconds + self.tokenise_seconds:.1f}s, "
             f"generate {self.generate_seconds:.1f}s, write {self.write_seconds:.1f}s; backend {self.backend}"
             + (f" on {self.device['device']} {self.device['dtype']}" if self.device else "")
+            + (f", step {path}" if (path := self.device.get("step_path")) else "")
             + (f", peak GPU memory {gpu:.0f} MiB" if (gpu := self.device.get("peak_gpu_memory_mb")) else "")
         )
 
