@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from seqgen_cli.errors import SeqgenError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INT8 = "int8"  # float32 weights, linear layers run int8 (dynamic quantization, CPU only): models/quantize.py
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt() parameters (malloc.h)
 
 
 @dataclass
@@ -159,12 +162,35 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise SeqgenError(f"model {name}: cannot load its weights: {_first_line(err)}") from None
     model.to(dev).eval()
+    if dev.type == "cpu":
+        keep_freed_memory()
     if not is_encoder_decoder:
         tokenizer.padding_side = "left"  # generation continues at the right edge of every row
     if tokenizer.pad_token_id is None:
         eos = model.generation_config.eos_token_id
         tokenizer.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype, int8=dtype == INT8)
+
+
+def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:
+    """CPU runs: let glibc's malloc serve blocks up to ``mmap_threshold`` bytes (32 MiB, glibc's maximum)
+    from its heap and keep up to ``trim_threshold`` bytes of freed memory there.
+
+    By default glibc maps every block over 128 KiB-32 MiB afresh and unmaps it when freed, so each decode
+    step's vocabulary-sized tensors ([N, V] logits, GEMM outputs) come back as new zero-filled pages:
+    hundreds of thousands of page faults per batch (docs/BENCHMARKS.md, "CPU float32: where a step goes").
+    Process-wide; skipped where the user set ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` or
+    there is no glibc. Returns whether it applied.
+    """
+    if not sys.platform.startswith("linux") or any(
+        v in os.environ for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
 def quiet_transformers() -> None:

@@ -4,6 +4,9 @@ with a non-blocking copy, and ``Generator.device_stats``. (The CUDA-only checks 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 from unittest import mock
 
@@ -145,3 +148,39 @@ def test_auto_dtype_is_float32_on_cpu_and_bf16_where_the_gpu_supports_it() -> No
         assert resolve_dtype("auto", cuda) == torch.bfloat16
     with mock.patch.object(torch.cuda, "is_bf16_supported", return_value=False):
         assert resolve_dtype("auto", cuda) == torch.float16
+
+
+_MALLOC_PROBE = """
+import ctypes, resource, sys
+from seqgen_cli.loading import keep_freed_memory
+applied = keep_freed_memory()
+malloc, free = ctypes.CDLL(None).malloc, ctypes.CDLL(None).free
+malloc.restype, malloc.argtypes, free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for size in [24 << 20, 20 << 20, 30 << 20, 8 << 20] * 5:  # vocabulary-sized blocks, written in full
+    p = malloc(size)
+    ctypes.memset(p, 1, size)
+    free(p)
+print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
+def test_keep_freed_memory_reuses_large_blocks_unless_the_user_set_malloc() -> None:
+    """With the tuning, 20 blocks of 8-30 MiB fault in about the largest one's pages once; glibc's default
+    (dynamic threshold) faults about 3 times that here, and a user's own MALLOC_*_ setting wins."""
+
+    def probe(env: dict[str, str]) -> tuple[bool, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", _MALLOC_PROBE], env={**os.environ, **env}, capture_output=True, text=True
+        )
+        applied, faults = out.stdout.split()
+        return applied == "True", int(faults)
+
+    applied, tuned = probe({})
+    assert applied
+    pages = (30 << 20) // 4096
+    assert tuned < 1.5 * pages
+    applied, untouched = probe({"MALLOC_TRIM_THRESHOLD_": str(128 << 10)})
+    assert not applied
+    assert untouched > 3 * pages
