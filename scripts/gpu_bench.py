@@ -9,6 +9,7 @@ this). Sections, each written to ``--out`` as soon as it is done (``results.json
 * ``bart``: bart-large-cnn shape (real config and tokenizer, random weights, seed 0), FastSeq's 128 CNN/DM
   sources truncated to 1024 tokens, beam 4, no-repeat 3, length penalty 2, exactly 142 new tokens; per
   dtype and batch size seqgen vs ``generate()``: samples/s, tokens/s, peak memory, agreement with float32;
+  on CUDA also seqgen with the decode step captured (CUDA graphs) vs eager;
 * ``gpt2``: GPT-2 shape, 512-token prompts (the same articles), beam 4, 128 new tokens, same measures;
 * ``cli``: ``Generator`` on the device (pinned, non-blocking input copies) and ``device_stats()``.
 
@@ -46,6 +47,7 @@ from make_bench_models import build  # noqa: E402
 
 from seqgen_cli.config import resolve_generation_config  # noqa: E402
 from seqgen_cli.models import get_backend  # noqa: E402
+from seqgen_cli.models.capture import CapturedBackend, capture  # noqa: E402
 from seqgen_cli.search import Batch, generate  # noqa: E402
 
 STAGE_FILES = ("tokenizers/bart-large-cnn", "tokenizers/gpt2", "data/cnndm/fastseq128/cnndm_128.txt")
@@ -289,13 +291,19 @@ def measure_cell(
     new_tokens: int,
     reference: list,
 ) -> dict[str, Any]:
-    """One table cell: seqgen and ``generate()`` on ``batch``, timed; agreement with the float32 reference."""
+    """One table cell: seqgen (eager step, and captured where it can be) and ``generate()`` on ``batch``,
+    timed; agreement with the float32 reference."""
     backend = get_backend(model)
+    captured, step_path = capture(get_backend(model), device, True)
     size = batch.input_ids.shape[0]
     try:
         ours_t, ours, ours_mem = timed(
             lambda: generate(backend, batch, config).sequences, device, reps, warmup
         )
+        cap_t, cap = None, None
+        if isinstance(captured, CapturedBackend):
+            cap_t, cap, _ = timed(lambda: generate(captured, batch, config).sequences, device, reps, warmup)
+            step_path = captured.path
         hf_t, hf, hf_mem = timed(
             lambda: model.generate(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask, generation_config=config
@@ -311,7 +319,13 @@ def measure_cell(
     hf_seqs = [[ids[start:].tolist()] for ids in hf]
     ours_first = [[per[0][:new_tokens]] for per in ours]
     s, h = statistics.median(ours_t), statistics.median(hf_t)
+    c = statistics.median(cap_t) if cap_t else None
     return {
+        "step_path": step_path,
+        "captured_s": cap_t,
+        "captured_s_median": c,
+        "captured_speedup": s / c if c else None,  # eager step time / captured step time
+        "captured_same_as_eager": sum(a == b for a, b in zip(cap, ours, strict=True)) / size if cap else None,
         "seqgen_s": ours_t,
         "generate_s": hf_t,
         "seqgen_s_median": s,
@@ -352,8 +366,9 @@ def section_table(
         f"{new_tokens} new tokens, on {device}",
         "",
         "| dtype | batch | seqgen s | generate() s | speed-up | seqgen samples/s | seqgen tokens/s | "
-        "generate() samples/s | seqgen peak MiB | generate() peak MiB | = float32 | = generate() |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "generate() samples/s | seqgen peak MiB | generate() peak MiB | = float32 | = generate() | "
+        "captured s | captured speed-up | = eager |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     references: dict[int, list] = {}
     for batch_size in batches:  # float32 references (one seqgen run each)
@@ -375,7 +390,13 @@ def section_table(
                     f"| {dtype_name} | {batch_size} | {row['seqgen_s_median']:.2f} | {row['generate_s_median']:.2f} "
                     f"| {row['speedup']:.2f}x | {row['seqgen_samples_per_s']:.1f} | {row['seqgen_tokens_per_s']:.0f} "
                     f"| {row['generate_samples_per_s']:.1f} | {row['seqgen_peak_mb'] or '-'} | {row['generate_peak_mb'] or '-'} | "
-                    f"{100 * row['same_as_float32']:.0f} % | {100 * row['same_as_generate']:.0f} % |"
+                    f"{100 * row['same_as_float32']:.0f} % | {100 * row['same_as_generate']:.0f} % | "
+                    + (
+                        f"{row['captured_s_median']:.2f} | {row['captured_speedup']:.2f}x | "
+                        f"{100 * row['captured_same_as_eager']:.0f} % |"
+                        if row["captured_s_median"]
+                        else f"{row['step_path']} | - | - |"
+                    )
                 )
             print(md[-1], flush=True)
         del model
@@ -383,7 +404,9 @@ def section_table(
     md += [
         "",
         "median of the timed runs; `= float32`: outputs identical to seqgen in float32; `= generate()`: "
-        "identical to generate() in the same dtype.",
+        "identical to generate() in the same dtype; captured: the decode step replayed as CUDA graphs "
+        "(`models/capture.py`; seqgen s is the eager step), its speed-up over the eager step and its "
+        "agreement with it.",
     ]
     return {"settings": {k: str(v) for k, v in fixed.items()}, "src_len": src_len, "rows": rows}, md
 

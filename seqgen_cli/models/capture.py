@@ -174,6 +174,7 @@ class CapturedBackend:
     def step(self, state: CapturedState, tokens: Tensor) -> Tensor:
         check_slot(state.inner.t, state.limit)
         state.tokens.index_copy_(0, state.rows, tokens)
+        torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
         logits = static_step(self._decoder(state.shape), state.inner, state.tokens)  # [P * R, V]
         return logits.index_select(0, state.rows)  # [N, V], a copy: the graph's output is overwritten
 

@@ -116,9 +116,8 @@ class EncoderDecoderKVCache:
         _, b, h, _, r, d = self.k.shape
         span = self.span
         kl, vl = self.k[layer], self.v[layer]  # [B, H, T, R, d]
-        kl.index_copy_(
-            2, self.slot, k.view(b, r, h, d).transpose(1, 2)[:, :, None]
-        )  # [N, H, d] -> [B, H, 1, R, d]
+        # [N, H, d] -> [B, H, 1, R, d] into slot `slot`
+        kl.index_copy_(2, self.slot, k.view(b, r, h, d).transpose(1, 2)[:, :, None])
         vl.index_copy_(2, self.slot, v.view(b, r, h, d).transpose(1, 2)[:, :, None])
         keys = kl[:, :, :span].view(b, h, span * r, d)  # contiguous per (b, h): no copy
         values = vl[:, :, :span].view(b, h, span * r, d)
@@ -202,10 +201,9 @@ class DecoderOnlyKVCache:
         g = h // hkv
         gk, gv = self.gk[layer], self.gv[layer]
         span = self.span
-        gk.index_copy_(
-            3, self.slot, k.view(b, r, hkv, d).permute(0, 2, 3, 1)[:, :, :, None]
-        )  # [B, Hkv, d, 1, R]
-        gv.index_copy_(2, self.slot, v.view(b, r, hkv, d).transpose(1, 2)[:, :, None])  # [B, Hkv, 1, R, d]
+        # into slot `slot`: keys [B, Hkv, d, 1, R], values [B, Hkv, 1, R, d]
+        gk.index_copy_(3, self.slot, k.view(b, r, hkv, d).permute(0, 2, 3, 1)[:, :, :, None])
+        gv.index_copy_(2, self.slot, v.view(b, r, hkv, d).transpose(1, 2)[:, :, None])
         # queries of one input's beams and one K/V head's group: [B, Hkv, R*G, d]
         qg = q.view(b, r, hkv, g, d).transpose(1, 2).reshape(b, hkv, r * g, d)
         keys_t = gk[:, :, :, :span].view(b, hkv, d, span * r)  # slot-major: index s*R + beam
