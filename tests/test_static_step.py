@@ -6,20 +6,27 @@ path (``models/capture.py``), exercised on the CPU.
   a reorder and a drop, and the dynamic (CPU) step's to float32 rounding;
 * the engine through :class:`CapturedBackend` (static step, padded buckets, idle rows, compaction) is token-
   identical to ``generate()`` under the equivalence harness, and adds no host sync;
-* the fallbacks: CPU, ``--no-capture``, the generic backend, a compile failure, too many shapes.
+* the fallbacks: CPU, ``--no-capture``, the generic backend, a compile failure, too many shapes; the path in
+  ``Generator.device_stats``, ``--stats`` and the closing line.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from seqgen_cli.cli import main
 from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.generator import Generator
 from seqgen_cli.models import capture as capture_mod
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend, Decode, capture, static_step
+from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import generate
 from tests.engine_models import load, text_batch
 from tests.equivalence import SETTINGS, check_equivalence
@@ -169,3 +176,20 @@ def test_shapes_beyond_the_limit_run_eager(tiny_models, monkeypatch: pytest.Monk
     assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
     assert set(calls) == {8 * 3} and len(backend.shapes) == 1, "5 inputs: 8 slots of 3 rows, compiled once"
     assert backend.path == "captured (1 shapes; eager beyond)"
+
+
+def test_generator_and_cli_report_the_step_path(tiny_models, tmp_path: Path) -> None:
+    model = str(tiny_models("bart"))
+    assert Generator(model, device="cpu").device_stats()["step_path"] == "eager (cpu: no CUDA graphs)"
+    assert Generator(model, device="cpu", backend="hf").step_path == "generate()"
+    src, stats = tmp_path / "in.txt", tmp_path / "stats.json"
+    src.write_text("one line\nanother line\n")
+    args = ["generate", "-m", model, "--device", "cpu", "--max-new-tokens", "3", "--no-capture", str(src)]
+    res = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "out.txt"), "--stats", str(stats)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(stats.read_text())["device"]["step_path"] == "eager (--no-capture)"
+    assert res.stderr.rstrip().endswith("backend fast on cpu float32, step eager (--no-capture)"), res.stderr
+    line = Summary(
+        backend="fast", device={"device": "cuda", "dtype": "bfloat16", "step_path": "captured"}
+    ).line()
+    assert line.endswith("backend fast on cuda bfloat16, step captured")
