@@ -35,7 +35,7 @@ from seqgen_cli.models.encoder_decoder import (
     self_attention,
 )
 from seqgen_cli.models.fuse import fuse_linears
-from seqgen_cli.models.quantize import Linear, linear, quantize_linears
+from seqgen_cli.models.quantize import Linear, linear, lm_head, quantize_linears
 
 PRE_NORM = {"mbart", "pegasus"}
 
@@ -81,15 +81,14 @@ class BartBackend(EncoderDecoderBackend):
         self.max_position_embeddings = self.positions.shape[0] - self.pos_offset
         self.ln_embed = getattr(dec, "layernorm_embedding", None)
         self.ln_final = getattr(dec, "layer_norm", None)
-        bias = getattr(model, "final_logits_bias", None)
-        self.lm_b = None if bias is None else bias.view(-1)  # [V]
         self.int8 = int8
-        if int8:  # one int8 head with both biases folded in
+        bias = getattr(model, "final_logits_bias", None)
+        if bias is not None:  # one head with both biases folded in: [V]
             head_b = self.lm_head.bias
-            if self.lm_b is not None:
-                head_b = self.lm_b if head_b is None else head_b + self.lm_b
-            self.lm = linear(self.lm_w, head_b, int8=True)
-            self.lm_b = None
+            self.lm = lm_head(self.lm_w, bias.view(-1) if head_b is None else head_b + bias.view(-1), int8)
+        elif int8:
+            self.lm = lm_head(self.lm_w, self.lm_head.bias, int8)
+        if int8:
             quantize_linears(self.encoder)
 
     @torch.inference_mode()
@@ -125,7 +124,4 @@ class BartBackend(EncoderDecoderBackend):
                 x = lay.ln_ffn(x)
         if self.ln_final is not None:
             x = self.ln_final(x)
-        logits = self.lm(x)  # [N, V] (float32: F.linear with the head's bias, None in checkpoints)
-        if self.lm_b is not None:
-            logits = logits + self.lm_b
-        return logits
+        return self.lm(x)  # [N, V], final_logits_bias included
