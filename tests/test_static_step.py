@@ -193,3 +193,20 @@ def test_generator_and_cli_report_the_step_path(tiny_models, tmp_path: Path) -> 
         backend="fast", device={"device": "cuda", "dtype": "bfloat16", "step_path": "captured"}
     ).line()
     assert line.endswith("backend fast on cuda bfloat16, step captured")
+
+
+def test_captured_backend_through_torch_compile(tiny_models) -> None:
+    """The wrapper with a real ``torch.compile(fullgraph=True, dynamic=False)`` (CPU backend): the same tokens
+    as the plain backend, one graph per shape (no recompiles across steps), static addresses marked."""
+    loaded = load(tiny_models("bart"))
+    torch._dynamo.reset()
+    graphs: list[Any] = []
+
+    def compiler(decode: Decode) -> Decode:
+        return torch.compile(decode, fullgraph=True, dynamic=False, backend=counting_compiler(graphs))
+
+    backend = CapturedBackend(get_backend(loaded.model), compiler)
+    assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+    assert backend.path == "captured" and len(backend.shapes) >= 2, backend.shapes
+    assert len(graphs) == len(backend.shapes), f"{len(graphs)} graphs for {len(backend.shapes)} shapes"
+    assert torch._dynamo.utils.get_static_address_type(backend.backend.dec_layers[0].qkv_w) == "unguarded"

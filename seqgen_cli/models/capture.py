@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -85,8 +86,9 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def state_tensors(obj: Any, seen: set[int] | None = None) -> Iterator[Tensor]:
-    """Every tensor a backend state holds (attributes, lists, nested objects), each once."""
+def tensors_of(obj: Any, seen: set[int] | None = None) -> Iterator[Tensor]:
+    """Every tensor a backend or its state holds (attributes, lists, ``partial`` arguments, nested objects;
+    not inside ``nn.Module``s, whose parameters torch.compile already treats as static), each once."""
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return
@@ -95,16 +97,19 @@ def state_tensors(obj: Any, seen: set[int] | None = None) -> Iterator[Tensor]:
         yield obj
     elif isinstance(obj, list | tuple):
         for item in obj:
-            yield from state_tensors(item, seen)
+            yield from tensors_of(item, seen)
+    elif isinstance(obj, partial):
+        yield from tensors_of([*obj.args, *obj.keywords.values()], seen)
     elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module | type):
         for value in vars(obj).values():
-            yield from state_tensors(value, seen)
+            yield from tensors_of(value, seen)
 
 
-def mark_static(state: Any) -> None:
-    """The state's tensors keep their addresses while a graph replays (reorder is in place): CUDA graphs read
-    them where they are instead of copying them in. A new address (next batch, compaction) re-records."""
-    for t in state_tensors(state):
+def mark_static(obj: Any) -> None:
+    """The tensors of a backend (fused weights) or its state keep their addresses while a graph replays
+    (reorder is in place): CUDA graphs read them where they are instead of copying them in every replay. A new
+    address (next batch, compaction) re-records the graph (torch's limit: 128 re-records per function)."""
+    for t in tensors_of(obj):
         torch._dynamo.mark_static_address(t)
 
 
@@ -144,6 +149,7 @@ class CapturedBackend:
         self.is_encoder_decoder = backend.is_encoder_decoder
         self.vocab_size = backend.vocab_size
         self.max_position_embeddings = getattr(backend, "max_position_embeddings", None)
+        mark_static(backend)
         self.compiled: Decode | None = compiler(backend.decode)
         self.shapes: set[tuple[int, ...]] = set()  # shapes compiled so far
         self.path = "captured"
@@ -189,8 +195,9 @@ class CapturedBackend:
             return self.backend.decode
 
         def first_call(state: Any, tokens: Tensor) -> Tensor:
-            try:
-                logits = compiled(state, tokens)
+            try:  # past torch's recompile limit (shapes of all instances): an error, not a silent eager run
+                with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                    logits = compiled(state, tokens)
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as err:  # noqa: BLE001 - any compile/capture failure: eager, with the reason

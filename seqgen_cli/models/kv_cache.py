@@ -13,8 +13,8 @@ the back-pointers). With ``static`` (the default on CUDA, and under ``models/cap
 ``T`` slots: no host integer that changes per step reaches the step's tensor work, so it can be compiled or
 captured once and replayed. Otherwise it attends over the ``t + 1`` slots written so far (``span``, set by
 the host-side :meth:`check`): on the CPU that is cheaper than all ``T`` slots (docs/BENCHMARKS.md, "Static vs
-dynamic step"). Reordering is in place; only :meth:`keep` (inputs leaving) reallocates. Unwritten slots are
-zeros (masked keys must still be finite: ``0 * nan`` is ``nan``).
+dynamic step on the CPU"). Reordering is in place; only :meth:`keep` (inputs leaving) reallocates. Unwritten
+slots are zeros (masked keys must still be finite: ``0 * nan`` is ``nan``).
 
 Nothing here syncs with the device. Rows are input-major (``row = b * R + k``, see
 ``seqgen_cli/search/protocol.py``).
