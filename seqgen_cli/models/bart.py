@@ -35,7 +35,7 @@ from seqgen_cli.models.encoder_decoder import (
     self_attention,
 )
 from seqgen_cli.models.fuse import fuse_linears
-from seqgen_cli.models.quantize import Linear, linear, lm_head, quantize_linears
+from seqgen_cli.models.quantize import Linear, linear, quantize_linears
 
 PRE_NORM = {"mbart", "pegasus"}
 
@@ -85,9 +85,9 @@ class BartBackend(EncoderDecoderBackend):
         bias = getattr(model, "final_logits_bias", None)
         if bias is not None:  # one head with both biases folded in: [V]
             head_b = self.lm_head.bias
-            self.lm = lm_head(self.lm_w, bias.view(-1) if head_b is None else head_b + bias.view(-1), int8)
+            self.lm = linear(self.lm_w, bias.view(-1) if head_b is None else head_b + bias.view(-1), int8)
         elif int8:
-            self.lm = lm_head(self.lm_w, self.lm_head.bias, int8)
+            self.lm = linear(self.lm_w, self.lm_head.bias, int8)
         if int8:
             quantize_linears(self.encoder)
 

@@ -7,7 +7,7 @@ reordered (beams stay within their input) and only shrink when inputs finish. Se
 :class:`~seqgen_cli.models.kv_cache.EncoderDecoderKVCache`.
 
 Subclasses build their per-layer weight views (with ``ckv``: the fused cross-attention K|V linear map) and
-implement ``step``; ``lm`` is the LM head as a linear map (:func:`~seqgen_cli.models.quantize.lm_head`; the
+implement ``step``; ``lm`` is the LM head as a linear map (:func:`~seqgen_cli.models.quantize.linear`; the
 BART backend rebuilds it with ``final_logits_bias`` folded in).
 """
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
-from seqgen_cli.models.quantize import lm_head
+from seqgen_cli.models.quantize import linear
 from seqgen_cli.search.protocol import Batch
 
 
@@ -73,7 +73,7 @@ class EncoderDecoderBackend:
         self.head_dim = head_dim
         self.lm_head = model.get_output_embeddings()
         self.lm_w = self.lm_head.weight  # [V, D]
-        self.lm = lm_head(self.lm_w, self.lm_head.bias)  # [N, D] -> [N, V]
+        self.lm = linear(self.lm_w, self.lm_head.bias)  # [N, D] -> [N, V]
         self.vocab_size = int(self.lm_w.shape[0])
         self.dtype = embed.dtype
         self.device = embed.device

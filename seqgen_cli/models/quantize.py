@@ -1,5 +1,9 @@
-"""``--dtype int8`` on the CPU: torch's dynamic quantization (``torch.ao.nn.quantized.dynamic.Linear``).
+"""The fast backends' linear maps: float32 through oneDNN on the CPU, or ``--dtype int8``.
 
+Float32 on the CPU: :func:`onednn_linear` (oneDNN's matmul for decode-sized products, faster there than the MKL
+GEMM behind ``F.linear``). Elsewhere ``F.linear``.
+
+``--dtype int8`` on the CPU: torch's dynamic quantization (``torch.ao.nn.quantized.dynamic.Linear``).
 Weights are stored as int8 with one scale per output row (per-channel, as CTranslate2's int8); activations
 are quantized per row at run time, the product runs in int8 (fbgemm under torch's ``x86`` engine) and comes
 back as float32. Everything that is not a linear layer (embeddings, norms, attention, the search) stays
@@ -31,11 +35,34 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+ONEDNN_MAX_ROWS = 1024  # oneDNN's GEMM for products of up to this many rows (decode steps); MKL's beyond
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` on the CPU in float32 through oneDNN's matmul for decode-sized inputs ([N, D], N <= 1024).
+
+    On the 2-core CPU of docs/BENCHMARKS.md ("CPU float32: where a step goes") oneDNN runs the decode step's
+    products 10-40 % faster than the MKL GEMM behind ``F.linear``, and the LM head about 2x faster (MKL
+    re-packs the whole [V, D] matrix for every few-row product); for encoder-sized inputs MKL is faster.
+    Same product, another summation order (float32 rounding, about 1e-6 relative).
+    """
+    if x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _has_onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) -> Linear:
-    """``x -> x @ weight.T + bias``: float32 as ``F.linear(x, weight, bias)`` (the same call, bit for bit), or
-    with ``int8`` a dynamic-quantized copy of ``weight`` (per-channel qint8; ``bias`` stays float32)."""
+    """``x -> x @ weight.T + bias`` over the given tensors (no copy): float32 on the CPU via
+    :func:`onednn_linear`, elsewhere ``F.linear``; or with ``int8`` a dynamic-quantized copy of ``weight``
+    (per-channel qint8; ``bias`` stays float32)."""
     if not int8:
-        return partial(F.linear, weight=weight, bias=bias)
+        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        fn = onednn_linear if cpu_fp32 and _has_onednn() else F.linear
+        return partial(fn, weight=weight, bias=bias)
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
     from torch.ao.quantization import per_channel_dynamic_qconfig
 
@@ -47,20 +74,6 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) 
             float_linear.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
         float_linear.qconfig = per_channel_dynamic_qconfig
         return DynamicLinear.from_float(float_linear)
-
-
-def lm_head(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) -> Linear:
-    """The LM head ``x -> x @ weight.T + bias`` ([N, D] -> [N, V]) as :func:`linear`, except in float32 on the
-    CPU: there it keeps a contiguous transposed copy of ``weight`` ([D, V]), on which MKL's GEMM runs this
-    wide product 5-25 % faster than on ``weight`` (docs/BENCHMARKS.md, "CPU float32: where a step goes"),
-    for one more copy of the matrix in memory."""
-    if int8 or weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return linear(weight, bias, int8)
-    with torch.no_grad():
-        wt = weight.t().contiguous()  # [V, D] -> [D, V]
-    if bias is None:
-        return partial(torch.mm, mat2=wt)
-    return partial(torch.addmm, bias.detach(), mat2=wt)
 
 
 def quantize_linears(module: nn.Module) -> nn.Module:
