@@ -1,0 +1,67 @@
+"""Float32 linear layers on the CPU: MKL's GEMM (``F.linear``) against oneDNN's matmul (what
+``models/quantize.onednn_linear`` calls), per shape and row count, interleaved, medians in ms.
+
+The shapes are marian-base's and bart-base's decoder linears and LM heads; 32 and 128 rows are a decode step
+at 8 x 4 and 32 x 4, 3200 rows an encoder-sized product. See docs/BENCHMARKS.md ("CPU float32: where a step
+goes")::
+
+    python scripts/bench_linear.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [  # (out, in)
+    (1536, 512),
+    (512, 512),
+    (2048, 512),
+    (512, 2048),
+    (54776, 512),
+    (2304, 768),
+    (768, 768),
+    (3072, 768),
+    (768, 3072),
+    (50265, 768),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="32,128,3200")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"| out x in | {' | '.join(f'{n} rows: MKL / oneDNN ms' for n in rows)} |")
+    print(f"|---|{'---|' * len(rows)}")
+    with torch.inference_mode():
+        for out_f, in_f in SHAPES:
+            w, b = torch.randn(out_f, in_f), torch.randn(out_f)
+            cells = []
+            for n in rows:
+                x = torch.randn(n, in_f)
+                runs = {
+                    "mkl": lambda x=x, w=w, b=b: F.linear(x, w, b),
+                    "onednn": lambda x=x, w=w, b=b: torch.ops.mkldnn._linear_pointwise(
+                        x, w, b, "none", [], ""
+                    ),
+                }
+                times: dict[str, list[float]] = {k: [] for k in runs}
+                for _ in range(5 if n * out_f > 10**8 else 30):
+                    for name, fn in runs.items():
+                        start = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - start)
+                mkl, onednn = (statistics.median(times[k]) * 1e3 for k in ("mkl", "onednn"))
+                cells.append(f"{mkl:.2f} / {onednn:.2f}")
+            print(f"| {out_f} x {in_f} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
