@@ -1,5 +1,5 @@
 """Float32 linear layers on the CPU: MKL's GEMM (``F.linear``) against oneDNN's matmul (what
-``models/quantize.onednn_linear`` calls), per shape and row count, interleaved, medians in ms.
+``models/quantize.dense`` calls), per shape and row count, interleaved, medians in ms.
 
 The shapes are marian-base's and bart-base's decoder linears and LM heads; 32 and 128 rows are a decode step
 at 8 x 4 and 32 x 4, 3200 rows an encoder-sized product. See docs/BENCHMARKS.md ("CPU float32: where a step

@@ -1,6 +1,6 @@
 """Fast cached backend for Llama-style models (RoPE, RMSNorm, SwiGLU, GQA) over the checkpoint's own weights.
 
-Also serves Mistral and Qwen2 (same blocks; Qwen2's q/k/v biases go through ``F.linear``) when they use full
+Also serves Mistral and Qwen2 (same blocks; Qwen2's q/k/v biases go through ``quantize.dense``) when they use full
 attention in every layer; sliding-window configs are refused.
 
 Only the ``num_key_value_heads`` K/V heads are cached; query groups broadcast against them in
@@ -11,10 +11,10 @@ RoPE cos/sin come from the model's own rotary module (so its rope type/scaling i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
+from seqgen_cli.models.quantize import dense
 
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies do not depend on the sequence length
 
@@ -25,7 +25,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, m: torch.nn.Linear) -> Tensor:
-    return F.linear(x, m.weight, m.bias)
+    return dense(x, m.weight, m.bias)
 
 
 class LlamaBackend(DecoderOnlyBackend):

@@ -1,7 +1,7 @@
 """The fast backends' linear maps: float32 through oneDNN on the CPU, or ``--dtype int8``.
 
-Float32 on the CPU: :func:`onednn_linear` (oneDNN's matmul for decode-sized products, faster there than the MKL
-GEMM behind ``F.linear``). Elsewhere ``F.linear``.
+:func:`dense` is ``F.linear``, except for float32 on the CPU: there decode-sized products run through oneDNN's
+matmul, faster than the MKL GEMM behind ``F.linear``.
 
 ``--dtype int8`` on the CPU: torch's dynamic quantization (``torch.ao.nn.quantized.dynamic.Linear``).
 Weights are stored as int8 with one scale per output row (per-channel, as CTranslate2's int8); activations
@@ -36,33 +36,29 @@ def _quiet() -> Iterator[None]:
 
 
 ONEDNN_MAX_ROWS = 1024  # oneDNN's GEMM for products of up to this many rows (decode steps); MKL's beyond
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` on the CPU in float32 through oneDNN's matmul for decode-sized inputs ([N, D], N <= 1024).
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; float32 on the CPU through oneDNN's matmul for decode-sized inputs
+    ([N, D], N <= 1024).
 
     On the 2-core CPU of docs/BENCHMARKS.md ("CPU float32: where a step goes") oneDNN runs the decode step's
     products 10-40 % faster than the MKL GEMM behind ``F.linear``, and the LM head about 2x faster (MKL
     re-packs the whole [V, D] matrix for every few-row product); for encoder-sized inputs MKL is faster.
     Same product, another summation order (float32 rounding, about 1e-6 relative).
     """
-    if x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if ONEDNN and x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS and x.device.type == "cpu":
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def _has_onednn() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
 def linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) -> Linear:
-    """``x -> x @ weight.T + bias`` over the given tensors (no copy): float32 on the CPU via
-    :func:`onednn_linear`, elsewhere ``F.linear``; or with ``int8`` a dynamic-quantized copy of ``weight``
-    (per-channel qint8; ``bias`` stays float32)."""
+    """``x -> x @ weight.T + bias`` over the given tensors (no copy): :func:`dense`, or with ``int8`` a
+    dynamic-quantized copy of ``weight`` (per-channel qint8; ``bias`` stays float32)."""
     if not int8:
-        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        fn = onednn_linear if cpu_fp32 and _has_onednn() else F.linear
-        return partial(fn, weight=weight, bias=bias)
+        return partial(dense, weight=weight, bias=bias)
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
     from torch.ao.quantization import per_channel_dynamic_qconfig
 
