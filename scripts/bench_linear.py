@@ -1,5 +1,6 @@
-"""Float32 linear layers on the CPU: MKL's GEMM (``F.linear``) against oneDNN's matmul (what
-``models/quantize.dense`` calls), per shape and row count, interleaved, medians in ms.
+"""Float32 linear layers on the CPU: MKL's GEMM (``F.linear``) against oneDNN's matmul on the dense weight
+(``models/quantize.dense``) and on a weight packed once into oneDNN's layout (``models/quantize.PackedLinear``,
+what the fast backends use), per shape and row count, interleaved, medians in ms.
 
 The shapes are marian-base's and bart-base's decoder linears and LM heads; 32 and 128 rows are a decode step
 at 8 x 4 and 32 x 4, 3200 rows an encoder-sized product. See docs/BENCHMARKS.md ("CPU float32: where a step
@@ -16,6 +17,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from seqgen_cli.models.quantize import PackedLinear
 
 SHAPES = [  # (out, in)
     (1536, 512),
@@ -34,15 +37,16 @@ SHAPES = [  # (out, in)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", default="32,128,3200")
+    ap.add_argument("--rows", default="8,32,64,128,3200")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"| out x in | {' | '.join(f'{n} rows: MKL / oneDNN ms' for n in rows)} |")
+    print(f"| out x in | {' | '.join(f'{n} rows: MKL / oneDNN / packed ms' for n in rows)} |")
     print(f"|---|{'---|' * len(rows)}")
     with torch.inference_mode():
         for out_f, in_f in SHAPES:
             w, b = torch.randn(out_f, in_f), torch.randn(out_f)
+            packed_linear = PackedLinear(w, b)  # beyond 1024 rows it runs F.linear (MKL)
             cells = []
             for n in rows:
                 x = torch.randn(n, in_f)
@@ -51,6 +55,7 @@ def main() -> None:
                     "onednn": lambda x=x, w=w, b=b: torch.ops.mkldnn._linear_pointwise(
                         x, w, b, "none", [], ""
                     ),
+                    "packed": lambda x=x, p=packed_linear: p(x),
                 }
                 times: dict[str, list[float]] = {k: [] for k in runs}
                 for _ in range(5 if n * out_f > 10**8 else 30):
@@ -58,8 +63,8 @@ def main() -> None:
                         start = time.perf_counter()
                         fn()
                         times[name].append(time.perf_counter() - start)
-                mkl, onednn = (statistics.median(times[k]) * 1e3 for k in ("mkl", "onednn"))
-                cells.append(f"{mkl:.2f} / {onednn:.2f}")
+                mkl, onednn, packed = (statistics.median(times[k]) * 1e3 for k in runs)
+                cells.append(f"{mkl:.2f} / {onednn:.2f} / {packed:.2f}")
             print(f"| {out_f} x {in_f} | {' | '.join(cells)} |")
 
 

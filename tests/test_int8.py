@@ -142,11 +142,11 @@ def test_hf_backend_int8_runs_generate_over_the_quantized_model(tiny_models, tex
     _check_valid(gen, texts)
 
 
-def test_float32_linear_is_the_plain_f_linear() -> None:
+def test_float32_linear_is_f_linear_up_to_rounding() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(16, 24)
     x = torch.randn(5, 16)
-    assert torch.equal(linear(lin.weight, lin.bias)(x), lin(x))
+    assert torch.allclose(linear(lin.weight, lin.bias)(x), lin(x), rtol=1e-5, atol=1e-6)
     q = linear(lin.weight, lin.bias, int8=True)
     assert is_quantized(q) and q.weight().qscheme() == torch.per_channel_affine  # one scale per output row
     assert torch.allclose(q(x), lin(x), atol=0.1) and not torch.equal(q(x), lin(x))
@@ -206,3 +206,28 @@ def test_bench_int8_with_ct2(tiny_models, texts: list[str], tmp_path: Path) -> N
         )
     assert "| ct2 | ctranslate2" in report["table"] and "BLEU vs hf" in report["table"]
     assert "float32 generate()" in report["table"]  # the note under the table
+
+
+def test_packed_float32_linear_runs_on_onednn_packed_weights_and_mkl_for_large_inputs(monkeypatch) -> None:
+    from seqgen_cli.models import quantize
+
+    if not quantize.ONEDNN:
+        pytest.skip("torch built without oneDNN")
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 16), torch.randn(40)
+    lin = linear(w, b)
+    assert isinstance(lin, quantize.PackedLinear) and lin.packed.is_mkldnn  # a packed copy, built once
+    calls: list[str] = []
+    onednn, f_linear = torch.ops.mkldnn._linear_pointwise, quantize.F.linear
+    monkeypatch.setattr(quantize, "ONEDNN_MAX_ROWS", 8)
+    monkeypatch.setattr(
+        quantize.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append("packed") or onednn(*a)
+    )
+    monkeypatch.setattr(quantize.F, "linear", lambda *a: calls.append("dense") or f_linear(*a))
+    for shape in [(3, 16), (2, 4, 16), (9, 16), (3, 4, 16)]:  # 3, 8, 9 and 12 rows
+        x = torch.randn(*shape)
+        out = lin(x)
+        assert out.shape == (*shape[:-1], 40)
+        assert torch.allclose(out, x @ w.T + b, rtol=1e-5, atol=1e-5)
+    assert calls == ["packed", "packed", "dense", "dense"]
+    assert linear(w.double(), b.double())(torch.randn(2, 16, dtype=torch.float64)).dtype == torch.float64

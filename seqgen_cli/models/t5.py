@@ -23,7 +23,7 @@ from seqgen_cli.models.encoder_decoder import (
     self_attention,
 )
 from seqgen_cli.models.fuse import fuse_linears
-from seqgen_cli.models.quantize import dense, linear
+from seqgen_cli.models.quantize import linear
 from seqgen_cli.search.protocol import Batch
 
 
@@ -34,6 +34,7 @@ class _Block:
         sa, ca, ff = block.layer[0], block.layer[1], block.layer[2]
         self.ln_self = sa.layer_norm
         self.qkv_w, _ = fuse_linears([sa.SelfAttention.q, sa.SelfAttention.k, sa.SelfAttention.v])  # [3I, D]
+        self.qkv = linear(self.qkv_w, None)
         self.o = sa.SelfAttention.o
         self.ln_cross = ca.layer_norm
         self.cq = ca.EncDecAttention.q
@@ -84,7 +85,7 @@ class T5Backend(EncoderDecoderBackend):
         cache.begin(state.self_bias.index_select(2, cache.slot))  # bias [1, H, 1, T], shared by all blocks
         x = F.embedding(tokens, self.embed)  # [N, D]
         for i, blk in enumerate(self.dec_layers):
-            a = self_attention(dense(blk.ln_self(x), blk.qkv_w), cache, i, self.heads, 1.0)  # [N, I]
+            a = self_attention(blk.qkv(blk.ln_self(x)), cache, i, self.heads, 1.0)  # [N, I]
             x = _clamp_fp16(x + blk.o(a))
             a = cross_attention(
                 blk.cq(blk.ln_cross(x)), state.cross_k[i], state.cross_v[i], state.cross_mask, 1.0
@@ -94,4 +95,4 @@ class T5Backend(EncoderDecoderBackend):
         x = self.ln_final(x)
         if self.out_scale is not None:
             x = x * self.out_scale
-        return dense(x, self.lm_w, self.lm_head.bias)  # [N, V] (bias: None unless the head was replaced)
+        return self.lm(x)  # [N, V] (bias: None unless the head was replaced)
