@@ -208,7 +208,7 @@ def test_bench_int8_with_ct2(tiny_models, texts: list[str], tmp_path: Path) -> N
     assert "float32 generate()" in report["table"]  # the note under the table
 
 
-def test_packed_float32_linear_runs_on_onednn_packed_weights_and_mkl_for_large_inputs(monkeypatch) -> None:
+def test_packed_float32_linear_packs_after_its_first_calls_and_runs_mkl_for_large_inputs(monkeypatch) -> None:
     from seqgen_cli.models import quantize
 
     if not quantize.ONEDNN:
@@ -216,18 +216,24 @@ def test_packed_float32_linear_runs_on_onednn_packed_weights_and_mkl_for_large_i
     torch.manual_seed(0)
     w, b = torch.randn(40, 16), torch.randn(40)
     lin = linear(w, b)
-    assert isinstance(lin, quantize.PackedLinear) and lin.packed.is_mkldnn  # a packed copy, built once
+    assert isinstance(lin, quantize.PackedLinear) and lin.packed is None  # nothing packed at build time
     calls: list[str] = []
     onednn, f_linear = torch.ops.mkldnn._linear_pointwise, quantize.F.linear
+
+    def spy_onednn(x: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor:
+        calls.append("packed" if weight.is_mkldnn else "onednn")
+        return onednn(x, weight, *rest)
+
     monkeypatch.setattr(quantize, "ONEDNN_MAX_ROWS", 8)
-    monkeypatch.setattr(
-        quantize.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append("packed") or onednn(*a)
-    )
-    monkeypatch.setattr(quantize.F, "linear", lambda *a: calls.append("dense") or f_linear(*a))
-    for shape in [(3, 16), (2, 4, 16), (9, 16), (3, 4, 16)]:  # 3, 8, 9 and 12 rows
+    monkeypatch.setattr(quantize, "PACK_AFTER", 2)
+    monkeypatch.setattr(quantize.torch.ops.mkldnn, "_linear_pointwise", spy_onednn)
+    monkeypatch.setattr(quantize.F, "linear", lambda *a: calls.append("mkl") or f_linear(*a))
+    for shape in [(3, 16), (2, 4, 16), (9, 16), (5, 16), (3, 4, 16), (1, 16)]:  # rows: 3, 8, 9, 5, 12, 1
         x = torch.randn(*shape)
         out = lin(x)
         assert out.shape == (*shape[:-1], 40)
         assert torch.allclose(out, x @ w.T + b, rtol=1e-5, atol=1e-5)
-    assert calls == ["packed", "packed", "dense", "dense"]
+    # two calls on the dense weight (dense(): oneDNN for 2-D inputs, F.linear for 3-D), then packed; > 8 rows: MKL
+    assert calls == ["onednn", "mkl", "mkl", "packed", "mkl", "packed"]
+    assert lin.packed is not None and lin.packed.is_mkldnn
     assert linear(w.double(), b.double())(torch.randn(2, 16, dtype=torch.float64)).dtype == torch.float64

@@ -37,6 +37,7 @@ def _quiet() -> Iterator[None]:
 
 ONEDNN_MAX_ROWS = 1024  # oneDNN's GEMM for products of up to this many rows (decode steps); MKL's beyond
 PACK_ROWS = 128  # the row count oneDNN picks the packed layout for (any row count runs on it)
+PACK_AFTER = 8  # decode-sized calls a PackedLinear runs on the dense weight before it packs
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -56,24 +57,34 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 class PackedLinear:
-    """``x -> x @ weight.T + bias`` in float32 on the CPU over a copy of ``weight`` that oneDNN has reordered
-    once into its own blocked layout (``mkldnn._reorder_linear_weight``, as torch's inductor does for frozen
-    CPU models), so no product repacks the weight.
+    """``x -> x @ weight.T + bias`` in float32 on the CPU, after its first ``PACK_AFTER`` calls over a copy of
+    ``weight`` that oneDNN has reordered once into its own blocked layout (``mkldnn._reorder_linear_weight``,
+    as torch's inductor does for frozen CPU models), so no product repacks the weight.
 
     On the 2-core CPU of docs/BENCHMARKS.md ("CPU float32") this is 10-45 % faster than oneDNN on the dense
     weight for decode-sized products (4-128 rows) and no slower up to 1000 rows; beyond ``ONEDNN_MAX_ROWS``
     rows (cross-attention keys/values over whole sources) MKL's ``F.linear`` on the dense weight is faster
-    and runs instead. Costs a second copy of the weight (the model keeps its own, which stays in use).
+    and runs instead. Packing costs time (~0.1 s for a 50k-word LM head) and a second copy of the weight (the
+    model keeps its own, which stays in use), so the first calls run :func:`dense`: a run of a few steps
+    (start-up, one short input) never packs.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight  # [O, I] dense, for large inputs
+        self.weight = weight  # [O, I] dense, for large inputs and the first calls
         self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)  # opaque
+        self.packed: torch.Tensor | None = None  # opaque oneDNN tensor, built on call PACK_AFTER + 1
+        self.calls = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > ONEDNN_MAX_ROWS * x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            if torch.compiler.is_compiling():  # no state change inside a traced graph: it would retrace
+                return dense(x, self.weight, self.bias)
+            self.calls += 1
+            if self.calls <= PACK_AFTER:
+                return dense(x, self.weight, self.bias)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
