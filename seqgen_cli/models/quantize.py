@@ -1,7 +1,8 @@
 """The fast backends' linear maps: float32 through oneDNN on the CPU, or ``--dtype int8``.
 
 :func:`dense` is ``F.linear``, except for float32 on the CPU: there decode-sized products run through oneDNN's
-matmul, faster than the MKL GEMM behind ``F.linear``.
+matmul, faster than the MKL GEMM behind ``F.linear``. The backends' own maps (:func:`linear`) go one step
+further on the CPU: :class:`PackedLinear` runs oneDNN on a weight packed once into its blocked layout.
 
 ``--dtype int8`` on the CPU: torch's dynamic quantization (``torch.ao.nn.quantized.dynamic.Linear``).
 Weights are stored as int8 with one scale per output row (per-channel, as CTranslate2's int8); activations
