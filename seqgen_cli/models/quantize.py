@@ -51,9 +51,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     re-packs the whole [V, D] matrix for every few-row product); for encoder-sized inputs MKL is faster.
     Same product, another summation order (float32 rounding, about 1e-6 relative).
     """
-    if ONEDNN and x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS and x.device.type == "cpu":
-        if x.dtype == torch.float32 and weight.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+    if ONEDNN and cpu_fp32 and x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -62,8 +62,8 @@ class PackedLinear:
     ``weight`` that oneDNN has reordered once into its own blocked layout (``mkldnn._reorder_linear_weight``,
     as torch's inductor does for frozen CPU models), so no product repacks the weight.
 
-    On the 2-core CPU of docs/BENCHMARKS.md ("CPU float32") this is 10-45 % faster than oneDNN on the dense
-    weight for decode-sized products (4-128 rows) and no slower up to 1000 rows; beyond ``ONEDNN_MAX_ROWS``
+    On the 2-core CPU of docs/BENCHMARKS.md ("CPU float32: weights packed for oneDNN") this is 3-40 % faster
+    than oneDNN on the dense weight at 8-32 rows (LM heads 18-38 %) and about even at 128; beyond ``ONEDNN_MAX_ROWS``
     rows (cross-attention keys/values over whole sources) MKL's ``F.linear`` on the dense weight is faster
     and runs instead. Packing costs time (~0.1 s for a 50k-word LM head) and a second copy of the weight (the
     model keeps its own, which stays in use), so the first calls run :func:`dense`: a run of a few steps
