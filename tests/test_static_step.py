@@ -63,7 +63,8 @@ def test_decode_compiles_fullgraph_once_per_shape(tiny_models, family: str) -> N
         eager_state, _ = backend.start(batch, r, steps)
         compiled_state, _ = backend.start(batch, r, steps)
         dynamic_state, _ = backend.start(batch, r, steps)
-        eager_state.cache.static = compiled_state.cache.static = True
+        eager_state.cache.make_static()
+        compiled_state.cache.make_static()
         assert not dynamic_state.cache.static, "the CPU default is the dynamic step"
         n = 3 * r
         for t in range(steps):

@@ -162,7 +162,7 @@ class CapturedBackend:
         r, slots = rows_per_input, round_up(max(1, max_new_tokens), SLOTS)
         padded = pad_batch(batch, bucket(b), round_up(s, WIDTH), left=not self.is_encoder_decoder)
         inner, first = self.backend.start(padded, r, slots)
-        inner.cache.static = True  # all T slots: the default on CUDA, and on the CPU too under this class
+        inner.cache.make_static()  # all T slots: the default on CUDA, and on the CPU too under this class
         mark_static(inner)
         device = batch.input_ids.device
         state = CapturedState(

@@ -17,19 +17,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
+from seqgen_cli.models.kv_cache import EncoderDecoderKVCache, attention
 from seqgen_cli.models.quantize import linear
 from seqgen_cli.search.protocol import Batch
 
 
 @dataclass
 class EncoderDecoderState:
-    cross_k: list[torch.Tensor]  # per decoder layer [B, H, S, d]
+    cross_k: list[torch.Tensor]  # per decoder layer [B, H, d, S]: keys transposed
     cross_v: list[torch.Tensor]  # per decoder layer [B, H, S, d]
-    cross_mask: torch.Tensor  # [B, 1, 1, S] bool, True = attend
+    cross_mask: torch.Tensor  # [B, 1, 1, S] float32 additive: 0 = attend, -inf = padding
     cache: EncoderDecoderKVCache  # self-attention, preallocated for max_len positions
     max_len: int  # positions the self-attention cache holds
     t: int = 0  # decoder positions fed so far (host counter)
@@ -37,13 +36,16 @@ class EncoderDecoderState:
 
 
 def cross_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """``q`` [N, H*d] (N = B*R, input-major), ``k``/``v`` [B, H, S, d], ``mask`` [B, 1, 1, S] -> [N, H*d]."""
-    b, h, _, d = k.shape
+    """``q`` [N, H*d] (N = B*R, input-major), ``k_t`` [B, H, d, S], ``v`` [B, H, S, d], ``mask`` additive
+    [B, 1, 1, S] -> [N, H*d]."""
+    b, h, d, _ = k_t.shape
     n = q.shape[0]
-    q = q.view(b, n // b, h, d).transpose(1, 2)  # [N, H*d] -> [B, H, R, d]: beams as query positions
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H, R, d]
+    q = (
+        (q if scale == 1.0 else q * scale).view(b, n // b, h, d).transpose(1, 2)
+    )  # [B, H, R, d]: beams as queries
+    out = attention(q, k_t, v, mask)  # [B, H, R, d]
     return out.transpose(1, 2).reshape(n, h * d)  # [B, R, H, d] -> [N, H*d]
 
 
@@ -79,13 +81,14 @@ class EncoderDecoderBackend:
         self.device = embed.device
 
     def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's cross-attention keys and values: [B, S, D] -> L x ([B, H, S, d], [B, H, S, d])."""
+        """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, H, d, S], [B, H, S, d])."""
         b, s, _ = hidden.shape
         out = []
         for lay in self.dec_layers:
             kv = lay.ckv(hidden).view(b, s, 2, self.heads, self.head_dim)  # [B, S, 2, H, d]
-            kv = kv.permute(2, 0, 3, 1, 4)  # [2, B, H, S, d]
-            out.append((kv[0].contiguous(), kv[1].contiguous()))
+            out.append(
+                (kv[:, :, 0].permute(0, 2, 3, 1).contiguous(), kv[:, :, 1].transpose(1, 2).contiguous())
+            )
         return out
 
     @torch.inference_mode()
@@ -95,7 +98,7 @@ class EncoderDecoderBackend:
         enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
         hidden = enc.last_hidden_state  # [B, S, D], the model's own encoder, once per input
         cross = self._cross_kv(hidden)
-        mask = batch.attention_mask.to(torch.bool)[:, None, None, :]  # [B, S] -> [B, 1, 1, S]
+        mask = torch.where(batch.attention_mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
         max_len = max(1, max_new_tokens)  # step() is called at most max_new_tokens times
         cache = EncoderDecoderKVCache(
             self.layers,

@@ -13,8 +13,9 @@ the back-pointers). With ``static`` (the default on CUDA, and under ``models/cap
 ``T`` slots: no host integer that changes per step reaches the step's tensor work, so it can be compiled or
 captured once and replayed. Otherwise it attends over the ``t + 1`` slots written so far (``span``, set by
 the host-side :meth:`check`): on the CPU that is cheaper than all ``T`` slots (docs/BENCHMARKS.md, "Static vs
-dynamic step on the CPU"). Reordering is in place; only :meth:`keep` (inputs leaving) reallocates. Unwritten
-slots are zeros (masked keys must still be finite: ``0 * nan`` is ``nan``).
+dynamic step on the CPU"). Reordering is in place; only :meth:`keep` (inputs leaving) reallocates. On the
+static path unwritten slots are zeros (masked keys must still be finite: ``nan - inf`` is ``nan``); off it they
+are never read, so the CPU allocates them empty.
 
 Nothing here syncs with the device. Rows are input-major (``row = b * R + k``, see
 ``seqgen_cli/search/protocol.py``).
@@ -23,7 +24,6 @@ Nothing here syncs with the device. Rows are input-major (``row = b * R + k``, s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -62,8 +62,32 @@ class BackPointers:
         self.ptr = self.ptr.index_select(0, rows)
 
 
+def write_slot(cache: Tensor, dim: int, new: Tensor, slot: Tensor, at: int | None) -> None:
+    """Store ``new`` (``cache`` without ``dim``) at slot ``slot`` ([1] int64, on the device) along ``dim``;
+    ``at``: the same slot as a host int off the static path, where the write is a plain view copy."""
+    if at is None:
+        cache.index_copy_(dim, slot, new.unsqueeze(dim))
+    else:
+        cache.select(dim, at).copy_(new)
+
+
+def attention(q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
+    """``softmax(q @ keys_t + bias) @ values`` with float32 scores: ``q`` [..., Q, d] (already scaled),
+    ``keys_t`` [..., d, K] (keys transposed), ``values`` [..., K, d], ``bias`` additive (0 / -inf, float32),
+    broadcastable to [..., Q, K] -> [..., Q, d].
+
+    Decoding attention on the CPU: two batched GEMMs over a contiguous ``K^T`` beat SDPA's kernel, whose
+    per-(input, head) overhead dominates at a handful of queries (docs/BENCHMARKS.md, "Attention as two
+    products")."""
+    scores = torch.matmul(q, keys_t).float()  # [..., Q, K]
+    if bias is not None:
+        scores += bias
+    return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [..., Q, d]
+
+
 class EncoderDecoderKVCache:
-    """Self-attention of the encoder-decoder backends' decoders: one SDPA per layer, back-pointers as mask."""
+    """Self-attention of the encoder-decoder backends' decoders: keys stored transposed, back-pointers as an
+    additive mask, one :func:`attention` per layer."""
 
     def __init__(
         self,
@@ -76,36 +100,45 @@ class EncoderDecoderKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (layers, inputs, heads, max_len, rows_per_input, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H, T, R, d]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H, T, R, d]
+        self.static = device.type == "cuda"  # attend all T slots (capturable), else the t+1 written so far
+        # Unread slots need no zeros off the static path: empty pages are only touched as slots are written.
+        alloc = torch.zeros if self.static else torch.empty
+        n_l, b, h, t, r, d = layers, inputs, heads, max_len, rows_per_input, head_dim
+        self.k = alloc(
+            (n_l, b, h, d, t, r), dtype=dtype, device=device
+        )  # [L, B, H, d, T, R]: keys transposed
+        self.v = alloc((n_l, b, h, t, r, d), dtype=dtype, device=device)  # [L, B, H, T, R, d]
         self.ptrs = BackPointers(inputs, rows_per_input, max_len, device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]: the slot this step writes
-        self.static = device.type == "cuda"  # attend all T slots (capturable), else the t+1 written so far
         self.span = max_len  # slots this step attends (host int; T if static)
-        self.mask: Tensor | None = None  # bool or additive, [B or 1, 1 or H, Rq, span*R]; None = all
+        self.bias: Tensor | None = None  # additive float32, [B or 1, 1 or H, Rq, span*R]; None = all
+
+    def make_static(self) -> None:
+        """Attend all ``T`` slots from now on (graph capture, before the first step): zero the unwritten."""
+        if not self.static:
+            self.k.zero_()
+            self.v.zero_()
+            self.static = True
 
     def check(self, t: int) -> None:
         """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
-        max_len = self.k.shape[3]
+        max_len = self.v.shape[3]
         check_slot(t, max_len)
         self.span = max_len if self.static else t + 1
 
     def begin(self, bias: Tensor | None = None) -> None:
         """A step starts (before the layers); ``bias`` [1, H, 1, T]: additive attention bias over slots (T5)."""
-        _, b, h, _, r, _ = self.k.shape
+        _, _, h, _, r, _ = self.v.shape
         span = self.span
-        visible = None  # a row sees all of the first t+1 slots (dynamic, R = 1)
+        if bias is not None:
+            bias = bias[..., :span, None].float().expand(1, h, 1, span, r).reshape(1, h, 1, span * r)
         if self.static or r > 1:
             visible = self.ptrs.visible(self.slot, span)  # [B, Rq, span, R] or [1, 1, span, 1]
             visible = visible.expand(-1, r, span, r).reshape(-1, 1, r, span * r)  # [B|1, 1, Rq, span*R]
-        if bias is not None:
-            bias = bias[..., :span, None].expand(1, h, 1, span, r).reshape(1, h, 1, span * r)
-            if visible is not None:
-                bias = bias.masked_fill(~visible, float("-inf"))  # [B|1, H, Rq, span*R]
-            self.mask = bias
-        else:
-            self.mask = visible
+            bias = torch.where(
+                visible, 0.0 if bias is None else bias, float("-inf")
+            )  # [B|1, 1|H, Rq, span*R]
+        self.bias = bias  # None: a row sees all of the first t+1 slots (dynamic, R = 1, no T5 bias)
 
     def advance(self) -> None:
         """A step is done: the next one writes the next slot (queued on the device, no sync)."""
@@ -113,18 +146,16 @@ class EncoderDecoderKVCache:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Store this step's ``k``/``v`` ([N, H, d]); attend ``q`` [N, H, d] over each history -> [N, H*d]."""
-        _, b, h, _, r, d = self.k.shape
+        _, b, h, _, r, d = self.v.shape
         span = self.span
-        kl, vl = self.k[layer], self.v[layer]  # [B, H, T, R, d]
-        # [N, H, d] -> [B, H, 1, R, d] into slot `slot`
-        kl.index_copy_(2, self.slot, k.view(b, r, h, d).transpose(1, 2)[:, :, None])
-        vl.index_copy_(2, self.slot, v.view(b, r, h, d).transpose(1, 2)[:, :, None])
-        keys = kl[:, :, :span].view(b, h, span * r, d)  # contiguous per (b, h): no copy
-        values = vl[:, :, :span].view(b, h, span * r, d)
-        qb = q.view(b, r, h, d).transpose(1, 2)  # [B, H, Rq, d]
-        out = F.scaled_dot_product_attention(
-            qb, keys, values, attn_mask=self.mask, scale=scale
-        )  # [B, H, Rq, d]
+        kl, vl = self.k[layer], self.v[layer]  # [B, H, d, T, R], [B, H, T, R, d]
+        at = None if self.static else span - 1
+        write_slot(kl, 3, k.view(b, r, h, d).permute(0, 2, 3, 1), self.slot, at)  # [N, H, d] -> [B, H, d, R]
+        write_slot(vl, 2, v.view(b, r, h, d).transpose(1, 2), self.slot, at)  # [N, H, d] -> [B, H, R, d]
+        keys_t = kl[:, :, :, :span].view(b, h, d, span * r)  # rows of K^T contiguous per (b, h, d): no copy
+        values = vl[:, :, :span].view(b, h, span * r, d)  # contiguous per (b, h): no copy
+        qb = (q if scale == 1.0 else q * scale).view(b, r, h, d).transpose(1, 2)  # [B, H, Rq, d]
+        out = attention(qb, keys_t, values, self.bias)  # [B, H, Rq, d]
         return out.transpose(1, 2).reshape(b * r, h * d)  # [B, Rq, H, d] -> [N, H*d]
 
     def reorder(self, rows: Tensor) -> None:
@@ -161,16 +192,24 @@ class DecoderOnlyKVCache:
             k.transpose(-1, -2).contiguous() for k in pk
         ]  # [B, Hkv, d, P]; the prefill's copy is freed
         self.pv = pv  # [B, Hkv, P, d]
-        self.gk = [torch.zeros(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
-        self.gv = [torch.zeros(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]
+        self.static = dev.type == "cuda"  # attend all T slots (capturable), else the t+1 written so far
+        alloc = torch.zeros if self.static else torch.empty  # unread slots need no zeros off the static path
+        self.gk = [alloc(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
+        self.gv = [alloc(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]
         bias = torch.zeros(mask.shape, device=dev, dtype=torch.float32)
         self.prompt_bias = bias.masked_fill(mask == 0, float("-inf"))[:, None, None, :]  # [B, 1, 1, P]
         self.ptrs = BackPointers(b, r, max_len, dev)
         self.r = r
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # [1]: the slot this step writes
-        self.static = dev.type == "cuda"  # attend all T slots (capturable), else the t+1 written so far
         self.span = max_len  # slots this step attends (host int; T if static)
         self.gen_bias: Tensor | None = None  # [B|1, 1, Rq, 1, span*R] float32, 0 or -inf; None = all
+
+    def make_static(self) -> None:
+        """Attend all ``T`` slots from now on (graph capture, before the first step): zero the unwritten."""
+        if not self.static:
+            for x in self.gk + self.gv:
+                x.zero_()
+            self.static = True
 
     def check(self, t: int) -> None:
         """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
@@ -201,9 +240,9 @@ class DecoderOnlyKVCache:
         g = h // hkv
         gk, gv = self.gk[layer], self.gv[layer]
         span = self.span
-        # into slot `slot`: keys [B, Hkv, d, 1, R], values [B, Hkv, 1, R, d]
-        gk.index_copy_(3, self.slot, k.view(b, r, hkv, d).permute(0, 2, 3, 1)[:, :, :, None])
-        gv.index_copy_(2, self.slot, v.view(b, r, hkv, d).transpose(1, 2)[:, :, None])
+        at = None if self.static else span - 1
+        write_slot(gk, 3, k.view(b, r, hkv, d).permute(0, 2, 3, 1), self.slot, at)  # keys [B, Hkv, d, R]
+        write_slot(gv, 2, v.view(b, r, hkv, d).transpose(1, 2), self.slot, at)  # values [B, Hkv, R, d]
         # queries of one input's beams and one K/V head's group: [B, Hkv, R*G, d]
         qg = q.view(b, r, hkv, g, d).transpose(1, 2).reshape(b, hkv, r * g, d)
         keys_t = gk[:, :, :, :span].view(b, hkv, d, span * r)  # slot-major: index s*R + beam
@@ -230,7 +269,7 @@ class DecoderOnlyKVCache:
             self.pv[i] = self.pv[i].index_select(0, inputs)
             for cache, slot_dim in ((self.gk, 3), (self.gv, 2)):
                 old = cache[i]
-                new = old.new_zeros((inputs.shape[0], *old.shape[1:]))
+                new = (old.new_zeros if self.static else old.new_empty)((inputs.shape[0], *old.shape[1:]))
                 new.narrow(slot_dim, 0, used).copy_(old.narrow(slot_dim, 0, used).index_select(0, inputs))
                 cache[i] = new
         self.prompt_bias = self.prompt_bias.index_select(0, inputs)
