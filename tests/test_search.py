@@ -12,6 +12,7 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.search import Batch, generate, settings_for, unsupported_reason
+from seqgen_cli.search.beam import wide_topk
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
 from tests.engine_models import load, text_batch
@@ -297,3 +298,31 @@ def test_half_precision_fast_backends(tiny_models, family: str, dtype: torch.dty
     same = sum(a == b for a, b in zip(out.sequences, ref.sequences, strict=True))
     record_property("agreement_with_float32", f"{same}/{len(ref.sequences)}")
     print(f"{family} {dtype}: {same}/{len(ref.sequences)} outputs identical to float32")
+
+
+@pytest.mark.parametrize("width", [8 * 128, 4 * 600 + 5, 4 * 54_776 + 3])
+def test_wide_topk_matches_torch_topk(width: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(5, width, generator=g)
+    scores[1, -1] = 50.0  # the best column in the last (shorter) chunk
+    scores[2, :-300] = float("-inf")  # few finite values, all near the end
+    scores[3, 7], scores[3, 9] = 40.0, 41.0  # the two best in one chunk
+    scores[4, ::2] = float("-inf")
+    values, indices = wide_topk(scores, 8)
+    ref_values, ref_indices = torch.topk(scores, 8)
+    assert torch.equal(values, ref_values)
+    assert torch.equal(indices, ref_indices)  # no ties among these values
+    assert torch.equal(scores.gather(1, indices), values)
+    scores[3, 7] = 41.0  # a tie: same values, the order of equal ones is torch's business
+    values, indices = wide_topk(scores, 8)
+    assert torch.equal(values, torch.topk(scores, 8).values)
+    assert set(indices[3, :2].tolist()) == {7, 9}
+
+
+def test_wide_topk_all_but_few_masked_keeps_the_finite_ones() -> None:
+    scores = torch.full((2, 4 * 8 * 128 * 2), float("-inf"))
+    scores[0, [3, 3000, 8000]] = torch.tensor([1.0, 3.0, 2.0])
+    values, indices = wide_topk(scores, 8)
+    assert values[0, :3].tolist() == [3.0, 2.0, 1.0]
+    assert indices[0, :3].tolist() == [3000, 8000, 3]
+    assert torch.isinf(values[0, 3:]).all() and torch.isinf(values[1]).all()
