@@ -76,7 +76,7 @@ def attention(q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None) ->
     ``keys_t`` [..., d, K] (keys transposed), ``values`` [..., K, d], ``bias`` additive (0 / -inf, float32),
     broadcastable to [..., Q, K] -> [..., Q, d].
 
-    Decoding attention on the CPU: two batched GEMMs over a contiguous ``K^T`` beat SDPA's kernel, whose
+    Decoding attention on the CPU: two batched GEMMs beat SDPA's kernel, whose
     per-(input, head) overhead dominates at a handful of queries (docs/BENCHMARKS.md, "Attention as two
     products")."""
     scores = torch.matmul(q, keys_t).float()  # [..., Q, K]
@@ -86,8 +86,9 @@ def attention(q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None) ->
 
 
 class EncoderDecoderKVCache:
-    """Self-attention of the encoder-decoder backends' decoders: keys stored transposed, back-pointers as an
-    additive mask, one :func:`attention` per layer."""
+    """Self-attention of the encoder-decoder backends' decoders: back-pointers as an additive mask, one
+    :func:`attention` per layer. Keys are not stored transposed: a [d, T*R] layout puts a head's d rows T*R
+    floats apart, which at Marian's 511 slots cost more per step than the GEMM gained."""
 
     def __init__(
         self,
@@ -104,9 +105,7 @@ class EncoderDecoderKVCache:
         # Unread slots need no zeros off the static path: empty pages are only touched as slots are written.
         alloc = torch.zeros if self.static else torch.empty
         n_l, b, h, t, r, d = layers, inputs, heads, max_len, rows_per_input, head_dim
-        self.k = alloc(
-            (n_l, b, h, d, t, r), dtype=dtype, device=device
-        )  # [L, B, H, d, T, R]: keys transposed
+        self.k = alloc((n_l, b, h, t, r, d), dtype=dtype, device=device)  # [L, B, H, T, R, d]
         self.v = alloc((n_l, b, h, t, r, d), dtype=dtype, device=device)  # [L, B, H, T, R, d]
         self.ptrs = BackPointers(inputs, rows_per_input, max_len, device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]: the slot this step writes
@@ -148,11 +147,11 @@ class EncoderDecoderKVCache:
         """Store this step's ``k``/``v`` ([N, H, d]); attend ``q`` [N, H, d] over each history -> [N, H*d]."""
         _, b, h, _, r, d = self.v.shape
         span = self.span
-        kl, vl = self.k[layer], self.v[layer]  # [B, H, d, T, R], [B, H, T, R, d]
+        kl, vl = self.k[layer], self.v[layer]  # [B, H, T, R, d]
         at = None if self.static else span - 1
-        write_slot(kl, 3, k.view(b, r, h, d).permute(0, 2, 3, 1), self.slot, at)  # [N, H, d] -> [B, H, d, R]
+        write_slot(kl, 2, k.view(b, r, h, d).transpose(1, 2), self.slot, at)  # [N, H, d] -> [B, H, R, d]
         write_slot(vl, 2, v.view(b, r, h, d).transpose(1, 2), self.slot, at)  # [N, H, d] -> [B, H, R, d]
-        keys_t = kl[:, :, :, :span].view(b, h, d, span * r)  # rows of K^T contiguous per (b, h, d): no copy
+        keys_t = kl[:, :, :span].view(b, h, span * r, d).transpose(-1, -2)  # contiguous per (b, h): no copy
         values = vl[:, :, :span].view(b, h, span * r, d)  # contiguous per (b, h): no copy
         qb = (q if scale == 1.0 else q * scale).view(b, r, h, d).transpose(1, 2)  # [B, H, Rq, d]
         out = attention(qb, keys_t, values, self.bias)  # [B, H, Rq, d]
