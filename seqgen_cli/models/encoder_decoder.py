@@ -42,10 +42,8 @@ def cross_attention(
     [B, 1, 1, S] -> [N, H*d]."""
     b, h, d, _ = k_t.shape
     n = q.shape[0]
-    q = (
-        (q if scale == 1.0 else q * scale).view(b, n // b, h, d).transpose(1, 2)
-    )  # [B, H, R, d]: beams as queries
-    out = attention(q, k_t, v, mask)  # [B, H, R, d]
+    q = q.view(b, n // b, h, d).transpose(1, 2)  # [N, H*d] -> [B, H, R, d]: beams as query positions
+    out = attention(q, k_t, v, mask, scale)  # [B, H, R, d]
     return out.transpose(1, 2).reshape(n, h * d)  # [B, R, H, d] -> [N, H*d]
 
 

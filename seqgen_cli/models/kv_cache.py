@@ -71,15 +71,15 @@ def write_slot(cache: Tensor, dim: int, new: Tensor, slot: Tensor, at: int | Non
         cache.select(dim, at).copy_(new)
 
 
-def attention(q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
-    """``softmax(q @ keys_t + bias) @ values`` with float32 scores: ``q`` [..., Q, d] (already scaled),
+def attention(q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+    """``softmax(scale * q @ keys_t + bias) @ values`` with float32 scores: ``q`` [..., Q, d] (scaled first),
     ``keys_t`` [..., d, K] (keys transposed), ``values`` [..., K, d], ``bias`` additive (0 / -inf, float32),
     broadcastable to [..., Q, K] -> [..., Q, d].
 
     Decoding attention on the CPU: two batched GEMMs beat SDPA's kernel, whose
-    per-(input, head) overhead dominates at a handful of queries (docs/BENCHMARKS.md, "Attention as two
-    products")."""
-    scores = torch.matmul(q, keys_t).float()  # [..., Q, K]
+    per-(input, head) overhead dominates at a handful of queries (docs/BENCHMARKS.md, "CPU float32:
+    attention as two products")."""
+    scores = torch.matmul(q if scale == 1.0 else q * scale, keys_t).float()  # [..., Q, K]
     if bias is not None:
         scores += bias
     return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [..., Q, d]
@@ -153,8 +153,8 @@ class EncoderDecoderKVCache:
         write_slot(vl, 2, v.view(b, r, h, d).transpose(1, 2), self.slot, at)  # [N, H, d] -> [B, H, R, d]
         keys_t = kl[:, :, :span].view(b, h, span * r, d).transpose(-1, -2)  # contiguous per (b, h): no copy
         values = vl[:, :, :span].view(b, h, span * r, d)  # contiguous per (b, h): no copy
-        qb = (q if scale == 1.0 else q * scale).view(b, r, h, d).transpose(1, 2)  # [B, H, Rq, d]
-        out = attention(qb, keys_t, values, self.bias)  # [B, H, Rq, d]
+        qb = q.view(b, r, h, d).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
+        out = attention(qb, keys_t, values, self.bias, scale)  # [B, H, Rq, d]
         return out.transpose(1, 2).reshape(b * r, h * d)  # [B, Rq, H, d] -> [N, H*d]
 
     def reorder(self, rows: Tensor) -> None:
