@@ -8,6 +8,8 @@ import socket
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -158,7 +160,8 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise SeqgenError(f"model {name}: cannot load its tokenizer: {_first_line(err)}") from None
     try:
-        model = auto.from_pretrained(source, dtype=torch_dtype)
+        with fast_sinusoids(model_type):
+            model = auto.from_pretrained(source, dtype=torch_dtype)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise SeqgenError(f"model {name}: cannot load its weights: {_first_line(err)}") from None
     model.to(dev).eval()
@@ -191,6 +194,49 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+
+
+SINUSOIDAL = {"marian": "MarianSinusoidalPositionalEmbedding", "pegasus": "PegasusSinusoidalPositionalEmbedding"}
+
+
+@contextmanager
+def fast_sinusoids(model_type: str | None) -> Iterator[None]:
+    """While loading a Marian or Pegasus checkpoint, build the sinusoidal position tables with one numpy
+    expression instead of transformers' Python loop over every entry (0.38 s per 512 x 512 table here, two
+    per model; docs/BENCHMARKS.md, "Start-up"). Same float64 operations element by element, so the same
+    bits (``tests/test_tiny_models.py`` compares them); other model types are untouched."""
+    name = SINUSOIDAL.get(model_type or "")
+    if name is None:
+        yield
+        return
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    cls = getattr(module, name, None)
+    original = getattr(cls, "create_weight", None)
+    if original is None:  # a transformers without it: nothing to speed up
+        yield
+        return
+    cls.create_weight = sinusoid_table
+    try:
+        yield
+    finally:
+        cls.create_weight = original
+
+
+def sinusoid_table(embedding: torch.nn.Embedding) -> torch.Tensor:
+    """transformers' Marian/Pegasus ``create_weight``, vectorised: sin of even features in the first half,
+    cos of odd ones in the second; [n_pos, dim] in the embedding's dtype."""
+    import numpy as np
+
+    n_pos, dim = embedding.weight.shape
+    j = np.arange(dim)
+    position_enc = np.arange(n_pos)[:, None] / np.power(10000, 2 * (j // 2) / dim)  # [n_pos, dim] float64
+    out = torch.empty(n_pos, dim, dtype=embedding.weight.dtype, requires_grad=False)
+    sentinel = dim // 2 if dim % 2 == 0 else (dim // 2) + 1
+    out[:, 0:sentinel] = torch.FloatTensor(np.sin(position_enc[:, 0::2]))
+    out[:, sentinel:] = torch.FloatTensor(np.cos(position_enc[:, 1::2]))
+    return out
 
 
 def quiet_transformers() -> None:

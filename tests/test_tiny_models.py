@@ -134,3 +134,21 @@ def test_sample_texts_deterministic_and_varied() -> None:
     lengths = [len(t.split()) for t in a]
     assert min(lengths) >= 3 and max(lengths) <= 130
     assert max(lengths) > 40 and min(lengths) < 10
+
+
+@pytest.mark.parametrize("family", ["marian", "pegasus"])
+def test_load_builds_the_same_sinusoid_tables(family: str, tiny_models: Callable[[str], Path]) -> None:
+    """seqgen's vectorised sinusoid tables (loading.fast_sinusoids) are transformers' own, bit for bit, and
+    transformers' class is left as it was."""
+    from seqgen_cli import loading
+
+    ours = loading.load(str(tiny_models(family)), "cpu").model
+    theirs, _ = _load(tiny_models(family), family)
+    cls = type(theirs.model.encoder.embed_positions)
+    assert cls.create_weight is not loading.sinusoid_table
+    for part in ("encoder", "decoder"):
+        mine = getattr(ours.model, part).embed_positions.weight
+        assert torch.equal(mine, getattr(theirs.model, part).embed_positions.weight)
+    for n_pos, dim in [(512, 512), (1024, 1024), (37, 15), (9, 1)]:
+        emb = cls(n_pos, dim)
+        assert torch.equal(loading.sinusoid_table(emb), emb.create_weight()), (n_pos, dim)
