@@ -196,7 +196,10 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
-SINUSOIDAL = {"marian": "MarianSinusoidalPositionalEmbedding", "pegasus": "PegasusSinusoidalPositionalEmbedding"}
+SINUSOIDAL = {
+    "marian": "MarianSinusoidalPositionalEmbedding",
+    "pegasus": "PegasusSinusoidalPositionalEmbedding",
+}
 
 
 @contextmanager
