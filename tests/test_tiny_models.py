@@ -152,3 +152,25 @@ def test_load_builds_the_same_sinusoid_tables(family: str, tiny_models: Callable
     for n_pos, dim in [(512, 512), (1024, 1024), (37, 15), (9, 1)]:
         emb = cls(n_pos, dim)
         assert torch.equal(loading.sinusoid_table(emb), emb.create_weight()), (n_pos, dim)
+
+
+def test_fast_sinusoids_keeps_a_different_formula() -> None:
+    """A transformers whose table differs from seqgen's keeps its own create_weight during the load."""
+    from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding as cls
+
+    from seqgen_cli import loading
+
+    original = cls.create_weight
+
+    def other(self: torch.nn.Embedding) -> torch.Tensor:
+        return original(self) * 2
+
+    cls.create_weight = other
+    try:
+        with loading.fast_sinusoids("marian"):
+            assert cls.create_weight is other
+    finally:
+        cls.create_weight = original
+    with loading.fast_sinusoids("marian"):
+        assert cls.create_weight is loading.sinusoid_table
+    assert cls.create_weight is original
