@@ -1,3 +1,3 @@
-from seqgen_cli.cli import main
+from seqgen_cli.cli import run
 
-main()
+run()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -148,6 +150,38 @@ class _Group(click.Group):
                 err=True,
             )
             sys.exit(1)
+
+
+def run(args: list[str] | None = None) -> None:
+    """The ``seqgen`` process: :func:`main`, then an exit that skips the interpreter's teardown.
+
+    Freeing the module graph that torch and transformers leave behind takes 0.7-1.5 s after the last output
+    is written (docs/BENCHMARKS.md, "Exit"). By then every file is closed; this joins any non-daemon thread,
+    flushes stdout and stderr, runs the ``atexit`` handlers (Ray, logging, temporary folders) and ends the
+    process with :func:`main`'s exit status. An uncaught exception (``SEQGEN_DEBUG=1``) exits as usual.
+    """
+    try:
+        main(args)  # standalone click: always ends in SystemExit
+        code: object = 0
+    except SystemExit as done:
+        code = done.code
+    if isinstance(code, str):  # sys.exit("message"): printed, status 1, as the interpreter does
+        print(code, file=sys.stderr)
+        code = 1
+    status = code if isinstance(code, int) else 0 if code is None else 1
+    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+    if run_exitfuncs is None:  # not CPython: the ordinary exit
+        sys.exit(status)
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or the reader went away: nothing more can be written
+            pass
+    run_exitfuncs()
+    os._exit(status)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -15,9 +15,9 @@ def test_every_subpackage_is_listed_in_pyproject() -> None:
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
 
 
-def test_console_script_points_at_cli_main() -> None:
+def test_console_script_points_at_cli_run() -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["seqgen"] == "seqgen_cli.cli:main"
-    from seqgen_cli.cli import main
+    assert scripts["seqgen"] == "seqgen_cli.cli:run"
+    from seqgen_cli.cli import run
 
-    assert callable(main)
+    assert callable(run)

@@ -241,6 +241,32 @@ def test_without_workers_ray_is_never_imported(bart: Path, job, tmp_path: Path) 
     assert out.read_bytes() == reference
 
 
+def test_process_exit_flushes_runs_atexit_and_keeps_the_status(bart: Path, job, tmp_path: Path) -> None:
+    """``cli.run`` ends the process with ``os._exit``: stdout still complete, atexit handlers run, status kept."""
+    src, reference, _ = job
+    marker = tmp_path / "atexit-ran"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        code = (
+            "import atexit, pathlib, sys; from seqgen_cli.cli import run\n"
+            f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'ran')\n"
+            f"run({list(args)!r})\n"
+            "raise AssertionError('run() returned')\n"
+        )
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+
+    res = run("generate", "-m", str(bart), str(src), *ARGS)  # to stdout, a pipe: block-buffered
+    assert res.returncode == 0, res.stderr.decode()
+    assert res.stdout == reference
+    assert marker.read_text() == "ran"
+    marker.unlink()
+    res = run("generate", "-m", str(bart), str(tmp_path / "missing.txt"), *ARGS)
+    assert res.returncode == 2
+    assert res.stderr.decode().strip().startswith("seqgen: error:")
+    assert marker.read_text() == "ran"
+
+
 def test_workers_without_ray_say_how_to_install_it(bart: Path, job, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     res = seqgen("generate", "-m", str(bart), str(job[0]), "--workers", "2", *ARGS)
