@@ -246,6 +246,7 @@ def test_process_exit_flushes_runs_atexit_and_keeps_the_status(bart: Path, job, 
     src, reference, _ = job
     marker = tmp_path / "atexit-ran"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PYTHONUNBUFFERED", None)  # stdout block-buffered, as in a shell pipe
 
     def run(*args: str) -> subprocess.CompletedProcess:
         code = (
