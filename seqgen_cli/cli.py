@@ -165,10 +165,11 @@ def run(args: list[str] | None = None) -> None:
         code: object = 0
     except SystemExit as done:
         code = done.code
-    if isinstance(code, str):  # sys.exit("message"): printed, status 1, as the interpreter does
+    if code is None or isinstance(code, int):
+        status = code or 0
+    else:  # sys.exit("message"): printed, status 1, as the interpreter does
         print(code, file=sys.stderr)
-        code = 1
-    status = code if isinstance(code, int) else 0 if code is None else 1
+        status = 1
     run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
     if run_exitfuncs is None:  # not CPython: the ordinary exit
         sys.exit(status)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import socket
 import sys
@@ -213,8 +214,6 @@ def fast_sinusoids(model_type: str | None) -> Iterator[None]:
     if name is None:
         yield
         return
-    import importlib
-
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     cls = getattr(module, name, None)
     original = getattr(cls, "create_weight", None)
