@@ -15,7 +15,14 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.progress import Progress, count_lines
-from seqgen_cli.pipeline.records import Record, check_inputs, is_regular, read_records, shard_range
+from seqgen_cli.pipeline.records import (
+    Record,
+    check_inputs,
+    check_not_output,
+    is_regular,
+    read_records,
+    shard_range,
+)
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.sinks import FileSink, Sink, StreamSink
 from seqgen_cli.pipeline.stats import Summary
@@ -39,13 +46,12 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> None:
         parent = Path(output).resolve().parent
         if not parent.is_dir():
             raise SeqgenError(f"output folder {parent} does not exist")
-        if any(i != "-" and Path(i).resolve() == Path(output).resolve() for i in inputs):
-            raise SeqgenError(f"{output} is both an input and the output")
     elif opts.resume:
         raise SeqgenError("--resume needs -o FILE: output written to stdout cannot be resumed")
     if opts.metrics and not opts.reference:
         raise SeqgenError("--metrics needs --reference FILE")
     check_inputs(inputs)
+    check_not_output(inputs, output)
     if opts.shard is not None and count_lines(list(inputs)) is None:
         raise SeqgenError(
             "--shard needs input files (each shard counts the lines to find its range), not stdin"

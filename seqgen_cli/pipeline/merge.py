@@ -11,6 +11,7 @@ from pathlib import Path
 
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import resume
+from seqgen_cli.pipeline.records import check_not_output
 
 
 def check_part(part: str) -> int:
@@ -41,6 +42,7 @@ def merge_parts(parts: Sequence[str], output: str) -> int:
         raise SeqgenError("give the part files, in shard order")
     for part in parts:
         check_part(part)
+    check_not_output(parts, output, what="part")
     if output == "-":
         for part in parts:
             with open(part, "rb") as fh:
@@ -48,8 +50,6 @@ def merge_parts(parts: Sequence[str], output: str) -> int:
         sys.stdout.buffer.flush()
         return sum(_lines(p) for p in parts)
     target = Path(output).resolve()
-    if any(Path(p).resolve() == target for p in parts):
-        raise SeqgenError(f"{output} is both a part and the output")
     if not target.parent.is_dir():
         raise SeqgenError(f"output folder {target.parent} does not exist")
     resume.check_fresh(output)

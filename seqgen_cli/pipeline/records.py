@@ -55,6 +55,43 @@ def check_inputs(paths: Sequence[str]) -> None:
             _open(path)[0].close()
 
 
+def _stat(path: str) -> os.stat_result | None:
+    """``os.stat`` of ``path`` (``-``: standard input), or None when there is nothing to stat."""
+    try:
+        return os.fstat(sys.stdin.fileno()) if path == "-" else os.stat(path)
+    except (OSError, ValueError, AttributeError):  # missing, or stdin closed or replaced (no fileno)
+        return None
+
+
+def _stdout_stat() -> os.stat_result | None:
+    try:
+        return os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_not_output(inputs: Sequence[str], output: str, what: str = "input") -> None:
+    """Refuse an input (``-``: stdin) that is the output file (``-``: stdout) under any name: the same
+    inode through a hard link, a symlink or another path. Checked before anything is opened for writing."""
+    out = _stdout_stat() if output == "-" else _stat(output)
+    if out is None or not stat.S_ISREG(out.st_mode):  # a new file, a pipe or a device: nothing to destroy
+        return
+    for path in inputs or ["-"]:
+        st = _stat(path)
+        if st is None or (st.st_dev, st.st_ino) != (out.st_dev, out.st_ino):
+            continue
+        if path == "-":
+            raise SeqgenError(
+                f"standard input is the output file {output}: writing it would destroy the input"
+            )
+        if output == "-":
+            raise SeqgenError(
+                f"standard output is the {what} file {path}: writing it would destroy the {what}"
+            )
+        same = "" if os.path.abspath(path) == os.path.abspath(output) else f" (the same file as {path})"
+        raise SeqgenError(f"{output} is both an {what} and the output{same}")
+
+
 def is_regular(path: str) -> bool:
     """Whether ``path`` (``-`` = stdin) is a regular file, i.e. reads never wait on a writer."""
     try:
