@@ -126,7 +126,8 @@ def _pop_generation(opts: dict[str, Any], exclude: Collection[str] = ()) -> dict
 
 
 class _Group(click.Group):
-    """Turns ``SeqgenError`` into one line on stderr and exit code 2; Ctrl-C into exit code 130."""
+    """Turns ``SeqgenError`` into one line on stderr and its exit code (2; 1 for a run stopped by a failed
+    write or a bug); Ctrl-C into exit code 130."""
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
@@ -134,6 +135,10 @@ class _Group(click.Group):
         except (click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
             raise
         except SeqgenError as err:
+            if os.environ.get("SEQGEN_DEBUG") and err.__cause__ is not None:
+                import traceback
+
+                traceback.print_exception(err.__cause__)
             click.echo(f"seqgen: error: {err}", err=True)
             sys.exit(err.exit_code)
         except KeyboardInterrupt:

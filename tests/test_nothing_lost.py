@@ -3,6 +3,7 @@ entries checked against their input, `seqgen merge` manifests, streams and close
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -12,6 +13,12 @@ import pytest
 from click.testing import CliRunner
 
 from seqgen_cli.cli import main
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.pipeline import resume
+from seqgen_cli.pipeline.job import JobOptions, generate_job
+from seqgen_cli.pipeline.resume import index_path, journal_path
+from tests.test_pipeline import FakeGen, expected, write_lines
+from tests.tiny_models import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,3 +82,143 @@ def test_merge_refuses_an_output_that_is_a_part_under_another_name(tmp_path: Pat
     res = seqgen("merge", str(part), "-o", str(tmp_path / "out.txt"))
     one_line_error(res, "part")
     assert part.read_text(encoding="utf-8") == "x\n"
+
+
+# -- 2. abnormal exits: disk full, unexpected errors ----------------------------------------------------
+
+
+def _job(gen, src: Path, out: Path, **kw):
+    opts = JobOptions(batch_size=kw.pop("batch_size", 4), sort_window=kw.pop("sort_window", 1000), **kw)
+    return generate_job(gen, [str(src)], str(out), opts)
+
+
+def ragged(n: int) -> list[str]:
+    """Inputs whose lengths are shuffled, so that most finished outputs wait for an earlier one."""
+    return [f"{i:03d}" + "x" * ((i * 37) % 50) for i in range(n)]
+
+
+def disk_full(monkeypatch, path: Path, limit: int) -> None:
+    """``os.write`` that lets ``path`` grow to ``limit`` bytes, then writes what still fits and raises ENOSPC."""
+    real = os.write
+
+    def write(fd, data) -> int:
+        if path.exists() and os.path.samestat(os.fstat(fd), os.stat(path)):
+            room = limit - os.lseek(fd, 0, os.SEEK_CUR)
+            if len(data) > room:
+                if room > 0:
+                    real(fd, bytes(data[:room]))
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+
+
+def assert_kept_for_resume(out: Path, full: bytes, message: str) -> int:
+    """After an abnormal exit: whole outputs only, index and journal kept, one line saying where and how."""
+    data = out.read_bytes()
+    assert data.endswith(b"\n") and full.startswith(data) and len(data) < len(full)
+    assert index_path(out).exists() and journal_path(out).exists()
+    done = data.count(b"\n")
+    assert "\n" not in message and f"first {done} inputs are in {out}" in message and "--resume" in message
+    return done
+
+
+def test_disk_full_leaves_whole_lines_keeps_index_and_journal_and_resume_is_identical(
+    tmp_path: Path, monkeypatch
+) -> None:
+    texts = ragged(120)
+    src, out = write_lines(tmp_path / "in.txt", texts), tmp_path / "out.txt"
+    full = expected(texts).encode()
+    with monkeypatch.context() as m:
+        disk_full(m, out, len(full) // 2 + 3)  # the disk fills in the middle of a line
+        with pytest.raises(SeqgenError) as info:
+            _job(FakeGen(), src, out)
+    message = str(info.value)
+    assert message.startswith(f"no space left on device writing {out}; "), message
+    assert_kept_for_resume(out, full, message)
+    gen = FakeGen()
+    _job(gen, src, out, resume=True)
+    assert out.read_bytes() == full
+    assert sum(map(len, gen.batches)) < len(texts)  # journaled outputs were not generated again
+
+
+def test_unexpected_error_keeps_index_and_journal(tmp_path: Path) -> None:
+    texts = ragged(120)
+    src, out = write_lines(tmp_path / "in.txt", texts), tmp_path / "out.txt"
+    calls = []
+
+    def crash_at_12th(batch) -> None:
+        calls.append(1)
+        if len(calls) == 12:
+            raise RuntimeError("boom")
+
+    with pytest.raises(SeqgenError) as info:
+        _job(FakeGen(fail=crash_at_12th), src, out)
+    message = str(info.value)
+    assert message.startswith("internal error: RuntimeError: boom"), message
+    assert_kept_for_resume(out, expected(texts).encode(), message)
+    _job(FakeGen(), src, out, resume=True)
+    assert out.read_text(encoding="utf-8") == expected(texts)
+
+
+def test_memory_error_while_writing_keeps_index_and_journal(tmp_path: Path) -> None:
+    texts = ragged(120)
+    src, out = write_lines(tmp_path / "in.txt", texts), tmp_path / "out.txt"
+    gen = FakeGen()
+    calls = []
+    decode = gen.decode
+
+    def decode_until_memory_runs_out(seqs):
+        calls.append(1)
+        if len(calls) == 15:
+            raise MemoryError
+        return decode(seqs)
+
+    gen.decode = decode_until_memory_runs_out
+    with pytest.raises(SeqgenError) as info:
+        _job(gen, src, out)
+    assert str(info.value).startswith("out of memory"), info.value
+    assert_kept_for_resume(out, expected(texts).encode(), str(info.value))
+    _job(FakeGen(), src, out, resume=True)
+    assert out.read_text(encoding="utf-8") == expected(texts)
+
+
+def test_disk_full_on_the_command_line_is_one_line_and_resumes(tiny_models, tmp_path: Path, monkeypatch) -> None:
+    bart = str(tiny_models("bart"))
+    src = write_lines(tmp_path / "in.txt", sample_texts(30, seed=5))
+    args = ["--max-new-tokens", "4", "--batch-size", "4", "-q"]
+    reference = tmp_path / "reference.txt"
+    assert seqgen("generate", "-m", bart, str(src), "-o", str(reference), *args).exit_code == 0
+    full = reference.read_bytes()
+    out = tmp_path / "out.txt"
+    with monkeypatch.context() as m:
+        disk_full(m, out, len(full) // 3)
+        res = seqgen("generate", "-m", bart, str(src), "-o", str(out), *args)
+    line = one_line_error(res, f"no space left on device writing {out}")
+    assert res.exit_code == 1
+    assert_kept_for_resume(out, full, line)
+    res = seqgen("generate", "-m", bart, str(src), "-o", str(out), "--resume", *args)
+    assert res.exit_code == 0, res.stderr
+    assert out.read_bytes() == full and not index_path(out).exists()
+
+
+def test_resume_refuses_a_torn_output_without_index(tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.txt", ["abc", "de", "fgh"])
+    out = tmp_path / "out.txt"
+    out.write_bytes(b"cba\ne")  # an index lost, or an older seqgen's disk-full
+    with pytest.raises(SeqgenError, match="its last line is torn"):
+        _job(FakeGen(), src, out, resume=True)
+    assert out.read_bytes() == b"cba\ne"
+
+
+def test_a_torn_journal_line_does_not_hide_later_entries(tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    journal = resume.Journal(out, fresh=True)
+    journal.add([(3, "three\n")])
+    journal.close(complete=False)
+    with open(resume.journal_path(out), "ab") as fh:
+        fh.write(b'{"i": 4, "in')  # a kill in the middle of a write
+    journal = resume.Journal(out, fresh=False)
+    journal.add([(5, "five\n")])
+    journal.close(complete=False)
+    assert sorted(resume.load_journal(out, 0)) == [3, 5]

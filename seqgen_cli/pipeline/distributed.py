@@ -27,10 +27,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.job import (
     JobOptions,
+    aborted,
     check_job,
     score,
     sigterm_as_interrupt,
@@ -522,6 +523,12 @@ class _Driver:
                     complete = self._loop(sink, state, parts)
                 except KeyboardInterrupt:
                     self.summary.interrupted = True
+                except BrokenPipeError:
+                    raise
+                except Exception as err:  # the output cannot be written (disk full), a bug: say where it is
+                    if isinstance(err, SeqgenError) and not isinstance(err, WriteError):
+                        raise
+                    raise aborted(err, self.output, sink.kept()) from err
             self.summary.distributed = dict(
                 workers=[w.report() for w in sorted(self.workers + self.lost_workers, key=lambda w: w.index)],
                 shards=self.shards_merged, shard_size=self.size, retried_shards=self.retried,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.errors import Aborted, SeqgenError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.progress import Progress, count_lines
@@ -112,10 +112,15 @@ def write_records(
     keep: list[str] | None = [] if opts.reference and output == "-" else None
     progress.start_at(start)
     with sigterm_as_interrupt():
-        summary = run(
-            gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep,
-            streaming=streaming, journaled=journaled,
-        )  # fmt: skip
+        try:
+            summary = run(
+                gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep,
+                streaming=streaming, journaled=journaled,
+            )  # fmt: skip
+        except BrokenPipeError:  # the reader of stdout went away (e.g. `| head`): not an error
+            raise
+        except Exception as err:
+            raise aborted(err, output, sink.kept()) from err
     if opts.reference and summary.error is None and not summary.interrupted:
         summary.metrics = score(output, keep, opts, gen.num_return_sequences)
     return summary
@@ -160,6 +165,23 @@ class sigterm_as_interrupt:
     def __exit__(self, *exc: object) -> None:
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
+
+
+def aborted(err: Exception, output: str, done: int) -> Aborted:
+    """The one line for a run that stopped on something other than its input (a failed write, memory, a
+    bug): what happened, where the outputs are, how to go on."""
+    if isinstance(err, SeqgenError):
+        what = str(err)
+    elif isinstance(err, MemoryError):
+        what = "out of memory"
+    else:
+        what = f"internal error: {type(err).__name__}: {err} (SEQGEN_DEBUG=1 shows the traceback)"
+    if output == "-":
+        return Aborted(f"{what}; the outputs for the first {done} inputs were written to stdout")
+    return Aborted(
+        f"{what}; the outputs for the first {done} inputs are in {output}; "
+        "rerun the same command with --resume to continue"
+    )
 
 
 def closing_message(summary: Summary, output: str) -> str | None:

@@ -8,6 +8,7 @@ output to the recorded length and goes on from there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.pipeline.records import Record
 
 if TYPE_CHECKING:
@@ -109,23 +110,65 @@ def check_fresh(output: str) -> None:
 
 
 class JsonLog:
-    """An append-only file of JSON lines, each batch of lines flushed and fsynced; removed when complete."""
+    """An append-only file of JSON lines, each batch of lines written whole and fsynced; removed when complete.
+
+    Reopened to append, a torn last line (a kill in the middle of a write) is cut first; a failed write is
+    cut back, so the file never holds a torn line before good ones.
+    """
 
     def __init__(self, path: Path, *, fresh: bool) -> None:
         self.path = path
-        self._fh = open(path, "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_TRUNC if fresh else 0), 0o666)
+        except OSError as err:
+            raise WriteError.of(err, path) from err
+        try:
+            self._size = _whole_lines_size(self._fd)
+            os.ftruncate(self._fd, self._size)
+            os.lseek(self._fd, self._size, os.SEEK_SET)
+        except OSError as err:
+            os.close(self._fd)
+            raise WriteError.of(err, path) from err
 
     def append(self, entries: list[dict[str, Any]]) -> None:
-        if entries:
-            self._fh.write("".join(json.dumps(e) + "\n" for e in entries))
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
+        if not entries:
+            return
+        data = "".join(json.dumps(e) + "\n" for e in entries).encode()
+        try:
+            write_all(self._fd, data)
+            os.fsync(self._fd)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+                os.lseek(self._fd, self._size, os.SEEK_SET)
+            raise WriteError.of(err, self.path) from err
+        self._size += len(data)
 
     def close(self, complete: bool) -> None:
         """Close; a complete run's file is removed (nothing is left to resume)."""
-        self._fh.close()
+        os.close(self._fd)
         if complete:
             self.path.unlink(missing_ok=True)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written (or an ``OSError``, e.g. the disk is full)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _whole_lines_size(fd: int) -> int:
+    """The file's length up to and including its last newline."""
+    pos = os.fstat(fd).st_size
+    while pos > 0:
+        start = max(0, pos - (1 << 16))
+        block = os.pread(fd, pos - start, start)
+        cut = block.rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        pos = start
+    return 0
 
 
 def read_json_lines(path: Path) -> Iterator[Any]:
@@ -175,6 +218,11 @@ def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> ResumeStat
     out = Path(output)
     if not index.exists():
         if out.exists() and out.stat().st_size > 0:
+            if not _ends_with_newline(out):
+                raise SeqgenError(
+                    f"--resume: {output} has no {index.name} and its last line is torn (no newline at the end): "
+                    "it did not finish and cannot be resumed; delete it to start over"
+                )
             raise SeqgenError(
                 f"--resume: {output} has no {index.name} (it finished, or was not written by seqgen); "
                 "nothing to resume: remove it or drop --resume"
@@ -194,6 +242,12 @@ def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> ResumeStat
             f"--resume: {output} is shorter than {index.name} records; delete both to start over"
         )
     return last
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
 
 
 def _read_index(index: Path) -> tuple[dict[str, Any], ResumeState]:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from seqgen_cli.batching import Batcher, Item, Result, generate_split
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.reader import ReaderStage
@@ -91,44 +91,48 @@ def run(
     )  # fmt: skip
     fail: Result | None = None
     fail_window = -1
+    finished = False  # the loop ended and every output reached the sink: no exception on the way
     try:
-        for batch in batcher:
-            items = batch.items
-            if fail is not None:
-                if batch.window != fail_window:
-                    break
-                items = [it for it in items if it.index < fail.item.index]
-                if not items:
-                    continue
-            t0 = time.perf_counter()
-            results = generate_split(gen, items)
-            summary.generate_seconds += time.perf_counter() - t0
-            bad = [r for r in results if r.error is not None]
-            if bad and opts.on_error == "fail":
-                first = min(bad, key=lambda r: r.item.index)
-                if fail is None or first.item.index < fail.item.index:
-                    fail, fail_window = first, batch.window
-                    batcher.stop()  # finish this window's inputs before the failure, read no further
-                results = [r for r in results if r.item.index < fail.item.index]
-            for r in bad if opts.on_error == "skip" else ():
-                warn(f"{r.error} (skipped: empty output)")
-                summary.skipped += 1
-            summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
-            writer.put(results)
-            elapsed = time.perf_counter() - t_start
-            progress.update(len(items), summary.generated_tokens / elapsed)
-    except KeyboardInterrupt:
-        summary.interrupted = True
-    except SeqgenError as err:  # a bad input line (on_error="fail"): what came before it is written
-        summary.error = str(err)
-    finally:
-        reader.stop()
-        progress.close()
         try:
-            writer.close()
+            for batch in batcher:
+                items = batch.items
+                if fail is not None:
+                    if batch.window != fail_window:
+                        break
+                    items = [it for it in items if it.index < fail.item.index]
+                    if not items:
+                        continue
+                t0 = time.perf_counter()
+                results = generate_split(gen, items)
+                summary.generate_seconds += time.perf_counter() - t0
+                bad = [r for r in results if r.error is not None]
+                if bad and opts.on_error == "fail":
+                    first = min(bad, key=lambda r: r.item.index)
+                    if fail is None or first.item.index < fail.item.index:
+                        fail, fail_window = first, batch.window
+                        batcher.stop()  # finish this window's inputs before the failure, read no further
+                    results = [r for r in results if r.item.index < fail.item.index]
+                for r in bad if opts.on_error == "skip" else ():
+                    warn(f"{r.error} (skipped: empty output)")
+                    summary.skipped += 1
+                summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
+                writer.put(results)
+                elapsed = time.perf_counter() - t_start
+                progress.update(len(items), summary.generated_tokens / elapsed)
+        except KeyboardInterrupt:
+            summary.interrupted = True
+        except WriteError:
+            raise
+        except SeqgenError as err:  # a bad input line (on_error="fail"): what came before it is written
+            summary.error = str(err)
         finally:
-            complete = not summary.interrupted and summary.error is None and fail is None
-            sink.close(complete)
+            reader.stop()
+            progress.close()
+            writer.close()  # raises the writer's error (e.g. the disk is full)
+        finished = True
+    finally:
+        # Anything but a finished run keeps index and journal (and cuts a torn tail): it can be resumed.
+        sink.close(finished and not summary.interrupted and summary.error is None and fail is None)
     if fail is not None and summary.error is None:
         summary.error = fail.error
     summary.inputs = writer.next - start

@@ -12,7 +12,8 @@ import stat
 import time
 from typing import BinaryIO
 
-from seqgen_cli.pipeline.resume import IndexWriter, Journal
+from seqgen_cli.errors import WriteError
+from seqgen_cli.pipeline.resume import IndexWriter, Journal, JsonLog, write_all
 
 
 class Sink:
@@ -29,6 +30,10 @@ class Sink:
 
     def journal(self, entries: list[tuple[int, str]]) -> None:
         """Keep outputs that wait for an earlier input, ``(index, text)``, where a resume can find them."""
+
+    def kept(self) -> int:
+        """Inputs whose outputs are in the output for good (after a failure: what a resume goes on from)."""
+        return self.done
 
     def close(self, complete: bool) -> None:
         pass
@@ -63,7 +68,11 @@ def _is_interactive(stream: BinaryIO) -> bool:
 
 
 class FileSink(Sink):
-    """A regular output file with its side index; ``start`` is where a resumed run goes on from."""
+    """A regular output file with its side index; ``start`` is where a resumed run goes on from.
+
+    A write that fails (disk full, an I/O error) raises :class:`WriteError`; closing an incomplete run cuts the
+    file back to its last committed output, so it never ends in a torn line, and keeps index and journal.
+    """
 
     def __init__(
         self,
@@ -76,30 +85,48 @@ class FileSink(Sink):
     ) -> None:
         self.name = os.fspath(path)
         self.interval = interval
-        flags = os.O_WRONLY | os.O_CREAT
-        self.fd = os.open(self.name, flags, 0o666)
-        os.ftruncate(self.fd, offset)  # a resumed run drops any unindexed tail
-        os.lseek(self.fd, offset, os.SEEK_SET)
+        fresh = done == 0
+        try:
+            self.fd = os.open(self.name, os.O_WRONLY | os.O_CREAT, 0o666)
+        except OSError as err:
+            raise WriteError.of(err, self.name) from err
+        logs: list[JsonLog] = []
+        try:
+            logs.append(IndexWriter(path, header, fresh=fresh))
+            logs.append(Journal(path, fresh=fresh))
+            try:
+                os.ftruncate(self.fd, offset)  # a resumed run drops any unindexed tail
+                os.lseek(self.fd, offset, os.SEEK_SET)
+            except OSError as err:
+                raise WriteError.of(err, self.name) from err
+        except BaseException:
+            os.close(self.fd)
+            for log in logs:
+                log.close(complete=fresh)  # a fresh run leaves no index behind that would block a rerun
+            raise
+        self._index, self._journal = logs
         self.done = self.committed = done
         self.offset = offset
         self._buf: list[bytes] = []
         self._last = time.monotonic()
-        self._index = IndexWriter(path, header, fresh=done == 0)
-        self._journal = Journal(path, fresh=done == 0)
 
     def write(self, data: bytes, inputs: int = 1) -> None:
         self._buf.append(data)
         self.done += inputs
+
+    def kept(self) -> int:
+        return self.committed
 
     def commit(self, digest: str = "", force: bool = False) -> None:
         if self.done == self.committed or (not force and time.monotonic() - self._last < self.interval):
             return
         data = b"".join(self._buf)
         self._buf.clear()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view) :]
-        os.fsync(self.fd)
+        try:
+            write_all(self.fd, data)
+            os.fsync(self.fd)
+        except OSError as err:
+            raise WriteError.of(err, self.name) from err
         self.offset += len(data)
         self.committed = self.done
         self._index.add(self.done, self.offset, digest)
@@ -109,7 +136,12 @@ class FileSink(Sink):
         self._journal.add(entries)
 
     def close(self, complete: bool) -> None:
-        """Close; a complete run's index and journal are removed (nothing is left to resume)."""
-        os.close(self.fd)
-        self._journal.close(complete)
-        self._index.close(complete)
+        """Close; a complete run's index and journal are removed (nothing is left to resume), an incomplete
+        run's file is cut back to its last committed output (a failed write may have left part of one)."""
+        try:
+            if not complete:
+                os.ftruncate(self.fd, self.offset)
+        finally:
+            os.close(self.fd)
+            self._journal.close(complete)
+            self._index.close(complete)
