@@ -183,7 +183,9 @@ def test_memory_error_while_writing_keeps_index_and_journal(tmp_path: Path) -> N
     assert out.read_text(encoding="utf-8") == expected(texts)
 
 
-def test_disk_full_on_the_command_line_is_one_line_and_resumes(tiny_models, tmp_path: Path, monkeypatch) -> None:
+def test_disk_full_on_the_command_line_is_one_line_and_resumes(
+    tiny_models, tmp_path: Path, monkeypatch
+) -> None:
     bart = str(tiny_models("bart"))
     src = write_lines(tmp_path / "in.txt", sample_texts(30, seed=5))
     args = ["--max-new-tokens", "4", "--batch-size", "4", "-q"]
@@ -214,11 +216,36 @@ def test_resume_refuses_a_torn_output_without_index(tmp_path: Path) -> None:
 def test_a_torn_journal_line_does_not_hide_later_entries(tmp_path: Path) -> None:
     out = tmp_path / "out.txt"
     journal = resume.Journal(out, fresh=True)
-    journal.add([(3, "three\n")])
+    journal.add([(3, "k3", "three\n")])
     journal.close(complete=False)
     with open(resume.journal_path(out), "ab") as fh:
         fh.write(b'{"i": 4, "in')  # a kill in the middle of a write
     journal = resume.Journal(out, fresh=False)
-    journal.add([(5, "five\n")])
+    journal.add([(5, "k5", "five\n")])
     journal.close(complete=False)
     assert sorted(resume.load_journal(out, 0)) == [3, 5]
+
+
+# -- 3. journal entries carry their input's hash ------------------------------------------------------
+
+
+def test_resume_regenerates_a_journaled_output_whose_input_changed(tmp_path: Path) -> None:
+    texts = ragged(120)
+    src, out = write_lines(tmp_path / "in.txt", texts), tmp_path / "out.txt"
+    calls = []
+
+    def interrupt_at_10th(batch) -> None:
+        calls.append(1)
+        if len(calls) == 10:
+            raise KeyboardInterrupt
+
+    done = _job(FakeGen(fail=interrupt_at_10th), src, out).inputs
+    journaled = sorted(resume.load_journal(out, done))
+    assert len(journaled) > 3  # outputs waiting for an earlier input
+    changed = journaled[len(journaled) // 2]
+    texts[changed] = "changed " + texts[changed]
+    write_lines(src, texts)
+    gen = FakeGen()
+    _job(gen, src, out, resume=True)
+    assert out.read_text(encoding="utf-8") == expected(texts)  # as a fresh run on the changed input
+    assert sum(map(len, gen.batches)) == len(texts) - done - len(journaled) + 1  # only that one again

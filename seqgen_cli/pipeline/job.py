@@ -95,7 +95,7 @@ def write_records(
     """
     digest = resume.InputDigest()
     start = 0
-    journaled: dict[int, str] = {}
+    journaled: dict[int, tuple[str, str]] = {}
     sink: Sink
     if output == "-":
         sink = StreamSink(sys.stdout.buffer)

@@ -182,22 +182,29 @@ def read_json_lines(path: Path) -> Iterator[Any]:
 
 
 class Journal(JsonLog):
-    """Finished outputs that wait for an earlier input: ``{"i": index, "out": text}``."""
+    """Finished outputs that wait for an earlier input: ``{"i": index, "in": input_key, "out": text}``."""
 
     def __init__(self, output: str | os.PathLike[str], *, fresh: bool) -> None:
         super().__init__(journal_path(output), fresh=fresh)
 
-    def add(self, entries: list[tuple[int, str]]) -> None:
-        self.append([{"i": i, "out": out} for i, out in entries])
+    def add(self, entries: list[tuple[int, str, str]]) -> None:
+        """``(index, input_key(record), output text)`` per entry."""
+        self.append([{"i": i, "in": key, "out": out} for i, key, out in entries])
 
 
-def load_journal(output: str | os.PathLike[str], done: int) -> dict[int, str]:
-    """The journaled outputs of inputs ``done`` and later."""
+def input_key(record: Record) -> str:
+    """SHA-256 of one input (as :class:`InputDigest` hashes it): a journaled output is reused only for the
+    same input."""
+    return hashlib.sha256(InputDigest.encode(record)).hexdigest()
+
+
+def load_journal(output: str | os.PathLike[str], done: int) -> dict[int, tuple[str, str]]:
+    """The journaled outputs of inputs ``done`` and later: index -> (input key, output text)."""
     path = journal_path(output)
     if not path.exists():
         return {}
     entries = (e for e in read_json_lines(path) if isinstance(e, dict) and e.get("i", -1) >= done)
-    return {int(e["i"]): str(e["out"]) for e in entries}
+    return {int(e["i"]): (str(e.get("in", "")), str(e["out"])) for e in entries}
 
 
 class IndexWriter(JsonLog):

@@ -17,7 +17,7 @@ from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
-from seqgen_cli.pipeline.resume import InputDigest
+from seqgen_cli.pipeline.resume import InputDigest, input_key
 from seqgen_cli.pipeline.sinks import Sink
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
 from seqgen_cli.pipeline.writer import OrderedWriter
@@ -46,14 +46,14 @@ def run(
     progress: Progress | None = None,
     keep: list[str] | None = None,
     streaming: bool = False,
-    journaled: dict[int, str] | None = None,
+    journaled: dict[int, tuple[str, str]] | None = None,
 ) -> Summary:
     """Generate for every record and write the outputs to ``sink`` in input order.
 
     Returns the summary; ``summary.interrupted`` after Ctrl-C, ``summary.error`` when an input failed
     with ``on_error="fail"`` (everything before it is written either way). ``streaming``: the input is a
-    pipe, so lines are handed on as they arrive. ``journaled``: outputs a resumed run found in the journal
-    (by input index): written, not generated again.
+    pipe, so lines are handed on as they arrive. ``journaled``: what a resumed run found in the journal,
+    input index -> (input key, output): written, not generated again, where the input is unchanged.
     """
     t_start = time.perf_counter()
     summary = Summary(
@@ -70,14 +70,29 @@ def run(
         elif warned == MAX_WARNINGS + 1:
             progress.write("seqgen: warning: further warnings not shown (see the counts at the end)")
 
-    journaled = journaled or {}
-    reader = ReaderStage(iter(records), gen.encode, streaming=streaming, skip=set(journaled)).start()
+    journaled = dict(journaled or {})
+    reuse: dict[int, str] = {}  # journaled outputs checked against their input, for the writer to take
+    reader = ReaderStage(iter(records), gen.encode, streaming=streaming).start()
     writer = OrderedWriter(
         sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
-        num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, journaled=journaled,
+        num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, journaled=reuse,
     ).start()  # fmt: skip
 
+    def take_journaled(items: list[Item]) -> tuple[list[Item], list[Item]]:
+        """Split ``items`` into those whose journaled output is for the same input (to reuse) and the rest
+        (to generate: not journaled, or the input changed since)."""
+        reused, todo = [], []
+        for it in items:
+            entry = journaled.pop(it.index, None)
+            if entry is not None and entry[0] == input_key(it.record):
+                reuse[it.index] = entry[1]
+                reused.append(it)
+            else:
+                todo.append(it)
+        return reused, todo
+
     def passthrough(items: list[Item]) -> None:
+        take_journaled(items)
         for it in items:
             if it.record.error is not None:
                 warn(f"{it.record.error} (skipped: empty output)")
@@ -102,8 +117,9 @@ def run(
                     items = [it for it in items if it.index < fail.item.index]
                     if not items:
                         continue
+                reused, todo = take_journaled(items)
                 t0 = time.perf_counter()
-                results = generate_split(gen, items)
+                results = generate_split(gen, todo) if todo else []
                 summary.generate_seconds += time.perf_counter() - t0
                 bad = [r for r in results if r.error is not None]
                 if bad and opts.on_error == "fail":
@@ -116,6 +132,7 @@ def run(
                     warn(f"{r.error} (skipped: empty output)")
                     summary.skipped += 1
                 summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
+                results += [Result(it) for it in reused if fail is None or it.index < fail.item.index]
                 writer.put(results)
                 elapsed = time.perf_counter() - t_start
                 progress.update(len(items), summary.generated_tokens / elapsed)

@@ -28,8 +28,9 @@ class Sink:
     def commit(self, digest: str = "", force: bool = False) -> None:
         """Make what was written so far durable (as far as this sink can)."""
 
-    def journal(self, entries: list[tuple[int, str]]) -> None:
-        """Keep outputs that wait for an earlier input, ``(index, text)``, where a resume can find them."""
+    def journal(self, entries: list[tuple[int, str, str]]) -> None:
+        """Keep outputs that wait for an earlier input, ``(index, input key, text)``, where a resume can find
+        them."""
 
     def kept(self) -> int:
         """Inputs whose outputs are in the output for good (after a failure: what a resume goes on from)."""
@@ -132,7 +133,7 @@ class FileSink(Sink):
         self._index.add(self.done, self.offset, digest)
         self._last = time.monotonic()
 
-    def journal(self, entries: list[tuple[int, str]]) -> None:
+    def journal(self, entries: list[tuple[int, str, str]]) -> None:
         self._journal.add(entries)
 
     def close(self, complete: bool) -> None:
