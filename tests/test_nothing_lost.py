@@ -249,3 +249,84 @@ def test_resume_regenerates_a_journaled_output_whose_input_changed(tmp_path: Pat
     _job(gen, src, out, resume=True)
     assert out.read_text(encoding="utf-8") == expected(texts)  # as a fresh run on the changed input
     assert sum(map(len, gen.batches)) == len(texts) - done - len(journaled) + 1  # only that one again
+
+
+# -- 9. seqgen merge checks that the parts belong together ---------------------------------------------
+
+
+def make_parts(tmp_path: Path, src: Path, n: int, name: str = "part", **kw) -> list[Path]:
+    parts = [tmp_path / f"{name}{i}.txt" for i in range(n)]
+    for i, part in enumerate(parts):
+        opts = JobOptions(batch_size=4, shard=(i, n), **kw)
+        assert generate_job(FakeGen(), [str(src)], str(part), opts).error is None
+    return parts
+
+
+def test_merge_joins_the_shards_of_one_job_and_keeps_their_manifests(tmp_path: Path) -> None:
+    texts = ragged(40)
+    src = write_lines(tmp_path / "in.txt", texts)
+    parts = make_parts(tmp_path, src, 3)
+    out = tmp_path / "out.txt"
+    res = seqgen("merge", *map(str, parts), "-o", str(out))
+    assert res.exit_code == 0, res.stderr
+    assert out.read_text(encoding="utf-8") == expected(texts)
+    assert all(Path(f"{p}.seqgen-part").exists() for p in parts)  # kept: the parts can be merged again
+
+
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("out of order", "parts out of order: {p1} is shard 2/3"),
+        ("missing", "missing shard 1/3"),
+        ("twice", "shard 0/3 is given twice"),
+        ("other input", "were made from different inputs"),
+        ("other settings", "were written with different settings (output_format)"),
+        ("other N", "is shard 1/4"),
+        ("changed", "changed since its shard finished"),
+        ("no manifest", "no part1.txt.seqgen-part beside it"),
+    ],
+)
+def test_merge_refuses_parts_that_do_not_belong_together(tmp_path: Path, case: str, needle: str) -> None:
+    texts = ragged(40)
+    src = write_lines(tmp_path / "in.txt", texts)
+    parts = make_parts(tmp_path, src, 3)
+    other = tmp_path / "other"
+    other.mkdir()
+    if case == "out of order":
+        parts = [parts[0], parts[2], parts[1]]
+    elif case == "missing":
+        parts = [parts[0], parts[2]]
+    elif case == "twice":
+        parts = [parts[0], parts[0], parts[2]]
+    elif case == "other input":
+        parts[1] = make_parts(other, write_lines(other / "in.txt", texts[:-1] + ["changed"]), 3)[1]
+    elif case == "other settings":
+        parts[1] = make_parts(other, src, 3, output_format="jsonl")[1]
+    elif case == "other N":
+        parts[1] = make_parts(other, src, 4)[1]
+    elif case == "changed":
+        with open(parts[1], "ab") as fh:
+            fh.write(b"one more line\n")
+    else:
+        Path(f"{parts[1]}.seqgen-part").unlink()
+    out = tmp_path / "out.txt"
+    res = seqgen("merge", *map(str, parts), "-o", str(out))
+    one_line_error(res, needle.format(p1=parts[1]))
+    assert res.exit_code == 2 and not out.exists()
+
+
+def test_resuming_a_shard_whose_input_changed_is_refused(tmp_path: Path) -> None:
+    texts = ragged(80)
+    src, part = write_lines(tmp_path / "in.txt", texts), tmp_path / "part0.txt"
+    calls = []
+
+    def interrupt_at_3rd(batch) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    opts = JobOptions(batch_size=4, shard=(0, 2))
+    assert generate_job(FakeGen(fail=interrupt_at_3rd), [str(src)], str(part), opts).interrupted
+    write_lines(src, texts + ["more", "lines"])  # the shards' bounds move: shard 0 would overlap shard 1
+    with pytest.raises(SeqgenError, match=r"different settings \(input\)"):
+        generate_job(FakeGen(), [str(src)], str(part), JobOptions(batch_size=4, shard=(0, 2), resume=True))

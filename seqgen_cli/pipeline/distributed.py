@@ -34,12 +34,13 @@ from seqgen_cli.pipeline.job import (
     aborted,
     check_job,
     score,
+    shard_settings,
     sigterm_as_interrupt,
     write_records,
     write_stats,
 )
 from seqgen_cli.pipeline.progress import CountingProgress, Progress, count_lines
-from seqgen_cli.pipeline.records import Record, read_records, shard_range
+from seqgen_cli.pipeline.records import Record, read_records
 from seqgen_cli.pipeline.run import MAX_WARNINGS
 from seqgen_cli.pipeline.sinks import FileSink, Sink, StreamSink
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
@@ -408,6 +409,7 @@ class _Driver:
         self.workers: list[_Worker] = []
         self.lost_workers: list[_Worker] = []  # dropped after too many restarts
         self.warned = self.shards_merged = self.retried = self.size = 0
+        self.select: tuple[int, int] | None = None  # --shard I/N: this driver's inputs [lo, hi)
 
     # -- set-up ------------------------------------------------------------------------------------
     def _check_resources(self) -> None:
@@ -488,13 +490,14 @@ class _Driver:
         if state is None:
             shutil.rmtree(parts, ignore_errors=True)  # parts of a run that is not being resumed
             parts.mkdir()
-            return FileSink(self.output, settings), None
+            return FileSink(self.output, settings, part=self.select is not None), None
         parts.mkdir(exist_ok=True)
         for part in parts.iterdir():  # parts merged before the driver was lost
             head = part.name.split("-", 1)[0]
             if head.isdigit() and int(head) < state.done:
                 part.unlink(missing_ok=True)
-        return FileSink(self.output, settings, done=state.done, offset=state.offset), state
+        part = self.select is not None
+        return FileSink(self.output, settings, done=state.done, offset=state.offset, part=part), state
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self, stdout: TextIO) -> Summary:
@@ -510,7 +513,8 @@ class _Driver:
             first = self._first_hello()
             self.settings = self.worker_settings = first["settings"]
             if self.opts.shard is not None:  # one of N drivers (--shard I/N --workers M), as in one process
-                self.settings = {**self.settings, "shard": list(self.opts.shard)}
+                self.select, extra = shard_settings(self.paths, self.opts.shard)
+                self.settings = {**self.settings, **extra}
             self.summary.backend = first["backend"]
             self.info = first
             sink, state = self._open_output(self.settings, parts, stdout)
@@ -554,12 +558,8 @@ class _Driver:
     def _loop(self, sink: Sink, state: resume.ResumeState | None, parts: Path) -> bool:
         """Hand out shards, collect and merge results; True when every input is written."""
         ray, cl, opts = self.ray, self.cluster, self.opts
-        total = count_lines(self.paths)
-        select = None
-        if opts.shard is not None:
-            assert total is not None  # check_job: --shard needs input files
-            select = shard_range(total, *opts.shard)
-            total = select[1] - select[0]
+        select = self.select
+        total = select[1] - select[0] if select is not None else count_lines(self.paths)
         records = read_records(self.paths, opts.input_format, opts.input_field, "skip", select=select)
         digest = resume.InputDigest()
         if state is not None:

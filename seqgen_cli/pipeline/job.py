@@ -21,6 +21,7 @@ from seqgen_cli.pipeline.records import (
     check_not_output,
     is_regular,
     read_records,
+    scan_inputs,
     shard_range,
 )
 from seqgen_cli.pipeline.run import RunOptions, run
@@ -64,15 +65,21 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
     check_job(inputs, output, opts)
     select, total, extra = None, None, None
     if opts.shard is not None:
-        i, n = opts.shard
-        lines = count_lines(paths)
-        assert lines is not None  # check_job: --shard needs regular input files
-        select = shard_range(lines, i, n)
-        total, extra = select[1] - select[0], {"shard": [i, n]}
+        select, extra = shard_settings(paths, opts.shard)
+        total = select[1] - select[0]
     records = read_records(paths, opts.input_format, opts.input_field, opts.on_error, select=select)
     streaming = any(not is_regular(p) for p in paths)  # stdin or a named pipe: hand lines on at once
     progress = Progress(opts.progress, paths, total=total)
-    summary = write_records(gen, records, output, opts, progress=progress, streaming=streaming, extra=extra)
+    summary = write_records(
+        gen,
+        records,
+        output,
+        opts,
+        progress=progress,
+        streaming=streaming,
+        extra=extra,
+        part=extra is not None,
+    )
     if opts.stats:
         write_stats(opts.stats, summary)
     return summary
@@ -87,11 +94,13 @@ def write_records(
     progress: Progress,
     streaming: bool = False,
     extra: dict[str, Any] | None = None,
+    part: bool = False,
 ) -> Summary:
     """Generate for ``records`` into ``output`` (a file, resumable, or ``-``): the pipeline of one job.
 
     Also the unit of work of a Ray worker (one shard into one part file). ``extra``: settings besides
-    the generator's that the output depends on (``--resume`` checks them).
+    the generator's that the output depends on (``--resume`` checks them). ``part``: the output is a
+    ``--shard`` part; a complete one gets its manifest for ``seqgen merge``.
     """
     digest = resume.InputDigest()
     start = 0
@@ -106,9 +115,9 @@ def write_records(
             start = state.done
             records = resume.skip_done(records, state, digest)
             journaled = resume.load_journal(output, state.done)
-            sink = FileSink(output, settings, done=state.done, offset=state.offset)
+            sink = FileSink(output, settings, done=state.done, offset=state.offset, part=part)
         else:
-            sink = FileSink(output, settings)
+            sink = FileSink(output, settings, part=part)
     keep: list[str] | None = [] if opts.reference and output == "-" else None
     progress.start_at(start)
     with sigterm_as_interrupt():
@@ -124,6 +133,14 @@ def write_records(
     if opts.reference and summary.error is None and not summary.interrupted:
         summary.metrics = score(output, keep, opts, gen.num_return_sequences)
     return summary
+
+
+def shard_settings(paths: Sequence[str], shard: tuple[int, int]) -> tuple[tuple[int, int], dict[str, Any]]:
+    """``--shard I/N``: this shard's inputs ``[lo, hi)``, and the settings its part depends on besides the
+    generator's: the shard and the whole input's line count and SHA-256 (``--resume`` and ``seqgen merge``
+    check them: a changed input moves the shards' bounds)."""
+    lines, sha256 = scan_inputs(paths)
+    return shard_range(lines, *shard), {"shard": list(shard), "input": {"lines": lines, "sha256": sha256}}
 
 
 def write_stats(path: str, summary: Summary) -> None:

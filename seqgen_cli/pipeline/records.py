@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -149,6 +150,23 @@ def read_records(
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()
+
+
+def scan_inputs(paths: Sequence[str]) -> tuple[int, str]:
+    """Lines in the input files (as :func:`read_records` counts them) and a SHA-256 of their bytes, files in
+    order and each prefixed with its length (so a job's parts can be told from another's: not the names,
+    which may differ between machines)."""
+    lines, h = 0, hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as fh:
+            h.update(f"{os.fstat(fh.fileno()).st_size}\n".encode())
+            last = b"\n"
+            while block := fh.read(1 << 20):
+                h.update(block)
+                lines += block.count(b"\n")
+                last = block[-1:]
+        lines += last != b"\n"
+    return lines, h.hexdigest()
 
 
 def shard_range(total: int, shard: int, shards: int) -> tuple[int, int]:

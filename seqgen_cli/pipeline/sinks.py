@@ -13,6 +13,7 @@ import time
 from typing import BinaryIO
 
 from seqgen_cli.errors import WriteError
+from seqgen_cli.pipeline.merge import manifest_path, write_manifest
 from seqgen_cli.pipeline.resume import IndexWriter, Journal, JsonLog, write_all
 
 
@@ -73,6 +74,8 @@ class FileSink(Sink):
 
     A write that fails (disk full, an I/O error) raises :class:`WriteError`; closing an incomplete run cuts the
     file back to its last committed output, so it never ends in a torn line, and keeps index and journal.
+    ``part``: the output of a ``--shard I/N`` run; a complete one is recorded in ``FILE.seqgen-part`` (see
+    :mod:`~.merge`) before its index goes.
     """
 
     def __init__(
@@ -83,9 +86,13 @@ class FileSink(Sink):
         done: int = 0,
         offset: int = 0,
         interval: float = 0.5,
+        part: bool = False,
     ) -> None:
         self.name = os.fspath(path)
         self.interval = interval
+        self.header = header
+        self.part = part  # a --shard run: a complete one leaves its manifest for `seqgen merge`
+        manifest_path(self.name).unlink(missing_ok=True)  # an earlier run's: this run rewrites the file
         fresh = done == 0
         try:
             self.fd = os.open(self.name, os.O_WRONLY | os.O_CREAT, 0o666)
@@ -142,6 +149,11 @@ class FileSink(Sink):
         try:
             if not complete:
                 os.ftruncate(self.fd, self.offset)
+            elif self.part:
+                write_manifest(self.name, self.header, self.committed, self.offset)
+        except BaseException:
+            complete = False  # no manifest: index and journal stay, --resume finishes the part
+            raise
         finally:
             os.close(self.fd)
             self._journal.close(complete)
