@@ -182,6 +182,8 @@ def run(args: list[str] | None = None) -> None:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started with it closed (`>&-`)
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # closed, or the reader went away: nothing more can be written
@@ -425,8 +427,9 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
 )
 def merge(parts: tuple[str, ...], output: str) -> None:
     """Join the outputs of a `seqgen generate --shard I/N` run, given in shard order (0 to N-1), into
-    the file one process would have written. Refuses a part that is not finished (it still has its
-    .seqgen-index: rerun that shard with --resume)."""
+    the file one process would have written. Each part's manifest (PART.seqgen-part) is checked first:
+    refuses parts out of order, missing or twice, of another job (input, settings, N), changed since,
+    or not finished (PART.seqgen-index still there: rerun that shard with --resume)."""
     from seqgen_cli.pipeline.merge import merge_parts
 
     lines = merge_parts(parts, output)

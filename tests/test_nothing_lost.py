@@ -4,6 +4,7 @@ entries checked against their input, `seqgen merge` manifests, streams and close
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -16,8 +17,11 @@ from seqgen_cli.cli import main
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.job import JobOptions, generate_job
+from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.resume import index_path, journal_path
-from tests.test_pipeline import FakeGen, expected, write_lines
+from seqgen_cli.pipeline.run import RunOptions, run
+from seqgen_cli.pipeline.sinks import StreamSink
+from tests.test_pipeline import Capture, FakeGen, expected, write_lines
 from tests.tiny_models import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -330,3 +334,109 @@ def test_resuming_a_shard_whose_input_changed_is_refused(tmp_path: Path) -> None
     write_lines(src, texts + ["more", "lines"])  # the shards' bounds move: shard 0 would overlap shard 1
     with pytest.raises(SeqgenError, match=r"different settings \(input\)"):
         generate_job(FakeGen(), [str(src)], str(part), JobOptions(batch_size=4, shard=(0, 2), resume=True))
+
+
+# -- 10. JSONL fields of a skipped line, closed standard streams, devices, unwritable outputs ---------------
+
+
+def test_jsonl_skip_keeps_the_fields_of_a_line_that_parsed(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    lines = ['{"id": 1, "text": "abc"}', '{"id": 2, "txt": "x"}', '{"id": 3, "text": 5}', "{broken"]
+    src.write_text("\n".join([*lines, '{"id": 5, "text": "de"}']) + "\n", encoding="utf-8")
+    out = Capture()
+    opts = RunOptions(output_format="jsonl", on_error="skip")
+    summary = run(FakeGen(), read_records([str(src)], on_error="skip"), StreamSink(out), opts)
+    rows = [json.loads(line) for line in out.text().splitlines()]
+    assert summary.skipped == 3 and [r.get("id") for r in rows] == [1, 2, 3, None, 5]
+    assert rows[1]["txt"] == "x" and rows[1]["output"] == "" and f"{src}:2: no field" in rows[1]["error"]
+    assert rows[2]["text"] == 5 and f"{src}:3: field 'text' is int" in rows[2]["error"]
+    assert rows[4] == {"id": 5, "text": "de", "output": "ed"}
+
+
+@pytest.mark.parametrize(
+    "redirect,needle",
+    [("<&-", "standard input is closed"), (">&-", "standard output is closed")],
+)
+def test_closed_standard_stream_is_a_one_line_error(tmp_path: Path, redirect: str, needle: str) -> None:
+    command = f'exec "{sys.executable}" -m seqgen_cli generate -m {tmp_path / "no-model"} {redirect}'
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run(["bash", "-c", command], env=env, capture_output=True, timeout=300, input=b"x\n")
+    err = res.stderr.decode().strip()
+    assert (
+        res.returncode == 2 and err.startswith(f"seqgen: error: {needle}") and len(err.splitlines()) == 1
+    ), err
+
+
+def test_dev_null_is_written_as_a_stream_and_cannot_be_resumed(tiny_models, tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.txt", ["abc", "de"])
+    res = seqgen(
+        "generate", "-m", str(tiny_models("bart")), str(src), "-o", "/dev/null", "--max-new-tokens", "2"
+    )
+    assert res.exit_code == 0, res.stderr
+    assert not Path("/dev/null.seqgen-index").exists() and os.path.exists("/dev/null")
+    res = seqgen("generate", "-m", str(tmp_path / "no-model"), str(src), "-o", "/dev/null", "--resume")
+    one_line_error(res, "--resume needs -o FILE: /dev/null is not a regular file")
+
+
+DEV_STDOUT_JOB = """
+import sys
+from seqgen_cli.pipeline.job import JobOptions, generate_job
+from tests.test_pipeline import FakeGen
+generate_job(FakeGen(), [sys.argv[1]], "/dev/stdout", JobOptions())
+"""
+
+
+@pytest.mark.parametrize("stdout", ["pipe", "file appended to"])
+def test_dev_stdout_is_written_as_a_stream(tmp_path: Path, stdout: str) -> None:
+    texts = ["abc", "de", "", "fgh"]
+    src = write_lines(tmp_path / "in.txt", texts)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", DEV_STDOUT_JOB, str(src)]
+    if stdout == "pipe":
+        res = subprocess.run(cmd, env=env, capture_output=True, timeout=300)
+        assert res.returncode == 0, res.stderr.decode()
+        assert res.stdout.decode() == expected(texts)
+        return
+    out = tmp_path / "out.txt"
+    out.write_text("written before\n", encoding="utf-8")
+    with open(out, "ab") as fh:  # `>> out.txt`
+        res = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.PIPE, timeout=300)
+    assert res.returncode == 0, res.stderr.decode()
+    assert out.read_text(encoding="utf-8") == "written before\n" + expected(texts)
+
+
+def test_merge_into_dev_null_writes_into_it(tmp_path: Path) -> None:
+    parts = make_parts(tmp_path, write_lines(tmp_path / "in.txt", ragged(10)), 2)
+    res = seqgen("merge", *map(str, parts), "-o", "/dev/null")
+    assert res.exit_code == 0, res.stderr
+    assert Path("/dev/null").is_char_device()
+
+
+def test_unwritable_output_is_a_one_line_error_naming_it(tmp_path: Path, monkeypatch) -> None:
+    """As a non-root user sees a read-only folder (root writes anyway, so the refusal is simulated)."""
+    src = write_lines(tmp_path / "in.txt", ["abc"])
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    out = folder / "out.txt"
+    real_open = os.open
+
+    def refuse(path, flags, *args, **kw):
+        if str(path).startswith(str(folder)) and flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(SeqgenError, match=f"^permission denied writing {out}$"):
+        _job(FakeGen(), src, out)
+    assert not index_path(out).exists()
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: not str(path).startswith(str(folder)))
+    res = seqgen("generate", "-m", str(tmp_path / "no-model"), str(src), "-o", str(out))
+    one_line_error(res, f"cannot write into {folder}")
+
+
+def test_stats_into_a_missing_folder_is_refused_before_the_run(tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.txt", ["abc"])
+    stats = tmp_path / "missing" / "stats.json"
+    with pytest.raises(SeqgenError, match="--stats folder .*missing does not exist"):
+        _job(FakeGen(), src, tmp_path / "out.txt", stats=str(stats))
+    assert not (tmp_path / "out.txt").exists()

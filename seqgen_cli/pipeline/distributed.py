@@ -42,7 +42,7 @@ from seqgen_cli.pipeline.job import (
 from seqgen_cli.pipeline.progress import CountingProgress, Progress, count_lines
 from seqgen_cli.pipeline.records import Record, read_records
 from seqgen_cli.pipeline.run import MAX_WARNINGS
-from seqgen_cli.pipeline.sinks import FileSink, Sink, StreamSink
+from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
 
 DEFAULT_SHARD_SIZE = 4096
@@ -357,9 +357,9 @@ def generate_distributed(
     shard, done) and merged shard (``"merged"``), for tests and monitoring.
     """
     check_job(inputs, output, opts)
-    if opts.reference and output == "-":
+    if opts.reference and is_stream(output):
         raise SeqgenError("--reference with --workers needs -o FILE")
-    if output != "-" and not opts.resume:
+    if not is_stream(output) and not opts.resume:
         resume.check_fresh(output)
     t0 = time.perf_counter()
     ray = import_ray(local=cluster.address is None)
@@ -484,8 +484,8 @@ class _Driver:
     def _open_output(
         self, settings: dict[str, Any], parts: Path, stdout: TextIO
     ) -> tuple[Sink, resume.ResumeState | None]:
-        if self.output == "-":
-            return StreamSink(stdout.buffer), None
+        if is_stream(self.output):
+            return open_stream(self.output, stdout.buffer), None
         state = resume.load(self.output, settings) if self.opts.resume else None
         if state is None:
             shutil.rmtree(parts, ignore_errors=True)  # parts of a run that is not being resumed
@@ -502,7 +502,7 @@ class _Driver:
     # -- the run -----------------------------------------------------------------------------------
     def run(self, stdout: TextIO) -> Summary:
         self._check_resources()
-        tmp = tempfile.mkdtemp(prefix="seqgen-parts-") if self.output == "-" else None
+        tmp = tempfile.mkdtemp(prefix="seqgen-parts-") if is_stream(self.output) else None
         parts = Path(tmp) if tmp else parts_dir(self.output)
         if tmp is None:
             parts.mkdir(exist_ok=True)

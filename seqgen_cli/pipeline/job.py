@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from seqgen_cli.errors import Aborted, SeqgenError
+from seqgen_cli.errors import Aborted, SeqgenError, WriteError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.progress import Progress, count_lines
@@ -25,7 +26,7 @@ from seqgen_cli.pipeline.records import (
     shard_range,
 )
 from seqgen_cli.pipeline.run import RunOptions, run
-from seqgen_cli.pipeline.sinks import FileSink, Sink, StreamSink
+from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary
 
 
@@ -42,13 +43,18 @@ class JobOptions(RunOptions):
 
 
 def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> None:
-    """Fail before the (slow) model load on what cannot work: missing files, clashing options."""
-    if output != "-":
-        parent = Path(output).resolve().parent
-        if not parent.is_dir():
-            raise SeqgenError(f"output folder {parent} does not exist")
-    elif opts.resume:
-        raise SeqgenError("--resume needs -o FILE: output written to stdout cannot be resumed")
+    """Fail before the (slow) model load on what cannot work: missing files or folders, an output that
+    cannot be written, clashing options."""
+    if output == "-" and sys.stdout is None:
+        raise SeqgenError("standard output is closed: give -o FILE")
+    if is_stream(output):
+        if opts.resume:
+            where = "output written to stdout" if output == "-" else f"{output} is not a regular file, so it"
+            raise SeqgenError(f"--resume needs -o FILE: {where} cannot be resumed")
+    else:
+        check_writable(output, "output")
+    if opts.stats:
+        check_writable(opts.stats, "--stats")
     if opts.metrics and not opts.reference:
         raise SeqgenError("--metrics needs --reference FILE")
     check_inputs(inputs)
@@ -57,6 +63,17 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> None:
         raise SeqgenError(
             "--shard needs input files (each shard counts the lines to find its range), not stdin"
         )
+
+
+def check_writable(path: str, what: str) -> None:
+    """One line naming the folder or file when ``path`` cannot be written (as far as can be told now)."""
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise SeqgenError(f"{what} folder {parent} does not exist")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise SeqgenError(f"cannot write {path}: permission denied")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SeqgenError(f"cannot write into {parent}: permission denied")
 
 
 def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOptions) -> Summary:
@@ -106,8 +123,8 @@ def write_records(
     start = 0
     journaled: dict[int, tuple[str, str]] = {}
     sink: Sink
-    if output == "-":
-        sink = StreamSink(sys.stdout.buffer)
+    if is_stream(output):
+        sink = open_stream(output)
     else:
         settings = {**resume.fingerprint(gen, opts), **(extra or {})}
         state = resume.load(output, settings) if opts.resume else resume.check_fresh(output)
@@ -118,7 +135,7 @@ def write_records(
             sink = FileSink(output, settings, done=state.done, offset=state.offset, part=part)
         else:
             sink = FileSink(output, settings, part=part)
-    keep: list[str] | None = [] if opts.reference and output == "-" else None
+    keep: list[str] | None = [] if opts.reference and is_stream(output) else None  # cannot be read back
     progress.start_at(start)
     with sigterm_as_interrupt():
         try:
@@ -145,7 +162,10 @@ def shard_settings(paths: Sequence[str], shard: tuple[int, int]) -> tuple[tuple[
 
 def write_stats(path: str, summary: Summary) -> None:
     """``--stats FILE``: the summary as JSON."""
-    Path(path).write_text(json.dumps(summary.as_dict(), indent=2) + "\n", encoding="utf-8")
+    try:
+        Path(path).write_text(json.dumps(summary.as_dict(), indent=2) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise WriteError.of(err, path) from err
 
 
 def score(output: str, keep: list[str] | None, opts: JobOptions, n: int) -> dict:
@@ -193,8 +213,9 @@ def aborted(err: Exception, output: str, done: int) -> Aborted:
         what = "out of memory"
     else:
         what = f"internal error: {type(err).__name__}: {err} (SEQGEN_DEBUG=1 shows the traceback)"
-    if output == "-":
-        return Aborted(f"{what}; the outputs for the first {done} inputs were written to stdout")
+    if is_stream(output):
+        where = "stdout" if output == "-" else output
+        return Aborted(f"{what}; the outputs for the first {done} inputs were written to {where}")
     return Aborted(
         f"{what}; the outputs for the first {done} inputs are in {output}; "
         "rerun the same command with --resume to continue"
@@ -208,11 +229,11 @@ def closing_message(summary: Summary, output: str) -> str | None:
     if summary.interrupted:
         tail = (
             "rerun the same command with --resume to continue"
-            if output != "-"
-            else "writing to stdout cannot be resumed (use -o FILE and --resume)"
+            if not is_stream(output)
+            else f"writing to {where} cannot be resumed (use -o FILE and --resume)"
         )
         return f"seqgen: interrupted: the outputs for the first {done} inputs are in {where}; {tail}"
     if summary.error is not None:
-        tail = "; fix it and rerun with --resume to continue" if output != "-" else ""
+        tail = "; fix it and rerun with --resume to continue" if not is_stream(output) else ""
         return f"{summary.error} (the outputs for the {done} inputs before it are in {where}{tail})"
     return None

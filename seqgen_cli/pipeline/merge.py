@@ -1,7 +1,8 @@
 """``seqgen merge``: join the part files of a ``--shard I/N`` run into the file one process writes.
 
 A finished ``--shard I/N`` run leaves a manifest beside its part, ``PART.seqgen-part`` (JSON: the settings,
-with the shard and the whole input's line count and SHA-256, the inputs written and the part's length).
+with the shard and the whole input's line count and SHA-256, the inputs written and the part's length;
+:func:`~.resume.write_manifest`, called as the part's sink closes complete).
 Merge checks that the parts are shards 0 to N-1 of the same N, in order, of the same input and settings,
 before it writes anything. The manifests stay: the parts can be merged again.
 """
@@ -20,29 +21,8 @@ from typing import Any
 from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.records import check_not_output, shard_range
-
-MANIFEST_SUFFIX = ".seqgen-part"
-MANIFEST_VERSION = 1
-
-
-def manifest_path(part: str | os.PathLike[str]) -> Path:
-    return Path(f"{os.fspath(part)}{MANIFEST_SUFFIX}")
-
-
-def write_manifest(part: str, settings: dict[str, Any], inputs: int, size: int) -> None:
-    """Record a finished part (written whole, or not at all)."""
-    path = manifest_path(part)
-    entry = {"seqgen_part": MANIFEST_VERSION, "settings": settings, "inputs": inputs, "bytes": size}
-    tmp = Path(f"{path}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry, sort_keys=True) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise WriteError.of(err, path) from err
+from seqgen_cli.pipeline.resume import manifest_path
+from seqgen_cli.pipeline.sinks import is_stream, open_stream
 
 
 def check_part(part: str) -> dict[str, Any]:
@@ -125,13 +105,19 @@ def merge_parts(parts: Sequence[str], output: str) -> int:
     """
     if not parts:
         raise SeqgenError("give the part files, in shard order")
+    if output == "-" and sys.stdout is None:
+        raise SeqgenError("standard output is closed: give -o FILE")
     check_parts(parts)
     check_not_output(parts, output, what="part")
-    if output == "-":
-        for part in parts:
-            with open(part, "rb") as fh:
-                shutil.copyfileobj(fh, sys.stdout.buffer)
-        sys.stdout.buffer.flush()
+    if is_stream(output):  # stdout, /dev/null, a pipe: written into, never replaced
+        sink = open_stream(output)
+        try:
+            for part in parts:
+                with open(part, "rb") as fh:
+                    for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                        sink.write(block, inputs=0)
+        finally:
+            sink.close(complete=True)
         return sum(_lines(p) for p in parts)
     target = Path(output).resolve()
     if not target.parent.is_dir():

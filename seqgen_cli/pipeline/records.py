@@ -21,7 +21,8 @@ DEFAULT_FIELDS = ("text", "src", "source", "input")
 class Record:
     """One input: its text and, for JSONL, the whole object (passed through to JSONL output).
 
-    ``error`` is set (and ``text`` empty) for a bad line read with ``on_error="skip"``.
+    ``error`` is set (and ``text`` empty) for a bad line read with ``on_error="skip"``; ``fields`` then holds
+    its JSON object if it parsed as one.
     """
 
     index: int  # position among all inputs, 0-based
@@ -36,8 +37,19 @@ class Record:
         return f"{self.source}:{self.line}"
 
 
+class BadLine(SeqgenError):
+    """A line that cannot be an input; ``fields``: its JSON object when it parsed as one (kept in JSONL
+    output by ``--on-error skip``)."""
+
+    def __init__(self, message: str, fields: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
 def _open(path: str) -> tuple[BinaryIO, str]:
     if path == "-":
+        if sys.stdin is None:
+            raise SeqgenError("standard input is closed: give input files, or pipe the input in")
         return sys.stdin.buffer, "<stdin>"
     try:
         return open(path, "rb"), path
@@ -51,9 +63,10 @@ def _open(path: str) -> tuple[BinaryIO, str]:
 
 def check_inputs(paths: Sequence[str]) -> None:
     """Fail early (before the model loads) on an input file that cannot be opened."""
-    for path in paths:
+    for path in paths or ["-"]:
+        stream = _open(path)[0]
         if path != "-":
-            _open(path)[0].close()
+            stream.close()
 
 
 def _stat(path: str) -> os.stat_result | None:
@@ -97,7 +110,7 @@ def is_regular(path: str) -> bool:
     """Whether ``path`` (``-`` = stdin) is a regular file, i.e. reads never wait on a writer."""
     try:
         mode = os.fstat(sys.stdin.fileno()).st_mode if path == "-" else os.stat(path).st_mode
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: stdin closed (None)
         return False
     return stat.S_ISREG(mode)
 
@@ -145,7 +158,8 @@ def read_records(
                     except SeqgenError as err:
                         if on_error != "skip":
                             raise
-                        yield Record(index - lo, name, number, "", None, error=str(err))
+                        fields = err.fields if isinstance(err, BadLine) else None
+                        yield Record(index - lo, name, number, "", fields, error=str(err))
                 index += 1
         finally:
             if stream is not sys.stdin.buffer:
@@ -215,10 +229,10 @@ def _json_record(index: int, name: str, number: int, line: str, input_field: str
     if key is None or key not in obj:
         wanted = repr(input_field) if input_field else " or ".join(repr(k) for k in DEFAULT_FIELDS)
         have = ", ".join(map(repr, obj)) or "none"
-        raise SeqgenError(
-            f"{name}:{number}: no field {wanted} (fields: {have}; choose one with --input-field)"
+        raise BadLine(
+            f"{name}:{number}: no field {wanted} (fields: {have}; choose one with --input-field)", obj
         )
     text = obj[key]
     if not isinstance(text, str):
-        raise SeqgenError(f"{name}:{number}: field {key!r} is {type(text).__name__}, expected a string")
+        raise BadLine(f"{name}:{number}: field {key!r} is {type(text).__name__}, expected a string", obj)
     return Record(index, name, number, text, obj)

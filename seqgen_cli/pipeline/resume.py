@@ -3,7 +3,9 @@
 The index (see :mod:`seqgen_cli.pipeline.sinks`) records the run's settings and, per flush, how many
 inputs were written, the output's byte length and a SHA-256 of those inputs. Resuming checks the
 settings, re-reads (without regenerating) the inputs already done, checks their digest, truncates the
-output to the recorded length and goes on from there.
+output to the recorded length and goes on from there. Journaled outputs carry their input's hash and are
+reused only for the same input. A finished ``--shard`` part also gets a manifest here (read by
+:mod:`~.merge`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 
 INDEX_SUFFIX = ".seqgen-index"
 JOURNAL_SUFFIX = ".seqgen-journal"
+MANIFEST_SUFFIX = ".seqgen-part"  # a finished --shard part, for `seqgen merge` (see merge.py)
+MANIFEST_VERSION = 1
 
 
 def index_path(output: str | os.PathLike[str]) -> Path:
@@ -34,6 +38,26 @@ def index_path(output: str | os.PathLike[str]) -> Path:
 
 def journal_path(output: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(output)}{JOURNAL_SUFFIX}")
+
+
+def manifest_path(part: str | os.PathLike[str]) -> Path:
+    return Path(f"{os.fspath(part)}{MANIFEST_SUFFIX}")
+
+
+def write_manifest(part: str, settings: dict[str, Any], inputs: int, size: int) -> None:
+    """Record a finished part (written whole, or not at all)."""
+    path = manifest_path(part)
+    entry = {"seqgen_part": MANIFEST_VERSION, "settings": settings, "inputs": inputs, "bytes": size}
+    tmp = Path(f"{path}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise WriteError.of(err, path) from err
 
 
 class InputDigest:

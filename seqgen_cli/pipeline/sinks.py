@@ -7,14 +7,17 @@ earlier input go to the journal (both in :mod:`~.resume`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import stat
+import sys
 import time
+from collections.abc import Iterator
 from typing import BinaryIO
 
 from seqgen_cli.errors import WriteError
-from seqgen_cli.pipeline.merge import manifest_path, write_manifest
-from seqgen_cli.pipeline.resume import IndexWriter, Journal, JsonLog, write_all
+from seqgen_cli.pipeline.resume import IndexWriter, Journal, JsonLog, manifest_path, write_all, write_manifest
 
 
 class Sink:
@@ -42,23 +45,85 @@ class Sink:
 
 
 class StreamSink(Sink):
-    """Standard output (or any binary stream): flushed per output when it is a pipe or terminal."""
+    """Standard output (or any binary stream): flushed per output when it is a pipe or terminal.
 
-    def __init__(self, stream: BinaryIO, flush_lines: bool | None = None) -> None:
+    ``name``: what messages call it; ``owned``: the stream was opened for this run (closed with it)."""
+
+    def __init__(
+        self,
+        stream: BinaryIO,
+        flush_lines: bool | None = None,
+        *,
+        name: str = "<stdout>",
+        owned: bool = False,
+    ) -> None:
         self.stream = stream
         self.flush_lines = _is_interactive(stream) if flush_lines is None else flush_lines
+        self.name = name
+        self.owned = owned
 
     def write(self, data: bytes, inputs: int = 1) -> None:
-        self.stream.write(data)
+        with self._errors():
+            self.stream.write(data)
+            if self.flush_lines:
+                self.stream.flush()
         self.done += inputs
-        if self.flush_lines:
-            self.stream.flush()
 
     def commit(self, digest: str = "", force: bool = False) -> None:
-        self.stream.flush()
+        with self._errors():
+            self.stream.flush()
 
     def close(self, complete: bool) -> None:
-        self.stream.flush()
+        try:
+            with self._errors():
+                self.stream.flush()
+        finally:
+            if self.owned:
+                with contextlib.suppress(OSError):
+                    self.stream.close()
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """An ``OSError`` (a device's I/O error, a full disk behind /dev/stdout) as a :class:`WriteError`;
+        a closed pipe stays ``BrokenPipeError`` (the reader went away: not an error)."""
+        try:
+            yield
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise WriteError.of(err, self.name) from err
+
+
+_FD_ALIAS = re.compile(r"/dev/(stdout|stderr|fd/\d+)|/proc/(self|thread-self|\d+)/fd/\d+")
+
+
+def is_stream(output: str) -> bool:
+    """Whether ``-o output`` is written as a stream: ``-``, /dev/stdout and its kin, a device, a pipe or a
+    socket. A stream has no index or journal, is never cut back and cannot be resumed."""
+    if output == "-":
+        return True
+    path = os.path.abspath(output)
+    for _ in range(8):  # /dev/stdout -> /proc/self/fd/1 -> the file stdout is (which must not be rewritten)
+        if _FD_ALIAS.fullmatch(path):
+            return True
+        if not os.path.islink(path):
+            break
+        path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+    try:
+        return not stat.S_ISREG(os.stat(output).st_mode)
+    except OSError:  # not there yet: a new regular file
+        return False
+
+
+def open_stream(output: str, stdout: BinaryIO | None = None) -> StreamSink:
+    """The sink for a stream output (see :func:`is_stream`; ``-``: ``stdout``, default ``sys.stdout``'s);
+    appended to, never truncated (``>> FILE``)."""
+    if output == "-":
+        return StreamSink(stdout or sys.stdout.buffer)
+    try:
+        return StreamSink(open(output, "ab"), name=output, owned=True)  # noqa: SIM115 - closed with the sink
+    except OSError as err:
+        raise WriteError.of(err, output) from err
 
 
 def _is_interactive(stream: BinaryIO) -> bool:
@@ -92,7 +157,6 @@ class FileSink(Sink):
         self.interval = interval
         self.header = header
         self.part = part  # a --shard run: a complete one leaves its manifest for `seqgen merge`
-        manifest_path(self.name).unlink(missing_ok=True)  # an earlier run's: this run rewrites the file
         fresh = done == 0
         try:
             self.fd = os.open(self.name, os.O_WRONLY | os.O_CREAT, 0o666)
@@ -103,6 +167,7 @@ class FileSink(Sink):
             logs.append(IndexWriter(path, header, fresh=fresh))
             logs.append(Journal(path, fresh=fresh))
             try:
+                manifest_path(self.name).unlink(missing_ok=True)  # an earlier run's: rewritten now
                 os.ftruncate(self.fd, offset)  # a resumed run drops any unindexed tail
                 os.lseek(self.fd, offset, os.SEEK_SET)
             except OSError as err:
