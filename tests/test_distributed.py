@@ -193,3 +193,10 @@ def test_one_of_n_drivers_writes_its_shard(ray_address, marian: Path, job, tmp_p
     summary = distributed(marian, src, out, 16, shard=(1, 2))
     assert summary.error is None and summary.inputs == 80
     assert out.read_bytes() == b"".join(reference.splitlines(keepends=True)[80:])
+    first = tmp_path / "first-half.txt"  # its other half, by one process: the two parts merge
+    one_process(marian, src, first, "--shard", "0/2")
+    res = seqgen("merge", str(out), str(first), "-o", str(tmp_path / "all.txt"))
+    assert res.exit_code == 2 and "parts out of order" in res.stderr
+    res = seqgen("merge", str(first), str(out), "-o", str(tmp_path / "all.txt"))
+    assert res.exit_code == 0, res.stderr
+    assert (tmp_path / "all.txt").read_bytes() == first.read_bytes() + out.read_bytes()
