@@ -42,12 +42,11 @@ def unsupported_reason(config: GenerationConfig) -> str | None:
 
 
 def settings_for(backend: ModelBackend, batch: Batch, config: GenerationConfig) -> SearchSettings:
-    """Resolve ``config`` for this backend and batch (prompt width: 1 decoder start token, or the padded prompt)."""
-    prompt_len = 1 if backend.is_encoder_decoder else batch.input_ids.shape[1]
+    """Resolve ``config`` for this backend and batch."""
     return resolve_settings(
         config,
         is_encoder_decoder=backend.is_encoder_decoder,
-        prompt_len=prompt_len,
+        prompt_len=batch.input_ids.shape[1],
         max_position_embeddings=getattr(backend, "max_position_embeddings", None),
     )
 
