@@ -9,12 +9,12 @@ one unit can be overridden in the other.
 from __future__ import annotations
 
 import copy
+import tomllib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
