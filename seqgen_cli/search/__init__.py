@@ -15,8 +15,7 @@ from transformers import GenerationConfig
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.beam import beam_search
 from seqgen_cli.search.greedy import greedy_search
-from seqgen_cli.search.output import SearchOutput
-from seqgen_cli.search.protocol import Batch, ModelBackend
+from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
 from seqgen_cli.search.sampling import sample_search
 from seqgen_cli.search.settings import SearchSettings, resolve_mode, resolve_settings
 
