@@ -22,7 +22,7 @@ from seqgen_cli.batching import Item, generate_split
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import get_backend
-from seqgen_cli.models.capture import MIN_WIDTH, CapturedBackend, Decode, width_bucket
+from seqgen_cli.models.capture import MIN_WIDTH, CapturedBackend, Decode, compacted, width_bucket
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import Batch, generate
 from tests.engine_models import load, text_batch
@@ -90,6 +90,22 @@ def test_batches_are_padded_to_the_width_bucket(tiny_models, family: str) -> Non
     state, _ = backend.start(batch, 2, 10)
     assert state.shape == (4 * 2, 256, 64), "3 inputs -> 4 slots x 2 rows, 130 tokens -> 256, 10 -> 64 slots"
     assert _run(backend, loaded, batch) == _run(get_backend(loaded.model), loaded, batch)
+
+
+def test_compaction_stops_two_halvings_below_the_start(tiny_models) -> None:
+    """A batch runs at most 3 row shapes: 16 slots -> 8 -> 4, then finished inputs idle (a GPU step over 4
+    idle slots costs less than compiling another shape)."""
+    assert [compacted(n, 32) for n in (32, 17, 16, 9, 8, 5, 4, 1)] == [32, 32, 16, 16, 8, 8, 8, 8]
+    assert [compacted(n, 2) for n in (2, 1)] == [2, 1] and compacted(1, 1) == 1
+    loaded = load(tiny_models("bart"))
+    backend = CapturedBackend(get_backend(loaded.model), eager)
+    state, _ = backend.start(text_batch(loaded, 16, seed=6), 1, 4)
+    seen = [state.shape[0]]
+    for running in (9, 8, 4, 3, 1):  # inputs finish; one row each, so rows = inputs
+        keep = torch.arange(running)
+        backend.drop(state, keep, keep)
+        seen.append(state.shape[0])
+    assert seen == [16, 16, 8, 4, 4, 4]
 
 
 def test_the_shape_cap_is_per_instance_and_reported(tiny_models) -> None:

@@ -16,8 +16,9 @@ replayed every step. Shapes come from a small fixed set, so a long length-sorted
 inputs are padded to a power-of-two number of *slots* (copies of the last input; their rows run idle),
 sources (or prompts) to a power-of-two width (at least ``MIN_WIDTH``, at most the model's position limit) and
 the new-token slots to a multiple of ``SLOTS``; finished inputs idle in their slot, and the rows are compacted
-only when they fit a smaller power of two. Each instance compiles at most ``max_shapes`` shapes (torch's
-recompile limit raised to match for its calls); later shapes run ``decode`` eagerly.
+only when they fit a smaller power of two, at most twice per batch (:func:`compacted`). Each instance compiles
+at most ``max_shapes`` shapes (torch's recompile limit raised to match for its calls); later shapes run
+``decode`` eagerly. ``scripts/capture_shapes.py`` counts the shapes of a CNN/DM run.
 
 Fallbacks: every compiled call is guarded (cudagraph trees warm up on a shape's first call, record on the
 second, replay from the third; a new batch re-records). A failure (compile error, recording error, torch's
@@ -110,6 +111,13 @@ def width_bucket(n: int, limit: int | None = None) -> int:
     return min(width, max(n, limit)) if limit else width
 
 
+def compacted(running: int, start: int) -> int:
+    """Input slots for ``running`` inputs of a batch that started with ``start`` slots: the smallest power of two
+    that holds them, but at most two halvings below ``start``. Fewer slots save little on a GPU (the weights'
+    traffic stays), another shape costs a compile: a batch runs at most 3 row shapes."""
+    return max(bucket(running), start // 4, 1)
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -171,6 +179,7 @@ class CapturedState:
     tokens: Tensor  # [P * R] int64: the step's input tokens for every physical row (idle rows: stale ones)
     limit: int  # steps the search may run (slots are rounded up)
     shape: tuple[int, ...]  # (physical rows, padded width, slots): one compiled graph each
+    start: int  # input slots at the start (compaction stops at a quarter of them)
 
 
 class CapturedBackend:
@@ -240,6 +249,7 @@ class CapturedBackend:
             tokens=torch.zeros(bucket(b) * r, dtype=torch.long, device=device),
             limit=max(1, max_new_tokens),
             shape=(bucket(b) * r, width, slots),
+            start=bucket(b),
         )
         return state, None if first is None else first[:b]  # [B, V]
 
@@ -316,9 +326,11 @@ class CapturedBackend:
 
     @torch.inference_mode()
     def drop(self, state: CapturedState, keep: Tensor, rows: Tensor) -> None:
-        """Finished inputs idle in their slots; the slots shrink (a new shape) only to a smaller power of two."""
+        """Finished inputs idle in their slots; the slots shrink (a new shape) only to a smaller power of two, at
+        most two halvings (:func:`compacted`)."""
         inputs, r = state.inputs.index_select(0, keep), state.rows_per_input  # [B']
-        b, slots = inputs.shape[0], bucket(inputs.shape[0])
+        b = inputs.shape[0]
+        slots = compacted(b, state.start)
         if slots * r == state.tokens.shape[0]:
             state.inputs, state.rows = inputs, state.rows.index_select(0, rows)
             return
