@@ -21,8 +21,15 @@ from torch._dynamo.utils import counters
 from seqgen_cli.batching import Item, generate_split
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import get_backend
-from seqgen_cli.models.capture import MIN_WIDTH, CapturedBackend, Decode, compacted, width_bucket
+from seqgen_cli.models import get_backend, quantize
+from seqgen_cli.models.capture import (
+    MIN_WIDTH,
+    CapturedBackend,
+    Decode,
+    compacted,
+    compile_decode,
+    width_bucket,
+)
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import Batch, generate
 from tests.engine_models import load, text_batch
@@ -249,6 +256,24 @@ def test_inductor_skipping_cuda_graphs_is_read_from_its_counter(tiny_models) -> 
     assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
     assert backend.path == "captured, then eager (inductor skipped CUDA graphs: cudagraph_skips)"
     assert backend.steps["captured"] == 1 and backend.compiled is None
+
+
+@pytest.mark.slow
+def test_the_real_compiler_on_the_cpu_skips_cuda_graphs_and_the_path_says_so(
+    tiny_models, monkeypatch
+) -> None:
+    """``compile_decode`` itself (inductor, ``reduce-overhead``) on the CPU: inductor compiles the step, skips
+    CUDA graphs (no CUDA device here) and counts it in ``cudagraph_skips``, where the wrapper reads it: the step
+    runs eagerly, the path says why and the compile seconds are counted (about 40 s on a busy 2-core box)."""
+    monkeypatch.setattr(
+        quantize, "ONEDNN", False
+    )  # oneDNN's fused linear does not lower in inductor on the CPU
+    torch._dynamo.reset()
+    loaded = load(tiny_models("bart"))
+    backend = CapturedBackend(get_backend(loaded.model), compile_decode)
+    assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+    assert backend.path == "eager (inductor skipped CUDA graphs: cudagraph_skips)"
+    assert backend.stats()["compile_seconds"] > 0 and backend.steps["captured"] == 0
 
 
 def test_stats_reach_device_stats_and_the_closing_line(tiny_models) -> None:

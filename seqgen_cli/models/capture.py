@@ -277,34 +277,42 @@ class CapturedBackend:
 
     def _guarded(self, shape: tuple[int, ...], state: Any, tokens: Tensor) -> Tensor:
         """One compiled call: a failure falls back to eager for good (the call is rerun eagerly), an OOM is
-        re-raised (during a shape's compile or recording, the shape runs eagerly from then on)."""
+        re-raised (during a shape's compile or recording, the shape runs eagerly from then on). The first two
+        calls of a shape count as compile seconds, failed or not."""
         call = self.calls[shape]
         self.calls[shape] += 1
         skips = self._skips()
         t0 = time.perf_counter()
         try:
-            if (
-                call < SETTLING_CALLS
-            ):  # compiles happen here: torch's recompile limit is ours, and a hit raises
-                limit = max(torch._dynamo.config.recompile_limit, self.max_shapes)
-                with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-                    logits = self.compiled(state, tokens)  # type: ignore[misc]
-            else:
-                logits = self.compiled(state, tokens)  # type: ignore[misc]
+            logits = self._call(call, state, tokens)
         except Exception as err:  # noqa: BLE001 - any compile/capture failure: eager, with the reason
+            failure: str | None = f"{type(err).__name__}: {first_line(err)}"
             if is_oom(err):
                 if call < SETTLING_CALLS - 1:  # compile + warm-up, or recording
+                    self.compile_seconds += time.perf_counter() - t0
                     self.oom_shapes.add(shape)
                     self.shapes.discard(shape)
                 raise
-            return self._fall_back(f"{type(err).__name__}: {first_line(err)}", state, tokens)
+        else:
+            failure = None
         if call < SETTLING_CALLS - 1:
             self.compile_seconds += time.perf_counter() - t0
-        if self._skips() > skips:  # inductor ran this call without CUDA graphs (and will go on so)
-            return self._fall_back("inductor skipped CUDA graphs: cudagraph_skips", state, tokens)
+        if failure is None and self._skips() > skips:  # inductor ran it without CUDA graphs (and goes on so)
+            failure = "inductor skipped CUDA graphs: cudagraph_skips"
+        if failure is not None:
+            return self._fall_back(failure, state, tokens)
         self.shapes.add(shape)
         self.steps["captured"] += 1
         return logits
+
+    def _call(self, call: int, state: Any, tokens: Tensor) -> Tensor:
+        """The compiled ``decode``; a shape's settling calls (where torch compiles) run with torch's recompile
+        limit at least ``max_shapes`` (ours decides), and a hit of it raises instead of running eagerly unseen."""
+        if call >= SETTLING_CALLS:
+            return self.compiled(state, tokens)  # type: ignore[misc]
+        limit = max(torch._dynamo.config.recompile_limit, self.max_shapes)
+        with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+            return self.compiled(state, tokens)  # type: ignore[misc]
 
     def _skips(self) -> int:
         return self._counters["inductor"]["cudagraph_skips"]
