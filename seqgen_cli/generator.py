@@ -164,15 +164,6 @@ class Generator:
         engine = self._engine()
         return engine.path if isinstance(engine, CapturedBackend) else self._step_path  # path: may fall back
 
-    @property
-    def capture_stats(self) -> dict[str, Any]:
-        """Under CUDA graphs (:class:`~seqgen_cli.models.capture.CapturedBackend`): ``shapes_compiled``,
-        ``compile_seconds``, ``captured_steps`` and ``eager_steps`` so far; else nothing."""
-        from seqgen_cli.models.capture import CapturedBackend
-
-        engine = self._model_backend
-        return engine.stats() if isinstance(engine, CapturedBackend) else {}
-
     # -- tokens -----------------------------------------------------------------------------------
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
         """Tokenise (with the prefix), truncating to ``max_source_length``."""
@@ -215,13 +206,17 @@ class Generator:
 
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs, for ``--stats`` and the closing line: ``device``, ``dtype``,
-        ``step_path`` (:attr:`step_path`) and :attr:`capture_stats`, and on CUDA ``device_name`` and
+        ``step_path`` (:attr:`step_path`); under CUDA graphs ``shapes_compiled``, ``compile_seconds``,
+        ``captured_steps`` and ``eager_steps`` (``CapturedBackend.stats``); and on CUDA ``device_name`` and
         ``peak_gpu_memory_mb`` (``torch.cuda.max_memory_allocated`` since the start or the last
         ``torch.cuda.reset_peak_memory_stats``, in MiB)."""
+        from seqgen_cli.models.capture import CapturedBackend
+
         device = self.loaded.device
         dtype = "int8" if self.loaded.int8 else str(self.loaded.dtype).removeprefix("torch.")
         out: dict[str, Any] = {"device": str(device), "dtype": dtype, "step_path": self.step_path}
-        out.update(self.capture_stats)
+        if isinstance(self._model_backend, CapturedBackend):
+            out.update(self._model_backend.stats())
         if device.type == "cuda":
             out["device_name"] = torch.cuda.get_device_name(device)
             out["peak_gpu_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
