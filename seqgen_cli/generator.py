@@ -198,12 +198,17 @@ class Generator:
 
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs, for ``--stats`` and the closing line: ``device``, ``dtype``,
-        ``step_path`` (:attr:`step_path`), and on CUDA ``device_name`` and ``peak_gpu_memory_mb``
-        (``torch.cuda.max_memory_allocated`` since the start or the last ``torch.cuda.reset_peak_memory_stats``,
-        in MiB)."""
+        ``step_path`` (:attr:`step_path`); under CUDA graphs ``shapes_compiled``, ``compile_seconds``,
+        ``captured_steps`` and ``eager_steps`` (``CapturedBackend.stats``); and on CUDA ``device_name`` and
+        ``peak_gpu_memory_mb`` (``torch.cuda.max_memory_allocated`` since the start or the last
+        ``torch.cuda.reset_peak_memory_stats``, in MiB)."""
+        from seqgen_cli.models.capture import CapturedBackend
+
         device = self.loaded.device
         dtype = "int8" if self.loaded.int8 else str(self.loaded.dtype).removeprefix("torch.")
         out: dict[str, Any] = {"device": str(device), "dtype": dtype, "step_path": self.step_path}
+        if isinstance(self._model_backend, CapturedBackend):
+            out.update(self._model_backend.stats())
         if device.type == "cuda":
             out["device_name"] = torch.cuda.get_device_name(device)
             out["peak_gpu_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
