@@ -103,8 +103,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    torch._logging.set_logs(inductor_metrics=True)  # makes inductor count bytes
-    logging.getLogger("torch._inductor").setLevel(logging.WARNING)  # ...without printing them
+    from torch._inductor import compile_fx
+
+    log = compile_fx.inductor_metrics_log  # inductor counts bytes when this logs at INFO: enable, unprinted
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addHandler(logging.NullHandler())
     backend = get_backend(model(getattr(torch, args.dtype)))
     rows = [measure(backend, int(b), args.beams, args.src, args.slots) for b in args.batch.split(",")]
     out = {"measured": rows}
