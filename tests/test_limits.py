@@ -1,0 +1,123 @@
+"""Limits a demanding user hits (issue 24): source length without a position limit, out of memory on the
+host, n-gram sizes past int64 packing, checkpoints without tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from seqgen_cli.batching import is_oom
+from seqgen_cli.cli import main
+from seqgen_cli.generator import Generator
+
+HOST_OOM = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+    "allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
+def seqgen(*args: str, input: str | bytes | None = None):
+    """The CLI in-process: click's Result (stdout, stderr, exit_code)."""
+    return CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
+
+
+# -- part 4: a source limit for every model, host out-of-memory handled ------------------------------------
+def test_t5_takes_the_tokenizer_limit_where_the_config_has_none(tiny_models) -> None:
+    gen = Generator(str(tiny_models("t5")), max_new_tokens=2)
+    assert gen.tokenizer.model_max_length == 512
+    assert gen.max_source_length == 512
+    assert gen._source_limit(2000) == 2000  # relative positions: a longer request is the user's to make
+    gen.tokenizer.model_max_length = int(1e30)  # transformers' "no limit"
+    assert gen._source_limit(None) is None
+
+
+def test_position_limits_from_the_config_are_unchanged(tiny_models) -> None:
+    bart = Generator(str(tiny_models("bart")), max_new_tokens=2)
+    assert bart.max_source_length == bart.model.config.max_position_embeddings
+    gpt2 = Generator(str(tiny_models("gpt2")), max_new_tokens=24)
+    assert gpt2.max_source_length == gpt2.model.config.n_positions - 24
+
+
+def test_a_megabyte_t5_line_is_truncated_and_counted(tiny_models, tmp_path: Path) -> None:
+    src = tmp_path / "in.txt"
+    src.write_text("a short line\n" + "the cat sat on the mat " * 45_000 + "\n", encoding="utf-8")
+    assert src.stat().st_size > 1_000_000
+    stats = tmp_path / "stats.json"
+    res = seqgen(
+        "generate", "-m", str(tiny_models("t5")), "--max-new-tokens", "2", str(src), "--stats", str(stats)
+    )
+    assert res.exit_code == 0, res.stderr
+    assert len(res.stdout.splitlines()) == 2
+    assert "1 of 2 inputs truncated to 512 tokens" in res.stderr
+    assert json.loads(stats.read_text())["truncated"] == 1
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        RuntimeError(HOST_OOM),
+        RuntimeError(
+            "[enforce fail at CPUAllocator.cpp:64] . DefaultCPUAllocator: not enough memory: you tried "
+            "to allocate 1073741824 bytes. Buy new RAM!"
+        ),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+        RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+        RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"),
+        torch.OutOfMemoryError("any message"),
+        MemoryError(),
+    ],
+)
+def test_is_oom_matches_every_allocator(err: BaseException) -> None:
+    assert is_oom(err)
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        RuntimeError("The size of tensor a (3) must match the size of tensor b (4)"),
+        ValueError("out of memory"),  # not an error the runtime raises for memory
+        RuntimeError("CUDA error: device-side assert triggered"),
+    ],
+)
+def test_is_oom_leaves_other_errors(err: BaseException) -> None:
+    assert not is_oom(err)
+
+
+def test_host_oom_on_one_input_is_split_down_and_skipped(
+    tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU allocator fails for the one long input: its batch is halved down to it alone, then it is
+    named and written empty; every other input gets the output it gets alone."""
+    texts = [f"line {i} of the file" for i in range(6)]
+    texts[2] = "a much longer input " * 20
+    src = tmp_path / "in.txt"
+    src.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    model = str(tiny_models("t5"))
+    common = ["generate", "-m", model, "--max-new-tokens", "4", str(src)]
+    alone = seqgen(*common, "--batch-size", "1")
+    assert alone.exit_code == 0
+
+    generate_ids = Generator.generate_ids
+    sizes: list[int] = []
+
+    def host_oom_for_long_inputs(self: Generator, batch):
+        sizes.append(len(batch))
+        if any(len(ids) > 50 for ids in batch):
+            raise RuntimeError(HOST_OOM)
+        return [generate_ids(self, [ids])[0] for ids in batch]  # each alone: outputs as in `alone`
+
+    monkeypatch.setattr(Generator, "generate_ids", host_oom_for_long_inputs)
+    stats = tmp_path / "stats.json"
+    res = seqgen(*common, "--batch-size", "8", "--on-error", "skip", "--stats", str(stats))
+    assert res.exit_code == 0, res.stderr
+    assert sizes[0] == 6 and sizes.count(1) >= 1 and 1 in sizes[-3:]
+    assert f"{src}:3: out of memory (input of" in res.stderr
+    expected = alone.stdout.splitlines()
+    expected[2] = ""
+    assert res.stdout.splitlines() == expected
+    assert json.loads(stats.read_text())["skipped"] == 1
