@@ -9,10 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
 from seqgen_cli.batching import is_oom
 from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
+from seqgen_cli.models import get_backend
+from seqgen_cli.search.history import TokenHistory
+from seqgen_cli.search.ngram import NGramBlocker
+from tests.engine_models import Loaded, text_batch
+from tests.equivalence import check_equivalence, hf_generate
 
 HOST_OOM = (
     "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
@@ -121,3 +128,76 @@ def test_host_oom_on_one_input_is_split_down_and_skipped(
     expected[2] = ""
     assert res.stdout.splitlines() == expected
     assert json.loads(stats.read_text())["skipped"] == 1
+
+
+# -- part 5: n-gram sizes past int64 packing on real vocabularies ------------------------------------------
+def _repetitive(rows: int, length: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    """[rows, length] ids spread over the whole vocabulary that repeat long n-grams: a short motif of rare
+    and frequent ids, tiled, with a few random substitutions. int64."""
+    motif = torch.randint(0, vocab, (rows, 5), generator=g)
+    motif[:, 0] = vocab - 1  # the largest id: keys would need V**(n-1)
+    ids = motif.repeat(1, length // 5 + 1)[:, :length]
+    noise = torch.rand((rows, length), generator=g) < 0.05
+    return torch.where(noise, torch.randint(0, vocab, (rows, length), generator=g), ids)
+
+
+@pytest.mark.parametrize("n", [7, 10, 20])
+def test_ngram_blocker_beyond_int64_packing_bans_as_brute_force(n: int) -> None:
+    """V = 50k: V**(n-2) alone overflows int64; bans equal transformers' brute-force processor, through
+    incremental appends and beam reordering."""
+    g = torch.Generator().manual_seed(n)
+    rows, vocab, prompt = 4, 50_000, 60
+    history = TokenHistory(_repetitive(rows, prompt, vocab, g), prompt + 40)
+    blocker = NGramBlocker(n, vocab, history)
+    assert not blocker.packed
+    reference = NoRepeatNGramLogitsProcessor(n)
+    banned = 0
+    for _ in range(40):
+        scores = torch.randn((rows, vocab), generator=g)
+        ours = blocker(history, scores.clone())
+        assert torch.equal(ours, reference(history.filled, scores))
+        banned += int(torch.isinf(ours).sum())
+        order = torch.randint(0, rows, (rows,), generator=g)  # beams continue other beams
+        history.select(order)
+        blocker.select(order)
+        column = history.tokens[:, history.length - 5]  # mostly continue the motif
+        fresh = torch.randint(0, vocab, (rows,), generator=g)
+        history.append(torch.where(torch.rand(rows, generator=g) < 0.9, column, fresh))
+        blocker.appended(history)
+    assert banned > 0  # the histories do repeat n-grams
+
+
+def _real_vocab_model(real_tokenizer_models, family: str) -> Loaded:
+    """A tiny model with a real ~50k vocabulary, EOS untouched (outputs run to the length limit)."""
+    path = real_tokenizer_models(family)
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return Loaded(auto.from_pretrained(path, dtype=torch.float32).eval(), tokenizer)
+
+
+@pytest.mark.parametrize("n", [7, 10, 20])
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_large_ngram_sizes_equal_generate(real_tokenizer_models, family: str, n: int) -> None:
+    loaded = _real_vocab_model(real_tokenizer_models, family)
+    assert loaded.model.config.vocab_size ** (n - 2) >= 2**63  # the sizes that crashed
+    batch = text_batch(loaded, 6, seed=1)
+    kwargs = dict(num_beams=3, max_new_tokens=48, no_repeat_ngram_size=n)
+    result = check_equivalence(loaded.model, get_backend, batch, kwargs)
+    assert not result.mismatches, "\n".join(result.mismatches[:5])
+    unblocked, _ = hf_generate(loaded.model, batch, dict(kwargs, no_repeat_ngram_size=0))
+    blocked, _ = hf_generate(loaded.model, batch, kwargs)
+    assert blocked != unblocked  # the blocking changed some output: the comparison covers it
+
+
+@pytest.mark.parametrize("n", ["7", "20"])
+def test_cli_large_ngram_size_equals_backend_hf(real_tokenizer_models, tmp_path: Path, n: str) -> None:
+    src = tmp_path / "in.txt"
+    src.write_text("the cat sat on the mat\na second, somewhat longer line of text\n", encoding="utf-8")
+    args = ["generate", "-m", str(real_tokenizer_models("bart")), str(src), "--num-beams", "3"]
+    args += ["--max-new-tokens", "40", "--no-repeat-ngram-size", n]
+    fast, hf = seqgen(*args, "--backend", "fast"), seqgen(*args, "--backend", "hf")
+    assert fast.exit_code == 0 and hf.exit_code == 0, fast.stderr + hf.stderr
+    assert fast.stdout == hf.stdout and len(fast.stdout.splitlines()) == 2
