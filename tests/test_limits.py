@@ -15,11 +15,13 @@ from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 from seqgen_cli.batching import is_oom
 from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
+from seqgen_cli.loading import load
 from seqgen_cli.models import get_backend
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.ngram import NGramBlocker
 from tests.engine_models import Loaded, text_batch
 from tests.equivalence import check_equivalence, hf_generate
+from tests.tiny_models import REAL_TOKENIZER_DIRS, copy_checkpoint
 
 HOST_OOM = (
     "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
@@ -201,3 +203,56 @@ def test_cli_large_ngram_size_equals_backend_hf(real_tokenizer_models, tmp_path:
     fast, hf = seqgen(*args, "--backend", "fast"), seqgen(*args, "--backend", "hf")
     assert fast.exit_code == 0 and hf.exit_code == 0, fast.stderr + hf.stderr
     assert fast.stdout == hf.stdout and len(fast.stdout.splitlines()) == 2
+
+
+# -- part 6: a checkpoint folder without tokenizer files -----------------------------------------------------
+def _one_line_error(res, *needles: str) -> str:
+    err = res.stderr.strip()
+    assert res.exit_code != 0 and res.stdout == ""
+    assert len(err.splitlines()) == 1 and err.startswith("seqgen: error:"), err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "family,files",
+    [
+        ("bart", "tokenizer.json, vocab.json, merges.txt"),
+        ("gpt2", "tokenizer.json, vocab.json, merges.txt"),
+        ("t5", "tokenizer.json, spiece.model"),
+        ("marian", "source.spm, target.spm, vocab.json"),
+    ],
+)
+def test_folder_without_tokenizer_files_names_them(
+    tiny_models, tmp_path: Path, family: str, files: str
+) -> None:
+    """Without its tokenizer files, transformers builds an empty tokenizer (BART: empty outputs, exit 0;
+    GPT-2: "empty token sequence"): one line naming the missing files instead."""
+    model = copy_checkpoint(tiny_models(family), tmp_path / family)
+    for path in model.glob("tokenizer*"):
+        path.unlink()
+    res = seqgen("generate", "-m", str(model), "--max-new-tokens", "2", input="hello world\n")
+    _one_line_error(res, f"model {model}: no tokenizer files", f"missing {files}")
+
+
+def test_tokenizer_config_without_the_tokenizer_names_the_file(tiny_models, tmp_path: Path) -> None:
+    model = copy_checkpoint(tiny_models("bart"), tmp_path / "bart")
+    (model / "tokenizer.json").unlink()  # tokenizer_config.json stays: its class reads tokenizer.json
+    res = seqgen("generate", "-m", str(model), "--max-new-tokens", "2", input="hello world\n")
+    _one_line_error(res, "no tokenizer files", "missing tokenizer.json")
+
+
+def test_a_partial_vocabulary_names_what_is_missing(real_tokenizer_models, tmp_path: Path) -> None:
+    model = copy_checkpoint(real_tokenizer_models("marian"), tmp_path / "marian")  # source/target.spm, vocab
+    (model / "target.spm").unlink()
+    assert (model / "source.spm").is_file() and not (model / "tokenizer.json").exists()
+    res = seqgen("generate", "-m", str(model), "--max-new-tokens", "2", input="hello world\n")
+    _one_line_error(res, "cannot load its tokenizer (missing target.spm")
+
+
+@pytest.mark.parametrize("family", sorted(REAL_TOKENIZER_DIRS))
+def test_real_tokenizer_folders_still_load(real_tokenizer_models, family: str) -> None:
+    """Checkpoints as published (Marian without tokenizer.json, others with it only) are not refused."""
+    loaded = load(str(real_tokenizer_models(family)))
+    assert len(loaded.tokenizer) > 1000 and loaded.tokenizer("hello world")["input_ids"]
