@@ -82,11 +82,22 @@ class Generator:
 
     # -- settings ---------------------------------------------------------------------------------
     def _source_limit(self, requested: int | None) -> int | None:
-        """The longest input the model takes: the smaller of the request and the model's position limit."""
+        """The longest input the model takes: the smaller of the request and the model's position limit.
+
+        A model without a position limit (T5's relative positions) takes the request as given, by default the
+        tokenizer's ``model_max_length`` where that is a real number (not transformers' ``int(1e30)`` for "no
+        limit"), so one huge line is truncated (and counted) instead of asking for any amount of memory.
+        """
         cfg = self.model.config
         limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         if getattr(cfg, "model_type", "").startswith(("t5", "mt5")):
             limit = None  # relative positions: no hard limit
+        if limit is None:
+            if requested is not None:
+                return requested
+            tokenizer_limit = getattr(self.tokenizer, "model_max_length", None)
+            real = isinstance(tokenizer_limit, int) and 0 < tokenizer_limit < 10**9  # 1e30: none set
+            limit = tokenizer_limit if real else None
         if limit is not None and not self.is_encoder_decoder:
             limit = max(1, limit - self.max_new_tokens())
         if requested is None:
