@@ -106,20 +106,20 @@ def test_two_workers_write_the_bytes_one_process_writes(
         assert all(w["shards"] > 0 and w["samples_per_second"] > 0 for w in dist["workers"])
 
 
-def test_a_killed_worker_is_replaced_and_the_output_is_complete(
-    ray_address, marian: Path, job, tmp_path: Path
-) -> None:
-    src, reference = job
+def test_a_killed_worker_is_replaced_and_the_output_is_complete(ray_address, marian: Path, tmp_path: Path) -> None:
+    # shards of 40 finish between two polls; 3 x 320 inputs one at a time take seconds each, so the
+    # driver sees one under way (whichever it polls first)
+    src = write_lines(tmp_path / "in.txt", shuffled(960, seed=12))
+    reference = one_process(marian, src, tmp_path / "reference.txt")
     out = tmp_path / "out.txt"
     killed: list[int] = []
 
     def kill_one_worker_mid_shard(kind: str, info: dict) -> None:
-        if kind == "progress" and not killed and info["seq"] >= 1 and info["done"] > 0:
+        if kind == "progress" and not killed and info["done"] > 0:
             os.kill(info["pid"], signal.SIGKILL)  # a worker process this run started (pid it reported)
             killed.append(info["pid"])
 
-    # batch 1: shards of 80 take seconds, so the driver sees the second one under way
-    summary = distributed(marian, src, out, 80, events=kill_one_worker_mid_shard, batch_size=1)
+    summary = distributed(marian, src, out, 320, events=kill_one_worker_mid_shard, batch_size=1)
     assert killed, "no worker was seen mid-shard"
     assert summary.error is None
     assert out.read_bytes() == reference

@@ -238,7 +238,7 @@ class CapturedBackend:
         width = width_bucket(s, self.max_position_embeddings)
         padded = pad_batch(batch, bucket(b), width, left=not self.is_encoder_decoder)
         inner, first = self.backend.start(padded, r, slots)
-        inner.cache.make_static()  # all T slots: the default on CUDA, and on the CPU too under this class
+        inner.cache.make_static()  # all T slots: one shape per capture, CPU or CUDA
         mark_static(inner)
         device = batch.input_ids.device
         state = CapturedState(
