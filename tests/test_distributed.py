@@ -106,7 +106,9 @@ def test_two_workers_write_the_bytes_one_process_writes(
         assert all(w["shards"] > 0 and w["samples_per_second"] > 0 for w in dist["workers"])
 
 
-def test_a_killed_worker_is_replaced_and_the_output_is_complete(ray_address, marian: Path, tmp_path: Path) -> None:
+def test_a_killed_worker_is_replaced_and_the_output_is_complete(
+    ray_address, marian: Path, tmp_path: Path
+) -> None:
     # shards of 40 finish between two polls; 3 x 320 inputs one at a time take seconds each, so the
     # driver sees one under way (whichever it polls first)
     src = write_lines(tmp_path / "in.txt", shuffled(960, seed=12))

@@ -182,7 +182,9 @@ def _real_vocab_model(real_tokenizer_models, family: str) -> Loaded:
 
 # V**(n-2) >= 2**63 from n = 7. The tiny GPT-2 repeats no 13-gram or longer in its outputs, so blocking
 # could not change them and the comparison would not cover it: its n stops at 10.
-@pytest.mark.parametrize(("family", "n"), [("bart", 7), ("bart", 10), ("bart", 20), ("gpt2", 7), ("gpt2", 10)])
+@pytest.mark.parametrize(
+    ("family", "n"), [("bart", 7), ("bart", 10), ("bart", 20), ("gpt2", 7), ("gpt2", 10)]
+)
 def test_large_ngram_sizes_equal_generate(real_tokenizer_models, family: str, n: int) -> None:
     loaded = _real_vocab_model(real_tokenizer_models, family)
     assert loaded.model.config.vocab_size ** (n - 2) >= 2**63  # the sizes that crashed
