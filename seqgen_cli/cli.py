@@ -161,7 +161,7 @@ def run(args: list[str] | None = None) -> None:
     """The ``seqgen`` process: :func:`main`, then an exit that skips the interpreter's teardown.
 
     Freeing the module graph that torch and transformers leave behind takes 0.7-1.5 s after the last output
-    is written (docs/BENCHMARKS.md, "Exit"). By then every file is closed; this joins any non-daemon thread,
+    is written (docs/BENCHMARKS.md, "Start-up"). By then every file is closed; this joins any non-daemon thread,
     flushes stdout and stderr, runs the ``atexit`` handlers (Ray, logging, temporary folders) and ends the
     process with :func:`main`'s exit status. An uncaught exception (``SEQGEN_DEBUG=1``) exits as usual.
     """

@@ -92,8 +92,8 @@ def attention(q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None, sc
     broadcastable to [..., Q, K] -> [..., Q, d].
 
     Decoding attention on the CPU: two batched GEMMs beat SDPA's kernel, whose
-    per-(input, head) overhead dominates at a handful of queries (docs/BENCHMARKS.md, "CPU float32:
-    attention as two products")."""
+    per-(input, head) overhead dominates at a handful of queries (docs/BENCHMARKS.md,
+    "CPU float32: what the step does, and what each choice measured")."""
     scores = torch.matmul(q if scale == 1.0 else q * scale, keys_t).float()  # [..., Q, K]
     if bias is not None:
         scores += bias
@@ -190,8 +190,8 @@ class DecoderOnlyKVCache:
     """Decoder-only self-attention: the prompt's K/V once per input, shared by its beams, then generated K/V.
 
     ``Hkv`` = K/V heads (never repeated for grouped-query attention). Keys are stored transposed: CPU ``bmm``
-    is ~2x faster on a contiguous ``K^T`` than on a transposed view (docs/BENCHMARKS.md, "Beam-reorder
-    strategy"). Prompt and generated scores share one float32 softmax (exact).
+    is ~2x faster on a contiguous ``K^T`` than on a transposed view (docs/BENCHMARKS.md, "Fast decoder-only
+    decoders"). Prompt and generated scores share one float32 softmax (exact).
     """
 
     def __init__(
