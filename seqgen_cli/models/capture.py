@@ -229,6 +229,13 @@ class CapturedBackend:
             "eager_steps": self.steps["eager"],
         }
 
+    def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int | None:
+        """The wrapped backend's cache bytes for the batch :meth:`start` builds: inputs padded to a power of two,
+        the width to its bucket, the new-token slots to a multiple of ``SLOTS``."""
+        width = width_bucket(width, self.max_position_embeddings)
+        slots = round_up(max(1, new_tokens), SLOTS)
+        return self.backend.cache_bytes(bucket(inputs), width, rows_per_input, slots)
+
     @torch.inference_mode()
     def start(
         self, batch: Batch, rows_per_input: int, max_new_tokens: int
