@@ -226,7 +226,7 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(m in message for m in OOM_MESSAGES)
 
 
-def _free_device_memory() -> None:
+def free_device_memory() -> None:
     import torch
 
     if torch.cuda.is_available():
@@ -247,7 +247,7 @@ def generate_split(gen: GeneratesIds, items: list[Item]) -> list[Result]:
             raise
         failure = "out of memory" if is_oom(err) else str(err)
     # Outside the except block, so the failed attempt's tensors can be freed before the retry.
-    _free_device_memory()
+    free_device_memory()
     if len(items) == 1:
         it = items[0]
         n = len(it.ids or ())

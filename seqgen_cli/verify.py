@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
+from seqgen_cli.batching import free_device_memory, is_oom
 from seqgen_cli.generator import strip_generated
 from seqgen_cli.search import Batch
 from seqgen_cli.search.history import TokenHistory
@@ -282,7 +283,13 @@ def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | 
     batch = Batch(*gen.pad(ids))
     if search_settings(gen.model, batch, gen.config).mode == "sample":
         return Agreement(note="sampling draws differ from generate()'s")
-    ours = gen.generate_ids(ids)
     tol = tolerance(gen.loaded.dtype)
-    with torch.inference_mode():
-        return compare(gen.model, batch, gen.config, ours, rtol=tol, tie_noise=tol, names=names)
+    try:
+        ours = gen.generate_ids(ids)
+        with torch.inference_mode():
+            return compare(gen.model, batch, gen.config, ours, rtol=tol, tie_noise=tol, names=names)
+    except Exception as err:  # noqa: BLE001 - out of memory: reported, the run goes on (and splits batches)
+        if not is_oom(err):
+            raise
+    free_device_memory()
+    return Agreement(note=f"out of memory checking {len(ids)} inputs")

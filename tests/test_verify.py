@@ -181,3 +181,14 @@ def test_a_compiled_step_off_from_its_first_replay_is_caught(tiny_models) -> Non
     backend = CapturedBackend(get_backend(loaded.model), off_by(5.0))
     assert _run(backend, loaded, batch) == reference
     assert "compiled step differs from eager" in backend.path and backend.steps["captured"] == 2
+
+
+def test_out_of_memory_while_verifying_is_reported(tiny_models, monkeypatch) -> None:
+    gen = _gen(tiny_models)
+
+    def oom(batch: Any) -> Any:
+        raise torch.cuda.OutOfMemoryError("CUDA error: tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(gen, "generate_ids", oom)
+    result = verify(gen, [e.ids for e in gen.encode(TEXTS)])
+    assert result.note == "out of memory checking 4 inputs" and result.total == 0
