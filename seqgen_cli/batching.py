@@ -5,9 +5,9 @@ sorts it by source length and cuts batches of at most ``batch_size`` inputs and 
 source tokens, counted once per row the model runs (``rows`` = beams, or returned sequences when more), and at
 most a :class:`MemoryLimit` of device memory (caches and logits, as the backend counts them; on CUDA by default
 the free memory, :func:`free_memory_budget`); an input longer than the budget on its own still forms a batch of
-one. Windows are consecutive in input order,
-so every input of a later window comes after every input of an earlier one. :func:`generate_split` runs a
-batch and, when it runs out of memory, splits it in halves down to a single input: no input is dropped.
+one. Windows are consecutive in input order, so every input of a later window comes after every input of an
+earlier one. :func:`generate_split` runs a batch and, when it runs out of memory, splits it in halves down to a
+single input: no input is dropped.
 """
 
 from __future__ import annotations
