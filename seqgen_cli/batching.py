@@ -2,10 +2,12 @@
 
 Inputs arrive as :class:`Item` chunks in input order. :class:`Batcher` reads a look-ahead *window* of them,
 sorts it by source length and cuts batches of at most ``batch_size`` inputs and ``batch_tokens`` padded
-source tokens, counted once per row the model runs (``rows`` = beams, or returned sequences when more); an
-input longer than the budget on its own still forms a batch of one. Windows are consecutive in input order,
-so every input of a later window comes after every input of an earlier one. :func:`generate_split` runs a
-batch and, when it runs out of memory, splits it in halves down to a single input: no input is dropped.
+source tokens, counted once per row the model runs (``rows`` = beams, or returned sequences when more), and at
+most a :class:`MemoryLimit` of device memory (caches and logits, as the backend counts them; on CUDA by default
+the free memory, :func:`free_memory_budget`); an input longer than the budget on its own still forms a batch of
+one. Windows are consecutive in input order, so every input of a later window comes after every input of an
+earlier one. :func:`generate_split` runs a batch and, when it runs out of memory, splits it in halves down to a
+single input: no input is dropped.
 """
 
 from __future__ import annotations
@@ -61,13 +63,41 @@ def encode_items(items: list[Item], texts: list[str], encode: Callable[[list[str
             it.ids, it.truncated = enc.ids, enc.truncated
 
 
+HEADROOM = 0.25  # share of the free device memory left to activations, fragmentation and other processes
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """Bytes a batch may hold, and what a batch of ``inputs`` inputs padded to ``width`` tokens holds."""
+
+    budget: int
+    cost: Callable[[int, int], int]  # (inputs, width) -> bytes (Generator.batch_bytes)
+
+
+def free_memory_budget(device: Any) -> int | None:
+    """The default memory budget: on CUDA the free memory (the driver's free, plus what torch's allocator
+    holds unused) less :data:`HEADROOM`; ``None`` (no limit) elsewhere."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int((free + unused) * (1 - HEADROOM))
+
+
 def default_window(batch_size: int) -> int:
     """Inputs read ahead and sorted by length: 16 batches, at least ``MIN_WINDOW``."""
     return max(16 * batch_size, MIN_WINDOW)
 
 
 def plan_batches(
-    lengths: list[int], batch_size: int, batch_tokens: int | None, rows: int = 1, sort: bool = True
+    lengths: list[int],
+    batch_size: int,
+    batch_tokens: int | None,
+    rows: int = 1,
+    sort: bool = True,
+    memory: MemoryLimit | None = None,
 ) -> list[list[int]]:
     """Positions grouped into batches: shortest first when ``sort``, else in the given order."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__) if sort else range(len(lengths))
@@ -76,7 +106,9 @@ def plan_batches(
     width = 0
     for i in order:
         wider = max(width, lengths[i])
-        over = batch_tokens is not None and wider * (len(batch) + 1) * rows > batch_tokens
+        over = (batch_tokens is not None and wider * (len(batch) + 1) * rows > batch_tokens) or (
+            memory is not None and memory.cost(len(batch) + 1, wider) > memory.budget
+        )
         if batch and (len(batch) >= batch_size or over):
             batches.append(batch)
             batch, wider = [], lengths[i]
@@ -104,12 +136,14 @@ class Batcher:
         batch_tokens: int | None = None,
         rows: int = 1,
         window: int | None = None,
+        memory: MemoryLimit | None = None,
     ) -> None:
         self._chunks = chunks
         self._passthrough = passthrough
         self.batch_size = batch_size
         self.batch_tokens = batch_tokens
         self.rows = rows
+        self.memory = memory
         window = default_window(batch_size) if window is None else window
         self.sort = window > 1
         self.window = window if self.sort else batch_size
@@ -132,7 +166,9 @@ class Batcher:
         lengths = [len(it.ids or ()) for it in pending]
         window = self._windows
         self._windows += 1
-        for idx in plan_batches(lengths, self.batch_size, self.batch_tokens, self.rows, self.sort):
+        for idx in plan_batches(
+            lengths, self.batch_size, self.batch_tokens, self.rows, self.sort, self.memory
+        ):
             self.source_tokens += sum(lengths[i] for i in idx)
             self.padded_tokens += max(lengths[i] for i in idx) * len(idx)
             self.batches += 1
@@ -190,7 +226,7 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(m in message for m in OOM_MESSAGES)
 
 
-def _free_device_memory() -> None:
+def free_device_memory() -> None:
     import torch
 
     if torch.cuda.is_available():
@@ -211,7 +247,7 @@ def generate_split(gen: GeneratesIds, items: list[Item]) -> list[Result]:
             raise
         failure = "out of memory" if is_oom(err) else str(err)
     # Outside the except block, so the failed attempt's tensors can be freed before the retry.
-    _free_device_memory()
+    free_device_memory()
     if len(items) == 1:
         it = items[0]
         n = len(it.ids or ())

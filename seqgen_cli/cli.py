@@ -118,6 +118,19 @@ def generation_options(exclude: Collection[str] = ()) -> Callable[[F], F]:
     return decorate
 
 
+def _parse_verify(value: str | None) -> tuple[int | None, bool]:
+    """``--verify``: (inputs, strict); ``(None, False)``: the device's default."""
+    from seqgen_cli.verify import VERIFY_INPUTS
+
+    if value is None:
+        return None, False
+    if value == "strict":
+        return VERIFY_INPUTS, True
+    if not value.isdigit():
+        raise click.BadParameter(f"{value!r}: give a number of inputs or strict", param_hint="'--verify'")
+    return int(value), False
+
+
 def _pop_generation(opts: dict[str, Any], exclude: Collection[str] = ()) -> dict[str, Any]:
     """Take the generation flags (``GENERATION_KEYS`` but ``exclude``) out of a command's options."""
     from seqgen_cli.config import GENERATION_KEYS
@@ -238,6 +251,16 @@ def main() -> None:
     help="On CUDA, replay the fast engine's decode step as CUDA graphs (torch.compile reduce-overhead, one "
     "per batch shape); --no-capture runs it eagerly. The closing line and --stats name the step path.",
 )
+@click.option(
+    "--verify",
+    "verify_spec",
+    metavar="N|strict",
+    callback=lambda ctx, param, value: _parse_verify(value),
+    help="Before the run, generate the first N inputs with seqgen and with transformers generate() on the "
+    "same device and dtype and report the token-identical share (near-ties named) in the closing line and "
+    "--stats; strict: 8 inputs, and stop before writing when they differ beyond near-ties. 0: off. "
+    "Default: 8 on CUDA, off on the CPU.",
+)
 @generation_options()
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option(
@@ -351,6 +374,9 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     quiet = opts["quiet"]
     cluster_flags = {k: opts.pop(k) for k in ("address", "gpus_per_worker", "cpus_per_worker", "shard_size")}
     workers, shard_spec = opts.pop("workers"), opts.pop("shard_spec")
+    verify_inputs, verify_strict = opts.pop("verify_spec")
+    if workers is not None and verify_inputs:
+        raise SeqgenError("--verify runs in one process: not with --workers")
     if workers is None and any(v is not None for v in cluster_flags.values()):
         given = next(k for k, v in cluster_flags.items() if v is not None)
         raise SeqgenError(f"--{given.replace('_', '-')} needs --workers N")
@@ -369,6 +395,8 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         reference=opts["reference"],
         metrics=opts["metrics"],
         shard=parse_shard(shard_spec, os.environ) if shard_spec is not None else None,
+        verify=verify_inputs,
+        verify_strict=verify_strict,
     )
     check_job(inputs, output, job)  # before the (slow) model load
     settings = dict(

@@ -21,13 +21,23 @@ from typing import Any
 
 import torch
 
-from seqgen_cli.batching import Batcher, Chunk, Item, encode_items, generate_split
+from seqgen_cli.batching import (
+    Batcher,
+    Chunk,
+    Item,
+    MemoryLimit,
+    encode_items,
+    free_memory_budget,
+    generate_split,
+)
 from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load
 from seqgen_cli.search import settings as search_settings
 
 BACKENDS = ("auto", "fast", "hf")
+# per row and vocabulary entry while a step is searched: logits, log-probs and scores (float32)
+LOGIT_BYTES = 3 * 4
 
 
 @dataclass
@@ -77,6 +87,9 @@ class Generator:
         self._model_backend = None  # the engine's model backend, built on first use (int8: now)
         self._step_path = ""  # how the engine runs its decode step (see step_path)
         self._calls = 0  # batches generated so far (sampling seeds differ per batch)
+        # bytes a batch may hold (caches + logits, batch_bytes): on CUDA the free memory now; None = no limit
+        self.memory_budget: int | None = free_memory_budget(self.loaded.device)
+        self._sizing: Any = None  # generate()'s caches as the generic backend counts them (hf backend)
         if self.loaded.int8:
             self._quantize()
 
@@ -166,6 +179,27 @@ class Generator:
             return "generate()"
         engine = self._engine()
         return engine.path if isinstance(engine, CapturedBackend) else self._step_path  # path: may fall back
+
+    def batch_bytes(self, inputs: int, width: int) -> int | None:
+        """Device memory a batch of ``inputs`` inputs padded to ``width`` tokens holds while it decodes: the
+        backend's caches (``cache_bytes``, capture's padding included; ``generate()``'s as the generic backend
+        counts them) and the logits rows; ``None`` when the backend cannot say."""
+        from seqgen_cli.models.generic import GenericBackend
+
+        if self.backend == "fast":
+            backend = self._engine()
+        elif not isinstance(backend := self._sizing, GenericBackend):
+            backend = self._sizing = GenericBackend(self.model)
+        cache_bytes = getattr(backend, "cache_bytes", None)
+        r = self.rows_per_input
+        caches = None if cache_bytes is None else cache_bytes(inputs, width, r, self.max_new_tokens(width))
+        return None if caches is None else caches + inputs * r * backend.vocab_size * LOGIT_BYTES
+
+    def memory_limit(self) -> MemoryLimit | None:
+        """The batcher's memory budget: :attr:`memory_budget` over :meth:`batch_bytes`, where both are known."""
+        if self.memory_budget is None or self.batch_bytes(1, 1) is None:
+            return None
+        return MemoryLimit(self.memory_budget, self.batch_bytes)
 
     # -- tokens -----------------------------------------------------------------------------------
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
@@ -282,7 +316,7 @@ class Generator:
 
         batcher = Batcher(
             self._chunks(texts), passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
-            rows=self.rows_per_input, window=sort_window,
+            rows=self.rows_per_input, window=sort_window, memory=self.memory_limit(),
         )  # fmt: skip
         following = 0  # the next input to yield
         for batch in batcher:

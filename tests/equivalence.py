@@ -2,32 +2,24 @@
 
 Reusable for any backend: :func:`check_equivalence` takes a ``backend_factory(model) -> ModelBackend``.
 
-Greedy must agree 100 %. Beam search must agree 100 % except where a *near-tie* explains a difference,
-found one of two ways:
-
-* at the end: both returned sequences are re-scored by teacher forcing under the same processors and length
-  penalty, and their scores are within ``rtol`` (relative) of each other;
-* during the search: transformers itself returns seqgen's sequence for that input once its log-probs carry
-  noise of ``tie_noise`` (1e-5, the size of float32 rounding across a decoder's layers; seeds 0-4). A beam
-  that loses or survives the top-K cut by less than that margin changes the rest of the search, so such
-  a difference says nothing about the backend's arithmetic.
+Greedy must agree 100 %. Beam search must agree 100 % except where a *near-tie* explains a difference, as
+``seqgen_cli.verify.compare`` (the package's ``--verify``) names them: re-scored sequences within ``rtol``, or
+a sequence transformers itself returns under log-prob noise of ``tie_noise``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import PreTrainedModel
 
 from seqgen_cli.config import resolve_generation_config
-from seqgen_cli.generator import strip_generated
-from seqgen_cli.search import Batch, ModelBackend, generate, settings_for
-from seqgen_cli.search.history import TokenHistory
-from seqgen_cli.search.processors import LogitsPipeline
-from seqgen_cli.search.settings import SearchSettings
+from seqgen_cli.search import Batch, ModelBackend, generate
+from seqgen_cli.verify import Agreement, compare, hf_generate, rescore
+
+__all__ = ["SETTINGS", "check_equivalence", "hf_generate", "rescore", "tune_eos"]
 
 # Settings of the equivalence suite (name -> generate() kwargs). max_new_tokens stays small for CPU.
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -60,112 +52,6 @@ BackendFactory = Callable[[PreTrainedModel], ModelBackend]
 torch.set_num_threads(1)
 
 
-@dataclass
-class EquivalenceResult:
-    total: int = 0  # returned sequences compared
-    identical: int = 0
-    near_ties: list[str] = field(default_factory=list)
-    mismatches: list[str] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)  # transformers' output lengths (is the test meaningful?)
-
-    @property
-    def agreement(self) -> float:
-        return 100.0 * self.identical / max(self.total, 1)
-
-    def summary(self) -> str:
-        return (
-            f"{self.identical}/{self.total} identical ({self.agreement:.1f} %), "
-            f"{len(self.near_ties)} near-tie(s), {len(self.mismatches)} unexplained; "
-            f"lengths {min(self.lengths, default=0)}..{max(self.lengths, default=0)} "
-            f"(mean {sum(self.lengths) / max(len(self.lengths), 1):.1f})"
-        )
-
-
-def hf_generate(model: PreTrainedModel, batch: Batch, kwargs: dict[str, Any]):
-    """transformers' output in seqgen's format: (sequences per input, sequence scores per input or None)."""
-    out = model.generate(
-        batch.input_ids,
-        attention_mask=batch.attention_mask,
-        return_dict_in_generate=True,
-        output_scores=True,
-        **kwargs,
-    )
-    start = 1 if model.config.is_encoder_decoder else batch.input_ids.shape[1]
-    eos = kwargs.get("eos_token_id", model.generation_config.eos_token_id)
-    nrs = kwargs.get("num_return_sequences", 1)
-    rows = [strip_generated(row[start:], eos) for row in out.sequences.tolist()]
-    seqs = [rows[i * nrs : (i + 1) * nrs] for i in range(batch.input_ids.shape[0])]
-    scores = None
-    if getattr(out, "sequences_scores", None) is not None:
-        flat = out.sequences_scores.tolist()
-        scores = [flat[i * nrs : (i + 1) * nrs] for i in range(batch.input_ids.shape[0])]
-    return seqs, scores
-
-
-@torch.inference_mode()
-def rescore(
-    model: PreTrainedModel, batch: Batch, index: int, tokens: list[int], settings: SearchSettings
-) -> float:
-    """Teacher-forced beam score of ``tokens`` for input ``index``: processed log-probs, length-penalised."""
-    ids, mask = batch.input_ids[index : index + 1], batch.attention_mask[index : index + 1]
-    seq = torch.tensor([tokens], dtype=torch.long, device=ids.device)
-    if model.config.is_encoder_decoder:
-        prompt = torch.tensor([[settings.decoder_start]], device=ids.device)
-        dec = torch.cat([prompt, seq], dim=1)
-        logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits[0]  # [T + 1, V]
-        pad_lengths = None
-    else:
-        prompt = ids
-        full = torch.cat([ids, seq], dim=1)
-        full_mask = torch.cat([mask, torch.ones_like(seq)], dim=1)
-        pos = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 1)
-        logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits[
-            0, ids.shape[1] - 1 :
-        ]
-        pad_lengths = (mask != 0).int().argmax(dim=1)
-    history = TokenHistory(prompt, settings.max_length, pad_lengths)
-    pipeline = LogitsPipeline(settings, history, logits.shape[-1], logits.device)
-    total = 0.0
-    for t, tok in enumerate(tokens):
-        scores = pipeline(history, torch.log_softmax(logits[t : t + 1].float(), dim=-1))
-        total += float(scores[0, tok])
-        history.append(torch.tensor([tok], device=ids.device))
-        pipeline.appended(history)
-    return total / (len(tokens) ** settings.length_penalty)
-
-
-class _LogProbNoise(LogitsProcessor):
-    """Adds seeded Gaussian noise of size ``eps`` to the (log-prob) scores of every step."""
-
-    def __init__(self, eps: float, seed: int) -> None:
-        self.eps, self.gen = eps, torch.Generator().manual_seed(seed)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        noise = torch.randn(scores.shape, generator=self.gen).to(scores.device, scores.dtype)
-        return scores + self.eps * noise
-
-
-def tie_sensitive(
-    model: PreTrainedModel,
-    batch: Batch,
-    kwargs: dict[str, Any],
-    wanted: dict[tuple[int, int], list[int]],
-    eps: float,
-    seeds: int = 5,
-) -> dict[tuple[int, int], int]:
-    """Which ``(input, rank) -> sequence`` transformers also returns under log-prob noise ``eps``: -> seed."""
-    found: dict[tuple[int, int], int] = {}
-    for seed in range(seeds):
-        noisy = dict(kwargs, logits_processor=LogitsProcessorList([_LogProbNoise(eps, seed)]))
-        seqs, _ = hf_generate(model, batch, noisy)
-        for (b, i), tokens in wanted.items():
-            if (b, i) not in found and seqs[b][i] == tokens:
-                found[(b, i)] = seed
-        if len(found) == len(wanted):
-            break
-    return found
-
-
 def check_equivalence(
     model: PreTrainedModel,
     backend_factory: BackendFactory,
@@ -175,47 +61,15 @@ def check_equivalence(
     rtol: float = 1e-5,
     tie_noise: float = 1e-5,
     keep_dtype: bool = False,
-) -> EquivalenceResult:
+) -> Agreement:
     """Run seqgen (via ``backend_factory(model)``) and ``model.generate()`` on ``batch``; compare tokens.
 
     The model runs in float32 unless ``keep_dtype``.
     """
     model = (model if keep_dtype else model.float()).eval()
     config = resolve_generation_config(model.generation_config, None, kwargs)
-    backend = backend_factory(model)
-    ours = generate(backend, batch, config)
-    theirs, their_scores = hf_generate(model, batch, kwargs)
-    settings = settings_for(backend, batch, config)
-    result = EquivalenceResult()
-    unexplained: dict[tuple[int, int], tuple[list[int], str]] = {}
-    for b, (mine, hf) in enumerate(zip(ours.sequences, theirs, strict=True)):
-        for i, (a, h) in enumerate(zip(mine, hf, strict=True)):
-            result.total += 1
-            result.lengths.append(len(h))
-            if a == h:
-                result.identical += 1
-                if ours.scores is not None and their_scores is not None:
-                    sa, sh = ours.scores[b][i], their_scores[b][i]
-                    if abs(sa - sh) > rtol * max(abs(sh), 1.0):
-                        result.mismatches.append(f"input {b} #{i}: same tokens, scores {sa} vs {sh}")
-                continue
-            where = f"input {b} #{i}: seqgen {a} vs transformers {h}"
-            if settings.mode != "beam":
-                result.mismatches.append(where)
-                continue
-            sa, sh = rescore(model, batch, b, a, settings), rescore(model, batch, b, h, settings)
-            if abs(sa - sh) <= rtol * max(abs(sa), abs(sh)):
-                result.near_ties.append(f"{where} (scores {sa:.7g} vs {sh:.7g})")
-            else:
-                unexplained[(b, i)] = (a, f"{where} (scores {sa:.7g} vs {sh:.7g})")
-    if unexplained:
-        found = tie_sensitive(model, batch, kwargs, {k: a for k, (a, _) in unexplained.items()}, tie_noise)
-        for key, (_, where) in unexplained.items():
-            if key in found:
-                result.near_ties.append(f"{where}: transformers gives it too under {tie_noise:g} noise")
-            else:
-                result.mismatches.append(where)
-    return result
+    ours = generate(backend_factory(model), batch, config)
+    return compare(model, batch, kwargs, ours.sequences, ours.scores, rtol=rtol, tie_noise=tie_noise)
 
 
 def tune_eos(

@@ -20,6 +20,9 @@ only when they fit a smaller power of two, at most twice per batch (:func:`compa
 at most ``max_shapes`` shapes (torch's recompile limit raised to match for its calls); later shapes run
 ``decode`` eagerly. ``scripts/capture_shapes.py`` counts the shapes of a CNN/DM run.
 
+Checked: each shape's first replay is compared with the eager step on the same state (``decode`` again:
+idempotent); logits further apart than :func:`step_tolerance` switch to eager for good, with the reason.
+
 Fallbacks: every compiled call is guarded (cudagraph trees warm up on a shape's first call, record on the
 second, replay from the third; a new batch re-records). A failure (compile error, recording error, torch's
 recompile limit, inductor skipping CUDA graphs: ``cudagraph_skips`` read around every call) falls back to
@@ -55,6 +58,13 @@ MIN_WIDTH = 64  # narrowest source / prompt bucket; wider ones are powers of two
 SLOTS = 64  # new-token slots are allocated in multiples of this
 MAX_SHAPES = 16  # batch shapes one CapturedBackend compiles at most; then eager
 SETTLING_CALLS = 3  # a shape's first calls: compile + warm-up, CUDA graph recording, first replay
+
+
+def step_tolerance(dtype: torch.dtype) -> float:
+    """How far a compiled step's logits may be from the eager step's, relative to the largest: other kernels
+    round differently (16 units of the model dtype's last place, at least 1e-3); a stale or misplaced cache
+    write is off by the logits' own size."""
+    return max(1e-3, 16 * torch.finfo(dtype).eps)
 
 
 def static_step(decode: Decode, state: Any, tokens: Tensor) -> Tensor:
@@ -208,6 +218,7 @@ class CapturedBackend:
         self.compile_seconds = 0.0  # host seconds in each shape's compile + warm-up and recording calls
         self.steps = Counter({"captured": 0, "eager": 0})
         self._counters = counters  # torch's: counters["inductor"]["cudagraph_skips"]
+        self.tolerance = step_tolerance(next(backend.model.parameters()).dtype)
 
     @property
     def path(self) -> str:
@@ -228,6 +239,13 @@ class CapturedBackend:
             "captured_steps": self.steps["captured"],
             "eager_steps": self.steps["eager"],
         }
+
+    def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int | None:
+        """The wrapped backend's cache bytes for the batch :meth:`start` builds: inputs padded to a power of two,
+        the width to its bucket, the new-token slots to a multiple of ``SLOTS``."""
+        width = width_bucket(width, self.max_position_embeddings)
+        slots = round_up(max(1, new_tokens), SLOTS)
+        return self.backend.cache_bytes(bucket(inputs), width, rows_per_input, slots)
 
     @torch.inference_mode()
     def start(
@@ -301,6 +319,13 @@ class CapturedBackend:
             failure = "inductor skipped CUDA graphs: cudagraph_skips"
         if failure is not None:
             return self._fall_back(failure, state, tokens)
+        if call == SETTLING_CALLS - 1:  # the shape's first replay: checked once against the eager step
+            eager = self.backend.decode(state, tokens)  # idempotent: rewrites the same slot
+            failure = self._differs(logits, eager, shape)
+            if failure is not None:
+                self.compiled, self.failure = None, failure
+                self.steps["eager"] += 1
+                return eager
         self.shapes.add(shape)
         self.steps["captured"] += 1
         return logits
@@ -313,6 +338,16 @@ class CapturedBackend:
         limit = max(torch._dynamo.config.recompile_limit, self.max_shapes)
         with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
             return self.compiled(state, tokens)  # type: ignore[misc]
+
+    def _differs(self, compiled: Tensor, eager: Tensor, shape: tuple[int, ...]) -> str | None:
+        """Why the compiled step's logits are not the eager step's (beyond :func:`step_tolerance` of the largest
+        eager logit), or ``None``. One host sync per shape."""
+        compiled, eager = compiled.float(), eager.float()
+        gap = torch.where(compiled == eager, 0.0, (compiled - eager).abs()).max()  # nan stays nan: differs
+        scale = eager.abs().nan_to_num(0.0, 0.0, 0.0).max().clamp(min=1.0)
+        if bool(gap <= self.tolerance * scale):
+            return None
+        return f"compiled step differs from eager: max |diff| {float(gap):.3g} of {float(scale):.3g}, shape {shape}"
 
     def _skips(self) -> int:
         return self._counters["inductor"]["cudagraph_skips"]

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from seqgen_cli.models.capture import static_step
-from seqgen_cli.models.kv_cache import DecoderOnlyKVCache
+from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, kv_bytes, pointer_bytes
 from seqgen_cli.search.protocol import Batch
 
 
@@ -52,6 +52,9 @@ class DecoderOnlyBackend:
     max_position_embeddings: int
     model: torch.nn.Module
     base: torch.nn.Module
+    n_layers: int
+    n_kv: int  # K/V heads (grouped-query attention: fewer than the query heads)
+    head_dim: int
     decode: Callable[
         [DecoderOnlyState, Tensor], Tensor
     ]  # the step's tensor work: tokens [N] -> logits [N, V]
@@ -91,7 +94,21 @@ class DecoderOnlyBackend:
         state.start_pos = state.start_pos.index_select(0, rows)
 
     def cache_nbytes(self, state: DecoderOnlyState) -> dict[str, int]:
-        """Bytes of the prompt K/V (per input) and the generated-token K/V (all layers; no back-pointers)."""
+        """Bytes of the prompt K/V (per input) with its mask, the generated-token K/V (all layers) and the
+        back-pointers."""
         c = state.cache
-        prompt = sum(x.nbytes for x in c.pk + c.pv)
-        return {"prompt": prompt, "generated": sum(x.nbytes for x in c.gk + c.gv)}
+        prompt = sum(x.nbytes for x in c.pk + c.pv) + c.prompt_bias.nbytes
+        return {
+            "prompt": prompt,
+            "generated": sum(x.nbytes for x in c.gk + c.gv),
+            "pointers": c.ptrs.ptr.nbytes,
+        }
+
+    def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int:
+        """Bytes :meth:`start` allocates for ``inputs`` prompts of ``width`` tokens, ``rows_per_input`` rows each,
+        ``new_tokens`` slots (what :meth:`cache_nbytes` then counts): prompt K/V once per input, generated K/V
+        and back-pointers per row; K/V heads only."""
+        t, rows = max(1, new_tokens), inputs * rows_per_input
+        dtype = self.model.get_output_embeddings().weight.dtype
+        kv = kv_bytes(self.n_layers, self.n_kv, self.head_dim, dtype, inputs * width + rows * t)
+        return kv + pointer_bytes(rows, t) + inputs * width * 4  # + the prompt mask (float32)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.kv_cache import EncoderDecoderKVCache, attention
+from seqgen_cli.models.kv_cache import EncoderDecoderKVCache, attention, kv_bytes, pointer_bytes
 from seqgen_cli.models.quantize import linear
 from seqgen_cli.search.protocol import Batch
 
@@ -129,6 +129,16 @@ class EncoderDecoderBackend:
         state.cache.keep(keep, rows, used=state.t)
 
     def cache_nbytes(self, state: EncoderDecoderState) -> dict[str, int]:
-        """Bytes held for the search: cross-attention K/V (per input) and the self-attention cache."""
+        """Bytes held for the search: cross-attention K/V (per input), the self-attention cache (with its
+        back-pointers) and T5's relative position bias."""
         cross = sum(k.nbytes + v.nbytes for k, v in zip(state.cross_k, state.cross_v, strict=True))
-        return {"cross": cross, "self": state.cache.nbytes}
+        bias = 0 if state.self_bias is None else state.self_bias.nbytes
+        return {"cross": cross, "self": state.cache.nbytes, "bias": bias}
+
+    def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int:
+        """Bytes :meth:`start` allocates for ``inputs`` sources of ``width`` tokens, ``rows_per_input`` rows each,
+        ``new_tokens`` slots (what :meth:`cache_nbytes` then counts): cross K/V once per input, self K/V and
+        back-pointers per row."""
+        t, rows = max(1, new_tokens), inputs * rows_per_input
+        slots = inputs * width + rows * t
+        return kv_bytes(self.layers, self.heads, self.head_dim, self.dtype, slots) + pointer_bytes(rows, t)

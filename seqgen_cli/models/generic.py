@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
+from seqgen_cli.models.kv_cache import kv_bytes
 from seqgen_cli.models.quantize import out_features
 from seqgen_cli.search.protocol import Batch
 
@@ -42,6 +43,21 @@ class GenericBackend:
         params = set(inspect.signature(model.forward).parameters)
         self._logits_to_keep = "logits_to_keep" in params
         self._accepts_position_ids = "position_ids" in params
+
+    def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int | None:
+        """Bytes transformers' caches reach for ``inputs`` sources (prompts) of ``width`` tokens, ``rows_per_input``
+        rows each and ``new_tokens`` steps: every row holds its own copy of the source's K/V (and, encoder-decoder,
+        of the encoder's states) and its generated K/V. ``None`` when the config does not say its shape."""
+        shape = kv_shape(self.model.config)
+        if shape is None:
+            return None
+        rows = inputs * rows_per_input
+        dtype = self.model.dtype
+        total = kv_bytes(*shape, dtype, rows * (width + max(1, new_tokens)))
+        if self.is_encoder_decoder:
+            hidden = _first(self.model.config, "d_model", "hidden_size") or 0
+            total += rows * width * hidden * dtype.itemsize  # encoder states, repeated per row
+        return total
 
     @property
     def device(self) -> torch.device:
@@ -134,3 +150,19 @@ class GenericBackend:
             state.attention_mask = state.attention_mask.index_select(0, rows)
         if state.position_ids is not None:
             state.position_ids = state.position_ids.index_select(0, rows)
+
+
+def _first(config: Any, *names: str) -> int | None:
+    return next((int(v) for n in names if isinstance(v := getattr(config, n, None), int)), None)
+
+
+def kv_shape(config: Any) -> tuple[int, int, int] | None:
+    """(decoder layers, K/V heads, head dim) from a transformers config, or ``None``."""
+    layers = _first(config, "decoder_layers", "num_decoder_layers", "num_hidden_layers", "n_layer")
+    heads = _first(config, "decoder_attention_heads", "num_heads", "num_attention_heads", "n_head")
+    kv_heads = _first(config, "num_key_value_heads") or heads
+    hidden = _first(config, "d_model", "hidden_size", "n_embd")
+    head_dim = _first(config, "head_dim", "d_kv") or (hidden // heads if hidden and heads else None)
+    if not (layers and kv_heads and head_dim):
+        return None
+    return layers, kv_heads, head_dim

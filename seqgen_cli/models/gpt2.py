@@ -30,6 +30,7 @@ class GPT2Backend(DecoderOnlyBackend):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_position_embeddings = model.config.n_positions
         self.n_head = cfg.n_head
+        self.n_layers, self.n_kv, self.head_dim = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
 
     def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""

@@ -32,6 +32,17 @@ import torch
 from torch import Tensor
 
 
+def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, slots: int) -> int:
+    """Bytes of the keys and values of ``slots`` token positions (summed over rows) in ``layers`` layers of
+    ``kv_heads`` K/V heads (grouped-query attention: the K/V heads, not the query heads)."""
+    return 2 * layers * kv_heads * head_dim * dtype.itemsize * slots
+
+
+def pointer_bytes(rows: int, max_len: int) -> int:
+    """Bytes of :class:`BackPointers` for ``rows`` rows and ``max_len`` slots (int64)."""
+    return rows * max_len * 8
+
+
 def check_slot(t: int, max_len: int) -> None:
     """Host-side bounds check before step ``t``: ``ValueError`` past the ``max_len`` slots of ``start()``."""
     if t >= max_len:

@@ -51,6 +51,7 @@ class LlamaBackend(DecoderOnlyBackend):
         attn = self.base.layers[0].self_attn
         self.n_head, self.head_dim = cfg.num_attention_heads, attn.head_dim
         self.n_kv = cfg.num_key_value_heads
+        self.n_layers = len(self.base.layers)
 
     def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""

@@ -75,6 +75,12 @@ class T5Backend(EncoderDecoderBackend):
         state.self_bias = self.rel_attn.compute_bias(t, t, device=self.device).to(self.dtype)  # [1, H, T, T]
         return state, None
 
+    def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int:
+        """The caches (:meth:`EncoderDecoderBackend.cache_bytes`) and the relative position bias [1, H, T, T]."""
+        t = max(1, new_tokens)
+        bias = self.heads * t * t * self.dtype.itemsize
+        return super().cache_bytes(inputs, width, rows_per_input, new_tokens) + bias
+
     @torch.inference_mode()
     def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
         return static_step(self.decode, state, tokens)

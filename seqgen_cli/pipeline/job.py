@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,10 @@ class JobOptions(RunOptions):
     reference: str | None = None
     metrics: str | None = None
     shard: tuple[int, int] | None = None  # --shard I/N: only shard I (from 0) of N contiguous ones
+    verify: int | None = (
+        None  # --verify N: inputs checked against generate() first; None: the device's default
+    )
+    verify_strict: bool = False  # stop before writing when they differ beyond near-ties
 
 
 def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> None:
@@ -85,6 +91,7 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
         select, extra = shard_settings(paths, opts.shard)
         total = select[1] - select[0]
     records = read_records(paths, opts.input_format, opts.input_field, opts.on_error, select=select)
+    records, agreement = self_check(gen, records, opts)
     streaming = any(not is_regular(p) for p in paths)  # stdin or a named pipe: hand lines on at once
     progress = Progress(opts.progress, paths, total=total)
     summary = write_records(
@@ -97,9 +104,49 @@ def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOp
         extra=extra,
         part=extra is not None,
     )
+    summary.verify = agreement
     if opts.stats:
         write_stats(opts.stats, summary)
     return summary
+
+
+def self_check(
+    gen: Generator, records: Iterator[Record], opts: JobOptions
+) -> tuple[Iterator[Record], dict[str, Any] | None]:
+    """``--verify N``: the first N inputs through seqgen and through ``generate()`` (``seqgen_cli.verify``);
+    returns the records, those read ahead put back, and the report for ``--stats`` (``None``: not checked).
+    ``--verify strict`` raises when they differ beyond near-ties, before anything is written."""
+    from seqgen_cli.verify import default_inputs, verify
+
+    n = default_inputs(gen.loaded.device) if opts.verify is None else opts.verify
+    if n <= 0:
+        return records, None
+    head: list[Record] = []
+    try:
+        for record in records:
+            head.append(record)
+            if len(head) == n:
+                break
+    except Exception as err:  # noqa: BLE001 - a bad line: check what came before it; the run raises there
+        records = _replayed(head, err)
+    else:
+        records = itertools.chain(head, records)
+    usable = [r for r in head if r.error is None and r.text.strip()]
+    t0 = time.perf_counter()
+    ids = [e.ids for e in gen.encode([r.text for r in usable])] if usable else []
+    agreement = verify(gen, ids, names=[r.where for r in usable])
+    if opts.verify_strict and agreement.mismatches:
+        where = ", ".join(agreement.differing[:3]) + (", ..." if len(agreement.differing) > 3 else "")
+        raise SeqgenError(
+            f"--verify strict: seqgen and generate() differ beyond near-ties on {len(agreement.differing)} of "
+            f"{len(usable)} inputs ({where}); nothing written"
+        )
+    return records, {**agreement.as_dict(), "line": agreement.line(), "seconds": time.perf_counter() - t0}
+
+
+def _replayed(head: list[Record], err: Exception) -> Iterator[Record]:
+    yield from head
+    raise err
 
 
 def write_records(

@@ -102,7 +102,7 @@ def run(
 
     batcher = Batcher(
         reader.chunks(), passthrough, batch_size=opts.batch_size, batch_tokens=opts.batch_tokens,
-        rows=gen.rows_per_input, window=opts.sort_window,
+        rows=gen.rows_per_input, window=opts.sort_window, memory=gen.memory_limit(),
     )  # fmt: skip
     fail: Result | None = None
     fail_window = -1

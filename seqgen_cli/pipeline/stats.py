@@ -31,6 +31,8 @@ class Summary:
     # Generator.device_stats(): device, dtype, step path (under CUDA graphs: shapes compiled, compile seconds,
     # steps captured and eager), GPU peak
     device: dict[str, Any] = field(default_factory=dict)
+    # --verify: agreement with generate() on the first inputs (seqgen_cli.verify.Agreement.as_dict, "line")
+    verify: dict[str, Any] | None = field(default=None)
     # --workers: shards, shard size, retries, Ray start-up seconds and per-worker throughput ("workers")
     distributed: dict[str, Any] | None = field(default=None)
 
@@ -55,6 +57,7 @@ class Summary:
             + (f", step {path}" if (path := self.device.get("step_path")) else "")
             + capture_note(self.device)
             + (f", peak GPU memory {gpu:.0f} MiB" if (gpu := self.device.get("peak_gpu_memory_mb")) else "")
+            + (f"; {self.verify['line']}" if self.verify else "")
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -57,7 +57,8 @@ class ModelBackend(Protocol):
     is_encoder_decoder: bool
     vocab_size: int  # width of the logits step() returns
     # Optional (read with getattr): ``max_position_embeddings: int | None`` caps transformers' default
-    # max_length (20 new tokens) as generate() does.
+    # max_length (20 new tokens) as generate() does; ``cache_bytes(inputs, width, rows_per_input, new_tokens) ->
+    # int | None``: the bytes of the caches start() allocates for such a batch (the batcher's memory budget).
 
     def start(
         self, batch: Batch, rows_per_input: int, max_new_tokens: int

@@ -1,0 +1,295 @@
+"""Agreement with transformers' ``generate()``: ``--verify`` on the user's device, and the equivalence suite.
+
+:func:`compare` runs ``generate()`` on a batch and compares seqgen's outputs with it, token for token. A
+difference counts as a *near-tie* when one of two things explains it:
+
+* the two sequences, re-scored by teacher forcing under the same processors and length penalty
+  (:func:`rescore`; greedy: up to the first differing token), score within ``rtol`` of each other;
+* beam search: ``generate()`` itself returns seqgen's sequence once its log-probs carry noise of
+  ``tie_noise`` (seeds 0-4). A beam that loses or survives the top-K cut by less than that margin changes the
+  rest of the search, so such a difference says nothing about the backend's arithmetic.
+
+:func:`verify` is ``--verify N``: the first N inputs through the Generator's own path (backend, capture,
+device, dtype) and through ``generate()``, with tolerances scaled to the dtype (:func:`tolerance`). Sampling
+draws differ from ``generate()``'s by design, so sampling settings are not compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+
+from seqgen_cli.batching import free_device_memory, is_oom
+from seqgen_cli.generator import strip_generated
+from seqgen_cli.search import Batch
+from seqgen_cli.search.history import TokenHistory
+from seqgen_cli.search.processors import LogitsPipeline
+from seqgen_cli.search.settings import SearchSettings, resolve_settings
+
+if TYPE_CHECKING:
+    from seqgen_cli.generator import Generator
+
+VERIFY_INPUTS = 8  # --verify's default on CUDA
+Generation = GenerationConfig | dict[str, Any]  # a resolved config, or generate() keyword arguments
+
+
+@dataclass
+class Agreement:
+    """How seqgen's returned sequences compare with ``generate()``'s."""
+
+    total: int = 0  # returned sequences compared
+    identical: int = 0
+    near_ties: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)  # differences no near-tie explains
+    differing: list[str] = field(default_factory=list)  # the inputs of the mismatches (names, once each)
+    lengths: list[int] = field(default_factory=list)  # generate()'s output lengths (is the check meaningful?)
+    note: str | None = None  # why nothing was compared
+
+    @property
+    def agreement(self) -> float:
+        """Token-identical share, in percent."""
+        return 100.0 * self.identical / max(self.total, 1)
+
+    def summary(self) -> str:
+        return (
+            f"{self.identical}/{self.total} identical ({self.agreement:.1f} %), "
+            f"{len(self.near_ties)} near-tie(s), {len(self.mismatches)} unexplained; "
+            f"lengths {min(self.lengths, default=0)}..{max(self.lengths, default=0)} "
+            f"(mean {sum(self.lengths) / max(len(self.lengths), 1):.1f})"
+        )
+
+    def line(self) -> str:
+        """For the closing line: ``verify 7/8 identical (1 near-tie)``, ``verify: <note>``."""
+        if self.note is not None:
+            return f"verify: {self.note}"
+        notes = (
+            [f"{len(self.near_ties)} near-tie{'s' * (len(self.near_ties) != 1)}"] if self.near_ties else []
+        )
+        if self.mismatches:
+            notes.append(f"{len(self.mismatches)} differ")
+        return f"verify {self.identical}/{self.total} identical" + (f" ({', '.join(notes)})" if notes else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        """For ``--stats``."""
+        return {**asdict(self), "share": round(self.agreement, 2)}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative score difference (and log-prob noise) taken for a near-tie: 1e-5 in float32 (rounding across a
+    decoder's layers), a few units of the last place in half precision."""
+    return max(1e-5, 4 * torch.finfo(dtype).eps)
+
+
+def _generate_kwargs(generation: Generation) -> dict[str, Any]:
+    return dict(generation) if isinstance(generation, dict) else {"generation_config": generation}
+
+
+def hf_generate(
+    model: PreTrainedModel, batch: Batch, generation: Generation, **extra: Any
+) -> tuple[list[list[list[int]]], list[list[float]] | None]:
+    """``generate()``'s output in seqgen's format: (sequences per input, sequence scores per input or None)."""
+    out = model.generate(
+        batch.input_ids,
+        attention_mask=batch.attention_mask,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **_generate_kwargs(generation),
+        **extra,
+    )
+    config = resolved(model, generation)
+    start = 1 if model.config.is_encoder_decoder else batch.input_ids.shape[1]
+    n = config.num_return_sequences or 1
+    rows = [strip_generated(row[start:], config.eos_token_id) for row in out.sequences.tolist()]
+    seqs = [rows[i * n : (i + 1) * n] for i in range(batch.input_ids.shape[0])]
+    scores = None
+    if getattr(out, "sequences_scores", None) is not None:
+        flat = out.sequences_scores.tolist()
+        scores = [flat[i * n : (i + 1) * n] for i in range(batch.input_ids.shape[0])]
+    return seqs, scores
+
+
+def resolved(model: PreTrainedModel, generation: Generation) -> GenerationConfig:
+    """``generation`` as a config: keyword arguments over the model's own ``generation_config``."""
+    from seqgen_cli.config import resolve_generation_config
+
+    if isinstance(generation, GenerationConfig):
+        return generation
+    return resolve_generation_config(model.generation_config, None, generation)
+
+
+def search_settings(model: PreTrainedModel, batch: Batch, generation: Generation) -> SearchSettings:
+    """The search settings for ``batch``, as the engine resolves them."""
+    return resolve_settings(
+        resolved(model, generation),
+        is_encoder_decoder=bool(model.config.is_encoder_decoder),
+        prompt_len=batch.input_ids.shape[1],
+        max_position_embeddings=getattr(model.config, "max_position_embeddings", None),
+    )
+
+
+@torch.inference_mode()
+def rescore(
+    model: PreTrainedModel, batch: Batch, index: int, tokens: list[int], settings: SearchSettings
+) -> float:
+    """Teacher-forced beam score of ``tokens`` for input ``index``: processed log-probs, length-penalised."""
+    ids, mask = batch.input_ids[index : index + 1], batch.attention_mask[index : index + 1]
+    seq = torch.tensor([tokens], dtype=torch.long, device=ids.device)
+    if model.config.is_encoder_decoder:
+        prompt = torch.tensor([[settings.decoder_start]], device=ids.device)
+        dec = torch.cat([prompt, seq], dim=1)
+        logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits[0]  # [T + 1, V]
+        pad_lengths = None
+    else:
+        prompt = ids
+        full = torch.cat([ids, seq], dim=1)
+        full_mask = torch.cat([mask, torch.ones_like(seq)], dim=1)
+        pos = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 1)
+        logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits[
+            0, ids.shape[1] - 1 :
+        ]
+        pad_lengths = (mask != 0).int().argmax(dim=1)
+    history = TokenHistory(prompt, settings.max_length, pad_lengths)
+    pipeline = LogitsPipeline(settings, history, logits.shape[-1], logits.device)
+    total = 0.0
+    for t, tok in enumerate(tokens):
+        scores = pipeline(history, torch.log_softmax(logits[t : t + 1].float(), dim=-1))
+        total += float(scores[0, tok])
+        history.append(torch.tensor([tok], device=ids.device))
+        pipeline.appended(history)
+    return total / (len(tokens) ** settings.length_penalty)
+
+
+class LogProbNoise(LogitsProcessor):
+    """Adds seeded Gaussian noise of size ``eps`` to the (log-prob) scores of every step."""
+
+    def __init__(self, eps: float, seed: int) -> None:
+        self.eps, self.gen = eps, torch.Generator().manual_seed(seed)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(scores.shape, generator=self.gen).to(scores.device, scores.dtype)
+        return scores + self.eps * noise
+
+
+def tie_sensitive(
+    model: PreTrainedModel,
+    batch: Batch,
+    generation: Generation,
+    wanted: dict[tuple[int, int], list[int]],
+    eps: float,
+    seeds: int = 5,
+) -> dict[tuple[int, int], int]:
+    """Which ``(input, rank) -> sequence`` ``generate()`` also returns under log-prob noise ``eps``: -> seed."""
+    found: dict[tuple[int, int], int] = {}
+    for seed in range(seeds):
+        noise = LogitsProcessorList([LogProbNoise(eps, seed)])
+        seqs, _ = hf_generate(model, batch, generation, logits_processor=noise)
+        for (b, i), tokens in wanted.items():
+            if (b, i) not in found and seqs[b][i] == tokens:
+                found[(b, i)] = seed
+        if len(found) == len(wanted):
+            break
+    return found
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first token where ``a`` and ``b`` differ (the shorter length if one is a prefix)."""
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def compare(
+    model: PreTrainedModel,
+    batch: Batch,
+    generation: Generation,
+    ours: list[list[list[int]]],
+    our_scores: list[list[float]] | None = None,
+    *,
+    rtol: float = 1e-5,
+    tie_noise: float = 1e-5,
+    names: Sequence[str] | None = None,
+) -> Agreement:
+    """Run ``generate()`` on ``batch`` and compare ``ours`` (per input, the returned sequences) with it.
+
+    ``our_scores``: beam scores to check where the tokens agree; ``names``: what to call each input in the
+    notes (default ``input <i>``)."""
+    theirs, their_scores = hf_generate(model, batch, generation)
+    settings = search_settings(model, batch, generation)
+    names = [f"input {b}" for b in range(len(ours))] if names is None else names
+    result = Agreement()
+    unexplained: dict[tuple[int, int], tuple[list[int], str]] = {}
+    for b, (mine, hf) in enumerate(zip(ours, theirs, strict=True)):
+        for i, (a, h) in enumerate(zip(mine, hf, strict=True)):
+            result.total += 1
+            result.lengths.append(len(h))
+            if a == h:
+                result.identical += 1
+                if our_scores is not None and their_scores is not None:
+                    sa, sh = our_scores[b][i], their_scores[b][i]
+                    if abs(sa - sh) > rtol * max(abs(sh), 1.0):
+                        result.mismatches.append(f"{names[b]} #{i}: same tokens, scores {sa} vs {sh}")
+                        result.differing.append(names[b])
+                continue
+            k = first_difference(a, h)
+            where = f"{names[b]} #{i}: from token {k}: seqgen {a} vs transformers {h}"
+            if settings.mode == "sample":
+                result.mismatches.append(where)
+                result.differing.append(names[b])
+                continue
+            upto = len(a) if settings.mode == "beam" else k + 1  # greedy: the first differing token decides
+            sa, sh = (
+                rescore(model, batch, b, a[:upto], settings),
+                rescore(model, batch, b, h[:upto], settings),
+            )
+            where += f" (scores {sa:.7g} vs {sh:.7g})"
+            if abs(sa - sh) <= rtol * max(abs(sa), abs(sh)):
+                result.near_ties.append(where)
+            elif settings.mode == "beam":
+                unexplained[(b, i)] = (a, where)
+            else:
+                result.mismatches.append(where)
+                result.differing.append(names[b])
+    if unexplained:
+        found = tie_sensitive(
+            model, batch, generation, {k: a for k, (a, _) in unexplained.items()}, tie_noise
+        )
+        for key, (_, where) in unexplained.items():
+            if key in found:
+                result.near_ties.append(f"{where}: transformers gives it too under {tie_noise:g} noise")
+            else:
+                result.mismatches.append(where)
+                result.differing.append(names[key[0]])
+    result.differing = list(dict.fromkeys(result.differing))
+    return result
+
+
+def default_inputs(device: torch.device) -> int:
+    """``--verify``'s default: :data:`VERIFY_INPUTS` on CUDA, none elsewhere (the CPU float32 path is the one
+    the equivalence suite checks)."""
+    return VERIFY_INPUTS if device.type == "cuda" else 0
+
+
+def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | None = None) -> Agreement:
+    """``ids`` (one batch of token ids) through the Generator's own path and through ``generate()`` on the same
+    device and dtype; near-ties within the dtype's :func:`tolerance`."""
+    if gen.backend != "fast":
+        return Agreement(note="the backend is generate() itself")
+    if gen.loaded.int8:
+        return Agreement(note="int8 is not exact")
+    if not ids:
+        return Agreement(note="no inputs")
+    batch = Batch(*gen.pad(ids))
+    if search_settings(gen.model, batch, gen.config).mode == "sample":
+        return Agreement(note="sampling draws differ from generate()'s")
+    tol = tolerance(gen.loaded.dtype)
+    try:
+        ours = gen.generate_ids(ids)
+        with torch.inference_mode():
+            return compare(gen.model, batch, gen.config, ours, rtol=tol, tie_noise=tol, names=names)
+    except Exception as err:  # noqa: BLE001 - out of memory: reported, the run goes on (and splits batches)
+        if not is_oom(err):
+            raise
+    free_device_memory()
+    return Agreement(note=f"out of memory checking {len(ids)} inputs")
