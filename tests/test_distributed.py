@@ -20,9 +20,10 @@ import ray  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
 from seqgen_cli.cli import main  # noqa: E402
+from seqgen_cli.generator import GeneratorSpec  # noqa: E402
 from seqgen_cli.pipeline.distributed import ClusterOptions, generate_distributed, parts_dir  # noqa: E402
-from seqgen_cli.pipeline.job import JobOptions  # noqa: E402
-from seqgen_cli.pipeline.resume import index_path  # noqa: E402
+from seqgen_cli.pipeline.formats import index_path  # noqa: E402
+from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
 from tests.tiny_models import sample_texts  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,9 +75,9 @@ def one_process(model: Path, src: Path, out: Path, *more: str) -> bytes:
 
 def distributed(model: Path, src: Path, out: Path, shard_size: int, events=None, **job):
     opts = JobOptions(**{"batch_size": BATCH, **job})
-    settings = dict(model=str(model), max_new_tokens=NEW_TOKENS)
+    spec = GeneratorSpec(model=str(model), generation={"max_new_tokens": NEW_TOKENS})
     cluster = ClusterOptions(workers=2, shard_size=shard_size)
-    return generate_distributed(settings, [str(src)], str(out), opts, cluster, events=events)
+    return generate_distributed(spec, check_job([str(src)], str(out), opts), cluster, events=events)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from seqgen_cli.cli import main
-from seqgen_cli.pipeline.resume import index_path
+from seqgen_cli.pipeline.formats import index_path
 from tests.tiny_models import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent

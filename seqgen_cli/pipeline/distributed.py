@@ -16,32 +16,32 @@ import fcntl
 import heapq
 import logging
 import os
-import queue
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from seqgen_cli.errors import SeqgenError, WriteError
-from seqgen_cli.pipeline import resume
+from seqgen_cli.generator import GeneratorSpec
+from seqgen_cli.pipeline import formats, resume
+from seqgen_cli.pipeline.formats import IndexEntry
 from seqgen_cli.pipeline.job import (
+    Job,
     JobOptions,
     aborted,
-    check_job,
+    fingerprint,
     score,
-    shard_settings,
     sigterm_as_interrupt,
     write_records,
     write_stats,
 )
-from seqgen_cli.pipeline.progress import CountingProgress, Progress, count_lines
+from seqgen_cli.pipeline.progress import CountingProgress, Progress
 from seqgen_cli.pipeline.records import Record, read_records
-from seqgen_cli.pipeline.run import MAX_WARNINGS
+from seqgen_cli.pipeline.shards import Cutter, Shard, count_lines
 from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
 
@@ -129,7 +129,7 @@ class ShardWorker:
     """Loads the model once, then runs shards through the ordinary pipeline (wrapped by ``ray.remote``)."""
 
     def __init__(
-        self, generator: dict[str, Any], opts: JobOptions, parts: str, driver_node: str, threads: int | None
+        self, generator: GeneratorSpec, opts: JobOptions, parts: str, driver_node: str, threads: int | None
     ) -> None:
         self.pid = os.getpid()
         self.parts = Path(parts)
@@ -144,9 +144,7 @@ class ShardWorker:
 
             if threads:
                 torch.set_num_threads(threads)
-            from seqgen_cli.generator import Generator
-
-            self.gen = Generator(**generator)
+            self.gen = generator.build()
         except SeqgenError as err:
             self.error = str(err)
         except Exception as err:  # noqa: BLE001 - e.g. a torn checkpoint: told to the driver, not retried
@@ -157,7 +155,7 @@ class ShardWorker:
         info: dict[str, Any] = {"pid": self.pid, "node": self.node, "error": self.error}
         if self.gen is not None:
             info.update(
-                settings=resume.fingerprint(self.gen, self.opts),
+                settings=fingerprint(self.gen, self.opts),
                 backend=self.gen.backend,
                 max_source_length=self.gen.max_source_length,
                 num_return_sequences=self.gen.num_return_sequences,
@@ -177,17 +175,20 @@ class ShardWorker:
         try:
             # An attempt the driver gave up on may still run (a node cut off, not dead): wait for it.
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            if part.exists() and part.stat().st_size and not resume.index_path(part).exists():
+            if part.exists() and part.stat().st_size and not formats.index_path(part).exists():
                 result.data, result.done = part.read_bytes(), len(task.records)  # done before a driver loss
             else:
                 records = _raise_bad(task.records, self.opts.on_error)
-                summary = write_records(self.gen, records, str(part), self.opts, progress=progress)  # type: ignore[arg-type]
+                summary = write_records(
+                    self.gen, records, str(part), self.opts, progress=progress,  # type: ignore[arg-type]
+                    settings=fingerprint(self.gen, self.opts),  # type: ignore[arg-type]
+                )  # fmt: skip
                 if summary.interrupted:
                     raise SeqgenError(f"{task.name}: interrupted")
-                state = resume.ResumeState(len(task.records), part.stat().st_size, "")
+                state = IndexEntry(len(task.records), part.stat().st_size, "")
                 if summary.error is not None:
                     result.error = summary.error
-                    state = resume._read_index(resume.index_path(part))[1]
+                    state = formats.read_index(part)[1]
                 with open(part, "rb") as fh:
                     result.data = fh.read(state.offset)
                 result.done = state.done
@@ -218,96 +219,11 @@ def _raise_bad(records: list[Record], on_error: str) -> Iterator[Record]:
 
 
 def _remove_part(part: Path) -> None:
-    for path in (part, resume.index_path(part), resume.journal_path(part), Path(f"{part}.lock")):
+    for path in (part, formats.index_path(part), formats.journal_path(part), Path(f"{part}.lock")):
         path.unlink(missing_ok=True)
 
 
 # -- the driver ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Shard:
-    seq: int  # position in the run's shard sequence
-    start: int  # index of its first input among all inputs
-    records: list[Record]
-    name: str
-    before: resume.InputDigest  # digest of every input before this shard
-    after: str  # ... and through its last input
-    attempts: int = 0
-
-    def __lt__(self, other: _Shard) -> bool:
-        return self.seq < other.seq
-
-    @property
-    def span(self) -> str:
-        return f"inputs {self.start + 1}-{self.start + len(self.records)}"
-
-
-class _Cutter:
-    """A thread that reads records and cuts them into shards (bounded queue: the driver's read-ahead)."""
-
-    def __init__(
-        self, records: Iterator[Record], start: int, size: int, digest: resume.InputDigest, ahead: int
-    ):
-        self._records, self._start, self._size, self._digest = records, start, size, digest
-        self.queue: queue.Queue = queue.Queue(maxsize=ahead)
-        self._stop = threading.Event()
-        self.finished = False  # every shard has been taken from the queue
-        threading.Thread(target=self._loop, name="seqgen-shards", daemon=True).start()
-
-    def _put(self, obj: object) -> bool:
-        while not self._stop.is_set():
-            try:
-                self.queue.put(obj, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _loop(self) -> None:
-        try:
-            seq, start, group = 0, self._start, []
-            end = (start // self._size + 1) * self._size  # shards aligned on multiples of the size
-            for record in self._records:
-                group.append(replace(record, index=record.index - start))
-                if start + len(group) == end:
-                    if not self._put(self._cut(seq, start, group)):
-                        return
-                    seq, start, group, end = seq + 1, end, [], end + self._size
-            if group and not self._put(self._cut(seq, start, group)):
-                return
-            self._put(None)
-        except BaseException as err:  # noqa: BLE001 - raised in the driver
-            self._put(err)
-
-    def _cut(self, seq: int, start: int, records: list[Record]) -> _Shard:
-        own = resume.InputDigest()
-        before = self._digest.copy()
-        for record in records:
-            data = own.encode(record)
-            own.update_encoded(data)
-            self._digest.update_encoded(data)
-        name = f"{start:012d}-{len(records)}-{own.hexdigest()[:16]}.part"
-        return _Shard(seq, start, records, name, before, self._digest.hexdigest())
-
-    def take(self) -> _Shard | None:
-        """The next shard if one is ready (None: not yet, or no more: see ``finished``)."""
-        if self.finished:
-            return None
-        try:
-            got = self.queue.get_nowait()
-        except queue.Empty:
-            return None
-        if got is None:
-            self.finished = True
-            return None
-        if isinstance(got, BaseException):
-            self.finished = True
-            raise got
-        return got
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 class _Worker:
@@ -318,7 +234,7 @@ class _Worker:
         self.hello_ref: Any = handle.hello.remote()
         self.task_ref: Any = None
         self.poll_ref: Any = None
-        self.shard: _Shard | None = None
+        self.shard: Shard | None = None
         self.ready = False
         self.progress = 0  # inputs done in the current shard, as last polled
         self.started = 0.0
@@ -342,21 +258,19 @@ class _Worker:
 
 
 def generate_distributed(
-    generator: dict[str, Any],
-    inputs: Sequence[str],
-    output: str,
-    opts: JobOptions,
+    generator: GeneratorSpec,
+    job: Job,
     cluster: ClusterOptions,
     *,
     events: Events | None = None,
 ) -> Summary:
-    """Run one ``seqgen generate`` job on ``cluster.workers`` Ray actors (``Generator(**generator)`` each).
+    """Run one ``seqgen generate`` job on ``cluster.workers`` Ray actors (``generator.build()`` each).
 
     Joins the Ray cluster at ``cluster.address`` (or starts a local one, on loopback) unless this process
     is already connected. ``events(kind, info)`` is told of each worker's progress (``"progress"``: pid,
     shard, done) and merged shard (``"merged"``), for tests and monitoring.
     """
-    check_job(inputs, output, opts)
+    output, opts = job.output, job.opts
     if opts.reference and is_stream(output):
         raise SeqgenError("--reference with --workers needs -o FILE")
     if not is_stream(output) and not opts.resume:
@@ -368,7 +282,7 @@ def generate_distributed(
     try:
         connected = _connect(ray, cluster)
         try:
-            driver = _Driver(ray, generator, list(inputs) or ["-"], output, opts, cluster, events, t0)
+            driver = _Driver(ray, generator, job, cluster, events, t0)
             return driver.run(stdout)
         finally:
             if connected:
@@ -395,21 +309,22 @@ class _Driver:
     def __init__(
         self,
         ray: Any,
-        generator: dict[str, Any],
-        paths: list[str],
-        output: str,
-        opts: JobOptions,
+        generator: GeneratorSpec,
+        job: Job,
         cluster: ClusterOptions,
         events: Events | None,
         t0: float,
     ) -> None:
-        self.ray, self.generator, self.paths, self.output = ray, generator, paths, output
-        self.opts, self.cluster, self.events, self.t0 = opts, cluster, events or (lambda k, i: None), t0
-        self.summary = Summary(output=output if output != "-" else "<stdout>", rss_at_start_mb=peak_rss_mb())
+        self.ray, self.generator, self.job = ray, generator, job
+        self.paths, self.output, self.opts = job.paths, job.output, job.opts
+        self.cluster, self.events, self.t0 = cluster, events or (lambda k, i: None), t0
+        self.summary = Summary(
+            output=job.output if job.output != "-" else "<stdout>", rss_at_start_mb=peak_rss_mb()
+        )
         self.workers: list[_Worker] = []
         self.lost_workers: list[_Worker] = []  # dropped after too many restarts
-        self.warned = self.shards_merged = self.retried = self.size = 0
-        self.select: tuple[int, int] | None = None  # --shard I/N: this driver's inputs [lo, hi)
+        self.shards_merged = self.retried = self.size = 0
+        self.select = job.select  # --shard I/N: this driver's inputs [lo, hi)
 
     # -- set-up ------------------------------------------------------------------------------------
     def _check_resources(self) -> None:
@@ -483,7 +398,7 @@ class _Driver:
 
     def _open_output(
         self, settings: dict[str, Any], parts: Path, stdout: TextIO
-    ) -> tuple[Sink, resume.ResumeState | None]:
+    ) -> tuple[Sink, IndexEntry | None]:
         if is_stream(self.output):
             return open_stream(self.output, stdout.buffer), None
         state = resume.load(self.output, settings) if self.opts.resume else None
@@ -512,9 +427,8 @@ class _Driver:
         try:
             first = self._first_hello()
             self.settings = self.worker_settings = first["settings"]
-            if self.opts.shard is not None:  # one of N drivers (--shard I/N --workers M), as in one process
-                self.select, extra = shard_settings(self.paths, self.opts.shard)
-                self.settings = {**self.settings, **extra}
+            if self.job.shard is not None:  # one of N drivers (--shard I/N --workers M), as in one process
+                self.settings = {**self.settings, **self.job.shard.settings()}
             self.summary.backend = first["backend"]
             self.info = first
             sink, state = self._open_output(self.settings, parts, stdout)
@@ -555,21 +469,21 @@ class _Driver:
             write_stats(self.opts.stats, self.summary)
         return self.summary
 
-    def _loop(self, sink: Sink, state: resume.ResumeState | None, parts: Path) -> bool:
+    def _loop(self, sink: Sink, state: IndexEntry | None, parts: Path) -> bool:
         """Hand out shards, collect and merge results; True when every input is written."""
         ray, cl, opts = self.ray, self.cluster, self.opts
         select = self.select
         total = select[1] - select[0] if select is not None else count_lines(self.paths)
         records = read_records(self.paths, opts.input_format, opts.input_field, "skip", select=select)
-        digest = resume.InputDigest()
+        digest = formats.InputDigest()
         if state is not None:
             records = resume.skip_done(records, state, digest)
         self.size = size = cl.shard_size or auto_shard_size(total, cl.workers)
         ahead = LOOKAHEAD_PER_WORKER * cl.workers + 1
-        cutter = _Cutter(records, self.start, size, digest, ahead)
+        cutter = Cutter(records, self.start, size, digest, ahead)
         progress = Progress(opts.progress, self.paths, initial=self.start, total=total)
-        retry: list[_Shard] = []  # a heap, by shard order
-        cut: dict[int, _Shard] = {}  # cut and not merged yet
+        retry: list[Shard] = []  # a heap, by shard order
+        cut: dict[int, Shard] = {}  # cut and not merged yet
         results: dict[int, ShardResult] = {}
         next_merge = 0
         stop: int | None = None  # the shard with the first failing input
@@ -580,7 +494,7 @@ class _Driver:
                 for w in self.workers:
                     if not w.ready or w.shard is not None:
                         continue
-                    shard: _Shard | None = None
+                    shard: Shard | None = None
                     if retry and (stop is None or retry[0].seq < stop):
                         shard = heapq.heappop(retry)
                     elif stop is None and len(cut) < ahead:
@@ -596,7 +510,7 @@ class _Driver:
                 while next_merge in results:
                     r, shard = results.pop(next_merge), cut.pop(next_merge)
                     for message in r.warnings:
-                        self._warn(progress, message)
+                        progress.warn(message)
                     sink.write(r.data, inputs=r.done)
                     merged_inputs += r.done
                     self._add(r)
@@ -694,10 +608,3 @@ class _Driver:
             setattr(s, key, getattr(s, key) + d.get(key, 0))
         for key in ("read_seconds", "tokenise_seconds", "generate_seconds", "write_seconds"):
             setattr(s, key, getattr(s, key) + d.get(key, 0.0))
-
-    def _warn(self, progress: Progress, message: str) -> None:
-        self.warned += 1
-        if self.warned <= MAX_WARNINGS:
-            progress.write(message)
-        elif self.warned == MAX_WARNINGS + 1:
-            progress.write("seqgen: warning: further warnings not shown (see the counts at the end)")
