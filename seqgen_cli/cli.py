@@ -385,7 +385,8 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         generation=_pop_generation(opts),
     )
     if workers is not None:  # Ray is imported only here
-        from seqgen_cli.pipeline.distributed import ClusterOptions, generate_distributed
+        from seqgen_cli.pipeline.cluster import ClusterOptions
+        from seqgen_cli.pipeline.driver import generate_distributed
 
         flags = {k: v for k, v in cluster_flags.items() if v is not None}
         summary = generate_distributed(spec, checked, ClusterOptions(workers, **flags))

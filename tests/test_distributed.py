@@ -21,9 +21,11 @@ from click.testing import CliRunner  # noqa: E402
 
 from seqgen_cli.cli import main  # noqa: E402
 from seqgen_cli.generator import GeneratorSpec  # noqa: E402
-from seqgen_cli.pipeline.distributed import ClusterOptions, generate_distributed, parts_dir  # noqa: E402
+from seqgen_cli.pipeline.cluster import ClusterOptions  # noqa: E402
+from seqgen_cli.pipeline.driver import generate_distributed  # noqa: E402
 from seqgen_cli.pipeline.formats import index_path  # noqa: E402
 from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
+from seqgen_cli.pipeline.worker import parts_dir  # noqa: E402
 from tests.tiny_models import sample_texts  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
