@@ -17,15 +17,14 @@ import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback (read at import)
 import ray  # noqa: E402
-from click.testing import CliRunner  # noqa: E402
 
-from seqgen_cli.cli import main  # noqa: E402
 from seqgen_cli.generator import GeneratorSpec  # noqa: E402
 from seqgen_cli.pipeline.cluster import ClusterOptions  # noqa: E402
 from seqgen_cli.pipeline.driver import generate_distributed  # noqa: E402
 from seqgen_cli.pipeline.formats import index_path  # noqa: E402
 from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
 from seqgen_cli.pipeline.worker import parts_dir  # noqa: E402
+from tests.helpers import seqgen  # noqa: E402
 from tests.tiny_models import sample_texts  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,10 +49,6 @@ def ray_address() -> str:
 @pytest.fixture(scope="module")
 def marian(tiny_models) -> Path:
     return tiny_models("marian")
-
-
-def seqgen(*args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False, env=env)
 
 
 def shuffled(n: int, seed: int) -> list[str]:

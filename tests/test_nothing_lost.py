@@ -11,9 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from seqgen_cli.cli import main
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import formats
 from seqgen_cli.pipeline.formats import index_path, journal_path
@@ -21,14 +19,11 @@ from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
 from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.sinks import StreamSink
+from tests.helpers import seqgen
 from tests.test_pipeline import Capture, FakeGen, expected, write_lines
 from tests.tiny_models import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def seqgen(*args: str, input: str | None = None):
-    return CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
 
 
 def one_line_error(res, *needles: str) -> str:
