@@ -368,8 +368,9 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     --workers N runs the job on N Ray workers (a local cluster, or --address); the output is the same
     file, in input order, and resumable the same way. --shard I/N runs one shard for other launchers.
     """
+    from seqgen_cli.generator import GeneratorSpec
     from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, generate_job
-    from seqgen_cli.pipeline.records import parse_shard
+    from seqgen_cli.pipeline.shards import parse_shard
 
     quiet = opts["quiet"]
     cluster_flags = {k: opts.pop(k) for k in ("address", "gpus_per_worker", "cpus_per_worker", "shard_size")}
@@ -398,8 +399,8 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         verify=verify_inputs,
         verify_strict=verify_strict,
     )
-    check_job(inputs, output, job)  # before the (slow) model load
-    settings = dict(
+    checked = check_job(inputs, output, job)  # before the (slow) model load
+    spec = GeneratorSpec(
         model=model,
         backend=opts.pop("backend"),
         device=opts.pop("device"),
@@ -409,19 +410,18 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         prefix=opts.pop("prefix"),
         max_source_length=opts.pop("max_source_length"),
         seed=opts.pop("seed"),
-        **_pop_generation(opts),
+        generation=_pop_generation(opts),
     )
     if workers is not None:  # Ray is imported only here
-        from seqgen_cli.pipeline.distributed import ClusterOptions, generate_distributed
+        from seqgen_cli.pipeline.cluster import ClusterOptions
+        from seqgen_cli.pipeline.driver import generate_distributed
 
         flags = {k: v for k, v in cluster_flags.items() if v is not None}
-        summary = generate_distributed(settings, inputs, output, job, ClusterOptions(workers, **flags))
+        summary = generate_distributed(spec, checked, ClusterOptions(workers, **flags))
         max_source_length = (summary.distributed or {}).get("max_source_length")
     else:
-        from seqgen_cli.generator import Generator
-
-        gen = Generator(**settings)
-        summary = generate_job(gen, inputs, output, job)
+        gen = spec.build()
+        summary = generate_job(gen, checked)
         max_source_length = gen.max_source_length
     if summary.truncated:
         click.echo(

@@ -16,7 +16,7 @@ decoding engine over the model (per-family fast decoders where they exist, a gen
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -353,6 +353,30 @@ class Generator:
     def generate(self, texts: Sequence[str], batch_size: int = 32) -> list[list[str]]:
         """Generate for texts: per input, ``num_return_sequences`` strings, best first."""
         return list(self.generate_iterable(texts, batch_size=batch_size))
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """What a :class:`Generator` is built from (the command line's settings; ``--workers`` ships it to each
+    worker, which builds its own)."""
+
+    model: str
+    backend: str = "auto"
+    device: str | None = None
+    dtype: str | None = None
+    preset: str | None = None
+    prefix: str | None = None
+    max_source_length: int | None = None
+    seed: int | None = None
+    capture: bool = True
+    generation: dict[str, Any] = field(default_factory=dict)  # transformers' names; None: not given
+
+    def build(self) -> Generator:
+        return Generator(
+            self.model, backend=self.backend, device=self.device, dtype=self.dtype, preset=self.preset,
+            prefix=self.prefix, max_source_length=self.max_source_length, seed=self.seed, capture=self.capture,
+            **self.generation,
+        )  # fmt: skip
 
 
 def strip_generated(tokens: list[int], eos: int | list[int] | None) -> list[int]:

@@ -11,17 +11,13 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSeq2SeqLM,
-    AutoTokenizer,
     PreTrainedModel,
 )
 
 from seqgen_cli.search import Batch
 from tests.equivalence import tune_eos
+from tests.helpers import load_tiny
 from tests.tiny_models import FAMILIES, sample_texts
 
 __all__ = ["FAMILIES", "Loaded", "load", "text_batch"]
@@ -36,12 +32,8 @@ class Loaded:
 @functools.cache
 def load(path: Path) -> Loaded:
     """Load a fixture checkpoint in float32 and tune its EOS bias (cached per path)."""
-    config = AutoConfig.from_pretrained(path)
-    cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    model = cls.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    loaded = Loaded(model, tokenizer)
-    tune_eos(model, text_batch(loaded, 16, seed=99))
+    loaded = Loaded(*load_tiny(path))
+    tune_eos(loaded.model, text_batch(loaded, 16, seed=99))
     return loaded
 
 

@@ -10,15 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from seqgen_cli.batching import plan_batches
 from seqgen_cli.bench import BenchSettings, run_bench
 from seqgen_cli.bench import ct2 as bench_ct2
 from seqgen_cli.bench.cells import interleave
 from seqgen_cli.bench.decode import bench_decode
-from seqgen_cli.cli import main
 from seqgen_cli.errors import SeqgenError
+from tests.helpers import seqgen
 from tests.tiny_models import sample_texts
 
 N_NEW = 5
@@ -135,7 +134,7 @@ def test_cli_bench(no_ct2, tiny_models, input_file: Path, tmp_path: Path) -> Non
     out = tmp_path / "cli"
     args = ["bench", "-m", str(tiny_models("marian")), str(input_file), "--n", "2", "--batch-sizes", "2"]
     args += "--num-beams 2 --repeats 1 --no-warmup --fixed-new-tokens 3 --out".split() + [str(out)]
-    result = CliRunner().invoke(main, args)
+    result = seqgen(*args)
     assert result.exit_code == 0, result.output
     assert "| 2 | 2 | seqgen |" in result.output
     data = json.loads((out / "bench.json").read_text())
@@ -146,7 +145,7 @@ def test_cli_bench(no_ct2, tiny_models, input_file: Path, tmp_path: Path) -> Non
 
 
 def test_cli_bench_bad_lists(tmp_path: Path, input_file: Path) -> None:
-    result = CliRunner().invoke(main, ["bench", "-m", str(tmp_path), str(input_file), "--batch-sizes", "1,x"])
+    result = seqgen("bench", "-m", str(tmp_path), str(input_file), "--batch-sizes", "1,x")
     assert result.exit_code == 2 and "comma-separated list of integers" in result.output
 
 

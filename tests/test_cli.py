@@ -11,25 +11,18 @@ from pathlib import Path
 import click
 import pytest
 import torch
-from click.testing import CliRunner
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from seqgen_cli.cli import GENERATION_OPTIONS, main
 from seqgen_cli.config import GENERATION_KEYS
+from tests.helpers import load_tiny, seqgen
 from tests.tiny_models import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def seqgen(*args: str, input: str | bytes | None = None):
-    """Run the CLI in-process; returns click's Result (stdout, stderr, exit_code)."""
-    return CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
-
-
 def reference_generate(model_dir: Path, texts: list[str], causal: bool = False, **settings) -> list[str]:
     """transformers generate() called directly, one input at a time (no padding effects)."""
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = (AutoModelForCausalLM if causal else AutoModelForSeq2SeqLM).from_pretrained(model_dir).eval()
+    model, tok = load_tiny(model_dir)
     outs = []
     for text in texts:
         enc = tok(text, return_tensors="pt")

@@ -17,12 +17,14 @@ import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback (read at import)
 import ray  # noqa: E402
-from click.testing import CliRunner  # noqa: E402
 
-from seqgen_cli.cli import main  # noqa: E402
-from seqgen_cli.pipeline.distributed import ClusterOptions, generate_distributed, parts_dir  # noqa: E402
-from seqgen_cli.pipeline.job import JobOptions  # noqa: E402
-from seqgen_cli.pipeline.resume import index_path  # noqa: E402
+from seqgen_cli.generator import GeneratorSpec  # noqa: E402
+from seqgen_cli.pipeline.cluster import ClusterOptions  # noqa: E402
+from seqgen_cli.pipeline.driver import generate_distributed  # noqa: E402
+from seqgen_cli.pipeline.formats import index_path  # noqa: E402
+from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
+from seqgen_cli.pipeline.worker import parts_dir  # noqa: E402
+from tests.helpers import seqgen  # noqa: E402
 from tests.tiny_models import sample_texts  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,10 +51,6 @@ def marian(tiny_models) -> Path:
     return tiny_models("marian")
 
 
-def seqgen(*args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False, env=env)
-
-
 def shuffled(n: int, seed: int) -> list[str]:
     """Inputs of shuffled lengths (3 to 120 words), some empty."""
     texts = sample_texts(n, seed=seed)
@@ -74,9 +72,9 @@ def one_process(model: Path, src: Path, out: Path, *more: str) -> bytes:
 
 def distributed(model: Path, src: Path, out: Path, shard_size: int, events=None, **job):
     opts = JobOptions(**{"batch_size": BATCH, **job})
-    settings = dict(model=str(model), max_new_tokens=NEW_TOKENS)
+    spec = GeneratorSpec(model=str(model), generation={"max_new_tokens": NEW_TOKENS})
     cluster = ClusterOptions(workers=2, shard_size=shard_size)
-    return generate_distributed(settings, [str(src)], str(out), opts, cluster, events=events)
+    return generate_distributed(spec, check_job([str(src)], str(out), opts), cluster, events=events)
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM
 
 from seqgen_cli.models import FAST_BACKENDS
 from seqgen_cli.search.protocol import Batch
+from tests.helpers import load_tiny
 
 ENCDEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
-
-
-def _load(path) -> torch.nn.Module:
-    return AutoModelForSeq2SeqLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _batch(model, lengths: list[int], seed: int) -> Batch:
@@ -46,7 +42,7 @@ def _reference(model, batch: Batch, inputs: list[int], r: int, hist: torch.Tenso
 
 @pytest.mark.parametrize("family", ENCDEC)
 def test_step_logits_match_hf_with_reorder_and_drop(tiny_models, family: str) -> None:
-    model = _load(tiny_models(family))
+    model = load_tiny(tiny_models(family))[0]
     dec = FAST_BACKENDS[model.config.model_type](model)
     r, steps = 3, 7
     batch = _batch(model, [5, 9, 2], seed=1)
@@ -88,7 +84,7 @@ def test_step_logits_match_hf_with_reorder_and_drop(tiny_models, family: str) ->
 
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
-    model = _load(tiny_models(family))
+    model = load_tiny(tiny_models(family))[0]
     dec = FAST_BACKENDS[model.config.model_type](model)
     bsz, r, s = 2, 4, 6
     batch = _batch(model, [s, 3], seed=3)
@@ -108,7 +104,7 @@ def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
 
 
 def test_fused_qkv_shares_the_model_weights(tiny_models) -> None:
-    model = _load(tiny_models("bart"))
+    model = load_tiny(tiny_models("bart"))[0]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     dec = FAST_BACKENDS["bart"](model)
     lay = model.get_decoder().layers[0].self_attn
@@ -124,7 +120,7 @@ def test_fused_qkv_shares_the_model_weights(tiny_models) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", ["mbart", "t5"])
 def test_half_precision_runs_and_tracks_hf(tiny_models, family: str, dtype: torch.dtype) -> None:
-    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_models(family), dtype=dtype).eval()
+    model = load_tiny(tiny_models(family), dtype)[0]
     dec = FAST_BACKENDS[model.config.model_type](model)
     r = 2
     batch = _batch(model, [4, 6], seed=5)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import FAST_BACKENDS
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.search import Batch, generate
+from tests.helpers import load_tiny
 from tests.tiny_models import sample_texts
 
 
@@ -20,8 +19,7 @@ def loaded(tiny_models):
     def get(family: str):
         if family not in cache:
             path = tiny_models(family)
-            model = AutoModelForSeq2SeqLM.from_pretrained(path, dtype=torch.float32).eval()
-            tok = AutoTokenizer.from_pretrained(path)
+            model, tok = load_tiny(path)
             enc = tok(
                 sample_texts(5, seed=7), padding=True, truncation=True, max_length=64, return_tensors="pt"
             )

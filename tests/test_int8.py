@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from seqgen_cli.cli import main
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
 from seqgen_cli.models.bart import BartBackend
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.quantize import is_quantized, linear
+from tests.helpers import seqgen
 from tests.tiny_models import sample_texts
 
 N_NEW = 6
@@ -159,8 +158,8 @@ def test_int8_on_cuda_is_a_one_line_error(tiny_models, tmp_path: Path) -> None:
         resolve_dtype("int8", torch.device("cuda"))
     src = tmp_path / "in.txt"
     src.write_text("hello\n")
-    result = CliRunner().invoke(
-        main, ["generate", "-m", str(tiny_models("bart")), str(src), "--dtype", "int8", "--device", "cuda"]
+    result = seqgen(
+        "generate", "-m", str(tiny_models("bart")), str(src), "--dtype", "int8", "--device", "cuda"
     )
     assert result.exit_code != 0
     lines = result.output.strip().splitlines()
@@ -171,7 +170,7 @@ def test_cli_generate_int8(tiny_models, tmp_path: Path) -> None:
     src, out = tmp_path / "in.txt", tmp_path / "out.txt"
     src.write_text("\n".join(sample_texts(3)) + "\n")
     args = ["generate", "-m", str(tiny_models("marian")), str(src), "-o", str(out), "--dtype", "int8", "-q"]
-    result = CliRunner().invoke(main, [*args, "--num-beams", "2", "--max-new-tokens", "4"])
+    result = seqgen(*args, "--num-beams", "2", "--max-new-tokens", "4")
     assert result.exit_code == 0, result.output
     assert len(out.read_text().splitlines()) == 3
 

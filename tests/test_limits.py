@@ -8,12 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
 from seqgen_cli.batching import is_oom
-from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
 from seqgen_cli.loading import load
 from seqgen_cli.models import get_backend
@@ -21,17 +18,13 @@ from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.ngram import NGramBlocker
 from tests.engine_models import Loaded, text_batch
 from tests.equivalence import check_equivalence, hf_generate
+from tests.helpers import load_tiny, seqgen
 from tests.tiny_models import REAL_TOKENIZER_DIRS, copy_checkpoint
 
 HOST_OOM = (
     "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
     "allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"
 )
-
-
-def seqgen(*args: str, input: str | bytes | None = None):
-    """The CLI in-process: click's Result (stdout, stderr, exit_code)."""
-    return CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
 
 
 # -- part 4: a source limit for every model, host out-of-memory handled ------------------------------------
@@ -171,13 +164,10 @@ def test_ngram_blocker_beyond_int64_packing_bans_as_brute_force(n: int) -> None:
 
 def _real_vocab_model(real_tokenizer_models, family: str) -> Loaded:
     """A tiny model with a real ~50k vocabulary, EOS untouched (outputs run to the length limit)."""
-    path = real_tokenizer_models(family)
-    config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model, tokenizer = load_tiny(real_tokenizer_models(family))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return Loaded(auto.from_pretrained(path, dtype=torch.float32).eval(), tokenizer)
+    return Loaded(model, tokenizer)
 
 
 # V**(n-2) >= 2**63 from n = 7. The tiny GPT-2 repeats no 13-gram or longer in its outputs, so blocking

@@ -6,18 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, OPTConfig, OPTForCausalLM
+from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import FAST_BACKENDS, GenericBackend, get_backend
-from tests.tiny_models import CAUSAL_FAMILIES, FAMILIES
+from tests.helpers import load_tiny
+from tests.tiny_models import FAMILIES
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_auto_picks_the_fast_backend_for_each_family(tiny_models, family: str) -> None:
     path = tiny_models(family)
-    auto = AutoModelForCausalLM if family in CAUSAL_FAMILIES else AutoModelForSeq2SeqLM
-    model = auto.from_pretrained(path).eval()
+    model = load_tiny(path)[0]
     backend = get_backend(model)
     assert type(backend) is FAST_BACKENDS[model.config.model_type]
     assert isinstance(get_backend(model, generic=True), GenericBackend)

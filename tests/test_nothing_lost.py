@@ -11,24 +11,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from seqgen_cli.cli import main
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.pipeline import resume
-from seqgen_cli.pipeline.job import JobOptions, generate_job
+from seqgen_cli.pipeline import formats
+from seqgen_cli.pipeline.formats import index_path, journal_path
+from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
 from seqgen_cli.pipeline.records import read_records
-from seqgen_cli.pipeline.resume import index_path, journal_path
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.sinks import StreamSink
+from tests.helpers import seqgen
 from tests.test_pipeline import Capture, FakeGen, expected, write_lines
 from tests.tiny_models import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def seqgen(*args: str, input: str | None = None):
-    return CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
 
 
 def one_line_error(res, *needles: str) -> str:
@@ -93,7 +88,7 @@ def test_merge_refuses_an_output_that_is_a_part_under_another_name(tmp_path: Pat
 
 def _job(gen, src: Path, out: Path, **kw):
     opts = JobOptions(batch_size=kw.pop("batch_size", 4), sort_window=kw.pop("sort_window", 1000), **kw)
-    return generate_job(gen, [str(src)], str(out), opts)
+    return generate_job(gen, check_job([str(src)], str(out), opts))
 
 
 def ragged(n: int) -> list[str]:
@@ -219,15 +214,15 @@ def test_resume_refuses_a_torn_output_without_index(tmp_path: Path) -> None:
 
 def test_a_torn_journal_line_does_not_hide_later_entries(tmp_path: Path) -> None:
     out = tmp_path / "out.txt"
-    journal = resume.Journal(out, fresh=True)
+    journal = formats.Journal(out, fresh=True)
     journal.add([(3, "k3", "three\n")])
     journal.close(complete=False)
-    with open(resume.journal_path(out), "ab") as fh:
+    with open(formats.journal_path(out), "ab") as fh:
         fh.write(b'{"i": 4, "in')  # a kill in the middle of a write
-    journal = resume.Journal(out, fresh=False)
+    journal = formats.Journal(out, fresh=False)
     journal.add([(5, "k5", "five\n")])
     journal.close(complete=False)
-    assert sorted(resume.load_journal(out, 0)) == [3, 5]
+    assert sorted(formats.load_journal(out, 0)) == [3, 5]
 
 
 # -- 3. journal entries carry their input's hash ------------------------------------------------------
@@ -244,7 +239,7 @@ def test_resume_regenerates_a_journaled_output_whose_input_changed(tmp_path: Pat
             raise KeyboardInterrupt
 
     done = _job(FakeGen(fail=interrupt_at_10th), src, out).inputs
-    journaled = sorted(resume.load_journal(out, done))
+    journaled = sorted(formats.load_journal(out, done))
     assert len(journaled) > 3  # outputs waiting for an earlier input
     changed = journaled[len(journaled) // 2]
     texts[changed] = "changed " + texts[changed]
@@ -262,7 +257,7 @@ def make_parts(tmp_path: Path, src: Path, n: int, name: str = "part", **kw) -> l
     parts = [tmp_path / f"{name}{i}.txt" for i in range(n)]
     for i, part in enumerate(parts):
         opts = JobOptions(batch_size=4, shard=(i, n), **kw)
-        assert generate_job(FakeGen(), [str(src)], str(part), opts).error is None
+        assert generate_job(FakeGen(), check_job([str(src)], str(part), opts)).error is None
     return parts
 
 
@@ -330,10 +325,11 @@ def test_resuming_a_shard_whose_input_changed_is_refused(tmp_path: Path) -> None
             raise KeyboardInterrupt
 
     opts = JobOptions(batch_size=4, shard=(0, 2))
-    assert generate_job(FakeGen(fail=interrupt_at_3rd), [str(src)], str(part), opts).interrupted
+    assert generate_job(FakeGen(fail=interrupt_at_3rd), check_job([str(src)], str(part), opts)).interrupted
     write_lines(src, texts + ["more", "lines"])  # the shards' bounds move: shard 0 would overlap shard 1
     with pytest.raises(SeqgenError, match=r"different settings \(input\)"):
-        generate_job(FakeGen(), [str(src)], str(part), JobOptions(batch_size=4, shard=(0, 2), resume=True))
+        resumed = JobOptions(batch_size=4, shard=(0, 2), resume=True)
+        generate_job(FakeGen(), check_job([str(src)], str(part), resumed))
 
 
 # -- 10. JSONL fields of a skipped line, closed standard streams, devices, unwritable outputs ---------------
@@ -380,9 +376,9 @@ def test_dev_null_is_written_as_a_stream_and_cannot_be_resumed(tiny_models, tmp_
 
 DEV_STDOUT_JOB = """
 import sys
-from seqgen_cli.pipeline.job import JobOptions, generate_job
+from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
 from tests.test_pipeline import FakeGen
-generate_job(FakeGen(), [sys.argv[1]], "/dev/stdout", JobOptions())
+generate_job(FakeGen(), check_job([sys.argv[1]], "/dev/stdout", JobOptions()))
 """
 
 

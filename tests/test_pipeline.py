@@ -15,10 +15,10 @@ from transformers import GenerationConfig
 from seqgen_cli.batching import plan_batches
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Encoded
-from seqgen_cli.pipeline import resume
-from seqgen_cli.pipeline.job import JobOptions, closing_message, generate_job
+from seqgen_cli.pipeline import formats, resume
+from seqgen_cli.pipeline.formats import index_path
+from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, generate_job
 from seqgen_cli.pipeline.records import read_records
-from seqgen_cli.pipeline.resume import index_path
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.sinks import StreamSink
 
@@ -222,7 +222,7 @@ def test_jsonl_fields_passed_through_and_lists_for_several_sequences(tmp_path: P
 
 def _job(gen, src: Path, out: Path, **kw) -> object:
     opts = JobOptions(batch_size=kw.pop("batch_size", 3), sort_window=kw.pop("sort_window", 12), **kw)
-    return generate_job(gen, [str(src)], str(out), opts)
+    return generate_job(gen, check_job([str(src)], str(out), opts))
 
 
 def test_interrupt_writes_done_then_resume_is_byte_identical(tmp_path: Path) -> None:
@@ -342,4 +342,4 @@ def test_sigkill_loses_no_generated_output(tmp_path: Path) -> None:
     assert regenerated == len(texts) - generated  # nothing that was generated is generated again
     assert summary.resumed_from + summary.inputs == len(texts)
     assert out.read_text(encoding="utf-8") == expected(texts)
-    assert not resume.journal_path(out).exists() and not index_path(out).exists()
+    assert not formats.journal_path(out).exists() and not index_path(out).exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import select
@@ -12,18 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from seqgen_cli.cli import main
-from seqgen_cli.pipeline.resume import index_path
+from seqgen_cli.pipeline.formats import index_path
+from tests.helpers import seqgen
 from tests.tiny_models import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--max-new-tokens", "4", "--batch-size", "1", "-q"]  # batch 1: batching cannot change a token
-
-
-def seqgen(*args: str, input: str | None = None):
-    return CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
 
 
 def spawn(*args: str, **kw) -> subprocess.Popen:
@@ -190,8 +186,8 @@ def test_shards_merged_equal_the_one_process_run(bart: Path, job, tmp_path: Path
         res = seqgen("generate", "-m", str(bart), str(src), "-o", str(part), "--shard", f"{i}/4", *ARGS)
         assert res.exit_code == 0, res.stderr
     env = {"RANK": "3", "WORLD_SIZE": "4"}  # as torchrun sets them
-    res = CliRunner().invoke(
-        main, ["generate", "-m", str(bart), str(src), "-o", str(parts[3]), "--shard", "auto", *ARGS], env=env
+    res = seqgen(
+        "generate", "-m", str(bart), str(src), "-o", str(parts[3]), "--shard", "auto", *ARGS, env=env
     )
     assert res.exit_code == 0, res.stderr
     assert [p.read_bytes().count(b"\n") for p in parts] == [7, 8, 7, 8]
@@ -199,6 +195,28 @@ def test_shards_merged_equal_the_one_process_run(bart: Path, job, tmp_path: Path
     res = seqgen("merge", *map(str, parts), "-o", str(out))
     assert res.exit_code == 0, res.stderr
     assert out.read_bytes() == reference
+
+
+def test_a_shard_opens_its_input_three_times_check_count_then_generate(
+    bart: Path, job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``check_job`` runs once (it opens the input to check it can) and resolves the shard in one pass (line
+    count and hash); then the shard is read: no further line counts of the input (there were three)."""
+    src = job[0]
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, str | os.PathLike) and os.fspath(file) == str(src):
+            opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    res = seqgen(
+        "generate", "-m", str(bart), str(src), "-o", str(tmp_path / "p.txt"), "--shard", "1/4", *ARGS
+    )
+    assert res.exit_code == 0, res.stderr
+    assert len(opened) == 3, opened
 
 
 def test_merge_refuses_an_unfinished_part(tmp_path: Path) -> None:
@@ -218,7 +236,7 @@ def test_shard_errors(bart: Path, job) -> None:
     src = str(job[0])
     res = seqgen("generate", "-m", str(bart), src, "--shard", "4/4", *ARGS)
     assert res.exit_code == 2 and "0 <= I < N" in res.stderr
-    res = CliRunner().invoke(main, ["generate", "-m", str(bart), src, "--shard", "auto"], env={"RANK": None})
+    res = seqgen("generate", "-m", str(bart), src, "--shard", "auto", env={"RANK": None})
     assert res.exit_code == 2 and "RANK and WORLD_SIZE" in res.stderr
     res = seqgen("generate", "-m", str(bart), "--shard", "0/2", *ARGS, input="a\n")
     assert res.exit_code == 2 and "--shard needs input files" in res.stderr

@@ -4,9 +4,8 @@ seqgen's fast backend reproduces its known outputs and transformers' generate(),
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
 
-from seqgen_cli.cli import main
+from tests.helpers import seqgen
 from tests.tiny_models import shared_dir
 
 NAMES = ["آتزمون", "آتشيسون", "محمد", "بغداد", "ترامب"]
@@ -22,10 +21,8 @@ def test_transliteration_model_end_to_end(beams: str) -> None:
     stdin = "".join(" ".join(name) + "\n" for name in NAMES)  # space-separated letters
     outs = {}
     for backend in ("auto", "hf"):
-        res = CliRunner().invoke(
-            main,
-            ["generate", "-m", str(model), "--num-beams", beams, "--backend", backend, "-q"],
-            input=stdin,
+        res = seqgen(
+            "generate", "-m", str(model), "--num-beams", beams, "--backend", backend, "-q", input=stdin
         )
         assert res.exit_code == 0, res.stderr
         outs[backend] = res.stdout.splitlines()

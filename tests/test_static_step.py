@@ -20,11 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from seqgen_cli.cli import main
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import capture as capture_mod
@@ -35,6 +33,7 @@ from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import generate
 from tests.engine_models import load, text_batch
 from tests.equivalence import SETTINGS, check_equivalence
+from tests.helpers import seqgen
 from tests.test_host_sync import BEAM, recording
 
 
@@ -289,7 +288,7 @@ def test_generator_and_cli_report_the_step_path(tiny_models, tmp_path: Path) -> 
     src, stats = tmp_path / "in.txt", tmp_path / "stats.json"
     src.write_text("one line\nanother line\n")
     args = ["generate", "-m", model, "--device", "cpu", "--max-new-tokens", "3", "--no-capture", str(src)]
-    res = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "out.txt"), "--stats", str(stats)])
+    res = seqgen(*args, "-o", str(tmp_path / "out.txt"), "--stats", str(stats))
     assert res.exit_code == 0, res.output
     assert json.loads(stats.read_text())["device"]["step_path"] == "eager (--no-capture)"
     assert res.stderr.rstrip().endswith("backend fast on cpu float32, step eager (--no-capture)"), res.stderr

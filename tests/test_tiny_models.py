@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
+from tests.helpers import load_tiny
 from tests.tiny_models import (
     CAUSAL_FAMILIES,
     FAMILIES,
@@ -19,12 +20,6 @@ from tests.tiny_models import (
 )
 
 TEXTS = sample_texts(3, seed=1)
-
-
-def _load(path: Path, family: str) -> tuple[torch.nn.Module, object]:
-    tok = AutoTokenizer.from_pretrained(path)
-    auto = AutoModelForCausalLM if family in CAUSAL_FAMILIES else AutoModelForSeq2SeqLM
-    return auto.from_pretrained(path).eval(), tok
 
 
 def _generate(
@@ -71,7 +66,7 @@ def test_tiny_model(family: str, tiny_models: Callable[[str], Path]) -> None:
     path = tiny_models(family)
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
         assert (path / name).is_file(), name
-    model, tok = _load(path, family)
+    model, tok = load_tiny(path)
     cfg, gen = model.config, model.generation_config
 
     # special tokens agree between tokenizer, config and generation config
@@ -115,7 +110,7 @@ def test_real_tokenizer_model(family: str, real_tokenizer_models: Callable[[str]
     if shared_dir() is None:
         pytest.skip("shared/ absent")
     path = real_tokenizer_models(family)
-    model, tok = _load(path, family)
+    model, tok = load_tiny(path)
     src = shared_dir() / "tokenizers" / REAL_TOKENIZER_DIRS[family]
     real_cfg = GenerationConfig.from_pretrained(src)
     assert model.generation_config.eos_token_id == real_cfg.eos_token_id == tok.eos_token_id
@@ -143,7 +138,7 @@ def test_load_builds_the_same_sinusoid_tables(family: str, tiny_models: Callable
     from seqgen_cli import loading
 
     ours = loading.load(str(tiny_models(family)), "cpu").model
-    theirs, _ = _load(tiny_models(family), family)
+    theirs, _ = load_tiny(tiny_models(family))
     cls = type(theirs.model.encoder.embed_positions)
     assert cls.create_weight is not loading.sinusoid_table
     for part in ("encoder", "decoder"):

@@ -13,12 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from seqgen_cli.errors import SeqgenError
-
-if TYPE_CHECKING:
-    from seqgen_cli.bench.cells import RunResult
 
 
 @dataclass
@@ -94,6 +91,7 @@ def run_bench(s: BenchSettings, command: str = "", log: Callable[[str], None] = 
     import torch
 
     from seqgen_cli.bench import report as rep
+    from seqgen_cli.bench.cells import RunResult
     from seqgen_cli.bench.decode import bench_decode
     from seqgen_cli.bench.e2e import bench_e2e
 

@@ -17,17 +17,11 @@ from typing import Any
 from seqgen_cli.errors import Aborted, SeqgenError, WriteError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline import resume
-from seqgen_cli.pipeline.progress import Progress, count_lines
-from seqgen_cli.pipeline.records import (
-    Record,
-    check_inputs,
-    check_not_output,
-    is_regular,
-    read_records,
-    scan_inputs,
-    shard_range,
-)
+from seqgen_cli.pipeline.formats import InputDigest, load_journal
+from seqgen_cli.pipeline.progress import Progress
+from seqgen_cli.pipeline.records import Record, check_inputs, check_not_output, is_regular, read_records
 from seqgen_cli.pipeline.run import RunOptions, run
+from seqgen_cli.pipeline.shards import ShardRange, select_shard
 from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary
 
@@ -48,9 +42,29 @@ class JobOptions(RunOptions):
     verify_strict: bool = False  # stop before writing when they differ beyond near-ties
 
 
-def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> None:
+@dataclass(frozen=True)
+class Job:
+    """A job :func:`check_job` found possible: what to read, where to write, how; ``shard``: ``--shard I/N``'s
+    range, resolved (the input counted and hashed once)."""
+
+    paths: list[str]  # the input files; ["-"]: stdin
+    output: str
+    opts: JobOptions
+    shard: ShardRange | None = None
+
+    @property
+    def select(self) -> tuple[int, int] | None:
+        """The inputs ``[lo, hi)`` this job reads (``--shard``), or None: all of them."""
+        return self.shard.select if self.shard is not None else None
+
+    def settings(self, gen: Generator) -> dict[str, Any]:
+        """What the output's bytes depend on (``--resume`` checks it): ``gen``'s settings and the shard's."""
+        return {**fingerprint(gen, self.opts), **(self.shard.settings() if self.shard is not None else {})}
+
+
+def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
     """Fail before the (slow) model load on what cannot work: missing files or folders, an output that
-    cannot be written, clashing options."""
+    cannot be written, clashing options; the job, checked (with ``--shard``, its range)."""
     if output == "-" and sys.stdout is None:
         raise SeqgenError("standard output is closed: give -o FILE")
     if is_stream(output):
@@ -65,10 +79,9 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> None:
         raise SeqgenError("--metrics needs --reference FILE")
     check_inputs(inputs)
     check_not_output(inputs, output)
-    if opts.shard is not None and count_lines(list(inputs)) is None:
-        raise SeqgenError(
-            "--shard needs input files (each shard counts the lines to find its range), not stdin"
-        )
+    paths = list(inputs) or ["-"]
+    shard = select_shard(list(inputs), opts.shard) if opts.shard is not None else None
+    return Job(paths, output, opts, shard)
 
 
 def check_writable(path: str, what: str) -> None:
@@ -82,28 +95,17 @@ def check_writable(path: str, what: str) -> None:
         raise SeqgenError(f"cannot write into {parent}: permission denied")
 
 
-def generate_job(gen: Generator, inputs: Sequence[str], output: str, opts: JobOptions) -> Summary:
+def generate_job(gen: Generator, job: Job) -> Summary:
     """Run the job; the summary says whether it was interrupted or failed (after writing what it could)."""
-    paths = list(inputs) or ["-"]
-    check_job(inputs, output, opts)
-    select, total, extra = None, None, None
-    if opts.shard is not None:
-        select, extra = shard_settings(paths, opts.shard)
-        total = select[1] - select[0]
-    records = read_records(paths, opts.input_format, opts.input_field, opts.on_error, select=select)
+    opts = job.opts
+    records = read_records(job.paths, opts.input_format, opts.input_field, opts.on_error, select=job.select)
     records, agreement = self_check(gen, records, opts)
-    streaming = any(not is_regular(p) for p in paths)  # stdin or a named pipe: hand lines on at once
-    progress = Progress(opts.progress, paths, total=total)
+    streaming = any(not is_regular(p) for p in job.paths)  # stdin or a named pipe: hand lines on at once
+    progress = Progress(opts.progress, job.paths, total=job.shard.size if job.shard is not None else None)
     summary = write_records(
-        gen,
-        records,
-        output,
-        opts,
-        progress=progress,
-        streaming=streaming,
-        extra=extra,
-        part=extra is not None,
-    )
+        gen, records, job.output, opts, progress=progress, streaming=streaming, settings=job.settings(gen),
+        part=job.shard is not None,
+    )  # fmt: skip
     summary.verify = agreement
     if opts.stats:
         write_stats(opts.stats, summary)
@@ -156,29 +158,28 @@ def write_records(
     opts: JobOptions,
     *,
     progress: Progress,
+    settings: dict[str, Any],
     streaming: bool = False,
-    extra: dict[str, Any] | None = None,
     part: bool = False,
 ) -> Summary:
     """Generate for ``records`` into ``output`` (a file, resumable, or ``-``): the pipeline of one job.
 
-    Also the unit of work of a Ray worker (one shard into one part file). ``extra``: settings besides
-    the generator's that the output depends on (``--resume`` checks them). ``part``: the output is a
-    ``--shard`` part; a complete one gets its manifest for ``seqgen merge``.
+    Also the unit of work of a Ray worker (one shard into one part file). ``settings``: what the output
+    depends on (``--resume`` checks them; see :meth:`Job.settings`). ``part``: the output is a ``--shard``
+    part; a complete one gets its manifest for ``seqgen merge``.
     """
-    digest = resume.InputDigest()
+    digest = InputDigest()
     start = 0
     journaled: dict[int, tuple[str, str]] = {}
     sink: Sink
     if is_stream(output):
         sink = open_stream(output)
     else:
-        settings = {**resume.fingerprint(gen, opts), **(extra or {})}
         state = resume.load(output, settings) if opts.resume else resume.check_fresh(output)
         if state is not None:
             start = state.done
             records = resume.skip_done(records, state, digest)
-            journaled = resume.load_journal(output, state.done)
+            journaled = load_journal(output, state.done)
             sink = FileSink(output, settings, done=state.done, offset=state.offset, part=part)
         else:
             sink = FileSink(output, settings, part=part)
@@ -199,12 +200,27 @@ def write_records(
     return summary
 
 
-def shard_settings(paths: Sequence[str], shard: tuple[int, int]) -> tuple[tuple[int, int], dict[str, Any]]:
-    """``--shard I/N``: this shard's inputs ``[lo, hi)``, and the settings its part depends on besides the
-    generator's: the shard and the whole input's line count and SHA-256 (``--resume`` and ``seqgen merge``
-    check them: a changed input moves the shards' bounds)."""
-    lines, sha256 = scan_inputs(paths)
-    return shard_range(lines, *shard), {"shard": list(shard), "input": {"lines": lines, "sha256": sha256}}
+def fingerprint(gen: Generator, opts: JobOptions) -> dict[str, Any]:
+    """The settings that decide the output bytes, in a JSON-comparable form (checked by ``--resume``)."""
+    generation = {
+        k: v
+        for k, v in json.loads(gen.config.to_json_string(use_diff=False)).items()
+        if not k.startswith("_") and k != "transformers_version"
+    }
+    name = str(getattr(gen.model.config, "_name_or_path", ""))
+    settings = dict(
+        model=os.path.realpath(name) if name and os.path.isdir(name) else name,
+        backend=gen.backend,
+        generation=generation,
+        prefix=gen.prefix,
+        max_source_length=gen.max_source_length,
+        input_format=opts.input_format,
+        input_field=opts.input_field,
+        output_format=opts.output_format,
+        output_field=opts.output_field,
+        on_error=opts.on_error,
+    )
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
 
 
 def write_stats(path: str, summary: Summary) -> None:

@@ -2,14 +2,13 @@
 
 A finished ``--shard I/N`` run leaves a manifest beside its part, ``PART.seqgen-part`` (JSON: the settings,
 with the shard and the whole input's line count and SHA-256, the inputs written and the part's length;
-:func:`~.resume.write_manifest`, called as the part's sink closes complete).
+:func:`~.formats.write_manifest`, called as the part's sink closes complete).
 Merge checks that the parts are shards 0 to N-1 of the same N, in order, of the same input and settings,
 before it writes anything. The manifests stay: the parts can be merged again.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -19,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from seqgen_cli.errors import SeqgenError, WriteError
-from seqgen_cli.pipeline import resume
-from seqgen_cli.pipeline.records import check_not_output, shard_range
-from seqgen_cli.pipeline.resume import manifest_path
+from seqgen_cli.pipeline.formats import index_path, journal_path, manifest_path, read_manifest
+from seqgen_cli.pipeline.records import check_not_output
+from seqgen_cli.pipeline.resume import check_fresh
+from seqgen_cli.pipeline.shards import shard_range
 from seqgen_cli.pipeline.sinks import is_stream, open_stream
 
 
@@ -30,14 +30,14 @@ def check_part(part: str) -> dict[str, Any]:
     path = Path(part)
     if not path.is_file():
         raise SeqgenError(f"{part}: no such part file")
-    for side in (resume.index_path(part), resume.journal_path(part)):
+    for side in (index_path(part), journal_path(part)):
         if side.exists():
             raise SeqgenError(
                 f"{part}: incomplete ({side.name} exists): finish that shard with --resume first"
             )
     manifest = manifest_path(part)
     try:
-        entry = json.loads(manifest.read_text(encoding="utf-8"))
+        entry = read_manifest(part)
         settings, size = entry["settings"], int(entry["bytes"])
         i, n = settings["shard"]
         lines = int(settings["input"]["lines"])
@@ -122,7 +122,7 @@ def merge_parts(parts: Sequence[str], output: str) -> int:
     target = Path(output).resolve()
     if not target.parent.is_dir():
         raise SeqgenError(f"output folder {target.parent} does not exist")
-    resume.check_fresh(output)
+    check_fresh(output)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     except OSError as err:

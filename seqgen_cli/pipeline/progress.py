@@ -1,4 +1,4 @@
-"""The progress bar on stderr: inputs done (of the total, once counted), outputs/s and tokens/s."""
+"""The progress bar on stderr: inputs done (of the total, once counted), outputs/s and tokens/s; warnings."""
 
 from __future__ import annotations
 
@@ -8,26 +8,14 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from seqgen_cli.pipeline.records import is_regular
+from seqgen_cli.pipeline.shards import count_lines
 
-
-def count_lines(paths: Sequence[str]) -> int | None:
-    """Lines in ``paths`` when all are regular files (a fast byte scan), else ``None``."""
-    if not paths or not all(p != "-" and is_regular(p) for p in paths):
-        return None
-    total = 0
-    for path in paths:
-        last = b"\n"
-        with open(path, "rb") as fh:
-            while block := fh.read(1 << 20):
-                total += block.count(b"\n")
-                last = block[-1:]
-        total += last != b"\n"
-    return total
+MAX_WARNINGS = 20  # shown per run; the rest are counted in the summary
 
 
 class Progress:
-    """A tqdm bar (or nothing when disabled); the total is counted in the background."""
+    """A tqdm bar (or nothing when disabled); the total is counted in the background. Warnings go above it,
+    the first :data:`MAX_WARNINGS` of them."""
 
     def __init__(
         self, enabled: bool, paths: Sequence[str] = (), initial: int = 0, total: int | None = None
@@ -37,6 +25,7 @@ class Progress:
             smoothing=0.1, leave=False,
         )  # fmt: skip
         self._total: int | None = total
+        self.warned = 0
         if enabled and paths and total is None:
             threading.Thread(target=self._count, args=(list(paths),), daemon=True).start()
 
@@ -64,6 +53,15 @@ class Progress:
         self.bar.set_postfix_str(f"{tokens_per_second:.0f} tok/s", refresh=False)
         self.bar.update(done - self.bar.n)
 
+    def warn(self, message: str) -> None:
+        """``seqgen: warning: message`` (up to :data:`MAX_WARNINGS`, then one line that says the rest are not
+        shown)."""
+        self.warned += 1
+        if self.warned <= MAX_WARNINGS:
+            self.write(f"seqgen: warning: {message}")
+        elif self.warned == MAX_WARNINGS + 1:
+            self.write("seqgen: warning: further warnings not shown (see the counts at the end)")
+
     def write(self, message: str) -> None:
         """A line on stderr that does not break the bar."""
         tqdm.write(message, file=sys.stderr)
@@ -73,7 +71,8 @@ class Progress:
 
 
 class CountingProgress(Progress):
-    """No bar: counts the inputs done and keeps the warnings (a Ray worker's, read by the driver)."""
+    """No bar: counts the inputs done and keeps the warnings, all of them (a Ray worker's: the driver shows
+    them, through its own :meth:`Progress.warn`)."""
 
     def __init__(self) -> None:
         super().__init__(False)
@@ -83,5 +82,5 @@ class CountingProgress(Progress):
     def update(self, inputs: int, tokens_per_second: float) -> None:
         self.done += inputs
 
-    def write(self, message: str) -> None:
+    def warn(self, message: str) -> None:
         self.messages.append(message)

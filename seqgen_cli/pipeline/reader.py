@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from seqgen_cli.batching import Chunk, Item, encode_items
 from seqgen_cli.generator import Encoded
+from seqgen_cli.pipeline.queues import put_unless
 from seqgen_cli.pipeline.records import Record
 
 Encode = Callable[[Sequence[str]], list[Encoded]]
@@ -69,13 +70,7 @@ class ReaderStage:
         self._stop.set()
 
     def _put(self, q: queue.Queue, obj: object) -> bool:
-        while not self._stop.is_set():
-            try:
-                q.put(obj, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_unless(q, obj, self._stop.is_set)
 
     def _read_loop(self) -> None:
         group: list[Record] = []

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -164,46 +163,6 @@ def read_records(
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()
-
-
-def scan_inputs(paths: Sequence[str]) -> tuple[int, str]:
-    """Lines in the input files (as :func:`read_records` counts them) and a SHA-256 of their bytes, files in
-    order and each prefixed with its length (so a job's parts can be told from another's: not the names,
-    which may differ between machines)."""
-    lines, h = 0, hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as fh:
-            h.update(f"{os.fstat(fh.fileno()).st_size}\n".encode())
-            last = b"\n"
-            while block := fh.read(1 << 20):
-                h.update(block)
-                lines += block.count(b"\n")
-                last = block[-1:]
-        lines += last != b"\n"
-    return lines, h.hexdigest()
-
-
-def shard_range(total: int, shard: int, shards: int) -> tuple[int, int]:
-    """Inputs ``[lo, hi)`` of shard ``shard`` (0-based) of ``shards`` contiguous, near-equal shards."""
-    return total * shard // shards, total * (shard + 1) // shards
-
-
-def parse_shard(spec: str, environ: Mapping[str, str]) -> tuple[int, int]:
-    """``--shard I/N`` (0-based I, as ``RANK``), or ``auto``: ``RANK``/``WORLD_SIZE`` from ``environ``."""
-    if spec == "auto":
-        rank, world = environ.get("RANK"), environ.get("WORLD_SIZE")
-        if rank is None or world is None:
-            raise SeqgenError("--shard auto needs the RANK and WORLD_SIZE environment variables")
-        spec, where = f"{rank}/{world}", f"RANK={rank}, WORLD_SIZE={world}"
-    else:
-        where = f"--shard {spec}"
-    try:
-        i, n = (int(x) for x in spec.split("/"))
-    except ValueError:
-        raise SeqgenError(f"{where}: expected I/N, e.g. 0/4 (shard I of N, I from 0)") from None
-    if n < 1 or not 0 <= i < n:
-        raise SeqgenError(f"{where}: need 0 <= I < N (shards are numbered from 0, as RANK)")
-    return i, n
 
 
 def _record(index: int, name: str, number: int, raw: bytes, fmt: str, input_field: str | None) -> Record:

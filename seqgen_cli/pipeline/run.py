@@ -14,15 +14,13 @@ from dataclasses import dataclass
 from seqgen_cli.batching import Batcher, Item, Result, generate_split
 from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.generator import Generator
+from seqgen_cli.pipeline.formats import InputDigest, input_key
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
-from seqgen_cli.pipeline.resume import InputDigest, input_key
 from seqgen_cli.pipeline.sinks import Sink
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
 from seqgen_cli.pipeline.writer import OrderedWriter
-
-MAX_WARNINGS = 20
 
 
 @dataclass
@@ -60,16 +58,6 @@ def run(
         backend=gen.backend, resumed_from=start, output=sink.name, rss_at_start_mb=peak_rss_mb()
     )
     progress = progress or Progress(False)
-    warned = 0
-
-    def warn(message: str) -> None:
-        nonlocal warned
-        warned += 1
-        if warned <= MAX_WARNINGS:
-            progress.write(f"seqgen: warning: {message}")
-        elif warned == MAX_WARNINGS + 1:
-            progress.write("seqgen: warning: further warnings not shown (see the counts at the end)")
-
     journaled = dict(journaled or {})
     reuse: dict[int, str] = {}  # journaled outputs checked against their input, for the writer to take
     reader = ReaderStage(iter(records), gen.encode, streaming=streaming).start()
@@ -95,7 +83,7 @@ def run(
         take_journaled(items)
         for it in items:
             if it.record.error is not None:
-                warn(f"{it.record.error} (skipped: empty output)")
+                progress.warn(f"{it.record.error} (skipped: empty output)")
                 summary.skipped += 1
         writer.put([Result(it, None, it.record.error) for it in items])
         progress.update(len(items), summary.generated_tokens / max(time.perf_counter() - t_start, 1e-9))
@@ -129,7 +117,7 @@ def run(
                         batcher.stop()  # finish this window's inputs before the failure, read no further
                     results = [r for r in results if r.item.index < fail.item.index]
                 for r in bad if opts.on_error == "skip" else ():
-                    warn(f"{r.error} (skipped: empty output)")
+                    progress.warn(f"{r.error} (skipped: empty output)")
                     summary.skipped += 1
                 summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
                 results += [Result(it) for it in reused if fail is None or it.index < fail.item.index]

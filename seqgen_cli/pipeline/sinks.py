@@ -2,7 +2,7 @@
 
 ``FileSink`` appends whole lines with one ``os.write`` per flush, so a crash or SIGKILL never leaves a
 torn line, and after each ``fsync`` records the progress in the side index; outputs that wait for an
-earlier input go to the journal (both in :mod:`~.resume`).
+earlier input go to the journal (both in :mod:`~.formats`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from seqgen_cli.errors import WriteError
-from seqgen_cli.pipeline.resume import IndexWriter, Journal, JsonLog, manifest_path, write_all, write_manifest
+from seqgen_cli.pipeline.formats import (
+    IndexWriter,
+    Journal,
+    JsonLog,
+    manifest_path,
+    write_all,
+    write_manifest,
+)
 
 
 class Sink:

@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from seqgen_cli.batching import Result
+from seqgen_cli.pipeline.formats import InputDigest, input_key
+from seqgen_cli.pipeline.queues import put_unless
 from seqgen_cli.pipeline.records import Record
-from seqgen_cli.pipeline.resume import InputDigest, input_key
 from seqgen_cli.pipeline.sinks import Sink
 
 Decode = Callable[[Sequence[Sequence[int]]], list[str]]
@@ -84,23 +85,13 @@ class OrderedWriter:
         return self
 
     def put(self, results: list[Result]) -> None:
-        while True:
-            if self.error is not None:
-                raise self.error
-            try:
-                self._q.put(results, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        if not put_unless(self._q, results, lambda: self.error is not None):
+            assert self.error is not None
+            raise self.error
 
     def close(self) -> None:
         """Write everything that can be written in order, commit, and stop the thread."""
-        while self._thread.is_alive():
-            try:
-                self._q.put(_CLOSE, timeout=0.1)
-                break
-            except queue.Full:
-                continue
+        put_unless(self._q, _CLOSE, lambda: not self._thread.is_alive())
         self._thread.join()
         if self.error is not None:
             raise self.error

@@ -1,0 +1,100 @@
+"""The import graph of ``seqgen_cli`` has no circle: module-level imports (``if TYPE_CHECKING:`` ones too),
+read from the source with ``ast``; imports inside functions (the lazy ones) do not count."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "seqgen_cli"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_level_imports(tree: ast.Module, package: str) -> set[str]:
+    """Names a module imports at its top level (in ``if``/``try`` blocks too): ``a.b`` and, for ``from a
+    import b``, ``a`` and ``a.b`` (``b`` may be a module)."""
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                names.add(base)
+                names.update(f"{base}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If | ast.Try):
+                visit(node.body)
+                visit(node.orelse)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(tree.body)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imports = module_level_imports(ast.parse(path.read_text(encoding="utf-8")), package)
+        graph[name] = {m for m in imports if m in files and m != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_imports_form_no_circle() -> None:
+    graph = import_graph()
+    assert "seqgen_cli.pipeline.job" in graph and graph["seqgen_cli.pipeline.job"]  # the graph was read
+    assert circles(graph) == []
+
+
+def test_a_circle_is_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_type_checking_and_relative_imports_count() -> None:
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .job import Job\n")
+    assert "seqgen_cli.pipeline.job" in module_level_imports(tree, "seqgen_cli.pipeline")
+    inner = ast.parse("def f():\n    import seqgen_cli.pipeline.job\n")
+    assert module_level_imports(inner, "seqgen_cli") == set()
