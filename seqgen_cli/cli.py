@@ -238,6 +238,13 @@ def main() -> None:
     help="On CUDA, replay the fast engine's decode step as CUDA graphs (torch.compile reduce-overhead, one "
     "per batch shape); --no-capture runs it eagerly. The closing line and --stats name the step path.",
 )
+@click.option(
+    "--refill/--no-refill",
+    default=False,
+    show_default=True,
+    help="Run the fast engine over fixed input slots: an input that finishes hands its slot to a waiting one "
+    "(same outputs; encoder-decoder models). --stats gives slot occupancy, joins and steps.",
+)
 @generation_options()
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option(
@@ -377,6 +384,7 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         device=opts.pop("device"),
         dtype=opts.pop("dtype"),
         capture=opts.pop("capture"),
+        refill=opts.pop("refill"),
         preset=opts.pop("preset"),
         prefix=opts.pop("prefix"),
         max_source_length=opts.pop("max_source_length"),
