@@ -261,6 +261,13 @@ def main() -> None:
     "--stats; strict: 8 inputs, and stop before writing when they differ beyond near-ties. 0: off. "
     "Default: 8 on CUDA, off on the CPU.",
 )
+@click.option(
+    "--refill/--no-refill",
+    default=False,
+    show_default=True,
+    help="Run the fast engine over fixed input slots: an input that finishes hands its slot to a waiting one "
+    "(same outputs; encoder-decoder models). --stats gives slot occupancy, joins and steps.",
+)
 @generation_options()
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option(
@@ -406,6 +413,7 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         device=opts.pop("device"),
         dtype=opts.pop("dtype"),
         capture=opts.pop("capture"),
+        refill=opts.pop("refill"),
         preset=opts.pop("preset"),
         prefix=opts.pop("prefix"),
         max_source_length=opts.pop("max_source_length"),

@@ -34,6 +34,7 @@ from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generati
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load
 from seqgen_cli.search import settings as search_settings
+from seqgen_cli.search.slots import SlotStats
 
 BACKENDS = ("auto", "fast", "hf")
 # per row and vocabulary entry while a step is searched: logits, log-probs and scores (float32)
@@ -63,10 +64,12 @@ class Generator:
         max_source_length: int | None = None,
         seed: int | None = None,
         capture: bool = True,
+        refill: bool = False,
         **generation: Any,
     ) -> None:
         """``capture``: on CUDA, run the fast backends' decode step as CUDA graphs (``models/capture.py``);
-        ``False`` runs it eagerly (``step_path`` says which, and why)."""
+        ``False`` runs it eagerly (``step_path`` says which, and why). ``refill``: run the fast engine over fixed
+        input slots that finished inputs hand to waiting ones (``search/slots.py``; encoder-decoder models)."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
@@ -84,6 +87,10 @@ class Generator:
             torch.manual_seed(seed)
         self.backend = self._pick_backend(backend)
         self.capture = capture
+        self.refill = refill and self.backend == "fast" and self.is_encoder_decoder and not self.loaded.int8
+        self.slots = 32  # refill: input slots (batch_limits sets them)
+        self.slot_tokens: int | None = None  # refill: most padded source tokens x rows over the slots
+        self.slot_stats = SlotStats()
         self._model_backend = None  # the engine's model backend, built on first use (int8: now)
         self._step_path = ""  # how the engine runs its decode step (see step_path)
         self._calls = 0  # batches generated so far (sampling seeds differ per batch)
@@ -134,6 +141,20 @@ class Generator:
     def min_new_tokens(self, prompt_len: int = 0) -> int:
         """Fewest new tokens before EOS is allowed, for a prompt of ``prompt_len`` tokens."""
         return search_settings.new_token_limits(self.config, self.is_encoder_decoder, prompt_len)[1]
+
+    def batch_limits(
+        self, batch_size: int, batch_tokens: int | None, window: int | None
+    ) -> tuple[int, int | None]:
+        """What the batcher should cut, ``(batch_size, batch_tokens)``: the batches themselves; with refill, the
+        whole look-ahead ``window`` per call, run over ``batch_size`` slots (and ``batch_tokens`` padded source
+        tokens x rows over the slots)."""
+        if not self.refill:
+            return batch_size, batch_tokens
+        from seqgen_cli.batching import default_window
+
+        self.slots, self.slot_tokens = batch_size, batch_tokens
+        window = default_window(batch_size) if window is None or window <= 1 else window
+        return max(batch_size, window), None
 
     def _pick_backend(self, backend: str) -> str:
         """``fast`` (seqgen's engine) where it runs the resolved settings, else ``hf`` (``generate()``)."""
@@ -254,6 +275,16 @@ class Generator:
         out: dict[str, Any] = {"device": str(device), "dtype": dtype, "step_path": self.step_path}
         if isinstance(self._model_backend, CapturedBackend):
             out.update(self._model_backend.stats())
+        if self.refill:
+            st = self.slot_stats
+            out["refill"] = {
+                "slots": self.slots,
+                "occupancy": round(st.occupancy, 4),
+                "joins": st.joins,
+                "steps": st.steps,
+                "row_steps": st.row_steps,
+                "live_row_steps": st.live_row_steps,
+            }
         if device.type == "cuda":
             out["device_name"] = torch.cuda.get_device_name(device)
             out["peak_gpu_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
@@ -280,9 +311,26 @@ class Generator:
         from seqgen_cli.search import generate
         from seqgen_cli.search.protocol import Batch
 
+        if self.refill:
+            return self._generate_slots(Batch(input_ids, mask))
         seed = None if self.seed is None else self.seed + self._calls  # fresh draws for every batch
         self._calls += 1
         return generate(self._engine(), Batch(input_ids, mask), self.config, seed=seed).sequences
+
+    def _generate_slots(self, batch: Any) -> list[list[list[int]]]:
+        """The refill engine over ``self.slots`` slots (fewer where ``slot_tokens`` cannot hold them at the
+        batch's widest source), inputs joining in batch order."""
+        from seqgen_cli.models.capture import width_bucket
+        from seqgen_cli.search.slots import generate_slots
+
+        engine = self._engine()
+        engine = getattr(engine, "backend", engine)  # the plain backend under a CapturedBackend: eager steps
+        slots = self.slots
+        if self.slot_tokens is not None:
+            width = width_bucket(batch.input_ids.shape[1], getattr(engine, "max_position_embeddings", None))
+            slots = max(1, min(slots, self.slot_tokens // (width * self.rows_per_input)))
+        out = generate_slots(engine, batch, self.config, slots=slots, seed=self.seed, stats=self.slot_stats)
+        return out.sequences
 
     def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
         sequences = self.model.generate(
@@ -314,6 +362,7 @@ class Generator:
         def passthrough(items: list[Item]) -> None:
             done.update((it.index, empty) for it in items)
 
+        batch_size, batch_tokens = self.batch_limits(batch_size, batch_tokens, sort_window)
         batcher = Batcher(
             self._chunks(texts), passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
             rows=self.rows_per_input, window=sort_window, memory=self.memory_limit(),
@@ -369,13 +418,14 @@ class GeneratorSpec:
     max_source_length: int | None = None
     seed: int | None = None
     capture: bool = True
+    refill: bool = False
     generation: dict[str, Any] = field(default_factory=dict)  # transformers' names; None: not given
 
     def build(self) -> Generator:
         return Generator(
             self.model, backend=self.backend, device=self.device, dtype=self.dtype, preset=self.preset,
             prefix=self.prefix, max_source_length=self.max_source_length, seed=self.seed, capture=self.capture,
-            **self.generation,
+            refill=self.refill, **self.generation,
         )  # fmt: skip
 
 

@@ -61,14 +61,16 @@ def check_equivalence(
     rtol: float = 1e-5,
     tie_noise: float = 1e-5,
     keep_dtype: bool = False,
+    engine: Callable[[ModelBackend, Batch, Any], Any] = generate,
 ) -> Agreement:
     """Run seqgen (via ``backend_factory(model)``) and ``model.generate()`` on ``batch``; compare tokens.
 
-    The model runs in float32 unless ``keep_dtype``.
+    The model runs in float32 unless ``keep_dtype``. ``engine(backend, batch, config)``: seqgen's entry point
+    (default :func:`seqgen_cli.search.generate`; the refill engine in tests/test_slots.py).
     """
     model = (model if keep_dtype else model.float()).eval()
     config = resolve_generation_config(model.generation_config, None, kwargs)
-    ours = generate(backend_factory(model), batch, config)
+    ours = engine(backend_factory(model), batch, config)
     return compare(model, batch, kwargs, ours.sequences, ours.scores, rtol=rtol, tie_noise=tie_noise)
 
 

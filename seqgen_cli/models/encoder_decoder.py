@@ -19,7 +19,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.kv_cache import EncoderDecoderKVCache, attention, kv_bytes, pointer_bytes
+from seqgen_cli.models.capture import MIN_WIDTH, pad_batch, width_bucket
+from seqgen_cli.models.kv_cache import (
+    EncoderDecoderKVCache,
+    SlotKVCache,
+    attention,
+    kv_bytes,
+    pointer_bytes,
+    slot_span,
+)
 from seqgen_cli.models.quantize import linear
 from seqgen_cli.search.protocol import Batch
 
@@ -116,6 +124,65 @@ class EncoderDecoderBackend:
             max_len=max_len,
         )
         return state, None
+
+    # -- the refill engine's slots (search/slots.py) ----------------------------------------------------------
+    @torch.inference_mode()
+    def open_slots(self, slots: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
+        """``slots`` empty input slots of ``rows_per_input`` rows each (sources of ``MIN_WIDTH`` tokens until a
+        wider one joins). An empty slot attends one zero key: finite, ignored."""
+        h, d, dev, width = self.heads, self.head_dim, self.device, MIN_WIDTH
+        mask = torch.full((slots, 1, 1, width), float("-inf"), device=dev)  # [S, 1, 1, W]
+        mask[..., 0] = 0.0
+        max_len = max(1, max_new_tokens)
+        cache = SlotKVCache(self.layers, slots, rows_per_input, h, max_len, d, self.dtype, dev)
+        return EncoderDecoderState(
+            cross_k=[
+                torch.zeros((slots, h, d, width), dtype=self.dtype, device=dev) for _ in range(self.layers)
+            ],
+            cross_v=[
+                torch.zeros((slots, h, width, d), dtype=self.dtype, device=dev) for _ in range(self.layers)
+            ],
+            cross_mask=mask,
+            cache=cache,
+            max_len=max_len,
+        )
+
+    def _widen(self, state: EncoderDecoderState, longest: int) -> None:
+        """Room for sources of ``longest`` tokens: every slot's source columns grow (masked) to
+        ``capture.width_bucket(longest)``, so a run widens a few times at most."""
+        width = width_bucket(longest, getattr(self, "max_position_embeddings", None))
+        grow = width - state.cross_mask.shape[-1]
+        if grow > 0:
+            state.cross_k = [torch.nn.functional.pad(k, (0, grow)) for k in state.cross_k]  # [S, H, d, W]
+            state.cross_v = [
+                torch.nn.functional.pad(v, (0, 0, 0, grow)) for v in state.cross_v
+            ]  # [S, H, W, d]
+            state.cross_mask = torch.nn.functional.pad(state.cross_mask, (0, grow), value=float("-inf"))
+
+    @torch.inference_mode()
+    def join(self, state: EncoderDecoderState, slots: torch.Tensor, batch: Batch) -> None:
+        """Inputs ``batch`` ([J, W'] right-padded) take slots ``slots`` ([J] int64): the encoder runs for them only,
+        at the slots' source width (widened first if they are wider), their cross-attention keys/values and mask
+        go into the slots' rows and their self-attention restarts at step 0. The search then feeds the decoder
+        start token."""
+        self._widen(state, batch.input_ids.shape[1])
+        batch = pad_batch(batch, batch.input_ids.shape[0], state.cross_mask.shape[-1], left=False)
+        enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
+        for i, (k, v) in enumerate(self._cross_kv(enc.last_hidden_state)):  # [J, H, d, W], [J, H, W, d]
+            state.cross_k[i].index_copy_(0, slots, k)
+            state.cross_v[i].index_copy_(0, slots, v)
+        mask = torch.where(batch.attention_mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [J, 1, 1, W]
+        state.cross_mask.index_copy_(0, slots, mask)
+        state.cache.join(slots)
+
+    @torch.inference_mode()
+    def slot_step(self, state: EncoderDecoderState, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """One decode step over every slot's rows, each at its own step (the most advanced writes slot ``step``):
+        tokens [S * R] -> logits [S * R, V]."""
+        state.cache.span = slot_span(step, state.max_len)
+        logits = self.decode(state, tokens)
+        state.cache.advance()
+        return logits
 
     @torch.inference_mode()
     def reorder(self, state: EncoderDecoderState, rows: torch.Tensor) -> None:

@@ -31,6 +31,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+MIN_SPAN = 64  # the refill engine's narrowest self-attention span (SlotKVCache)
+
+
+def slot_span(step: int, max_len: int) -> int:
+    """Slots a refill step attends when its most advanced input writes slot ``step``: the smallest power of two
+    above ``step``, at least ``MIN_SPAN``, at most ``max_len``."""
+    return min(max_len, max(MIN_SPAN, 1 << step.bit_length()))
+
 
 def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, slots: int) -> int:
     """Bytes of the keys and values of ``slots`` token positions (summed over rows) in ``layers`` layers of
@@ -195,6 +203,88 @@ class EncoderDecoderKVCache:
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.k + self.v) + self.ptrs.ptr.nbytes
+
+
+class SlotKVCache(EncoderDecoderKVCache):
+    """:class:`EncoderDecoderKVCache` for the refill engine (``search/slots.py``): each input slot has its own step
+    counter (``steps`` [S], on the device), so inputs at different steps share one decode step.
+
+    A step writes every slot's keys/values at that slot's own step and attends over the first ``span`` slots
+    under a mask (slot ``<=`` the slot's step, and the back-pointers). ``span`` (host int, set per step by the
+    engine) is a bucket, not the oldest input's step: :func:`slot_span`, at least ``MIN_SPAN`` slots, so its
+    shape changes a few times per run, and an input's sums run over the same span beside any neighbours
+    wherever its own steps fit in ``MIN_SPAN`` (a sum over more masked slots can round differently).
+    ``slot`` ([N]: each row's step) is what a backend reads for positions. Unwritten and stale slots hold finite
+    values (zeros at start), always masked; an idle slot (no input) keeps stepping, its counter stops at
+    ``T - 1`` and it always sees slot 0, so its rows stay finite and its writes stay in its own rows.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        slots: int,
+        rows_per_input: int,
+        heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(layers, slots, rows_per_input, heads, max_len, head_dim, dtype, device)
+        self.make_static()  # zeros, all T slots attended
+        self.steps = torch.zeros(slots, dtype=torch.long, device=device)  # [S]: the step each slot writes
+        self.slot = torch.zeros(slots * rows_per_input, dtype=torch.long, device=device)  # [N]
+        # [S * H] int64: where this step's keys go in a layer's cache viewed as [S * H * T, R, d]
+        self.where = torch.zeros(slots * heads, dtype=torch.long, device=device)
+        self._heads = torch.arange(heads, device=device)
+        self._slots = torch.arange(slots, device=device)
+
+    def check(self, t: int) -> None:
+        """Nothing to check: slot steps stay below ``T`` (the engine stops an input at its last step)."""
+
+    def join(self, slots: Tensor) -> None:
+        """Inputs join slots ``slots`` ([J] int64): their counters restart at step 0 (stale keys are masked)."""
+        self.steps.index_fill_(0, slots, 0)
+        self._row_steps()
+
+    def _row_steps(self) -> None:
+        s, r = self.steps.shape[0], self.r
+        self.slot.view(s, r).copy_(self.steps[:, None])  # [S] -> [S, R]
+
+    def begin(self, bias: Tensor | None = None) -> None:
+        """A step starts. ``bias``: T5's relative position bias [1, H, N, T] (row ``n``'s query step against every
+        key slot)."""
+        s, h, r, t, span = self.steps.shape[0], self.heads, self.r, self.max_len, self.span
+        self.where = ((self._slots[:, None] * h + self._heads) * t + self.steps[:, None]).view(-1)  # [S * H]
+        slots = self.ptrs.slots[:span]
+        upto = ((slots[None, :] <= self.steps[:, None]) | (slots == 0)).view(s, 1, span, 1)  # [S, 1, span, 1]
+        if r > 1:
+            self.ptrs.ptr.scatter_(1, self.slot[:, None], self.ptrs.beams.repeat(s)[:, None])  # own beam
+            upto = (self.ptrs.ptr[:, :span].view(s, r, span, 1) == self.ptrs.beams) & upto  # [S, Rq, span, R]
+        visible = upto.expand(s, r, span, r).reshape(s, 1, r, span * r)  # [S, 1, Rq, span*R]
+        if bias is not None:  # [1, H, N, T] -> [S, H, Rq, span] -> [S, H, Rq, span*R]
+            bias = bias[0, :, :, :span].view(h, s, r, span).transpose(0, 1).float()
+            bias = bias[..., None].expand(s, h, r, span, r).reshape(s, h, r, span * r)
+        self.bias = torch.where(visible, 0.0 if bias is None else bias, float("-inf"))  # [S, 1|H, Rq, span*R]
+
+    def advance(self) -> None:
+        """A step is done: every slot moves on (queued; an idle slot stops at the last one)."""
+        self.steps.add_(1).clamp_(max=self.max_len - 1)
+        self._row_steps()
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Store this step's ``k``/``v`` ([N, H, d]) at each slot's step; attend ``q`` [N, H, d] -> [N, H*d]."""
+        kl, vl = self.k[layer], self.v[layer]  # [S, H, T, R, d]
+        s, h, r, d, t = kl.shape[0], self.heads, self.r, self.head_dim, self.max_len
+        for cache, new in ((kl, k), (vl, v)):  # [N, H, d] -> [S, H, R, d] -> [S * H, R, d]
+            rows = new.view(s, r, h, d).transpose(1, 2).reshape(s * h, r, d)
+            cache.view(s * h * t, r, d).index_copy_(0, self.where, rows)
+        span = self.span
+        keys_t = kl[:, :, :span].view(s, h, span * r, d).transpose(-1, -2)  # contiguous per (s, h): no copy
+        values = vl[:, :, :span].view(s, h, span * r, d)
+        qb = q.view(s, r, h, d).transpose(1, 2)  # [N, H, d] -> [S, H, Rq, d]
+        out = attention(qb, keys_t, values, self.bias, scale)  # [S, H, Rq, d]
+        return out.transpose(1, 2).reshape(s * r, h * d)  # [S, Rq, H, d] -> [N, H*d]
 
 
 class DecoderOnlyKVCache:

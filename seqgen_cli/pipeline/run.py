@@ -88,8 +88,9 @@ def run(
         writer.put([Result(it, None, it.record.error) for it in items])
         progress.update(len(items), summary.generated_tokens / max(time.perf_counter() - t_start, 1e-9))
 
+    batch_size, batch_tokens = gen.batch_limits(opts.batch_size, opts.batch_tokens, opts.sort_window)
     batcher = Batcher(
-        reader.chunks(), passthrough, batch_size=opts.batch_size, batch_tokens=opts.batch_tokens,
+        reader.chunks(), passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
         rows=gen.rows_per_input, window=opts.sort_window, memory=gen.memory_limit(),
     )  # fmt: skip
     fail: Result | None = None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
-from seqgen_cli.search.rows import Rows, default_sync_every, start_rows
+from seqgen_cli.search.rows import Leaving, Rows, default_sync_every, start_rows
 from seqgen_cli.search.settings import SearchSettings
 
 BIG = -1.0e9  # transformers' "impossible" score
@@ -252,64 +252,114 @@ def _continue_running_beams(rows: Rows, next_beams: torch.Tensor, next_tokens: t
     return tokens
 
 
+class BeamSearch:
+    """Beam search over the inputs of ``rows``, one step per :meth:`advance`: transformers' loop body, so a batch
+    (:func:`beam_search`) and a refill cohort (``search/slots.py``) run the same ops in the same order."""
+
+    def __init__(self, rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK) -> None:
+        self.rows, self.s, self.consts, self.topk = rows, settings, consts, topk
+        device = consts.top_num_beam_mask.device
+        self.beams = BeamState.start(len(rows.inputs), settings.num_beams, settings.max_new_tokens, device)
+        self.t = 0  # steps done (host int)
+
+    def advance(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Step ``t`` on the rows' next-token logits [N, V]: the tokens [N] to feed next, or ``None`` after the
+        last step (every input done)."""
+        s, k, c, beams, rows, t = self.s, self.s.num_beams, self.consts, self.beams, self.rows, self.t
+        cur_len = s.prompt_len + t
+        last_step = cur_len + 1 >= s.max_length
+        log_probs = _accumulated_log_probs(rows, logits, beams.running_scores)  # [B, K * V]
+        topk_log_probs, topk_beams, topk_tokens = _get_top_k_continuations(
+            log_probs, c.beams_to_keep, k, self.topk
+        )
+        hits = _next_token_hits_stopping_criteria(topk_tokens, c.eos, last_step)  # [B, C]
+        beams.running_scores, next_beams, next_tokens = _get_running_beams_for_next_iteration(
+            topk_log_probs, topk_beams, topk_tokens, hits, k
+        )
+        did_finish = hits & c.top_num_beam_mask[None, :]  # only the top K candidates may finish
+        generated = rows.history.generated
+        _update_finished_beams(beams, generated, topk_log_probs, topk_beams, topk_tokens, did_finish, t, s)
+        self.t += 1
+        if last_step:
+            return None
+        beams.heuristic_unsatisfied = _check_early_stop_heuristic(beams, cur_len + 1, s)
+        return _continue_running_beams(rows, next_beams, next_tokens)  # [N]
+
+    def done(self) -> torch.Tensor:
+        """[B] bool: inputs whose results can no longer change."""
+        return self.beams.done(self.s.early_stopping)
+
+    def results(self, idx: torch.Tensor) -> tuple[list[list[list[int]]], list[list[float]] | None]:
+        """Sequences and scores of active inputs ``idx`` ([D] int64), on the host (after a check only)."""
+        return self.beams.best(idx, self.s.num_return_sequences)
+
+    def keep(self, leaving: Leaving) -> None:
+        """Done inputs leave (``Rows.check``'s split)."""
+        self.beams.keep(leaving.keep)
+        self.rows.keep_inputs(leaving)
+
+
+@dataclass(frozen=True)
+class BeamConstants:
+    """Device constants of a beam search, built before its first step is queued."""
+
+    beams_to_keep: int  # C: enough candidates that K survive when the top K all end
+    eos: torch.Tensor | None  # [E] int64
+    top_num_beam_mask: torch.Tensor  # [C] bool: the first K candidates
+
+    @classmethod
+    def build(cls, settings: SearchSettings, device: torch.device) -> BeamConstants:
+        s, k = settings, settings.num_beams
+        beams_to_keep = max(2, 1 + len(s.eos)) * k
+        eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
+        mask = torch.cat(
+            (
+                torch.ones(k, dtype=torch.bool, device=device),
+                torch.zeros(beams_to_keep - k, dtype=torch.bool, device=device),
+            )
+        )  # [C]
+        return cls(beams_to_keep, eos, mask)
+
+
+def pick_topk(logits: torch.Tensor) -> TopK:
+    """float32 CPU logits: top-k by chunks (equal values may trade places, which in float32 takes an exact tie);
+    half-precision logits tie often, and transformers orders ties as torch.topk does."""
+    return wide_topk if logits.device.type == "cpu" and logits.dtype == torch.float32 else torch.topk
+
+
 def beam_search(
     backend: ModelBackend, batch: Batch, settings: SearchSettings, sync_every: int | None = None
 ) -> SearchOutput:
     """Beam search over ``batch``: per input, the ``num_return_sequences`` best finished hypotheses and their
     scores, as transformers' ``_beam_search`` returns them."""
-    s, k = settings, settings.num_beams
+    s = settings
     device = batch.input_ids.device
     sync_every = sync_every or default_sync_every(device)
     num_inputs = batch.input_ids.shape[0]
-    beams_to_keep = max(2, 1 + len(s.eos)) * k  # C: enough candidates that K survive when the top K all end
-    eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
-    top_num_beam_mask = torch.cat(
-        (
-            torch.ones(k, dtype=torch.bool, device=device),
-            torch.zeros(beams_to_keep - k, dtype=torch.bool, device=device),
-        )
-    )  # [C]
-
-    rows, logits = start_rows(backend, batch, s, k)
-    # float32 CPU logits: top-k by chunks (equal values may trade places, which in float32 takes an exact
-    # tie); half-precision logits tie often, and transformers orders ties as torch.topk does.
-    topk = wide_topk if device.type == "cpu" and logits.dtype == torch.float32 else torch.topk
-    beams = BeamState.start(num_inputs, k, s.max_new_tokens, device)
+    consts = BeamConstants.build(s, device)
+    rows, logits = start_rows(backend, batch, s, s.num_beams)
+    search = BeamSearch(rows, s, consts, pick_topk(logits))
     results: list[list[list[int]]] = [[] for _ in range(num_inputs)]
     result_scores: list[list[float]] = [[] for _ in range(num_inputs)]
 
     def collect(idx: torch.Tensor, inputs: list[int]) -> None:
         """The results of active inputs ``idx`` ([D] int64), whose batch indices are ``inputs``."""
-        sequences, scores = beams.best(idx, s.num_return_sequences)
+        sequences, scores = search.results(idx)
         for b, seqs, seq_scores in zip(inputs, sequences, scores, strict=True):
             results[b], result_scores[b] = seqs, seq_scores
 
     for t in range(s.max_new_tokens):
-        cur_len = s.prompt_len + t
-        last_step = cur_len + 1 >= s.max_length
-        log_probs = _accumulated_log_probs(rows, logits, beams.running_scores)  # [B, K * V]
-        topk_log_probs, topk_beams, topk_tokens = _get_top_k_continuations(log_probs, beams_to_keep, k, topk)
-        hits = _next_token_hits_stopping_criteria(topk_tokens, eos, last_step)  # [B, C]
-        beams.running_scores, next_beams, next_tokens = _get_running_beams_for_next_iteration(
-            topk_log_probs, topk_beams, topk_tokens, hits, k
-        )
-        did_finish = hits & top_num_beam_mask[None, :]  # only the top K candidates may finish
-        generated = rows.history.generated
-        _update_finished_beams(beams, generated, topk_log_probs, topk_beams, topk_tokens, did_finish, t, s)
-        if last_step:
+        tokens = search.advance(logits)  # [N]
+        if tokens is None:
             break
-        beams.heuristic_unsatisfied = _check_early_stop_heuristic(beams, cur_len + 1, s)
-        tokens = _continue_running_beams(rows, next_beams, next_tokens)  # [N]
-
         if (t + 1) % sync_every == 0:  # done inputs leave
-            leaving = rows.check(beams.done(s.early_stopping))
+            leaving = rows.check(search.done())
             if leaving is not None:
                 if leaving.all_done:
                     break
                 collect(leaving.done, leaving.inputs)
-                beams.keep(leaving.keep)
+                search.keep(leaving)
                 tokens = tokens[leaving.kept_rows]
-                rows.keep_inputs(leaving)
 
         logits = backend.step(rows.state, tokens)  # [N, V]
 

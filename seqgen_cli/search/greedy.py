@@ -13,10 +13,60 @@ import torch
 
 from seqgen_cli.search.output import SearchOutput
 from seqgen_cli.search.protocol import Batch, ModelBackend
-from seqgen_cli.search.rows import default_sync_every, start_rows
+from seqgen_cli.search.rows import Leaving, Rows, default_sync_every, start_rows
 from seqgen_cli.search.settings import SearchSettings
 
 Picker = Callable[[torch.Tensor], torch.Tensor]  # processed scores [N, V] -> tokens [N]
+
+
+class TokenSearch:
+    """One token per row per step over the inputs of ``rows``, one step per :meth:`advance` (transformers'
+    ``_sample`` loop body): shared by a batch (:func:`token_search`) and a refill cohort (``search/slots.py``)."""
+
+    def __init__(self, rows: Rows, settings: SearchSettings, pick: Picker, eos: torch.Tensor | None) -> None:
+        self.rows, self.s, self.pick, self.eos = rows, settings, pick, eos
+        n, device = rows.history.tokens.shape[0], rows.history.tokens.device
+        self.pad = settings.pad if settings.pad is not None else 0
+        self.finished = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
+        # [N] generated length (EOS included)
+        self.lengths = torch.full((n,), settings.max_new_tokens, dtype=torch.long, device=device)
+        self.t = 0  # steps done (host int)
+
+    def advance(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Step ``t`` on the rows' logits [N, V]: the tokens [N] to feed next, or ``None`` after the last step."""
+        rows, history, t = self.rows, self.rows.history, self.t
+        scores = rows.pipeline(history, logits.float())  # [N, V] float32 (transformers casts too)
+        tokens = self.pick(scores)  # [N]
+        tokens = torch.where(self.finished, self.pad, tokens)
+        history.append(tokens)
+        rows.pipeline.appended(history)
+        if self.eos is not None:
+            hit = torch.isin(tokens, self.eos) & ~self.finished
+            self.lengths = torch.where(hit, t + 1, self.lengths)
+            self.finished = self.finished | hit
+        self.t += 1
+        return None if self.t == self.s.max_new_tokens else tokens
+
+    def done(self) -> torch.Tensor | None:
+        """[B] bool: inputs whose rows all stopped; ``None`` without EOS (none stops early)."""
+        if self.eos is None:
+            return None
+        return self.finished.view(-1, self.rows.rows_per_input).all(dim=1)
+
+    def results(self, idx: torch.Tensor) -> tuple[list[list[list[int]]], None]:
+        """The rows of active inputs ``idx`` ([D] int64) on the host (after a check only)."""
+        r = self.rows.rows_per_input
+        row_ids = self.rows.row_index(idx)  # [D * R]
+        tokens = self.rows.history.generated.index_select(0, row_ids).tolist()
+        lens = self.lengths.index_select(0, row_ids).tolist()
+        d = idx.shape[0]
+        return [[tokens[j * r + k][: lens[j * r + k]] for k in range(r)] for j in range(d)], None
+
+    def keep(self, leaving: Leaving) -> None:
+        """Done inputs leave (``Rows.check``'s split)."""
+        kept_rows = leaving.kept_rows  # [B' * R]
+        self.finished, self.lengths = self.finished[kept_rows], self.lengths[kept_rows]
+        self.rows.keep_inputs(leaving)
 
 
 def token_search(
@@ -28,51 +78,34 @@ def token_search(
     sync_every: int | None = None,
 ) -> SearchOutput:
     """Run one token per row per step until every row hit EOS or ``max_length``."""
-    s, r = settings, rows_per_input
+    s = settings
     device = batch.input_ids.device
     sync_every = sync_every or default_sync_every(device)
     # Host data goes to the device before the first step is queued (a copy after it would wait for it).
     eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
-    rows, logits = start_rows(backend, batch, s, r)
-    history = rows.history
-    total = s.max_new_tokens
-    pad = s.pad if s.pad is not None else 0
-    n = logits.shape[0]
-    finished = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
-    lengths = torch.full((n,), total, dtype=torch.long, device=device)  # [N] generated length (EOS included)
+    rows, logits = start_rows(backend, batch, s, rows_per_input)
+    search = TokenSearch(rows, s, pick, eos)
     results: list[list[list[int]]] = [[] for _ in range(batch.input_ids.shape[0])]
 
     def collect(idx: torch.Tensor, inputs: list[int]) -> None:
         """Copy the rows of active inputs ``idx`` ([D] int64; batch indices ``inputs``) to the host results:
         only after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
-        row_ids = rows.row_index(idx)  # [D * R]
-        tokens = history.generated.index_select(0, row_ids).tolist()
-        lens = lengths.index_select(0, row_ids).tolist()
-        for j, b in enumerate(inputs):
-            results[b] = [tokens[j * r + k][: lens[j * r + k]] for k in range(r)]
+        for b, seqs in zip(inputs, search.results(idx)[0], strict=True):
+            results[b] = seqs
 
-    for t in range(total):
-        scores = rows.pipeline(history, logits.float())  # [N, V] float32 (transformers casts too)
-        tokens = pick(scores)  # [N]
-        tokens = torch.where(finished, pad, tokens)
-        history.append(tokens)
-        rows.pipeline.appended(history)
-        if eos is not None:
-            hit = torch.isin(tokens, eos) & ~finished
-            lengths = torch.where(hit, t + 1, lengths)
-            finished = finished | hit
-        if t == total - 1:
+    for t in range(s.max_new_tokens):
+        tokens = search.advance(logits)  # [N]
+        if tokens is None:
             break
-        if eos is not None and (t + 1) % sync_every == 0:
-            done = finished.view(-1, r).all(dim=1)  # [B_active]
+        done = search.done() if (t + 1) % sync_every == 0 else None
+        if done is not None:
             leaving = rows.check(done)
             if leaving is not None:
                 if leaving.all_done:
                     break
                 collect(leaving.done, leaving.inputs)
-                kept_rows = leaving.kept_rows  # [B' * R]
-                finished, lengths, tokens = finished[kept_rows], lengths[kept_rows], tokens[kept_rows]
-                rows.keep_inputs(leaving)
+                search.keep(leaving)
+                tokens = tokens[leaving.kept_rows]
         logits = backend.step(rows.state, tokens)  # [N, V]
 
     collect(*rows.remaining())

@@ -1,0 +1,241 @@
+"""The refill engine (``--refill``): generation over a fixed set of input slots; an input that finishes hands its
+slot to a waiting one, so steps run with full batches instead of a shrinking tail.
+
+Slots. ``S`` input slots of ``R`` rows each (beams, or samples) live in the model backend's state
+(``open_slots``): cross-attention keys/values and mask per slot, a self-attention cache with a step counter per
+slot (``models/kv_cache.py: SlotKVCache``). Every decode step runs all ``S * R`` rows (``slot_step``), each slot
+at its own step: one shape per run.
+
+Cohorts. Inputs that join at the same host check form a *cohort*: they run in lockstep, so a cohort is searched
+exactly as one batch of the ordinary engine, by the same code (``BeamSearch`` / ``TokenSearch`` over a ``Rows``
+of its own: history, processors, n-gram blocker, beam state). Each step the engine hands every cohort its rows'
+logits; the cohorts' beam reorderings go to the backend as one permutation.
+
+Life cycle of an input: *join* (at a host check, into a free slot: the encoder runs for the joiners only, their
+cross K/V go into the slots' rows, their self-attention restarts at step 0, a new cohort starts with fresh
+search state), *run*, *leave* (the periodic host check, ``Rows.check``, finds it done: its results are copied
+out and its slot is free; its rows idle until the next join). Joiners are taken from the waiting inputs in the
+order given (the caller sorts them by length, so neighbours share a source-width bucket); a wider joiner widens
+every slot's source columns (masked). Results are per input index: the writer's order is the caller's business.
+
+Exactness: an input's search is the ordinary one, and its decoder arithmetic does not depend on its
+neighbours' steps (all ``T`` slots attended under a mask, ``SlotKVCache``), so outputs are token-identical to
+``generate()`` (tests/test_slots.py runs the equivalence harness with joins at many different steps) and equal
+to the input's own run with the same slot count.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.search.beam import BeamConstants, BeamSearch, pick_topk
+from seqgen_cli.search.greedy import TokenSearch
+from seqgen_cli.search.history import TokenHistory
+from seqgen_cli.search.processors import LogitsPipeline
+from seqgen_cli.search.protocol import Batch, SearchOutput
+from seqgen_cli.search.rows import Rows, default_sync_every
+from seqgen_cli.search.sampling import draw
+from seqgen_cli.search.settings import SearchSettings, resolve_settings
+
+
+@dataclass
+class SlotStats:
+    """What a refill run did (``--stats``): decode steps, rows run and rows of a live input, joins."""
+
+    steps: int = 0
+    row_steps: int = 0  # rows run: S * R per step
+    live_row_steps: int = 0  # rows of an input not yet seen done
+    joins: int = 0  # host checks at which inputs joined
+
+    @property
+    def occupancy(self) -> float:
+        return self.live_row_steps / self.row_steps if self.row_steps else 0.0
+
+    def add(self, other: SlotStats) -> None:
+        self.steps += other.steps
+        self.row_steps += other.row_steps
+        self.live_row_steps += other.live_row_steps
+        self.joins += other.joins
+
+
+class _Reorders:
+    """The backend a cohort's :class:`Rows` sees: it records the cohort's beam reordering (cohort rows) for the
+    engine to apply with every other cohort's; inputs that leave idle in their slots (no drop)."""
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None
+
+    def reorder(self, state: Any, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def drop(self, state: Any, keep: torch.Tensor, rows: torch.Tensor) -> None:
+        pass
+
+
+@dataclass
+class _Cohort:
+    """Inputs that joined together: one search, in lockstep."""
+
+    search: BeamSearch | TokenSearch
+    rows: Rows
+    reorders: _Reorders
+    physical: torch.Tensor  # [N_c] int64: the cohort's running rows among the S * R
+
+
+def input_seed(seed: int, index: int) -> int:
+    """The seed of input ``index``'s random stream: a function of ``--seed`` and the index only."""
+    return (seed * 1_000_003 + index) % (2**63)
+
+
+def _slot_settings(backend: Any, batch: Batch, config: GenerationConfig) -> SearchSettings:
+    return resolve_settings(
+        config,
+        is_encoder_decoder=backend.is_encoder_decoder,
+        prompt_len=batch.input_ids.shape[1],
+        max_position_embeddings=getattr(backend, "max_position_embeddings", None),
+    )
+
+
+@torch.inference_mode()
+def generate_slots(
+    backend: Any,
+    batch: Batch,
+    config: GenerationConfig,
+    *,
+    slots: int,
+    seed: int | None = None,
+    indices: Sequence[int] | None = None,
+    order: Sequence[int] | None = None,
+    min_free: int = 1,
+    sync_every: int | None = None,
+    stats: SlotStats | None = None,
+) -> SearchOutput:
+    """Generate for every input of ``batch`` ([B, W], right-padded sources) over ``slots`` input slots.
+
+    ``order``: the order inputs join in (default: batch order); ``min_free``: join only when at least that many
+    slots are free (or none runs); ``indices``: each input's index for its sampling stream (default: batch
+    position), seeded by :func:`input_seed`. Returns what :func:`seqgen_cli.search.generate` returns.
+    """
+    if not backend.is_encoder_decoder:
+        raise SeqgenError("--refill runs encoder-decoder models only so far (use --no-refill)")
+    s = _slot_settings(backend, batch, config)
+    num_inputs = batch.input_ids.shape[0]
+    device = batch.input_ids.device
+    r = s.num_beams if s.mode == "beam" else (s.num_return_sequences if s.mode == "sample" else 1)
+    sync_every = sync_every or default_sync_every(device)
+    stats = stats if stats is not None else SlotStats()
+    indices = list(range(num_inputs)) if indices is None else list(indices)
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    waiting = deque(range(num_inputs) if order is None else order)
+    num_slots = max(1, min(slots, num_inputs))
+    state = backend.open_slots(num_slots, r, s.max_new_tokens)
+    consts = BeamConstants.build(s, device) if s.mode == "beam" else None
+    eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
+    tokens = torch.zeros(num_slots * r, dtype=torch.long, device=device)  # [S * R]: the next step's input
+    identity = torch.arange(num_slots * r, device=device)
+    free = list(range(num_slots))
+    slot_of: dict[int, int] = {}
+    generators: dict[int, torch.Generator] = {}
+    cohorts: list[_Cohort] = []
+    results: list[list[list[int]]] = [[] for _ in range(num_inputs)]
+    result_scores: list[list[float]] | None = [[] for _ in range(num_inputs)] if s.mode == "beam" else None
+
+    def sample_pick(rows: Rows):
+        def pick(scores: torch.Tensor) -> torch.Tensor:  # [N_c, V] -> [N_c]: each input from its own stream
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            return torch.cat(
+                [draw(probs[j * r : (j + 1) * r], generators[b]) for j, b in enumerate(rows.inputs)]
+            )
+
+        return pick
+
+    topk = pick_topk(torch.empty(0, dtype=getattr(backend, "dtype", torch.float32), device=device))
+
+    def search_for(rows: Rows) -> BeamSearch | TokenSearch:
+        if consts is not None:
+            return BeamSearch(rows, s, consts, topk)
+        if s.mode == "sample":
+            return TokenSearch(rows, s, sample_pick(rows), eos)
+        return TokenSearch(rows, s, lambda scores: scores.argmax(dim=-1), eos)
+
+    def collect(cohort: _Cohort, idx: torch.Tensor, inputs: list[int]) -> None:
+        sequences, scores = cohort.search.results(idx)
+        for j, b in enumerate(inputs):
+            results[b] = sequences[j]
+            if result_scores is not None and scores is not None:
+                result_scores[b] = scores[j]
+            free.append(slot_of.pop(b))
+            generators.pop(b, None)
+        free.sort()
+
+    def join() -> None:
+        take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+        used = free[: len(take)]
+        del free[: len(take)]
+        slot_ids = torch.tensor(used, dtype=torch.long, device=device)  # [J]
+        take_ids = torch.tensor(take, dtype=torch.long, device=device)
+        backend.join(state, slot_ids, _columns(batch, take_ids, max(lengths[b] for b in take)))
+        physical = (slot_ids[:, None] * r + torch.arange(r, device=device)).reshape(-1)  # [J * R]
+        prompt = torch.full((len(take) * r, 1), s.decoder_start, dtype=torch.long, device=device)  # [J*R, 1]
+        history = TokenHistory(prompt, s.max_length)
+        reorders = _Reorders()
+        rows = Rows(reorders, None, history, LogitsPipeline(s, history, backend.vocab_size, device), r, take)
+        for b, slot in zip(take, used, strict=True):
+            slot_of[b] = slot
+            if s.mode == "sample":
+                gen = torch.Generator(device=device)
+                generators[b] = gen.manual_seed(input_seed(0 if seed is None else seed, indices[b]))
+        cohorts.append(_Cohort(search_for(rows), rows, reorders, physical))
+        tokens.index_fill_(0, physical, s.decoder_start)
+        stats.joins += 1
+
+    join()
+    while cohorts:
+        stats.steps += 1
+        stats.row_steps += num_slots * r
+        stats.live_row_steps += sum(c.physical.shape[0] for c in cohorts)
+        logits = backend.slot_step(state, tokens, max(c.search.t for c in cohorts))  # [S * R, V]
+        perm: torch.Tensor | None = None
+        for cohort in list(cohorts):
+            nxt = cohort.search.advance(logits.index_select(0, cohort.physical))  # [N_c]
+            if nxt is None:  # its last step: every input done
+                collect(cohort, *cohort.rows.remaining())
+                cohorts.remove(cohort)
+                continue
+            if cohort.reorders.rows is not None:
+                perm = identity.clone() if perm is None else perm
+                perm.index_copy_(0, cohort.physical, cohort.physical.index_select(0, cohort.reorders.rows))
+                cohort.reorders.rows = None
+            tokens.index_copy_(0, cohort.physical, nxt)
+        if perm is not None:
+            backend.reorder(state, perm)
+        if stats.steps % sync_every == 0:
+            for cohort in list(cohorts):
+                done = cohort.search.done()
+                leaving = cohort.rows.check(done) if done is not None else None
+                if leaving is None:
+                    continue
+                collect(cohort, leaving.done, leaving.inputs)
+                if leaving.all_done:
+                    cohorts.remove(cohort)
+                else:
+                    cohort.search.keep(leaving)
+                    cohort.physical = cohort.physical.index_select(0, leaving.kept_rows)
+        if waiting and free and (len(free) >= min_free or not cohorts):
+            join()
+    return SearchOutput(sequences=results, scores=result_scores)
+
+
+def _columns(batch: Batch, inputs: torch.Tensor, width: int) -> Batch:
+    """Inputs ``inputs`` ([J] int64) of a right-padded ``batch``, their columns up to ``width`` (their longest)."""
+    return Batch(
+        batch.input_ids.index_select(0, inputs)[:, :width],
+        batch.attention_mask.index_select(0, inputs)[:, :width],
+    )

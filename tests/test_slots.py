@@ -1,0 +1,151 @@
+"""The refill engine (``search/slots.py``, ``--refill``): token-identical to ``generate()`` with joins at many
+different steps, and an input's output (tokens and scores, bit for bit) does not depend on its neighbours or
+on when it joined."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.models import get_backend
+from seqgen_cli.search import Batch
+from seqgen_cli.search.slots import SlotStats, generate_slots
+from tests.engine_models import load, text_batch
+from tests.equivalence import SETTINGS, check_equivalence
+
+ENC_DEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
+EVERY_SETTING = ["bart", "t5"]  # every setting; the other families a few
+FEW = ["greedy", "beam4_ngram3_lp2_minmax_es", "beam4_nrs3"]
+BATCH = 16
+
+
+def refill(slots: int, seed: int, min_free: int = 1, stats: SlotStats | None = None):
+    """The refill engine as the harness calls an engine: inputs join in a shuffled order."""
+
+    def engine(backend, batch: Batch, config):
+        order = list(range(batch.input_ids.shape[0]))
+        random.Random(seed).shuffle(order)
+        return generate_slots(
+            backend, batch, config, slots=slots, order=order, min_free=min_free, stats=stats
+        )
+
+    return engine
+
+
+def cases() -> list[tuple[str, str]]:
+    return [(f, s) for f in ENC_DEC for s in (SETTINGS if f in EVERY_SETTING else FEW)]
+
+
+@pytest.mark.parametrize(("family", "setting"), cases())
+def test_refill_equivalence(tiny_models, family: str, setting: str) -> None:
+    loaded = load(tiny_models(family))
+    stats = SlotStats()
+    engine = refill(slots=5, seed=len(setting), min_free=2, stats=stats)
+    result = check_equivalence(
+        loaded.model, get_backend, text_batch(loaded, BATCH), SETTINGS[setting], engine=engine
+    )
+    print(
+        f"{family} {setting} refill: {result.summary()}; occupancy {stats.occupancy:.2f}, {stats.joins} joins"
+    )
+    assert not result.mismatches, "\n".join(result.mismatches[:5])
+    if SETTINGS[setting].get("num_beams", 1) == 1:
+        assert result.identical == result.total
+    assert stats.joins >= 3  # inputs joined at several different steps
+
+
+def run_alone(backend, batch: Batch, config, i: int):
+    one = Batch(batch.input_ids[i : i + 1], batch.attention_mask[i : i + 1])
+    return generate_slots(backend, one, config, slots=1)
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+@pytest.mark.parametrize(
+    "setting", ["beam4_ngram3_lp2_minmax_es", "beam4_nrs3", "greedy_rep1.3_ngram2_default_len"]
+)
+def test_refill_output_independent_of_neighbours(tiny_models, family: str, setting: str) -> None:
+    """Each input alone, then among the others in shuffled orders, slot counts and join thresholds (so it joins
+    at other steps, beside other inputs, in another slot): the same tokens and scores, bit for bit."""
+    loaded = load(tiny_models(family))
+    model, batch = loaded.model, text_batch(loaded, 12, seed=3)
+    config = resolve_generation_config(model.generation_config, None, SETTINGS[setting])
+    backend = get_backend(model)
+    alone = [run_alone(backend, batch, config, i) for i in range(12)]
+    join_counts = set()
+    for trial, (slots, min_free) in enumerate([(4, 1), (3, 2), (5, 1), (7, 3)]):
+        stats = SlotStats()
+        out = refill(slots, seed=trial, min_free=min_free, stats=stats)(backend, batch, config)
+        join_counts.add(stats.joins)
+        for i in range(12):
+            assert out.sequences[i] == alone[i].sequences[0], f"trial {trial}, input {i}"
+            if out.scores is not None:
+                assert out.scores[i] == alone[i].scores[0], f"trial {trial}, input {i}"
+    assert len(join_counts) > 1  # the schedules differ
+
+
+def test_refill_sampling_stream_per_input(tiny_models) -> None:
+    """Sampling: an input's draws depend on the seed and its index only: the same outputs in any order, beside
+    any neighbours, and in a part of the run (a resumed or sharded run) given the same indices."""
+    loaded = load(tiny_models("bart"))
+    model, batch = loaded.model, text_batch(loaded, 10, seed=1)
+    kwargs = dict(do_sample=True, num_return_sequences=2, top_k=20, max_new_tokens=12)
+    config = resolve_generation_config(model.generation_config, None, kwargs)
+    backend = get_backend(model)
+    whole = generate_slots(backend, batch, config, slots=4, seed=7)
+    shuffled = generate_slots(backend, batch, config, slots=3, seed=7, order=[9, 2, 5, 0, 1, 8, 3, 7, 6, 4])
+    assert shuffled.sequences == whole.sequences
+    tail = Batch(batch.input_ids[6:], batch.attention_mask[6:])  # a shard: inputs 6..9
+    part = generate_slots(backend, tail, config, slots=2, seed=7, indices=range(6, 10))
+    assert part.sequences == whole.sequences[6:]
+    other_seed = generate_slots(backend, batch, config, slots=4, seed=8)
+    assert other_seed.sequences != whole.sequences
+    assert len({tuple(map(tuple, s)) for s in whole.sequences}) > 1  # sampling differs across inputs
+
+
+def test_refill_occupancy_counts(tiny_models) -> None:
+    """Steps run, row-steps and live row-steps add up: a full batch at first, idle rows only at the tail."""
+    loaded = load(tiny_models("bart"))
+    model, batch = loaded.model, text_batch(loaded, 16, seed=2)
+    config = resolve_generation_config(model.generation_config, None, SETTINGS["beam4_lp0.6"])
+    stats = SlotStats()
+    generate_slots(get_backend(model), batch, config, slots=4, stats=stats)
+    assert stats.row_steps == stats.steps * 4 * 4
+    assert 0.5 < stats.occupancy <= 1.0
+    assert stats.joins >= 4
+
+
+def test_refill_cli(tiny_models, tmp_path) -> None:
+    """``--refill`` writes what ``--no-refill`` writes; ``--stats`` has slot occupancy, joins and steps."""
+    from tests.helpers import seqgen
+    from tests.tiny_models import sample_texts
+
+    bart = tiny_models("bart")
+    src = tmp_path / "in.txt"
+    src.write_text("".join(t + "\n" for t in sample_texts(40, seed=8)), encoding="utf-8")
+    common = ["generate", "-m", str(bart), str(src), "--num-beams", "3", "--max-new-tokens", "6", "-q"]
+    stats = tmp_path / "stats.json"
+    a = seqgen(*common, "-o", str(tmp_path / "a.txt"), "--batch-size", "1", "--no-refill")
+    b = seqgen(*common, "-o", str(tmp_path / "b.txt"), "--batch-size", "6", "--refill", "--stats", str(stats))
+    assert a.exit_code == 0 and b.exit_code == 0, (a.stderr, b.stderr)
+    assert (tmp_path / "a.txt").read_bytes() == (tmp_path / "b.txt").read_bytes()
+    refill_stats = json.loads(stats.read_text())["device"]["refill"]
+    assert refill_stats["slots"] == 6 and refill_stats["joins"] >= 1 and refill_stats["steps"] > 0
+    assert 0 < refill_stats["occupancy"] <= 1
+
+
+def test_slot_cache_steps_per_slot() -> None:
+    """SlotKVCache: slots at different steps write their own step and see their own history only."""
+    from seqgen_cli.models.kv_cache import SlotKVCache
+
+    cache = SlotKVCache(1, 2, 1, 1, 4, 2, torch.float32, torch.device("cpu"))
+    cache.steps.copy_(torch.tensor([0, 2]))
+    cache._row_steps()
+    cache.begin()
+    k = torch.tensor([[[1.0, 1.0]], [[2.0, 2.0]]])  # [N=2, H=1, d=2]
+    cache.attend(0, k, k, k, 1.0)
+    assert cache.k[0][0, 0, 0, 0].tolist() == [1.0, 1.0] and cache.k[0][1, 0, 2, 0].tolist() == [2.0, 2.0]
+    visible = cache.bias.view(2, 4) == 0
+    assert visible.tolist() == [[True, False, False, False], [True, True, True, False]]
