@@ -174,7 +174,13 @@ def test_cache_accounting(name: str) -> None:
     with pytest.raises(ValueError, match="beyond the 5 positions"):
         dec.step(state, torch.ones(B * R, dtype=torch.long))
     sizes = dec.cache_nbytes(state)
-    assert sizes == {"prompt": 2 * L * B * Hkv * P * d * 4, "generated": 2 * L * B * R * Hkv * T * d * 4}
+    assert state.cache.prompt_bias.numel() == B * P  # the prompt's padding mask, float32
+    assert sizes == {
+        "prompt": 2 * L * B * Hkv * P * d * 4 + B * P * 4,
+        "generated": 2 * L * B * R * Hkv * T * d * 4,
+        "pointers": B * R * T * 8,
+    }
+    assert dec.cache_bytes(B, P, R, T) == sum(sizes.values())
     if name == "llama":
         assert Hkv == 2 < H
 

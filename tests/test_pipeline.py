@@ -41,6 +41,13 @@ class FakeGen:
         return self.config.num_return_sequences
 
     rows_per_input = num_return_sequences
+    loaded = SimpleNamespace(device=SimpleNamespace(type="cpu"))  # --verify: off on the CPU
+
+    def batch_limits(self, batch_size: int, batch_tokens: int | None, window: int) -> tuple[int, int | None]:
+        return batch_size, batch_tokens  # no refill: the batches themselves
+
+    def memory_limit(self) -> None:
+        return None  # no device memory budget
 
     def encode(self, texts):
         return [Encoded([ord(c) for c in t], False) for t in texts]
@@ -321,6 +328,7 @@ def _killed_run(src: Path, out: Path, kill_at_batch: int) -> list[int]:
 
     proc = ctx.Process(target=child)
     proc.start()
+    assert reader.poll(120), f"the child ended (exit code {proc.exitcode}) before batch {kill_at_batch}"
     sizes = reader.recv()
     proc.join(30)
     assert proc.exitcode == -signal.SIGKILL
