@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from seqgen_cli.models import quantize
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
 from seqgen_cli.models.quantize import dense
 
@@ -51,6 +52,8 @@ class LlamaBackend(DecoderOnlyBackend):
         attn = self.base.layers[0].self_attn
         self.n_head, self.head_dim = cfg.num_attention_heads, attn.head_dim
         self.n_kv = cfg.num_key_value_heads
+        head = model.get_output_embeddings()
+        self.lm = quantize.linear(head.weight, head.bias)
 
     def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""
@@ -74,4 +77,4 @@ class LlamaBackend(DecoderOnlyBackend):
             mlp = layer.mlp
             x = x + linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
         x = m.norm(x)
-        return self.model.get_output_embeddings()(x).float()  # [N, V]
+        return self.lm(x).float()  # [N, V]

@@ -121,8 +121,8 @@ class ReaderStage:
                         got = self._raw.get_nowait()
                     except queue.Empty:
                         break
-                if records:
-                    starved = tail is None and self._raw.empty()
+                if records:  # starved: a pipe with nothing more yet (a file's batches never depend on timing)
+                    starved = self._streaming and tail is None and self._raw.empty()
                     if not self._put(self._out, Chunk(self._tokenise(records), starved)):
                         return
                 if tail is not None:

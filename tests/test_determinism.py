@@ -1,0 +1,210 @@
+"""The bytes of an output depend on its input and the settings only (issue 24, part 7; CPU float32).
+
+Not on the batch size, the token budget, the sort window, a shard, the thread count, the reader's timing or
+which inputs share a batch or leave it first. Three layers: the products (a row's bits whatever the rows beside
+it), the model backends (an input's logits alone, among neighbours, after they leave) and the CLI (a few hundred
+lines through many batchings against each input run alone), the last on tiny checkpoints whose LM head rows come
+in near-identical pairs, so that every step is a near-tie and any change of arithmetic shows in the text.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from seqgen_cli.batching import width_bucket
+from seqgen_cli.cli import main
+from seqgen_cli.generator import Encoded, Generator
+from seqgen_cli.models import quantize
+from seqgen_cli.pipeline.reader import ReaderStage
+from seqgen_cli.pipeline.records import Record
+from seqgen_cli.pipeline.writer import format_output
+from seqgen_cli.search.protocol import Batch
+from tests.tiny_models import copy_checkpoint, sample_texts
+
+FAST_FAMILIES = ("bart", "marian", "pegasus", "t5", "gpt2", "llama")
+
+
+# -- products -------------------------------------------------------------------------------------------------
+
+
+def test_width_bucket_depends_on_the_length_only_and_pads_little() -> None:
+    previous = 0
+    for n in range(1, 5000):
+        w = width_bucket(n)
+        assert w >= n and w % 8 == 0 and w >= previous
+        assert width_bucket(w) == w  # a bucket's bound is its own bucket
+        assert w - n < max(8, n / 8)  # under 8 tokens or 12.5 %
+        previous = w
+
+
+@pytest.mark.skipif(not quantize.ONEDNN, reason="torch built without oneDNN")
+@pytest.mark.parametrize(("inputs", "outputs"), [(2048, 48), (48, 600)])
+def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(inputs: int, outputs: int) -> None:
+    """dense and PackedLinear (dense and packed weight): row i of a product of M rows, for any M (1 included,
+    beyond 1024 too), equals row i of the largest product, at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(outputs, inputs, generator=g) / inputs**0.5, torch.randn(outputs, generator=g)
+    x = torch.randn(1100, inputs, generator=g)
+    threads = torch.get_num_threads()
+    packed = quantize.PackedLinear(w, b)
+    packed.calls = quantize.PACK_AFTER  # the next call packs
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for name, fn in [("dense", lambda x: quantize.dense(x, w, b)), ("packed", packed)]:
+                full = fn(x)
+                for m in (1, 2, 3, 5, 7, 9, 11, 16, 33, 1025):
+                    assert torch.equal(fn(x[:m]), full[:m]), f"{name}, {m} rows, {n_threads} threads"
+            assert packed.packed is not None
+            assert torch.equal(packed(x[:7]), quantize.dense(x[:7], w, b))  # packed or not: the same bits
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- model backends -------------------------------------------------------------------------------------------
+
+
+def _logits(gen: Generator, batch: list[list[int]], steps: list[int], rows: int, leave_at: int | None):
+    """Input 0's logits [steps, rows, V] from start() and teacher-forced step()s (the same token for every row);
+    ``leave_at``: every other input leaves after that step."""
+    backend = gen._engine()
+    input_ids, mask = gen.pad(batch)
+    state, first = backend.start(Batch(input_ids, mask), rows, len(steps) + 1)
+    out = [] if first is None else [first[:1].expand(rows, -1)]
+    inputs = len(batch)
+    token = gen.config.decoder_start_token_id if backend.is_encoder_decoder else steps[0]
+    for t, nxt in enumerate(steps):
+        out.append(backend.step(state, torch.full((inputs * rows,), token))[:rows].clone())
+        if t == leave_at and inputs > 1:
+            backend.drop(state, torch.tensor([0]), torch.arange(rows))
+            inputs = 1
+        token = nxt
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES)
+def test_an_inputs_logits_do_not_depend_on_its_neighbours(tiny_models, family: str) -> None:
+    gen = Generator(str(tiny_models(family)), max_new_tokens=8)
+    ids = [e.ids for e in gen.encode(sample_texts(100, seed=11))]
+    widths = [width_bucket(len(s)) for s in ids]
+    x, *same_bucket = [s for s, w in zip(ids, widths, strict=True) if w == max(widths, key=widths.count)]
+    assert len(same_bucket) >= 4 and len({len(s) for s in same_bucket}) > 1, "neighbours of other lengths"
+    rng = random.Random(0)
+    steps = [rng.randrange(4, gen._engine().vocab_size) for _ in range(6)]
+    for rows in (1, 3):
+        alone = _logits(gen, [x], steps, rows, None)
+        for k in (1, 2, 4):
+            neighbours = [x, *same_bucket[:k]]
+            assert torch.equal(_logits(gen, neighbours, steps, rows, None), alone), (
+                f"{k} neighbours, R={rows}"
+            )
+            assert torch.equal(_logits(gen, neighbours, steps, rows, 2), alone), f"{k} leave, R={rows}"
+
+
+# -- reader timing --------------------------------------------------------------------------------------------
+
+
+def _slow_records(n: int, pause: float) -> Iterator[Record]:
+    for i in range(n):
+        time.sleep(pause)  # the tokeniser always waits for the reader
+        yield Record(index=i, source="in.txt", line=i + 1, text=f"input {i}")
+
+
+def _chunks(streaming: bool) -> list:
+    encode = lambda texts: [Encoded([1, 2], False) for _ in texts]  # noqa: E731
+    stage = ReaderStage(_slow_records(12, 0.01), encode, chunk_size=4, streaming=streaming).start()
+    return list(stage.chunks())
+
+
+def test_a_files_windows_never_depend_on_the_readers_timing() -> None:
+    """A lagging reader never cuts a regular file's window early; only a pipe's (its outputs still do not
+    depend on where the cut falls)."""
+    assert not any(c.starved for c in _chunks(streaming=False))
+    assert any(c.starved for c in _chunks(streaming=True))
+
+
+# -- the CLI: many batchings, shards, each input alone ---------------------------------------------------------
+
+
+def near_tie_checkpoint(src: Path, dest: Path) -> Path:
+    """``src`` with its LM head's odd rows copies of the even ones times (1 + 1e-6 noise): the two tokens of a
+    pair differ by about the float32 rounding of the product, so any other arithmetic picks the other one."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    copy_checkpoint(src, dest)
+    auto = (
+        AutoModelForSeq2SeqLM if AutoConfig.from_pretrained(src).is_encoder_decoder else AutoModelForCausalLM
+    )
+    model = auto.from_pretrained(src)
+    w = model.get_output_embeddings().weight
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        odd = w[1::2]
+        odd.copy_(w[0::2][: odd.shape[0]] * (1 + 1e-6 * torch.randn(odd.shape, generator=g)))
+    model.save_pretrained(dest)
+    return dest
+
+
+CLI_CASES = {  # family -> generation settings
+    "marian": {"num_beams": 4, "max_new_tokens": 10},
+    "gpt2": {"max_new_tokens": 10},
+}
+BATCHINGS = [
+    ["--batch-size", "16"],
+    ["--batch-size", "1"],
+    ["--batch-size", "3"],
+    ["--batch-size", "64", "--batch-tokens", "600"],
+    ["--batch-size", "8", "--sort-window", "0"],
+    ["--batch-size", "4", "--sort-window", "7"],
+]
+
+
+def seqgen(*args: str):
+    res = CliRunner().invoke(main, [*args, "-q"], catch_exceptions=False)
+    assert res.exit_code == 0, res.stderr
+    return res
+
+
+@pytest.mark.parametrize("family", sorted(CLI_CASES))
+def test_the_same_bytes_from_every_batching_window_and_shard(
+    tiny_models, tmp_path: Path, family: str
+) -> None:
+    model = near_tie_checkpoint(tiny_models(family), tmp_path / "model")
+    texts = sample_texts(240, seed=7)
+    texts[17] = texts[150] = ""  # empty lines pass through
+    src = tmp_path / "in.txt"
+    src.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    settings = CLI_CASES[family]
+    flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+    def generate(out: Path, *more: str) -> bytes:
+        seqgen("generate", "-m", str(model), str(src), "-o", str(out), *flags, *more)
+        return out.read_bytes()
+
+    runs = {" ".join(b): generate(tmp_path / f"out{i}.txt", *b) for i, b in enumerate(BATCHINGS)}
+    parts = [tmp_path / f"part{i}.txt" for i in range(3)]
+    for i, part in enumerate(parts):
+        generate(part, "--batch-size", "16", "--shard", f"{i}/3")
+    seqgen("merge", *map(str, parts), "-o", str(tmp_path / "merged.txt"))
+    runs["--shard I/3 + merge"] = (tmp_path / "merged.txt").read_bytes()
+
+    # each input alone: a batch of one, in a process of its own settings
+    gen = Generator(str(model), **settings)
+    alone = []
+    for i, text in enumerate(texts):
+        outputs = gen.generate([text], batch_size=1)[0]
+        alone.append(format_output(Record(i, str(src), i + 1, text), outputs, "text", "output"))
+    expected = "".join(alone).encode()
+    assert len(set(alone)) > 100, "the outputs should differ between inputs"
+    for name, got in runs.items():
+        lines, ref = got.decode().splitlines(), expected.decode().splitlines()
+        differ = [i for i, (a, b) in enumerate(zip(lines, ref, strict=True)) if a != b]
+        assert not differ, f"{name}: {len(differ)} lines differ from the inputs run alone, first {differ[:5]}"
+        assert got == expected
