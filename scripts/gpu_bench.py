@@ -7,20 +7,32 @@ this). Sections, each written to ``--out`` as soon as it is done (``results.json
   families on the suite's settings, and the bench shapes (bart-large-cnn preset, GPT-2 beam 4);
 * ``sync``: (CUDA) one decode under ``torch.cuda.set_sync_debug_mode``: synchronising calls vs host checks;
 * ``bart``: bart-large-cnn shape (real config and tokenizer, random weights, seed 0), FastSeq's 128 CNN/DM
-  sources truncated to 1024 tokens, beam 4, no-repeat 3, length penalty 2, exactly 142 new tokens; per
-  dtype and batch size seqgen vs ``generate()``: samples/s, tokens/s, peak memory, agreement with float32;
-  on CUDA also seqgen with the decode step captured (CUDA graphs) vs eager;
+  sources truncated to 1024 tokens (recycled to fill larger batches), beam 4, no-repeat 3, length penalty 2,
+  exactly 142 new tokens; per dtype and batch size seqgen vs ``generate()``: samples/s, tokens/s, peak memory,
+  agreement with float32; on CUDA also seqgen with the decode step captured (CUDA graphs) vs eager, its first
+  run (compile and recording) timed on its own, with the capture counts (shapes, compile seconds, steps);
 * ``gpt2``: GPT-2 shape, 512-token prompts (the same articles), beam 4, 128 new tokens, same measures;
 * ``cli``: ``Generator`` on the device (pinned, non-blocking input copies) and ``device_stats()``.
 
-    scripts/gpu_bench.sh --out DIR                                  # on a GPU machine: everything
-    scripts/gpu_bench.sh --out DIR --stages bart --batches 32,64    # one section (each fits a 10-minute call)
+Each system of a table cell is timed on its own: one that runs out of memory is marked OOM and the others'
+figures stay. ``--batches max`` doubles the batch until seqgen's eager step runs out of memory. ``--budget S``
+keeps a call under about S seconds: a table cell or stage that would not fit is skipped and listed with the
+command that runs it. Calls into the same ``--out`` add up (a table keeps the cells of earlier calls), so the
+bench runs as one call per stage, each within a 10-minute limit (on a lent machine, give ``--out`` an ignored
+folder such as ``bench-results/gpu``, which stays between calls, and copy it to ``$OUT`` after each):
+
+    scripts/gpu_bench.sh --out DIR                                  # on a GPU machine: everything, one call
+    scripts/gpu_bench.sh --out DIR --budget 540 --stages equiv,sync,cli              # in 10-minute calls
+    scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16
+    scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes bfloat16
+    scripts/gpu_bench.sh --out DIR --budget 540 --stages gpt2
+    scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16 --batches 256,max
     scripts/gpu_bench.sh --device cpu --quick --out DIR             # tiny shapes on the CPU (CI)
     python scripts/gpu_bench.py --stage-shared                      # copy the needed shared files to .gpu-shared/
 
 The shared folder (tokenizers, configs, sources): ``--shared DIR``, else ``$SEQGEN_SHARED``, else ``../shared``,
 else ``.gpu-shared`` in the checkout (``../shared`` does not travel to a GPU machine: stage it, then carry
-``.gpu-shared``).
+``.gpu-shared``). Only ``equiv`` imports from ``tests/`` (the harness and its fixture models), when it runs.
 """
 
 from __future__ import annotations
@@ -28,13 +40,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import platform
 import shutil
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +58,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _common import REPO, STAGED, find_shared  # noqa: E402
 from make_bench_models import build  # noqa: E402
 
+from seqgen_cli.batching import is_oom  # noqa: E402
 from seqgen_cli.config import resolve_generation_config  # noqa: E402
 from seqgen_cli.models import get_backend  # noqa: E402
 from seqgen_cli.models.capture import CapturedBackend, capture  # noqa: E402
@@ -54,6 +68,8 @@ STAGE_FILES = ("tokenizers/bart-large-cnn", "tokenizers/gpt2", "data/cnndm/fasts
 SOURCES = "data/cnndm/fastseq128/cnndm_128.txt"  # FastSeq's 128 CNN/DM test articles
 TESTED_TRANSFORMERS = "5.23.0"  # the CI's version; the equivalence suite's generate() reference
 SECTIONS = ("env", "equiv", "sync", "bart", "gpt2", "cli")
+TABLES = {"bart": "bart-large-cnn shape", "gpt2": "GPT-2 shape"}  # table sections and their titles
+REF_INPUTS = 32  # float32 reference outputs: the first inputs of every batch
 TINY_BART = {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "num_hidden_layers": 2}
 TINY_BART |= {"encoder_attention_heads": 4, "decoder_attention_heads": 4}
 TINY_BART |= {"encoder_ffn_dim": 128, "decoder_ffn_dim": 128}
@@ -75,15 +91,19 @@ def stage_shared(shared: Path) -> Path:
 
 
 class Report:
-    """Results so far: written to ``out/results.json`` and ``out/results.md`` after every section."""
+    """Results so far: ``out/results.json`` and ``out/results.md``, rewritten after every section. A later call
+    into the same ``--out`` adds to them (one GPU call per stage): a section replaces its earlier version, and a
+    table keeps the earlier rows of other (dtype, batch) cells."""
 
     def __init__(self, out: Path, args: argparse.Namespace) -> None:
         self.out = out
-        self.data: dict[str, Any] = {
-            "command": " ".join(sys.argv),
-            "args": {k: str(v) for k, v in vars(args).items()},
-        }
-        self.md: list[str] = []
+        path = out / "results.json"
+        self.data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        self.data.setdefault("commands", []).append(" ".join(sys.argv))
+        self.data["args"] = {k: str(v) for k, v in vars(args).items()}
+        self.data.setdefault("markdown", {})
+        self.data["not_run"] = []  # this call's: stages left out for the budget
+        self.data["markdown"].pop("not_run", None)
         self.t0 = time.perf_counter()
 
     def add(self, section: str, data: Any, md: list[str]) -> None:
@@ -91,11 +111,29 @@ class Report:
         if isinstance(data, dict):
             data["seconds"] = round(time.perf_counter() - self.t0, 1)
         self.t0 = time.perf_counter()
-        self.md += md + [""]
+        self.data["markdown"][section] = md
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "results.json").write_text(json.dumps(self.data, indent=2) + "\n")
-        (self.out / "results.md").write_text("\n".join(self.md) + "\n")
+        order = [*SECTIONS, "not_run"]
+        lines = [
+            line for s in order if s in self.data["markdown"] for line in [*self.data["markdown"][s], ""]
+        ]
+        (self.out / "results.md").write_text("\n".join(lines))
         print("\n".join(md), flush=True)
+
+    def add_table(self, section: str, data: dict[str, Any]) -> None:
+        """A table section; rows of an earlier call with the same settings stay unless this call re-ran them."""
+        old = self.data.get(section)
+        if isinstance(old, dict) and old.get("settings") == data["settings"]:
+            done = {(r["dtype"], r["batch"]) for r in data["rows"]}
+            data["rows"] = [r for r in old["rows"] if (r["dtype"], r["batch"]) not in done] + data["rows"]
+        self.add(section, data, table_md(TABLES[section], data))
+
+    def not_run(self, command: str) -> None:
+        """A stage left out for the budget: listed with the command that runs it; earlier results stay."""
+        self.data["not_run"].append(command)
+        md = ["## Not run within --budget", *(f"- `scripts/gpu_bench.sh {c}`" for c in self.data["not_run"])]
+        self.add("not_run", self.data["not_run"], md)
 
 
 def sync(device: torch.device) -> None:
@@ -264,6 +302,38 @@ def section_sync(device: torch.device, path: Path, texts: list[str], quick: bool
 
 
 # -- the table -------------------------------------------------------------------------------------------------
+class Budget:
+    """Seconds this call may still spend (``--budget``; None: no limit): a cell or section whose estimate does not
+    fit is skipped and listed with the command that runs it."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds, self.t0 = seconds, time.perf_counter()
+
+    def left(self) -> float:
+        return math.inf if self.seconds is None else self.seconds - (time.perf_counter() - self.t0)
+
+    def allows(self, estimate: float) -> bool:
+        return estimate <= self.left()
+
+
+def batch_plan(spec: str, quick: bool) -> tuple[list[int], bool]:
+    """``--batches``: sizes to run and whether to go on doubling after the last until seqgen runs out of memory
+    (``max``, alone or last: ``32,64,max``; alone it starts at 32, or 2 with ``--quick``)."""
+    parts = [p for p in spec.split(",") if p]
+    grow = parts[-1:] == ["max"]
+    sizes = [int(p) for p in parts[:-1] if p] if grow else [int(p) for p in parts]
+    if not sizes:
+        sizes = [2] if quick else [32]
+    if any(b < 1 for b in sizes):
+        raise ValueError(f"batch sizes must be positive: {spec}")
+    return sizes, grow
+
+
+def recycled(texts: list[str], n: int) -> list[str]:
+    """``n`` inputs: ``texts`` repeated as often as needed (a batch larger than the sources still runs ``n``)."""
+    return [texts[i % len(texts)] for i in range(n)]
+
+
 def timed(
     fn: Callable[[], Any], device: torch.device, reps: int, warmup: bool
 ) -> tuple[list[float], Any, float | None]:
@@ -281,6 +351,35 @@ def timed(
     return times, result, peak_mb(device)
 
 
+def run_system(
+    name: str,
+    fn: Callable[[], Any],
+    device: torch.device,
+    reps: int,
+    warmup: bool,
+    size: int,
+    new_tokens: int,
+) -> tuple[dict[str, Any], Any]:
+    """One system's timings in a cell (``<name>_s``, ``_s_median``, ``_samples_per_s``, ``_tokens_per_s``,
+    ``_peak_mb``) and its last result; out of memory: ``<name>_error`` (the other systems' cells stay)."""
+    try:
+        times, result, peak = timed(fn, device, reps, warmup)
+    except Exception as err:  # noqa: BLE001 - out of memory only
+        if not is_oom(err):
+            raise
+        del err
+        reset_peak(device)
+        return {f"{name}_error": "out of memory"}, None
+    median = statistics.median(times)
+    return {
+        f"{name}_s": times,
+        f"{name}_s_median": median,
+        f"{name}_samples_per_s": size / median,
+        f"{name}_tokens_per_s": size * new_tokens / median,
+        f"{name}_peak_mb": peak,
+    }, result
+
+
 def measure_cell(
     model: torch.nn.Module,
     batch: Batch,
@@ -291,124 +390,195 @@ def measure_cell(
     new_tokens: int,
     reference: list,
 ) -> dict[str, Any]:
-    """One table cell: seqgen (eager step, and captured where it can be) and ``generate()`` on ``batch``,
-    timed; agreement with the float32 reference."""
-    backend = get_backend(model)
-    captured, step_path = capture(get_backend(model), device, True)
+    """One table cell: seqgen (eager step, and captured where it can be: its first run, which compiles, timed on
+    its own with the capture counts) and ``generate()`` on ``batch``, each timed on its own (an OOM in one
+    leaves the others' figures); agreement with the float32 reference on its first inputs."""
     size = batch.input_ids.shape[0]
-    try:
-        ours_t, ours, ours_mem = timed(
-            lambda: generate(backend, batch, config).sequences, device, reps, warmup
-        )
-        cap_t, cap = None, None
-        if isinstance(captured, CapturedBackend):
-            cap_t, cap, _ = timed(lambda: generate(captured, batch, config).sequences, device, reps, warmup)
-            step_path = captured.path
-        hf_t, hf, hf_mem = timed(
-            lambda: model.generate(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, generation_config=config
-            ),
+    row: dict[str, Any] = {}
+    backend = get_backend(model)
+    ours_row, ours = run_system(
+        "seqgen", lambda: generate(backend, batch, config).sequences, device, reps, warmup, size, new_tokens
+    )
+    row |= ours_row
+    captured, row["step_path"] = capture(get_backend(model), device, True)
+    if isinstance(captured, CapturedBackend):
+        row |= first_run(lambda: generate(captured, batch, config).sequences, device)
+        cap_row, cap = run_system(
+            "captured",
+            lambda: generate(captured, batch, config).sequences,
             device,
             reps,
-            warmup,
+            False,
+            size,
+            new_tokens,
         )
-    except torch.cuda.OutOfMemoryError as err:
+        row |= cap_row | captured.stats()
+        row["step_path"] = captured.path
+        if cap is not None and ours is not None:
+            row["captured_speedup"] = row["seqgen_s_median"] / row["captured_s_median"]
+            row["captured_same_as_eager"] = sum(a == b for a, b in zip(cap, ours, strict=True)) / size
+    hf_row, hf = run_system(
+        "generate",
+        lambda: model.generate(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, generation_config=config
+        ),
+        device, reps, warmup, size, new_tokens,
+    )  # fmt: skip
+    row |= hf_row
+    if ours is not None:
+        n = len(reference)
+        row["same_as_float32"] = sum(a == b for a, b in zip(ours[:n], reference, strict=True)) / n
+    if ours is not None and hf is not None:
+        start = 1 if model.config.is_encoder_decoder else batch.input_ids.shape[1]
+        hf_seqs = [[ids[start:].tolist()] for ids in hf]
+        ours_first = [[per[0][:new_tokens]] for per in ours]
+        row["speedup"] = row["generate_s_median"] / row["seqgen_s_median"]
+        row["same_as_generate"] = sum(a == b for a, b in zip(ours_first, hf_seqs, strict=True)) / size
+    return row
+
+
+def first_run(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    """The captured arm's first run (compiles and records its shapes), timed on its own: ``captured_first_s``;
+    an OOM there: ``captured_error``."""
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+    except Exception as err:  # noqa: BLE001 - out of memory only
+        if not is_oom(err):
+            raise
+        del err
         reset_peak(device)
-        return {"error": f"out of memory: {str(err).splitlines()[0]}"}
-    start = 1 if model.config.is_encoder_decoder else batch.input_ids.shape[1]
-    hf_seqs = [[ids[start:].tolist()] for ids in hf]
-    ours_first = [[per[0][:new_tokens]] for per in ours]
-    s, h = statistics.median(ours_t), statistics.median(hf_t)
-    c = statistics.median(cap_t) if cap_t else None
-    return {
-        "step_path": step_path,
-        "captured_s": cap_t,
-        "captured_s_median": c,
-        "captured_speedup": s / c if c else None,  # eager step time / captured step time
-        "captured_same_as_eager": sum(a == b for a, b in zip(cap, ours, strict=True)) / size if cap else None,
-        "seqgen_s": ours_t,
-        "generate_s": hf_t,
-        "seqgen_s_median": s,
-        "generate_s_median": h,
-        "speedup": h / s,
-        "seqgen_samples_per_s": size / s,
-        "seqgen_tokens_per_s": size * new_tokens / s,
-        "generate_samples_per_s": size / h,
-        "generate_tokens_per_s": size * new_tokens / h,
-        "seqgen_peak_mb": ours_mem,
-        "generate_peak_mb": hf_mem,
-        "same_as_float32": sum(a == b for a, b in zip(ours, reference, strict=True)) / size,
-        "same_as_generate": sum(a == b for a, b in zip(ours_first, hf_seqs, strict=True)) / size,
-    }
+        return {"captured_error": "out of memory (first run)"}
+    return {"captured_first_s": time.perf_counter() - t0}
+
+
+def table_sizes(sizes: list[int], grow: bool, cap: int) -> Iterator[int]:
+    """The batch sizes of a table: ``sizes``, then doubling up to ``cap`` when ``grow`` (the caller stops
+    iterating at seqgen's first OOM)."""
+    yield from sizes
+    size = sizes[-1]
+    while grow and size * 2 <= cap:
+        size *= 2
+        yield size
 
 
 def section_table(
-    name: str,
+    stage: str,
     path: Path,
     texts: list[str],
     device: torch.device,
     dtypes: list[str],
-    batches: list[int],
+    plan: tuple[list[int], bool],
+    max_batch: int,
     src_len: int,
     new_tokens: int,
     kwargs: dict,
     reps: int,
     warmup: bool,
-) -> tuple[dict, list[str]]:
-    """seqgen vs generate() per dtype and batch size; agreement of each dtype with seqgen in float32."""
+    budget: Budget,
+) -> dict[str, Any]:
+    """seqgen vs generate() per dtype and batch size (inputs recycled to fill any size); agreement of each
+    dtype with seqgen in float32 on the first inputs. With ``max`` the sizes double until seqgen's eager step
+    runs out of memory (or reaches ``max_batch``); cells that would overrun the budget are skipped, listed
+    with the command that runs them."""
     fixed = dict(kwargs, min_new_tokens=new_tokens, max_new_tokens=new_tokens)
     ref_model = load_model(path, torch.float32, device)
     encdec = ref_model.config.is_encoder_decoder
     config = resolve_generation_config(ref_model.generation_config, None, fixed)
+    ref_inputs = min(plan[0][0], REF_INPUTS)
+    ref_batch = encode(path, recycled(texts, ref_inputs), src_len, device, encdec)
+    reference = generate(get_backend(ref_model), ref_batch, config).sequences  # float32, the first inputs
+    del ref_model
+    reset_peak(device)
     rows: list[dict] = []
-    md = [
-        f"## {name}: beam {config.num_beams}, no-repeat {config.no_repeat_ngram_size or '-'}, {src_len}-token inputs, "
+    skipped: list[str] = []
+    for dtype_name in dtypes:
+        model = load_model(path, getattr(torch, dtype_name), device)
+        last: tuple[int, float] | None = None  # (batch size, seconds) of the last cell
+        for batch_size in table_sizes(*plan, max_batch):
+            estimate = 0.0 if last is None else last[1] * batch_size / last[0]
+            if not budget.allows(estimate):
+                skipped.append(f"--stages {stage} --dtypes {dtype_name} --batches {batch_size}")
+                break
+            t0 = time.perf_counter()
+            batch = encode(path, recycled(texts, batch_size), src_len, device, encdec)
+            row = {"dtype": dtype_name, "batch": batch_size}
+            row |= measure_cell(model, batch, config, device, reps, warmup, new_tokens, reference)
+            last = (batch_size, time.perf_counter() - t0)
+            row["cell_s"] = round(last[1], 1)
+            rows.append(row)
+            print(table_row(row), flush=True)
+            if "seqgen_error" in row:  # seqgen's largest batch is behind: no larger size
+                break
+        del model
+        reset_peak(device)
+    return {
+        "title": f"beam {config.num_beams}, no-repeat {config.no_repeat_ngram_size or '-'}, {src_len}-token inputs, "
         f"{new_tokens} new tokens, on {device}",
+        "settings": {k: str(v) for k, v in fixed.items()},
+        "src_len": src_len,
+        "reference_inputs": ref_inputs,
+        "rows": rows,
+        "skipped": skipped,
+    }
+
+
+def _cell(row: dict, key: str, fmt: str, system: str) -> str:
+    if f"{system}_error" in row:
+        return "OOM"
+    return format(row[key], fmt) if row.get(key) is not None else "-"
+
+
+def table_row(row: dict) -> str:
+    cells = [
+        row["dtype"],
+        str(row["batch"]),
+        _cell(row, "seqgen_s_median", ".2f", "seqgen"),
+        _cell(row, "generate_s_median", ".2f", "generate"),
+        _cell(row, "speedup", ".2f", "seqgen") + ("x" if row.get("speedup") else ""),
+        _cell(row, "seqgen_samples_per_s", ".1f", "seqgen"),
+        _cell(row, "seqgen_tokens_per_s", ".0f", "seqgen"),
+        _cell(row, "generate_samples_per_s", ".1f", "generate"),
+        _cell(row, "seqgen_peak_mb", "", "seqgen"),
+        _cell(row, "generate_peak_mb", "", "generate"),
+        f"{100 * row['same_as_float32']:.0f} %" if "same_as_float32" in row else "-",
+        f"{100 * row['same_as_generate']:.0f} %" if "same_as_generate" in row else "-",
+        _cell(row, "captured_s_median", ".2f", "captured") if "captured_first_s" in row or "captured_error" in row
+        else row["step_path"],
+        _cell(row, "captured_first_s", ".1f", "captured"),
+        _cell(row, "compile_seconds", ".1f", "captured"),
+        _cell(row, "captured_speedup", ".2f", "captured"),
+        f"{100 * row['captured_same_as_eager']:.0f} %" if "captured_same_as_eager" in row else "-",
+    ]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
+
+
+def table_md(name: str, data: dict) -> list[str]:
+    dtypes = list(dict.fromkeys(r["dtype"] for r in data["rows"]))  # in the order they were first run
+    md = [
+        f"## {name}: {data['title']}",
         "",
         "| dtype | batch | seqgen s | generate() s | speed-up | seqgen samples/s | seqgen tokens/s | "
         "generate() samples/s | seqgen peak MiB | generate() peak MiB | = float32 | = generate() | "
-        "captured s | captured speed-up | = eager |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    references: dict[int, list] = {}
-    for batch_size in batches:  # float32 references (one seqgen run each)
-        batch = encode(path, texts[:batch_size], src_len, device, encdec)
-        references[batch_size] = generate(get_backend(ref_model), batch, config).sequences
-    del ref_model
-    reset_peak(device)
-    for dtype_name in dtypes:
-        model = load_model(path, getattr(torch, dtype_name), device)
-        for batch_size in batches:
-            batch = encode(path, texts[:batch_size], src_len, device, encdec)
-            row = measure_cell(model, batch, config, device, reps, warmup, new_tokens, references[batch_size])
-            row = {"dtype": dtype_name, "batch": batch_size, **row}
-            rows.append(row)
-            if "error" in row:
-                md.append(f"| {dtype_name} | {batch_size} | {row['error']} |")
-            else:
-                md.append(
-                    f"| {dtype_name} | {batch_size} | {row['seqgen_s_median']:.2f} | {row['generate_s_median']:.2f} "
-                    f"| {row['speedup']:.2f}x | {row['seqgen_samples_per_s']:.1f} | {row['seqgen_tokens_per_s']:.0f} "
-                    f"| {row['generate_samples_per_s']:.1f} | {row['seqgen_peak_mb'] or '-'} | {row['generate_peak_mb'] or '-'} | "
-                    f"{100 * row['same_as_float32']:.0f} % | {100 * row['same_as_generate']:.0f} % | "
-                    + (
-                        f"{row['captured_s_median']:.2f} | {row['captured_speedup']:.2f}x | "
-                        f"{100 * row['captured_same_as_eager']:.0f} % |"
-                        if row["captured_s_median"]
-                        else f"{row['step_path']} | - | - |"
-                    )
-                )
-            print(md[-1], flush=True)
-        del model
-        reset_peak(device)
-    md += [
+        "captured s | captured first run s | compile s | captured speed-up | = eager |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *map(table_row, sorted(data["rows"], key=lambda r: (dtypes.index(r["dtype"]), r["batch"]))),
         "",
-        "median of the timed runs; `= float32`: outputs identical to seqgen in float32; `= generate()`: "
+        "median of the timed runs; OOM: that system ran out of memory (the others' figures stand); `= float32`: "
+        f"outputs identical to seqgen in float32 on the first {data['reference_inputs']} inputs; `= generate()`: "
         "identical to generate() in the same dtype; captured: the decode step replayed as CUDA graphs "
-        "(`models/capture.py`; seqgen s is the eager step), its speed-up over the eager step and its "
-        "agreement with it.",
+        "(`models/capture.py`; seqgen s is the eager step); its first run compiles and records (compile s: "
+        "the capture path's own count), then its speed-up over the eager step and agreement with it.",
     ]
-    return {"settings": {k: str(v) for k, v in fixed.items()}, "src_len": src_len, "rows": rows}, md
+    if data["skipped"]:
+        md += [
+            "",
+            "not run within --budget (run each as its own call):",
+            *(f"- `{c}`" for c in data["skipped"]),
+        ]
+    return md
 
 
 # -- Generator and CLI on the device ----------------------------------------------------------------------------
@@ -480,8 +650,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--stages", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
     ap.add_argument("--dtypes", default="float16,bfloat16")
-    ap.add_argument("--batches", default="32,64,128")
+    ap.add_argument(
+        "--batches",
+        help="batch sizes, e.g. 32,64,128 (the default; --quick: 2,4); 'max' last or alone (then from 32, --quick 2): "
+        "go on doubling until seqgen runs out of memory",
+    )
+    ap.add_argument("--max-batch", type=int, default=4096, help="largest size 'max' tries")
     ap.add_argument("--reps", type=int, default=2, help="timed runs per arm (after one warm-up run)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        help="seconds this call may take (e.g. 540 in a 10-minute call): a section or table cell that would not "
+        "fit is skipped and listed with the command that runs it",
+    )
     ap.add_argument(
         "--stage-shared", action="store_true", help="copy the needed shared files to .gpu-shared/"
     )
@@ -503,8 +684,12 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown stage(s) {', '.join(sorted(unknown))}")
     quick = args.quick
-    batches = [int(b) for b in args.batches.split(",")] if not quick else [2, 4]
+    try:
+        plan = batch_plan(args.batches or ("2,4" if quick else "32,64,128"), quick)
+    except ValueError as err:
+        ap.error(f"--batches: {err}")
     dtypes = args.dtypes.split(",")
+    budget = Budget(args.budget)
     torch.set_num_threads(1 if device.type == "cpu" else torch.get_num_threads())
     from seqgen_cli.loading import quiet_transformers
 
@@ -523,22 +708,25 @@ def main(argv: list[str] | None = None) -> None:
         line.strip() for line in (shared / SOURCES).read_text(encoding="utf-8").splitlines() if line.strip()
     ]
     t0 = time.perf_counter()
-    if "equiv" in stages:
-        report.add("equiv", *section_equiv(device, quick, models, texts))
-    if "sync" in stages:
-        report.add("sync", *section_sync(device, models["bart"], texts, quick))
     reps, warmup = (1, False) if quick else (args.reps, True)
-    if "bart" in stages:
-        src, new = (64, 8) if quick else (1024, 142)
-        kwargs = dict(num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, early_stopping=True)
-        report.add("bart", *section_table("bart-large-cnn shape", models["bart"], texts, device, dtypes, batches,
-                                          src, new, kwargs, reps, warmup))  # fmt: skip
-    if "gpt2" in stages:
-        src, new = (64, 8) if quick else (512, 128)
-        report.add("gpt2", *section_table("GPT-2 shape", models["gpt2"], texts, device, dtypes, batches, src, new,
-                                          dict(num_beams=4), reps, warmup))  # fmt: skip
-    if "cli" in stages:
-        report.add("cli", *section_cli(device, models["bart"], texts, args.out, quick))
+    tables = {
+        "bart": (models["bart"], (64, 8) if quick else (1024, 142),
+                 dict(num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, early_stopping=True)),
+        "gpt2": (models["gpt2"], (64, 8) if quick else (512, 128), dict(num_beams=4)),
+    }  # fmt: skip
+    for stage in (s for s in SECTIONS if s in stages and s != "env"):
+        if budget.left() <= 0:
+            report.not_run(f"--stages {stage}")
+        elif stage == "equiv":
+            report.add("equiv", *section_equiv(device, quick, models, texts))
+        elif stage == "sync":
+            report.add("sync", *section_sync(device, models["bart"], texts, quick))
+        elif stage == "cli":
+            report.add("cli", *section_cli(device, models["bart"], texts, args.out, quick))
+        else:
+            path, (src, new), kwargs = tables[stage]
+            report.add_table(stage, section_table(stage, path, texts, device, dtypes, plan, args.max_batch, src, new,
+                                                  kwargs, reps, warmup, budget))  # fmt: skip
     print(f"gpu_bench: done in {time.perf_counter() - t0:.0f}s; results in {args.out}", flush=True)
 
 

@@ -2,8 +2,12 @@
 # One command for a GPU machine (issue 10): install seqgen without dependencies, then run scripts/gpu_bench.py
 # (float32 equivalence on the device, host-sync audit, the bart-large-cnn and GPT-2 tables, the CLI).
 #
-#   scripts/gpu_bench.sh --out DIR [--shared DIR] [--stages equiv,sync,bart,gpt2,cli] [--batches 32,64,128]
+#   scripts/gpu_bench.sh --out DIR [--shared DIR] [--stages equiv,sync,bart,gpt2,cli] [--batches 32,64,128|max]
+#   scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16   # one stage per 10-minute call
 #   scripts/gpu_bench.sh --device cpu --quick --out DIR        # tiny shapes on the CPU (CI)
+#
+# Calls into the same --out add up (gpu_bench.py's docstring lists the calls that cover everything); --budget
+# skips what would not fit and names the command that runs it.
 #
 # The shared folder: --shared DIR, else $SEQGEN_SHARED, else ../shared, else .gpu-shared in the checkout.
 # ../shared does not travel to a GPU machine: run `python scripts/gpu_bench.py --stage-shared` here first and

@@ -189,18 +189,28 @@ class GeneratesIds(Protocol):
     def generate_ids(self, batch: Sequence[Sequence[int]]) -> list[list[list[int]]]: ...
 
 
+OOM_MESSAGES = (
+    "out of memory",  # CUDA's allocator and "CUDA error: out of memory", MPS
+    "can't allocate memory",  # the CPU allocator (DefaultCPUAllocator) on Linux
+    "not enough memory",  # the CPU allocator in older torch ("... Buy new RAM!")
+    "status_alloc_failed",  # cuBLAS / cuDNN workspace or handle allocation
+)
+
+
 def is_oom(err: BaseException) -> bool:
-    """CUDA (or host) out of memory."""
+    """Out of memory on the device or the host: ``MemoryError``, ``torch.OutOfMemoryError``, or a
+    ``RuntimeError`` carrying one of the allocators' messages (:data:`OOM_MESSAGES`)."""
     if isinstance(err, MemoryError):
         return True
     try:
         import torch
 
-        if isinstance(err, torch.cuda.OutOfMemoryError):
+        if isinstance(err, torch.OutOfMemoryError):
             return True
     except (ImportError, AttributeError):
         pass
-    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+    message = str(err).lower()
+    return isinstance(err, RuntimeError) and any(m in message for m in OOM_MESSAGES)
 
 
 def _free_device_memory() -> None:

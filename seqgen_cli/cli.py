@@ -126,7 +126,8 @@ def _pop_generation(opts: dict[str, Any], exclude: Collection[str] = ()) -> dict
 
 
 class _Group(click.Group):
-    """Turns ``SeqgenError`` into one line on stderr and exit code 2; Ctrl-C into exit code 130."""
+    """Turns ``SeqgenError`` into one line on stderr and its exit code (2; 1 for a run stopped by a failed
+    write or a bug); Ctrl-C into exit code 130."""
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
@@ -134,6 +135,10 @@ class _Group(click.Group):
         except (click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
             raise
         except SeqgenError as err:
+            if os.environ.get("SEQGEN_DEBUG") and err.__cause__ is not None:
+                import traceback
+
+                traceback.print_exception(err.__cause__)
             click.echo(f"seqgen: error: {err}", err=True)
             sys.exit(err.exit_code)
         except KeyboardInterrupt:
@@ -177,6 +182,8 @@ def run(args: list[str] | None = None) -> None:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started with it closed (`>&-`)
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # closed, or the reader went away: nothing more can be written
@@ -420,8 +427,9 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
 )
 def merge(parts: tuple[str, ...], output: str) -> None:
     """Join the outputs of a `seqgen generate --shard I/N` run, given in shard order (0 to N-1), into
-    the file one process would have written. Refuses a part that is not finished (it still has its
-    .seqgen-index: rerun that shard with --resume)."""
+    the file one process would have written. Each part's manifest (PART.seqgen-part) is checked first:
+    refuses parts out of order, missing or twice, of another job (input, settings, N), changed since,
+    or not finished (PART.seqgen-index still there: rerun that shard with --resume)."""
     from seqgen_cli.pipeline.merge import merge_parts
 
     lines = merge_parts(parts, output)

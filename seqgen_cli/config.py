@@ -9,15 +9,16 @@ one unit can be overridden in the other.
 from __future__ import annotations
 
 import copy
+import tomllib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
+from seqgen_cli.search.settings import check_return_sequences
 
 # The generate() settings seqgen exposes as flags, with transformers' names.
 GENERATION_KEYS = (
@@ -110,17 +111,17 @@ def _read_preset(path: Path) -> Preset:
 def resolve_generation_config(
     base: GenerationConfig, preset: Preset | None = None, flags: dict[str, Any] | None = None
 ) -> GenerationConfig:
-    """Checkpoint config, then preset, then explicit settings (``None`` values are "not given").
+    """Checkpoint config, then preset, then explicit settings.
 
-    The one merge of generation settings: the app, the tests and the scripts all use it. ``flags`` may
-    hold any ``GenerationConfig`` field (the CLI exposes :data:`GENERATION_KEYS`). A layer that gives both
-    units of a limit keeps both, and ``max_new_tokens``/``min_new_tokens`` win, as in ``generate()``.
-    Raises ``SeqgenError`` for unknown settings or settings transformers rejects.
+    The one merge of generation settings: the app, the tests and the scripts all use it. ``flags``: the
+    settings given, any ``GenerationConfig`` field (the CLI exposes :data:`GENERATION_KEYS`); user input,
+    where ``None`` means "not given", goes through :func:`check_flags` first. A layer that gives both units
+    of a limit keeps both, and ``max_new_tokens``/``min_new_tokens`` win, as in ``generate()``. Raises
+    ``SeqgenError`` for settings transformers rejects.
     """
-    flags = _given(flags or {})
     config = copy.deepcopy(base)
     given: set[str] = set()
-    for layer in (preset.generation if preset else {}, flags):
+    for layer in (preset.generation if preset else {}, flags or {}):
         for key, value in layer.items():
             other = _SAME_LIMIT.get(key)
             if other is not None and other not in layer:
@@ -134,18 +135,13 @@ def resolve_generation_config(
     return config
 
 
-def _given(flags: dict[str, Any]) -> dict[str, Any]:
-    """The settings that were given (not ``None``); unknown names are an error."""
+def check_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """The settings a user gave (values not ``None``), checked before the (slow) model load: unknown names
+    and two units of one limit are errors."""
     flags = {k: v for k, v in flags.items() if v is not None}
     unknown = sorted(k for k in flags if k not in GENERATION_KEYS and not hasattr(_DEFAULT_CONFIG, k))
     if unknown:
         raise SeqgenError(f"unknown generation setting(s) {', '.join(unknown)}")
-    return flags
-
-
-def check_flags(flags: dict[str, Any]) -> dict[str, Any]:
-    """The flags a user gave (not ``None``), after checking they do not contradict each other."""
-    flags = _given(flags)
     for a, b in (("max_new_tokens", "max_length"), ("min_new_tokens", "min_length")):
         if a in flags and b in flags:
             raise SeqgenError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} contradict; give one")
@@ -154,12 +150,7 @@ def check_flags(flags: dict[str, Any]) -> dict[str, Any]:
 
 def _validate(config: GenerationConfig, given: set[str]) -> None:
     """Turn transformers' validation of the settings the user gave into one-line errors."""
-    if config.num_beams is not None and config.num_return_sequences is not None:
-        if not config.do_sample and config.num_return_sequences > config.num_beams:
-            raise SeqgenError(
-                f"--num-return-sequences {config.num_return_sequences} needs at least as many beams "
-                f"(--num-beams is {config.num_beams})"
-            )
+    check_return_sequences(config)  # before transformers' own check, for the flags' names in the message
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -25,6 +25,7 @@ from seqgen_cli.batching import Batcher, Chunk, Item, encode_items, generate_spl
 from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load
+from seqgen_cli.search import settings as search_settings
 
 BACKENDS = ("auto", "fast", "hf")
 
@@ -59,12 +60,12 @@ class Generator:
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
-        check_flags(generation)  # fail on contradictory flags before the (slow) model load
+        flags = check_flags(generation)  # the settings given, checked before the (slow) model load
         self.loaded: Loaded = load(model, device, dtype)
         self.tokenizer = self.loaded.tokenizer
         self.model = self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
-        self.config = resolve_generation_config(self.model.generation_config, self.preset, generation)
+        self.config = resolve_generation_config(self.model.generation_config, self.preset, flags)
         self.prefix = prefix if prefix is not None else (self.preset.prefix if self.preset else None)
         self.max_source_length = max_source_length or (self.preset.max_source_length if self.preset else None)
         self.max_source_length = self._source_limit(self.max_source_length)
@@ -81,11 +82,22 @@ class Generator:
 
     # -- settings ---------------------------------------------------------------------------------
     def _source_limit(self, requested: int | None) -> int | None:
-        """The longest input the model takes: the smaller of the request and the model's position limit."""
+        """The longest input the model takes: the smaller of the request and the model's position limit.
+
+        A model without a position limit (T5's relative positions) takes the request as given, by default the
+        tokenizer's ``model_max_length`` where that is a real number (not transformers' ``int(1e30)`` for "no
+        limit"), so one huge line is truncated (and counted) instead of asking for any amount of memory.
+        """
         cfg = self.model.config
         limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         if getattr(cfg, "model_type", "").startswith(("t5", "mt5")):
             limit = None  # relative positions: no hard limit
+        if limit is None:
+            if requested is not None:
+                return requested
+            tokenizer_limit = getattr(self.tokenizer, "model_max_length", None)
+            real = isinstance(tokenizer_limit, int) and 0 < tokenizer_limit < 10**9  # 1e30: none set
+            limit = tokenizer_limit if real else None
         if limit is not None and not self.is_encoder_decoder:
             limit = max(1, limit - self.max_new_tokens())
         if requested is None:
@@ -95,29 +107,20 @@ class Generator:
     @property
     def num_return_sequences(self) -> int:
         """Outputs per input."""
-        return self.config.num_return_sequences or 1
+        return search_settings.num_return_sequences(self.config)
 
     @property
     def rows_per_input(self) -> int:
         """Rows the model runs per input: beams, or returned sequences when more (sampling)."""
-        return max(self.config.num_beams or 1, self.num_return_sequences)
-
-    def _prompt_positions(self, prompt_len: int) -> int:
-        return 1 if self.is_encoder_decoder else prompt_len  # the decoder start token, or the prompt
+        return search_settings.rows_per_input(self.config)
 
     def max_new_tokens(self, prompt_len: int = 0) -> int:
         """Most new tokens for a prompt of ``prompt_len`` tokens (ignored for encoder-decoder models)."""
-        from seqgen_cli.search.settings import length_limits
-
-        positions = self._prompt_positions(prompt_len)
-        return max(0, length_limits(self.config, positions)[0] - positions)
+        return search_settings.new_token_limits(self.config, self.is_encoder_decoder, prompt_len)[0]
 
     def min_new_tokens(self, prompt_len: int = 0) -> int:
         """Fewest new tokens before EOS is allowed, for a prompt of ``prompt_len`` tokens."""
-        from seqgen_cli.search.settings import length_limits
-
-        positions = self._prompt_positions(prompt_len)
-        return max(0, length_limits(self.config, positions)[1] - positions)
+        return search_settings.new_token_limits(self.config, self.is_encoder_decoder, prompt_len)[1]
 
     def _pick_backend(self, backend: str) -> str:
         """``fast`` (seqgen's engine) where it runs the resolved settings, else ``hf`` (``generate()``)."""
@@ -211,12 +214,17 @@ class Generator:
 
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs, for ``--stats`` and the closing line: ``device``, ``dtype``,
-        ``step_path`` (:attr:`step_path`), and on CUDA ``device_name`` and ``peak_gpu_memory_mb``
-        (``torch.cuda.max_memory_allocated`` since the start or the last ``torch.cuda.reset_peak_memory_stats``,
-        in MiB)."""
+        ``step_path`` (:attr:`step_path`); under CUDA graphs ``shapes_compiled``, ``compile_seconds``,
+        ``captured_steps`` and ``eager_steps`` (``CapturedBackend.stats``); and on CUDA ``device_name`` and
+        ``peak_gpu_memory_mb`` (``torch.cuda.max_memory_allocated`` since the start or the last
+        ``torch.cuda.reset_peak_memory_stats``, in MiB)."""
+        from seqgen_cli.models.capture import CapturedBackend
+
         device = self.loaded.device
         dtype = "int8" if self.loaded.int8 else str(self.loaded.dtype).removeprefix("torch.")
         out: dict[str, Any] = {"device": str(device), "dtype": dtype, "step_path": self.step_path}
+        if isinstance(self._model_backend, CapturedBackend):
+            out.update(self._model_backend.stats())
         if device.type == "cuda":
             out["device_name"] = torch.cuda.get_device_name(device)
             out["peak_gpu_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import json
 import os
 import socket
 import sys
@@ -156,10 +157,19 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
             f"model {name}: architecture {model_type!r} is not a text-generation model transformers can load "
             "(need a sequence-to-sequence or causal language model)"
         )
+    expected = tokenizer_files(Path(source), model_type) if Path(source).is_dir() else []
+    present = [f for f in expected if (Path(source) / f).is_file()]
+    if expected and not present:  # transformers would build an empty tokenizer: empty or no outputs
+        raise SeqgenError(
+            f"model {name}: no tokenizer files in the folder (missing {', '.join(expected)}); "
+            "copy them from the checkpoint the model comes from"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise SeqgenError(f"model {name}: cannot load its tokenizer: {_first_line(err)}") from None
+        missing = [f for f in expected if f not in present]
+        absent = f" (missing {', '.join(missing)})" if missing else ""
+        raise SeqgenError(f"model {name}: cannot load its tokenizer{absent}: {_first_line(err)}") from None
     try:
         with fast_sinusoids(model_type):
             model = auto.from_pretrained(source, dtype=torch_dtype)
@@ -174,6 +184,31 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
         eos = model.generation_config.eos_token_id
         tokenizer.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype, int8=dtype == INT8)
+
+
+def tokenizer_files(folder: Path, model_type: str | None) -> list[str]:
+    """The files a checkpoint folder's tokenizer is read from: ``tokenizer.json`` (where the tokenizer class
+    reads it) and its class's vocabulary files (``vocab.json``, ``merges.txt``, ``spiece.model``, ...). The
+    class is ``tokenizer_config.json``'s ``tokenizer_class``, else the model type's. ``[]`` where that is
+    unknown or reads no file (ByT5): nothing to check."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    try:
+        settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        settings = {}
+    name = settings.get("tokenizer_class") if isinstance(settings, dict) else None
+    name = name or TOKENIZER_MAPPING_NAMES.get(model_type or "") or "TokenizersBackend"
+    try:
+        cls = tokenizer_class_from_name(str(name))
+    except (ImportError, AttributeError, ValueError):
+        cls = None
+    names = dict(getattr(cls, "vocab_files_names", None) or {}).values()
+    files = [f for f in names if f not in ("tokenizer.json", "tokenizer_config.json")]
+    if cls is not None and ("tokenizer.json" in names or issubclass(cls, TokenizersBackend)):
+        files.insert(0, "tokenizer.json")
+    return files
 
 
 def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:

@@ -65,6 +65,7 @@ def _fake_generator(
         tokenizer=SimpleNamespace(pad_token_id=9),
         is_encoder_decoder=encoder_decoder,
         step_path="eager (test)",
+        _model_backend=None,
     )
 
 

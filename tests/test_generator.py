@@ -97,3 +97,15 @@ def test_length_rules(gen: Generator, tiny_models) -> None:
     causal = Generator(str(tiny_models("gpt2")), backend="hf", max_length=10, min_length=3)
     assert (causal.max_new_tokens(prompt_len=4), causal.min_new_tokens(prompt_len=2)) == (6, 1)
     assert causal.num_return_sequences == 1 and causal.rows_per_input == 1
+
+
+def test_flags_are_checked_once_before_the_model_loads(tiny_models, tmp_path) -> None:
+    missing = str(tmp_path / "no-model")  # an error other than the flags' would come from the load
+    with pytest.raises(SeqgenError, match="unknown generation setting"):
+        Generator(missing, num_beemz=2)
+    with pytest.raises(SeqgenError, match="contradict"):
+        Generator(missing, max_new_tokens=5, max_length=9)
+    given = Generator(
+        str(tiny_models("bart")), backend="hf", max_new_tokens=3, max_length=None, num_beams=None
+    )
+    assert given.max_new_tokens() == 3 and given.config.num_beams == given.model.generation_config.num_beams

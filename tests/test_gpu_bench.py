@@ -1,8 +1,12 @@
-"""``scripts/gpu_bench.sh``, the one command for a GPU machine, run on the CPU with tiny shapes; and what it
-relies on there: ``seqgen generate`` without rouge-score, sacrebleu or ctranslate2 installed."""
+"""``scripts/gpu_bench.sh``, the one command for a GPU machine, run on the CPU with tiny shapes; what it relies
+on there (``seqgen generate`` without rouge-score, sacrebleu or ctranslate2 installed); and its table logic
+in-process, with out-of-memory errors and the capture path faked: ``--batches max``, inputs recycled to fill
+a batch, an OOM in one system keeping the others' cells, the captured arm's first run timed, ``--budget`` and
+calls adding up in one ``--out``."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -10,8 +14,10 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,11 +93,137 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
             (d, b) for d in ("float16", "bfloat16") for b in (2, 4)
         }
         for r in rows:
-            assert "error" not in r, r
+            assert not [k for k in r if k.endswith("_error")], r
             assert r["seqgen_samples_per_s"] > 0 and r["generate_tokens_per_s"] > 0
             assert 0 <= r["same_as_float32"] <= 1 and 0 <= r["same_as_generate"] <= 1
+            assert r["step_path"] == "eager (cpu: no CUDA graphs)" and "captured_first_s" not in r
     assert results["cli"]["api_ok"] and results["cli"]["cli_ok"], results["cli"]
     step = "eager (cpu: no CUDA graphs)"
     assert results["cli"]["device_stats"] == {"device": "cpu", "dtype": "float32", "step_path": step}
     md = (out / "results.md").read_text()
     assert "## bart-large-cnn shape" in md and "## GPT-2 shape" in md and "float32 equivalence" in md
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    return importlib.import_module("gpu_bench")
+
+
+TEXTS = ["The first article is short.", "A second one, a little longer than the first.", "Third."]
+
+
+def test_batch_plan(bench: Any) -> None:
+    assert bench.batch_plan("32,64,128", False) == ([32, 64, 128], False)
+    assert bench.batch_plan("max", False) == ([32], True)
+    assert bench.batch_plan("max", True) == ([2], True)
+    assert bench.batch_plan("256,max", False) == ([256], True)
+    assert list(bench.table_sizes([2], True, 16)) == [2, 4, 8, 16]
+    assert list(bench.table_sizes([2, 3], False, 16)) == [2, 3]
+    with pytest.raises(ValueError):
+        bench.batch_plan("0,4", False)
+    assert bench.recycled(TEXTS, 7) == TEXTS * 2 + TEXTS[:1]
+
+
+def _table(bench: Any, model: Path, plan: tuple, budget: Any = None, dtypes: tuple = ("float32",)) -> dict:
+    return bench.section_table(
+        "bart", model, TEXTS, torch.device("cpu"), list(dtypes), plan, 64, 32, 4,
+        dict(num_beams=2), 1, False, budget or bench.Budget(None),
+    )  # fmt: skip
+
+
+def test_max_doubles_until_seqgen_runs_out_and_an_oom_keeps_the_other_cells(
+    bench: Any, tiny_models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max``: 2, 4, 8, ... until seqgen's eager step runs out of memory (here at 8 inputs); generate() running
+    out at 4 leaves seqgen's figures of that cell; every batch has as many inputs as its size."""
+    sizes: list[int] = []
+    real_generate, real_load = bench.generate, bench.load_model
+
+    def generate(backend: Any, batch: Any, config: Any) -> Any:
+        sizes.append(batch.input_ids.shape[0])
+        if batch.input_ids.shape[0] >= 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real_generate(backend, batch, config)
+
+    def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
+        model = real_load(path, dtype, device)
+        hf = model.generate
+
+        def hf_generate(**kwargs: Any) -> Any:
+            if kwargs["input_ids"].shape[0] >= 4:
+                raise RuntimeError("CUDA error: out of memory")
+            return hf(**kwargs)
+
+        model.generate = hf_generate
+        return model
+
+    monkeypatch.setattr(bench, "generate", generate)
+    monkeypatch.setattr(bench, "load_model", load_model)
+    data = _table(bench, tiny_models("bart"), bench.batch_plan("max", True))
+    rows = {r["batch"]: r for r in data["rows"]}
+    assert sorted(rows) == [2, 4, 8], "doubling stops at seqgen's first out-of-memory"
+    assert 8 in sizes and 4 in sizes, "inputs recycled to fill each batch"
+    assert rows[2]["speedup"] > 0 and "generate_error" not in rows[2]
+    assert rows[4]["generate_error"] == "out of memory" and rows[4]["seqgen_samples_per_s"] > 0
+    assert rows[4]["same_as_float32"] == 1 and "speedup" not in rows[4]
+    assert rows[8]["seqgen_error"] == "out of memory" and "seqgen_s" not in rows[8]
+    md = "\n".join(bench.table_md("bart-large-cnn shape", data))
+    assert "| float32 | 4 |" in md and "| OOM |" in md
+
+
+def test_the_captured_arm_times_its_first_run(
+    bench: Any, tiny_models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the step is captured (CUDA; here an uncompiled stand-in), its first run (compile and recording) is
+    timed apart from the timed runs, with the capture path's counts."""
+    from seqgen_cli.models.capture import CapturedBackend
+
+    monkeypatch.setattr(
+        bench, "capture", lambda backend, device, on: (CapturedBackend(backend, lambda d: d), "x")
+    )
+    data = _table(bench, tiny_models("bart"), ([2], False))
+    (row,) = data["rows"]
+    assert row["step_path"] == "captured" and row["captured_first_s"] > 0
+    assert row["shapes_compiled"] >= 1 and row["compile_seconds"] >= 0 and row["eager_steps"] == 0
+    assert row["captured_steps"] > 0 and row["captured_same_as_eager"] == 1 and row["captured_speedup"] > 0
+
+
+def test_budget_skips_cells_and_names_their_command(bench: Any, tiny_models) -> None:
+    class OneCell(bench.Budget):  # time for a first cell (estimate 0), not for a second
+        def left(self) -> float:
+            return 1e-6
+
+    data = _table(bench, tiny_models("bart"), ([2, 4], False), OneCell(None))
+    assert [r["batch"] for r in data["rows"]] == [2]
+    assert data["skipped"] == ["--stages bart --dtypes float32 --batches 4"]
+    assert "--batches 4" in "\n".join(bench.table_md("t", data))
+
+
+def test_calls_into_one_out_add_up(bench: Any, tmp_path: Path) -> None:
+    """One call per stage (10-minute calls): a table keeps the cells of earlier calls unless re-run."""
+    args = argparse.Namespace(out=tmp_path)
+
+    def table(*cells: tuple[str, int, float]) -> dict:
+        rows = [{"dtype": d, "batch": b, "seqgen_s_median": s, "step_path": "eager"} for d, b, s in cells]
+        return {
+            "title": "t",
+            "settings": {"num_beams": "4"},
+            "reference_inputs": 2,
+            "rows": rows,
+            "skipped": [],
+        }
+
+    bench.Report(tmp_path, args).add_table("bart", table(("float16", 32, 1.0), ("float16", 64, 2.0)))
+    second = bench.Report(tmp_path, args)
+    second.add_table("bart", table(("bfloat16", 32, 3.0), ("float16", 64, 2.5)))
+    second.not_run("--stages gpt2")
+    results = json.loads((tmp_path / "results.json").read_text())
+    cells = {(r["dtype"], r["batch"]): r["seqgen_s_median"] for r in results["bart"]["rows"]}
+    assert cells == {("float16", 32): 1.0, ("float16", 64): 2.5, ("bfloat16", 32): 3.0}
+    assert len(results["commands"]) == 2 and results["not_run"] == ["--stages gpt2"]
+    md = (tmp_path / "results.md").read_text()
+    assert (
+        md.index("| float16 | 64 |") < md.index("| bfloat16 | 32 |")
+        and "`scripts/gpu_bench.sh --stages gpt2`" in md
+    )

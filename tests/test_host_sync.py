@@ -59,6 +59,7 @@ SYNC_OPS = frozenset(
         aten.unique_dim,
         aten.unique_consecutive,
         aten.bincount,
+        aten.multinomial,  # checks its probabilities with .item() inside ATen on CUDA (search.sampling.draw)
     }
 )
 BOOL_INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
@@ -286,7 +287,21 @@ def inj_host_tensor(scores: torch.Tensor) -> None:
     scores.new_zeros(2) + torch.tensor([1.0, 2.0])
 
 
-INJECTIONS = [inj_item, inj_bool, inj_int, inj_nonzero, inj_mask_index, inj_tolist, inj_cpu, inj_host_tensor]
+def inj_multinomial(scores: torch.Tensor) -> None:
+    torch.multinomial(torch.softmax(scores.float(), -1), 1)
+
+
+INJECTIONS = [
+    inj_item,
+    inj_bool,
+    inj_int,
+    inj_nonzero,
+    inj_mask_index,
+    inj_tolist,
+    inj_cpu,
+    inj_host_tensor,
+    inj_multinomial,
+]
 
 
 @pytest.mark.parametrize("inject", INJECTIONS, ids=[f.__name__ for f in INJECTIONS])

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from transformers import GenerationConfig
 
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.models import get_backend
-from seqgen_cli.search import settings_for
+from seqgen_cli.search import settings_for, unsupported_reason
+from seqgen_cli.search.settings import new_token_limits, num_return_sequences, rows_per_input
 from tests.engine_models import load, text_batch
 from tests.equivalence import check_equivalence
 
@@ -63,3 +65,43 @@ def test_special_tokens_fall_back_like_generate(tiny_models) -> None:
     assert s.eos == (gc.eos_token_id, 5)
     assert s.pad == gc.eos_token_id  # pad falls back to the first EOS
     assert s.decoder_start == gc.decoder_start_token_id
+
+
+@pytest.mark.parametrize(
+    "kwargs, rows, outputs",
+    [
+        (dict(), 1, 1),  # greedy
+        (dict(num_beams=4, num_return_sequences=2), 4, 2),  # beams run, the best two return
+        (dict(do_sample=True, num_return_sequences=3), 3, 3),  # one row per sample
+    ],
+)
+def test_rows_and_outputs_per_input(kwargs: dict, rows: int, outputs: int) -> None:
+    config = resolve_generation_config(GenerationConfig(), None, kwargs)
+    assert (rows_per_input(config), num_return_sequences(config)) == (rows, outputs)
+
+
+def test_new_token_limits_count_the_decoder_prompt() -> None:
+    config = resolve_generation_config(GenerationConfig(), None, dict(max_length=10, min_length=3))
+    assert new_token_limits(config, True) == (9, 2)  # the decoder start token is one position
+    assert new_token_limits(config, True, prompt_len=5) == (9, 2)  # whatever the source width
+    assert new_token_limits(config, False, prompt_len=4) == (6, 0)  # never negative
+    assert new_token_limits(config, False, prompt_len=12) == (0, 0)
+    unset = resolve_generation_config(GenerationConfig(), None, dict(min_new_tokens=2))
+    assert new_token_limits(unset, False, prompt_len=30) == (20, 2)  # transformers' default: 20 new tokens
+
+
+@pytest.mark.parametrize("beams, returned", [(1, 2), (2, 3)])
+def test_return_sequences_rule_is_one_rule(beams: int, returned: int) -> None:
+    """The merge and the engine reject too many returned sequences with the same message."""
+    with pytest.raises(SeqgenError) as merged:
+        resolve_generation_config(
+            GenerationConfig(), None, dict(num_beams=beams, num_return_sequences=returned)
+        )
+    config = GenerationConfig(num_beams=beams)
+    config.num_return_sequences = returned  # past transformers' own check
+    assert unsupported_reason(config) == str(merged.value)
+    assert "at least as many beams" in str(merged.value)
+    sampled = resolve_generation_config(
+        GenerationConfig(), None, dict(do_sample=True, num_return_sequences=3)
+    )
+    assert unsupported_reason(sampled) is None

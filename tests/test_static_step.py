@@ -5,7 +5,9 @@ path (``models/capture.py``), exercised on the CPU.
   never reaches the graph (no recompiles across steps), and its logits equal the eager static step's through
   a reorder and a drop, and the dynamic (CPU) step's to float32 rounding;
 * the engine through :class:`CapturedBackend` (static step, padded buckets, idle rows, compaction) is token-
-  identical to ``generate()`` under the equivalence harness, and adds no host sync;
+  identical to ``generate()`` under the equivalence harness, with the step run as traced and compiled by the
+  real inductor (CPU), and adds no host sync;
+* inputs leaving copy only the slots written so far; an eager step (CUDA too) attends only those;
 * the fallbacks: CPU, ``--no-capture``, the generic backend, a compile failure, too many shapes; the path in
   ``Generator.device_stats``, ``--stats`` and the closing line.
 """
@@ -19,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.cli import main
 from seqgen_cli.config import resolve_generation_config
@@ -26,6 +30,7 @@ from seqgen_cli.generator import Generator
 from seqgen_cli.models import capture as capture_mod
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend, Decode, capture, static_step
+from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import generate
 from tests.engine_models import load, text_batch
@@ -90,6 +95,77 @@ def test_decode_compiles_fullgraph_once_per_shape(tiny_models, family: str) -> N
     assert len(graphs) == 2, f"{len(graphs)} graphs for 2 shapes"
 
 
+class NanWatch(TorchDispatchMode):
+    """Records every op whose float output holds a NaN (allocations and views aside: they read nothing, and
+    fresh memory is unset)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        reads = not func.is_view and func.overloadpacket not in (
+            torch.ops.aten.empty,
+            torch.ops.aten.new_empty,
+        )
+        for x in out if isinstance(out, tuple | list) else [out]:
+            if reads and isinstance(x, torch.Tensor) and x.is_floating_point() and x.isnan().any():
+                self.seen.append(f"{func} -> {tuple(x.shape)}")
+        return out
+
+
+def slot_views(cache: Any) -> list[tuple[torch.Tensor, int]]:
+    """The self-attention K/V tensors a step writes, each with its slot dimension."""
+    if hasattr(cache, "gk"):  # decoder-only: keys [B, Hkv, d, T, R], values [B, Hkv, T, R, d]
+        return [(x, 3) for x in cache.gk] + [(x, 2) for x in cache.gv]
+    return [(x, 2) for x in [*cache.k, *cache.v]]  # [B, H, T, R, d]
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("family", ["bart", "t5", "gpt2", "llama"])
+def test_leaving_copies_only_the_written_slots(tiny_models, family: str, static: bool) -> None:
+    """Inputs leaving (``drop``, as compaction calls it) copy the slots written so far, never the unwritten ones
+    (poisoned with NaN here: no op may see them); on the static path the new unwritten slots are zeros."""
+    loaded = load(tiny_models(family))
+    backend = get_backend(loaded.model)
+    r, slots, steps = 2, 7, 3
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        state, _ = backend.start(text_batch(loaded, 3, seed=2), r, slots)
+        if static:
+            state.cache.make_static()
+        for _ in range(steps):
+            backend.step(state, torch.randint(4, backend.vocab_size, (3 * r,), generator=g))
+        written = []
+        for x, dim in slot_views(state.cache):
+            x.narrow(dim, steps, slots - steps).fill_(float("nan"))  # never read: not even when leaving
+            written.append(x.narrow(dim, 0, steps)[[0, 2]])
+        with NanWatch() as watch:
+            backend.drop(state, torch.tensor([0, 2]), torch.tensor([0, 1, 4, 5]))
+        assert not watch.seen, f"unwritten slots read when inputs left: {watch.seen[:4]}"
+        for (x, dim), kept in zip(slot_views(state.cache), written, strict=True):
+            assert torch.equal(x.narrow(dim, 0, steps), kept)
+            if static:
+                assert not x.narrow(dim, steps, slots - steps).any(), "static: unwritten slots must be zeros"
+        assert (
+            backend.step(state, torch.randint(4, backend.vocab_size, (2 * r,), generator=g)).isfinite().all()
+        )
+
+
+def test_eager_cuda_step_attends_the_written_span() -> None:
+    """Only capture (``make_static``) attends all preallocated slots; an eager step, CUDA too, attends the
+    ``t + 1`` written so far (fake CUDA tensors: no device needed)."""
+    with FakeTensorMode():
+        cache = EncoderDecoderKVCache(2, 3, 2, 4, 7, 8, torch.float16, torch.device("cuda"))
+        assert cache.k[0].device.type == "cuda" and not cache.static
+        cache.check(2)
+        assert cache.span == 3
+        cache.make_static()
+        cache.check(2)
+        assert cache.span == 7
+
+
 EQUIVALENCE = [
     (family, setting)
     for family in ("bart", "marian", "llama")
@@ -114,6 +190,33 @@ def test_captured_backend_matches_generate(tiny_models, family: str, setting: st
     if SETTINGS[setting].get("num_beams", 1) == 1:
         assert result.identical == result.total
     assert len(backends[0].shapes) >= 2, "inputs finished, but the slots were never compacted"
+
+
+def inductor(decode: Decode) -> Decode:
+    """The real compiler on the CPU: ``torch.compile``'s default backend (inductor), no CUDA graphs."""
+    return torch.compile(decode, fullgraph=True, dynamic=False)
+
+
+@pytest.mark.parametrize("setting", ["greedy", "beam4_ngram3_lp2_minmax_es"])
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_inductor_compiled_step_matches_generate(tiny_models, family: str, setting: str) -> None:
+    """The step compiled by inductor (float32, CPU) through :class:`CapturedBackend`: every shape compiled, no
+    fallback, token for token generate() (near-ties as the harness explains them)."""
+    loaded = load(tiny_models(family))
+    torch._dynamo.reset()  # torch's recompile limit counts the shapes of every backend's decode
+    backends: list[CapturedBackend] = []
+
+    def factory(model: torch.nn.Module) -> CapturedBackend:
+        backends.append(CapturedBackend(get_backend(model), inductor))
+        return backends[-1]
+
+    result = check_equivalence(loaded.model, factory, text_batch(loaded, 8, seed=3), SETTINGS[setting])
+    print(f"{family} {setting} inductor: {result.summary()}")
+    assert backends[0].path == "captured", backends[0].path
+    assert len(backends[0].shapes) >= 2, "inputs finished, but the slots were never compacted"
+    assert not result.mismatches, "\n".join(result.mismatches[:5])
+    if SETTINGS[setting].get("num_beams", 1) == 1:
+        assert result.identical == result.total
 
 
 def test_captured_backend_adds_no_host_sync(tiny_models) -> None:

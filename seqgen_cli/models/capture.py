@@ -12,17 +12,30 @@ step number (``models/kv_cache.py``), so one compiled graph serves every step of
 
 :class:`CapturedBackend` (CUDA, ``--capture``, the default there) runs ``decode`` through
 ``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``: a CUDA graph per batch shape,
-replayed every step. Shapes are bounded: inputs are padded to a power-of-two number of *slots* (copies of the
-last input; their rows run idle), sources (or prompts) to a multiple of ``WIDTH`` tokens and the new-token
-slots to a multiple of ``SLOTS``; finished inputs idle in their slot, and the rows are compacted only when
-they fit a smaller power of two. At most ``MAX_SHAPES`` shapes are compiled; later ones run ``decode``
-eagerly. A compile error (or a first run that fails) falls back to eager for good, with the reason in
-:attr:`CapturedBackend.path` (``--stats``: ``step_path``). Everything else (CPU, ``--no-capture``, the
-generic backend) runs the plain backend: :func:`capture` says why.
+replayed every step. Shapes come from a small fixed set, so a long length-sorted run compiles a handful:
+inputs are padded to a power-of-two number of *slots* (copies of the last input; their rows run idle),
+sources (or prompts) to a power-of-two width (at least ``MIN_WIDTH``, at most the model's position limit) and
+the new-token slots to a multiple of ``SLOTS``; finished inputs idle in their slot, and the rows are compacted
+only when they fit a smaller power of two, at most twice per batch (:func:`compacted`). Each instance compiles
+at most ``max_shapes`` shapes (torch's recompile limit raised to match for its calls); later shapes run
+``decode`` eagerly. ``scripts/capture_shapes.py`` counts the shapes of a CNN/DM run.
+
+Fallbacks: every compiled call is guarded (cudagraph trees warm up on a shape's first call, record on the
+second, replay from the third; a new batch re-records). A failure (compile error, recording error, torch's
+recompile limit, inductor skipping CUDA graphs: ``cudagraph_skips`` read around every call) falls back to
+eager for good, with the reason in :attr:`CapturedBackend.path`; the failed call is rerun eagerly (``decode``
+is idempotent: same slot, same values). An out-of-memory error stays one, so the batch is split
+(``batching.generate_split``); raised during a shape's compile or recording, that shape runs eagerly from then
+on. :meth:`CapturedBackend.stats` (``--stats``) counts shapes compiled, compile seconds and steps run captured
+and eager. Everything else (CPU, ``--no-capture``, the generic backend) runs the plain backend: :func:`capture`
+says why.
 """
 
 from __future__ import annotations
 
+import inspect
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -31,14 +44,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from seqgen_cli.batching import is_oom
 from seqgen_cli.models.kv_cache import check_slot
 from seqgen_cli.search.protocol import Batch, ModelBackend
 
 Decode = Callable[[Any, Tensor], Tensor]  # (backend state, tokens [N]) -> logits [N, V]
+Compiler = Callable[[Decode], Decode]
 
-WIDTH = 64  # source / prompt lengths are padded to a multiple of this
+MIN_WIDTH = 64  # narrowest source / prompt bucket; wider ones are powers of two
 SLOTS = 64  # new-token slots are allocated in multiples of this
-MAX_SHAPES = 8  # batch shapes compiled at most (torch._dynamo's default recompile limit); then eager
+MAX_SHAPES = 16  # batch shapes one CapturedBackend compiles at most; then eager
+SETTLING_CALLS = 3  # a shape's first calls: compile + warm-up, CUDA graph recording, first replay
 
 
 def static_step(decode: Decode, state: Any, tokens: Tensor) -> Tensor:
@@ -53,16 +69,22 @@ def static_step(decode: Decode, state: Any, tokens: Tensor) -> Tensor:
     return logits
 
 
+_COMPILE_PARAMS = frozenset(inspect.signature(torch.compile).parameters)
+
+
 def compile_decode(decode: Decode) -> Decode:
-    """CUDA graphs through ``torch.compile``: one graph per shape, replayed (static caches, see above)."""
-    return torch.compile(decode, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    """CUDA graphs through ``torch.compile``: one graph per shape, replayed (static caches, see above). Where
+    torch offers it, the compiled entries are this call's own, so other instances' shapes do not count against
+    its recompile limit."""
+    isolate = {"isolate_recompiles": True} if "isolate_recompiles" in _COMPILE_PARAMS else {}
+    return torch.compile(decode, mode="reduce-overhead", fullgraph=True, dynamic=False, **isolate)
 
 
 def capture(
     backend: ModelBackend,
     device: torch.device,
     enabled: bool,
-    compiler: Callable[[Decode], Decode] = compile_decode,
+    compiler: Compiler = compile_decode,
 ) -> tuple[ModelBackend, str]:
     """The backend to run and its step path: ``(CapturedBackend, "captured")`` where the step can be captured,
     else ``(backend, "eager (<reason>)")``."""
@@ -80,6 +102,20 @@ def capture(
 def bucket(n: int) -> int:
     """The smallest power of two >= ``n``."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def width_bucket(n: int, limit: int | None = None) -> int:
+    """The padded width of ``n`` source (or prompt) tokens: the smallest power of two >= ``n``, at least
+    ``MIN_WIDTH``, and at most ``limit`` (the model's position limit) when ``n`` fits in it."""
+    width = max(MIN_WIDTH, bucket(n))
+    return min(width, max(n, limit)) if limit else width
+
+
+def compacted(running: int, start: int) -> int:
+    """Input slots for ``running`` inputs of a batch that started with ``start`` slots: the smallest power of two
+    that holds them, but at most two halvings below ``start``. Fewer slots save little on a GPU (the weights'
+    traffic stays), another shape costs a compile: a batch runs at most 3 row shapes."""
+    return max(bucket(running), start // 4, 1)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -113,6 +149,11 @@ def mark_static(obj: Any) -> None:
         torch._dynamo.mark_static_address(t)
 
 
+def first_line(err: BaseException) -> str:
+    """An error's first line, at most 200 characters."""
+    return (str(err).strip().splitlines() or [""])[0][:200]
+
+
 def pad_batch(batch: Batch, inputs: int, width: int, left: bool) -> Batch:
     """``batch`` [B, S] padded to ``inputs`` rows (copies of the last input) and ``width`` columns (masked;
     on the left for decoder-only prompts, on the right for sources)."""
@@ -138,21 +179,55 @@ class CapturedState:
     tokens: Tensor  # [P * R] int64: the step's input tokens for every physical row (idle rows: stale ones)
     limit: int  # steps the search may run (slots are rounded up)
     shape: tuple[int, ...]  # (physical rows, padded width, slots): one compiled graph each
+    start: int  # input slots at the start (compaction stops at a quarter of them)
 
 
 class CapturedBackend:
     """:class:`~seqgen_cli.search.protocol.ModelBackend` over a static-step backend with ``decode`` compiled
-    (see the module docstring). ``path``: ``"captured"``, or how it fell back to eager."""
+    (see the module docstring). ``path``: what ran (``"captured"``, or how it fell back to eager); ``stats()``:
+    the counts behind it."""
 
-    def __init__(self, backend: Any, compiler: Callable[[Decode], Decode] = compile_decode) -> None:
+    def __init__(
+        self, backend: Any, compiler: Compiler = compile_decode, max_shapes: int | None = None
+    ) -> None:
+        """``max_shapes``: this instance's cap on compiled shapes (default ``MAX_SHAPES``)."""
+        from torch._dynamo.utils import counters
+
         self.backend = backend
         self.is_encoder_decoder = backend.is_encoder_decoder
         self.vocab_size = backend.vocab_size
         self.max_position_embeddings = getattr(backend, "max_position_embeddings", None)
+        self.max_shapes = MAX_SHAPES if max_shapes is None else max_shapes
         mark_static(backend)
-        self.compiled: Decode | None = compiler(backend.decode)
-        self.shapes: set[tuple[int, ...]] = set()  # shapes compiled so far
-        self.path = "captured"
+        self.compiled: Decode | None = compiler(backend.decode)  # None after a failure: eager for good
+        self.shapes: set[tuple[int, ...]] = set()  # shapes running compiled (a compiled call returned)
+        self.calls: Counter[tuple[int, ...]] = Counter()  # compiled calls per shape
+        self.oom_shapes: set[tuple[int, ...]] = set()  # out of memory while compiling or recording: eager
+        self.failure: str | None = None  # why compiled calls stopped
+        self.capped = False  # a shape beyond max_shapes ran eagerly
+        self.compile_seconds = 0.0  # host seconds in each shape's compile + warm-up and recording calls
+        self.steps = Counter({"captured": 0, "eager": 0})
+        self._counters = counters  # torch's: counters["inductor"]["cudagraph_skips"]
+
+    @property
+    def path(self) -> str:
+        """``captured``; ``captured (<notes>)`` where some shapes ran eagerly; ``eager (<reason>)`` after a
+        failure before any captured step, ``captured, then eager (<reason>)`` after one."""
+        if self.failure is not None:
+            return f"{'captured, then ' if self.steps['captured'] else ''}eager ({self.failure})"
+        notes = [f"{self.max_shapes} shapes; eager beyond"] if self.capped else []
+        if self.oom_shapes:
+            notes.append(f"{len(self.oom_shapes)} eager: out of memory while compiling")
+        return "captured" + (f" ({'; '.join(notes)})" if notes else "")
+
+    def stats(self) -> dict[str, Any]:
+        """For ``--stats``: shapes compiled, compile seconds, decode steps run captured and eagerly."""
+        return {
+            "shapes_compiled": len(self.shapes),
+            "compile_seconds": round(self.compile_seconds, 1),
+            "captured_steps": self.steps["captured"],
+            "eager_steps": self.steps["eager"],
+        }
 
     @torch.inference_mode()
     def start(
@@ -160,9 +235,10 @@ class CapturedBackend:
     ) -> tuple[CapturedState, Tensor | None]:
         b, s = batch.input_ids.shape
         r, slots = rows_per_input, round_up(max(1, max_new_tokens), SLOTS)
-        padded = pad_batch(batch, bucket(b), round_up(s, WIDTH), left=not self.is_encoder_decoder)
+        width = width_bucket(s, self.max_position_embeddings)
+        padded = pad_batch(batch, bucket(b), width, left=not self.is_encoder_decoder)
         inner, first = self.backend.start(padded, r, slots)
-        inner.cache.make_static()  # all T slots: the default on CUDA, and on the CPU too under this class
+        inner.cache.make_static()  # all T slots: one shape per capture, CPU or CUDA
         mark_static(inner)
         device = batch.input_ids.device
         state = CapturedState(
@@ -172,7 +248,8 @@ class CapturedBackend:
             rows=torch.arange(b * r, device=device),
             tokens=torch.zeros(bucket(b) * r, dtype=torch.long, device=device),
             limit=max(1, max_new_tokens),
-            shape=(bucket(b) * r, padded.input_ids.shape[1], slots),
+            shape=(bucket(b) * r, width, slots),
+            start=bucket(b),
         )
         return state, None if first is None else first[:b]  # [B, V]
 
@@ -185,29 +262,66 @@ class CapturedBackend:
         return logits.index_select(0, state.rows)  # [N, V], a copy: the graph's output is overwritten
 
     def _decoder(self, shape: tuple[int, ...]) -> Decode:
-        """The compiled ``decode`` for a shape already compiled; for a new one, a first call that falls back
-        to eager on a compile error; eager once ``MAX_SHAPES`` are compiled or after a failure."""
-        compiled = self.compiled
-        if compiled is None or shape in self.shapes:
-            return compiled or self.backend.decode
-        if len(self.shapes) >= MAX_SHAPES:
-            self.path = f"captured ({MAX_SHAPES} shapes; eager beyond)"
-            return self.backend.decode
+        """The guarded compiled ``decode`` for ``shape``; the eager one after a failure, for a shape that ran
+        out of memory while compiling, and for new shapes once ``max_shapes`` are compiled."""
+        if self.compiled is None or shape in self.oom_shapes:
+            return self._eager
+        if shape not in self.shapes and len(self.shapes) >= self.max_shapes:
+            self.capped = True
+            return self._eager
+        return partial(self._guarded, shape)
 
-        def first_call(state: Any, tokens: Tensor) -> Tensor:
-            try:  # past torch's recompile limit (shapes of all instances): an error, not a silent eager run
-                with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-                    logits = compiled(state, tokens)
-            except torch.cuda.OutOfMemoryError:
+    def _eager(self, state: Any, tokens: Tensor) -> Tensor:
+        self.steps["eager"] += 1
+        return self.backend.decode(state, tokens)
+
+    def _guarded(self, shape: tuple[int, ...], state: Any, tokens: Tensor) -> Tensor:
+        """One compiled call: a failure falls back to eager for good (the call is rerun eagerly), an OOM is
+        re-raised (during a shape's compile or recording, the shape runs eagerly from then on). The first two
+        calls of a shape count as compile seconds, failed or not."""
+        call = self.calls[shape]
+        self.calls[shape] += 1
+        skips = self._skips()
+        t0 = time.perf_counter()
+        try:
+            logits = self._call(call, state, tokens)
+        except Exception as err:  # noqa: BLE001 - any compile/capture failure: eager, with the reason
+            failure: str | None = f"{type(err).__name__}: {first_line(err)}"
+            if is_oom(err):
+                if call < SETTLING_CALLS - 1:  # compile + warm-up, or recording
+                    self.compile_seconds += time.perf_counter() - t0
+                    self.oom_shapes.add(shape)
+                    self.shapes.discard(shape)
                 raise
-            except Exception as err:  # noqa: BLE001 - any compile/capture failure: eager, with the reason
-                self.compiled = None
-                self.path = f"eager ({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})"
-                return self.backend.decode(state, tokens)  # decode is idempotent: same slot, same values
-            self.shapes.add(shape)
-            return logits
+        else:
+            failure = None
+        if call < SETTLING_CALLS - 1:
+            self.compile_seconds += time.perf_counter() - t0
+        if failure is None and self._skips() > skips:  # inductor ran it without CUDA graphs (and goes on so)
+            failure = "inductor skipped CUDA graphs: cudagraph_skips"
+        if failure is not None:
+            return self._fall_back(failure, state, tokens)
+        self.shapes.add(shape)
+        self.steps["captured"] += 1
+        return logits
 
-        return first_call
+    def _call(self, call: int, state: Any, tokens: Tensor) -> Tensor:
+        """The compiled ``decode``; a shape's settling calls (where torch compiles) run with torch's recompile
+        limit at least ``max_shapes`` (ours decides), and a hit of it raises instead of running eagerly unseen."""
+        if call >= SETTLING_CALLS:
+            return self.compiled(state, tokens)  # type: ignore[misc]
+        limit = max(torch._dynamo.config.recompile_limit, self.max_shapes)
+        with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+            return self.compiled(state, tokens)  # type: ignore[misc]
+
+    def _skips(self) -> int:
+        return self._counters["inductor"]["cudagraph_skips"]
+
+    def _fall_back(self, reason: str, state: Any, tokens: Tensor) -> Tensor:
+        """Eager for good from this call on (``decode`` is idempotent: the rerun writes the same slot)."""
+        self.compiled = None
+        self.failure = reason
+        return self._eager(state, tokens)
 
     @torch.inference_mode()
     def reorder(self, state: CapturedState, rows: Tensor) -> None:
@@ -220,9 +334,11 @@ class CapturedBackend:
 
     @torch.inference_mode()
     def drop(self, state: CapturedState, keep: Tensor, rows: Tensor) -> None:
-        """Finished inputs idle in their slots; the slots shrink (a new shape) only to a smaller power of two."""
+        """Finished inputs idle in their slots; the slots shrink (a new shape) only to a smaller power of two, at
+        most two halvings (:func:`compacted`)."""
         inputs, r = state.inputs.index_select(0, keep), state.rows_per_input  # [B']
-        b, slots = inputs.shape[0], bucket(inputs.shape[0])
+        b = inputs.shape[0]
+        slots = compacted(b, state.start)
         if slots * r == state.tokens.shape[0]:
             state.inputs, state.rows = inputs, state.rows.index_select(0, rows)
             return

@@ -126,7 +126,7 @@ class EncoderDecoderBackend:
         state.cross_k = [k.index_select(0, keep) for k in state.cross_k]
         state.cross_v = [v.index_select(0, keep) for v in state.cross_v]
         state.cross_mask = state.cross_mask.index_select(0, keep)
-        state.cache.keep(keep, rows)
+        state.cache.keep(keep, rows, used=state.t)
 
     def cache_nbytes(self, state: EncoderDecoderState) -> dict[str, int]:
         """Bytes held for the search: cross-attention K/V (per input) and the self-attention cache."""

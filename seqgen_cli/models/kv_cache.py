@@ -9,13 +9,18 @@ docs/BENCHMARKS.md, "Self-attention cache: reorder strategies").
 
 Static shapes (issue 10, graph capture). A step reads the slot it writes from a device tensor (``slot``,
 [1] int64), writes with ``index_copy_``, and the visibility mask is built from tensors (slots ``<= slot``, and
-the back-pointers). With ``static`` (the default on CUDA, and under ``models/capture.py``) it attends over all
-``T`` slots: no host integer that changes per step reaches the step's tensor work, so it can be compiled or
-captured once and replayed. Otherwise it attends over the ``t + 1`` slots written so far (``span``, set by
-the host-side :meth:`check`): on the CPU that is cheaper than all ``T`` slots (docs/BENCHMARKS.md, "Static vs
-dynamic step on the CPU"). Reordering is in place; only :meth:`keep` (inputs leaving) reallocates. On the
-static path unwritten slots are zeros (masked keys must still be finite: ``nan - inf`` is ``nan``); off it they
-are never read, so the CPU allocates them empty.
+the back-pointers). With ``static`` (set by ``make_static()``, which ``models/capture.py`` calls) it attends
+over all ``T`` slots: no host integer that changes per step reaches the step's tensor work, so it can be
+compiled or captured once and replayed. Otherwise (every eager step, CPU or CUDA) it attends over the
+``t + 1`` slots written so far (``span``, set by the host-side :meth:`check`), cheaper than all ``T`` slots
+(docs/BENCHMARKS.md, "Static vs dynamic step on the CPU"). Reordering is in place; only ``keep`` (inputs
+leaving) reallocates, copying only the slots written so far. On the static path unwritten slots are zeros
+(masked keys must still be finite: ``nan - inf`` is ``nan``); off it they are never read, so they are
+allocated empty.
+
+Every layer has its own K and V tensors. Under ``torch.compile`` a write through a view of one tensor holding
+all layers is functionalized into a copy of that whole tensor per write (``index_put`` + ``select_scatter`` +
+``copy_``); a write into a tensor of its own stays an in-place ``index_put_`` (``tests/test_inductor.py``).
 
 Nothing here syncs with the device. Rows are input-major (``row = b * R + k``, see
 ``seqgen_cli/search/protocol.py``).
@@ -62,6 +67,16 @@ class BackPointers:
         self.ptr = self.ptr.index_select(0, rows)
 
 
+def keep_slots(cache: Tensor, inputs: Tensor, dim: int, used: int, zero: bool) -> Tensor:
+    """``cache`` [B, ...] for inputs ``inputs`` ([B'] int64) only: a new tensor [B', ...] holding the ``used``
+    slots written so far (along ``dim``); the unwritten ones are zeros if ``zero`` (static step), else unset."""
+    new = cache.new_empty((inputs.shape[0], *cache.shape[1:]))
+    new.narrow(dim, 0, used).copy_(cache.narrow(dim, 0, used).index_select(0, inputs))
+    if zero:
+        new.narrow(dim, used, cache.shape[dim] - used).zero_()
+    return new
+
+
 def write_slot(cache: Tensor, dim: int, new: Tensor, slot: Tensor, at: int | None) -> None:
     """Store ``new`` (``cache`` without ``dim``) at slot ``slot`` ([1] int64, on the device) along ``dim``;
     ``at``: the same slot as a host int off the static path, where the write is a plain view copy."""
@@ -101,12 +116,12 @@ class EncoderDecoderKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.static = device.type == "cuda"  # attend all T slots (capturable), else the t+1 written so far
+        self.static = False  # attend the t+1 slots written so far; all T after make_static() (capture)
+        b, h, t, r, d = inputs, heads, max_len, rows_per_input, head_dim
         # Unread slots need no zeros off the static path: empty pages are only touched as slots are written.
-        alloc = torch.zeros if self.static else torch.empty
-        n_l, b, h, t, r, d = layers, inputs, heads, max_len, rows_per_input, head_dim
-        self.k = alloc((n_l, b, h, t, r, d), dtype=dtype, device=device)  # [L, B, H, T, R, d]
-        self.v = alloc((n_l, b, h, t, r, d), dtype=dtype, device=device)  # [L, B, H, T, R, d]
+        self.k = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in range(layers)]
+        self.heads, self.max_len, self.r, self.head_dim = h, t, r, d
         self.ptrs = BackPointers(inputs, rows_per_input, max_len, device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]: the slot this step writes
         self.span = max_len  # slots this step attends (host int; T if static)
@@ -115,20 +130,18 @@ class EncoderDecoderKVCache:
     def make_static(self) -> None:
         """Attend all ``T`` slots from now on (graph capture, before the first step): zero the unwritten."""
         if not self.static:
-            self.k.zero_()
-            self.v.zero_()
+            for x in self.k + self.v:
+                x.zero_()
             self.static = True
 
     def check(self, t: int) -> None:
         """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
-        max_len = self.v.shape[3]
-        check_slot(t, max_len)
-        self.span = max_len if self.static else t + 1
+        check_slot(t, self.max_len)
+        self.span = self.max_len if self.static else t + 1
 
     def begin(self, bias: Tensor | None = None) -> None:
         """A step starts (before the layers); ``bias`` [1, H, 1, T]: additive attention bias over slots (T5)."""
-        _, _, h, _, r, _ = self.v.shape
-        span = self.span
+        h, r, span = self.heads, self.r, self.span
         if bias is not None:
             bias = bias[..., :span, None].float().expand(1, h, 1, span, r).reshape(1, h, 1, span * r)
         if self.static or r > 1:
@@ -145,9 +158,8 @@ class EncoderDecoderKVCache:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Store this step's ``k``/``v`` ([N, H, d]); attend ``q`` [N, H, d] over each history -> [N, H*d]."""
-        _, b, h, _, r, d = self.v.shape
-        span = self.span
         kl, vl = self.k[layer], self.v[layer]  # [B, H, T, R, d]
+        b, h, r, d, span = kl.shape[0], self.heads, self.r, self.head_dim, self.span
         at = None if self.static else span - 1
         write_slot(kl, 2, k.view(b, r, h, d).transpose(1, 2), self.slot, at)  # [N, H, d] -> [B, H, R, d]
         write_slot(vl, 2, v.view(b, r, h, d).transpose(1, 2), self.slot, at)  # [N, H, d] -> [B, H, R, d]
@@ -161,15 +173,17 @@ class EncoderDecoderKVCache:
         """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input): only back-pointers move."""
         self.ptrs.reorder(rows)
 
-    def keep(self, inputs: Tensor, rows: Tensor) -> None:
-        """Keep only inputs ``inputs`` ([B'] int64), i.e. rows ``rows`` ([B' * R])."""
-        self.k = self.k.index_select(1, inputs)
-        self.v = self.v.index_select(1, inputs)
+    def keep(self, inputs: Tensor, rows: Tensor, used: int) -> None:
+        """Keep only inputs ``inputs`` ([B'] int64), i.e. rows ``rows`` ([B' * R]); copies only the ``used``
+        slots written so far."""
+        for cache in (self.k, self.v):
+            for i, x in enumerate(cache):
+                cache[i] = keep_slots(x, inputs, 2, used, self.static)
         self.ptrs.keep(rows)
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.ptrs.ptr.nbytes
+        return sum(x.nbytes for x in self.k + self.v) + self.ptrs.ptr.nbytes
 
 
 class DecoderOnlyKVCache:
@@ -191,10 +205,10 @@ class DecoderOnlyKVCache:
             k.transpose(-1, -2).contiguous() for k in pk
         ]  # [B, Hkv, d, P]; the prefill's copy is freed
         self.pv = pv  # [B, Hkv, P, d]
-        self.static = dev.type == "cuda"  # attend all T slots (capturable), else the t+1 written so far
-        alloc = torch.zeros if self.static else torch.empty  # unread slots need no zeros off the static path
-        self.gk = [alloc(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
-        self.gv = [alloc(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]
+        self.static = False  # attend the t+1 slots written so far; all T after make_static() (capture)
+        # unread slots need no zeros off the static path
+        self.gk = [torch.empty(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
+        self.gv = [torch.empty(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]
         bias = torch.zeros(mask.shape, device=dev, dtype=torch.float32)
         self.prompt_bias = bias.masked_fill(mask == 0, float("-inf"))[:, None, None, :]  # [B, 1, 1, P]
         self.ptrs = BackPointers(b, r, max_len, dev)
@@ -266,11 +280,8 @@ class DecoderOnlyKVCache:
         for i in range(len(self.pk)):
             self.pk[i] = self.pk[i].index_select(0, inputs)
             self.pv[i] = self.pv[i].index_select(0, inputs)
-            for cache, slot_dim in ((self.gk, 3), (self.gv, 2)):
-                old = cache[i]
-                new = (old.new_zeros if self.static else old.new_empty)((inputs.shape[0], *old.shape[1:]))
-                new.narrow(slot_dim, 0, used).copy_(old.narrow(slot_dim, 0, used).index_select(0, inputs))
-                cache[i] = new
+            self.gk[i] = keep_slots(self.gk[i], inputs, 3, used, self.static)
+            self.gv[i] = keep_slots(self.gv[i], inputs, 2, used, self.static)
         self.prompt_bias = self.prompt_bias.index_select(0, inputs)
         self.ptrs.keep(rows)
 

@@ -67,10 +67,11 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     On the 2-core CPU of docs/BENCHMARKS.md ("CPU float32: where a step goes") oneDNN runs the decode step's
     products 10-40 % faster than the MKL GEMM behind ``F.linear``, and the LM head about 2x faster (MKL
     re-packs the whole [V, D] matrix for every few-row product). Same product, another summation order
-    (float32 rounding, about 1e-6 relative).
+    (float32 rounding, about 1e-6 relative). Under ``torch.compile`` always ``F.linear``: inductor cannot lower
+    ``mkldnn._linear_pointwise`` on a dense weight, and picks its own GEMM.
     """
     cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-    if ONEDNN and cpu_fp32 and x.dim() == 2:  # any number of rows (module docstring)
+    if ONEDNN and cpu_fp32 and x.dim() == 2 and not torch.compiler.is_compiling():  # any number of rows
         return onednn(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -95,11 +96,10 @@ class PackedLinear:
         self.calls = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
+        # Under torch.compile: the dense weight, no state change (it would retrace), no oneDNN op (see dense).
+        if x.dim() != 2 or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         if self.packed is None:
-            if torch.compiler.is_compiling():  # no state change inside a traced graph: it would retrace
-                return dense(x, self.weight, self.bias)
             self.calls += 1
             if self.calls <= PACK_AFTER:
                 return dense(x, self.weight, self.bias)

@@ -27,20 +27,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.job import (
     JobOptions,
+    aborted,
     check_job,
     score,
+    shard_settings,
     sigterm_as_interrupt,
     write_records,
     write_stats,
 )
 from seqgen_cli.pipeline.progress import CountingProgress, Progress, count_lines
-from seqgen_cli.pipeline.records import Record, read_records, shard_range
+from seqgen_cli.pipeline.records import Record, read_records
 from seqgen_cli.pipeline.run import MAX_WARNINGS
-from seqgen_cli.pipeline.sinks import FileSink, Sink, StreamSink
+from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
 
 DEFAULT_SHARD_SIZE = 4096
@@ -355,9 +357,9 @@ def generate_distributed(
     shard, done) and merged shard (``"merged"``), for tests and monitoring.
     """
     check_job(inputs, output, opts)
-    if opts.reference and output == "-":
+    if opts.reference and is_stream(output):
         raise SeqgenError("--reference with --workers needs -o FILE")
-    if output != "-" and not opts.resume:
+    if not is_stream(output) and not opts.resume:
         resume.check_fresh(output)
     t0 = time.perf_counter()
     ray = import_ray(local=cluster.address is None)
@@ -407,6 +409,7 @@ class _Driver:
         self.workers: list[_Worker] = []
         self.lost_workers: list[_Worker] = []  # dropped after too many restarts
         self.warned = self.shards_merged = self.retried = self.size = 0
+        self.select: tuple[int, int] | None = None  # --shard I/N: this driver's inputs [lo, hi)
 
     # -- set-up ------------------------------------------------------------------------------------
     def _check_resources(self) -> None:
@@ -481,24 +484,25 @@ class _Driver:
     def _open_output(
         self, settings: dict[str, Any], parts: Path, stdout: TextIO
     ) -> tuple[Sink, resume.ResumeState | None]:
-        if self.output == "-":
-            return StreamSink(stdout.buffer), None
+        if is_stream(self.output):
+            return open_stream(self.output, stdout.buffer), None
         state = resume.load(self.output, settings) if self.opts.resume else None
         if state is None:
             shutil.rmtree(parts, ignore_errors=True)  # parts of a run that is not being resumed
             parts.mkdir()
-            return FileSink(self.output, settings), None
+            return FileSink(self.output, settings, part=self.select is not None), None
         parts.mkdir(exist_ok=True)
         for part in parts.iterdir():  # parts merged before the driver was lost
             head = part.name.split("-", 1)[0]
             if head.isdigit() and int(head) < state.done:
                 part.unlink(missing_ok=True)
-        return FileSink(self.output, settings, done=state.done, offset=state.offset), state
+        part = self.select is not None
+        return FileSink(self.output, settings, done=state.done, offset=state.offset, part=part), state
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self, stdout: TextIO) -> Summary:
         self._check_resources()
-        tmp = tempfile.mkdtemp(prefix="seqgen-parts-") if self.output == "-" else None
+        tmp = tempfile.mkdtemp(prefix="seqgen-parts-") if is_stream(self.output) else None
         parts = Path(tmp) if tmp else parts_dir(self.output)
         if tmp is None:
             parts.mkdir(exist_ok=True)
@@ -509,7 +513,8 @@ class _Driver:
             first = self._first_hello()
             self.settings = self.worker_settings = first["settings"]
             if self.opts.shard is not None:  # one of N drivers (--shard I/N --workers M), as in one process
-                self.settings = {**self.settings, "shard": list(self.opts.shard)}
+                self.select, extra = shard_settings(self.paths, self.opts.shard)
+                self.settings = {**self.settings, **extra}
             self.summary.backend = first["backend"]
             self.info = first
             sink, state = self._open_output(self.settings, parts, stdout)
@@ -522,6 +527,12 @@ class _Driver:
                     complete = self._loop(sink, state, parts)
                 except KeyboardInterrupt:
                     self.summary.interrupted = True
+                except BrokenPipeError:
+                    raise
+                except Exception as err:  # the output cannot be written (disk full), a bug: say where it is
+                    if isinstance(err, SeqgenError) and not isinstance(err, WriteError):
+                        raise
+                    raise aborted(err, self.output, sink.kept()) from err
             self.summary.distributed = dict(
                 workers=[w.report() for w in sorted(self.workers + self.lost_workers, key=lambda w: w.index)],
                 shards=self.shards_merged, shard_size=self.size, retried_shards=self.retried,
@@ -547,12 +558,8 @@ class _Driver:
     def _loop(self, sink: Sink, state: resume.ResumeState | None, parts: Path) -> bool:
         """Hand out shards, collect and merge results; True when every input is written."""
         ray, cl, opts = self.ray, self.cluster, self.opts
-        total = count_lines(self.paths)
-        select = None
-        if opts.shard is not None:
-            assert total is not None  # check_job: --shard needs input files
-            select = shard_range(total, *opts.shard)
-            total = select[1] - select[0]
+        select = self.select
+        total = select[1] - select[0] if select is not None else count_lines(self.paths)
         records = read_records(self.paths, opts.input_format, opts.input_field, "skip", select=select)
         digest = resume.InputDigest()
         if state is not None:

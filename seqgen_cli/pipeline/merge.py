@@ -1,20 +1,32 @@
-"""``seqgen merge``: join the part files of a ``--shard I/N`` run into the file one process writes."""
+"""``seqgen merge``: join the part files of a ``--shard I/N`` run into the file one process writes.
+
+A finished ``--shard I/N`` run leaves a manifest beside its part, ``PART.seqgen-part`` (JSON: the settings,
+with the shard and the whole input's line count and SHA-256, the inputs written and the part's length;
+:func:`~.resume.write_manifest`, called as the part's sink closes complete).
+Merge checks that the parts are shards 0 to N-1 of the same N, in order, of the same input and settings,
+before it writes anything. The manifests stay: the parts can be merged again.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.pipeline import resume
+from seqgen_cli.pipeline.records import check_not_output, shard_range
+from seqgen_cli.pipeline.resume import manifest_path
+from seqgen_cli.pipeline.sinks import is_stream, open_stream
 
 
-def check_part(part: str) -> int:
-    """A complete part's size; one-line errors for a missing, unfinished or torn one."""
+def check_part(part: str) -> dict[str, Any]:
+    """A finished part's manifest; one-line errors for a missing, unfinished, changed or torn part."""
     path = Path(part)
     if not path.is_file():
         raise SeqgenError(f"{part}: no such part file")
@@ -23,13 +35,67 @@ def check_part(part: str) -> int:
             raise SeqgenError(
                 f"{part}: incomplete ({side.name} exists): finish that shard with --resume first"
             )
-    size = path.stat().st_size
+    manifest = manifest_path(part)
+    try:
+        entry = json.loads(manifest.read_text(encoding="utf-8"))
+        settings, size = entry["settings"], int(entry["bytes"])
+        i, n = settings["shard"]
+        lines = int(settings["input"]["lines"])
+    except FileNotFoundError:
+        raise SeqgenError(
+            f"{part}: no {manifest.name} beside it: not the finished output of `seqgen generate --shard I/N`"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SeqgenError(f"{part}: {manifest.name} is not a seqgen part manifest") from None
+    if path.stat().st_size != size:
+        raise SeqgenError(
+            f"{part}: changed since its shard finished ({path.stat().st_size} bytes, {manifest.name} says {size})"
+        )
+    lo, hi = shard_range(lines, i, n)
+    if entry.get("inputs") != hi - lo:
+        raise SeqgenError(f"{part}: holds {entry.get('inputs')} inputs, shard {i}/{n} has {hi - lo}")
     if size:
         with open(path, "rb") as fh:
             fh.seek(size - 1)
             if fh.read(1) != b"\n":
                 raise SeqgenError(f"{part}: not a complete seqgen output (its last line has no newline)")
-    return size
+    return settings
+
+
+def check_parts(parts: Sequence[str]) -> None:
+    """One-line errors unless ``parts`` are the shards 0 to N-1 of one job (same input and settings), in order."""
+    settings = [check_part(p) for p in parts]
+    first, ref = settings[0], parts[0]
+    for part, s in zip(parts, settings, strict=True):
+        if s.get("input") != first.get("input"):
+            raise SeqgenError(f"{part} and {ref} were made from different inputs: not parts of one job")
+        keys = sorted(
+            k for k in set(s) | set(first) if k not in ("shard", "input") and s.get(k) != first.get(k)
+        )
+        if keys:
+            raise SeqgenError(
+                f"{part} and {ref} were written with different settings ({', '.join(keys)}): not parts of one job"
+            )
+    shards = [tuple(s["shard"]) for s in settings]
+    n = shards[0][1]
+    seen: dict[int, str] = {}
+    for part, (i, k) in zip(parts, shards, strict=True):
+        if k != n:
+            raise SeqgenError(
+                f"{part} is shard {i}/{k}, {ref} is shard {shards[0][0]}/{n}: not parts of one job"
+            )
+        if i in seen:
+            raise SeqgenError(f"shard {i}/{n} is given twice: {seen[i]} and {part}")
+        seen[i] = part
+    missing = [f"{i}/{n}" for i in range(n) if i not in seen]
+    if missing:
+        raise SeqgenError(f"missing shard {', '.join(missing)}: give all {n} parts, in shard order")
+    for position, (part, (i, _)) in enumerate(zip(parts, shards, strict=True)):
+        if i != position:
+            raise SeqgenError(
+                f"parts out of order: {part} is shard {i}/{n} but comes at position {position}; "
+                f"give them in shard order (0 to {n - 1})"
+            )
 
 
 def merge_parts(parts: Sequence[str], output: str) -> int:
@@ -39,21 +105,28 @@ def merge_parts(parts: Sequence[str], output: str) -> int:
     """
     if not parts:
         raise SeqgenError("give the part files, in shard order")
-    for part in parts:
-        check_part(part)
-    if output == "-":
-        for part in parts:
-            with open(part, "rb") as fh:
-                shutil.copyfileobj(fh, sys.stdout.buffer)
-        sys.stdout.buffer.flush()
+    if output == "-" and sys.stdout is None:
+        raise SeqgenError("standard output is closed: give -o FILE")
+    check_parts(parts)
+    check_not_output(parts, output, what="part")
+    if is_stream(output):  # stdout, /dev/null, a pipe: written into, never replaced
+        sink = open_stream(output)
+        try:
+            for part in parts:
+                with open(part, "rb") as fh:
+                    for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                        sink.write(block, inputs=0)
+        finally:
+            sink.close(complete=True)
         return sum(_lines(p) for p in parts)
     target = Path(output).resolve()
-    if any(Path(p).resolve() == target for p in parts):
-        raise SeqgenError(f"{output} is both a part and the output")
     if not target.parent.is_dir():
         raise SeqgenError(f"output folder {target.parent} does not exist")
     resume.check_fresh(output)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as err:
+        raise WriteError.of(err, output) from err
     try:
         with os.fdopen(fd, "wb") as out:
             for part in parts:
@@ -65,6 +138,9 @@ def merge_parts(parts: Sequence[str], output: str) -> int:
         os.umask(mask)
         os.chmod(tmp, 0o666 & ~mask)  # as a file seqgen generate writes (mkstemp makes it private)
         os.replace(tmp, target)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise WriteError.of(err, output) from err
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -20,7 +21,8 @@ DEFAULT_FIELDS = ("text", "src", "source", "input")
 class Record:
     """One input: its text and, for JSONL, the whole object (passed through to JSONL output).
 
-    ``error`` is set (and ``text`` empty) for a bad line read with ``on_error="skip"``.
+    ``error`` is set (and ``text`` empty) for a bad line read with ``on_error="skip"``; ``fields`` then holds
+    its JSON object if it parsed as one.
     """
 
     index: int  # position among all inputs, 0-based
@@ -35,8 +37,19 @@ class Record:
         return f"{self.source}:{self.line}"
 
 
+class BadLine(SeqgenError):
+    """A line that cannot be an input; ``fields``: its JSON object when it parsed as one (kept in JSONL
+    output by ``--on-error skip``)."""
+
+    def __init__(self, message: str, fields: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
 def _open(path: str) -> tuple[BinaryIO, str]:
     if path == "-":
+        if sys.stdin is None:
+            raise SeqgenError("standard input is closed: give input files, or pipe the input in")
         return sys.stdin.buffer, "<stdin>"
     try:
         return open(path, "rb"), path
@@ -50,16 +63,54 @@ def _open(path: str) -> tuple[BinaryIO, str]:
 
 def check_inputs(paths: Sequence[str]) -> None:
     """Fail early (before the model loads) on an input file that cannot be opened."""
-    for path in paths:
+    for path in paths or ["-"]:
+        stream = _open(path)[0]
         if path != "-":
-            _open(path)[0].close()
+            stream.close()
+
+
+def _stat(path: str) -> os.stat_result | None:
+    """``os.stat`` of ``path`` (``-``: standard input), or None when there is nothing to stat."""
+    try:
+        return os.fstat(sys.stdin.fileno()) if path == "-" else os.stat(path)
+    except (OSError, ValueError, AttributeError):  # missing, or stdin closed or replaced (no fileno)
+        return None
+
+
+def _stdout_stat() -> os.stat_result | None:
+    try:
+        return os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_not_output(inputs: Sequence[str], output: str, what: str = "input") -> None:
+    """Refuse an input (``-``: stdin) that is the output file (``-``: stdout) under any name: the same
+    inode through a hard link, a symlink or another path. Checked before anything is opened for writing."""
+    out = _stdout_stat() if output == "-" else _stat(output)
+    if out is None or not stat.S_ISREG(out.st_mode):  # a new file, a pipe or a device: nothing to destroy
+        return
+    for path in inputs or ["-"]:
+        st = _stat(path)
+        if st is None or (st.st_dev, st.st_ino) != (out.st_dev, out.st_ino):
+            continue
+        if path == "-":
+            raise SeqgenError(
+                f"standard input is the output file {output}: writing it would destroy the input"
+            )
+        if output == "-":
+            raise SeqgenError(
+                f"standard output is the {what} file {path}: writing it would destroy the {what}"
+            )
+        same = "" if os.path.abspath(path) == os.path.abspath(output) else f" (the same file as {path})"
+        raise SeqgenError(f"{output} is both an {what} and the output{same}")
 
 
 def is_regular(path: str) -> bool:
     """Whether ``path`` (``-`` = stdin) is a regular file, i.e. reads never wait on a writer."""
     try:
         mode = os.fstat(sys.stdin.fileno()).st_mode if path == "-" else os.stat(path).st_mode
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: stdin closed (None)
         return False
     return stat.S_ISREG(mode)
 
@@ -107,11 +158,29 @@ def read_records(
                     except SeqgenError as err:
                         if on_error != "skip":
                             raise
-                        yield Record(index - lo, name, number, "", None, error=str(err))
+                        fields = err.fields if isinstance(err, BadLine) else None
+                        yield Record(index - lo, name, number, "", fields, error=str(err))
                 index += 1
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()
+
+
+def scan_inputs(paths: Sequence[str]) -> tuple[int, str]:
+    """Lines in the input files (as :func:`read_records` counts them) and a SHA-256 of their bytes, files in
+    order and each prefixed with its length (so a job's parts can be told from another's: not the names,
+    which may differ between machines)."""
+    lines, h = 0, hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as fh:
+            h.update(f"{os.fstat(fh.fileno()).st_size}\n".encode())
+            last = b"\n"
+            while block := fh.read(1 << 20):
+                h.update(block)
+                lines += block.count(b"\n")
+                last = block[-1:]
+        lines += last != b"\n"
+    return lines, h.hexdigest()
 
 
 def shard_range(total: int, shard: int, shards: int) -> tuple[int, int]:
@@ -160,10 +229,10 @@ def _json_record(index: int, name: str, number: int, line: str, input_field: str
     if key is None or key not in obj:
         wanted = repr(input_field) if input_field else " or ".join(repr(k) for k in DEFAULT_FIELDS)
         have = ", ".join(map(repr, obj)) or "none"
-        raise SeqgenError(
-            f"{name}:{number}: no field {wanted} (fields: {have}; choose one with --input-field)"
+        raise BadLine(
+            f"{name}:{number}: no field {wanted} (fields: {have}; choose one with --input-field)", obj
         )
     text = obj[key]
     if not isinstance(text, str):
-        raise SeqgenError(f"{name}:{number}: field {key!r} is {type(text).__name__}, expected a string")
+        raise BadLine(f"{name}:{number}: field {key!r} is {type(text).__name__}, expected a string", obj)
     return Record(index, name, number, text, obj)

@@ -3,11 +3,14 @@
 The index (see :mod:`seqgen_cli.pipeline.sinks`) records the run's settings and, per flush, how many
 inputs were written, the output's byte length and a SHA-256 of those inputs. Resuming checks the
 settings, re-reads (without regenerating) the inputs already done, checks their digest, truncates the
-output to the recorded length and goes on from there.
+output to the recorded length and goes on from there. Journaled outputs carry their input's hash and are
+reused only for the same input. A finished ``--shard`` part also gets a manifest here (read by
+:mod:`~.merge`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.pipeline.records import Record
 
 if TYPE_CHECKING:
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
 
 INDEX_SUFFIX = ".seqgen-index"
 JOURNAL_SUFFIX = ".seqgen-journal"
+MANIFEST_SUFFIX = ".seqgen-part"  # a finished --shard part, for `seqgen merge` (see merge.py)
+MANIFEST_VERSION = 1
 
 
 def index_path(output: str | os.PathLike[str]) -> Path:
@@ -33,6 +38,26 @@ def index_path(output: str | os.PathLike[str]) -> Path:
 
 def journal_path(output: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(output)}{JOURNAL_SUFFIX}")
+
+
+def manifest_path(part: str | os.PathLike[str]) -> Path:
+    return Path(f"{os.fspath(part)}{MANIFEST_SUFFIX}")
+
+
+def write_manifest(part: str, settings: dict[str, Any], inputs: int, size: int) -> None:
+    """Record a finished part (written whole, or not at all)."""
+    path = manifest_path(part)
+    entry = {"seqgen_part": MANIFEST_VERSION, "settings": settings, "inputs": inputs, "bytes": size}
+    tmp = Path(f"{path}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise WriteError.of(err, path) from err
 
 
 class InputDigest:
@@ -109,23 +134,65 @@ def check_fresh(output: str) -> None:
 
 
 class JsonLog:
-    """An append-only file of JSON lines, each batch of lines flushed and fsynced; removed when complete."""
+    """An append-only file of JSON lines, each batch of lines written whole and fsynced; removed when complete.
+
+    Reopened to append, a torn last line (a kill in the middle of a write) is cut first; a failed write is
+    cut back, so the file never holds a torn line before good ones.
+    """
 
     def __init__(self, path: Path, *, fresh: bool) -> None:
         self.path = path
-        self._fh = open(path, "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_TRUNC if fresh else 0), 0o666)
+        except OSError as err:
+            raise WriteError.of(err, path) from err
+        try:
+            self._size = _whole_lines_size(self._fd)
+            os.ftruncate(self._fd, self._size)
+            os.lseek(self._fd, self._size, os.SEEK_SET)
+        except OSError as err:
+            os.close(self._fd)
+            raise WriteError.of(err, path) from err
 
     def append(self, entries: list[dict[str, Any]]) -> None:
-        if entries:
-            self._fh.write("".join(json.dumps(e) + "\n" for e in entries))
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
+        if not entries:
+            return
+        data = "".join(json.dumps(e) + "\n" for e in entries).encode()
+        try:
+            write_all(self._fd, data)
+            os.fsync(self._fd)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+                os.lseek(self._fd, self._size, os.SEEK_SET)
+            raise WriteError.of(err, self.path) from err
+        self._size += len(data)
 
     def close(self, complete: bool) -> None:
         """Close; a complete run's file is removed (nothing is left to resume)."""
-        self._fh.close()
+        os.close(self._fd)
         if complete:
             self.path.unlink(missing_ok=True)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written (or an ``OSError``, e.g. the disk is full)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _whole_lines_size(fd: int) -> int:
+    """The file's length up to and including its last newline."""
+    pos = os.fstat(fd).st_size
+    while pos > 0:
+        start = max(0, pos - (1 << 16))
+        block = os.pread(fd, pos - start, start)
+        cut = block.rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        pos = start
+    return 0
 
 
 def read_json_lines(path: Path) -> Iterator[Any]:
@@ -139,22 +206,29 @@ def read_json_lines(path: Path) -> Iterator[Any]:
 
 
 class Journal(JsonLog):
-    """Finished outputs that wait for an earlier input: ``{"i": index, "out": text}``."""
+    """Finished outputs that wait for an earlier input: ``{"i": index, "in": input_key, "out": text}``."""
 
     def __init__(self, output: str | os.PathLike[str], *, fresh: bool) -> None:
         super().__init__(journal_path(output), fresh=fresh)
 
-    def add(self, entries: list[tuple[int, str]]) -> None:
-        self.append([{"i": i, "out": out} for i, out in entries])
+    def add(self, entries: list[tuple[int, str, str]]) -> None:
+        """``(index, input_key(record), output text)`` per entry."""
+        self.append([{"i": i, "in": key, "out": out} for i, key, out in entries])
 
 
-def load_journal(output: str | os.PathLike[str], done: int) -> dict[int, str]:
-    """The journaled outputs of inputs ``done`` and later."""
+def input_key(record: Record) -> str:
+    """SHA-256 of one input (as :class:`InputDigest` hashes it): a journaled output is reused only for the
+    same input."""
+    return hashlib.sha256(InputDigest.encode(record)).hexdigest()
+
+
+def load_journal(output: str | os.PathLike[str], done: int) -> dict[int, tuple[str, str]]:
+    """The journaled outputs of inputs ``done`` and later: index -> (input key, output text)."""
     path = journal_path(output)
     if not path.exists():
         return {}
     entries = (e for e in read_json_lines(path) if isinstance(e, dict) and e.get("i", -1) >= done)
-    return {int(e["i"]): str(e["out"]) for e in entries}
+    return {int(e["i"]): (str(e.get("in", "")), str(e["out"])) for e in entries}
 
 
 class IndexWriter(JsonLog):
@@ -175,6 +249,11 @@ def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> ResumeStat
     out = Path(output)
     if not index.exists():
         if out.exists() and out.stat().st_size > 0:
+            if not _ends_with_newline(out):
+                raise SeqgenError(
+                    f"--resume: {output} has no {index.name} and its last line is torn (no newline at the end): "
+                    "it did not finish and cannot be resumed; delete it to start over"
+                )
             raise SeqgenError(
                 f"--resume: {output} has no {index.name} (it finished, or was not written by seqgen); "
                 "nothing to resume: remove it or drop --resume"
@@ -194,6 +273,12 @@ def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> ResumeStat
             f"--resume: {output} is shorter than {index.name} records; delete both to start over"
         )
     return last
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
 
 
 def _read_index(index: Path) -> tuple[dict[str, Any], ResumeState]:

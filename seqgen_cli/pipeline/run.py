@@ -12,12 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from seqgen_cli.batching import Batcher, Item, Result, generate_split
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
-from seqgen_cli.pipeline.resume import InputDigest
+from seqgen_cli.pipeline.resume import InputDigest, input_key
 from seqgen_cli.pipeline.sinks import Sink
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
 from seqgen_cli.pipeline.writer import OrderedWriter
@@ -46,14 +46,14 @@ def run(
     progress: Progress | None = None,
     keep: list[str] | None = None,
     streaming: bool = False,
-    journaled: dict[int, str] | None = None,
+    journaled: dict[int, tuple[str, str]] | None = None,
 ) -> Summary:
     """Generate for every record and write the outputs to ``sink`` in input order.
 
     Returns the summary; ``summary.interrupted`` after Ctrl-C, ``summary.error`` when an input failed
     with ``on_error="fail"`` (everything before it is written either way). ``streaming``: the input is a
-    pipe, so lines are handed on as they arrive. ``journaled``: outputs a resumed run found in the journal
-    (by input index): written, not generated again.
+    pipe, so lines are handed on as they arrive. ``journaled``: what a resumed run found in the journal,
+    input index -> (input key, output): written, not generated again, where the input is unchanged.
     """
     t_start = time.perf_counter()
     summary = Summary(
@@ -70,14 +70,29 @@ def run(
         elif warned == MAX_WARNINGS + 1:
             progress.write("seqgen: warning: further warnings not shown (see the counts at the end)")
 
-    journaled = journaled or {}
-    reader = ReaderStage(iter(records), gen.encode, streaming=streaming, skip=set(journaled)).start()
+    journaled = dict(journaled or {})
+    reuse: dict[int, str] = {}  # journaled outputs checked against their input, for the writer to take
+    reader = ReaderStage(iter(records), gen.encode, streaming=streaming).start()
     writer = OrderedWriter(
         sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
-        num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, journaled=journaled,
+        num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, journaled=reuse,
     ).start()  # fmt: skip
 
+    def take_journaled(items: list[Item]) -> tuple[list[Item], list[Item]]:
+        """Split ``items`` into those whose journaled output is for the same input (to reuse) and the rest
+        (to generate: not journaled, or the input changed since)."""
+        reused, todo = [], []
+        for it in items:
+            entry = journaled.pop(it.index, None)
+            if entry is not None and entry[0] == input_key(it.record):
+                reuse[it.index] = entry[1]
+                reused.append(it)
+            else:
+                todo.append(it)
+        return reused, todo
+
     def passthrough(items: list[Item]) -> None:
+        take_journaled(items)
         for it in items:
             if it.record.error is not None:
                 warn(f"{it.record.error} (skipped: empty output)")
@@ -91,44 +106,50 @@ def run(
     )  # fmt: skip
     fail: Result | None = None
     fail_window = -1
+    finished = False  # the loop ended and every output reached the sink: no exception on the way
     try:
-        for batch in batcher:
-            items = batch.items
-            if fail is not None:
-                if batch.window != fail_window:
-                    break
-                items = [it for it in items if it.index < fail.item.index]
-                if not items:
-                    continue
-            t0 = time.perf_counter()
-            results = generate_split(gen, items)
-            summary.generate_seconds += time.perf_counter() - t0
-            bad = [r for r in results if r.error is not None]
-            if bad and opts.on_error == "fail":
-                first = min(bad, key=lambda r: r.item.index)
-                if fail is None or first.item.index < fail.item.index:
-                    fail, fail_window = first, batch.window
-                    batcher.stop()  # finish this window's inputs before the failure, read no further
-                results = [r for r in results if r.item.index < fail.item.index]
-            for r in bad if opts.on_error == "skip" else ():
-                warn(f"{r.error} (skipped: empty output)")
-                summary.skipped += 1
-            summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
-            writer.put(results)
-            elapsed = time.perf_counter() - t_start
-            progress.update(len(items), summary.generated_tokens / elapsed)
-    except KeyboardInterrupt:
-        summary.interrupted = True
-    except SeqgenError as err:  # a bad input line (on_error="fail"): what came before it is written
-        summary.error = str(err)
-    finally:
-        reader.stop()
-        progress.close()
         try:
-            writer.close()
+            for batch in batcher:
+                items = batch.items
+                if fail is not None:
+                    if batch.window != fail_window:
+                        break
+                    items = [it for it in items if it.index < fail.item.index]
+                    if not items:
+                        continue
+                reused, todo = take_journaled(items)
+                t0 = time.perf_counter()
+                results = generate_split(gen, todo) if todo else []
+                summary.generate_seconds += time.perf_counter() - t0
+                bad = [r for r in results if r.error is not None]
+                if bad and opts.on_error == "fail":
+                    first = min(bad, key=lambda r: r.item.index)
+                    if fail is None or first.item.index < fail.item.index:
+                        fail, fail_window = first, batch.window
+                        batcher.stop()  # finish this window's inputs before the failure, read no further
+                    results = [r for r in results if r.item.index < fail.item.index]
+                for r in bad if opts.on_error == "skip" else ():
+                    warn(f"{r.error} (skipped: empty output)")
+                    summary.skipped += 1
+                summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
+                results += [Result(it) for it in reused if fail is None or it.index < fail.item.index]
+                writer.put(results)
+                elapsed = time.perf_counter() - t_start
+                progress.update(len(items), summary.generated_tokens / elapsed)
+        except KeyboardInterrupt:
+            summary.interrupted = True
+        except WriteError:
+            raise
+        except SeqgenError as err:  # a bad input line (on_error="fail"): what came before it is written
+            summary.error = str(err)
         finally:
-            complete = not summary.interrupted and summary.error is None and fail is None
-            sink.close(complete)
+            reader.stop()
+            progress.close()
+            writer.close()  # raises the writer's error (e.g. the disk is full)
+        finished = True
+    finally:
+        # Anything but a finished run keeps index and journal (and cuts a torn tail): it can be resumed.
+        sink.close(finished and not summary.interrupted and summary.error is None and fail is None)
     if fail is not None and summary.error is None:
         summary.error = fail.error
     summary.inputs = writer.next - start

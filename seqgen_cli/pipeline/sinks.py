@@ -7,12 +7,17 @@ earlier input go to the journal (both in :mod:`~.resume`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import stat
+import sys
 import time
+from collections.abc import Iterator
 from typing import BinaryIO
 
-from seqgen_cli.pipeline.resume import IndexWriter, Journal
+from seqgen_cli.errors import WriteError
+from seqgen_cli.pipeline.resume import IndexWriter, Journal, JsonLog, manifest_path, write_all, write_manifest
 
 
 class Sink:
@@ -27,31 +32,98 @@ class Sink:
     def commit(self, digest: str = "", force: bool = False) -> None:
         """Make what was written so far durable (as far as this sink can)."""
 
-    def journal(self, entries: list[tuple[int, str]]) -> None:
-        """Keep outputs that wait for an earlier input, ``(index, text)``, where a resume can find them."""
+    def journal(self, entries: list[tuple[int, str, str]]) -> None:
+        """Keep outputs that wait for an earlier input, ``(index, input key, text)``, where a resume can find
+        them."""
+
+    def kept(self) -> int:
+        """Inputs whose outputs are in the output for good (after a failure: what a resume goes on from)."""
+        return self.done
 
     def close(self, complete: bool) -> None:
         pass
 
 
 class StreamSink(Sink):
-    """Standard output (or any binary stream): flushed per output when it is a pipe or terminal."""
+    """Standard output (or any binary stream): flushed per output when it is a pipe or terminal.
 
-    def __init__(self, stream: BinaryIO, flush_lines: bool | None = None) -> None:
+    ``name``: what messages call it; ``owned``: the stream was opened for this run (closed with it)."""
+
+    def __init__(
+        self,
+        stream: BinaryIO,
+        flush_lines: bool | None = None,
+        *,
+        name: str = "<stdout>",
+        owned: bool = False,
+    ) -> None:
         self.stream = stream
         self.flush_lines = _is_interactive(stream) if flush_lines is None else flush_lines
+        self.name = name
+        self.owned = owned
 
     def write(self, data: bytes, inputs: int = 1) -> None:
-        self.stream.write(data)
+        with self._errors():
+            self.stream.write(data)
+            if self.flush_lines:
+                self.stream.flush()
         self.done += inputs
-        if self.flush_lines:
-            self.stream.flush()
 
     def commit(self, digest: str = "", force: bool = False) -> None:
-        self.stream.flush()
+        with self._errors():
+            self.stream.flush()
 
     def close(self, complete: bool) -> None:
-        self.stream.flush()
+        try:
+            with self._errors():
+                self.stream.flush()
+        finally:
+            if self.owned:
+                with contextlib.suppress(OSError):
+                    self.stream.close()
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """An ``OSError`` (a device's I/O error, a full disk behind /dev/stdout) as a :class:`WriteError`;
+        a closed pipe stays ``BrokenPipeError`` (the reader went away: not an error)."""
+        try:
+            yield
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise WriteError.of(err, self.name) from err
+
+
+_FD_ALIAS = re.compile(r"/dev/(stdout|stderr|fd/\d+)|/proc/(self|thread-self|\d+)/fd/\d+")
+
+
+def is_stream(output: str) -> bool:
+    """Whether ``-o output`` is written as a stream: ``-``, /dev/stdout and its kin, a device, a pipe or a
+    socket. A stream has no index or journal, is never cut back and cannot be resumed."""
+    if output == "-":
+        return True
+    path = os.path.abspath(output)
+    for _ in range(8):  # /dev/stdout -> /proc/self/fd/1 -> the file stdout is (which must not be rewritten)
+        if _FD_ALIAS.fullmatch(path):
+            return True
+        if not os.path.islink(path):
+            break
+        path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+    try:
+        return not stat.S_ISREG(os.stat(output).st_mode)
+    except OSError:  # not there yet: a new regular file
+        return False
+
+
+def open_stream(output: str, stdout: BinaryIO | None = None) -> StreamSink:
+    """The sink for a stream output (see :func:`is_stream`; ``-``: ``stdout``, default ``sys.stdout``'s);
+    appended to, never truncated (``>> FILE``)."""
+    if output == "-":
+        return StreamSink(stdout or sys.stdout.buffer)
+    try:
+        return StreamSink(open(output, "ab"), name=output, owned=True)  # noqa: SIM115 - closed with the sink
+    except OSError as err:
+        raise WriteError.of(err, output) from err
 
 
 def _is_interactive(stream: BinaryIO) -> bool:
@@ -63,7 +135,13 @@ def _is_interactive(stream: BinaryIO) -> bool:
 
 
 class FileSink(Sink):
-    """A regular output file with its side index; ``start`` is where a resumed run goes on from."""
+    """A regular output file with its side index; ``start`` is where a resumed run goes on from.
+
+    A write that fails (disk full, an I/O error) raises :class:`WriteError`; closing an incomplete run cuts the
+    file back to its last committed output, so it never ends in a torn line, and keeps index and journal.
+    ``part``: the output of a ``--shard I/N`` run; a complete one is recorded in ``FILE.seqgen-part`` (see
+    :mod:`~.merge`) before its index goes.
+    """
 
     def __init__(
         self,
@@ -73,43 +151,75 @@ class FileSink(Sink):
         done: int = 0,
         offset: int = 0,
         interval: float = 0.5,
+        part: bool = False,
     ) -> None:
         self.name = os.fspath(path)
         self.interval = interval
-        flags = os.O_WRONLY | os.O_CREAT
-        self.fd = os.open(self.name, flags, 0o666)
-        os.ftruncate(self.fd, offset)  # a resumed run drops any unindexed tail
-        os.lseek(self.fd, offset, os.SEEK_SET)
+        self.header = header
+        self.part = part  # a --shard run: a complete one leaves its manifest for `seqgen merge`
+        fresh = done == 0
+        try:
+            self.fd = os.open(self.name, os.O_WRONLY | os.O_CREAT, 0o666)
+        except OSError as err:
+            raise WriteError.of(err, self.name) from err
+        logs: list[JsonLog] = []
+        try:
+            logs.append(IndexWriter(path, header, fresh=fresh))
+            logs.append(Journal(path, fresh=fresh))
+            try:
+                manifest_path(self.name).unlink(missing_ok=True)  # an earlier run's: rewritten now
+                os.ftruncate(self.fd, offset)  # a resumed run drops any unindexed tail
+                os.lseek(self.fd, offset, os.SEEK_SET)
+            except OSError as err:
+                raise WriteError.of(err, self.name) from err
+        except BaseException:
+            os.close(self.fd)
+            for log in logs:
+                log.close(complete=fresh)  # a fresh run leaves no index behind that would block a rerun
+            raise
+        self._index, self._journal = logs
         self.done = self.committed = done
         self.offset = offset
         self._buf: list[bytes] = []
         self._last = time.monotonic()
-        self._index = IndexWriter(path, header, fresh=done == 0)
-        self._journal = Journal(path, fresh=done == 0)
 
     def write(self, data: bytes, inputs: int = 1) -> None:
         self._buf.append(data)
         self.done += inputs
+
+    def kept(self) -> int:
+        return self.committed
 
     def commit(self, digest: str = "", force: bool = False) -> None:
         if self.done == self.committed or (not force and time.monotonic() - self._last < self.interval):
             return
         data = b"".join(self._buf)
         self._buf.clear()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view) :]
-        os.fsync(self.fd)
+        try:
+            write_all(self.fd, data)
+            os.fsync(self.fd)
+        except OSError as err:
+            raise WriteError.of(err, self.name) from err
         self.offset += len(data)
         self.committed = self.done
         self._index.add(self.done, self.offset, digest)
         self._last = time.monotonic()
 
-    def journal(self, entries: list[tuple[int, str]]) -> None:
+    def journal(self, entries: list[tuple[int, str, str]]) -> None:
         self._journal.add(entries)
 
     def close(self, complete: bool) -> None:
-        """Close; a complete run's index and journal are removed (nothing is left to resume)."""
-        os.close(self.fd)
-        self._journal.close(complete)
-        self._index.close(complete)
+        """Close; a complete run's index and journal are removed (nothing is left to resume), an incomplete
+        run's file is cut back to its last committed output (a failed write may have left part of one)."""
+        try:
+            if not complete:
+                os.ftruncate(self.fd, self.offset)
+            elif self.part:
+                write_manifest(self.name, self.header, self.committed, self.offset)
+        except BaseException:
+            complete = False  # no manifest: index and journal stay, --resume finishes the part
+            raise
+        finally:
+            os.close(self.fd)
+            self._journal.close(complete)
+            self._index.close(complete)

@@ -28,7 +28,8 @@ class Summary:
     error: str | None = None
     metrics: dict[str, Any] | None = field(default=None)
     rss_at_start_mb: float = 0.0  # peak resident memory before the run (model loaded)
-    # Generator.device_stats(): device, dtype, step path, GPU peak
+    # Generator.device_stats(): device, dtype, step path (under CUDA graphs: shapes compiled, compile seconds,
+    # steps captured and eager), GPU peak
     device: dict[str, Any] = field(default_factory=dict)
     # --workers: shards, shard size, retries, Ray start-up seconds and per-worker throughput ("workers")
     distributed: dict[str, Any] | None = field(default=None)
@@ -52,6 +53,7 @@ class Summary:
             f"generate {self.generate_seconds:.1f}s, write {self.write_seconds:.1f}s; backend {self.backend}"
             + (f" on {self.device['device']} {self.device['dtype']}" if self.device else "")
             + (f", step {path}" if (path := self.device.get("step_path")) else "")
+            + capture_note(self.device)
             + (f", peak GPU memory {gpu:.0f} MiB" if (gpu := self.device.get("peak_gpu_memory_mb")) else "")
         )
 
@@ -61,6 +63,18 @@ class Summary:
         d["generated_tokens_per_second"] = self.tokens_per_second
         d["peak_rss_mb"] = peak_rss_mb()
         return d
+
+
+def capture_note(device: dict[str, Any]) -> str:
+    """`` (5 shapes compiled in 83s, 97% of 4,100 steps captured)`` under CUDA graphs, else nothing."""
+    if "shapes_compiled" not in device:
+        return ""
+    steps = device["captured_steps"] + device["eager_steps"]
+    share = 100 * device["captured_steps"] / steps if steps else 0.0
+    return (
+        f" ({device['shapes_compiled']} shapes compiled in {device['compile_seconds']:.0f}s, "
+        f"{share:.0f}% of {steps:,} steps captured)"
+    )
 
 
 def peak_rss_mb() -> float:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from seqgen_cli.batching import Result
 from seqgen_cli.pipeline.records import Record
-from seqgen_cli.pipeline.resume import InputDigest
+from seqgen_cli.pipeline.resume import InputDigest, input_key
 from seqgen_cli.pipeline.sinks import Sink
 
 Decode = Callable[[Sequence[Sequence[int]]], list[str]]
@@ -71,7 +71,8 @@ class OrderedWriter:
         self.next = start  # index of the next input to write
         self.digest = digest or InputDigest()
         self.keep = keep  # when a list: the first output of every input is appended (for scoring)
-        self.journaled = journaled or {}  # outputs a resumed run found in the journal, by input index
+        # outputs a resumed run found in the journal, by input index (the caller may add to it as it goes)
+        self.journaled = journaled if journaled is not None else {}
         self._pending: dict[int, tuple[Record, str, str]] = {}  # index -> (record, line(s), first output)
         self._q: queue.Queue = queue.Queue(maxsize=64)  # backpressure: a slow sink slows generation
         self.error: BaseException | None = None
@@ -144,4 +145,6 @@ class OrderedWriter:
                 self.keep.append(first)
             self.next += 1
         self.sink.commit(self.digest.hexdigest(), force=True)
-        self.sink.journal([(i, self._pending[i][1]) for i in fresh if i in self._pending])
+        self.sink.journal(
+            [(i, input_key(self._pending[i][0]), self._pending[i][1]) for i in fresh if i in self._pending]
+        )

@@ -15,8 +15,7 @@ from transformers import GenerationConfig
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.beam import beam_search
 from seqgen_cli.search.greedy import greedy_search
-from seqgen_cli.search.output import SearchOutput
-from seqgen_cli.search.protocol import Batch, ModelBackend
+from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
 from seqgen_cli.search.sampling import sample_search
 from seqgen_cli.search.settings import SearchSettings, resolve_mode, resolve_settings
 
@@ -42,12 +41,11 @@ def unsupported_reason(config: GenerationConfig) -> str | None:
 
 
 def settings_for(backend: ModelBackend, batch: Batch, config: GenerationConfig) -> SearchSettings:
-    """Resolve ``config`` for this backend and batch (prompt width: 1 decoder start token, or the padded prompt)."""
-    prompt_len = 1 if backend.is_encoder_decoder else batch.input_ids.shape[1]
+    """Resolve ``config`` for this backend and batch."""
     return resolve_settings(
         config,
         is_encoder_decoder=backend.is_encoder_decoder,
-        prompt_len=prompt_len,
+        prompt_len=batch.input_ids.shape[1],
         max_position_embeddings=getattr(backend, "max_position_embeddings", None),
     )
 

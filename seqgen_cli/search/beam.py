@@ -1,9 +1,9 @@
 """Vectorised beam search with transformers v5 semantics (``GenerationMixin._beam_search``).
 
 Every step is a fixed set of tensor ops over ``[B, K]`` / ``[B, C]`` (``K = num_beams``,
-``C = max(2, 1 + n_eos) * K`` candidates), identical in arithmetic and order to transformers' helpers
-(``_get_top_k_continuations``, ``_get_running_beams_for_next_iteration``, ``_update_finished_beams``,
-``_check_early_stop_heuristic``), so scores and tie-breaking match bit for bit.
+``C = max(2, 1 + n_eos) * K`` candidates), identical in arithmetic and order to transformers' helpers, whose
+names the steps here carry (``_get_top_k_continuations``, ``_get_running_beams_for_next_iteration``,
+``_update_finished_beams``, ``_check_early_stop_heuristic``), so scores and tie-breaking match bit for bit.
 
 Differences that do not change results:
 
@@ -17,11 +17,13 @@ Differences that do not change results:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from seqgen_cli.search.output import SearchOutput
-from seqgen_cli.search.protocol import Batch, ModelBackend
-from seqgen_cli.search.rows import default_sync_every, start_rows
+from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
+from seqgen_cli.search.rows import Rows, default_sync_every, start_rows
 from seqgen_cli.search.settings import SearchSettings
 
 BIG = -1.0e9  # transformers' "impossible" score
@@ -51,149 +53,261 @@ def wide_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return values, cols.gather(1, pos)  # [B, k], [B, k]
 
 
+@dataclass
+class BeamState:
+    """The search state, one row per active input: transformers' ``running_beam_scores``, ``beam_scores``,
+    ``is_sent_finished``, ``is_early_stop_heuristic_unsatisfied`` and ``sequences`` (here only the finished
+    hypotheses' generated tokens and lengths)."""
+
+    running_scores: torch.Tensor  # [B, K] float32: accumulated log-probs of the running beams
+    beam_scores: torch.Tensor  # [B, K] float32: length-penalised scores of the finished hypotheses
+    is_finished: torch.Tensor  # [B, K] bool: the slot holds a finished hypothesis
+    heuristic_unsatisfied: torch.Tensor  # [B, 1] bool: a running beam may still beat the worst finished one
+    fin_tokens: torch.Tensor  # [B, K, T] int64: generated tokens of the finished hypotheses
+    fin_lengths: torch.Tensor  # [B, K] int64: their lengths
+
+    @classmethod
+    def start(cls, num_inputs: int, num_beams: int, total: int, device: torch.device) -> BeamState:
+        """No finished hypothesis; only the first beam runs (the others score ``BIG``, so the first step's
+        candidates all continue beam 0)."""
+        shape = (num_inputs, num_beams)
+        running_scores = torch.zeros(shape, dtype=torch.float, device=device)
+        running_scores[:, 1:] = BIG
+        return cls(
+            running_scores=running_scores,
+            beam_scores=torch.full(shape, BIG, dtype=torch.float, device=device),
+            is_finished=torch.zeros(shape, dtype=torch.bool, device=device),
+            heuristic_unsatisfied=torch.ones((num_inputs, 1), dtype=torch.bool, device=device),
+            fin_tokens=torch.zeros((*shape, total), dtype=torch.long, device=device),
+            fin_lengths=torch.zeros(shape, dtype=torch.long, device=device),
+        )
+
+    def done(self, early_stopping: bool | str) -> torch.Tensor:
+        """[B] bool: inputs whose finished set can no longer change (``_beam_search_has_unfinished_sequences``
+        per input): the heuristic says no running beam can win, or ``early_stopping`` and all K finished."""
+        done = ~self.heuristic_unsatisfied[:, 0]
+        if early_stopping is True:
+            done = done | self.is_finished.all(dim=1)
+        return done
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """Keep active inputs ``keep`` ([B'] int64, ascending); the others left."""
+        self.running_scores, self.beam_scores = self.running_scores[keep], self.beam_scores[keep]
+        self.is_finished, self.heuristic_unsatisfied = (
+            self.is_finished[keep],
+            self.heuristic_unsatisfied[keep],
+        )
+        self.fin_tokens, self.fin_lengths = self.fin_tokens[keep], self.fin_lengths[keep]
+
+    def best(self, inputs: torch.Tensor, n: int) -> tuple[list[list[list[int]]], list[list[float]]]:
+        """The ``n`` best finished hypotheses of active inputs ``inputs`` ([D] int64) and their scores, copied to
+        the host: only after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
+        tokens = self.fin_tokens.index_select(0, inputs)[:, :n].tolist()
+        lengths = self.fin_lengths.index_select(0, inputs)[:, :n].tolist()
+        scores = self.beam_scores.index_select(0, inputs)[:, :n].tolist()
+        sequences = [
+            [toks[i][: lens[i]] for i in range(n)] for toks, lens in zip(tokens, lengths, strict=True)
+        ]
+        return sequences, scores
+
+
+def _accumulated_log_probs(rows: Rows, logits: torch.Tensor, running_scores: torch.Tensor) -> torch.Tensor:
+    """Log-probs, processed, plus each beam's running score: [N, V] -> [B, K * V].
+
+    The search owns the logits, so the vocabulary-wide passes work in place (same arithmetic and bits, no
+    [N, V] allocation per pass).
+    """
+    bsz, k = running_scores.shape
+    log_probs = logits.float().contiguous()  # [N, V]
+    torch.log_softmax(log_probs, dim=-1, out=log_probs)
+    log_probs = rows.pipeline(rows.history, log_probs)
+    vocab = log_probs.shape[-1]
+    log_probs = log_probs.view(bsz, k, vocab).add_(running_scores[:, :, None])  # [B, K, V]
+    return log_probs.reshape(bsz, k * vocab)
+
+
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _get_top_k_continuations(
+    accumulated_log_probs: torch.Tensor, beams_to_keep: int, num_beams: int, topk: TopK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``C = beams_to_keep`` best continuations over all beams: their scores, beams and tokens, [B, C] each."""
+    vocab = accumulated_log_probs.shape[-1] // num_beams
+    topk_log_probs, topk_indices = topk(accumulated_log_probs, beams_to_keep)
+    return topk_log_probs, topk_indices // vocab, topk_indices % vocab
+
+
+def _next_token_hits_stopping_criteria(
+    topk_tokens: torch.Tensor, eos: torch.Tensor | None, last_step: bool
+) -> torch.Tensor:
+    """[B, C] bool: the candidate ends its sequence (``MaxLengthCriteria``, ``EosTokenCriteria``)."""
+    if last_step:
+        return torch.ones(topk_tokens.shape, dtype=torch.bool, device=topk_tokens.device)
+    if eos is not None:
+        return torch.isin(topk_tokens, eos)
+    return torch.zeros(topk_tokens.shape, dtype=torch.bool, device=topk_tokens.device)
+
+
+def _get_running_beams_for_next_iteration(
+    topk_log_probs: torch.Tensor,
+    topk_beams: torch.Tensor,
+    topk_tokens: torch.Tensor,
+    hits: torch.Tensor,
+    num_beams: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best K candidates that did not end keep running: their scores, beams and tokens, [B, K] each."""
+    topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * BIG
+    next_indices = torch.topk(topk_running_log_probs, k=num_beams)[1]
+    running_scores = torch.gather(topk_running_log_probs, 1, next_indices)
+    return (
+        running_scores,
+        torch.gather(topk_beams, 1, next_indices),
+        torch.gather(topk_tokens, 1, next_indices),
+    )
+
+
+def _update_finished_beams(
+    beams: BeamState,
+    generated: torch.Tensor,
+    topk_log_probs: torch.Tensor,
+    topk_beams: torch.Tensor,
+    topk_tokens: torch.Tensor,
+    did_top_num_beams_just_finish: torch.Tensor,
+    t: int,
+    settings: SearchSettings,
+) -> None:
+    """Merge the candidates that just ended into the finished set: the best K of [old K | C candidates].
+
+    ``generated`` ([N, t]): the running rows' generated tokens before step ``t``; ``did_top_num_beams_just_finish``
+    ([B, C] bool): the candidate ended and is among the top K.
+    """
+    k = beams.beam_scores.shape[1]
+    candidate_scores = topk_log_probs / ((t + 1) ** settings.length_penalty)
+    beams_full = torch.all(beams.is_finished, dim=-1, keepdim=True) & (settings.early_stopping is True)
+    candidate_scores += beams_full.to(torch.float32) * BIG
+    candidate_scores += (~beams.heuristic_unsatisfied).to(torch.float32) * BIG
+    candidate_scores += (~did_top_num_beams_just_finish) * BIG
+    merged_scores = torch.cat((beams.beam_scores, candidate_scores), dim=1)  # [B, K + C]
+    chosen = torch.topk(merged_scores, k=k)[1]  # [B, K] into [old K | C candidates]
+    beams.beam_scores = torch.gather(merged_scores, 1, chosen)
+    merged_finished = torch.cat((beams.is_finished, did_top_num_beams_just_finish), dim=1)
+    beams.is_finished = torch.gather(merged_finished, 1, chosen)
+    _gather_finished_sequences(beams, chosen, generated, topk_beams, topk_tokens, t)
+
+
+def _gather_finished_sequences(
+    beams: BeamState,
+    chosen: torch.Tensor,
+    generated: torch.Tensor,
+    topk_beams: torch.Tensor,
+    topk_tokens: torch.Tensor,
+    t: int,
+) -> None:
+    """The finished slots' tokens after the merge: old slots keep theirs, candidate slots copy their beam's
+    generated tokens plus the new token. ``chosen``: [B, K] into [old K | C candidates]."""
+    bsz, k, total = beams.fin_tokens.shape
+    from_candidate = chosen >= k  # [B, K]
+    cand = (chosen - k).clamp(min=0)
+    cand_rows = (
+        torch.arange(bsz, device=chosen.device)[:, None] * k + torch.gather(topk_beams, 1, cand)
+    ).reshape(-1)  # [B * K]
+    cand_tokens = torch.zeros((bsz * k, total), dtype=torch.long, device=chosen.device)  # [B*K, T]
+    cand_tokens[:, :t] = generated.index_select(0, cand_rows)
+    cand_tokens[:, t] = torch.gather(topk_tokens, 1, cand).reshape(-1)
+    old = chosen.clamp(max=k - 1)
+    beams.fin_tokens = torch.where(
+        from_candidate[:, :, None],
+        cand_tokens.view(bsz, k, total),
+        torch.gather(beams.fin_tokens, 1, old[:, :, None].expand(-1, -1, total)),
+    )
+    beams.fin_lengths = torch.where(from_candidate, t + 1, torch.gather(beams.fin_lengths, 1, old))
+
+
+def _check_early_stop_heuristic(beams: BeamState, cur_len: int, settings: SearchSettings) -> torch.Tensor:
+    """[B, 1] bool: can a running beam still beat the worst finished hypothesis (after ``cur_len`` positions)?
+
+    With ``early_stopping="never"`` and a positive length penalty the best running beam is scored at
+    ``max_length``, otherwise at ``cur_len``; once unsatisfied, an input stays so.
+    """
+    s = settings
+    if s.early_stopping == "never" and s.length_penalty > 0.0:
+        best_length = s.max_length - s.prompt_len
+    else:
+        best_length = cur_len - s.prompt_len
+    best_running = beams.running_scores[:, :1] / (best_length**s.length_penalty)
+    worst_finished = torch.where(beams.is_finished, torch.min(beams.beam_scores, dim=1, keepdim=True)[0], BIG)
+    return beams.heuristic_unsatisfied & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
+
+
+def _continue_running_beams(rows: Rows, next_beams: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """Reorder the rows (history, processors, cache) to the beams that run on, then append their tokens.
+    ``next_beams``, ``next_tokens``: [B, K]; returns the tokens [N] for the next model step."""
+    bsz, k = next_beams.shape
+    beam_rows = (torch.arange(bsz, device=next_beams.device)[:, None] * k + next_beams).reshape(-1)  # [N]
+    rows.reorder(beam_rows)
+    tokens = next_tokens.reshape(-1)  # [N]
+    rows.history.append(tokens)
+    rows.pipeline.appended(rows.history)
+    return tokens
+
+
 def beam_search(
     backend: ModelBackend, batch: Batch, settings: SearchSettings, sync_every: int | None = None
 ) -> SearchOutput:
-    s = settings
-    k = s.num_beams
+    """Beam search over ``batch``: per input, the ``num_return_sequences`` best finished hypotheses and their
+    scores, as transformers' ``_beam_search`` returns them."""
+    s, k = settings, settings.num_beams
     device = batch.input_ids.device
     sync_every = sync_every or default_sync_every(device)
     num_inputs = batch.input_ids.shape[0]
-    prompt_len, max_length, total = s.prompt_len, s.max_length, s.max_new_tokens
-    lp, early_stopping = s.length_penalty, s.early_stopping
-    c = max(2, 1 + len(s.eos)) * k
+    beams_to_keep = max(2, 1 + len(s.eos)) * k  # C: enough candidates that K survive when the top K all end
     eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
     top_num_beam_mask = torch.cat(
-        (torch.ones(k, dtype=torch.bool, device=device), torch.zeros(c - k, dtype=torch.bool, device=device))
+        (
+            torch.ones(k, dtype=torch.bool, device=device),
+            torch.zeros(beams_to_keep - k, dtype=torch.bool, device=device),
+        )
     )  # [C]
 
     rows, logits = start_rows(backend, batch, s, k)
-    history = rows.history
-    vocab = logits.shape[-1]
     # float32 CPU logits: top-k by chunks (equal values may trade places, which in float32 takes an exact
     # tie); half-precision logits tie often, and transformers orders ties as torch.topk does.
     topk = wide_topk if device.type == "cpu" and logits.dtype == torch.float32 else torch.topk
-
-    # Search state, one row per active input.
-    running_scores = torch.zeros((num_inputs, k), dtype=torch.float, device=device)  # [B, K]
-    running_scores[:, 1:] = BIG
-    beam_scores = torch.full((num_inputs, k), BIG, dtype=torch.float, device=device)  # [B, K] finished
-    is_finished = torch.zeros((num_inputs, k), dtype=torch.bool, device=device)  # [B, K]
-    heuristic_unsatisfied = torch.ones((num_inputs, 1), dtype=torch.bool, device=device)  # [B, 1]
-    fin_tokens = torch.zeros((num_inputs, k, total), dtype=torch.long, device=device)  # [B, K, T]
-    fin_lengths = torch.zeros((num_inputs, k), dtype=torch.long, device=device)  # [B, K]
-
+    beams = BeamState.start(num_inputs, k, s.max_new_tokens, device)
     results: list[list[list[int]]] = [[] for _ in range(num_inputs)]
     result_scores: list[list[float]] = [[] for _ in range(num_inputs)]
-    nrs = s.num_return_sequences
 
     def collect(idx: torch.Tensor, inputs: list[int]) -> None:
-        """Copy the finished hypotheses of active inputs ``idx`` ([D] int64; batch indices ``inputs``) to the
-        host: only after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
-        toks = fin_tokens.index_select(0, idx)[:, :nrs].tolist()
-        lens = fin_lengths.index_select(0, idx)[:, :nrs].tolist()
-        scores = beam_scores.index_select(0, idx)[:, :nrs].tolist()
-        for j, b in enumerate(inputs):
-            results[b] = [toks[j][i][: lens[j][i]] for i in range(nrs)]
-            result_scores[b] = scores[j]
+        """The results of active inputs ``idx`` ([D] int64), whose batch indices are ``inputs``."""
+        sequences, scores = beams.best(idx, s.num_return_sequences)
+        for b, seqs, seq_scores in zip(inputs, sequences, scores, strict=True):
+            results[b], result_scores[b] = seqs, seq_scores
 
-    for t in range(total):
-        cur_len = prompt_len + t
-        bsz = running_scores.shape[0]
-        last_step = cur_len + 1 >= max_length
-
-        # b. log-probs -> processors -> accumulate: [N, V] -> [B, K * V]. The search owns the logits, so the
-        # vocabulary-wide passes work in place (same arithmetic and bits, no [N, V] allocation per pass).
-        log_probs = logits.float().contiguous()  # [N, V]
-        torch.log_softmax(log_probs, dim=-1, out=log_probs)
-        log_probs = rows.pipeline(history, log_probs)
-        log_probs = log_probs.view(bsz, k, vocab).add_(running_scores[:, :, None])
-        log_probs = log_probs.reshape(bsz, k * vocab)
-
-        # c. top-C continuations over all beams: [B, C]
-        topk_log_probs, topk_indices = topk(log_probs, c)
-        topk_beams = topk_indices // vocab
-        topk_tokens = topk_indices % vocab
-
-        # d. stopping criteria per candidate (MaxLengthCriteria, EosTokenCriteria): [B, C]
-        if last_step:
-            hits = torch.ones((bsz, c), dtype=torch.bool, device=device)
-        elif eos is not None:
-            hits = torch.isin(topk_tokens, eos)
-        else:
-            hits = torch.zeros((bsz, c), dtype=torch.bool, device=device)
-
-        # e. best K unfinished continuations keep running: [B, K]
-        topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * BIG
-        next_indices = torch.topk(topk_running_log_probs, k=k)[1]
-        running_scores = torch.gather(topk_running_log_probs, 1, next_indices)
-        next_beams = torch.gather(topk_beams, 1, next_indices)
-        next_tokens = torch.gather(topk_tokens, 1, next_indices)
-
-        # f. merge just-finished candidates (top K positions only) into the finished set: [B, K + C] -> [B, K]
-        did_finish = hits & top_num_beam_mask[None, :]
-        candidate_scores = topk_log_probs / ((cur_len + 1 - prompt_len) ** lp)
-        beams_full = torch.all(is_finished, dim=-1, keepdim=True) & (early_stopping is True)
-        candidate_scores += beams_full.to(torch.float32) * BIG
-        candidate_scores += (~heuristic_unsatisfied).to(torch.float32) * BIG
-        candidate_scores += (~did_finish) * BIG
-        merged_scores = torch.cat((beam_scores, candidate_scores), dim=1)
-        chosen = torch.topk(merged_scores, k=k)[1]  # [B, K] into [old K | C candidates]
-        beam_scores = torch.gather(merged_scores, 1, chosen)
-        is_finished = torch.gather(torch.cat((is_finished, did_finish), dim=1), 1, chosen)
-        # Sequences: old slots keep theirs, candidate slots copy their beam's history plus the new token.
-        from_candidate = chosen >= k  # [B, K]
-        cand = (chosen - k).clamp(min=0)
-        cand_rows = (
-            torch.arange(bsz, device=device)[:, None] * k + torch.gather(topk_beams, 1, cand)
-        ).reshape(-1)
-        cand_tokens = torch.zeros((bsz * k, total), dtype=torch.long, device=device)  # [B*K, T]
-        cand_tokens[:, :t] = history.generated.index_select(0, cand_rows)
-        cand_tokens[:, t] = torch.gather(topk_tokens, 1, cand).reshape(-1)
-        old = chosen.clamp(max=k - 1)
-        fin_tokens = torch.where(
-            from_candidate[:, :, None],
-            cand_tokens.view(bsz, k, total),
-            torch.gather(fin_tokens, 1, old[:, :, None].expand(-1, -1, total)),
+    for t in range(s.max_new_tokens):
+        cur_len = s.prompt_len + t
+        last_step = cur_len + 1 >= s.max_length
+        log_probs = _accumulated_log_probs(rows, logits, beams.running_scores)  # [B, K * V]
+        topk_log_probs, topk_beams, topk_tokens = _get_top_k_continuations(log_probs, beams_to_keep, k, topk)
+        hits = _next_token_hits_stopping_criteria(topk_tokens, eos, last_step)  # [B, C]
+        beams.running_scores, next_beams, next_tokens = _get_running_beams_for_next_iteration(
+            topk_log_probs, topk_beams, topk_tokens, hits, k
         )
-        fin_lengths = torch.where(from_candidate, t + 1, torch.gather(fin_lengths, 1, old))
-
+        did_finish = hits & top_num_beam_mask[None, :]  # only the top K candidates may finish
+        generated = rows.history.generated
+        _update_finished_beams(beams, generated, topk_log_probs, topk_beams, topk_tokens, did_finish, t, s)
         if last_step:
             break
+        beams.heuristic_unsatisfied = _check_early_stop_heuristic(beams, cur_len + 1, s)
+        tokens = _continue_running_beams(rows, next_beams, next_tokens)  # [N]
 
-        # g. early-stop heuristic for the next step: [B, 1]
-        next_len = cur_len + 1
-        if early_stopping == "never" and lp > 0.0:
-            best_length = max_length - prompt_len
-        else:
-            best_length = next_len - prompt_len
-        best_running = running_scores[:, :1] / (best_length**lp)
-        worst_finished = torch.where(is_finished, torch.min(beam_scores, dim=1, keepdim=True)[0], BIG)
-        heuristic_unsatisfied = heuristic_unsatisfied & torch.any(
-            best_running > worst_finished, dim=-1, keepdim=True
-        )
-
-        # Continue the chosen beams: reorder rows (history, processors, cache), then append their tokens.
-        beam_rows = (torch.arange(bsz, device=device)[:, None] * k + next_beams).reshape(-1)  # [N]
-        rows.reorder(beam_rows)
-        tokens = next_tokens.reshape(-1)  # [N]
-        history.append(tokens)
-        rows.pipeline.appended(history)
-
-        # Done inputs leave (host check every `sync_every` steps).
-        if (t + 1) % sync_every == 0:
-            done = ~heuristic_unsatisfied[:, 0]
-            if early_stopping is True:
-                done = done | is_finished.all(dim=1)
-            leaving = rows.check(done)
+        if (t + 1) % sync_every == 0:  # done inputs leave
+            leaving = rows.check(beams.done(s.early_stopping))
             if leaving is not None:
                 if leaving.all_done:
                     break
                 collect(leaving.done, leaving.inputs)
-                keep = leaving.keep
-                running_scores, beam_scores = running_scores[keep], beam_scores[keep]
-                is_finished, heuristic_unsatisfied = is_finished[keep], heuristic_unsatisfied[keep]
-                fin_tokens, fin_lengths = fin_tokens[keep], fin_lengths[keep]
+                beams.keep(leaving.keep)
                 tokens = tokens[leaving.kept_rows]
                 rows.keep_inputs(leaving)
 

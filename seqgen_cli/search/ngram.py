@@ -25,6 +25,11 @@ class NGramBlocker:
         self.n = n
         self.vocab_size = vocab_size
         self.packed = vocab_size ** (n - 1) < _INT64_LIMIT
+        # Packed keys only: beyond packing, V**(n-2) itself overflows int64 (n >= 7 for a 50k vocabulary).
+        self.powers: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None
+        if not self.packed:
+            return
         tokens = history.tokens  # [N, cap]
         device = tokens.device
         # powers[k] = V**(n-2-k): [n-1] int64
@@ -33,19 +38,19 @@ class NGramBlocker:
         )
         # keys[:, j] = packed (n-1)-gram starting at column j; columns [0, length - n + 2) are valid.
         self.keys = torch.zeros((tokens.shape[0], tokens.shape[1] + 1), dtype=torch.long, device=device)
-        length = history.length
-        if self.packed and n > 1 and length >= n - 1:
+        if n > 1 and history.length >= n - 1:
             grams = history.filled.unfold(1, n - 1, 1)  # [N, length - n + 2, n - 1]
             self.keys[:, : grams.shape[1]] = (grams * self.powers).sum(-1)
 
     def select(self, rows: torch.Tensor) -> None:
         """Follow the history's row selection (beam reorder / dropped inputs)."""
-        self.keys = self.keys.index_select(0, rows)
+        if self.keys is not None:
+            self.keys = self.keys.index_select(0, rows)
 
     def appended(self, history: TokenHistory) -> None:
         """The history just grew by one column: one more (n-1)-gram may be complete (O(n) per row)."""
         start = history.length - (self.n - 1)
-        if self.packed and self.n > 1 and start >= 0:
+        if self.keys is not None and self.n > 1 and start >= 0:
             gram = history.tokens[:, start : history.length]  # [N, n-1]
             self.keys[:, start] = (gram * self.powers).sum(-1)
 
@@ -56,7 +61,7 @@ class NGramBlocker:
         if windows <= 0:
             return scores
         tokens = history.tokens
-        if self.packed:
+        if self.keys is not None:
             current = self.keys[:, windows : windows + 1]  # [N, 1] key of the last n-1 tokens
             matches = self.keys[:, :windows] == current  # [N, W]
         else:

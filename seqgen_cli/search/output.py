@@ -1,18 +1,6 @@
-"""What a search call returns."""
+"""Kept only for ``greedy.py`` and ``sampling.py``, which import :class:`SearchOutput` from here until their
+owners' changes land; it lives in ``protocol.py``. Delete this file with those two imports."""
 
-from __future__ import annotations
+from seqgen_cli.search.protocol import SearchOutput
 
-from dataclasses import dataclass
-
-
-@dataclass
-class SearchOutput:
-    """Per input, ``num_return_sequences`` generated token lists, best first.
-
-    Tokens are the generated ones only (no decoder start token, no prompt, no padding); a sequence ends with
-    EOS when EOS was generated. ``scores``: beam search's ``sequences_scores`` (length-penalised sum of
-    processed log-probs, as transformers reports them); ``None`` for greedy and sampling.
-    """
-
-    sequences: list[list[list[int]]]
-    scores: list[list[float]] | None = None
+__all__ = ["SearchOutput"]

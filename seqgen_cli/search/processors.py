@@ -31,7 +31,7 @@ def _vocab_ids(tokens: tuple[int, ...], vocab_size: int, device: torch.device) -
 
 
 def repetition_penalty(
-    history: TokenHistory, scores: torch.Tensor, penalty: float, ids_in_vocab: bool = False
+    history: TokenHistory, scores: torch.Tensor, penalty: float, ids_in_vocab: bool
 ) -> torch.Tensor:
     """Penalise every token already in the row's history (left-padding excluded). ``scores``: [N, V].
 
@@ -99,7 +99,6 @@ class LogitsPipeline:
     ):
         s = settings
         self.settings = s
-        self.vocab_size = vocab_size
         self.ngram = (
             NGramBlocker(s.no_repeat_ngram_size, vocab_size, history) if s.no_repeat_ngram_size > 0 else None
         )

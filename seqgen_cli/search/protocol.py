@@ -1,4 +1,5 @@
-"""The contract between the search loops (``seqgen_cli.search``) and a model backend (``seqgen_cli.models``).
+"""The search's boundary: what a call takes (:class:`Batch`) and returns (:class:`SearchOutput`), and the
+contract between the search loops (``seqgen_cli.search``) and a model backend (``seqgen_cli.models``).
 
 A backend owns the model and its caches; the search owns tokens, scores and finished hypotheses.
 
@@ -35,6 +36,19 @@ class Batch:
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+
+
+@dataclass
+class SearchOutput:
+    """Per input, ``num_return_sequences`` generated token lists, best first.
+
+    Tokens are the generated ones only (no decoder start token, no prompt, no padding); a sequence ends with
+    EOS when EOS was generated. ``scores``: beam search's ``sequences_scores`` (length-penalised sum of
+    processed log-probs, as transformers reports them); ``None`` for greedy and sampling.
+    """
+
+    sequences: list[list[list[int]]]
+    scores: list[list[float]] | None = None
 
 
 class ModelBackend(Protocol):

@@ -58,10 +58,6 @@ class Rows:
     rows_per_input: int
     inputs: list[int]  # original batch index of each active input
 
-    @property
-    def num_inputs(self) -> int:
-        return len(self.inputs)
-
     def row_index(self, inputs: torch.Tensor) -> torch.Tensor:
         """Rows of the given active inputs: [B'] -> [B' * R] int64."""
         r = self.rows_per_input

@@ -6,6 +6,10 @@ The merge (checkpoint config, preset, user settings) is :func:`seqgen_cli.config
 (:func:`length_limits`, as ``_prepare_generated_length``) and the generation mode. Anything seqgen does not
 implement raises :class:`SeqgenError`, so the caller can fall back to ``model.generate()``. It runs per
 batch, because lengths depend on the batch's prompt width.
+
+This module is the one home of these rules; the rest of the package asks it: rows per input
+(:func:`rows_per_input`), outputs per input (:func:`num_return_sequences`), the new-token limits
+(:func:`new_token_limits`) and the return-sequences rule (:func:`check_return_sequences`).
 """
 
 from __future__ import annotations
@@ -118,6 +122,41 @@ def _token_list(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def _decoder_positions(is_encoder_decoder: bool, prompt_len: int) -> int:
+    """Decoder positions before the first generated token: the decoder start token (encoder-decoder), or
+    the prompt of ``prompt_len`` tokens (decoder-only)."""
+    return 1 if is_encoder_decoder else prompt_len
+
+
+def num_return_sequences(config: GenerationConfig) -> int:
+    """Outputs per input."""
+    return _get(config, "num_return_sequences")
+
+
+def rows_per_input(config: GenerationConfig) -> int:
+    """Rows the model runs per input: the beams, or the returned sequences when more (sampling)."""
+    return max(_get(config, "num_beams"), num_return_sequences(config))
+
+
+def check_return_sequences(config: GenerationConfig) -> None:
+    """Without sampling, an input returns at most ``num_beams`` sequences (:class:`SeqgenError` otherwise)."""
+    nrs, num_beams = num_return_sequences(config), _get(config, "num_beams")
+    if nrs > num_beams and not _get(config, "do_sample"):
+        raise SeqgenError(
+            f"--num-return-sequences {nrs} needs at least as many beams (--num-beams is {num_beams})"
+        )
+
+
+def new_token_limits(
+    config: GenerationConfig, is_encoder_decoder: bool, prompt_len: int = 0
+) -> tuple[int, int]:
+    """``(most, fewest)`` new tokens for a prompt of ``prompt_len`` tokens (ignored for encoder-decoder
+    models), never negative: :func:`length_limits` less the decoder positions before the first new token."""
+    positions = _decoder_positions(is_encoder_decoder, prompt_len)
+    max_length, min_length = length_limits(config, positions)
+    return max(0, max_length - positions), max(0, min_length - positions)
+
+
 def length_limits(
     config: GenerationConfig, prompt_len: int, max_position_embeddings: int | None = None
 ) -> tuple[int, int]:
@@ -148,18 +187,12 @@ def resolve_mode(config: GenerationConfig) -> Mode:
                 f"generation option {name}={getattr(config, name)!r} is not supported by seqgen's engine"
             )
     num_beams, do_sample = _get(config, "num_beams"), bool(_get(config, "do_sample"))
-    nrs = _get(config, "num_return_sequences")
     if num_beams > 1 and do_sample:
         raise SeqgenError("beam sampling (num_beams > 1 with do_sample) is not supported by seqgen's engine")
+    check_return_sequences(config)
     if num_beams > 1:
-        if nrs > num_beams:
-            raise SeqgenError(f"num_return_sequences ({nrs}) must be <= num_beams ({num_beams})")
         return "beam"
-    if do_sample:
-        return "sample"
-    if nrs != 1:
-        raise SeqgenError("greedy search cannot return more than one sequence (num_return_sequences > 1)")
-    return "greedy"
+    return "sample" if do_sample else "greedy"
 
 
 def resolve_settings(
@@ -169,9 +202,11 @@ def resolve_settings(
     prompt_len: int,
     max_position_embeddings: int | None = None,
 ) -> SearchSettings:
-    """Resolve a merged config (:func:`seqgen_cli.config.resolve_generation_config`) for a batch whose decoder prompt is
-    ``prompt_len`` positions wide (1 for encoder-decoder models: the decoder start token)."""
+    """Resolve a merged config (:func:`seqgen_cli.config.resolve_generation_config`) for a batch whose prompts
+    are ``prompt_len`` tokens wide, padded (decoder-only; encoder-decoder models start from the decoder start
+    token, one position, whatever the source width)."""
     mode = resolve_mode(config)
+    prompt_len = _decoder_positions(is_encoder_decoder, prompt_len)
 
     # Special tokens (_prepare_special_tokens).
     eos = _token_list(config.eos_token_id)
@@ -211,7 +246,7 @@ def resolve_settings(
     return SearchSettings(
         mode=mode,
         num_beams=_get(config, "num_beams"),
-        num_return_sequences=_get(config, "num_return_sequences"),
+        num_return_sequences=num_return_sequences(config),
         prompt_len=prompt_len,
         max_length=max_length,
         min_length=min_length if eos else 0,

@@ -1,0 +1,295 @@
+"""The capture path's bookkeeping (issue 21, parts 2 and 3), on the CPU with fake compilers standing in for
+CUDA's failures:
+
+* shapes from a small fixed set: power-of-two widths capped at the model's limit; a cap per instance, torch's
+  recompile limit raised to it, and a hit of that limit reported, not silent;
+* fallbacks that hold: a failure on any compiled call (the 1st compiles, the 2nd records a CUDA graph, the 3rd
+  replays) falls back to eager with the reason and the same tokens; an out-of-memory error stays one (the batch
+  is split) and the shape runs eagerly afterwards; inductor's ``cudagraph_skips`` read after every call;
+* what ran reaches ``--stats`` and the closing line: shapes compiled, compile seconds, steps captured / eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from seqgen_cli.batching import Item, generate_split
+from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.generator import Generator
+from seqgen_cli.models import get_backend, quantize
+from seqgen_cli.models.capture import (
+    MIN_WIDTH,
+    CapturedBackend,
+    Decode,
+    compacted,
+    compile_decode,
+    width_bucket,
+)
+from seqgen_cli.pipeline.stats import Summary
+from seqgen_cli.search import Batch, generate
+from tests.engine_models import load, text_batch
+
+
+def eager(decode: Decode) -> Decode:
+    """A "compiler" that keeps ``decode`` as it is: the capture wrapper's logic without compiling."""
+    return decode
+
+
+def failing_on(call: int, error: Exception, after: bool = False) -> Callable[[Decode], Decode]:
+    """A compiler whose compiled function raises ``error`` on its ``call``-th call (1-based; ``after``: once
+    ``decode`` has run, as a recording that fails after the warm-up wrote the caches)."""
+
+    def compiler(decode: Decode) -> Decode:
+        calls = 0
+
+        def run(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == call and not after:
+                raise error
+            logits = decode(state, tokens)
+            if calls == call:
+                raise error
+            return logits
+
+        return run
+
+    return compiler
+
+
+def _config(loaded: Any, **kwargs: Any) -> Any:
+    return resolve_generation_config(
+        loaded.model.generation_config, None, dict(num_beams=3, max_new_tokens=10) | kwargs
+    )
+
+
+def _run(backend: Any, loaded: Any, batch: Batch | None = None) -> list:
+    return generate(backend, batch or text_batch(loaded, 5, seed=5), _config(loaded)).sequences
+
+
+def _steps(backend: CapturedBackend) -> int:
+    return backend.steps["captured"] + backend.steps["eager"]
+
+
+def test_widths_are_powers_of_two_capped_at_the_model_limit() -> None:
+    assert [width_bucket(n) for n in (1, 64, 65, 129, 1000)] == [MIN_WIDTH, 64, 128, 256, 1024]
+    assert {width_bucket(n, 1024) for n in range(1, 1025)} == {64, 128, 256, 512, 1024}
+    assert width_bucket(520, 600) == 600 and width_bucket(600, 600) == 600  # the model's limit, not 1024
+    assert width_bucket(700, 600) == 700, "longer than the limit: not padded further (the backend reports it)"
+    assert width_bucket(100, None) == 128  # no position limit (T5)
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_batches_are_padded_to_the_width_bucket(tiny_models, family: str) -> None:
+    loaded = load(tiny_models(family))
+    base = text_batch(loaded, 3, seed=1)
+    reps = -(-130 // base.input_ids.shape[1])
+    ids, mask = base.input_ids.repeat(1, reps)[:, :130], base.attention_mask.repeat(1, reps)[:, :130]
+    if not loaded.model.config.is_encoder_decoder:  # left padding: every row ends with a real token
+        mask = torch.ones_like(mask)
+    batch = Batch(ids, mask)  # [3, 130]
+    backend = CapturedBackend(get_backend(loaded.model), eager)
+    state, _ = backend.start(batch, 2, 10)
+    assert state.shape == (4 * 2, 256, 64), "3 inputs -> 4 slots x 2 rows, 130 tokens -> 256, 10 -> 64 slots"
+    assert _run(backend, loaded, batch) == _run(get_backend(loaded.model), loaded, batch)
+
+
+def test_compaction_stops_two_halvings_below_the_start(tiny_models) -> None:
+    """A batch runs at most 3 row shapes: 16 slots -> 8 -> 4, then finished inputs idle (a GPU step over 4
+    idle slots costs less than compiling another shape)."""
+    assert [compacted(n, 32) for n in (32, 17, 16, 9, 8, 5, 4, 1)] == [32, 32, 16, 16, 8, 8, 8, 8]
+    assert [compacted(n, 2) for n in (2, 1)] == [2, 1] and compacted(1, 1) == 1
+    loaded = load(tiny_models("bart"))
+    backend = CapturedBackend(get_backend(loaded.model), eager)
+    state, _ = backend.start(text_batch(loaded, 16, seed=6), 1, 4)
+    seen = [state.shape[0]]
+    for running in (9, 8, 4, 3, 1):  # inputs finish; one row each, so rows = inputs
+        keep = torch.arange(running)
+        backend.drop(state, keep, keep)
+        seen.append(state.shape[0])
+    assert seen == [16, 16, 8, 4, 4, 4]
+
+
+def test_the_shape_cap_is_per_instance_and_reported(tiny_models) -> None:
+    loaded = load(tiny_models("bart"))
+    reference = _run(get_backend(loaded.model), loaded)
+    capped = CapturedBackend(get_backend(loaded.model), eager, max_shapes=1)
+    free = CapturedBackend(get_backend(loaded.model), eager)
+    assert _run(capped, loaded) == reference and _run(free, loaded) == reference
+    assert len(capped.shapes) == 1 and capped.steps["eager"] > 0
+    assert capped.path == "captured (1 shapes; eager beyond)"
+    assert len(free.shapes) > 1 and free.steps["eager"] == 0 and free.path == "captured"
+
+
+def counting(graphs: list[Any]) -> Any:
+    """A ``torch.compile`` backend that runs the traced graph as is and records every compilation."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+def test_torch_recompile_limit_is_raised_to_the_instance_cap(tiny_models) -> None:
+    """torch's global limit (here 1) does not cut an instance's shapes short: its compiling calls run under a
+    limit of ``max_shapes``."""
+    loaded = load(tiny_models("bart"))
+    torch._dynamo.reset()
+    graphs: list[Any] = []
+
+    def compiler(decode: Decode) -> Decode:
+        return torch.compile(decode, fullgraph=True, dynamic=False, backend=counting(graphs))
+
+    backend = CapturedBackend(get_backend(loaded.model), compiler, max_shapes=4)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+    assert backend.path == "captured" and len(backend.shapes) >= 2 and len(graphs) == len(backend.shapes)
+    assert backend.steps["eager"] == 0
+
+
+def test_a_recompile_limit_hit_is_reported_not_silent(tiny_models) -> None:
+    """A step value that reaches the graph recompiles every step: torch's limit is hit and the step path says
+    so (torch alone would raise mid-run under fullgraph, or run eagerly and silently without it)."""
+    loaded = load(tiny_models("bart"))
+    torch._dynamo.reset()
+
+    def compiler(decode: Decode) -> Decode:
+        def leaky(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+            return decode(state, tokens) + 0 * state.t  # a host int in the graph: one graph per step
+
+        return torch.compile(leaky, fullgraph=True, dynamic=False, backend=counting([]))
+
+    backend = CapturedBackend(get_backend(loaded.model), compiler, max_shapes=2)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+    assert backend.path.startswith("captured, then eager (FailOnRecompileLimitHit"), backend.path
+    assert backend.compiled is None and backend.steps["eager"] > 0
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-decode", "after-decode"])
+@pytest.mark.parametrize("call", [1, 2, 3, 7])
+def test_a_failure_on_any_call_falls_back_to_eager(tiny_models, call: int, after: bool) -> None:
+    """Call 1 compiles (and warms up), 2 records the CUDA graph, 3 replays it, 7 is a later replay: each
+    failure reruns the step eagerly, the same tokens come out and the path names the error."""
+    loaded = load(tiny_models("llama"))
+    reference = _run(get_backend(loaded.model), loaded)
+    error = RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+    backend = CapturedBackend(get_backend(loaded.model), failing_on(call, error, after))
+    assert _run(backend, loaded) == reference
+    reason = "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    assert backend.path == ("eager" if call == 1 else "captured, then eager") + f" ({reason})"
+    assert backend.compiled is None
+    assert backend.steps["captured"] == call - 1 and _steps(backend) > call
+
+
+class _Gen:
+    """``generate_ids`` over a backend, for ``generate_split``."""
+
+    def __init__(self, backend: Any, loaded: Any) -> None:
+        self.backend, self.loaded = backend, loaded
+
+    def generate_ids(self, batch: list[list[int]]) -> list[list[list[int]]]:
+        width = max(map(len, batch))
+        ids = torch.tensor([b + [1] * (width - len(b)) for b in batch])
+        mask = torch.tensor([[1] * len(b) + [0] * (width - len(b)) for b in batch])
+        return generate(self.backend, Batch(ids, mask), _config(self.loaded)).sequences
+
+
+@pytest.mark.parametrize("message", ["CUDA out of memory. Tried to allocate 2.00 GiB", "out of memory"])
+@pytest.mark.parametrize("call", [1, 2])
+def test_out_of_memory_while_compiling_stays_an_oom(tiny_models, call: int, message: str) -> None:
+    """An OOM while compiling or recording is re-raised (not taken for a compile failure), so the batch is
+    split; the shape that ran out runs eagerly from then on, the others stay captured."""
+    loaded = load(tiny_models("bart"))
+    batch = text_batch(loaded, 5, seed=5)
+    items = [
+        Item(i, ids[m.bool()].tolist(), f"in:{i + 1}")
+        for i, (ids, m) in enumerate(zip(batch.input_ids, batch.attention_mask, strict=True))
+    ]
+    plain = generate_split(_Gen(get_backend(loaded.model), loaded), items)
+    backend = CapturedBackend(get_backend(loaded.model), failing_on(call, RuntimeError(message)))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _Gen(backend, loaded).generate_ids([it.ids for it in items])
+    (oom_shape,) = backend.oom_shapes
+    assert oom_shape[0] == 8 * 3, "5 inputs: 8 slots of 3 rows"
+    split = generate_split(_Gen(backend, loaded), items)
+    assert [r.sequences for r in split] == [r.sequences for r in plain]
+    assert backend.failure is None and backend.shapes and oom_shape not in backend.shapes
+    assert backend.path == "captured (1 eager: out of memory while compiling)"
+    again = _Gen(backend, loaded).generate_ids([it.ids for it in items])  # the whole batch: eager now
+    assert again == [r.sequences for r in plain]
+
+
+def test_an_oom_on_a_replay_is_raised_and_the_shape_stays_captured(tiny_models) -> None:
+    loaded = load(tiny_models("bart"))
+    backend = CapturedBackend(get_backend(loaded.model), failing_on(3, torch.OutOfMemoryError("CUDA OOM")))
+    with pytest.raises(torch.OutOfMemoryError):
+        _run(backend, loaded)
+    assert not backend.oom_shapes and backend.path == "captured"
+    assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+
+
+def test_inductor_skipping_cuda_graphs_is_read_from_its_counter(tiny_models) -> None:
+    """Inductor may run a compiled graph without CUDA graphs (``cudagraph_skips``, on a recording or later):
+    the step path must not say captured then."""
+    loaded = load(tiny_models("bart"))
+
+    def skipping(decode: Decode) -> Decode:
+        calls = 0
+
+        def run(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # cudagraph trees record on the 2nd call, and skip there
+                counters["inductor"]["cudagraph_skips"] += 1
+            return decode(state, tokens)
+
+        return run
+
+    backend = CapturedBackend(get_backend(loaded.model), skipping)
+    assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+    assert backend.path == "captured, then eager (inductor skipped CUDA graphs: cudagraph_skips)"
+    assert backend.steps["captured"] == 1 and backend.compiled is None
+
+
+@pytest.mark.slow
+def test_the_real_compiler_on_the_cpu_skips_cuda_graphs_and_the_path_says_so(
+    tiny_models, monkeypatch
+) -> None:
+    """``compile_decode`` itself (inductor, ``reduce-overhead``) on the CPU: inductor compiles the step, skips
+    CUDA graphs (no CUDA device here) and counts it in ``cudagraph_skips``, where the wrapper reads it: the step
+    runs eagerly, the path says why and the compile seconds are counted (about 40 s on a busy 2-core box)."""
+    monkeypatch.setattr(
+        quantize, "ONEDNN", False
+    )  # oneDNN's fused linear does not lower in inductor on the CPU
+    torch._dynamo.reset()
+    loaded = load(tiny_models("bart"))
+    backend = CapturedBackend(get_backend(loaded.model), compile_decode)
+    assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+    assert backend.path == "eager (inductor skipped CUDA graphs: cudagraph_skips)"
+    assert backend.stats()["compile_seconds"] > 0 and backend.steps["captured"] == 0
+
+
+def test_stats_reach_device_stats_and_the_closing_line(tiny_models) -> None:
+    gen = Generator(str(tiny_models("bart")), device="cpu", num_beams=2, max_new_tokens=6)
+    gen.generate(["one input"])
+    assert "shapes_compiled" not in gen.device_stats(), "no CUDA graphs on the CPU: nothing to report"
+    backend = CapturedBackend(gen._engine(), eager, max_shapes=1)
+    gen._model_backend = backend
+    gen.generate(["one short input", "a second, longer input of a few more words", "three"])
+    stats = gen.device_stats()
+    assert stats["step_path"] == backend.path
+    assert stats["shapes_compiled"] == len(backend.shapes) == 1
+    assert stats["captured_steps"] == backend.steps["captured"] > 0
+    assert stats["eager_steps"] == backend.steps["eager"]
+    assert stats["compile_seconds"] >= 0
+    line = Summary(backend="fast", device=stats).line()
+    steps = stats["captured_steps"] + stats["eager_steps"]
+    share = round(100 * stats["captured_steps"] / steps)
+    assert f", step {backend.path} (1 shapes compiled in 0s, {share}% of {steps} steps captured)" in line
