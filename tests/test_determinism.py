@@ -10,6 +10,8 @@ in near-identical pairs, so that every step is a near-tie and any change of arit
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +26,6 @@ from seqgen_cli.generator import Encoded, Generator
 from seqgen_cli.models import quantize
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
-from seqgen_cli.pipeline.writer import format_output
 from seqgen_cli.search.protocol import Batch
 from tests.tiny_models import copy_checkpoint, sample_texts
 
@@ -152,59 +153,82 @@ def near_tie_checkpoint(src: Path, dest: Path) -> Path:
     return dest
 
 
-CLI_CASES = {  # family -> generation settings
-    "marian": {"num_beams": 4, "max_new_tokens": 10},
-    "gpt2": {"max_new_tokens": 10},
+CLI_CASES = {  # family -> generation flags: beams returning two outputs each (their order is a near-tie too)
+    "marian": ["--num-beams", "4", "--num-return-sequences", "2", "--max-new-tokens", "8"],
+    "gpt2": ["--max-new-tokens", "8"],
 }
-BATCHINGS = [
-    ["--batch-size", "16"],
-    ["--batch-size", "1"],
-    ["--batch-size", "3"],
-    ["--batch-size", "64", "--batch-tokens", "600"],
-    ["--batch-size", "8", "--sort-window", "0"],
-    ["--batch-size", "4", "--sort-window", "7"],
-]
+BATCHINGS = {  # name -> flags; the first is the reference: every input alone in its batch, in input order
+    "batch 1": ["--batch-size", "1", "--sort-window", "0"],
+    "batch 16": ["--batch-size", "16"],
+    "batch 5, no sorting": ["--batch-size", "5", "--sort-window", "0"],
+    "batch 4, window 7": ["--batch-size", "4", "--sort-window", "7"],
+    "token budget 600": ["--batch-size", "64", "--batch-tokens", "600"],
+}
+ALONE = (3, 40, 77)  # lines also run as a file of their own
 
 
-def seqgen(*args: str):
-    res = CliRunner().invoke(main, [*args, "-q"], catch_exceptions=False)
+def seqgen(*args: str) -> None:
+    res = CliRunner().invoke(main, list(args), catch_exceptions=False)
     assert res.exit_code == 0, res.stderr
-    return res
 
 
-@pytest.mark.parametrize("family", sorted(CLI_CASES))
-def test_the_same_bytes_from_every_batching_window_and_shard(
-    tiny_models, tmp_path: Path, family: str
-) -> None:
-    model = near_tie_checkpoint(tiny_models(family), tmp_path / "model")
-    texts = sample_texts(240, seed=7)
-    texts[17] = texts[150] = ""  # empty lines pass through
-    src = tmp_path / "in.txt"
+@pytest.fixture(scope="module", params=sorted(CLI_CASES))
+def job(request, tiny_models, tmp_path_factory) -> tuple[Path, Path, list[str]]:
+    """A near-tie checkpoint, 120 inputs of varied length (two empty) and the generation flags."""
+    family = request.param
+    tmp = tmp_path_factory.mktemp(family)
+    model = near_tie_checkpoint(tiny_models(family), tmp / "model")
+    texts = sample_texts(120, seed=7)
+    texts[17] = texts[90] = ""  # empty lines pass through
+    src = tmp / "in.txt"
     src.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
-    settings = CLI_CASES[family]
-    flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    return model, src, [*CLI_CASES[family], "--output-format", "jsonl", "-q"]
 
-    def generate(out: Path, *more: str) -> bytes:
-        seqgen("generate", "-m", str(model), str(src), "-o", str(out), *flags, *more)
-        return out.read_bytes()
 
-    runs = {" ".join(b): generate(tmp_path / f"out{i}.txt", *b) for i, b in enumerate(BATCHINGS)}
-    parts = [tmp_path / f"part{i}.txt" for i in range(3)]
+def _generate(job: tuple[Path, Path, list[str]], src: Path, out: Path, *more: str) -> bytes:
+    model, _, flags = job
+    seqgen("generate", "-m", str(model), str(src), "-o", str(out), *flags, *more)
+    return out.read_bytes()
+
+
+def _differing_lines(got: bytes, expected: bytes) -> list[int]:
+    lines, ref = got.decode().splitlines(), expected.decode().splitlines()
+    assert len(lines) == len(ref)
+    return [i + 1 for i, (a, b) in enumerate(zip(lines, ref, strict=True)) if a != b]
+
+
+def test_the_same_bytes_from_every_batching_window_shard_and_alone(job, tmp_path: Path) -> None:
+    """One file through several batch sizes, sort windows, a token budget, three shards merged: the same bytes
+    as every input in a batch of its own, and as a few lines run each as a file of its own."""
+    _, src, _ = job
+    runs = {name: _generate(job, src, tmp_path / f"out{i}.jsonl", *flags) for i, (name, flags) in
+            enumerate(BATCHINGS.items())}  # fmt: skip
+    parts = [tmp_path / f"part{i}.jsonl" for i in range(3)]
     for i, part in enumerate(parts):
-        generate(part, "--batch-size", "16", "--shard", f"{i}/3")
-    seqgen("merge", *map(str, parts), "-o", str(tmp_path / "merged.txt"))
-    runs["--shard I/3 + merge"] = (tmp_path / "merged.txt").read_bytes()
+        _generate(job, src, part, "--batch-size", "16", "--shard", f"{i}/3")
+    seqgen("merge", *map(str, parts), "-o", str(tmp_path / "merged.jsonl"))
+    runs["3 shards + merge"] = (tmp_path / "merged.jsonl").read_bytes()
 
-    # each input alone: a batch of one, in a process of its own settings
-    gen = Generator(str(model), **settings)
-    alone = []
-    for i, text in enumerate(texts):
-        outputs = gen.generate([text], batch_size=1)[0]
-        alone.append(format_output(Record(i, str(src), i + 1, text), outputs, "text", "output"))
-    expected = "".join(alone).encode()
-    assert len(set(alone)) > 100, "the outputs should differ between inputs"
-    for name, got in runs.items():
-        lines, ref = got.decode().splitlines(), expected.decode().splitlines()
-        differ = [i for i, (a, b) in enumerate(zip(lines, ref, strict=True)) if a != b]
-        assert not differ, f"{name}: {len(differ)} lines differ from the inputs run alone, first {differ[:5]}"
-        assert got == expected
+    reference = runs.pop("batch 1")
+    lines = reference.decode().splitlines(keepends=True)
+    assert len(set(lines)) > 60, "the outputs should differ between inputs"
+    differ = {name: _differing_lines(got, reference) for name, got in runs.items()}
+    assert not any(differ.values()), f"lines that differ from each input in a batch of its own: {differ}"
+    texts = src.read_text(encoding="utf-8").splitlines()
+    for i in ALONE:
+        one = tmp_path / f"line{i}.txt"
+        one.write_text(texts[i] + "\n", encoding="utf-8")
+        assert _generate(job, one, tmp_path / f"line{i}.jsonl", "--batch-size", "16") == lines[i].encode()
+
+
+@pytest.mark.slow
+def test_two_ray_workers_write_the_same_bytes(job, tmp_path: Path) -> None:
+    """--workers 2 (a local Ray, one torch thread per worker) against one process of two threads."""
+    model, src, flags = job
+    one = _generate(job, src, tmp_path / "one.jsonl", "--batch-size", "16")
+    out = tmp_path / "workers.jsonl"
+    cmd = [sys.executable, "-m", "seqgen_cli", "generate", "-m", str(model), str(src), "-o", str(out), *flags]
+    cmd += ["--batch-size", "16", "--workers", "2", "--shard-size", "25"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    assert not _differing_lines(out.read_bytes(), one)
+    assert out.read_bytes() == one
