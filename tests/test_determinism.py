@@ -5,6 +5,7 @@ which inputs share a batch or leave it first. Three layers: the products (a row'
 it), the model backends (an input's logits alone, among neighbours, after they leave) and the CLI (a few hundred
 lines through many batchings against each input run alone), the last on tiny checkpoints whose LM head rows come
 in near-identical pairs, so that every step is a near-tie and any change of arithmetic shows in the text.
+``--dtype int8`` does not hold (activations are quantized per tensor): an expected failure that says so.
 """
 
 from __future__ import annotations
@@ -46,25 +47,34 @@ def test_width_bucket_depends_on_the_length_only_and_pads_little() -> None:
 
 
 @pytest.mark.skipif(not quantize.ONEDNN, reason="torch built without oneDNN")
-@pytest.mark.parametrize(("inputs", "outputs"), [(2048, 48), (48, 600)])
+@pytest.mark.parametrize(("inputs", "outputs"), [(2048, 48), (48, 600), (512, 512)])
 def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(inputs: int, outputs: int) -> None:
-    """dense and PackedLinear (dense and packed weight): row i of a product of M rows, for any M (1 included,
-    beyond 1024 too), equals row i of the largest product, at 1 and 2 threads."""
+    """Rows ``a:a+m`` of a product equal those rows of the whole product, for any ``m`` (1 included, beyond
+    1024 too) and offset ``a``, at 1-3 threads: ``dense`` and ``PackedLinear`` (dense, then packed weight) for
+    [N, D] inputs; ``F.linear`` (MKL, the encoders' products) for [B, S, D] inputs with ``S`` a multiple of 8."""
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(outputs, inputs, generator=g) / inputs**0.5, torch.randn(outputs, generator=g)
     x = torch.randn(1100, inputs, generator=g)
+    sources = torch.randn(9, 24, inputs, generator=g)  # [B, S, D]
     threads = torch.get_num_threads()
     packed = quantize.PackedLinear(w, b)
     packed.calls = quantize.PACK_AFTER  # the next call packs
     try:
-        for n_threads in (1, 2):
+        for n_threads in (1, 2, 3):
             torch.set_num_threads(n_threads)
             for name, fn in [("dense", lambda x: quantize.dense(x, w, b)), ("packed", packed)]:
                 full = fn(x)
-                for m in (1, 2, 3, 5, 7, 9, 11, 16, 33, 1025):
-                    assert torch.equal(fn(x[:m]), full[:m]), f"{name}, {m} rows, {n_threads} threads"
+                for a in (0, 5, 64):
+                    for m in (1, 2, 3, 7, 9, 16, 33, 1025):
+                        got = fn(x[a : a + m])
+                        assert torch.equal(got, full[a : a + m]), (
+                            f"{name}, rows {a}:{a + m}, {n_threads} threads"
+                        )
             assert packed.packed is not None
             assert torch.equal(packed(x[:7]), quantize.dense(x[:7], w, b))  # packed or not: the same bits
+            full = packed(sources)
+            for a, n in [(0, 1), (3, 1), (2, 3), (4, 5)]:
+                assert torch.equal(packed(sources[a : a + n]), full[a : a + n]), f"sources {a}:{a + n}"
     finally:
         torch.set_num_threads(threads)
 
@@ -72,27 +82,30 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(inputs: int
 # -- model backends -------------------------------------------------------------------------------------------
 
 
-def _logits(gen: Generator, batch: list[list[int]], steps: list[int], rows: int, leave_at: int | None):
-    """Input 0's logits [steps, rows, V] from start() and teacher-forced step()s (the same token for every row);
-    ``leave_at``: every other input leaves after that step."""
+def _logits(
+    gen: Generator, batch: list[list[int]], at: int, steps: list[int], rows: int, leave_at: int | None
+):
+    """Input ``at``'s logits [steps, rows, V] from start() and teacher-forced step()s (the same token for every
+    row); ``leave_at``: every other input leaves after that step."""
     backend = gen._engine()
     input_ids, mask = gen.pad(batch)
     state, first = backend.start(Batch(input_ids, mask), rows, len(steps) + 1)
-    out = [] if first is None else [first[:1].expand(rows, -1)]
+    out = [] if first is None else [first[at : at + 1].expand(rows, -1)]
     inputs = len(batch)
     token = gen.config.decoder_start_token_id if backend.is_encoder_decoder else steps[0]
     for t, nxt in enumerate(steps):
-        out.append(backend.step(state, torch.full((inputs * rows,), token))[:rows].clone())
+        logits = backend.step(state, torch.full((inputs * rows,), token))  # [inputs * rows, V]
+        out.append(logits[at * rows : (at + 1) * rows].clone())
         if t == leave_at and inputs > 1:
-            backend.drop(state, torch.tensor([0]), torch.arange(rows))
-            inputs = 1
+            backend.drop(state, torch.tensor([at]), torch.arange(at * rows, (at + 1) * rows))
+            inputs, at = 1, 0
         token = nxt
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("family", FAST_FAMILIES)
-def test_an_inputs_logits_do_not_depend_on_its_neighbours(tiny_models, family: str) -> None:
-    gen = Generator(str(tiny_models(family)), max_new_tokens=8)
+def _check_neighbours(gen: Generator) -> None:
+    """One input's logits alone, and first or last among 1-4 inputs of its width bucket (of other lengths), with
+    them throughout or leaving after step 2: the same bits, for 1 and 3 rows per input."""
     ids = [e.ids for e in gen.encode(sample_texts(100, seed=11))]
     widths = [width_bucket(len(s)) for s in ids]
     x, *same_bucket = [s for s, w in zip(ids, widths, strict=True) if w == max(widths, key=widths.count)]
@@ -100,13 +113,25 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(tiny_models, family: s
     rng = random.Random(0)
     steps = [rng.randrange(4, gen._engine().vocab_size) for _ in range(6)]
     for rows in (1, 3):
-        alone = _logits(gen, [x], steps, rows, None)
+        alone = _logits(gen, [x], 0, steps, rows, None)
         for k in (1, 2, 4):
-            neighbours = [x, *same_bucket[:k]]
-            assert torch.equal(_logits(gen, neighbours, steps, rows, None), alone), (
-                f"{k} neighbours, R={rows}"
-            )
-            assert torch.equal(_logits(gen, neighbours, steps, rows, 2), alone), f"{k} leave, R={rows}"
+            for at in (0, k):
+                batch = [*same_bucket[:at], x, *same_bucket[at:k]]
+                for leave_at in (None, 2):
+                    got = _logits(gen, batch, at, steps, rows, leave_at)
+                    assert torch.equal(got, alone), f"{k} neighbours, at {at}, leave {leave_at}, R={rows}"
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES)
+def test_an_inputs_logits_do_not_depend_on_its_neighbours(tiny_models, family: str) -> None:
+    _check_neighbours(Generator(str(tiny_models(family)), max_new_tokens=8))
+
+
+@pytest.mark.xfail(
+    strict=True, reason="int8 activations are quantized per tensor: a row's scale is the batch's"
+)
+def test_int8_logits_do_not_depend_on_its_neighbours(tiny_models) -> None:
+    _check_neighbours(Generator(str(tiny_models("bart")), dtype="int8", max_new_tokens=8))
 
 
 # -- reader timing --------------------------------------------------------------------------------------------
@@ -164,11 +189,11 @@ BATCHINGS = {  # name -> flags; the first is the reference: every input alone in
     "batch 4, window 7": ["--batch-size", "4", "--sort-window", "7"],
     "token budget 600": ["--batch-size", "64", "--batch-tokens", "600"],
 }
-ALONE = (3, 40, 77)  # lines also run as a file of their own
+ALONE = (3, 77)  # lines also run as a file of their own
 
 
-def seqgen(*args: str) -> None:
-    res = CliRunner().invoke(main, list(args), catch_exceptions=False)
+def seqgen(*args: str, stdin: bytes | None = None) -> None:
+    res = CliRunner().invoke(main, list(args), input=stdin, catch_exceptions=False)
     assert res.exit_code == 0, res.stderr
 
 
@@ -185,9 +210,11 @@ def job(request, tiny_models, tmp_path_factory) -> tuple[Path, Path, list[str]]:
     return model, src, [*CLI_CASES[family], "--output-format", "jsonl", "-q"]
 
 
-def _generate(job: tuple[Path, Path, list[str]], src: Path, out: Path, *more: str) -> bytes:
+def _generate(
+    job: tuple[Path, Path, list[str]], src: Path, out: Path, *more: str, stdin: bytes | None = None
+) -> bytes:
     model, _, flags = job
-    seqgen("generate", "-m", str(model), str(src), "-o", str(out), *flags, *more)
+    seqgen("generate", "-m", str(model), str(src), "-o", str(out), *flags, *more, stdin=stdin)
     return out.read_bytes()
 
 
@@ -198,11 +225,14 @@ def _differing_lines(got: bytes, expected: bytes) -> list[int]:
 
 
 def test_the_same_bytes_from_every_batching_window_shard_and_alone(job, tmp_path: Path) -> None:
-    """One file through several batch sizes, sort windows, a token budget, three shards merged: the same bytes
-    as every input in a batch of its own, and as a few lines run each as a file of its own."""
+    """One file through several batch sizes, sort windows, a token budget, stdin (a pipe: windows also cut when
+    the reader waits), three shards merged: the same bytes as every input in a batch of its own, and as a few
+    lines run each as a file of its own."""
     _, src, _ = job
     runs = {name: _generate(job, src, tmp_path / f"out{i}.jsonl", *flags) for i, (name, flags) in
             enumerate(BATCHINGS.items())}  # fmt: skip
+    stdin = _generate(job, Path("-"), tmp_path / "stdin.jsonl", "--batch-size", "8", stdin=src.read_bytes())
+    runs["stdin, batch 8"] = stdin
     parts = [tmp_path / f"part{i}.jsonl" for i in range(3)]
     for i, part in enumerate(parts):
         _generate(job, src, part, "--batch-size", "16", "--shard", f"{i}/3")
@@ -222,6 +252,7 @@ def test_the_same_bytes_from_every_batching_window_shard_and_alone(job, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("job", ["marian"], indirect=True)
 def test_two_ray_workers_write_the_same_bytes(job, tmp_path: Path) -> None:
     """--workers 2 (a local Ray, one torch thread per worker) against one process of two threads."""
     model, src, flags = job
@@ -231,4 +262,3 @@ def test_two_ray_workers_write_the_same_bytes(job, tmp_path: Path) -> None:
     cmd += ["--batch-size", "16", "--workers", "2", "--shard-size", "25"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     assert not _differing_lines(out.read_bytes(), one)
-    assert out.read_bytes() == one
