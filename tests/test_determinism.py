@@ -2,8 +2,8 @@
 
 Not on the batch size, the token budget, the sort window, a shard, the thread count, the reader's timing or
 which inputs share a batch or leave it first. Three layers: the products (a row's bits whatever the rows beside
-it), the model backends (an input's logits alone, among neighbours, after they leave) and the CLI (a few hundred
-lines through many batchings against each input run alone), the last on tiny checkpoints whose LM head rows come
+it), the model backends (an input's logits alone, among neighbours, after they leave) and the CLI (120 lines
+through many batchings against each input run alone), the last on tiny checkpoints whose LM head rows come
 in near-identical pairs, so that every step is a near-tie and any change of arithmetic shows in the text.
 ``--dtype int8`` does not hold (activations are quantized per tensor): an expected failure that says so.
 """

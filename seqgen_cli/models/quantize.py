@@ -16,8 +16,10 @@ inputs share its batch or leave it.
 
 ``--dtype int8`` on the CPU: torch's dynamic quantization (``torch.ao.nn.quantized.dynamic.Linear``).
 Weights are stored as int8 with one scale per output row (per-channel, as CTranslate2's int8); activations
-are quantized per row at run time, the product runs in int8 (fbgemm under torch's ``x86`` engine) and comes
-back as float32. Everything that is not a linear layer (embeddings, norms, attention, the search) stays
+are quantized per tensor at run time (one scale and zero point from the whole input's minimum and maximum, where
+CTranslate2 takes one per row), the product runs in int8 (fbgemm under torch's ``x86`` engine) and comes back
+as float32. So an int8 row's result depends on the other rows of its product, and an input's int8 output on the
+rest of its batch (tests/test_determinism.py, an expected failure). Everything that is not a linear layer (embeddings, norms, attention, the search) stays
 float32. torch's ``torch.ao.quantization`` namespace is deprecated in favour of torchao, but torchao has no
 fast eager CPU kernel for int8 dynamic activations (see docs/BENCHMARKS.md, "CPU int8"), so this uses the
 torch one and silences its deprecation warnings.
