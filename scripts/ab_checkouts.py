@@ -1,8 +1,9 @@
 """A/B the engine of two or more checkouts on one cell, interleaved, each run in a fresh process.
 
 Each round runs every checkout once (``PYTHONPATH=<checkout>``): load the model, encode the first ``--n``
-sources, one warm-up batch, then time every batch of ``--batch`` inputs (beam 4, ``--new-tokens`` forced new
-tokens, no-repeat 3). It reports, per checkout, the medians over rounds of the process CPU time (robust to a
+sources, one warm-up batch, then time every batch of ``--batch`` inputs (``--beams`` 4, ``--new-tokens`` forced
+new tokens, no-repeat 3), cut from the sources sorted by length, or with ``--batcher`` as ``Generator.generate``
+cuts them (its sort window and, where a checkout has them, width buckets). It reports, per checkout, the medians over rounds of the process CPU time (robust to a
 busy machine when ``--threads 1``), wall time and minor page faults, and a hash of the outputs so that a change
 that alters any token shows. Make the checkouts with ``git worktree add --detach DIR COMMIT``::
 
@@ -23,17 +24,18 @@ RUN_ONE = """
 import hashlib, json, resource, sys, time
 import torch
 from seqgen_cli.generator import Generator
-model, src, n, bs, new, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+model, src = sys.argv[1], sys.argv[2]
+n, bs, new, threads, beams, batcher = map(int, sys.argv[3:9])
 torch.set_num_threads(threads)
 texts = [line.strip() for line in open(src, encoding="utf-8") if line.strip()][:n]
-gen = Generator(model, device="cpu", max_source_length=400, num_beams=4, max_new_tokens=new,
+gen = Generator(model, device="cpu", max_source_length=400, num_beams=beams, max_new_tokens=new,
                 min_new_tokens=new, no_repeat_ngram_size=3)
 ids = sorted((e.ids for e in gen.encode(texts)), key=len)
 batches = [ids[i : i + bs] for i in range(0, len(ids), bs)]
 gen.generate_ids(batches[0][:4])
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 cpu, wall = time.process_time(), time.perf_counter()
-out = [gen.generate_ids(b) for b in batches]
+out = gen.generate(texts, batch_size=bs) if batcher else [gen.generate_ids(b) for b in batches]
 print(json.dumps({"cpu": time.process_time() - cpu, "wall": time.perf_counter() - wall,
                   "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
                   "hash": hashlib.md5(repr(out).encode()).hexdigest()[:10]}))
@@ -50,12 +52,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--beams", type=int, default=4)
+    ap.add_argument("--batcher", action="store_true", help="batches as Generator.generate cuts them")
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {c: [] for c in args.checkouts}
     for r in range(args.rounds):
         for checkout in args.checkouts:
             cmd = [sys.executable, "-c", RUN_ONE, args.model, args.sources]
-            cmd += [str(x) for x in (args.n, args.batch, args.new_tokens, args.threads)]
+            cmd += [str(x) for x in (args.n, args.batch, args.new_tokens, args.threads, args.beams)]
+            cmd += [str(int(args.batcher))]
             path = os.path.abspath(
                 checkout
             )  # also the working directory: `python -c` imports from there first

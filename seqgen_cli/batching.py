@@ -8,6 +8,12 @@ the free memory, :func:`free_memory_budget`); an input longer than the budget on
 one. Windows are consecutive in input order, so every input of a later window comes after every input of an
 earlier one. :func:`generate_split` runs a batch and, when it runs out of memory, splits it in halves down to a
 single input: no input is dropped.
+
+Batch independence. An input is padded to :func:`width_bucket` of its own length, never to a longer
+neighbour's: a batch holds inputs of one bucket only. With the fast backends' row-invariant products
+(``models/quantize.py``) the bytes of an output then depend on its input and the settings only, not on
+which inputs share its batch, the window, the batch size, a shard or the reader's timing (CPU float32;
+tests/test_determinism.py).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any, Protocol
 from seqgen_cli.errors import SeqgenError
 
 MIN_WINDOW = 2048
+WIDTH_STEP = 8  # padded widths are multiples of this (and finer steps are never used)
 
 
 @dataclass
@@ -86,6 +93,21 @@ def free_memory_budget(device: Any) -> int | None:
     return int((free + unused) * (1 - HEADROOM))
 
 
+def width_bucket(length: int) -> int:
+    """The width an input of ``length`` tokens is padded to, whoever its neighbours: ``length`` rounded up to a
+    multiple of 8 tokens up to 128, beyond that of 1/16 of the next power of two (16 up to 256, 32 up to 512,
+    ...): at most 12.5 % padding, 8 widths per doubling of the length.
+
+    Why widths are fixed per input: the kernels that attend over a padded source (encoder self-attention,
+    cross-attention, a decoder-only prompt) round differently at different widths even where the padding is
+    masked, so an input padded to its neighbours' width would get other bits. Why multiples of 8: MKL's GEMM
+    (the encoder's linear layers, ``B x width`` rows) and torch's CPU flash attention give a row the same bits
+    whatever the batch and thread count when the row count and width are multiples of 8 (measured with 1-16
+    threads; not with odd widths)."""
+    step = max(WIDTH_STEP, (1 << max(0, length - 1).bit_length()) // 16)
+    return -(-max(length, 1) // step) * step
+
+
 def default_window(batch_size: int) -> int:
     """Inputs read ahead and sorted by length: 16 batches, at least ``MIN_WINDOW``."""
     return max(16 * batch_size, MIN_WINDOW)
@@ -99,21 +121,21 @@ def plan_batches(
     sort: bool = True,
     memory: MemoryLimit | None = None,
 ) -> list[list[int]]:
-    """Positions grouped into batches: shortest first when ``sort``, else in the given order."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__) if sort else range(len(lengths))
+    """Positions grouped into batches of one :func:`width_bucket` each: shortest first when ``sort``, else
+    bucket by bucket, in the given order within each."""
+    widths = [width_bucket(n) for n in lengths]
+    order = sorted(range(len(lengths)), key=(lengths if sort else widths).__getitem__)
     batches: list[list[int]] = []
     batch: list[int] = []
-    width = 0
     for i in order:
-        wider = max(width, lengths[i])
-        over = (batch_tokens is not None and wider * (len(batch) + 1) * rows > batch_tokens) or (
-            memory is not None and memory.cost(len(batch) + 1, wider) > memory.budget
+        width = widths[i]
+        over = (batch_tokens is not None and width * (len(batch) + 1) * rows > batch_tokens) or (
+            memory is not None and memory.cost(len(batch) + 1, width) > memory.budget
         )
-        if batch and (len(batch) >= batch_size or over):
+        if batch and (widths[batch[0]] != width or len(batch) >= batch_size or over):
             batches.append(batch)
-            batch, wider = [], lengths[i]
+            batch = []
         batch.append(i)
-        width = wider
     if batch:
         batches.append(batch)
     return batches
@@ -123,8 +145,9 @@ class Batcher:
     """Turns chunks of items into batches; items with nothing to generate go to ``passthrough``.
 
     A window is cut when it holds ``window`` inputs, at the end of the input, or when the reader is
-    starved (a pipe with nothing more to read yet), so a slow producer still sees its outputs early.
-    ``window <= 1`` turns sorting off: batches follow input order.
+    starved (only a pipe with nothing more to read yet: ``Chunk.starved``), so a slow producer still sees its
+    outputs early; batches then depend on timing, outputs do not (module docstring). ``window <= 1`` turns
+    sorting off: windows of ``batch_size`` inputs, batched in input order within each width bucket.
     """
 
     def __init__(
@@ -148,7 +171,7 @@ class Batcher:
         self.sort = window > 1
         self.window = window if self.sort else batch_size
         self.source_tokens = 0  # real source tokens in generated batches
-        self.padded_tokens = 0  # the same, padded to each batch's widest input
+        self.padded_tokens = 0  # the same, padded to each batch's width bucket
         self.batches = 0
         self._windows = 0
         self._stopped = False
@@ -170,7 +193,7 @@ class Batcher:
             lengths, self.batch_size, self.batch_tokens, self.rows, self.sort, self.memory
         ):
             self.source_tokens += sum(lengths[i] for i in idx)
-            self.padded_tokens += max(lengths[i] for i in idx) * len(idx)
+            self.padded_tokens += width_bucket(lengths[idx[0]]) * len(idx)
             self.batches += 1
             yield Batch([pending[i] for i in idx], window)
 

@@ -15,6 +15,7 @@ import click
 
 from seqgen_cli import __version__
 from seqgen_cli.errors import SeqgenError
+from seqgen_cli.openmp import prefer_passive_wait
 
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
@@ -177,7 +178,11 @@ def run(args: list[str] | None = None) -> None:
     is written (docs/BENCHMARKS.md, "Start-up"). By then every file is closed; this joins any non-daemon thread,
     flushes stdout and stderr, runs the ``atexit`` handlers (Ray, logging, temporary folders) and ends the
     process with :func:`main`'s exit status. An uncaught exception (``SEQGEN_DEBUG=1``) exits as usual.
+
+    First, before torch is imported, idle OpenMP threads are made to sleep instead of spinning unless the
+    user chose a wait policy (:mod:`seqgen_cli.openmp`: a box shared with other processes).
     """
+    prefer_passive_wait(os.environ)
     try:
         main(args)  # standalone click: always ends in SystemExit
         code: object = 0

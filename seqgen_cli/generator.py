@@ -29,6 +29,7 @@ from seqgen_cli.batching import (
     encode_items,
     free_memory_budget,
     generate_split,
+    width_bucket,
 )
 from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
 from seqgen_cli.errors import SeqgenError
@@ -245,11 +246,16 @@ class Generator:
     def pad(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pad to a rectangle: right for encoder-decoder sources, left for decoder-only prompts. [B, S] int64.
 
-        The rectangle is built on the host; for a CUDA device in pinned memory, copied with
-        ``non_blocking=True`` so the host queues the copy and goes on (the caching host allocator keeps the
-        pinned block until the copy is done).
+        ``S`` is the :func:`~seqgen_cli.batching.width_bucket` of the longest input (at most the model's position
+        limit): an input batched with others of its bucket (``Batcher``) gets the width it has alone, so its
+        output does not depend on its neighbours. The rectangle is built on the host; for a CUDA device in
+        pinned memory, copied with ``non_blocking=True`` so the host queues the copy and goes on (the caching
+        host allocator keeps the pinned block until the copy is done).
         """
-        width = max(len(ids) for ids in batch)
+        longest = max(len(ids) for ids in batch)
+        width, limit = width_bucket(longest), self._source_limit(None)
+        if limit is not None:  # no padding past the positions the model has
+            width = max(longest, min(width, limit))
         device = self.loaded.device
         pinned = device.type == "cuda"
         input_ids = torch.full(

@@ -58,12 +58,13 @@ def test_cuda_oom_of_a_single_input_is_reported_with_its_line() -> None:
 
 
 def _fake_generator(
-    device: str, encoder_decoder: bool, dtype: torch.dtype = torch.float32
+    device: str, encoder_decoder: bool, dtype: torch.dtype = torch.float32, limit: int | None = None
 ) -> SimpleNamespace:
     return SimpleNamespace(
         loaded=SimpleNamespace(device=torch.device(device), dtype=dtype, int8=False),
         tokenizer=SimpleNamespace(pad_token_id=9),
         is_encoder_decoder=encoder_decoder,
+        _source_limit=lambda requested: limit,  # the model's position limit
         step_path="eager (test)",
         refill=False,
         _model_backend=None,
@@ -71,12 +72,17 @@ def _fake_generator(
 
 
 @pytest.mark.parametrize("encoder_decoder", [True, False])
-def test_pad_layout(encoder_decoder: bool) -> None:
-    ids, mask = Generator.pad(_fake_generator("cpu", encoder_decoder), [[1, 2, 3], [4]])
+@pytest.mark.parametrize(("limit", "width"), [(None, 8), (5, 5)])  # 3 tokens' width bucket, or the limit
+def test_pad_layout(encoder_decoder: bool, limit: int | None, width: int) -> None:
+    gen = _fake_generator("cpu", encoder_decoder, limit=limit)
+    ids, mask = Generator.pad(gen, [[1, 2, 3], [4]])
+    pad = [9] * width
     if encoder_decoder:  # right padding
-        assert ids.tolist() == [[1, 2, 3], [4, 9, 9]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+        assert ids.tolist() == [[1, 2, 3, *pad[3:]], [4, *pad[1:]]]
+        assert mask.tolist() == [[1] * 3 + [0] * (width - 3), [1] + [0] * (width - 1)]
     else:  # left padding
-        assert ids.tolist() == [[1, 2, 3], [9, 9, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+        assert ids.tolist() == [[*pad[3:], 1, 2, 3], [*pad[1:], 4]]
+        assert mask.tolist() == [[0] * (width - 3) + [1] * 3, [0] * (width - 1) + [1]]
     assert ids.dtype == mask.dtype == torch.long
 
 
@@ -106,7 +112,7 @@ def test_pad_for_cuda_pins_and_copies_without_blocking() -> None:
         ids, _ = Generator.pad(_fake_generator("cuda", True), [[1, 2], [3]])
     assert pinned == [True, True]
     assert copies == [((torch.device("cuda"),), {"non_blocking": True})] * 2
-    assert ids.tolist() == [[1, 2], [3, 9]]
+    assert ids.tolist() == [[1, 2, *[9] * 6], [3, *[9] * 7]]  # width bucket 8
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -78,7 +78,7 @@ def test_generate_iterable_splits_a_batch_that_runs_out_of_memory(gen: Generator
     gen.generate_ids = small_memory  # type: ignore[method-assign]
     try:
         got = gen.generate(inputs, batch_size=8)
-        assert got == one_by_one(gen, inputs) and max(sizes) == 8
+        assert got == one_by_one(gen, inputs) and max(sizes) > 2  # batches of one width bucket, split
 
         def always(batch):
             raise MemoryError

@@ -207,7 +207,7 @@ def test_bench_int8_with_ct2(tiny_models, texts: list[str], tmp_path: Path) -> N
     assert "float32 generate()" in report["table"]  # the note under the table
 
 
-def test_packed_float32_linear_packs_after_its_first_calls_and_runs_mkl_for_large_inputs(monkeypatch) -> None:
+def test_packed_linear_runs_onednn_for_any_row_count_and_packs_late(monkeypatch) -> None:
     from seqgen_cli.models import quantize
 
     if not quantize.ONEDNN:
@@ -216,23 +216,22 @@ def test_packed_float32_linear_packs_after_its_first_calls_and_runs_mkl_for_larg
     w, b = torch.randn(40, 16), torch.randn(40)
     lin = linear(w, b)
     assert isinstance(lin, quantize.PackedLinear) and lin.packed is None  # nothing packed at build time
-    calls: list[str] = []
+    calls: list[tuple[str, int]] = []
     onednn, f_linear = torch.ops.mkldnn._linear_pointwise, quantize.F.linear
 
     def spy_onednn(x: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor:
-        calls.append("packed" if weight.is_mkldnn else "onednn")
+        calls.append(("packed" if weight.is_mkldnn else "onednn", x.numel() // x.shape[-1]))
         return onednn(x, weight, *rest)
 
-    monkeypatch.setattr(quantize, "ONEDNN_MAX_ROWS", 8)
     monkeypatch.setattr(quantize, "PACK_AFTER", 2)
     monkeypatch.setattr(quantize.torch.ops.mkldnn, "_linear_pointwise", spy_onednn)
-    monkeypatch.setattr(quantize.F, "linear", lambda *a: calls.append("mkl") or f_linear(*a))
-    for shape in [(3, 16), (2, 4, 16), (9, 16), (5, 16), (3, 4, 16), (1, 16)]:  # rows: 3, 8, 9, 5, 12, 1
+    monkeypatch.setattr(quantize.F, "linear", lambda *a: calls.append(("mkl", 0)) or f_linear(*a))
+    for shape in [(3, 16), (2, 4, 16), (2000, 16), (1, 16), (1, 1, 16)]:
         x = torch.randn(*shape)
         out = lin(x)
         assert out.shape == (*shape[:-1], 40)
         assert torch.allclose(out, x @ w.T + b, rtol=1e-5, atol=1e-5)
-    # two calls on the dense weight (dense(): oneDNN for 2-D inputs, F.linear for 3-D), then packed; > 8 rows: MKL
-    assert calls == ["onednn", "mkl", "mkl", "packed", "mkl", "packed"]
+    # [N, D]: two calls on the dense weight, then packed, any N, a single row as two; [B, S, D]: F.linear (MKL)
+    assert calls == [("onednn", 3), ("mkl", 0), ("onednn", 2000), ("packed", 2), ("mkl", 0)]
     assert lin.packed is not None and lin.packed.is_mkldnn
     assert linear(w.double(), b.double())(torch.randn(2, 16, dtype=torch.float64)).dtype == torch.float64

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig
 
-from seqgen_cli.batching import plan_batches
+from seqgen_cli.batching import plan_batches, width_bucket
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Encoded
 from seqgen_cli.pipeline import formats, resume
@@ -113,8 +113,9 @@ def test_order_preserved_with_shuffled_lengths(tmp_path: Path, batch_size, batch
     assert summary.inputs == 400 and summary.error is None
     for b in gen.batches:
         assert len(b) <= batch_size
+        assert len({width_bucket(len(ids)) for ids in b}) == 1  # one width bucket per batch
         if batch_tokens and len(b) > 1:
-            assert max(map(len, b)) * len(b) <= batch_tokens
+            assert width_bucket(max(map(len, b))) * len(b) <= batch_tokens
     if window != 0 and 1 < batch_size < 100:  # sorted within a window: little padding
         assert summary.padding_ratio < 0.5
 
@@ -132,17 +133,20 @@ def test_plan_partitions_within_limits(lengths, batch_size, batch_tokens, rows, 
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert 1 <= len(b) <= batch_size
+        widths = {width_bucket(lengths[i]) for i in b}
+        assert len(widths) == 1  # an input is never padded past its own width bucket
         if batch_tokens is not None and len(b) > 1:
-            assert max(lengths[i] for i in b) * len(b) * rows <= batch_tokens
-    if not sort:
-        assert [i for b in batches for i in b] == list(range(len(lengths)))
+            assert widths.pop() * len(b) * rows <= batch_tokens
+    if not sort:  # input order within each bucket
+        order = [i for b in batches for i in b]
+        assert order == sorted(order, key=lambda i: width_bucket(lengths[i]))
 
 
 def test_token_budget_counts_beams(tmp_path: Path) -> None:
     src = write_lines(tmp_path / "in.txt", ["abcd"] * 20)
     gen = FakeGen(n=4)  # 4 beams: 4 rows per input
-    run(gen, read_records([str(src)]), StreamSink(Capture()), RunOptions(batch_size=100, batch_tokens=64))
-    assert {len(b) for b in gen.batches} == {4}  # 4 tokens x 4 rows x 4 inputs = 64
+    run(gen, read_records([str(src)]), StreamSink(Capture()), RunOptions(batch_size=100, batch_tokens=128))
+    assert {len(b) for b in gen.batches} == {4}  # 4 tokens (padded to 8) x 4 rows x 4 inputs = 128
 
 
 def test_oom_is_split_down_and_nothing_is_lost(tmp_path: Path) -> None:
@@ -343,7 +347,7 @@ def test_sigkill_loses_no_generated_output(tmp_path: Path) -> None:
     out = tmp_path / "out.txt"
     sizes = _killed_run(src, out, kill_at_batch=10)
     generated = sum(sizes)
-    assert generated == 40
+    assert generated == sum(map(len, plan_batches([len(t) for t in texts], 4, None)[:10]))
     gen = FakeGen()
     summary = _job(gen, src, out, resume=True, batch_size=4, sort_window=1000)
     regenerated = sum(len(b) for b in gen.batches)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from seqgen_cli.models.capture import static_step
 from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, kv_bytes, pointer_bytes
+from seqgen_cli.models.quantize import dense
 from seqgen_cli.search.protocol import Batch
 
 
@@ -76,7 +77,8 @@ class DecoderOnlyBackend:
         cache = DecoderOnlyKVCache(pk, pv, mask, rows_per_input, max_new_tokens)
         b, r = mask.shape[0], rows_per_input
         pos = mask.long().sum(-1)[:, None].expand(b, r).reshape(b * r)  # [B] -> [B, R] -> [N]
-        logits = self.model.get_output_embeddings()(out.last_hidden_state[:, -1]).float()  # [B, V]
+        head = self.model.get_output_embeddings()  # oneDNN on the CPU: an input's row whatever the batch
+        logits = dense(out.last_hidden_state[:, -1], head.weight, head.bias).float()  # [B, V]
         return DecoderOnlyState(cache, pos), logits
 
     @torch.inference_mode()

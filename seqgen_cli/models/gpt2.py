@@ -1,7 +1,9 @@
 """Fast cached backend for GPT-2 (``GPT2LMHeadModel``) over the checkpoint's own weights.
 
-Conv1D weights are [in, out] (``x @ W + b`` = ``addmm``); c_attn is already a fused q|k|v projection;
-learned absolute positions; the MLP activation is the module's own (``gelu_new`` for gpt2).
+Conv1D weights are [in, out] (``x @ W + b``): each runs as a :func:`~seqgen_cli.models.quantize.linear` map over
+the transposed view (oneDNN on the CPU: a row's result does not depend on the other rows of the step), as does the
+LM head; c_attn is already a fused q|k|v projection; learned absolute positions; the MLP activation is the
+module's own (``gelu_new`` for gpt2).
 """
 
 from __future__ import annotations
@@ -11,15 +13,23 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
+from seqgen_cli.models.quantize import Linear, linear
 
 
-def _conv1d(x: Tensor, conv: torch.nn.Module) -> Tensor:
-    """HF Conv1D: [N, in] @ [in, out] + [out]."""
-    return torch.addmm(conv.bias, x, conv.weight)
+class _Block:
+    """One block's Conv1D maps ([N, in] -> [N, out])."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        def conv1d(conv: torch.nn.Module) -> Linear:
+            return linear(conv.weight.t(), conv.bias)  # weight [in, out] -> [out, in] view
+
+        self.c_attn, self.c_proj = conv1d(block.attn.c_attn), conv1d(block.attn.c_proj)
+        self.c_fc, self.mlp_proj = conv1d(block.mlp.c_fc), conv1d(block.mlp.c_proj)
 
 
 class GPT2Backend(DecoderOnlyBackend):
-    """``ModelBackend`` for GPT-2; holds references to the model's modules, no weight copies."""
+    """``ModelBackend`` for GPT-2 over the model's own modules and weights (the linear maps pack a copy, see
+    ``models/quantize.py``)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.config
@@ -31,6 +41,9 @@ class GPT2Backend(DecoderOnlyBackend):
         self.max_position_embeddings = model.config.n_positions
         self.n_head = cfg.n_head
         self.n_layers, self.n_kv, self.head_dim = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
+        self.blocks = [_Block(block) for block in self.base.h]
+        head = model.get_output_embeddings()
+        self.lm = linear(head.weight, head.bias)
 
     def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""
@@ -39,15 +52,14 @@ class GPT2Backend(DecoderOnlyBackend):
         x = tr.wte(tokens) + tr.wpe(state.start_pos + state.cache.slot)  # [N, D]
         N, D = x.shape
         H = self.n_head
-        for i, block in enumerate(tr.h):
+        for i, (block, maps) in enumerate(zip(tr.h, self.blocks, strict=True)):
             attn = block.attn
             h = F.layer_norm(x, (D,), block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
-            q, k, v = _conv1d(h, attn.c_attn).split(D, dim=-1)  # 3 x [N, D]
+            q, k, v = maps.c_attn(h).split(D, dim=-1)  # 3 x [N, D]
             # [N, D] -> [N, H, d] each; attention output [N, D]
             a = state.cache.attend(i, q.view(N, H, -1), k.view(N, H, -1), v.view(N, H, -1), attn.scaling)
-            x = x + _conv1d(a, attn.c_proj)
+            x = x + maps.c_proj(a)
             h = F.layer_norm(x, (D,), block.ln_2.weight, block.ln_2.bias, block.ln_2.eps)
-            mlp = block.mlp
-            x = x + _conv1d(mlp.act(_conv1d(h, mlp.c_fc)), mlp.c_proj)
+            x = x + maps.mlp_proj(block.mlp.act(maps.c_fc(h)))
         x = F.layer_norm(x, (D,), tr.ln_f.weight, tr.ln_f.bias, tr.ln_f.eps)
-        return self.model.get_output_embeddings()(x).float()  # [N, V]
+        return self.lm(x).float()  # [N, V]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from seqgen_cli.models import quantize
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
 from seqgen_cli.models.quantize import dense
 
@@ -52,6 +53,8 @@ class LlamaBackend(DecoderOnlyBackend):
         self.n_head, self.head_dim = cfg.num_attention_heads, attn.head_dim
         self.n_kv = cfg.num_key_value_heads
         self.n_layers = len(self.base.layers)
+        head = model.get_output_embeddings()
+        self.lm = quantize.linear(head.weight, head.bias)
 
     def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""
@@ -75,4 +78,4 @@ class LlamaBackend(DecoderOnlyBackend):
             mlp = layer.mlp
             x = x + linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
         x = m.norm(x)
-        return self.model.get_output_embeddings()(x).float()  # [N, V]
+        return self.lm(x).float()  # [N, V]

@@ -1,13 +1,25 @@
 """The fast backends' linear maps: float32 through oneDNN on the CPU, or ``--dtype int8``.
 
-:func:`dense` is ``F.linear``, except for float32 on the CPU: there decode-sized products run through oneDNN's
-matmul, faster than the MKL GEMM behind ``F.linear``. The backends' own maps (:func:`linear`) go one step
-further on the CPU: :class:`PackedLinear` runs oneDNN on a weight packed once into its blocked layout.
+:func:`dense` is ``F.linear``, except for float32 on the CPU: there decode-step products ([N, D]) run through
+oneDNN's matmul, faster than the MKL GEMM behind ``F.linear``. The backends' own maps (:func:`linear`) go one step
+further on the CPU: :class:`PackedLinear` runs oneDNN on a weight packed once into its blocked layout. Products
+over whole sources ([B, S, D]: cross-attention keys/values) run ``F.linear``, as the model's own encoder does.
+
+Batch invariance (tests/test_determinism.py). oneDNN computes each row of a product the same way whatever the
+number of rows, the row's position among them, the number of threads and whether the weight is packed, except
+a product of a single row (a matrix-vector kernel with another summation order): :func:`onednn` runs one row as
+two. MKL's GEMM does so only when the row count is a multiple of 8 (rows of products of fewer than 12 rows
+change with the row count and the thread count), which the sources' width buckets guarantee
+(``batching.width_bucket``: ``B x S`` rows). The choice between the two depends on the input's rank, never on
+its row count: a row's result does not depend on the rows beside it, so an output does not depend on which
+inputs share its batch or leave it.
 
 ``--dtype int8`` on the CPU: torch's dynamic quantization (``torch.ao.nn.quantized.dynamic.Linear``).
 Weights are stored as int8 with one scale per output row (per-channel, as CTranslate2's int8); activations
-are quantized per row at run time, the product runs in int8 (fbgemm under torch's ``x86`` engine) and comes
-back as float32. Everything that is not a linear layer (embeddings, norms, attention, the search) stays
+are quantized per tensor at run time (one scale and zero point from the whole input's minimum and maximum, where
+CTranslate2 takes one per row), the product runs in int8 (fbgemm under torch's ``x86`` engine) and comes back
+as float32. So an int8 row's result depends on the other rows of its product, and an input's int8 output on the
+rest of its batch (tests/test_determinism.py, an expected failure). Everything that is not a linear layer (embeddings, norms, attention, the search) stays
 float32. torch's ``torch.ao.quantization`` namespace is deprecated in favour of torchao, but torchao has no
 fast eager CPU kernel for int8 dynamic activations (see docs/BENCHMARKS.md, "CPU int8"), so this uses the
 torch one and silences its deprecation warnings.
@@ -36,27 +48,33 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-ONEDNN_MAX_ROWS = 1024  # oneDNN's GEMM for products of up to this many rows (decode steps); MKL's beyond
 PACK_ROWS = 128  # the row count oneDNN picks the packed layout for (any row count runs on it)
-PACK_AFTER = 8  # decode-sized calls a PackedLinear runs on the dense weight before it packs
+PACK_AFTER = 8  # calls a PackedLinear runs on the dense weight before it packs
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's matmul ``x @ weight.T + bias`` (``weight`` dense or packed); a single row runs as two rows, so
+    its result is the one it has in any larger product (module docstring)."""
+    if x.numel() != x.shape[-1]:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    twice = x.reshape(1, -1).expand(2, -1).contiguous()  # [1, I] -> [2, I]
+    out = torch.ops.mkldnn._linear_pointwise(twice, weight, bias, "none", [], "")  # [2, O]
+    return out[:1].reshape(*x.shape[:-1], out.shape[-1])
+
+
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; float32 on the CPU through oneDNN's matmul for decode-sized inputs
-    ([N, D], N <= 1024).
+    """``F.linear(x, weight, bias)``; float32 [N, D] on the CPU through :func:`onednn`.
 
     On the 2-core CPU of docs/BENCHMARKS.md ("CPU float32: where a step goes") oneDNN runs the decode step's
     products 10-40 % faster than the MKL GEMM behind ``F.linear``, and the LM head about 2x faster (MKL
-    re-packs the whole [V, D] matrix for every few-row product); for encoder-sized inputs MKL is faster.
-    Same product, another summation order (float32 rounding, about 1e-6 relative). Under ``torch.compile``
-    always ``F.linear``: inductor cannot lower ``mkldnn._linear_pointwise`` on a dense weight, and picks its
-    own GEMM.
+    re-packs the whole [V, D] matrix for every few-row product). Same product, another summation order
+    (float32 rounding, about 1e-6 relative). Under ``torch.compile`` always ``F.linear``: inductor cannot lower
+    ``mkldnn._linear_pointwise`` on a dense weight, and picks its own GEMM.
     """
     cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-    decode_sized = x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS
-    if ONEDNN and cpu_fp32 and decode_sized and not torch.compiler.is_compiling():
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if ONEDNN and cpu_fp32 and x.dim() == 2 and not torch.compiler.is_compiling():  # any number of rows
+        return onednn(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -66,29 +84,29 @@ class PackedLinear:
     as torch's inductor does for frozen CPU models), so no product repacks the weight.
 
     On the 2-core CPU of docs/BENCHMARKS.md ("CPU float32: weights packed for oneDNN") this is 3-40 % faster
-    than oneDNN on the dense weight at 8-32 rows (LM heads 18-38 %) and about even at 128; beyond ``ONEDNN_MAX_ROWS``
-    rows (cross-attention keys/values over whole sources) MKL's ``F.linear`` on the dense weight is faster
-    and runs instead. Packing costs time (~0.1 s for a 50k-word LM head) and a second copy of the weight (the
-    model keeps its own, which stays in use), so the first calls run :func:`dense`: a run of a few steps
-    (start-up, one short input) never packs.
+    than oneDNN on the dense weight at 8-32 rows (LM heads 18-38 %) and about even at 128. Packing costs time
+    (~0.1 s for a 50k-word LM head) and a second copy of the weight (the model keeps its own, which stays in
+    use), so the first calls run :func:`dense`: a run of a few steps (start-up, one short input) never packs.
+    Packed or not, oneDNN gives every row the same bits (module docstring). Products over whole sources ([B, S,
+    D]) run ``F.linear`` on the dense weight.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight  # [O, I] dense, for large inputs and the first calls
+        self.weight = weight  # [O, I] dense, for the first calls and [B, S, D] inputs
         self.bias = bias
         self.packed: torch.Tensor | None = None  # opaque oneDNN tensor, built on call PACK_AFTER + 1
         self.calls = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile: the dense weight, no state change (it would retrace), no oneDNN op (see dense).
-        if x.numel() > ONEDNN_MAX_ROWS * x.shape[-1] or torch.compiler.is_compiling():
+        if x.dim() != 2 or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         if self.packed is None:
             self.calls += 1
             if self.calls <= PACK_AFTER:
                 return dense(x, self.weight, self.bias)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return onednn(x, self.packed, self.bias)
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) -> Linear:

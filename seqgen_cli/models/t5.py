@@ -4,8 +4,10 @@ Quirks, each as transformers does them: unscaled attention (scale 1) with a lear
 from the first block's self-attention, shared by all blocks; for an incremental query at position ``t`` the
 bias row ``t`` (picked by the cache's device slot) of a ``[T, T]`` table (unidirectional buckets) built once per
 call; RMSNorm (``T5LayerNorm``);
-ReLU (v1.0) or gated-GELU (v1.1/Flan) feed-forward (the model's own module, including its dtype casts);
-fp16 clamping after each sub-layer; v1.0's tied-embedding rescale ``d_model ** -0.5`` before the LM head.
+ReLU (v1.0) or gated-GELU (v1.1/Flan) feed-forward (the module's activation and its dtype cast before ``wo``);
+fp16 clamping after each sub-layer; v1.0's tied-embedding rescale ``d_model ** -0.5`` before the LM head. Every
+product goes through :func:`~seqgen_cli.models.quantize.linear` (oneDNN on the CPU: a row's result does not depend
+on the other rows of the step).
 """
 
 from __future__ import annotations
@@ -23,8 +25,18 @@ from seqgen_cli.models.encoder_decoder import (
     self_attention,
 )
 from seqgen_cli.models.fuse import fuse_linears
-from seqgen_cli.models.quantize import linear
+from seqgen_cli.models.quantize import Linear, linear
 from seqgen_cli.search.protocol import Batch
+
+
+def _feed_forward(ff: nn.Module) -> Linear:
+    """``T5DenseActDense`` / ``T5DenseGatedActDense`` (no dropout at inference) over :func:`linear` maps."""
+    wo = linear(ff.wo.weight, None)
+    if hasattr(ff, "wi_0"):  # gated: act(wi_0 x) * wi_1 x
+        wi_0, wi_1 = linear(ff.wi_0.weight, None), linear(ff.wi_1.weight, None)
+        return lambda x: wo((ff.act(wi_0(x)) * wi_1(x)).to(ff.wo.weight.dtype))
+    wi = linear(ff.wi.weight, None)
+    return lambda x: wo(ff.act(wi(x)).to(ff.wo.weight.dtype))
 
 
 class _Block:
@@ -35,14 +47,14 @@ class _Block:
         self.ln_self = sa.layer_norm
         self.qkv_w, _ = fuse_linears([sa.SelfAttention.q, sa.SelfAttention.k, sa.SelfAttention.v])  # [3I, D]
         self.qkv = linear(self.qkv_w, None)
-        self.o = sa.SelfAttention.o
+        self.o = linear(sa.SelfAttention.o.weight, None)
         self.ln_cross = ca.layer_norm
-        self.cq = ca.EncDecAttention.q
+        self.cq = linear(ca.EncDecAttention.q.weight, None)
         self.ckv_w, self.ckv_b = fuse_linears([ca.EncDecAttention.k, ca.EncDecAttention.v])  # [2I, D], None
         self.ckv = linear(self.ckv_w, self.ckv_b)
-        self.co = ca.EncDecAttention.o
+        self.co = linear(ca.EncDecAttention.o.weight, None)
         self.ln_ff = ff.layer_norm
-        self.ff = ff.DenseReluDense
+        self.ff = _feed_forward(ff.DenseReluDense)
 
 
 def _clamp_fp16(x: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@ Thread 1 pulls records from the input (files or stdin) into a bounded queue; thr
 whatever is ready, in chunks, into a second bounded queue. Memory is bounded by the two queue sizes,
 never by the input's length. A reading error travels down the queue in its place, so everything
 before the bad line is still generated and written.
+
+Chunks of a regular file are cut by count only; a pipe's (``streaming``) also when nothing more has arrived
+(``Chunk.starved``), so that a slow producer sees its outputs early. That cut depends on timing, so a pipe's
+batches do; its outputs' bytes do not on the CPU (``batching``'s module docstring).
 """
 
 from __future__ import annotations
@@ -42,10 +46,8 @@ class ReaderStage:
         chunk_size: int = 256,
         max_chunks: int = 8,
         streaming: bool = False,
-        skip: set[int] | None = None,
     ) -> None:
         self._records = records
-        self._skip = skip or set()  # inputs not to tokenise (their outputs are known: a resume's journal)
         self._encode = encode
         self._chunk_size = chunk_size
         self._streaming = streaming  # hand on every record at once (a pipe: lines arrive slowly)
@@ -116,8 +118,8 @@ class ReaderStage:
                         got = self._raw.get_nowait()
                     except queue.Empty:
                         break
-                if records:
-                    starved = tail is None and self._raw.empty()
+                if records:  # starved: a pipe with nothing more yet (a file's batches never depend on timing)
+                    starved = self._streaming and tail is None and self._raw.empty()
                     if not self._put(self._out, Chunk(self._tokenise(records), starved)):
                         return
                 if tail is not None:
@@ -129,11 +131,7 @@ class ReaderStage:
     def _tokenise(self, records: list[Record]) -> list[Item]:
         t0 = time.perf_counter()
         items = [Item(r.index, None, r.where, record=r) for r in records]
-        todo = [
-            it
-            for it in items
-            if it.record.error is None and it.record.text.strip() and it.index not in self._skip
-        ]
+        todo = [it for it in items if it.record.error is None and it.record.text.strip()]
         encode_items(todo, [it.record.text for it in todo], self._encode)
         self.truncated += sum(it.truncated for it in todo)
         self.tokenise_seconds += time.perf_counter() - t0

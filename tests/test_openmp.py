@@ -1,0 +1,55 @@
+"""The ``seqgen`` process sets a passive OpenMP wait policy before torch loads, unless the user chose one
+(issue 24, part 8); importing seqgen as a library changes no environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from seqgen_cli.openmp import WAIT_SETTINGS, prefer_passive_wait
+
+REPO = Path(__file__).resolve().parent.parent
+# run() with main replaced by a probe: what the command would see, then the process's exit.
+PROBE = """
+import os, sys
+import seqgen_cli.cli as cli
+cli.main = lambda args: print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
+cli.run([])
+"""
+
+
+def _child(code: str, **settings: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_SETTINGS}
+    env.update(settings, PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_unset_becomes_passive() -> None:
+    environ: dict[str, str] = {"OMP_NUM_THREADS": "2"}
+    assert prefer_passive_wait(environ)
+    assert environ == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@pytest.mark.parametrize("name,value", [("OMP_WAIT_POLICY", "active"), ("GOMP_SPINCOUNT", "300000"),
+                                        ("KMP_BLOCKTIME", "200"), ("OMP_WAIT_POLICY", "")])  # fmt: skip
+def test_a_users_setting_is_kept(name: str, value: str) -> None:
+    environ = {name: value}
+    assert not prefer_passive_wait(environ)
+    assert environ == {name: value}
+
+
+def test_process_entry_sets_it_before_torch_loads() -> None:
+    assert _child(PROBE) == "PASSIVE False"
+    assert _child(PROBE, OMP_WAIT_POLICY="active") == "active False"
+    assert _child(PROBE, GOMP_SPINCOUNT="300000") == "None False"
+
+
+def test_library_import_changes_no_environment() -> None:
+    code = "import os, seqgen_cli.cli, seqgen_cli.generator; print(os.environ.get('OMP_WAIT_POLICY'))"
+    assert _child(code) == "None"
