@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# docs/BENCHMARKS.md ("Section") or docs/BENCHMARKS.md, "Section" -- the quote may wrap onto the next line
-QUOTE = re.compile(r'BENCHMARKS\.md(?:,\s*|\s*\(\s*)"([^"]+)"')
+# docs/BENCHMARKS.md ("Section"), docs/BENCHMARKS.md, "Section" or a link [..](docs/BENCHMARKS.md), "Section"; a quote may wrap
+QUOTE = re.compile(r'BENCHMARKS\.md\)?(?:,\s*|\s*\(\s*)"([^"]+)"')
 
 
 def _headings() -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seqgen_cli.batching import HEADROOM, MemoryLimit, free_memory_budget, plan_batches
+from seqgen_cli.batching import HEADROOM, MemoryLimit, free_memory_budget, plan_batches, width_bucket
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend
@@ -96,15 +96,21 @@ def test_default_budget_on_cuda_is_the_free_memory(monkeypatch) -> None:
 
 
 def test_batches_fit_the_memory_budget() -> None:
-    lengths = [10, 30, 20, 40, 10, 50]
+    lengths = [16] * 5 + [40] * 3  # two width buckets: batches never mix them
 
     def cost(inputs: int, width: int) -> int:
         return inputs * width * 100
 
-    assert plan_batches(lengths, 32, None, memory=MemoryLimit(8000, cost)) == [[0, 4, 2], [1, 3], [5]]
-    assert plan_batches(lengths, 32, None, memory=None) == [[0, 4, 2, 1, 3, 5]]
+    assert plan_batches(lengths, 32, None, memory=MemoryLimit(5000, cost)) == [
+        [0, 1, 2],
+        [3, 4],
+        [5],
+        [6],
+        [7],
+    ]
+    assert plan_batches(lengths, 32, None, memory=None) == [[0, 1, 2, 3, 4], [5, 6, 7]]
     too_big = MemoryLimit(10, cost)  # nothing fits: each input alone, none dropped
-    assert plan_batches(lengths, 32, None, memory=too_big) == [[0], [4], [2], [1], [3], [5]]
+    assert plan_batches(lengths, 32, None, memory=too_big) == [[i] for i in range(8)]
 
 
 def test_capture_padding_shrinks_the_batch(tiny_models) -> None:
@@ -134,7 +140,7 @@ def test_generator_sizes_batches_by_its_memory_budget(tiny_models, monkeypatch) 
 
     monkeypatch.setattr(gen, "generate_ids", spy)
     texts = ["the same words in every line"] * 10
-    width = len(gen.encode(texts[:1])[0].ids)
+    width = width_bucket(len(gen.encode(texts[:1])[0].ids))  # the width the batch is padded to
     baseline = list(gen.generate_iterable(texts, batch_size=32))
     assert sizes == [10]
     gen.memory_budget = gen.batch_bytes(4, width)

@@ -226,7 +226,11 @@ def test_captured_backend_adds_no_host_sync(tiny_models) -> None:
     with recording(backend) as rec:
         generate(backend, batch, config, sync_every=4)
     assert rec.iterations > 8 and rec.checks
-    assert not rec.violations(), "\n".join(map(str, rec.violations()))
+    # A shape's first replay is checked against the eager step: one sync per shape, never per step.
+    first_replay = [e for e in rec.violations() if "_differs" in e.where]
+    assert 0 < len(first_replay) <= len(backend.shapes)
+    others = [e for e in rec.violations() if e not in first_replay]
+    assert not others, "\n".join(map(str, others))
 
 
 def test_paths_and_reasons(tiny_models) -> None:
