@@ -15,15 +15,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from seqgen_cli.batching import Chunk, Item, encode_items
-from seqgen_cli.generator import Encoded
+from seqgen_cli.batching import Chunk, Encode, Item, tokenise
 from seqgen_cli.pipeline.queues import put_unless
 from seqgen_cli.pipeline.records import Record
-
-Encode = Callable[[Sequence[str]], list[Encoded]]
 
 
 class _End:
@@ -130,10 +127,8 @@ class ReaderStage:
 
     def _tokenise(self, records: list[Record]) -> list[Item]:
         t0 = time.perf_counter()
-        items = [Item(r.index, None, r.where, record=r) for r in records]
-        todo = [it for it in items if it.record.error is None and it.record.text.strip()]
-        encode_items(todo, [it.record.text for it in todo], self._encode)
-        self.truncated += sum(it.truncated for it in todo)
+        items = tokenise(records, self._encode)  # a bad line's record has no text: nothing to generate
+        self.truncated += sum(it.truncated for it in items)
         self.tokenise_seconds += time.perf_counter() - t0
         return items
 
