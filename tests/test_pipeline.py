@@ -109,7 +109,7 @@ def test_order_preserved_with_shuffled_lengths(tmp_path: Path, batch_size, batch
     src = write_lines(tmp_path / "in.txt", texts)
     gen, out = FakeGen(), Capture()
     opts = RunOptions(batch_size=batch_size, batch_tokens=batch_tokens, sort_window=window)
-    summary = run(gen, read_records([str(src)]), StreamSink(out, flush_lines=False), opts)
+    summary = run(gen, read_records([str(src)]), StreamSink(out), opts)
     assert out.text() == expected(texts)
     assert summary.inputs == 400 and summary.error is None
     for b in gen.batches:

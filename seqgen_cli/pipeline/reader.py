@@ -22,6 +22,8 @@ from seqgen_cli.batching import Chunk, Encode, Item, tokenise
 from seqgen_cli.pipeline.queues import put_unless
 from seqgen_cli.pipeline.records import Record
 
+MAX_CHUNKS = 8  # chunks each queue holds: read and tokenised ahead of the model
+
 
 class _End:
     pass
@@ -41,15 +43,14 @@ class ReaderStage:
         encode: Encode,
         *,
         chunk_size: int = 256,
-        max_chunks: int = 8,
         streaming: bool = False,
     ) -> None:
         self._records = records
         self._encode = encode
         self._chunk_size = chunk_size
         self._streaming = streaming  # hand on every record at once (a pipe: lines arrive slowly)
-        self._raw: queue.Queue = queue.Queue(maxsize=max_chunks * (chunk_size if streaming else 1))
-        self._out: queue.Queue = queue.Queue(maxsize=max_chunks)
+        self._raw: queue.Queue = queue.Queue(maxsize=MAX_CHUNKS * (chunk_size if streaming else 1))
+        self._out: queue.Queue = queue.Queue(maxsize=MAX_CHUNKS)
         self._stop = threading.Event()
         self.read_seconds = 0.0
         self.tokenise_seconds = 0.0
