@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqgen_cli.models import quantize
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
 from seqgen_cli.models.quantize import dense
+from seqgen_cli.models.quantize import linear as linear_map
 
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies do not depend on the sequence length
 
@@ -54,7 +54,7 @@ class LlamaBackend(DecoderOnlyBackend):
         self.n_kv = cfg.num_key_value_heads
         self.n_layers = len(self.base.layers)
         head = model.get_output_embeddings()
-        self.lm = quantize.linear(head.weight, head.bias)
+        self.lm = linear_map(head.weight, head.bias)
 
     def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""
