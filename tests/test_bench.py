@@ -149,6 +149,7 @@ def test_cli_bench_bad_lists(tmp_path: Path, input_file: Path) -> None:
     assert result.exit_code == 2 and "comma-separated list of integers" in result.output
 
 
+@pytest.mark.slow
 def test_e2e_mode(tiny_models, input_file: Path, tmp_path: Path) -> None:
     """Whole processes, files to files: seqgen generate vs the plain-transformers script."""
     out = tmp_path / "e2e"
