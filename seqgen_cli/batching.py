@@ -25,6 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from seqgen_cli.errors import SeqgenError
 
 MIN_WINDOW = 2048
+CHUNK_SIZE = 256  # inputs tokenised by one call (Generator.generate_iterable, the pipeline's reader)
 WIDTH_STEP = 8  # padded widths are multiples of this (and finer steps are never used)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from seqgen_cli.batching import (
+    CHUNK_SIZE,
     Batcher,
     Chunk,
     Encoded,
@@ -376,12 +377,12 @@ class Generator:
             yield from order.ready()
         yield from order.ready()  # empty inputs after the last batch
 
-    def _chunks(self, texts: Iterable[str], size: int = 256) -> Iterator[Chunk]:
-        """Tokenised items in input order, ``size`` at a time."""
+    def _chunks(self, texts: Iterable[str]) -> Iterator[Chunk]:
+        """Tokenised items in input order, :data:`~seqgen_cli.batching.CHUNK_SIZE` at a time."""
         group: list[Text] = []
         for index, text in enumerate(texts):
             group.append(Text(index, text))
-            if len(group) == size:
+            if len(group) == CHUNK_SIZE:
                 yield Chunk(tokenise(group, self.encode))
                 group = []
         if group:

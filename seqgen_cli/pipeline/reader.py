@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from seqgen_cli.batching import Chunk, Encode, Item, tokenise
+from seqgen_cli.batching import CHUNK_SIZE, Chunk, Encode, Item, tokenise
 from seqgen_cli.pipeline.queues import put_unless
 from seqgen_cli.pipeline.records import Record
 
@@ -42,7 +42,7 @@ class ReaderStage:
         records: Iterator[Record],
         encode: Encode,
         *,
-        chunk_size: int = 256,
+        chunk_size: int = CHUNK_SIZE,
         streaming: bool = False,
     ) -> None:
         self._records = records
