@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.models import get_backend, quantize
-from seqgen_cli.models.capture import static_step
+from seqgen_cli.models.kv_cache import static_step
 from seqgen_cli.search.protocol import Batch
 
 VOCAB = 8192

@@ -18,14 +18,51 @@ tests/test_determinism.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from seqgen_cli.errors import SeqgenError
 
 MIN_WINDOW = 2048
+CHUNK_SIZE = 256  # inputs tokenised by one call (Generator.generate_iterable, the pipeline's reader)
 WIDTH_STEP = 8  # padded widths are multiples of this (and finer steps are never used)
+
+
+@dataclass
+class Encoded:
+    """One tokenised input."""
+
+    ids: list[int]
+    truncated: bool
+
+
+Encode = Callable[[Sequence[str]], list[Encoded]]  # texts -> their tokens (``Generator.encode``)
+
+
+class Input(Protocol):
+    """What :func:`tokenise` reads of an input (the pipeline's ``Record``, or :class:`Text`)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def text(self) -> str: ...  # empty or blank: nothing to generate
+
+    @property
+    def where(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Text:
+    """One text given to ``Generator.generate_iterable``."""
+
+    index: int
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"input {self.index + 1}"
 
 
 @dataclass
@@ -48,7 +85,10 @@ class Chunk:
 
 
 @dataclass
-class Batch:
+class ItemBatch:
+    """Items the batcher cut to run together (one width bucket); the model sees them padded as a
+    ``search.protocol.Batch``."""
+
     items: list[Item]
     window: int  # which look-ahead window it came from (0, 1, ...)
 
@@ -62,12 +102,40 @@ class Result:
     error: str | None = None
 
 
-def encode_items(items: list[Item], texts: list[str], encode: Callable[[list[str]], list[Any]]) -> None:
-    """Set ``ids`` and ``truncated`` of ``items`` from ``encode(texts)`` (``Generator.encode``; one text
-    per item, none empty)."""
-    if items:
-        for it, enc in zip(items, encode(texts), strict=True):
+def tokenise(inputs: Sequence[Input], encode: Encode) -> list[Item]:
+    """Items for ``inputs`` in order (each input the item's ``record``), tokenised by one ``encode`` call; a
+    blank text's item has no ``ids`` (nothing to generate)."""
+    items = [Item(x.index, None, x.where, record=x) for x in inputs]
+    todo = [it for it in items if it.record.text.strip()]
+    if todo:
+        for it, enc in zip(todo, encode([it.record.text for it in todo]), strict=True):
             it.ids, it.truncated = enc.ids, enc.truncated
+    return items
+
+
+T = TypeVar("T")
+
+
+class InOrder(Generic[T]):
+    """Reassembly buffer: values :meth:`add`-ed by input index in any order come out of :meth:`ready` in input
+    order, each as soon as every earlier one has come out."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.next = start  # index of the next value to come out
+        self.pending: dict[int, T] = {}  # added, not out yet
+
+    def add(self, index: int, value: T) -> None:
+        self.pending[index] = value
+
+    def add_all(self, pairs: Iterable[tuple[int, T]]) -> None:
+        self.pending.update(pairs)
+
+    def ready(self) -> Iterator[T]:
+        """The values that are next in order, removed as they are taken."""
+        while self.next in self.pending:
+            value = self.pending.pop(self.next)
+            self.next += 1
+            yield value
 
 
 HEADROOM = 0.25  # share of the free device memory left to activations, fragmentation and other processes
@@ -185,7 +253,7 @@ class Batcher:
         """Share of the padded source tokens that are padding."""
         return 1 - self.source_tokens / self.padded_tokens if self.padded_tokens else 0.0
 
-    def _cut(self, pending: list[Item]) -> Iterator[Batch]:
+    def _cut(self, pending: list[Item]) -> Iterator[ItemBatch]:
         lengths = [len(it.ids or ()) for it in pending]
         window = self._windows
         self._windows += 1
@@ -195,9 +263,9 @@ class Batcher:
             self.source_tokens += sum(lengths[i] for i in idx)
             self.padded_tokens += width_bucket(lengths[idx[0]]) * len(idx)
             self.batches += 1
-            yield Batch([pending[i] for i in idx], window)
+            yield ItemBatch([pending[i] for i in idx], window)
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[ItemBatch]:
         pending: list[Item] = []
         try:
             for chunk in self._chunks:

@@ -28,77 +28,55 @@ def _early_stopping(ctx: click.Context, param: click.Parameter, value: str | Non
 
 
 class _Flag(NamedTuple):
-    """One generation flag: ``click.option`` declarations and keywords."""
+    """One generation flag: its help and ``click.option`` keywords; the flag is its key with dashes."""
 
-    decls: tuple[str, ...]
+    help: str
     kwargs: dict[str, Any]
 
 
-def _flag(*decls: str, **kwargs: Any) -> _Flag:
-    return _Flag(decls, kwargs)
+def _flag(type: Any, help: str, **kwargs: Any) -> _Flag:  # noqa: A002 - click's own name for it
+    return _Flag(help, {"type": type, **kwargs})
 
+
+def _flag_decl(name: str, flag: _Flag) -> str:
+    """``--max-new-tokens`` for ``max_new_tokens``; a boolean flag also has its ``--no-`` form."""
+    decl = "--" + name.replace("_", "-")
+    return f"{decl}/--no-{decl[2:]}" if flag.kwargs["type"] is bool else decl
+
+
+def _at_least(n: int) -> click.IntRange:
+    return click.IntRange(min=n)
+
+
+_POSITIVE = click.FloatRange(min=0, min_open=True)
 
 # The generation flags, keyed by transformers' names: the keys of seqgen_cli.config.GENERATION_KEYS (not
 # imported here: it loads transformers, and `seqgen --help` should not; tests/test_cli.py checks the two
 # agree). Every value reaches Generator(**flags) unchanged, --early-stopping through its callback.
 GENERATION_OPTIONS: dict[str, _Flag] = {
-    "num_beams": _flag("--num-beams", type=click.IntRange(min=1), help="Beam size (1 = greedy or sampling)."),
-    "max_new_tokens": _flag(
-        "--max-new-tokens",
-        type=click.IntRange(min=1),
-        help="Most tokens to generate (excludes the prompt).",
-    ),
-    "min_new_tokens": _flag(
-        "--min-new-tokens",
-        type=click.IntRange(min=0),
-        help="Fewest tokens to generate before EOS is allowed.",
-    ),
+    "num_beams": _flag(_at_least(1), "Beam size (1 = greedy or sampling)."),
+    "max_new_tokens": _flag(_at_least(1), "Most tokens to generate (excludes the prompt)."),
+    "min_new_tokens": _flag(_at_least(0), "Fewest tokens to generate before EOS is allowed."),
     "max_length": _flag(
-        "--max-length",
-        type=click.IntRange(min=1),
-        help="Most tokens in total, as transformers counts them (decoder start token / prompt included).",
+        _at_least(1),
+        "Most tokens in total, as transformers counts them (decoder start token / prompt included).",
     ),
-    "min_length": _flag(
-        "--min-length",
-        type=click.IntRange(min=0),
-        help="Fewest tokens in total, as transformers counts them.",
-    ),
-    "length_penalty": _flag(
-        "--length-penalty",
-        type=float,
-        help="Beam scores are divided by length**penalty (>1 favours longer outputs).",
-    ),
+    "min_length": _flag(_at_least(0), "Fewest tokens in total, as transformers counts them."),
+    "length_penalty": _flag(float, "Beam scores are divided by length**penalty (>1 favours longer outputs)."),
     "early_stopping": _flag(
-        "--early-stopping",
-        type=click.Choice(list(EARLY_STOPPING)),
+        click.Choice(list(EARLY_STOPPING)),
+        "Beam search stop rule, as in transformers.",
         callback=_early_stopping,
-        help="Beam search stop rule, as in transformers.",
     ),
-    "no_repeat_ngram_size": _flag(
-        "--no-repeat-ngram-size",
-        type=click.IntRange(min=0),
-        help="Never repeat an n-gram of this size (0 = off).",
-    ),
+    "no_repeat_ngram_size": _flag(_at_least(0), "Never repeat an n-gram of this size (0 = off)."),
     "num_return_sequences": _flag(
-        "--num-return-sequences",
-        type=click.IntRange(min=1),
-        help="Outputs per input: N consecutive lines (text) or a list (JSONL), best first.",
+        _at_least(1), "Outputs per input: N consecutive lines (text) or a list (JSONL), best first."
     ),
-    "do_sample": _flag("--do-sample/--no-do-sample", default=None, help="Sample instead of searching."),
-    "temperature": _flag(
-        "--temperature", type=click.FloatRange(min=0, min_open=True), help="Sampling temperature."
-    ),
-    "top_k": _flag("--top-k", type=click.IntRange(min=0), help="Sample among the k most likely tokens."),
-    "top_p": _flag(
-        "--top-p",
-        type=click.FloatRange(0, 1, min_open=True),
-        help="Sample within the top-p probability mass.",
-    ),
-    "repetition_penalty": _flag(
-        "--repetition-penalty",
-        type=click.FloatRange(min=0, min_open=True),
-        help="Penalise tokens already in the output (1.0 = off).",
-    ),
+    "do_sample": _flag(bool, "Sample instead of searching.", default=None),
+    "temperature": _flag(_POSITIVE, "Sampling temperature."),
+    "top_k": _flag(_at_least(0), "Sample among the k most likely tokens."),
+    "top_p": _flag(click.FloatRange(0, 1, min_open=True), "Sample within the top-p probability mass."),
+    "repetition_penalty": _flag(_POSITIVE, "Penalise tokens already in the output (1.0 = off)."),
 }
 # Not bench flags: --num-beams is bench's own comma-separated list; bench times one searched output per input.
 _BENCH_EXCLUDES = ("num_beams", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p")
@@ -113,7 +91,7 @@ def generation_options(exclude: Collection[str] = ()) -> Callable[[F], F]:
     def decorate(f: F) -> F:
         for name, flag in reversed(GENERATION_OPTIONS.items()):
             if name not in exclude:
-                f = click.option(*flag.decls, name, **flag.kwargs)(f)
+                f = click.option(_flag_decl(name, flag), name, help=flag.help, **flag.kwargs)(f)
         return f
 
     return decorate

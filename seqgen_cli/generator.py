@@ -22,13 +22,17 @@ from typing import Any
 import torch
 
 from seqgen_cli.batching import (
+    CHUNK_SIZE,
     Batcher,
     Chunk,
+    Encoded,
+    InOrder,
     Item,
     MemoryLimit,
-    encode_items,
+    Text,
     free_memory_budget,
     generate_split,
+    tokenise,
     width_bucket,
 )
 from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
@@ -40,14 +44,6 @@ from seqgen_cli.search.slots import SlotStats
 BACKENDS = ("auto", "fast", "hf")
 # per row and vocabulary entry while a step is searched: logits, log-probs and scores (float32)
 LOGIT_BYTES = 3 * 4
-
-
-@dataclass
-class Encoded:
-    """One tokenised input."""
-
-    ids: list[int]
-    truncated: bool
 
 
 class Generator:
@@ -362,48 +358,35 @@ class Generator:
         batch that runs out of memory is split. An empty text gives empty strings. Raises ``SeqgenError``
         for an input that cannot run even alone.
         """
-        done: dict[int, list[str]] = {}
+        order: InOrder[list[str]] = InOrder()
         empty = [""] * self.num_return_sequences
 
         def passthrough(items: list[Item]) -> None:
-            done.update((it.index, empty) for it in items)
+            order.add_all((it.index, empty) for it in items)
 
         batch_size, batch_tokens = self.batch_limits(batch_size, batch_tokens, sort_window)
         batcher = Batcher(
             self._chunks(texts), passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
             rows=self.rows_per_input, window=sort_window, memory=self.memory_limit(),
         )  # fmt: skip
-        following = 0  # the next input to yield
         for batch in batcher:
             for result in generate_split(self, batch.items):
                 if result.error is not None:
                     raise SeqgenError(result.error)
-                done[result.item.index] = self.decode(result.sequences)
-            while following in done:
-                yield done.pop(following)
-                following += 1
-        while following in done:  # empty inputs after the last batch
-            yield done.pop(following)
-            following += 1
+                order.add(result.item.index, self.decode(result.sequences))
+            yield from order.ready()
+        yield from order.ready()  # empty inputs after the last batch
 
-    def _chunks(self, texts: Iterable[str], size: int = 256) -> Iterator[Chunk]:
-        """Tokenised items in input order, ``size`` at a time."""
-        group: list[str] = []
-        start = 0
-        for text in texts:
-            group.append(text)
-            if len(group) == size:
-                yield self._chunk(group, start)
-                start += size
+    def _chunks(self, texts: Iterable[str]) -> Iterator[Chunk]:
+        """Tokenised items in input order, :data:`~seqgen_cli.batching.CHUNK_SIZE` at a time."""
+        group: list[Text] = []
+        for index, text in enumerate(texts):
+            group.append(Text(index, text))
+            if len(group) == CHUNK_SIZE:
+                yield Chunk(tokenise(group, self.encode))
                 group = []
         if group:
-            yield self._chunk(group, start)
-
-    def _chunk(self, texts: list[str], start: int) -> Chunk:
-        items = [Item(start + i, None, f"input {start + i + 1}") for i in range(len(texts))]
-        todo = [it for it, text in zip(items, texts, strict=True) if text.strip()]
-        encode_items(todo, [texts[it.index - start] for it in todo], self.encode)
-        return Chunk(items)
+            yield Chunk(tokenise(group, self.encode))
 
     def generate(self, texts: Sequence[str], batch_size: int = 32) -> list[list[str]]:
         """Generate for texts: per input, ``num_return_sequences`` strings, best first."""

@@ -149,6 +149,7 @@ def test_cli_bench_bad_lists(tmp_path: Path, input_file: Path) -> None:
     assert result.exit_code == 2 and "comma-separated list of integers" in result.output
 
 
+@pytest.mark.slow
 def test_e2e_mode(tiny_models, input_file: Path, tmp_path: Path) -> None:
     """Whole processes, files to files: seqgen generate vs the plain-transformers script."""
     out = tmp_path / "e2e"
@@ -158,3 +159,31 @@ def test_e2e_mode(tiny_models, input_file: Path, tmp_path: Path) -> None:
     assert {r["system"] for r in runs} == {"seqgen", "hf"}
     for r in runs:
         assert r["mode"] == "e2e" and r["agreement_vs_hf"] == 100.0 and r["peak_mem_mb"] > 0
+
+
+def _plan_gen(**settings: object) -> object:
+    """What ``plan_for`` reads of a Generator: a decoder-only model with ``settings`` given."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(eos_token_id=2, **settings)
+    return SimpleNamespace(
+        config=config,
+        is_encoder_decoder=False,
+        max_new_tokens=lambda: 8,
+        min_new_tokens=lambda: 0,
+        tokenizer=SimpleNamespace(convert_ids_to_tokens=lambda i: f"t{i}"),
+    )
+
+
+def test_ct2_plan_takes_generate_defaults_for_unset_settings(tmp_path: Path) -> None:
+    """Settings left unset are generate()'s defaults (search/settings.py): top-k 50 when sampling."""
+    plan = bench_ct2.plan_for(_plan_gen(do_sample=True), tmp_path, vocab=["t2"])
+    assert plan.options["sampling_topk"] == 50
+    assert plan.options["sampling_topp"] == 1.0
+    assert plan.options["sampling_temperature"] == 1.0
+    beam = bench_ct2.plan_for(_plan_gen(num_beams=3), tmp_path, vocab=["t2"]).options
+    assert (beam["beam_size"], beam["length_penalty"], beam["repetition_penalty"]) == (3, 1.0, 1.0)
+    given = bench_ct2.plan_for(_plan_gen(do_sample=True, top_k=0, top_p=0.9), tmp_path, vocab=["t2"])
+    assert (given.options["sampling_topk"], given.options["sampling_topp"]) == (0, 0.9)

@@ -21,9 +21,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from seqgen_cli.batching import width_bucket
+from seqgen_cli.batching import Encoded, width_bucket
 from seqgen_cli.cli import main
-from seqgen_cli.generator import Encoded, Generator
+from seqgen_cli.generator import Generator
 from seqgen_cli.models import quantize
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record

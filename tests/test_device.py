@@ -173,6 +173,7 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
 def test_keep_freed_memory_reuses_large_blocks_unless_the_user_set_malloc() -> None:
     """With the tuning, 20 blocks of 8-30 MiB fault in about the largest one's pages once; glibc's default

@@ -27,6 +27,8 @@ from seqgen_cli.pipeline.worker import parts_dir  # noqa: E402
 from tests.helpers import seqgen  # noqa: E402
 from tests.tiny_models import sample_texts  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a local Ray cluster and its worker processes
+
 REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 6
 BATCH = 8

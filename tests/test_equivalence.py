@@ -21,9 +21,27 @@ def generic(model):
 BACKENDS = {"generic": generic, "fast": get_backend}
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("family", FAMILIES)
+# The inner loop (``pytest -m "not slow"``) checks every family's fast decoder on greedy and one beam setting;
+# the rest of the matrix (every setting, the generic backend) is marked slow.
+QUICK_SETTINGS = ("greedy", "beam4_ngram3_lp2_minmax_es")
+
+
+def _matrix() -> list:
+    return [
+        pytest.param(
+            family,
+            setting,
+            backend,
+            marks=() if backend == "fast" and setting in QUICK_SETTINGS else pytest.mark.slow,
+            id=f"{family}-{setting}-{backend}",
+        )
+        for family in FAMILIES
+        for setting in SETTINGS
+        for backend in BACKENDS
+    ]
+
+
+@pytest.mark.parametrize(("family", "setting", "backend"), _matrix())
 def test_equivalence(tiny_models, family: str, setting: str, backend: str) -> None:
     loaded = load(tiny_models(family))
     result = check_equivalence(loaded.model, BACKENDS[backend], text_batch(loaded, BATCH), SETTINGS[setting])
@@ -67,6 +85,7 @@ def test_equivalence_multiple_eos_tokens(tiny_models, family: str) -> None:
         assert not result.mismatches, "\n".join(result.mismatches[:5])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["bart", "t5", "gpt2"])
 @pytest.mark.parametrize("setting", ["beam4_ngram3_lp2_minmax_es", "beam5_es_never"])
 def test_equivalence_real_vocabularies(real_tokenizer_models, family: str, setting: str) -> None:

@@ -29,6 +29,7 @@ def _shared() -> Path | None:
     return path if all((path / rel).exists() for rel in needed) else None
 
 
+@pytest.mark.slow
 def test_generate_needs_no_metrics_or_ct2_packages(tiny_models, tmp_path: Path) -> None:
     """The GPU machine has no rouge-score or ctranslate2: `seqgen generate` must not import them (nor sacrebleu)."""
     model = tiny_models("bart")

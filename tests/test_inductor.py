@@ -22,6 +22,8 @@ from torch._inductor.utils import run_and_get_code
 from seqgen_cli.models import get_backend
 from tests.engine_models import load, text_batch
 
+pytestmark = pytest.mark.slow  # inductor compiles
+
 FAMILIES = ["bart", "t5", "gpt2", "llama"]
 ALLOC = re.compile(r"(buf\d+) = empty_strided\w*\(\(([\d, ]*)\)")  # inductor's buffer allocations
 

@@ -173,6 +173,7 @@ def _real_vocab_model(real_tokenizer_models, family: str) -> Loaded:
 
 # V**(n-2) >= 2**63 from n = 7. The tiny GPT-2 repeats no 13-gram or longer in its outputs, so blocking
 # could not change them and the comparison would not cover it: its n stops at 10.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "n"), [("bart", 7), ("bart", 10), ("bart", 20), ("gpt2", 7), ("gpt2", 10)]
 )
@@ -188,6 +189,7 @@ def test_large_ngram_sizes_equal_generate(real_tokenizer_models, family: str, n:
     assert blocked != unblocked  # the blocking changed some output: the comparison covers it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", ["7", "20"])
 def test_cli_large_ngram_size_equals_backend_hf(real_tokenizer_models, tmp_path: Path, n: str) -> None:
     src = tmp_path / "in.txt"

@@ -64,6 +64,7 @@ def test_input_that_is_the_output_under_another_name_is_refused(tmp_path: Path, 
     assert not Path(f"{src}.seqgen-index").exists()
 
 
+@pytest.mark.slow
 def test_stdin_that_is_the_output_file_is_refused(tmp_path: Path) -> None:
     src = tmp_path / "in.txt"
     src.write_text("keep me\n", encoding="utf-8")
@@ -349,6 +350,7 @@ def test_jsonl_skip_keeps_the_fields_of_a_line_that_parsed(tmp_path: Path) -> No
     assert rows[4] == {"id": 5, "text": "de", "output": "ed"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "redirect,needle",
     [("<&-", "standard input is closed"), (">&-", "standard output is closed")],
@@ -382,6 +384,7 @@ generate_job(FakeGen(), check_job([sys.argv[1]], "/dev/stdout", JobOptions()))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stdout", ["pipe", "file appended to"])
 def test_dev_stdout_is_written_as_a_stream(tmp_path: Path, stdout: str) -> None:
     texts = ["abc", "de", "", "fgh"]

@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig
 
-from seqgen_cli.batching import plan_batches, width_bucket
+from seqgen_cli.batching import Encoded, plan_batches, width_bucket
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.generator import Encoded
 from seqgen_cli.pipeline import formats, resume
 from seqgen_cli.pipeline.formats import index_path
 from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, generate_job
@@ -33,6 +32,9 @@ class FakeGen:
     def __init__(self, n: int = 1, fail=None) -> None:
         self.config = GenerationConfig(num_return_sequences=n, num_beams=n)
         self.model = SimpleNamespace(config=SimpleNamespace(_name_or_path="fake-model"))
+        self.loaded = SimpleNamespace(
+            device=SimpleNamespace(type="cpu")
+        )  # --verify's default: off on the CPU
         self.batches: list[list[list[int]]] = []
         self.fail = fail  # called with the batch before generating; may raise
 
@@ -64,6 +66,12 @@ class FakeGen:
 
     def device_stats(self):
         return {"device": "cpu", "dtype": "float32"}
+
+    def batch_limits(self, batch_size, batch_tokens, window):
+        return batch_size, batch_tokens  # no refill
+
+    def memory_limit(self):
+        return None
 
 
 def expected(texts: list[str]) -> str:
@@ -108,7 +116,7 @@ def test_order_preserved_with_shuffled_lengths(tmp_path: Path, batch_size, batch
     src = write_lines(tmp_path / "in.txt", texts)
     gen, out = FakeGen(), Capture()
     opts = RunOptions(batch_size=batch_size, batch_tokens=batch_tokens, sort_window=window)
-    summary = run(gen, read_records([str(src)]), StreamSink(out, flush_lines=False), opts)
+    summary = run(gen, read_records([str(src)]), StreamSink(out), opts)
     assert out.text() == expected(texts)
     assert summary.inputs == 400 and summary.error is None
     for b in gen.batches:

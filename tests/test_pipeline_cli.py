@@ -73,6 +73,7 @@ def start_and_wait_for_progress(bart: Path, src: Path, out: Path) -> subprocess.
     return proc
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_byte_identical(bart: Path, job, tmp_path: Path) -> None:
     src, reference, _ = job
     out = tmp_path / "out.txt"
@@ -89,6 +90,7 @@ def test_sigkill_then_resume_is_byte_identical(bart: Path, job, tmp_path: Path) 
     assert not index_path(out).exists()
 
 
+@pytest.mark.slow
 def test_sigint_writes_what_is_done_says_how_to_resume_and_exits_130(bart: Path, job, tmp_path: Path) -> None:
     src, reference, _ = job
     out = tmp_path / "out.txt"
@@ -112,6 +114,7 @@ def _readline(stream, timeout: float) -> bytes:
     return stream.readline()
 
 
+@pytest.mark.slow
 def test_stdin_to_stdout_streams_through_a_real_pipe(bart: Path, job) -> None:
     src, reference, _ = job
     texts = src.read_text(encoding="utf-8").splitlines()[:2]
@@ -132,6 +135,7 @@ def test_stdin_to_stdout_streams_through_a_real_pipe(bart: Path, job) -> None:
     assert "first 2 inputs are in stdout" in err.decode() and "cannot be resumed" in err.decode()
 
 
+@pytest.mark.slow
 def test_head_closing_the_pipe_is_not_an_error(bart: Path, job, tmp_path: Path) -> None:
     src, reference, _ = job
     short = tmp_path / "short.txt"
@@ -159,6 +163,7 @@ def test_resume_needs_an_output_file(bart: Path) -> None:
     assert res.exit_code == 2 and "--resume needs -o FILE" in res.stderr
 
 
+@pytest.mark.slow
 def test_200k_lines_run_in_bounded_memory(bart: Path, tmp_path: Path) -> None:
     """Holding the whole input (records + token ids) would take > 400 MB more here (measured: ~480)."""
     n = 200_000
@@ -244,6 +249,7 @@ def test_shard_errors(bart: Path, job) -> None:
     assert res.exit_code == 2 and "--address needs --workers N" in res.stderr
 
 
+@pytest.mark.slow
 def test_without_workers_ray_is_never_imported(bart: Path, job, tmp_path: Path) -> None:
     src, reference, _ = job
     out = tmp_path / "out.txt"
@@ -259,6 +265,7 @@ def test_without_workers_ray_is_never_imported(bart: Path, job, tmp_path: Path) 
     assert out.read_bytes() == reference
 
 
+@pytest.mark.slow
 def test_process_exit_flushes_runs_atexit_and_keeps_the_status(bart: Path, job, tmp_path: Path) -> None:
     """``cli.run`` ends the process with ``os._exit``: stdout still complete, atexit handlers run, status kept."""
     src, reference, _ = job

@@ -23,9 +23,8 @@ from transformers.generation.logits_process import (
 import tests.equivalence  # noqa: F401  (single intra-op thread)
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.ngram import NGramBlocker
-from seqgen_cli.search.processors import LogitsPipeline
+from seqgen_cli.search.processors import LogitsPipeline, top_k_filter, top_p_filter
 from seqgen_cli.search.settings import resolve_settings
-from seqgen_cli.search.warpers import top_k_filter, top_p_filter
 
 EOS = 2
 

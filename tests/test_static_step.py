@@ -27,8 +27,8 @@ from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import capture as capture_mod
 from seqgen_cli.models import get_backend
-from seqgen_cli.models.capture import CapturedBackend, Decode, capture, static_step
-from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
+from seqgen_cli.models.capture import CapturedBackend, capture
+from seqgen_cli.models.kv_cache import Decode, EncoderDecoderKVCache, static_step
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import generate
 from tests.engine_models import load, text_batch
@@ -52,6 +52,7 @@ def counting_compiler(graphs: list[Any]) -> Any:
     return backend
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["bart", "llama", "t5", "gpt2"])
 def test_decode_compiles_fullgraph_once_per_shape(tiny_models, family: str) -> None:
     loaded = load(tiny_models(family))
@@ -196,6 +197,7 @@ def inductor(decode: Decode) -> Decode:
     return torch.compile(decode, fullgraph=True, dynamic=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["greedy", "beam4_ngram3_lp2_minmax_es"])
 @pytest.mark.parametrize("family", ["bart", "llama"])
 def test_inductor_compiled_step_matches_generate(tiny_models, family: str, setting: str) -> None:
@@ -302,6 +304,7 @@ def test_generator_and_cli_report_the_step_path(tiny_models, tmp_path: Path) -> 
     assert line.endswith("backend fast on cuda bfloat16, step captured")
 
 
+@pytest.mark.slow
 def test_captured_backend_through_torch_compile(tiny_models) -> None:
     """The wrapper with a real ``torch.compile(fullgraph=True, dynamic=False)`` (CPU backend): the same tokens
     as the plain backend, one graph per shape (no recompiles across steps), static addresses marked."""

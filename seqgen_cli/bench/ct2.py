@@ -125,8 +125,11 @@ def _ids(value: Any) -> list[int]:
 
 
 def plan_for(gen: Generator, ct2_dir: Path, vocab: list[str] | None = None) -> Ct2Plan:
-    """CTranslate2 options equivalent to a ``Generator``'s resolved settings (as far as they exist), for the
-    model converted into ``ct2_dir`` (``vocab``: its vocabulary, when already read)."""
+    """CTranslate2 options equivalent to a ``Generator``'s resolved settings (as far as they exist; unset ones
+    are ``generate()``'s defaults, ``search.settings.setting``), for the model converted into ``ct2_dir``
+    (``vocab``: its vocabulary, when already read)."""
+    from seqgen_cli.search.settings import setting
+
     config, causal = gen.config, not gen.is_encoder_decoder
     max_new, min_new = gen.max_new_tokens(), gen.min_new_tokens()
     known = set(vocab if vocab is not None else vocabulary(ct2_dir))
@@ -154,24 +157,24 @@ def plan_for(gen: Generator, ct2_dir: Path, vocab: list[str] | None = None) -> C
             suppress.append(tokens)
         else:
             notes.append(f"banned {tokens} not in the CTranslate2 vocabulary (cannot be generated anyway)")
-    beams = config.num_beams or 1
+    beams = setting(config, "num_beams")
     options: dict[str, Any] = {
         "beam_size": beams,
         "num_hypotheses": 1,
-        "no_repeat_ngram_size": config.no_repeat_ngram_size or 0,
-        "repetition_penalty": config.repetition_penalty or 1.0,
+        "no_repeat_ngram_size": setting(config, "no_repeat_ngram_size"),
+        "repetition_penalty": setting(config, "repetition_penalty"),
         "return_end_token": True,
         "end_token": [t for t in eos if t in known] or None,
     }
     if beams > 1:
-        options["length_penalty"] = config.length_penalty if config.length_penalty is not None else 1.0
+        options["length_penalty"] = setting(config, "length_penalty")
     if suppress:
         options["suppress_sequences"] = suppress
-    if config.do_sample:
+    if setting(config, "do_sample"):
         options.update(
-            sampling_topk=config.top_k or 0,
-            sampling_topp=config.top_p or 1.0,
-            sampling_temperature=config.temperature or 1.0,
+            sampling_topk=setting(config, "top_k"),
+            sampling_topp=setting(config, "top_p"),
+            sampling_temperature=setting(config, "temperature"),
         )
         notes.append("sampling: outputs differ from generate() by design")
     if causal:

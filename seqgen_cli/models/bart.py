@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.capture import static_step
 from seqgen_cli.models.encoder_decoder import (
     EncoderDecoderBackend,
     EncoderDecoderState,
@@ -90,10 +89,6 @@ class BartBackend(EncoderDecoderBackend):
             self.lm = linear(self.lm_w, self.lm_head.bias, int8)
         if int8:
             quantize_linears(self.encoder)
-
-    @torch.inference_mode()
-    def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
-        return static_step(self.decode, state, tokens)
 
     def decode(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V]."""

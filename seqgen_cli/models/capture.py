@@ -48,10 +48,9 @@ import torch
 from torch import Tensor
 
 from seqgen_cli.batching import is_oom
-from seqgen_cli.models.kv_cache import check_slot
+from seqgen_cli.models.kv_cache import Decode, check_slot, static_step
 from seqgen_cli.search.protocol import Batch, ModelBackend
 
-Decode = Callable[[Any, Tensor], Tensor]  # (backend state, tokens [N]) -> logits [N, V]
 Compiler = Callable[[Decode], Decode]
 
 MIN_WIDTH = 64  # narrowest source / prompt bucket; wider ones are powers of two
@@ -65,18 +64,6 @@ def step_tolerance(dtype: torch.dtype) -> float:
     round differently (16 units of the model dtype's last place, at least 1e-3); a stale or misplaced cache
     write is off by the logits' own size."""
     return max(1e-3, 16 * torch.finfo(dtype).eps)
-
-
-def static_step(decode: Decode, state: Any, tokens: Tensor) -> Tensor:
-    """One step of a static-step backend: ``decode`` (eager or compiled) between the host bookkeeping.
-
-    ``state`` has ``t`` (host step counter) and ``cache`` (``check(t)``, ``advance()``); tokens [N] ->
-    logits [N, V]."""
-    state.cache.check(state.t)
-    logits = decode(state, tokens)
-    state.t += 1
-    state.cache.advance()
-    return logits
 
 
 _COMPILE_PARAMS = frozenset(inspect.signature(torch.compile).parameters)

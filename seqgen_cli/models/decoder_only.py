@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from seqgen_cli.models.capture import static_step
-from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, kv_bytes, pointer_bytes
+from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, kv_bytes, pointer_bytes, static_step
 from seqgen_cli.models.quantize import dense
 from seqgen_cli.search.protocol import Batch
 

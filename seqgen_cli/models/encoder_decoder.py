@@ -13,6 +13,7 @@ BART backend rebuilds it with ``final_logits_bias`` folded in).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from seqgen_cli.models.kv_cache import (
     kv_bytes,
     pointer_bytes,
     slot_span,
+    static_step,
 )
 from seqgen_cli.models.quantize import linear
 from seqgen_cli.search.protocol import Batch
@@ -64,9 +66,11 @@ def self_attention(
 
 
 class EncoderDecoderBackend:
-    """Protocol glue shared by the BART-family and T5 backends; subclasses implement ``step``."""
+    """Protocol glue shared by the BART-family and T5 backends; subclasses implement ``decode``."""
 
     is_encoder_decoder = True
+    # the step's tensor work, static shapes (models/capture.py): tokens [N] -> logits [N, V]
+    decode: Callable[[EncoderDecoderState, torch.Tensor], torch.Tensor]
 
     def __init__(
         self, model: PreTrainedModel, embed: torch.Tensor, dec_layers: list[Any], heads: int, head_dim: int
@@ -85,6 +89,11 @@ class EncoderDecoderBackend:
         self.vocab_size = int(self.lm_w.shape[0])
         self.dtype = embed.dtype
         self.device = embed.device
+
+    @torch.inference_mode()
+    def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] -> logits [N, V] (float32)."""
+        return static_step(self.decode, state, tokens)
 
     def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, H, d, S], [B, H, S, d])."""

@@ -28,6 +28,9 @@ Nothing here syncs with the device. Rows are input-major (``row = b * R + k``, s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -55,6 +58,22 @@ def check_slot(t: int, max_len: int) -> None:
     """Host-side bounds check before step ``t``: ``ValueError`` past the ``max_len`` slots of ``start()``."""
     if t >= max_len:
         raise ValueError(f"step {t} beyond the {max_len} positions allocated by start()")
+
+
+Decode = Callable[[Any, Tensor], Tensor]  # (backend state, tokens [N]) -> logits [N, V]
+
+
+def static_step(decode: Decode, state: Any, tokens: Tensor) -> Tensor:
+    """One step over a static cache: ``decode`` (the tensor work, eager or compiled: ``models/capture.py``)
+    between the host bookkeeping.
+
+    ``state`` has ``t`` (host step counter) and ``cache`` (``check(t)``, ``advance()``); tokens [N] ->
+    logits [N, V]."""
+    state.cache.check(state.t)
+    logits = decode(state, tokens)
+    state.t += 1
+    state.cache.advance()
+    return logits
 
 
 class BackPointers:

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.capture import static_step
 from seqgen_cli.models.encoder_decoder import (
     EncoderDecoderBackend,
     EncoderDecoderState,
@@ -99,10 +98,6 @@ class T5Backend(EncoderDecoderBackend):
         t = state.max_len
         state.self_bias = self.rel_attn.compute_bias(t, t, device=self.device).to(self.dtype)  # [1, H, T, T]
         return state
-
-    @torch.inference_mode()
-    def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
-        return static_step(self.decode, state, tokens)
 
     def decode(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V]."""

@@ -363,11 +363,11 @@ class _Driver:
                 partial = shard.before.copy()
                 for record in shard.records[: r.done]:
                     partial.update(record)
-                sink.commit(partial.hexdigest(), force=True)
+                sink.commit(partial.hexdigest())
                 remove_part(parts / shard.name)
                 self.summary.error = r.error
                 return False
-            sink.commit(shard.after, force=True)
+            sink.commit(shard.after)
             remove_part(parts / shard.name)
             self.shards_merged += 1
             self.events("merged", {"seq": self.next_merge, "name": shard.name})

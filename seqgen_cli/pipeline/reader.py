@@ -15,15 +15,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from seqgen_cli.batching import Chunk, Item, encode_items
-from seqgen_cli.generator import Encoded
+from seqgen_cli.batching import CHUNK_SIZE, Chunk, Encode, Item, tokenise
 from seqgen_cli.pipeline.queues import put_unless
 from seqgen_cli.pipeline.records import Record
 
-Encode = Callable[[Sequence[str]], list[Encoded]]
+MAX_CHUNKS = 8  # chunks each queue holds: read and tokenised ahead of the model
 
 
 class _End:
@@ -43,16 +42,15 @@ class ReaderStage:
         records: Iterator[Record],
         encode: Encode,
         *,
-        chunk_size: int = 256,
-        max_chunks: int = 8,
+        chunk_size: int = CHUNK_SIZE,
         streaming: bool = False,
     ) -> None:
         self._records = records
         self._encode = encode
         self._chunk_size = chunk_size
         self._streaming = streaming  # hand on every record at once (a pipe: lines arrive slowly)
-        self._raw: queue.Queue = queue.Queue(maxsize=max_chunks * (chunk_size if streaming else 1))
-        self._out: queue.Queue = queue.Queue(maxsize=max_chunks)
+        self._raw: queue.Queue = queue.Queue(maxsize=MAX_CHUNKS * (chunk_size if streaming else 1))
+        self._out: queue.Queue = queue.Queue(maxsize=MAX_CHUNKS)
         self._stop = threading.Event()
         self.read_seconds = 0.0
         self.tokenise_seconds = 0.0
@@ -130,10 +128,8 @@ class ReaderStage:
 
     def _tokenise(self, records: list[Record]) -> list[Item]:
         t0 = time.perf_counter()
-        items = [Item(r.index, None, r.where, record=r) for r in records]
-        todo = [it for it in items if it.record.error is None and it.record.text.strip()]
-        encode_items(todo, [it.record.text for it in todo], self._encode)
-        self.truncated += sum(it.truncated for it in todo)
+        items = tokenise(records, self._encode)  # a bad line's record has no text: nothing to generate
+        self.truncated += sum(it.truncated for it in items)
         self.tokenise_seconds += time.perf_counter() - t0
         return items
 

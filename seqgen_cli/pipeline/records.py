@@ -12,7 +12,6 @@ from typing import Any, BinaryIO
 
 from seqgen_cli.errors import SeqgenError
 
-FORMATS = ("auto", "text", "jsonl")
 DEFAULT_FIELDS = ("text", "src", "source", "input")
 
 

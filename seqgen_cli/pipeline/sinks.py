@@ -12,7 +12,6 @@ import os
 import re
 import stat
 import sys
-import time
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -36,7 +35,7 @@ class Sink:
     def write(self, data: bytes, inputs: int = 1) -> None:
         raise NotImplementedError
 
-    def commit(self, digest: str = "", force: bool = False) -> None:
+    def commit(self, digest: str = "") -> None:
         """Make what was written so far durable (as far as this sink can)."""
 
     def journal(self, entries: list[tuple[int, str, str]]) -> None:
@@ -59,13 +58,12 @@ class StreamSink(Sink):
     def __init__(
         self,
         stream: BinaryIO,
-        flush_lines: bool | None = None,
         *,
         name: str = "<stdout>",
         owned: bool = False,
     ) -> None:
         self.stream = stream
-        self.flush_lines = _is_interactive(stream) if flush_lines is None else flush_lines
+        self.flush_lines = _is_interactive(stream)
         self.name = name
         self.owned = owned
 
@@ -76,7 +74,7 @@ class StreamSink(Sink):
                 self.stream.flush()
         self.done += inputs
 
-    def commit(self, digest: str = "", force: bool = False) -> None:
+    def commit(self, digest: str = "") -> None:
         with self._errors():
             self.stream.flush()
 
@@ -157,11 +155,9 @@ class FileSink(Sink):
         *,
         done: int = 0,
         offset: int = 0,
-        interval: float = 0.5,
         part: bool = False,
     ) -> None:
         self.name = os.fspath(path)
-        self.interval = interval
         self.header = header
         self.part = part  # a --shard run: a complete one leaves its manifest for `seqgen merge`
         fresh = done == 0
@@ -188,7 +184,6 @@ class FileSink(Sink):
         self.done = self.committed = done
         self.offset = offset
         self._buf: list[bytes] = []
-        self._last = time.monotonic()
 
     def write(self, data: bytes, inputs: int = 1) -> None:
         self._buf.append(data)
@@ -197,8 +192,8 @@ class FileSink(Sink):
     def kept(self) -> int:
         return self.committed
 
-    def commit(self, digest: str = "", force: bool = False) -> None:
-        if self.done == self.committed or (not force and time.monotonic() - self._last < self.interval):
+    def commit(self, digest: str = "") -> None:
+        if self.done == self.committed:
             return
         data = b"".join(self._buf)
         self._buf.clear()
@@ -210,7 +205,6 @@ class FileSink(Sink):
         self.offset += len(data)
         self.committed = self.done
         self._index.add(self.done, self.offset, digest)
-        self._last = time.monotonic()
 
     def journal(self, entries: list[tuple[int, str, str]]) -> None:
         self._journal.add(entries)

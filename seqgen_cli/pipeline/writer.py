@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from seqgen_cli.batching import Result
+from seqgen_cli.batching import InOrder, Result
 from seqgen_cli.pipeline.formats import InputDigest, input_key
 from seqgen_cli.pipeline.queues import put_unless
 from seqgen_cli.pipeline.records import Record
@@ -69,16 +69,20 @@ class OrderedWriter:
         self._format = output_format
         self._field = output_field
         self._n = num_sequences
-        self.next = start  # index of the next input to write
+        self._order: InOrder[tuple[Record, str, str]] = InOrder(start)  # (record, line(s), first output)
         self.digest = digest or InputDigest()
         self.keep = keep  # when a list: the first output of every input is appended (for scoring)
         # outputs a resumed run found in the journal, by input index (the caller may add to it as it goes)
         self.journaled = journaled if journaled is not None else {}
-        self._pending: dict[int, tuple[Record, str, str]] = {}  # index -> (record, line(s), first output)
         self._q: queue.Queue = queue.Queue(maxsize=64)  # backpressure: a slow sink slows generation
         self.error: BaseException | None = None
         self.seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="seqgen-write", daemon=True)
+
+    @property
+    def next(self) -> int:
+        """Index of the next input to write."""
+        return self._order.next
 
     def start(self) -> OrderedWriter:
         self._thread.start()
@@ -90,7 +94,7 @@ class OrderedWriter:
             raise self.error
 
     def close(self) -> None:
-        """Write everything that can be written in order, commit, and stop the thread."""
+        """Stop the thread once every result put so far is written (what can be, in order) and committed."""
         put_unless(self._q, _CLOSE, lambda: not self._thread.is_alive())
         self._thread.join()
         if self.error is not None:
@@ -98,20 +102,10 @@ class OrderedWriter:
 
     def _loop(self) -> None:
         try:
-            while True:
-                try:
-                    got = self._q.get(timeout=0.5)
-                except queue.Empty:
-                    self.sink.commit(self.digest.hexdigest())
-                    continue
-                if got is _CLOSE:
-                    break
+            while (got := self._q.get()) is not _CLOSE:
                 t0 = time.perf_counter()
-                self._take(got)
+                self._take(got)  # commits: nothing waits for a later commit
                 self.seconds += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            self.sink.commit(self.digest.hexdigest(), force=True)
-            self.seconds += time.perf_counter() - t0
         except BaseException as err:  # noqa: BLE001 - e.g. BrokenPipeError: raised in the main thread
             self.error = err
 
@@ -127,15 +121,12 @@ class OrderedWriter:
             if line is None:
                 line = format_output(record, outs, self._format, self._field, r.error)
                 fresh.append(index)
-            self._pending[index] = (record, line, outs[0] if outs else "")
-        while self.next in self._pending:
-            record, line, first = self._pending.pop(self.next)
+            self._order.add(index, (record, line, outs[0] if outs else ""))
+        for record, line, first in self._order.ready():
             self.sink.write(line.encode("utf-8", "surrogatepass"))
             self.digest.update(record)
             if self.keep is not None:
                 self.keep.append(first)
-            self.next += 1
-        self.sink.commit(self.digest.hexdigest(), force=True)
-        self.sink.journal(
-            [(i, input_key(self._pending[i][0]), self._pending[i][1]) for i in fresh if i in self._pending]
-        )
+        self.sink.commit(self.digest.hexdigest())
+        waiting = self._order.pending
+        self.sink.journal([(i, input_key(waiting[i][0]), waiting[i][1]) for i in fresh if i in waiting])

@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from seqgen_cli.search.output import SearchOutput
-from seqgen_cli.search.protocol import Batch, ModelBackend
+from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
 from seqgen_cli.search.rows import Leaving, Rows, default_sync_every, start_rows
 from seqgen_cli.search.settings import SearchSettings
 

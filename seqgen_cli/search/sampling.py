@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from seqgen_cli.search.greedy import token_search
-from seqgen_cli.search.output import SearchOutput
-from seqgen_cli.search.protocol import Batch, ModelBackend
+from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
 from seqgen_cli.search.settings import SearchSettings
 
 

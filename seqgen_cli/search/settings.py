@@ -107,7 +107,8 @@ class SearchSettings:
         return self.max_length - self.prompt_len
 
 
-def _get(config: GenerationConfig, name: str) -> Any:
+def setting(config: GenerationConfig, name: str) -> Any:
+    """``config``'s value of ``name``, or ``generate()``'s default where it is unset."""
     value = getattr(config, name, None)
     return _DEFAULTS.get(name) if value is None else value
 
@@ -130,18 +131,18 @@ def _decoder_positions(is_encoder_decoder: bool, prompt_len: int) -> int:
 
 def num_return_sequences(config: GenerationConfig) -> int:
     """Outputs per input."""
-    return _get(config, "num_return_sequences")
+    return setting(config, "num_return_sequences")
 
 
 def rows_per_input(config: GenerationConfig) -> int:
     """Rows the model runs per input: the beams, or the returned sequences when more (sampling)."""
-    return max(_get(config, "num_beams"), num_return_sequences(config))
+    return max(setting(config, "num_beams"), num_return_sequences(config))
 
 
 def check_return_sequences(config: GenerationConfig) -> None:
     """Without sampling, an input returns at most ``num_beams`` sequences (:class:`SeqgenError` otherwise)."""
-    nrs, num_beams = num_return_sequences(config), _get(config, "num_beams")
-    if nrs > num_beams and not _get(config, "do_sample"):
+    nrs, num_beams = num_return_sequences(config), setting(config, "num_beams")
+    if nrs > num_beams and not setting(config, "do_sample"):
         raise SeqgenError(
             f"--num-return-sequences {nrs} needs at least as many beams (--num-beams is {num_beams})"
         )
@@ -173,7 +174,7 @@ def length_limits(
             max_length = min(max_length, max_position_embeddings)
     else:
         max_length = config.max_length
-    min_length = _get(config, "min_length")
+    min_length = setting(config, "min_length")
     if config.min_new_tokens is not None:
         min_length = config.min_new_tokens + prompt_len
     return max_length, min_length
@@ -186,7 +187,7 @@ def resolve_mode(config: GenerationConfig) -> Mode:
             raise SeqgenError(
                 f"generation option {name}={getattr(config, name)!r} is not supported by seqgen's engine"
             )
-    num_beams, do_sample = _get(config, "num_beams"), bool(_get(config, "do_sample"))
+    num_beams, do_sample = setting(config, "num_beams"), bool(setting(config, "do_sample"))
     if num_beams > 1 and do_sample:
         raise SeqgenError("beam sampling (num_beams > 1 with do_sample) is not supported by seqgen's engine")
     check_return_sequences(config)
@@ -238,14 +239,14 @@ def resolve_settings(
     forced_bos = config.forced_bos_token_id
     forced_eos = _token_list(config.forced_eos_token_id)
     begin_index = prompt_len if (prompt_len > 1 or forced_bos is None) else prompt_len + 1
-    early_stopping = _get(config, "early_stopping")
+    early_stopping = setting(config, "early_stopping")
     if early_stopping not in (True, False, "never"):
         raise SeqgenError(f"early_stopping must be True, False or 'never', not {early_stopping!r}")
-    top_k = _get(config, "top_k")
+    top_k = setting(config, "top_k")
 
     return SearchSettings(
         mode=mode,
-        num_beams=_get(config, "num_beams"),
+        num_beams=setting(config, "num_beams"),
         num_return_sequences=num_return_sequences(config),
         prompt_len=prompt_len,
         max_length=max_length,
@@ -259,12 +260,12 @@ def resolve_settings(
         suppress_tokens=_token_list(config.suppress_tokens),
         begin_suppress_tokens=_token_list(config.begin_suppress_tokens),
         begin_index=begin_index,
-        repetition_penalty=float(_get(config, "repetition_penalty")),
+        repetition_penalty=float(setting(config, "repetition_penalty")),
         renormalize_logits=bool(config.renormalize_logits),
-        no_repeat_ngram_size=int(_get(config, "no_repeat_ngram_size")),
-        length_penalty=float(_get(config, "length_penalty")),
+        no_repeat_ngram_size=int(setting(config, "no_repeat_ngram_size")),
+        length_penalty=float(setting(config, "length_penalty")),
         early_stopping=early_stopping,
-        temperature=float(_get(config, "temperature")),
+        temperature=float(setting(config, "temperature")),
         top_k=int(top_k) if top_k else 0,
-        top_p=float(_get(config, "top_p")),
+        top_p=float(setting(config, "top_p")),
     )
