@@ -43,13 +43,6 @@ class FakeGen:
         return self.config.num_return_sequences
 
     rows_per_input = num_return_sequences
-    loaded = SimpleNamespace(device=SimpleNamespace(type="cpu"))  # --verify: off on the CPU
-
-    def batch_limits(self, batch_size: int, batch_tokens: int | None, window: int) -> tuple[int, int | None]:
-        return batch_size, batch_tokens  # no refill: the batches themselves
-
-    def memory_limit(self) -> None:
-        return None  # no device memory budget
 
     def encode(self, texts):
         return [Encoded([ord(c) for c in t], False) for t in texts]
