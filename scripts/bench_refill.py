@@ -154,6 +154,8 @@ def main() -> None:
     )
     model = spread_checkpoint(args.model, texts[:16], args.mean_length, settings, out / name, args.eos_bias)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    # seqgen sets a passive OpenMP wait policy itself (seqgen_cli/openmp.py); CTranslate2 spins unless told
+    ct2_env = {"OMP_WAIT_POLICY": "PASSIVE"}
     heads: dict[str, list[str]] = {}
     seqgen = [sys.executable, "-m", "seqgen_cli", "generate", "-m", str(model), str(inp), "-q", *flags]
     seqgen += ["--batch-size", str(args.batch)]
@@ -175,10 +177,15 @@ def main() -> None:
         ]
         if args.max_source_length:
             heads["ct2"] += ["--max-source-length", str(args.max_source_length)]
-    counted = {
-        system: count_steps(str(model), texts, settings, args.batch, system == "refill")
-        for system in ("refill", "no-refill")
-    }
+    counts = out / "counts.json"  # the in-process counts of this --out, reused (delete it to count again)
+    if counts.is_file():
+        counted = json.loads(counts.read_text())
+    else:
+        counted = {
+            system: count_steps(str(model), texts, settings, args.batch, system == "refill")
+            for system in ("refill", "no-refill")
+        }
+        counts.write_text(json.dumps(counted))
     systems = [s for s in args.systems.split(",") if s in heads]
     seconds: dict[str, list[float]] = {s: [] for s in systems}
     loads: dict[str, list[float]] = {s: [] for s in systems}
@@ -189,7 +196,7 @@ def main() -> None:
             if system != "ct2":
                 cmd.append(str(out / f"stats-{system}.json"))
             load = os.getloadavg()[0]
-            secs = run(cmd, env)
+            secs = run(cmd, {**env, **ct2_env} if system == "ct2" else env)
             seconds[system].append(secs)
             loads[system].append(load)
             print(f"rep {rep} {system}: {secs:.2f} s (load {load:.2f})", file=sys.stderr)
