@@ -1,12 +1,16 @@
 """Refill vs --no-refill vs CTranslate2 on a variable-length workload, whole processes, interleaved repeats.
 
-The workload: a checkpoint (default the ``marian-base`` shape of ``make_bench_models.py``) with an EOS bias written
-into ``final_logits_bias``, bisected so that greedy outputs average ``--mean-length`` tokens: random weights then
-stop at a roughly geometric spread of lengths (reported). See docs/BENCHMARKS.md ("Refill"). From the repository
-root::
+The workload: a checkpoint (a random-weight shape of ``make_bench_models.py``) with an EOS bias written into
+``final_logits_bias``, bisected so that greedy outputs average ``--mean-length`` new tokens: random weights then
+stop at a roughly geometric spread of lengths (reported: the output tokens per input of the ``--no-refill`` run).
+Decode steps and slot occupancy (live rows / rows a full batch runs) of both engines come from one extra
+in-process run each (``--no-refill``: its backend's steps counted). See docs/BENCHMARKS.md ("Refill: slots that
+stay full"). From the repository root::
 
     python scripts/bench_refill.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \\
-        --n 64 --batch 16 --repeats 3
+        --n 256 --batch 16 --repeats 3
+    python scripts/bench_refill.py ~/.cache/seqgen-bench/bart-base ../shared/data/cnndm/summeval.source \\
+        --preset cnndm-bart --max-source-length 128 --mean-length 90 --n 64 --batch 16 --repeats 3
 """
 
 from __future__ import annotations
@@ -19,40 +23,95 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
-def spread_checkpoint(base: str, texts: list[str], mean_length: float, max_new: int, dest: Path) -> Path:
-    """``base`` with the EOS logit biased so that greedy outputs on ``texts`` average ``mean_length`` tokens."""
+def spread_checkpoint(
+    base: str, texts: list[str], mean_length: float, settings: dict[str, Any], dest: Path, bias: float | None
+) -> Path:
+    """``base`` with the EOS logit biased (by ``bias``, or bisected) so that greedy outputs on ``texts`` average
+    ``mean_length`` tokens."""
     from seqgen_cli.generator import Generator
 
     if (dest / "config.json").is_file():
         return dest
-    gen = Generator(base, device="cpu", num_beams=1, max_new_tokens=max_new)
+    greedy = {"num_beams": 1, "length_penalty": 1.0, "early_stopping": False}  # beam-only settings off
+    gen = Generator(base, device="cpu", **{**settings, **greedy})
     model = gen.model
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
-    bias = model.final_logits_bias[0]
-    lo, hi = -10.0, 30.0
-    for _ in range(10):
+    logit_bias = model.final_logits_bias[0]
+    lo, hi = (-10.0, 30.0) if bias is None else (bias, bias)
+    for _ in range(8 if bias is None else 0):
         mid = (lo + hi) / 2
-        bias[eos] = mid
+        logit_bias[eos] = mid
         gen._model_backend = None  # the backend folds the bias in when built
         lengths = [len(s[0]) for s in gen.generate_ids([e.ids for e in gen.encode(texts)])]
         mean = statistics.mean(lengths)
         print(f"bias {mid:.2f}: mean greedy length {mean:.1f}", file=sys.stderr)
         lo, hi = (lo, mid) if mean < mean_length else (mid, hi)
-    bias[eos] = (lo + hi) / 2
+    logit_bias[eos] = (lo + hi) / 2
     model.save_pretrained(dest)
     gen.tokenizer.save_pretrained(dest)
     return dest
+
+
+def count_steps(
+    model: str, texts: list[str], settings: dict[str, Any], batch: int, refill: bool
+) -> dict[str, Any]:
+    """Decode steps, live row-steps and occupancy (live rows / ``batch`` x rows per input) of one in-process run,
+    and each input's output length in tokens."""
+    from seqgen_cli.generator import Generator
+
+    gen = Generator(model, device="cpu", refill=refill, **settings)
+    rows = gen.rows_per_input
+    counts = {"steps": 0, "live_row_steps": 0}
+    if not refill:
+        engine = gen._engine()
+        step, start = engine.step, engine.start
+
+        def counted_step(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+            counts["steps"] += 1
+            counts["live_row_steps"] += tokens.shape[0]
+            return step(state, tokens)
+
+        def counted_start(b: Any, *a: Any, **k: Any) -> Any:  # the first step: every row of the batch
+            counts["steps"] += 1
+            counts["live_row_steps"] += b.input_ids.shape[0] * rows
+            return start(b, *a, **k)
+
+        engine.step, engine.start = counted_step, counted_start
+    batch_size, batch_tokens = gen.batch_limits(batch, None, None)
+    lengths: list[int] = []
+    from seqgen_cli.batching import Batcher, generate_split
+
+    items_out: dict[int, int] = {}
+    batcher = Batcher(gen._chunks(texts), lambda items: None, batch_size=batch_size, batch_tokens=batch_tokens,
+                      rows=rows)  # fmt: skip
+    for b in batcher:
+        for result in generate_split(gen, b.items):
+            items_out[result.item.index] = len(result.sequences[0])
+    lengths = [items_out[i] for i in sorted(items_out)]
+    if refill:
+        st = gen.slot_stats
+        counts = {"steps": st.steps, "live_row_steps": st.live_row_steps, "joins": st.joins}
+    counts["occupancy"] = round(counts["live_row_steps"] / (counts["steps"] * batch * rows), 4)
+    counts["lengths"] = lengths
+    return counts
 
 
 def run(cmd: list[str], env: dict[str, str]) -> float:
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - t0
+
+
+def distribution(values: list[int]) -> dict[str, float]:
+    q = statistics.quantiles(values, n=10)
+    return {"min": min(values), "p10": q[0], "median": statistics.median(values), "mean": round(statistics.mean(values), 1),
+            "p90": q[-1], "max": max(values)}  # fmt: skip
 
 
 def main() -> None:
@@ -62,8 +121,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--beams", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=150)
+    ap.add_argument("--preset", help="a task preset (its settings; --beams still applies)")
+    ap.add_argument(
+        "--max-new-tokens", type=int, help="default: 150 without --preset, the preset's otherwise"
+    )
+    ap.add_argument("--max-source-length", type=int)
     ap.add_argument("--mean-length", type=float, default=40.0)
+    ap.add_argument("--eos-bias", type=float, help="this EOS bias instead of bisecting for --mean-length")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench-results/refill")
@@ -75,10 +139,23 @@ def main() -> None:
     texts = [line.rstrip("\n") for line in open(args.source, encoding="utf-8")][: args.n]
     inp = out / "input.txt"
     inp.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
-    name = Path(args.model).name + f"-eos{args.mean_length:g}"
-    model = spread_checkpoint(args.model, texts[:16], args.mean_length, args.max_new_tokens, out / name)
-    flags = ["--num-beams", str(args.beams), "--max-new-tokens", str(args.max_new_tokens)]
+    max_new = args.max_new_tokens if args.max_new_tokens or args.preset else 150
+    settings: dict[str, Any] = {"num_beams": args.beams, "preset": args.preset}
+    settings.update({"max_new_tokens": max_new} if max_new else {})
+    settings.update({"max_source_length": args.max_source_length} if args.max_source_length else {})
+    flags = ["--num-beams", str(args.beams)]
+    flags += ["--max-new-tokens", str(max_new)] if max_new else []
+    flags += ["--preset", args.preset] if args.preset else []
+    flags += ["--max-source-length", str(args.max_source_length)] if args.max_source_length else []
+    name = (
+        Path(args.model).name
+        + (f"-bias{args.eos_bias:g}" if args.eos_bias is not None else f"-eos{args.mean_length:g}")
+        + (f"-{args.preset}" if args.preset else "")
+    )
+    model = spread_checkpoint(args.model, texts[:16], args.mean_length, settings, out / name, args.eos_bias)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    # seqgen sets a passive OpenMP wait policy itself (seqgen_cli/openmp.py); CTranslate2 spins unless told
+    ct2_env = {"OMP_WAIT_POLICY": "PASSIVE"}
     heads: dict[str, list[str]] = {}
     seqgen = [sys.executable, "-m", "seqgen_cli", "generate", "-m", str(model), str(inp), "-q", *flags]
     seqgen += ["--batch-size", str(args.batch)]
@@ -90,7 +167,7 @@ def main() -> None:
         from seqgen_cli.bench import ct2
         from seqgen_cli.generator import Generator
 
-        gen = Generator(str(model), device="cpu", num_beams=args.beams, max_new_tokens=args.max_new_tokens)
+        gen = Generator(str(model), device="cpu", **settings)
         path = ct2.convert(str(model))
         plan = json.dumps(asdict(ct2.plan_for(gen, path)))
         heads["ct2"] = [
@@ -98,8 +175,20 @@ def main() -> None:
             *["--model", str(model), "--ct2-model", str(path), "--settings", plan, "--input", str(inp)],
             *["--output", str(out / "ct2.txt"), "--batch-size", str(args.batch)],
         ]
+        if args.max_source_length:
+            heads["ct2"] += ["--max-source-length", str(args.max_source_length)]
+    counts = out / "counts.json"  # the in-process counts of this --out, reused (delete it to count again)
+    if counts.is_file():
+        counted = json.loads(counts.read_text())
+    else:
+        counted = {
+            system: count_steps(str(model), texts, settings, args.batch, system == "refill")
+            for system in ("refill", "no-refill")
+        }
+        counts.write_text(json.dumps(counted))
     systems = [s for s in args.systems.split(",") if s in heads]
     seconds: dict[str, list[float]] = {s: [] for s in systems}
+    loads: dict[str, list[float]] = {s: [] for s in systems}
     stats: dict[str, dict] = {}
     for rep in range(args.repeats):
         for system in systems if rep % 2 == 0 else systems[::-1]:
@@ -107,21 +196,25 @@ def main() -> None:
             if system != "ct2":
                 cmd.append(str(out / f"stats-{system}.json"))
             load = os.getloadavg()[0]
-            secs = run(cmd, env)
+            secs = run(cmd, {**env, **ct2_env} if system == "ct2" else env)
             seconds[system].append(secs)
+            loads[system].append(load)
             print(f"rep {rep} {system}: {secs:.2f} s (load {load:.2f})", file=sys.stderr)
             if system != "ct2":
                 stats[system] = json.loads((out / f"stats-{system}.json").read_text())
-    lengths = [len(line.split()) for line in (out / "no-refill.txt").read_text(encoding="utf-8").splitlines()]
+    lengths = counted["no-refill"].pop("lengths")
     same = (out / "refill.txt").read_bytes() == (out / "no-refill.txt").read_bytes()
     result = {
         "command": " ".join(sys.argv),
         "seconds": seconds,
+        "loads": loads,
         "medians": {s: statistics.median(v) for s, v in seconds.items()},
-        "refill": stats.get("refill", {}).get("device", {}).get("refill"),
+        "refill_stats": stats.get("refill", {}).get("device", {}).get("refill"),
+        "steps": {s: {k: v for k, v in c.items() if k != "lengths"} for s, c in counted.items()},
         "generated_tokens": {s: st.get("generated_tokens") for s, st in stats.items()},
         "refill_same_as_no_refill": same,
-        "output_words": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)},
+        "counted_lengths_same": counted["refill"].pop("lengths") == lengths,
+        "output_tokens": distribution(lengths),
         "load_end": os.getloadavg(),
     }
     if "ct2" in seconds:

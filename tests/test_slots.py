@@ -149,3 +149,41 @@ def test_slot_cache_steps_per_slot() -> None:
     assert cache.k[0][0, 0, 0, 0].tolist() == [1.0, 1.0] and cache.k[0][1, 0, 2, 0].tolist() == [2.0, 2.0]
     visible = cache.bias.view(2, 4) == 0
     assert visible.tolist() == [[True, False, False, False], [True, True, True, False]]
+
+
+@pytest.mark.slow  # inductor compiles: ~20 s of CPU, a minute on a loaded box
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
+    """The refill step has static shapes: its ``decode`` compiles as one graph (``fullgraph=True``, no dynamic
+    shapes) under the real inductor on the CPU and gives the eager step's logits, with slots at different steps,
+    a join mid-run and a beam reordering. A span bucket is a host int: one graph per (slots, width, span)."""
+    from seqgen_cli.search.slots import _columns
+
+    loaded = load(tiny_models(family))
+    eager, compiled = get_backend(loaded.model), get_backend(loaded.model)
+    torch._dynamo.reset()
+    compiled.decode = torch.compile(compiled.decode, fullgraph=True, dynamic=False)
+    batch = text_batch(loaded, 4, seed=5)
+    width = batch.input_ids.shape[1]
+    slots, r = 3, 2
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+        states = [b.open_slots(slots, r, 8) for b in (eager, compiled)]
+
+        def join(slot_ids: list[int], inputs: list[int]) -> None:
+            rows = _columns(batch, torch.tensor(inputs), width)
+            for b, state in zip((eager, compiled), states, strict=True):
+                b.join(state, torch.tensor(slot_ids), rows)
+
+        join([0, 1, 2], [0, 1, 2])
+        for t in range(6):
+            if t == 3:
+                join([1], [3])  # a joiner at step 0 beside slots at step 3
+            tokens = torch.randint(4, eager.vocab_size, (slots * r,), generator=g)
+            expected = eager.slot_step(states[0], tokens, t)
+            got = compiled.slot_step(states[1], tokens, t)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            if t == 1:
+                rows = torch.tensor([1, 0, 2, 2, 5, 4])
+                eager.reorder(states[0], rows)
+                compiled.reorder(states[1], rows)
