@@ -138,7 +138,31 @@ def attention(q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None, sc
     return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [..., Q, d]
 
 
-class EncoderDecoderKVCache:
+class GeneratedSlots:
+    """What both generated-token caches share: ``max_len`` slots, of which a step attends ``span``."""
+
+    static: bool  # attend the t+1 slots written so far; all T after make_static() (capture)
+    max_len: int
+    span: int  # slots this step attends (host int; T if static)
+
+    def buffers(self) -> list[Tensor]:
+        """The per-layer generated K/V tensors."""
+        raise NotImplementedError
+
+    def make_static(self) -> None:
+        """Attend all ``T`` slots from now on (graph capture, before the first step): zero the unwritten."""
+        if not self.static:
+            for x in self.buffers():
+                x.zero_()
+            self.static = True
+
+    def check(self, t: int) -> None:
+        """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
+        check_slot(t, self.max_len)
+        self.span = self.max_len if self.static else t + 1
+
+
+class EncoderDecoderKVCache(GeneratedSlots):
     """Self-attention of the encoder-decoder backends' decoders: back-pointers as an additive mask, one
     :func:`attention` per layer. Keys are not stored transposed: a [d, T*R] layout puts a head's d rows T*R
     floats apart, which at Marian's 511 slots cost more per step than the GEMM gained."""
@@ -165,17 +189,8 @@ class EncoderDecoderKVCache:
         self.span = max_len  # slots this step attends (host int; T if static)
         self.bias: Tensor | None = None  # additive float32, [B or 1, 1 or H, Rq, span*R]; None = all
 
-    def make_static(self) -> None:
-        """Attend all ``T`` slots from now on (graph capture, before the first step): zero the unwritten."""
-        if not self.static:
-            for x in self.k + self.v:
-                x.zero_()
-            self.static = True
-
-    def check(self, t: int) -> None:
-        """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
-        check_slot(t, self.max_len)
-        self.span = self.max_len if self.static else t + 1
+    def buffers(self) -> list[Tensor]:
+        return self.k + self.v
 
     def begin(self, bias: Tensor | None = None) -> None:
         """A step starts (before the layers); ``bias`` [1, H, 1, T]: additive attention bias over slots (T5)."""
@@ -306,7 +321,7 @@ class SlotKVCache(EncoderDecoderKVCache):
         return out.transpose(1, 2).reshape(s * r, h * d)  # [S, Rq, H, d] -> [N, H*d]
 
 
-class DecoderOnlyKVCache:
+class DecoderOnlyKVCache(GeneratedSlots):
     """Decoder-only self-attention: the prompt's K/V once per input, shared by its beams, then generated K/V.
 
     ``Hkv`` = K/V heads (never repeated for grouped-query attention). Keys are stored transposed: CPU ``bmm``
@@ -332,23 +347,13 @@ class DecoderOnlyKVCache:
         bias = torch.zeros(mask.shape, device=dev, dtype=torch.float32)
         self.prompt_bias = bias.masked_fill(mask == 0, float("-inf"))[:, None, None, :]  # [B, 1, 1, P]
         self.ptrs = BackPointers(b, r, max_len, dev)
-        self.r = r
+        self.r, self.max_len = r, max_len
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # [1]: the slot this step writes
         self.span = max_len  # slots this step attends (host int; T if static)
         self.gen_bias: Tensor | None = None  # [B|1, 1, Rq, 1, span*R] float32, 0 or -inf; None = all
 
-    def make_static(self) -> None:
-        """Attend all ``T`` slots from now on (graph capture, before the first step): zero the unwritten."""
-        if not self.static:
-            for x in self.gk + self.gv:
-                x.zero_()
-            self.static = True
-
-    def check(self, t: int) -> None:
-        """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
-        max_len = self.gk[0].shape[3]
-        check_slot(t, max_len)
-        self.span = max_len if self.static else t + 1
+    def buffers(self) -> list[Tensor]:
+        return self.gk + self.gv
 
     def begin(self) -> None:
         """A step starts: build the generated-slot bias once for all layers."""

@@ -17,7 +17,7 @@ from seqgen_cli.search.beam import beam_search
 from seqgen_cli.search.greedy import greedy_search
 from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
 from seqgen_cli.search.sampling import sample_search
-from seqgen_cli.search.settings import SearchSettings, resolve_mode, resolve_settings
+from seqgen_cli.search.settings import SearchSettings, resolve_mode, resolve_settings, settings_for
 
 __all__ = [
     "Batch",
@@ -38,16 +38,6 @@ def unsupported_reason(config: GenerationConfig) -> str | None:
     except SeqgenError as err:
         return str(err)
     return None
-
-
-def settings_for(backend: ModelBackend, batch: Batch, config: GenerationConfig) -> SearchSettings:
-    """Resolve ``config`` for this backend and batch."""
-    return resolve_settings(
-        config,
-        is_encoder_decoder=backend.is_encoder_decoder,
-        prompt_len=batch.input_ids.shape[1],
-        max_position_embeddings=getattr(backend, "max_position_embeddings", None),
-    )
 
 
 @torch.inference_mode()

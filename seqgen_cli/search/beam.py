@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
-from seqgen_cli.search.rows import Leaving, Rows, default_sync_every, start_rows
+from seqgen_cli.search.rows import Leaving, Rows, default_sync_every, run_search, start_rows
 from seqgen_cli.search.settings import SearchSettings
 
 BIG = -1.0e9  # transformers' "impossible" score
@@ -335,33 +335,7 @@ def beam_search(
     s = settings
     device = batch.input_ids.device
     sync_every = sync_every or default_sync_every(device)
-    num_inputs = batch.input_ids.shape[0]
     consts = BeamConstants.build(s, device)
     rows, logits = start_rows(backend, batch, s, s.num_beams)
     search = BeamSearch(rows, s, consts, pick_topk(logits))
-    results: list[list[list[int]]] = [[] for _ in range(num_inputs)]
-    result_scores: list[list[float]] = [[] for _ in range(num_inputs)]
-
-    def collect(idx: torch.Tensor, inputs: list[int]) -> None:
-        """The results of active inputs ``idx`` ([D] int64), whose batch indices are ``inputs``."""
-        sequences, scores = search.results(idx)
-        for b, seqs, seq_scores in zip(inputs, sequences, scores, strict=True):
-            results[b], result_scores[b] = seqs, seq_scores
-
-    for t in range(s.max_new_tokens):
-        tokens = search.advance(logits)  # [N]
-        if tokens is None:
-            break
-        if (t + 1) % sync_every == 0:  # done inputs leave
-            leaving = rows.check(search.done())
-            if leaving is not None:
-                if leaving.all_done:
-                    break
-                collect(leaving.done, leaving.inputs)
-                search.keep(leaving)
-                tokens = tokens[leaving.kept_rows]
-
-        logits = backend.step(rows.state, tokens)  # [N, V]
-
-    collect(*rows.remaining())
-    return SearchOutput(sequences=results, scores=result_scores)
+    return run_search(backend, rows, search, logits, s.max_new_tokens, sync_every)

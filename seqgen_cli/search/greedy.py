@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
-from seqgen_cli.search.rows import Leaving, Rows, default_sync_every, start_rows
+from seqgen_cli.search.rows import Leaving, Rows, default_sync_every, run_search, start_rows
 from seqgen_cli.search.settings import SearchSettings
 
 Picker = Callable[[torch.Tensor], torch.Tensor]  # processed scores [N, V] -> tokens [N]
@@ -84,31 +84,7 @@ def token_search(
     eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
     rows, logits = start_rows(backend, batch, s, rows_per_input)
     search = TokenSearch(rows, s, pick, eos)
-    results: list[list[list[int]]] = [[] for _ in range(batch.input_ids.shape[0])]
-
-    def collect(idx: torch.Tensor, inputs: list[int]) -> None:
-        """Copy the rows of active inputs ``idx`` ([D] int64; batch indices ``inputs``) to the host results:
-        only after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
-        for b, seqs in zip(inputs, search.results(idx)[0], strict=True):
-            results[b] = seqs
-
-    for t in range(s.max_new_tokens):
-        tokens = search.advance(logits)  # [N]
-        if tokens is None:
-            break
-        done = search.done() if (t + 1) % sync_every == 0 else None
-        if done is not None:
-            leaving = rows.check(done)
-            if leaving is not None:
-                if leaving.all_done:
-                    break
-                collect(leaving.done, leaving.inputs)
-                search.keep(leaving)
-                tokens = tokens[leaving.kept_rows]
-        logits = backend.step(rows.state, tokens)  # [N, V]
-
-    collect(*rows.remaining())
-    return SearchOutput(sequences=results)
+    return run_search(backend, rows, search, logits, s.max_new_tokens, sync_every)
 
 
 def greedy_search(

@@ -269,3 +269,13 @@ def resolve_settings(
         top_k=int(top_k) if top_k else 0,
         top_p=float(setting(config, "top_p")),
     )
+
+
+def settings_for(backend: Any, batch: Any, config: GenerationConfig) -> SearchSettings:
+    """Resolve ``config`` for a backend (``ModelBackend``) and a batch (``Batch``)."""
+    return resolve_settings(
+        config,
+        is_encoder_decoder=backend.is_encoder_decoder,
+        prompt_len=batch.input_ids.shape[1],
+        max_position_embeddings=getattr(backend, "max_position_embeddings", None),
+    )

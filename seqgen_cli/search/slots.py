@@ -42,7 +42,7 @@ from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.protocol import Batch, SearchOutput
 from seqgen_cli.search.rows import Rows, default_sync_every
 from seqgen_cli.search.sampling import draw
-from seqgen_cli.search.settings import SearchSettings, resolve_settings
+from seqgen_cli.search.settings import settings_for
 
 
 @dataclass
@@ -94,15 +94,6 @@ def input_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % (2**63)
 
 
-def _slot_settings(backend: Any, batch: Batch, config: GenerationConfig) -> SearchSettings:
-    return resolve_settings(
-        config,
-        is_encoder_decoder=backend.is_encoder_decoder,
-        prompt_len=batch.input_ids.shape[1],
-        max_position_embeddings=getattr(backend, "max_position_embeddings", None),
-    )
-
-
 @torch.inference_mode()
 def generate_slots(
     backend: Any,
@@ -125,7 +116,7 @@ def generate_slots(
     """
     if not backend.is_encoder_decoder:
         raise SeqgenError("--refill runs encoder-decoder models only so far (use --no-refill)")
-    s = _slot_settings(backend, batch, config)
+    s = settings_for(backend, batch, config)
     num_inputs = batch.input_ids.shape[0]
     device = batch.input_ids.device
     r = s.num_beams if s.mode == "beam" else (s.num_return_sequences if s.mode == "sample" else 1)
