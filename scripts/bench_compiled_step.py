@@ -35,12 +35,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from seqgen_cli.models import get_backend, quantize
+from seqgen_cli.models import get_backend, linear_maps
 from seqgen_cli.models.kv_cache import static_step
 from seqgen_cli.search.protocol import Batch
 
 VOCAB = 8192
-onednn = quantize.ONEDNN
+onednn = linear_maps.ONEDNN
 
 
 def build(family: str, d: int, layers: int) -> torch.nn.Module:
@@ -107,9 +107,9 @@ def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
 
     model = build(family, args.d_model, args.layers)
     backend = get_backend(model)
-    quantize.ONEDNN = False  # a second backend over the same weights with F.linear, as inductor runs them
+    linear_maps.ONEDNN = False  # a second backend over the same weights with F.linear, as inductor runs them
     plain = get_backend(model)
-    quantize.ONEDNN = onednn
+    linear_maps.ONEDNN = onednn
     batch = source(args.batch, args.src)
     n = args.batch * args.beams
     g = torch.Generator().manual_seed(2)
@@ -144,14 +144,14 @@ def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
         times: dict[str, list[float]] = {name: [] for name in arms}
         for rep in range(-1, args.reps):  # rep -1: a warm-up run of every arm, not recorded
             for name, (owner, decode, static, linear_onednn) in arms.items():
-                quantize.ONEDNN = linear_onednn  # read by quantize.dense at every call
+                linear_maps.ONEDNN = linear_onednn  # read by linear_maps.dense at every call
                 state = fresh(static, owner)
                 t0 = time.perf_counter()
                 for t in range(args.steps):
                     static_step(decode, state, tokens[t])
                 if rep >= 0:
                     times[name].append(1e3 * (time.perf_counter() - t0) / args.steps)
-        quantize.ONEDNN = onednn
+        linear_maps.ONEDNN = onednn
     out["ms_per_step"] = times
     return out
 

@@ -1,5 +1,5 @@
 """Float32 linear layers on the CPU: MKL's GEMM (``F.linear``) against oneDNN's matmul on the dense weight
-(``models/quantize.dense``) and on a weight packed once into oneDNN's layout (``models/quantize.PackedLinear``,
+(``models/linear_maps.dense``) and on a weight packed once into oneDNN's layout (``models/linear_maps.PackedLinear``,
 what the fast backends use), per shape and row count, interleaved, medians in ms.
 
 The shapes are marian-base's and bart-base's decoder linears and LM heads; 32 and 128 rows are a decode step
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from seqgen_cli.models.quantize import PackedLinear
+from seqgen_cli.models.linear_maps import PackedLinear
 
 SHAPES = [  # (out, in)
     (1536, 512),

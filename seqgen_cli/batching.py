@@ -11,7 +11,7 @@ single input: no input is dropped.
 
 Batch independence. An input is padded to :func:`width_bucket` of its own length, never to a longer
 neighbour's: a batch holds inputs of one bucket only. With the fast backends' row-invariant products
-(``models/quantize.py``) the bytes of an output then depend on its input and the settings only, not on
+(``models/linear_maps.py``) the bytes of an output then depend on its input and the settings only, not on
 which inputs share its batch, the window, the batch size, a shard or the reader's timing (CPU float32;
 tests/test_determinism.py).
 """

@@ -168,9 +168,9 @@ class Generator:
 
     def _quantize(self) -> None:
         """``--dtype int8``: linear layers in int8 (in place): the int8 fast backend, or the whole model for
-        the generic backend and ``generate()`` (``models/quantize.py``)."""
+        the generic backend and ``generate()`` (``models/linear_maps.py``)."""
         from seqgen_cli.models import get_backend
-        from seqgen_cli.models.quantize import quantize_linears
+        from seqgen_cli.models.linear_maps import quantize_linears
 
         if self.backend == "fast":
             self._engine(get_backend(self.model, int8=True))

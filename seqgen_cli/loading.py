@@ -21,7 +21,9 @@ import torch
 from seqgen_cli.errors import SeqgenError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-INT8 = "int8"  # float32 weights, linear layers run int8 (dynamic quantization, CPU only): models/quantize.py
+INT8 = (
+    "int8"  # float32 weights, linear layers run int8 (dynamic quantization, CPU only): models/linear_maps.py
+)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt() parameters (malloc.h)
 
 

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from seqgen_cli.batching import Item, generate_split
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import get_backend, quantize
+from seqgen_cli.models import get_backend, linear_maps
 from seqgen_cli.models.capture import (
     MIN_WIDTH,
     CapturedBackend,
@@ -266,7 +266,7 @@ def test_the_real_compiler_on_the_cpu_skips_cuda_graphs_and_the_path_says_so(
     CUDA graphs (no CUDA device here) and counts it in ``cudagraph_skips``, where the wrapper reads it: the step
     runs eagerly, the path says why and the compile seconds are counted (about 40 s on a busy 2-core box)."""
     monkeypatch.setattr(
-        quantize, "ONEDNN", False
+        linear_maps, "ONEDNN", False
     )  # oneDNN's fused linear does not lower in inductor on the CPU
     torch._dynamo.reset()
     loaded = load(tiny_models("bart"))

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from seqgen_cli.batching import Encoded, width_bucket
 from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import quantize
+from seqgen_cli.models import linear_maps
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
 from seqgen_cli.search.protocol import Batch
@@ -46,7 +46,7 @@ def test_width_bucket_depends_on_the_length_only_and_pads_little() -> None:
         previous = w
 
 
-@pytest.mark.skipif(not quantize.ONEDNN, reason="torch built without oneDNN")
+@pytest.mark.skipif(not linear_maps.ONEDNN, reason="torch built without oneDNN")
 @pytest.mark.parametrize(("inputs", "outputs"), [(2048, 48), (48, 600), (512, 512)])
 def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(inputs: int, outputs: int) -> None:
     """Rows ``a:a+m`` of a product equal those rows of the whole product, for any ``m`` (1 included, beyond
@@ -57,12 +57,12 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(inputs: int
     x = torch.randn(1100, inputs, generator=g)
     sources = torch.randn(9, 24, inputs, generator=g)  # [B, S, D]
     threads = torch.get_num_threads()
-    packed = quantize.PackedLinear(w, b)
-    packed.calls = quantize.PACK_AFTER  # the next call packs
+    packed = linear_maps.PackedLinear(w, b)
+    packed.calls = linear_maps.PACK_AFTER  # the next call packs
     try:
         for n_threads in (1, 2, 3):
             torch.set_num_threads(n_threads)
-            for name, fn in [("dense", lambda x: quantize.dense(x, w, b)), ("packed", packed)]:
+            for name, fn in [("dense", lambda x: linear_maps.dense(x, w, b)), ("packed", packed)]:
                 full = fn(x)
                 for a in (0, 5, 64):
                     for m in (1, 2, 3, 7, 9, 16, 33, 1025):
@@ -71,7 +71,7 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(inputs: int
                             f"{name}, rows {a}:{a + m}, {n_threads} threads"
                         )
             assert packed.packed is not None
-            assert torch.equal(packed(x[:7]), quantize.dense(x[:7], w, b))  # packed or not: the same bits
+            assert torch.equal(packed(x[:7]), linear_maps.dense(x[:7], w, b))  # packed or not: the same bits
             full = packed(sources)
             for a, n in [(0, 1), (3, 1), (2, 3), (4, 5)]:
                 assert torch.equal(packed(sources[a : a + n]), full[a : a + n]), f"sources {a}:{a + n}"

@@ -19,7 +19,7 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
 from seqgen_cli.models.bart import BartBackend
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.models.quantize import is_quantized, linear
+from seqgen_cli.models.linear_maps import is_quantized, linear
 from tests.helpers import seqgen
 from tests.tiny_models import sample_texts
 
@@ -208,24 +208,24 @@ def test_bench_int8_with_ct2(tiny_models, texts: list[str], tmp_path: Path) -> N
 
 
 def test_packed_linear_runs_onednn_for_any_row_count_and_packs_late(monkeypatch) -> None:
-    from seqgen_cli.models import quantize
+    from seqgen_cli.models import linear_maps
 
-    if not quantize.ONEDNN:
+    if not linear_maps.ONEDNN:
         pytest.skip("torch built without oneDNN")
     torch.manual_seed(0)
     w, b = torch.randn(40, 16), torch.randn(40)
     lin = linear(w, b)
-    assert isinstance(lin, quantize.PackedLinear) and lin.packed is None  # nothing packed at build time
+    assert isinstance(lin, linear_maps.PackedLinear) and lin.packed is None  # nothing packed at build time
     calls: list[tuple[str, int]] = []
-    onednn, f_linear = torch.ops.mkldnn._linear_pointwise, quantize.F.linear
+    onednn, f_linear = torch.ops.mkldnn._linear_pointwise, linear_maps.F.linear
 
     def spy_onednn(x: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor:
         calls.append(("packed" if weight.is_mkldnn else "onednn", x.numel() // x.shape[-1]))
         return onednn(x, weight, *rest)
 
-    monkeypatch.setattr(quantize, "PACK_AFTER", 2)
-    monkeypatch.setattr(quantize.torch.ops.mkldnn, "_linear_pointwise", spy_onednn)
-    monkeypatch.setattr(quantize.F, "linear", lambda *a: calls.append(("mkl", 0)) or f_linear(*a))
+    monkeypatch.setattr(linear_maps, "PACK_AFTER", 2)
+    monkeypatch.setattr(linear_maps.torch.ops.mkldnn, "_linear_pointwise", spy_onednn)
+    monkeypatch.setattr(linear_maps.F, "linear", lambda *a: calls.append(("mkl", 0)) or f_linear(*a))
     for shape in [(3, 16), (2, 4, 16), (2000, 16), (1, 16), (1, 1, 16)]:
         x = torch.randn(*shape)
         out = lin(x)

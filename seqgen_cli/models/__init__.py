@@ -5,7 +5,7 @@ weights. A class raises ``ValueError`` for a variant it does not reproduce exact
 attention); such models, and every unlisted family, get the :class:`GenericBackend` reference backend.
 
 ``int8=True`` (``--dtype int8``, CPU): the BART family gets :class:`BartBackend`'s int8 variant; every other
-model is quantized in place (its ``nn.Linear`` layers, :func:`~seqgen_cli.models.quantize.quantize_linears`)
+model is quantized in place (its ``nn.Linear`` layers, :func:`~seqgen_cli.models.linear_maps.quantize_linears`)
 and runs the generic backend.
 """
 
@@ -16,8 +16,8 @@ from transformers import PreTrainedModel
 from seqgen_cli.models.bart import BartBackend
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.gpt2 import GPT2Backend
+from seqgen_cli.models.linear_maps import quantize_linears
 from seqgen_cli.models.llama import LlamaBackend
-from seqgen_cli.models.quantize import quantize_linears
 from seqgen_cli.models.t5 import T5Backend
 from seqgen_cli.search.protocol import ModelBackend
 

@@ -16,7 +16,7 @@ and the pad-token ban (Marian) are logits processors in the engine.
 
 ``int8=True`` (``--dtype int8``, CPU): the decoder's linear layers (fused q/k/v, cross k/v, out-projections,
 feed-forward) and the LM head (with ``final_logits_bias`` folded into its bias) become dynamic-quantized
-int8 copies of the float32 weights (:mod:`seqgen_cli.models.quantize`), and the model's own encoder is
+int8 copies of the float32 weights (:mod:`seqgen_cli.models.linear_maps`), and the model's own encoder is
 quantized in place. Float32 runs the very same ``F.linear`` calls as before.
 """
 
@@ -34,7 +34,7 @@ from seqgen_cli.models.encoder_decoder import (
     self_attention,
 )
 from seqgen_cli.models.fuse import fuse_linears
-from seqgen_cli.models.quantize import Linear, linear, quantize_linears
+from seqgen_cli.models.linear_maps import Linear, linear, quantize_linears
 
 PRE_NORM = {"mbart", "pegasus"}
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, kv_bytes, pointer_bytes, static_step
-from seqgen_cli.models.quantize import dense
+from seqgen_cli.models.linear_maps import dense
 from seqgen_cli.search.protocol import Batch
 
 

@@ -7,7 +7,7 @@ reordered (beams stay within their input) and only shrink when inputs finish. Se
 :class:`~seqgen_cli.models.kv_cache.EncoderDecoderKVCache`.
 
 Subclasses build their per-layer weight views (with ``ckv``: the fused cross-attention K|V linear map) and
-implement ``step``; ``lm`` is the LM head as a linear map (:func:`~seqgen_cli.models.quantize.linear`; the
+implement ``step``; ``lm`` is the LM head as a linear map (:func:`~seqgen_cli.models.linear_maps.linear`; the
 BART backend rebuilds it with ``final_logits_bias`` folded in).
 """
 
@@ -30,7 +30,7 @@ from seqgen_cli.models.kv_cache import (
     slot_span,
     static_step,
 )
-from seqgen_cli.models.quantize import linear
+from seqgen_cli.models.linear_maps import linear
 from seqgen_cli.search.protocol import Batch
 
 

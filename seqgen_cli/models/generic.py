@@ -18,7 +18,7 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from seqgen_cli.models.kv_cache import kv_bytes
-from seqgen_cli.models.quantize import out_features
+from seqgen_cli.models.linear_maps import out_features
 from seqgen_cli.search.protocol import Batch
 
 

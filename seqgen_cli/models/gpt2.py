@@ -1,6 +1,6 @@
 """Fast cached backend for GPT-2 (``GPT2LMHeadModel``) over the checkpoint's own weights.
 
-Conv1D weights are [in, out] (``x @ W + b``): each runs as a :func:`~seqgen_cli.models.quantize.linear` map over
+Conv1D weights are [in, out] (``x @ W + b``): each runs as a :func:`~seqgen_cli.models.linear_maps.linear` map over
 the transposed view (oneDNN on the CPU: a row's result does not depend on the other rows of the step), as does the
 LM head; c_attn is already a fused q|k|v projection; learned absolute positions; the MLP activation is the
 module's own (``gelu_new`` for gpt2).
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
-from seqgen_cli.models.quantize import Linear, linear
+from seqgen_cli.models.linear_maps import Linear, linear
 
 
 class _Block:
@@ -29,7 +29,7 @@ class _Block:
 
 class GPT2Backend(DecoderOnlyBackend):
     """``ModelBackend`` for GPT-2 over the model's own modules and weights (the linear maps pack a copy, see
-    ``models/quantize.py``)."""
+    ``models/linear_maps.py``)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.config

@@ -1,6 +1,6 @@
 """Fast cached backend for Llama-style models (RoPE, RMSNorm, SwiGLU, GQA) over the checkpoint's own weights.
 
-Also serves Mistral and Qwen2 (same blocks; Qwen2's q/k/v biases go through ``quantize.dense``) when they use full
+Also serves Mistral and Qwen2 (same blocks; Qwen2's q/k/v biases go through ``linear_maps.dense``) when they use full
 attention in every layer; sliding-window configs are refused.
 
 Only the ``num_key_value_heads`` K/V heads are cached; query groups broadcast against them in
@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
-from seqgen_cli.models.quantize import dense
-from seqgen_cli.models.quantize import linear as linear_map
+from seqgen_cli.models.linear_maps import dense
+from seqgen_cli.models.linear_maps import linear as linear_map
 
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies do not depend on the sequence length
 

@@ -6,7 +6,7 @@ bias row ``t`` (picked by the cache's device slot) of a ``[T, T]`` table (unidir
 call; RMSNorm (``T5LayerNorm``);
 ReLU (v1.0) or gated-GELU (v1.1/Flan) feed-forward (the module's activation and its dtype cast before ``wo``);
 fp16 clamping after each sub-layer; v1.0's tied-embedding rescale ``d_model ** -0.5`` before the LM head. Every
-product goes through :func:`~seqgen_cli.models.quantize.linear` (oneDNN on the CPU: a row's result does not depend
+product goes through :func:`~seqgen_cli.models.linear_maps.linear` (oneDNN on the CPU: a row's result does not depend
 on the other rows of the step).
 """
 
@@ -24,7 +24,7 @@ from seqgen_cli.models.encoder_decoder import (
     self_attention,
 )
 from seqgen_cli.models.fuse import fuse_linears
-from seqgen_cli.models.quantize import Linear, linear
+from seqgen_cli.models.linear_maps import Linear, linear
 from seqgen_cli.search.protocol import Batch
 
 
