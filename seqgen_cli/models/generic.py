@@ -43,6 +43,9 @@ class GenericBackend:
         params = set(inspect.signature(model.forward).parameters)
         self._logits_to_keep = "logits_to_keep" in params
         self._accepts_position_ids = "position_ids" in params
+        # the cache argument: "cache", or "past_key_values" in older transformers
+        prepare = inspect.signature(model.prepare_inputs_for_generation).parameters
+        self._cache_name = "cache" if "cache" in prepare else "past_key_values"
 
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int | None:
         """Bytes transformers' caches reach for ``inputs`` sources (prompts) of ``width`` tokens, ``rows_per_input``
@@ -70,7 +73,7 @@ class GenericBackend:
         return cache
 
     def _forward(self, input_ids: torch.Tensor, state: GenericState, first: bool) -> torch.Tensor:
-        kwargs: dict[str, Any] = {"past_key_values": state.cache, "use_cache": True}
+        kwargs: dict[str, Any] = {self._cache_name: state.cache, "use_cache": True}
         if state.attention_mask is not None:
             kwargs["attention_mask"] = state.attention_mask
         if self.is_encoder_decoder:
