@@ -12,13 +12,15 @@ import torch
 
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import get_backend
+from seqgen_cli.models.capture import MIN_WIDTH
 from seqgen_cli.search import Batch
 from seqgen_cli.search.slots import SlotStats, generate_slots
 from tests.engine_models import load, text_batch
 from tests.equivalence import SETTINGS, check_equivalence
 
 ENC_DEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
-EVERY_SETTING = ["bart", "t5"]  # every setting; the other families a few
+DEC_ONLY = ["gpt2", "llama"]
+EVERY_SETTING = ["bart", "t5", "gpt2"]  # every setting; the other families a few
 FEW = ["greedy", "beam4_ngram3_lp2_minmax_es", "beam4_nrs3"]
 BATCH = 16
 
@@ -37,7 +39,7 @@ def refill(slots: int, seed: int, min_free: int = 1, stats: SlotStats | None = N
 
 
 def cases() -> list[tuple[str, str]]:
-    return [(f, s) for f in ENC_DEC for s in (SETTINGS if f in EVERY_SETTING else FEW)]
+    return [(f, s) for f in ENC_DEC + DEC_ONLY for s in (SETTINGS if f in EVERY_SETTING else FEW)]
 
 
 @pytest.mark.parametrize(("family", "setting"), cases())
@@ -58,19 +60,24 @@ def test_refill_equivalence(tiny_models, family: str, setting: str) -> None:
 
 
 def run_alone(backend, batch: Batch, config, i: int):
-    one = Batch(batch.input_ids[i : i + 1], batch.attention_mask[i : i + 1])
+    one = Batch(batch.input_ids[i : i + 1], batch.attention_mask[i : i + 1])  # decoder-only: the same width
     return generate_slots(backend, one, config, slots=1)
 
 
-@pytest.mark.parametrize("family", ["bart", "t5"])
+@pytest.mark.parametrize("family", ["bart", "t5", *DEC_ONLY])
 @pytest.mark.parametrize(
     "setting", ["beam4_ngram3_lp2_minmax_es", "beam4_nrs3", "greedy_rep1.3_ngram2_default_len"]
 )
 def test_refill_output_independent_of_neighbours(tiny_models, family: str, setting: str) -> None:
     """Each input alone, then among the others in shuffled orders, slot counts and join thresholds (so it joins
-    at other steps, beside other inputs, in another slot): the same tokens and scores, bit for bit."""
+    at other steps, beside other inputs, in another slot): the same tokens and scores, bit for bit. Decoder-only
+    prompts of 6 to 293 tokens: joiners are prefilled in groups of several widths and a long one widens every
+    slot's prompt region mid-run."""
     loaded = load(tiny_models(family))
-    model, batch = loaded.model, text_batch(loaded, 12, seed=3)
+    long_prompts = family in DEC_ONLY
+    model, batch = loaded.model, text_batch(loaded, 12, seed=3, max_tokens=300 if long_prompts else 40)
+    if long_prompts:
+        assert batch.attention_mask.sum(dim=1).max() > 2 * MIN_WIDTH  # widens twice
     config = resolve_generation_config(model.generation_config, None, SETTINGS[setting])
     backend = get_backend(model)
     alone = [run_alone(backend, batch, config, i) for i in range(12)]
@@ -86,10 +93,11 @@ def test_refill_output_independent_of_neighbours(tiny_models, family: str, setti
     assert len(join_counts) > 1  # the schedules differ
 
 
-def test_refill_sampling_stream_per_input(tiny_models) -> None:
+@pytest.mark.parametrize("family", ["bart", "gpt2", "llama"])
+def test_refill_sampling_stream_per_input(tiny_models, family: str) -> None:
     """Sampling: an input's draws depend on the seed and its index only: the same outputs in any order, beside
     any neighbours, and in a part of the run (a resumed or sharded run) given the same indices."""
-    loaded = load(tiny_models("bart"))
+    loaded = load(tiny_models(family))
     model, batch = loaded.model, text_batch(loaded, 10, seed=1)
     kwargs = dict(do_sample=True, num_return_sequences=2, top_k=20, max_new_tokens=12)
     config = resolve_generation_config(model.generation_config, None, kwargs)
@@ -152,7 +160,7 @@ def test_slot_cache_steps_per_slot() -> None:
 
 
 @pytest.mark.slow  # inductor compiles: ~20 s of CPU, a minute on a loaded box
-@pytest.mark.parametrize("family", ["bart", "t5"])
+@pytest.mark.parametrize("family", ["bart", "t5", *DEC_ONLY])
 def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
     """The refill step has static shapes: its ``decode`` compiles as one graph (``fullgraph=True``, no dynamic
     shapes) under the real inductor on the CPU and gives the eager step's logits, with slots at different steps,
@@ -171,9 +179,9 @@ def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
         states = [b.open_slots(slots, r, 8) for b in (eager, compiled)]
 
         def join(slot_ids: list[int], inputs: list[int]) -> None:
-            rows = _columns(batch, torch.tensor(inputs), width)
+            rows = _columns(batch, torch.tensor(inputs), width, left=family in DEC_ONLY)
             for b, state in zip((eager, compiled), states, strict=True):
-                b.join(state, torch.tensor(slot_ids), rows)
+                b.join(state, torch.tensor(slot_ids), rows)  # decoder-only: the prefill, eager in both
 
         join([0, 1, 2], [0, 1, 2])
         for t in range(6):

@@ -37,10 +37,9 @@ from transformers import GenerationConfig
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.beam import BeamConstants, BeamSearch, pick_topk
 from seqgen_cli.search.greedy import TokenSearch
-from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.protocol import Batch, SearchOutput
-from seqgen_cli.search.rows import Rows, default_sync_every
+from seqgen_cli.search.rows import Rows, default_sync_every, start_history
 from seqgen_cli.search.sampling import draw
 from seqgen_cli.search.settings import settings_for
 
@@ -114,8 +113,10 @@ def generate_slots(
     slots are free (or none runs); ``indices``: each input's index for its sampling stream (default: batch
     position), seeded by :func:`input_seed`. Returns what :func:`seqgen_cli.search.generate` returns.
     """
-    if not backend.is_encoder_decoder:
-        raise SeqgenError("--refill runs encoder-decoder models only so far (use --no-refill)")
+    if not hasattr(backend, "open_slots"):
+        raise SeqgenError(
+            "--refill runs the fast backends only: BART family, T5, GPT-2, Llama (use --no-refill)"
+        )
     s = settings_for(backend, batch, config)
     num_inputs = batch.input_ids.shape[0]
     device = batch.input_ids.device
@@ -172,10 +173,12 @@ def generate_slots(
         del free[: len(take)]
         slot_ids = torch.tensor(used, dtype=torch.long, device=device)  # [J]
         take_ids = torch.tensor(take, dtype=torch.long, device=device)
-        backend.join(state, slot_ids, _columns(batch, take_ids, max(lengths[b] for b in take)))
+        joiners = _columns(
+            batch, take_ids, max(lengths[b] for b in take), left=not backend.is_encoder_decoder
+        )
+        first = backend.join(state, slot_ids, joiners)  # [J, V] (decoder-only) or None
         physical = (slot_ids[:, None] * r + torch.arange(r, device=device)).reshape(-1)  # [J * R]
-        prompt = torch.full((len(take) * r, 1), s.decoder_start, dtype=torch.long, device=device)  # [J*R, 1]
-        history = TokenHistory(prompt, s.max_length)
+        history = start_history(backend, _columns(batch, take_ids, batch.input_ids.shape[1]), s, r)
         reorders = _Reorders()
         rows = Rows(reorders, None, history, LogitsPipeline(s, history, backend.vocab_size, device), r, take)
         for b, slot in zip(take, used, strict=True):
@@ -183,16 +186,34 @@ def generate_slots(
             if s.mode == "sample":
                 gen = torch.Generator(device=device)
                 generators[b] = gen.manual_seed(input_seed(0 if seed is None else seed, indices[b]))
-        cohorts.append(_Cohort(search_for(rows), rows, reorders, physical))
-        tokens.index_fill_(0, physical, s.decoder_start)
+        cohort = _Cohort(search_for(rows), rows, reorders, physical)
         stats.joins += 1
+        if first is None:  # encoder-decoder: the next slot step feeds the decoder start token
+            tokens.index_fill_(0, physical, s.decoder_start)
+            cohorts.append(cohort)
+            return
+        # decoder-only: the prefill's logits are the search's first step (as start_rows gives them)
+        nxt = cohort.search.advance(first.repeat_interleave(r, dim=0))  # [J * R]
+        reorders.rows = None  # no generated slot is written yet: no back-pointer to move
+        if nxt is None:  # one new token: done at once
+            collect(cohort, *rows.remaining())
+            return
+        tokens.index_copy_(0, physical, nxt)
+        cohorts.append(cohort)
 
-    join()
-    while cohorts:
+    fed = 0 if backend.is_encoder_decoder else 1  # tokens a cohort picks before its first slot step
+    while True:
+        if waiting and free and (len(free) >= min_free or not cohorts):
+            join()
+        if not cohorts:
+            if waiting:
+                continue  # every joiner was done at its join
+            break
         stats.steps += 1
         stats.row_steps += num_slots * r
         stats.live_row_steps += sum(c.physical.shape[0] for c in cohorts)
-        logits = backend.slot_step(state, tokens, max(c.search.t for c in cohorts))  # [S * R, V]
+        step = max(c.search.t for c in cohorts) - fed  # the generated slot the most advanced cohort writes
+        logits = backend.slot_step(state, tokens, step)  # [S * R, V]
         perm: torch.Tensor | None = None
         for cohort in list(cohorts):
             nxt = cohort.search.advance(logits.index_select(0, cohort.physical))  # [N_c]
@@ -219,14 +240,13 @@ def generate_slots(
                 else:
                     cohort.search.keep(leaving)
                     cohort.physical = cohort.physical.index_select(0, leaving.kept_rows)
-        if waiting and free and (len(free) >= min_free or not cohorts):
-            join()
     return SearchOutput(sequences=results, scores=result_scores)
 
 
-def _columns(batch: Batch, inputs: torch.Tensor, width: int) -> Batch:
-    """Inputs ``inputs`` ([J] int64) of a right-padded ``batch``, their columns up to ``width`` (their longest)."""
-    return Batch(
-        batch.input_ids.index_select(0, inputs)[:, :width],
-        batch.attention_mask.index_select(0, inputs)[:, :width],
-    )
+def _columns(batch: Batch, inputs: torch.Tensor, width: int, left: bool = False) -> Batch:
+    """Inputs ``inputs`` ([J] int64) of ``batch``, their ``width`` columns: the first (right-padded sources) or the
+    last (``left``: left-padded prompts)."""
+    ids = batch.input_ids.index_select(0, inputs)
+    mask = batch.attention_mask.index_select(0, inputs)
+    cols = slice(ids.shape[1] - width, None) if left else slice(0, width)
+    return Batch(ids[:, cols], mask[:, cols])
