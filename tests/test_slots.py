@@ -93,6 +93,34 @@ def test_refill_output_independent_of_neighbours(tiny_models, family: str, setti
     assert len(join_counts) > 1  # the schedules differ
 
 
+@pytest.mark.parametrize("family", DEC_ONLY)
+def test_refill_prompt_widths(tiny_models, family: str) -> None:
+    """Decoder-only ``widths``: each prompt counts its positions (``max_length``, ``min_length``) from its own width,
+    as ``generate()`` on it padded to that width alone does; inputs of several widths share the slots."""
+    from seqgen_cli.batching import width_bucket
+    from seqgen_cli.verify import compare
+
+    loaded = load(tiny_models(family))
+    model, batch = loaded.model, text_batch(loaded, 12, seed=3, max_tokens=40)
+    kwargs = SETTINGS["beam4_maxlen48_minlen44"]  # lengths count the padded prompt
+    config = resolve_generation_config(model.generation_config, None, kwargs)
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    widths = [width_bucket(n) for n in lengths]
+    assert len(set(widths)) > 2
+    order = list(range(12))
+    random.Random(0).shuffle(order)
+    out = generate_slots(get_backend(model), batch, config, slots=4, order=order, widths=widths)
+    same_width = generate_slots(get_backend(model), batch, config, slots=4, order=order)
+    assert out.sequences != same_width.sequences  # the widths matter here
+    for w in sorted(set(widths)):
+        group = [i for i in range(12) if widths[i] == w]
+        cols = slice(batch.input_ids.shape[1] - w, None)
+        prompts = Batch(batch.input_ids[group, cols], batch.attention_mask[group, cols])
+        ours = [out.sequences[i] for i in group]
+        result = compare(model, prompts, kwargs, ours, [out.scores[i] for i in group])
+        assert not result.mismatches, (w, result.mismatches[:3])
+
+
 @pytest.mark.parametrize("family", ["bart", "gpt2", "llama"])
 def test_refill_sampling_stream_per_input(tiny_models, family: str) -> None:
     """Sampling: an input's draws depend on the seed and its index only: the same outputs in any order, beside

@@ -41,7 +41,7 @@ from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.protocol import Batch, SearchOutput
 from seqgen_cli.search.rows import Rows, default_sync_every, start_history
 from seqgen_cli.search.sampling import draw
-from seqgen_cli.search.settings import settings_for
+from seqgen_cli.search.settings import SearchSettings, settings_for
 
 
 @dataclass
@@ -106,28 +106,38 @@ def generate_slots(
     min_free: int = 1,
     sync_every: int | None = None,
     stats: SlotStats | None = None,
+    widths: Sequence[int] | None = None,
 ) -> SearchOutput:
-    """Generate for every input of ``batch`` ([B, W], right-padded sources) over ``slots`` input slots.
+    """Generate for every input of ``batch`` ([B, W]: right-padded sources, or left-padded prompts) over ``slots``
+    input slots.
 
     ``order``: the order inputs join in (default: batch order); ``min_free``: join only when at least that many
     slots are free (or none runs); ``indices``: each input's index for its sampling stream (default: batch
-    position), seeded by :func:`input_seed`. Returns what :func:`seqgen_cli.search.generate` returns.
+    position), seeded by :func:`input_seed`; ``widths`` (decoder-only): each prompt's padded width, at most
+    ``W``, as ``generate()`` would count its positions (``max_length``, ``min_length``; default: ``W``): inputs of
+    one width join as one cohort. Returns what :func:`seqgen_cli.search.generate` returns.
     """
     if not hasattr(backend, "open_slots"):
         raise SeqgenError(
             "--refill runs the fast backends only: BART family, T5, GPT-2, Llama (use --no-refill)"
         )
     s = settings_for(backend, batch, config)
-    num_inputs = batch.input_ids.shape[0]
+    num_inputs, width = batch.input_ids.shape
     device = batch.input_ids.device
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    widths = [width] * num_inputs if widths is None or backend.is_encoder_decoder else list(widths)
+    if any(not n <= w <= width for n, w in zip(lengths, widths, strict=True)):
+        raise ValueError(f"prompt widths must lie between each prompt's length and the batch's width {width}")
+    # the settings of each prompt width: the same but for length limits counted from it (decoder-only)
+    at_width = {w: settings_for(backend, _view(batch, w), config) for w in set(widths)}
+    max_new_tokens = max(x.max_new_tokens for x in at_width.values())
     r = s.num_beams if s.mode == "beam" else (s.num_return_sequences if s.mode == "sample" else 1)
     sync_every = sync_every or default_sync_every(device)
     stats = stats if stats is not None else SlotStats()
     indices = list(range(num_inputs)) if indices is None else list(indices)
-    lengths = batch.attention_mask.sum(dim=1).tolist()
     waiting = deque(range(num_inputs) if order is None else order)
     num_slots = max(1, min(slots, num_inputs))
-    state = backend.open_slots(num_slots, r, s.max_new_tokens)
+    state = backend.open_slots(num_slots, r, max_new_tokens)
     consts = BeamConstants.build(s, device) if s.mode == "beam" else None
     eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
     tokens = torch.zeros(num_slots * r, dtype=torch.long, device=device)  # [S * R]: the next step's input
@@ -150,7 +160,7 @@ def generate_slots(
 
     topk = pick_topk(torch.empty(0, dtype=getattr(backend, "dtype", torch.float32), device=device))
 
-    def search_for(rows: Rows) -> BeamSearch | TokenSearch:
+    def search_for(rows: Rows, s: SearchSettings) -> BeamSearch | TokenSearch:
         if consts is not None:
             return BeamSearch(rows, s, consts, topk)
         if s.mode == "sample":
@@ -177,19 +187,37 @@ def generate_slots(
             batch, take_ids, max(lengths[b] for b in take), left=not backend.is_encoder_decoder
         )
         first = backend.join(state, slot_ids, joiners)  # [J, V] (decoder-only) or None
-        physical = (slot_ids[:, None] * r + torch.arange(r, device=device)).reshape(-1)  # [J * R]
-        history = start_history(backend, _columns(batch, take_ids, batch.input_ids.shape[1]), s, r)
-        reorders = _Reorders()
-        rows = Rows(reorders, None, history, LogitsPipeline(s, history, backend.vocab_size, device), r, take)
         for b, slot in zip(take, used, strict=True):
             slot_of[b] = slot
             if s.mode == "sample":
                 gen = torch.Generator(device=device)
                 generators[b] = gen.manual_seed(input_seed(0 if seed is None else seed, indices[b]))
-        cohort = _Cohort(search_for(rows), rows, reorders, physical)
         stats.joins += 1
+        for w in sorted({widths[b] for b in take}):  # a cohort per prompt width
+            members = [j for j, b in enumerate(take) if widths[b] == w]
+            pos = torch.tensor(members, dtype=torch.long, device=device)  # [J_c]: among the joiners
+            start(
+                [take[j] for j in members],
+                slot_ids.index_select(0, pos),
+                None if first is None else first.index_select(0, pos),
+                w,
+            )
+
+    def start(inputs: list[int], slot_ids: torch.Tensor, first: torch.Tensor | None, w: int) -> None:
+        """A cohort: ``inputs`` in slots ``slot_ids`` ([J] int64), prompts of width ``w``; ``first``: their first
+        logits [J, V] (decoder-only)."""
+        physical = (slot_ids[:, None] * r + torch.arange(r, device=device)).reshape(-1)  # [J * R]
+        ids = torch.tensor(inputs, dtype=torch.long, device=device)
+        prompts = _columns(batch, ids, w, left=not backend.is_encoder_decoder)  # [J, w]
+        cs = at_width[w]
+        history = start_history(backend, prompts, cs, r)
+        reorders = _Reorders()
+        rows = Rows(
+            reorders, None, history, LogitsPipeline(cs, history, backend.vocab_size, device), r, inputs
+        )
+        cohort = _Cohort(search_for(rows, cs), rows, reorders, physical)
         if first is None:  # encoder-decoder: the next slot step feeds the decoder start token
-            tokens.index_fill_(0, physical, s.decoder_start)
+            tokens.index_fill_(0, physical, cs.decoder_start)
             cohorts.append(cohort)
             return
         # decoder-only: the prefill's logits are the search's first step (as start_rows gives them)
@@ -241,6 +269,11 @@ def generate_slots(
                     cohort.search.keep(leaving)
                     cohort.physical = cohort.physical.index_select(0, leaving.kept_rows)
     return SearchOutput(sequences=results, scores=result_scores)
+
+
+def _view(batch: Batch, width: int) -> Batch:
+    """A batch of ``width`` columns (what settings depend on): a view of ``batch``'s first."""
+    return Batch(batch.input_ids[:, :width], batch.attention_mask[:, :width])
 
 
 def _columns(batch: Batch, inputs: torch.Tensor, width: int, left: bool = False) -> Batch:
