@@ -153,15 +153,21 @@ def test_refill_occupancy_counts(tiny_models) -> None:
     assert stats.joins >= 4
 
 
-def test_refill_cli(tiny_models, tmp_path) -> None:
-    """``--refill`` writes what ``--no-refill`` writes; ``--stats`` has slot occupancy, joins and steps."""
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_refill_cli(tiny_models, tmp_path, family: str) -> None:
+    """``--refill`` writes what ``--no-refill`` writes; ``--stats`` has slot occupancy, joins and steps. GPT-2 with
+    ``--max-length``: each prompt's new tokens count from its own width (8 to 32 here), as without refill."""
     from tests.helpers import seqgen
     from tests.tiny_models import sample_texts
 
-    bart = tiny_models("bart")
+    path = tiny_models(family)
     src = tmp_path / "in.txt"
-    src.write_text("".join(t + "\n" for t in sample_texts(40, seed=8)), encoding="utf-8")
-    common = ["generate", "-m", str(bart), str(src), "--num-beams", "3", "--max-new-tokens", "6", "-q"]
+    texts = sample_texts(40, seed=8)
+    if family == "gpt2":
+        texts = [t for t in texts if len(t.split()) <= 12]
+    src.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    common = ["generate", "-m", str(path), str(src), "--num-beams", "3", "-q"]
+    common += ["--max-new-tokens", "6"] if family == "bart" else ["--max-length", "40"]
     stats = tmp_path / "stats.json"
     a = seqgen(*common, "-o", str(tmp_path / "a.txt"), "--batch-size", "1", "--no-refill")
     b = seqgen(*common, "-o", str(tmp_path / "b.txt"), "--batch-size", "6", "--refill", "--stats", str(stats))
