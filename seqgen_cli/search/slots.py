@@ -1,27 +1,32 @@
 """The refill engine (``--refill``): generation over a fixed set of input slots; an input that finishes hands its
-slot to a waiting one, so steps run with full batches instead of a shrinking tail.
+slot to a waiting one, so steps run with full batches instead of a shrinking tail. Every fast backend refills:
+the encoder-decoder ones (BART family, T5) and the decoder-only ones (GPT-2, Llama).
 
 Slots. ``S`` input slots of ``R`` rows each (beams, or samples) live in the model backend's state
-(``open_slots``): cross-attention keys/values and mask per slot, a self-attention cache with a step counter per
-slot (``models/kv_cache.py: SlotKVCache``). Every decode step runs all ``S * R`` rows (``slot_step``), each slot
-at its own step: one shape per run.
+(``open_slots``): per slot the source's cross-attention keys/values and mask (encoder-decoder) or the prompt's
+keys/values and mask (decoder-only), and a self-attention cache with a step counter per slot
+(``models/kv_cache.py``: ``SlotKVCache``, ``DecoderOnlySlotKVCache``). Every decode step runs all ``S * R`` rows
+(``slot_step``), each slot at its own step: one shape per run.
 
-Cohorts. Inputs that join at the same host check form a *cohort*: they run in lockstep, so a cohort is searched
-exactly as one batch of the ordinary engine, by the same code (``BeamSearch`` / ``TokenSearch`` over a ``Rows``
-of its own: history, processors, n-gram blocker, beam state). Each step the engine hands every cohort its rows'
-logits; the cohorts' beam reorderings go to the backend as one permutation.
+Cohorts. Inputs that join at the same host check (decoder-only: with the same prompt width) form a *cohort*: they
+run in lockstep, so a cohort is searched exactly as one batch of the ordinary engine, by the same code
+(``BeamSearch`` / ``TokenSearch`` over a ``Rows`` of its own: history, processors, n-gram blocker, beam state).
+Each step the engine hands every cohort its rows' logits; the cohorts' beam reorderings go to the backend as one
+permutation.
 
-Life cycle of an input: *join* (at a host check, into a free slot: the encoder runs for the joiners only, their
-cross K/V go into the slots' rows, their self-attention restarts at step 0, a new cohort starts with fresh
-search state), *run*, *leave* (the periodic host check, ``Rows.check``, finds it done: its results are copied
-out and its slot is free; its rows idle until the next join). Joiners are taken from the waiting inputs in the
-order given (the caller sorts them by length, so neighbours share a source-width bucket); a wider joiner widens
-every slot's source columns (masked). Results are per input index: the writer's order is the caller's business.
+Life cycle of an input: *join* (at a host check, into a free slot: the encoder, or the prompt's prefill, runs for
+the joiners only and fills the slots' rows, their self-attention restarts at step 0, a new cohort starts with
+fresh search state; decoder-only, the prefill's logits are the cohort's first step at once, as in the ordinary
+engine), *run*, *leave* (the periodic host check, ``Rows.check``, finds it done: its results are copied out and
+its slot is free; its rows idle until the next join). Joiners are taken from the waiting inputs in the order
+given (the caller sorts them by length, so neighbours share a width bucket); a wider joiner widens every slot's
+source (prompt) columns, masked. Results are per input index: the writer's order is the caller's business.
 
 Exactness: an input's search is the ordinary one, and its decoder arithmetic does not depend on its
-neighbours' steps (all ``T`` slots attended under a mask, ``SlotKVCache``), so outputs are token-identical to
-``generate()`` (tests/test_slots.py runs the equivalence harness with joins at many different steps) and equal
-to the input's own run with the same slot count.
+neighbours' steps (a span bucket of slots attended under a mask) nor, decoder-only, on who joins with it (each
+prompt is prefilled at a width of its own length), so outputs are token-identical to ``generate()``
+(tests/test_slots.py runs the equivalence harness with joins at many different steps) and equal to the input's
+own run.
 """
 
 from __future__ import annotations
