@@ -46,6 +46,13 @@ BACKENDS = ("auto", "fast", "hf")
 LOGIT_BYTES = 3 * 4
 
 
+def padded_width(length: int, limit: int | None) -> int:
+    """The padded width of an input of ``length`` tokens: its :func:`~seqgen_cli.batching.width_bucket`, but no
+    padding past ``limit`` (the positions the model has)."""
+    width = width_bucket(length)
+    return width if limit is None else max(length, min(width, limit))
+
+
 class Generator:
     """A loaded model with resolved generation settings."""
 
@@ -249,12 +256,6 @@ class Generator:
         """Token ids to text, special tokens removed."""
         return self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
 
-    def width(self, length: int) -> int:
-        """The padded width of an input of ``length`` tokens: its :func:`~seqgen_cli.batching.width_bucket`, but
-        no padding past the positions the model has."""
-        width, limit = width_bucket(length), self._source_limit(None)
-        return width if limit is None else max(length, min(width, limit))
-
     def pad(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pad to a rectangle: right for encoder-decoder sources, left for decoder-only prompts. [B, S] int64.
 
@@ -264,7 +265,7 @@ class Generator:
         pinned memory, copied with ``non_blocking=True`` so the host queues the copy and goes on (the caching
         host allocator keeps the pinned block until the copy is done).
         """
-        width = self.width(max(len(ids) for ids in batch))
+        width = padded_width(max(len(ids) for ids in batch), self._source_limit(None))
         device = self.loaded.device
         pinned = device.type == "cuda"
         input_ids = torch.full(
@@ -346,7 +347,8 @@ class Generator:
             slots = max(1, min(slots, self.slot_tokens // (width * self.rows_per_input)))
         widths = None  # decoder-only: each prompt's length limits count from its own width, as without refill
         if not self.is_encoder_decoder:
-            widths = [self.width(int(n)) for n in batch.attention_mask.sum(dim=1).tolist()]
+            limit = self._source_limit(None)
+            widths = [padded_width(int(n), limit) for n in batch.attention_mask.sum(dim=1).tolist()]
         out = generate_slots(
             engine, batch, self.config, slots=slots, seed=self.seed, stats=self.slot_stats, widths=widths
         )
