@@ -193,6 +193,46 @@ def test_slot_cache_steps_per_slot() -> None:
     assert visible.tolist() == [[True, False, False, False], [True, True, True, False]]
 
 
+def test_decoder_only_slot_cache_prompt_region_and_steps() -> None:
+    """DecoderOnlySlotKVCache: a joiner's prefill K/V go into columns [0, w) of its slot's prompt region, the rest
+    masked; widening adds masked columns on the right; slots at different steps write their own generated slot,
+    and a row attends its visible generated keys and its prompt's real keys, as one softmax."""
+    from seqgen_cli.models.kv_cache import DecoderOnlySlotKVCache
+
+    inf = float("-inf")
+    # 1 layer, 2 slots of 1 row, 1 K/V head of 2 dims, 4 generated slots, prompt regions of 3 columns
+    cache = DecoderOnlySlotKVCache(1, 2, 1, 1, 2, 4, 3, torch.float32, torch.device("cpu"))
+    pk = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])  # [J=1, Hkv=1, w=2, d=2]: a pad column, then a real one
+    pv = torch.tensor([[[[5.0, 6.0], [7.0, 8.0]]]])
+    cache.put_prompt(torch.tensor([1]), [pk], [pv], torch.tensor([[0, 1]]))
+    cache.widen(5)
+    assert cache.prompt_bias.view(2, 5).tolist() == [[inf] * 5, [inf, 0.0, inf, inf, inf]]
+    assert cache.pk[0][1, 0].tolist() == [[1.0, 3.0, 0.0, 0.0, 0.0], [2.0, 4.0, 0.0, 0.0, 0.0]]  # [d, W]
+    assert cache.pv[0][1, 0, :2].tolist() == [[5.0, 6.0], [7.0, 8.0]]
+    cache.steps.copy_(torch.tensor([0, 2]))
+    cache._row_steps()
+    cache.span = 4
+    cache.begin()
+    assert (cache.gen_bias.view(2, 4) == 0).tolist() == [
+        [True, False, False, False],
+        [True, True, True, False],
+    ]
+    q = torch.tensor([[[0.5, -1.0]], [[1.0, 0.25]]])  # [N=2, H=1, d]
+    k = torch.tensor([[[1.0, 1.0]], [[2.0, -2.0]]])  # [N, Hkv, d]
+    v = torch.tensor([[[3.0, 0.0]], [[0.0, 4.0]]])
+    out = cache.attend(0, q, k, v, 1.0)  # [N, H*d]
+    assert cache.gk[0][0, 0, :, 0, 0].tolist() == [1.0, 1.0] and cache.gk[0][1, 0, :, 2, 0].tolist() == [
+        2.0,
+        -2.0,
+    ]
+    # slot 1 sees generated slots 0..2 (zeros, zeros, its own) and its prompt's real column
+    keys = torch.tensor([[0.0, 0.0], [0.0, 0.0], [2.0, -2.0], [3.0, 4.0]])
+    values = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 4.0], [7.0, 8.0]])
+    expected = torch.softmax(keys @ q[1, 0], dim=0) @ values
+    torch.testing.assert_close(out[1], expected)
+    torch.testing.assert_close(out[0], v[0, 0])  # slot 0: its own key only (empty prompt region)
+
+
 @pytest.mark.slow  # inductor compiles: ~20 s of CPU, a minute on a loaded box
 @pytest.mark.parametrize("family", ["bart", "t5", *DEC_ONLY])
 def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
