@@ -249,7 +249,7 @@ def main() -> None:
     default=False,
     show_default=True,
     help="Run the fast engine over fixed input slots: an input that finishes hands its slot to a waiting one "
-    "(same outputs; encoder-decoder models). --stats gives slot occupancy, joins and steps.",
+    "(same outputs; BART family, T5, GPT-2, Llama). --stats gives slot occupancy, joins and steps.",
 )
 @generation_options()
 @click.option("--seed", type=int, help="Random seed for sampling.")

@@ -46,6 +46,13 @@ BACKENDS = ("auto", "fast", "hf")
 LOGIT_BYTES = 3 * 4
 
 
+def padded_width(length: int, limit: int | None) -> int:
+    """The padded width of an input of ``length`` tokens: its :func:`~seqgen_cli.batching.width_bucket`, but no
+    padding past ``limit`` (the positions the model has)."""
+    width = width_bucket(length)
+    return width if limit is None else max(length, min(width, limit))
+
+
 class Generator:
     """A loaded model with resolved generation settings."""
 
@@ -66,7 +73,8 @@ class Generator:
     ) -> None:
         """``capture``: on CUDA, run the fast backends' decode step as CUDA graphs (``models/capture.py``);
         ``False`` runs it eagerly (``step_path`` says which, and why). ``refill``: run the fast engine over fixed
-        input slots that finished inputs hand to waiting ones (``search/slots.py``; encoder-decoder models)."""
+        input slots that finished inputs hand to waiting ones (``search/slots.py``; the fast backends' families,
+        float32/half: elsewhere batches run as without it)."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
@@ -84,7 +92,6 @@ class Generator:
             torch.manual_seed(seed)
         self.backend = self._pick_backend(backend)
         self.capture = capture
-        self.refill = refill and self.backend == "fast" and self.is_encoder_decoder and not self.loaded.int8
         self.slots = 32  # refill: input slots (batch_limits sets them)
         self.slot_tokens: int | None = None  # refill: most padded source tokens x rows over the slots
         self.slot_stats = SlotStats()
@@ -96,8 +103,18 @@ class Generator:
         self._sizing: Any = None  # generate()'s caches as the generic backend counts them (hf backend)
         if self.loaded.int8:
             self._quantize()
+        self.refill = refill and self.backend == "fast" and self._refills()
 
     # -- settings ---------------------------------------------------------------------------------
+    def _refills(self) -> bool:
+        """Whether ``--refill`` runs here: not int8, and the engine's backend has slots (``open_slots``: a fast
+        family's, not the generic one a refused variant gets). Builds the engine."""
+        if self.loaded.int8:
+            return False
+        engine = self._engine()
+        plain = getattr(engine, "backend", engine)  # under a CapturedBackend: its backend
+        return hasattr(plain, "open_slots")
+
     def _source_limit(self, requested: int | None) -> int | None:
         """The longest input the model takes: the smaller of the request and the model's position limit.
 
@@ -248,10 +265,7 @@ class Generator:
         pinned memory, copied with ``non_blocking=True`` so the host queues the copy and goes on (the caching
         host allocator keeps the pinned block until the copy is done).
         """
-        longest = max(len(ids) for ids in batch)
-        width, limit = width_bucket(longest), self._source_limit(None)
-        if limit is not None:  # no padding past the positions the model has
-            width = max(longest, min(width, limit))
+        width = padded_width(max(len(ids) for ids in batch), self._source_limit(None))
         device = self.loaded.device
         pinned = device.type == "cuda"
         input_ids = torch.full(
@@ -331,7 +345,13 @@ class Generator:
         if self.slot_tokens is not None:
             width = width_bucket(batch.input_ids.shape[1], getattr(engine, "max_position_embeddings", None))
             slots = max(1, min(slots, self.slot_tokens // (width * self.rows_per_input)))
-        out = generate_slots(engine, batch, self.config, slots=slots, seed=self.seed, stats=self.slot_stats)
+        widths = None  # decoder-only: each prompt's length limits count from its own width, as without refill
+        if not self.is_encoder_decoder:
+            limit = self._source_limit(None)
+            widths = [padded_width(int(n), limit) for n in batch.attention_mask.sum(dim=1).tolist()]
+        out = generate_slots(
+            engine, batch, self.config, slots=slots, seed=self.seed, stats=self.slot_stats, widths=widths
+        )
         return out.sequences
 
     def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:

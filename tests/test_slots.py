@@ -12,13 +12,15 @@ import torch
 
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import get_backend
+from seqgen_cli.models.capture import MIN_WIDTH
 from seqgen_cli.search import Batch
 from seqgen_cli.search.slots import SlotStats, generate_slots
 from tests.engine_models import load, text_batch
 from tests.equivalence import SETTINGS, check_equivalence
 
 ENC_DEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
-EVERY_SETTING = ["bart", "t5"]  # every setting; the other families a few
+DEC_ONLY = ["gpt2", "llama"]
+EVERY_SETTING = ["bart", "t5", "gpt2"]  # every setting; the other families a few
 FEW = ["greedy", "beam4_ngram3_lp2_minmax_es", "beam4_nrs3"]
 BATCH = 16
 
@@ -37,7 +39,7 @@ def refill(slots: int, seed: int, min_free: int = 1, stats: SlotStats | None = N
 
 
 def cases() -> list[tuple[str, str]]:
-    return [(f, s) for f in ENC_DEC for s in (SETTINGS if f in EVERY_SETTING else FEW)]
+    return [(f, s) for f in ENC_DEC + DEC_ONLY for s in (SETTINGS if f in EVERY_SETTING else FEW)]
 
 
 @pytest.mark.parametrize(("family", "setting"), cases())
@@ -58,19 +60,24 @@ def test_refill_equivalence(tiny_models, family: str, setting: str) -> None:
 
 
 def run_alone(backend, batch: Batch, config, i: int):
-    one = Batch(batch.input_ids[i : i + 1], batch.attention_mask[i : i + 1])
+    one = Batch(batch.input_ids[i : i + 1], batch.attention_mask[i : i + 1])  # decoder-only: the same width
     return generate_slots(backend, one, config, slots=1)
 
 
-@pytest.mark.parametrize("family", ["bart", "t5"])
+@pytest.mark.parametrize("family", ["bart", "t5", *DEC_ONLY])
 @pytest.mark.parametrize(
     "setting", ["beam4_ngram3_lp2_minmax_es", "beam4_nrs3", "greedy_rep1.3_ngram2_default_len"]
 )
 def test_refill_output_independent_of_neighbours(tiny_models, family: str, setting: str) -> None:
     """Each input alone, then among the others in shuffled orders, slot counts and join thresholds (so it joins
-    at other steps, beside other inputs, in another slot): the same tokens and scores, bit for bit."""
+    at other steps, beside other inputs, in another slot): the same tokens and scores, bit for bit. Decoder-only
+    prompts of 6 to 293 tokens: joiners are prefilled in groups of several widths and a long one widens every
+    slot's prompt region mid-run."""
     loaded = load(tiny_models(family))
-    model, batch = loaded.model, text_batch(loaded, 12, seed=3)
+    long_prompts = family in DEC_ONLY
+    model, batch = loaded.model, text_batch(loaded, 12, seed=3, max_tokens=300 if long_prompts else 40)
+    if long_prompts:
+        assert batch.attention_mask.sum(dim=1).max() > 2 * MIN_WIDTH  # widens twice
     config = resolve_generation_config(model.generation_config, None, SETTINGS[setting])
     backend = get_backend(model)
     alone = [run_alone(backend, batch, config, i) for i in range(12)]
@@ -86,10 +93,39 @@ def test_refill_output_independent_of_neighbours(tiny_models, family: str, setti
     assert len(join_counts) > 1  # the schedules differ
 
 
-def test_refill_sampling_stream_per_input(tiny_models) -> None:
+@pytest.mark.parametrize("family", DEC_ONLY)
+def test_refill_prompt_widths(tiny_models, family: str) -> None:
+    """Decoder-only ``widths``: each prompt counts its positions (``max_length``, ``min_length``) from its own width,
+    as ``generate()`` on it padded to that width alone does; inputs of several widths share the slots."""
+    from seqgen_cli.batching import width_bucket
+    from seqgen_cli.verify import compare
+
+    loaded = load(tiny_models(family))
+    model, batch = loaded.model, text_batch(loaded, 12, seed=3, max_tokens=40)
+    kwargs = SETTINGS["beam4_maxlen48_minlen44"]  # lengths count the padded prompt
+    config = resolve_generation_config(model.generation_config, None, kwargs)
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    widths = [width_bucket(n) for n in lengths]
+    assert len(set(widths)) > 2
+    order = list(range(12))
+    random.Random(0).shuffle(order)
+    out = generate_slots(get_backend(model), batch, config, slots=4, order=order, widths=widths)
+    same_width = generate_slots(get_backend(model), batch, config, slots=4, order=order)
+    assert out.sequences != same_width.sequences  # the widths matter here
+    for w in sorted(set(widths)):
+        group = [i for i in range(12) if widths[i] == w]
+        cols = slice(batch.input_ids.shape[1] - w, None)
+        prompts = Batch(batch.input_ids[group, cols], batch.attention_mask[group, cols])
+        ours = [out.sequences[i] for i in group]
+        result = compare(model, prompts, kwargs, ours, [out.scores[i] for i in group])
+        assert not result.mismatches, (w, result.mismatches[:3])
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2", "llama"])
+def test_refill_sampling_stream_per_input(tiny_models, family: str) -> None:
     """Sampling: an input's draws depend on the seed and its index only: the same outputs in any order, beside
     any neighbours, and in a part of the run (a resumed or sharded run) given the same indices."""
-    loaded = load(tiny_models("bart"))
+    loaded = load(tiny_models(family))
     model, batch = loaded.model, text_batch(loaded, 10, seed=1)
     kwargs = dict(do_sample=True, num_return_sequences=2, top_k=20, max_new_tokens=12)
     config = resolve_generation_config(model.generation_config, None, kwargs)
@@ -117,15 +153,21 @@ def test_refill_occupancy_counts(tiny_models) -> None:
     assert stats.joins >= 4
 
 
-def test_refill_cli(tiny_models, tmp_path) -> None:
-    """``--refill`` writes what ``--no-refill`` writes; ``--stats`` has slot occupancy, joins and steps."""
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_refill_cli(tiny_models, tmp_path, family: str) -> None:
+    """``--refill`` writes what ``--no-refill`` writes; ``--stats`` has slot occupancy, joins and steps. GPT-2 with
+    ``--max-length``: each prompt's new tokens count from its own width (8 to 32 here), as without refill."""
     from tests.helpers import seqgen
     from tests.tiny_models import sample_texts
 
-    bart = tiny_models("bart")
+    path = tiny_models(family)
     src = tmp_path / "in.txt"
-    src.write_text("".join(t + "\n" for t in sample_texts(40, seed=8)), encoding="utf-8")
-    common = ["generate", "-m", str(bart), str(src), "--num-beams", "3", "--max-new-tokens", "6", "-q"]
+    texts = sample_texts(40, seed=8)
+    if family == "gpt2":
+        texts = [t for t in texts if len(t.split()) <= 12]
+    src.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    common = ["generate", "-m", str(path), str(src), "--num-beams", "3", "-q"]
+    common += ["--max-new-tokens", "6"] if family == "bart" else ["--max-length", "40"]
     stats = tmp_path / "stats.json"
     a = seqgen(*common, "-o", str(tmp_path / "a.txt"), "--batch-size", "1", "--no-refill")
     b = seqgen(*common, "-o", str(tmp_path / "b.txt"), "--batch-size", "6", "--refill", "--stats", str(stats))
@@ -151,8 +193,48 @@ def test_slot_cache_steps_per_slot() -> None:
     assert visible.tolist() == [[True, False, False, False], [True, True, True, False]]
 
 
+def test_decoder_only_slot_cache_prompt_region_and_steps() -> None:
+    """DecoderOnlySlotKVCache: a joiner's prefill K/V go into columns [0, w) of its slot's prompt region, the rest
+    masked; widening adds masked columns on the right; slots at different steps write their own generated slot,
+    and a row attends its visible generated keys and its prompt's real keys, as one softmax."""
+    from seqgen_cli.models.kv_cache import DecoderOnlySlotKVCache
+
+    inf = float("-inf")
+    # 1 layer, 2 slots of 1 row, 1 K/V head of 2 dims, 4 generated slots, prompt regions of 3 columns
+    cache = DecoderOnlySlotKVCache(1, 2, 1, 1, 2, 4, 3, torch.float32, torch.device("cpu"))
+    pk = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])  # [J=1, Hkv=1, w=2, d=2]: a pad column, then a real one
+    pv = torch.tensor([[[[5.0, 6.0], [7.0, 8.0]]]])
+    cache.put_prompt(torch.tensor([1]), [pk], [pv], torch.tensor([[0, 1]]))
+    cache.widen(5)
+    assert cache.prompt_bias.view(2, 5).tolist() == [[inf] * 5, [inf, 0.0, inf, inf, inf]]
+    assert cache.pk[0][1, 0].tolist() == [[1.0, 3.0, 0.0, 0.0, 0.0], [2.0, 4.0, 0.0, 0.0, 0.0]]  # [d, W]
+    assert cache.pv[0][1, 0, :2].tolist() == [[5.0, 6.0], [7.0, 8.0]]
+    cache.steps.copy_(torch.tensor([0, 2]))
+    cache._row_steps()
+    cache.span = 4
+    cache.begin()
+    assert (cache.gen_bias.view(2, 4) == 0).tolist() == [
+        [True, False, False, False],
+        [True, True, True, False],
+    ]
+    q = torch.tensor([[[0.5, -1.0]], [[1.0, 0.25]]])  # [N=2, H=1, d]
+    k = torch.tensor([[[1.0, 1.0]], [[2.0, -2.0]]])  # [N, Hkv, d]
+    v = torch.tensor([[[3.0, 0.0]], [[0.0, 4.0]]])
+    out = cache.attend(0, q, k, v, 1.0)  # [N, H*d]
+    assert cache.gk[0][0, 0, :, 0, 0].tolist() == [1.0, 1.0] and cache.gk[0][1, 0, :, 2, 0].tolist() == [
+        2.0,
+        -2.0,
+    ]
+    # slot 1 sees generated slots 0..2 (zeros, zeros, its own) and its prompt's real column
+    keys = torch.tensor([[0.0, 0.0], [0.0, 0.0], [2.0, -2.0], [3.0, 4.0]])
+    values = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 4.0], [7.0, 8.0]])
+    expected = torch.softmax(keys @ q[1, 0], dim=0) @ values
+    torch.testing.assert_close(out[1], expected)
+    torch.testing.assert_close(out[0], v[0, 0])  # slot 0: its own key only (empty prompt region)
+
+
 @pytest.mark.slow  # inductor compiles: ~20 s of CPU, a minute on a loaded box
-@pytest.mark.parametrize("family", ["bart", "t5"])
+@pytest.mark.parametrize("family", ["bart", "t5", *DEC_ONLY])
 def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
     """The refill step has static shapes: its ``decode`` compiles as one graph (``fullgraph=True``, no dynamic
     shapes) under the real inductor on the CPU and gives the eager step's logits, with slots at different steps,
@@ -171,9 +253,9 @@ def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
         states = [b.open_slots(slots, r, 8) for b in (eager, compiled)]
 
         def join(slot_ids: list[int], inputs: list[int]) -> None:
-            rows = _columns(batch, torch.tensor(inputs), width)
+            rows = _columns(batch, torch.tensor(inputs), width, left=family in DEC_ONLY)
             for b, state in zip((eager, compiled), states, strict=True):
-                b.join(state, torch.tensor(slot_ids), rows)
+                b.join(state, torch.tensor(slot_ids), rows)  # decoder-only: the prefill, eager in both
 
         join([0, 1, 2], [0, 1, 2])
         for t in range(6):

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, kv_bytes, pointer_bytes, static_step
+from seqgen_cli.models.capture import MIN_WIDTH, pad_batch, width_bucket
+from seqgen_cli.models.kv_cache import (
+    DecoderOnlyKVCache,
+    DecoderOnlySlotKVCache,
+    kv_bytes,
+    pointer_bytes,
+    slot_step,
+    static_step,
+)
 from seqgen_cli.models.linear_maps import dense
 from seqgen_cli.search.protocol import Batch
 
@@ -33,6 +41,16 @@ def prompt_positions(mask: Tensor) -> Tensor:
     """Position ids of a left-padded prompt exactly as ``generate()`` builds them: [B, P] -> [B, P]."""
     pos = mask.long().cumsum(-1) - 1
     return pos.masked_fill(mask == 0, 1)
+
+
+def left_width(batch: Batch, rows: Tensor, width: int) -> Batch:
+    """Rows ``rows`` ([J] int64) of left-padded prompts [B, P], as ``width`` columns: the last ``width``, or padded
+    on the left (masked) to ``width`` -> [J, width]."""
+    ids = batch.input_ids.index_select(0, rows)
+    mask = batch.attention_mask.index_select(0, rows)
+    if width <= ids.shape[1]:
+        return Batch(ids[:, ids.shape[1] - width :], mask[:, mask.shape[1] - width :])
+    return pad_batch(Batch(ids, mask), ids.shape[0], width, left=True)
 
 
 def check_batch(batch: Batch) -> None:
@@ -59,25 +77,30 @@ class DecoderOnlyBackend:
         [DecoderOnlyState, Tensor], Tensor
     ]  # the step's tensor work: tokens [N] -> logits [N, V]
 
-    @torch.inference_mode()
-    def start(
-        self, batch: Batch, rows_per_input: int, max_new_tokens: int
-    ) -> tuple[DecoderOnlyState, Tensor]:
-        """Prefill once per input: [B, P] -> state, last-position logits [B, V]."""
-        check_batch(batch)
+    def _prefill(self, batch: Batch) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """The model's own base forward over left-padded prompts [B, P] (positions as ``generate()`` builds them):
+        per layer K/V [B, Hkv, P, d], and the last position's logits [B, V]."""
         ids, mask = batch.input_ids, batch.attention_mask
         hf_mask = mask if not bool(mask.all()) else None  # as generate(): no mask without padding
         out = self.base(
             input_ids=ids, attention_mask=hf_mask, position_ids=prompt_positions(mask), use_cache=True
         )
         layers = out.past_key_values.layers
-        pk = [layer.keys for layer in layers]  # [B, Hkv, P, d]
-        pv = [layer.values for layer in layers]
+        head = self.model.get_output_embeddings()  # oneDNN on the CPU: an input's row whatever the batch
+        logits = dense(out.last_hidden_state[:, -1], head.weight, head.bias).float()  # [B, V]
+        return [layer.keys for layer in layers], [layer.values for layer in layers], logits
+
+    @torch.inference_mode()
+    def start(
+        self, batch: Batch, rows_per_input: int, max_new_tokens: int
+    ) -> tuple[DecoderOnlyState, Tensor]:
+        """Prefill once per input: [B, P] -> state, last-position logits [B, V]."""
+        check_batch(batch)
+        pk, pv, logits = self._prefill(batch)
+        mask = batch.attention_mask
         cache = DecoderOnlyKVCache(pk, pv, mask, rows_per_input, max_new_tokens)
         b, r = mask.shape[0], rows_per_input
         pos = mask.long().sum(-1)[:, None].expand(b, r).reshape(b * r)  # [B] -> [B, R] -> [N]
-        head = self.model.get_output_embeddings()  # oneDNN on the CPU: an input's row whatever the batch
-        logits = dense(out.last_hidden_state[:, -1], head.weight, head.bias).float()  # [B, V]
         return DecoderOnlyState(cache, pos), logits
 
     @torch.inference_mode()
@@ -93,6 +116,62 @@ class DecoderOnlyBackend:
     def drop(self, state: DecoderOnlyState, keep: Tensor, rows: Tensor) -> None:
         state.cache.keep(keep, rows, used=state.t)
         state.start_pos = state.start_pos.index_select(0, rows)
+
+    # -- the refill engine's slots (search/slots.py) ----------------------------------------------------------
+    @torch.inference_mode()
+    def open_slots(self, slots: int, rows_per_input: int, max_new_tokens: int) -> DecoderOnlyState:
+        """``slots`` empty input slots of ``rows_per_input`` rows each (prompt regions of ``MIN_WIDTH`` positions
+        until a wider prompt joins). The last new token is never fed: ``max_new_tokens - 1`` generated slots."""
+        head = self.model.get_output_embeddings().weight
+        cache = DecoderOnlySlotKVCache(
+            self.n_layers, slots, rows_per_input, self.n_kv, self.head_dim, max(1, max_new_tokens - 1),
+            MIN_WIDTH, head.dtype, head.device,
+        )  # fmt: skip
+        return DecoderOnlyState(
+            cache, torch.zeros(slots * rows_per_input, dtype=torch.long, device=head.device)
+        )
+
+    def prefill_width(self, length: int) -> int:
+        """The width a prompt of ``length`` tokens is prefilled at when it joins: a function of its length only
+        (``batching.width_bucket``, within the model's positions), never of its neighbours'."""
+        from seqgen_cli.batching import width_bucket as batch_width
+
+        return max(length, min(batch_width(length), self.max_position_embeddings))
+
+    @torch.inference_mode()
+    def join(self, state: DecoderOnlyState, slots: Tensor, batch: Batch) -> Tensor:
+        """Prompts ``batch`` ([J, P] left-padded) take slots ``slots`` ([J] int64): the prefill runs for them only,
+        each at :meth:`prefill_width` of its length (one forward per width, and apart whether padded, so that an
+        input's prefill never depends on who joins with it); their K/V go into the slots' prompt regions (widened
+        first if needed), their positions start at their lengths and their generated slots restart at step 0.
+        Returns their first logits [J, V] (the search's first step: no decode step feeds a token for it)."""
+        check_batch(batch)
+        cache = state.cache
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        widths = [self.prefill_width(n) for n in lengths]
+        cache.widen(width_bucket(max(widths), self.max_position_embeddings))
+        first = torch.empty(len(lengths), self.vocab_size, device=slots.device)  # [J, V]
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for j, (n, w) in enumerate(zip(lengths, widths, strict=True)):
+            groups.setdefault((w, n < w), []).append(j)
+        for (w, _), members in groups.items():
+            idx = torch.tensor(members, dtype=torch.long, device=slots.device)  # [J_g]
+            prompts = left_width(batch, idx, w)  # [J_g, w]
+            pk, pv, logits = self._prefill(prompts)
+            cache.put_prompt(slots.index_select(0, idx), pk, pv, prompts.attention_mask)
+            first.index_copy_(0, idx, logits)
+        r = cache.r
+        rows = (slots[:, None] * r + torch.arange(r, device=slots.device)).reshape(-1)  # [J * R]
+        pos = torch.tensor(lengths, dtype=torch.long, device=slots.device).repeat_interleave(r)  # [J * R]
+        state.start_pos.index_copy_(0, rows, pos)
+        cache.join(slots)
+        return first
+
+    @torch.inference_mode()
+    def slot_step(self, state: DecoderOnlyState, tokens: Tensor, step: int) -> Tensor:
+        """One decode step over every slot's rows, each at its own step (the most advanced writes generated slot
+        ``step``): tokens [S * R] -> logits [S * R, V]."""
+        return slot_step(self.decode, state, tokens, step)
 
     def cache_nbytes(self, state: DecoderOnlyState) -> dict[str, int]:
         """Bytes of the prompt K/V (per input) with its mask, the generated-token K/V (all layers) and the

@@ -27,7 +27,7 @@ from seqgen_cli.models.kv_cache import (
     attention,
     kv_bytes,
     pointer_bytes,
-    slot_span,
+    slot_step,
     static_step,
 )
 from seqgen_cli.models.linear_maps import linear
@@ -172,8 +172,8 @@ class EncoderDecoderBackend:
     def join(self, state: EncoderDecoderState, slots: torch.Tensor, batch: Batch) -> None:
         """Inputs ``batch`` ([J, W'] right-padded) take slots ``slots`` ([J] int64): the encoder runs for them only,
         at the slots' source width (widened first if they are wider), their cross-attention keys/values and mask
-        go into the slots' rows and their self-attention restarts at step 0. The search then feeds the decoder
-        start token."""
+        go into the slots' rows and their self-attention restarts at step 0. No first logits (``None``): the search
+        then feeds the decoder start token."""
         self._widen(state, batch.input_ids.shape[1])
         batch = pad_batch(batch, batch.input_ids.shape[0], state.cross_mask.shape[-1], left=False)
         enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
@@ -188,10 +188,7 @@ class EncoderDecoderBackend:
     def slot_step(self, state: EncoderDecoderState, tokens: torch.Tensor, step: int) -> torch.Tensor:
         """One decode step over every slot's rows, each at its own step (the most advanced writes slot ``step``):
         tokens [S * R] -> logits [S * R, V]."""
-        state.cache.span = slot_span(step, state.max_len)
-        logits = self.decode(state, tokens)
-        state.cache.advance()
-        return logits
+        return slot_step(self.decode, state, tokens, step)
 
     @torch.inference_mode()
     def reorder(self, state: EncoderDecoderState, rows: torch.Tensor) -> None:

@@ -107,6 +107,22 @@ class Rows:
         self.inputs = [b for b in self.inputs if b not in gone]
 
 
+def start_history(
+    backend: ModelBackend, batch: Batch, settings: SearchSettings, rows_per_input: int
+) -> TokenHistory:
+    """The token history of ``batch``'s ``B * R`` rows: the decoder start token (encoder-decoder) or the left-padded
+    prompt (decoder-only)."""
+    r, device = rows_per_input, batch.input_ids.device
+    if backend.is_encoder_decoder:
+        bsz = batch.input_ids.shape[0]
+        prompt = torch.full((bsz * r, 1), settings.decoder_start, dtype=torch.long, device=device)  # [N, 1]
+        return TokenHistory(prompt, settings.max_length)
+    prompt = batch.input_ids.repeat_interleave(r, dim=0)  # [N, S] left-padded
+    # RepetitionPenaltyLogitsProcessor ignores the left padding (first non-zero mask position).
+    pad_lengths = (batch.attention_mask != 0).int().argmax(dim=1).repeat_interleave(r, dim=0)  # [N]
+    return TokenHistory(prompt, settings.max_length, pad_lengths)
+
+
 def start_rows(
     backend: ModelBackend, batch: Batch, settings: SearchSettings, rows_per_input: int
 ) -> tuple[Rows, torch.Tensor]:
@@ -115,18 +131,11 @@ def start_rows(
     bsz = batch.input_ids.shape[0]
     device = batch.input_ids.device
     state, first = backend.start(batch, rows_per_input=r, max_new_tokens=settings.max_new_tokens)
-    if backend.is_encoder_decoder:
-        prompt = torch.full((bsz * r, 1), settings.decoder_start, dtype=torch.long, device=device)  # [N, 1]
-        pad_lengths = None
-    else:
-        prompt = batch.input_ids.repeat_interleave(r, dim=0)  # [N, S] left-padded
-        # RepetitionPenaltyLogitsProcessor ignores the left padding (first non-zero mask position).
-        pad_lengths = (batch.attention_mask != 0).int().argmax(dim=1).repeat_interleave(r, dim=0)  # [N]
-    history = TokenHistory(prompt, settings.max_length, pad_lengths)
+    history = start_history(backend, batch, settings, r)
     pipeline = LogitsPipeline(settings, history, backend.vocab_size, device)
     rows = Rows(backend, state, history, pipeline, r, list(range(bsz)))
     if first is None:
-        logits = backend.step(state, prompt[:, -1])  # [N, V]
+        logits = backend.step(state, history.filled[:, -1])  # [N, V]: the decoder start token
     else:
         logits = first.repeat_interleave(r, dim=0) if r > 1 else first  # [B, V] -> [N, V]
     return rows, logits
