@@ -89,7 +89,7 @@ def count_steps(
 
     items_out: dict[int, int] = {}
     batcher = Batcher(gen._chunks(texts), lambda items: None, batch_size=batch_size, batch_tokens=batch_tokens,
-                      rows=rows)  # fmt: skip
+                      rows=rows, buckets=not refill)  # fmt: skip
     for b in batcher:
         for result in generate_split(gen, b.items):
             items_out[result.item.index] = len(result.sequences[0])

@@ -188,9 +188,11 @@ def plan_batches(
     rows: int = 1,
     sort: bool = True,
     memory: MemoryLimit | None = None,
+    buckets: bool = True,
 ) -> list[list[int]]:
     """Positions grouped into batches of one :func:`width_bucket` each: shortest first when ``sort``, else
-    bucket by bucket, in the given order within each."""
+    bucket by bucket, in the given order within each. ``buckets=False`` (the refill engine, which pads each
+    input on its own): batches mix widths, cut by size and budget only."""
     widths = [width_bucket(n) for n in lengths]
     order = sorted(range(len(lengths)), key=(lengths if sort else widths).__getitem__)
     batches: list[list[int]] = []
@@ -200,7 +202,7 @@ def plan_batches(
         over = (batch_tokens is not None and width * (len(batch) + 1) * rows > batch_tokens) or (
             memory is not None and memory.cost(len(batch) + 1, width) > memory.budget
         )
-        if batch and (widths[batch[0]] != width or len(batch) >= batch_size or over):
+        if batch and ((buckets and widths[batch[0]] != width) or len(batch) >= batch_size or over):
             batches.append(batch)
             batch = []
         batch.append(i)
@@ -228,8 +230,10 @@ class Batcher:
         rows: int = 1,
         window: int | None = None,
         memory: MemoryLimit | None = None,
+        buckets: bool = True,
     ) -> None:
         self._chunks = chunks
+        self.buckets = buckets  # batches of one width bucket each (plan_batches)
         self._passthrough = passthrough
         self.batch_size = batch_size
         self.batch_tokens = batch_tokens
@@ -258,10 +262,10 @@ class Batcher:
         window = self._windows
         self._windows += 1
         for idx in plan_batches(
-            lengths, self.batch_size, self.batch_tokens, self.rows, self.sort, self.memory
+            lengths, self.batch_size, self.batch_tokens, self.rows, self.sort, self.memory, self.buckets
         ):
             self.source_tokens += sum(lengths[i] for i in idx)
-            self.padded_tokens += width_bucket(lengths[idx[0]]) * len(idx)
+            self.padded_tokens += sum(width_bucket(lengths[i]) for i in idx)
             self.batches += 1
             yield ItemBatch([pending[i] for i in idx], window)
 

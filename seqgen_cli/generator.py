@@ -387,7 +387,7 @@ class Generator:
         batch_size, batch_tokens = self.batch_limits(batch_size, batch_tokens, sort_window)
         batcher = Batcher(
             self._chunks(texts), passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
-            rows=self.rows_per_input, window=sort_window, memory=self.memory_limit(),
+            rows=self.rows_per_input, window=sort_window, memory=self.memory_limit(), buckets=not self.refill,
         )  # fmt: skip
         for batch in batcher:
             for result in generate_split(self, batch.items):

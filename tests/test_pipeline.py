@@ -26,6 +26,7 @@ class FakeGen:
     """Token ids are code points; the "generation" of an input is its text reversed."""
 
     backend = "fake"
+    refill = False
     prefix = None
     max_source_length = None
 

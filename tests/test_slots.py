@@ -182,6 +182,29 @@ def test_refill_cli(tiny_models, tmp_path, family: str) -> None:
     assert 0 < refill_stats["occupancy"] <= 1
 
 
+def test_refill_window_mixes_widths(tiny_models) -> None:
+    """With refill the batcher hands a window of several width buckets to one engine call (the slots pad each
+    input on their own); without, each bucket is a batch of its own. Same outputs either way."""
+    from seqgen_cli.batching import width_bucket
+    from seqgen_cli.generator import Generator
+    from tests.tiny_models import sample_texts
+
+    texts = sample_texts(24, seed=5)
+    outputs, calls = {}, {}
+    for refill in (False, True):
+        gen = Generator(str(tiny_models("bart")), device="cpu", refill=refill, num_beams=2, max_new_tokens=5)
+        widths = {width_bucket(len(e.ids)) for e in gen.encode(texts)}
+        assert len(widths) >= 3
+        batches: list[int] = []
+        generate_ids = gen.generate_ids
+        gen.generate_ids = lambda batch, f=generate_ids, seen=batches: seen.append(len(batch)) or f(batch)
+        outputs[refill] = list(gen.generate_iterable(texts, batch_size=4))
+        calls[refill] = batches
+    assert outputs[True] == outputs[False]
+    assert calls[True] == [len(texts)]  # one window, one call over 4 slots
+    assert len(calls[False]) >= len(widths)
+
+
 def test_slot_cache_steps_per_slot() -> None:
     """SlotKVCache: slots at different steps write their own step and see their own history only."""
     from seqgen_cli.models.kv_cache import SlotKVCache

@@ -91,7 +91,7 @@ def run(
     batch_size, batch_tokens = gen.batch_limits(opts.batch_size, opts.batch_tokens, opts.sort_window)
     batcher = Batcher(
         reader.chunks(), passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
-        rows=gen.rows_per_input, window=opts.sort_window, memory=gen.memory_limit(),
+        rows=gen.rows_per_input, window=opts.sort_window, memory=gen.memory_limit(), buckets=not gen.refill,
     )  # fmt: skip
     fail: Result | None = None
     fail_window = -1
