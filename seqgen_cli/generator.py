@@ -339,8 +339,7 @@ class Generator:
         from seqgen_cli.models.capture import width_bucket
         from seqgen_cli.search.slots import generate_slots
 
-        engine = self._engine()
-        engine = getattr(engine, "backend", engine)  # the plain backend under a CapturedBackend: eager steps
+        engine = self._engine()  # under a CapturedBackend: its slot steps replay compiled graphs
         slots = self.slots
         if self.slot_tokens is not None:
             width = width_bucket(batch.input_ids.shape[1], getattr(engine, "max_position_embeddings", None))

@@ -32,6 +32,7 @@ from seqgen_cli.models.capture import (
 )
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import Batch, generate
+from seqgen_cli.search.slots import SlotStats, generate_slots
 from tests.engine_models import load, text_batch
 
 
@@ -293,3 +294,130 @@ def test_stats_reach_device_stats_and_the_closing_line(tiny_models) -> None:
     steps = stats["captured_steps"] + stats["eager_steps"]
     share = round(100 * stats["captured_steps"] / steps)
     assert f", step {backend.path} (1 shapes compiled in 0s, {share}% of {steps} steps captured)" in line
+
+
+# -- the refill engine (search/slots.py) through the capture path ---------------------------------------------
+
+REFILL = {  # family, settings, longest source/prompt: bart runs past 64 steps (two spans), gpt2 widens twice
+    "bart-beam": ("bart", dict(num_beams=3, max_new_tokens=72, min_new_tokens=60), 40),
+    "bart-greedy": ("bart", dict(num_beams=1, max_new_tokens=72, min_new_tokens=60), 40),
+    "gpt2-beam": ("gpt2", dict(num_beams=3, max_new_tokens=40), 300),
+}
+
+
+def _refill_case(tiny_models, case: str) -> tuple[Any, Batch, Any, list[int]]:
+    """The model, 10 inputs, the settings and a join order by length (as the batcher sorts a window: a
+    decoder-only run's prompt regions widen through each width bucket)."""
+    family, kwargs, max_tokens = REFILL[case]
+    loaded = load(tiny_models(family))
+    batch = text_batch(loaded, 10, seed=3, max_tokens=max_tokens)
+    config = resolve_generation_config(loaded.model.generation_config, None, kwargs)
+    order = sorted(range(10), key=lambda i: int(batch.attention_mask[i].sum()))
+    return loaded, batch, config, order
+
+
+def _refill(backend: Any, batch: Batch, config: Any, order: list[int], stats: SlotStats | None = None) -> Any:
+    return generate_slots(backend, batch, config, slots=3, order=order, stats=stats)
+
+
+@pytest.mark.parametrize("case", list(REFILL))
+def test_refill_runs_captured(tiny_models, case: str) -> None:
+    """The refill engine's steps through :class:`CapturedBackend`: every step captured (each shape's first
+    replay matched the eager rerun, so the slot step is idempotent), the plain engine's tokens and scores bit for
+    bit, one shape per (rows, width, span, generated slots): bart two spans (64, then all 72), gpt2 three prompt
+    widths."""
+    loaded, batch, config, order = _refill_case(tiny_models, case)
+    plain = _refill(get_backend(loaded.model), batch, config, order)
+    backend, stats = CapturedBackend(get_backend(loaded.model), eager), SlotStats()
+    out = _refill(backend, batch, config, order, stats)
+    assert out.sequences == plain.sequences and out.scores == plain.scores
+    assert backend.path == "captured"
+    assert backend.steps == {"captured": stats.steps, "eager": 0} and stats.joins >= 3
+    rows = 3 * config.num_beams
+    if loaded.model.config.is_encoder_decoder:
+        assert backend.shapes == {(rows, MIN_WIDTH, 64, 72), (rows, MIN_WIDTH, 72, 72)}
+    else:
+        widths = {width_bucket(n) for n in batch.attention_mask.sum(dim=1).tolist()}
+        assert len(widths) == 3 and backend.shapes == {(rows, w, 39, 39) for w in widths}
+
+
+def test_a_refill_join_that_widens_marks_the_new_tensors_static(tiny_models) -> None:
+    """The slots' prompt regions are static addresses after ``open_slots``; a wider joiner makes new ones,
+    marked too (CUDA graphs read them in place)."""
+    from torch._dynamo.utils import get_static_address_type
+
+    from seqgen_cli.search.slots import _columns
+
+    loaded = load(tiny_models("gpt2"))
+    batch = text_batch(loaded, 10, seed=3, max_tokens=300)  # prompts of up to 147 tokens
+    backend = CapturedBackend(get_backend(loaded.model), eager)
+    with torch.inference_mode():
+        state = backend.open_slots(2, 1, 8)
+        assert get_static_address_type(state.cache.pk[0]) == "unguarded"
+        longest = batch.attention_mask.sum(dim=1).argmax().view(1)
+        backend.join(state, torch.tensor([0]), _columns(batch, longest, batch.input_ids.shape[1], left=True))
+    assert backend.backend.slot_width(state) > MIN_WIDTH, "widened"
+    assert get_static_address_type(state.cache.pk[0]) == "unguarded"
+    assert get_static_address_type(state.cache.prompt_bias) == "unguarded"
+
+
+@pytest.mark.parametrize("call", [1, 3, 7])
+def test_a_refill_failure_falls_back_to_eager(tiny_models, call: int) -> None:
+    """A compile (1), first replay (3) or later (7) failure in a refill run: that step reruns eagerly, the rest
+    run eagerly, the same tokens and scores come out, and the path names the error."""
+    loaded, batch, config, order = _refill_case(tiny_models, "bart-beam")
+    plain = _refill(get_backend(loaded.model), batch, config, order)
+    error = RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    backend, stats = CapturedBackend(get_backend(loaded.model), failing_on(call, error)), SlotStats()
+    out = _refill(backend, batch, config, order, stats)
+    assert out.sequences == plain.sequences and out.scores == plain.scores
+    assert backend.path == ("eager" if call == 1 else "captured, then eager") + f" (RuntimeError: {error})"
+    assert backend.steps == {"captured": call - 1, "eager": stats.steps - call + 1}
+
+
+def test_a_refill_step_that_differs_from_eager_switches_to_eager(tiny_models) -> None:
+    """A compiled slot step off by a logit's size from its first replay (as a stale cache would be): caught by
+    the first-replay check, eager from then on, the plain engine's tokens."""
+    from tests.test_verify import off_by
+
+    loaded, batch, config, order = _refill_case(tiny_models, "gpt2-beam")
+    plain = _refill(get_backend(loaded.model), batch, config, order)
+    backend = CapturedBackend(get_backend(loaded.model), off_by(5.0))
+    out = _refill(backend, batch, config, order)
+    assert out.sequences == plain.sequences and out.scores == plain.scores
+    assert backend.path.startswith("captured, then eager (compiled step differs from eager: max |diff| 5")
+    assert backend.steps["captured"] == 2 and backend.compiled is None
+
+
+def test_refill_stats_count_captured_steps(tiny_models) -> None:
+    """``Generator`` with ``refill`` runs its slot steps through the capture path: ``--stats`` counts them."""
+    gen = Generator(str(tiny_models("bart")), device="cpu", refill=True, num_beams=2, max_new_tokens=6)
+    backend = CapturedBackend(gen._engine(), eager)
+    gen._model_backend = backend
+    gen.generate(["one short input", "a second, longer input of a few more words", "three"], batch_size=2)
+    stats = gen.device_stats()
+    assert stats["refill"]["steps"] > 0 and stats["step_path"] == "captured"
+    assert stats["captured_steps"] == stats["refill"]["steps"] and stats["eager_steps"] == 0
+    assert stats["shapes_compiled"] == len(backend.shapes) == 1
+
+
+@pytest.mark.slow  # inductor compiles each shape: about a minute on a loaded 2-core box
+@pytest.mark.parametrize("case", ["bart-beam", "gpt2-beam"])
+def test_refill_through_the_real_compiler(tiny_models, monkeypatch, case: str) -> None:
+    """The refill engine through :class:`CapturedBackend` with ``decode`` compiled whole by inductor
+    (``fullgraph=True, dynamic=False``, CPU): every shape compiled, every step captured, the eager tokens."""
+    monkeypatch.setattr(linear_maps, "ONEDNN", False)  # oneDNN's fused linear does not lower in inductor
+    loaded, batch, config, order = _refill_case(tiny_models, case)
+    plain = _refill(get_backend(loaded.model), batch, config, order)
+    torch._dynamo.reset()
+
+    def inductor(decode: Decode) -> Decode:
+        return torch.compile(decode, fullgraph=True, dynamic=False)
+
+    backend, stats = CapturedBackend(get_backend(loaded.model), inductor), SlotStats()
+    out = _refill(backend, batch, config, order, stats)
+    assert backend.path == "captured" and len(backend.shapes) >= 2, (backend.path, backend.shapes)
+    assert backend.steps == {"captured": stats.steps, "eager": 0}
+    assert out.sequences == plain.sequences
+    for ours, theirs in zip(out.scores, plain.scores, strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-4)

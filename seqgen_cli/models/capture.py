@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from seqgen_cli.batching import is_oom
-from seqgen_cli.models.kv_cache import Decode, check_slot, static_step
+from seqgen_cli.models.kv_cache import Decode, check_slot, slot_span, slot_step, static_step
 from seqgen_cli.search.protocol import Batch, ModelBackend
 
 Compiler = Callable[[Decode], Decode]
@@ -346,8 +346,12 @@ class CapturedBackend:
         return self._eager(state, tokens)
 
     @torch.inference_mode()
-    def reorder(self, state: CapturedState, rows: Tensor) -> None:
-        """Physical row ``state.rows[i]`` continues ``state.rows[rows[i]]``; idle rows continue themselves."""
+    def reorder(self, state: Any, rows: Tensor) -> None:
+        """Physical row ``state.rows[i]`` continues ``state.rows[rows[i]]``; idle rows continue themselves. A slot
+        state (the refill engine's, not a :class:`CapturedState`): its rows are physical already."""
+        if not isinstance(state, CapturedState):
+            self.backend.reorder(state, rows)
+            return
         n = state.tokens.shape[0]
         physical = torch.arange(n, device=rows.device).index_copy_(
             0, state.rows, state.rows.index_select(0, rows)
@@ -372,3 +376,31 @@ class CapturedBackend:
         state.inputs = torch.arange(b, device=kept.device)
         state.rows = torch.arange(b * r, device=kept.device)
         state.shape = (slots * r, *state.shape[1:])
+
+    # -- the refill engine's slots (search/slots.py): the wrapped backend's, with decode compiled ------------
+    @torch.inference_mode()
+    def open_slots(self, slots: int, rows_per_input: int, max_new_tokens: int) -> Any:
+        state = self.backend.open_slots(slots, rows_per_input, max_new_tokens)
+        mark_static(state)
+        return state
+
+    @torch.inference_mode()
+    def join(self, state: Any, slots: Tensor, batch: Batch) -> Tensor | None:
+        """The wrapped backend's join; a join that widens the slots' sources (prompts) makes new tensors: marked
+        static (their first replay re-records, under a new shape)."""
+        width = self.backend.slot_width(state)
+        first = self.backend.join(state, slots, batch)
+        if self.backend.slot_width(state) != width:
+            mark_static(state)
+        return first
+
+    @torch.inference_mode()
+    def slot_step(self, state: Any, tokens: Tensor, step: int) -> Tensor:
+        """The wrapped backend's refill step with ``decode`` guarded and compiled: one shape per (rows, source or
+        prompt width, span, generated slots). tokens [S * R] -> logits [S * R, V], the graph's output: read it
+        (the engine copies each cohort's rows) before the next step overwrites it."""
+        cache = state.cache
+        span = slot_span(step, cache.max_len)
+        shape = (tokens.shape[0], self.backend.slot_width(state), span, cache.max_len)
+        torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
+        return slot_step(self._decoder(shape), state, tokens, step)

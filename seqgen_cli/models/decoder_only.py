@@ -131,6 +131,10 @@ class DecoderOnlyBackend:
             cache, torch.zeros(slots * rows_per_input, dtype=torch.long, device=head.device)
         )
 
+    def slot_width(self, state: DecoderOnlyState) -> int:
+        """The slots' prompt-region width (one compiled shape each, ``models/capture.py``)."""
+        return state.cache.width
+
     def prefill_width(self, length: int) -> int:
         """The width a prompt of ``length`` tokens is prefilled at when it joins: a function of its length only
         (``batching.width_bucket``, within the model's positions), never of its neighbours'."""

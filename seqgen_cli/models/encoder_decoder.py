@@ -156,6 +156,10 @@ class EncoderDecoderBackend:
             max_len=max_len,
         )
 
+    def slot_width(self, state: EncoderDecoderState) -> int:
+        """The slots' source width (one compiled shape each, ``models/capture.py``)."""
+        return state.cross_mask.shape[-1]
+
     def _widen(self, state: EncoderDecoderState, longest: int) -> None:
         """Room for sources of ``longest`` tokens: every slot's source columns grow (masked) to
         ``capture.width_bucket(longest)``, so a run widens a few times at most."""
