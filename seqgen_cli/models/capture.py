@@ -32,6 +32,15 @@ is idempotent: same slot, same values). An out-of-memory error stays one, so the
 on. :meth:`CapturedBackend.stats` (``--stats``) counts shapes compiled, compile seconds and steps run captured
 and eager. Everything else (CPU, ``--no-capture``, the generic backend) runs the plain backend: :func:`capture`
 says why.
+
+The refill engine (``search/slots.py``, ``--refill``) runs through the same wrapper: ``open_slots``, ``join`` and
+``slot_step`` are the wrapped backend's, ``slot_step`` with the guarded compiled ``decode`` (every check and
+fallback above applies). Its shapes need no padding: the ``S * R`` rows are fixed for a window, the slots' source
+(prompt) width only widens to a :func:`width_bucket` and the attended span is a bucket
+(``kv_cache.slot_span``), so a shape is (rows, width, span, generated slots) and a whole window runs on a handful
+of graphs. The slot state is marked static when opened and again when a wider joiner reallocates it. The slot
+step's ``decode`` is idempotent too (``begin`` derives where it writes from the slot counters, which only
+``advance`` moves, after it).
 """
 
 from __future__ import annotations
