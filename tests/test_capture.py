@@ -344,6 +344,27 @@ def test_refill_runs_captured(tiny_models, case: str) -> None:
         assert len(widths) >= 2 and backend.shapes == {(rows, w, 39, 39) for w in widths}
 
 
+@pytest.mark.parametrize("case", ["bart-beam", "gpt2-beam"])
+def test_refill_traces_one_graph_per_shape(tiny_models, case: str) -> None:
+    """Through ``torch.compile(fullgraph=True, dynamic=False)``: one graph per shape, none per step, join or
+    window (no step number, slot or new slot state reaches a guard), every step captured."""
+    loaded, batch, config, order = _refill_case(tiny_models, case)
+    plain = _refill(get_backend(loaded.model), batch, config, order)
+    torch._dynamo.reset()
+    graphs: list[Any] = []
+
+    def compiler(decode: Decode) -> Decode:
+        return torch.compile(decode, fullgraph=True, dynamic=False, backend=counting(graphs))
+
+    backend, stats = CapturedBackend(get_backend(loaded.model), compiler), SlotStats()
+    out = _refill(backend, batch, config, order, stats)
+    assert out.sequences == plain.sequences and out.scores == plain.scores
+    assert backend.path == "captured" and backend.steps == {"captured": stats.steps, "eager": 0}
+    assert len(graphs) == len(backend.shapes) >= 2, (len(graphs), backend.shapes)
+    again = _refill(backend, batch, config, order)  # the next window: new slot tensors, the same shapes
+    assert again.sequences == plain.sequences and len(graphs) == len(backend.shapes)
+
+
 def test_a_refill_join_that_widens_marks_the_new_tensors_static(tiny_models) -> None:
     """The slots' prompt regions are static addresses after ``open_slots``; a wider joiner makes new ones,
     marked too (CUDA graphs read them in place)."""

@@ -6,7 +6,7 @@ Slots. ``S`` input slots of ``R`` rows each (beams, or samples) live in the mode
 (``open_slots``): per slot the source's cross-attention keys/values and mask (encoder-decoder) or the prompt's
 keys/values and mask (decoder-only), and a self-attention cache with a step counter per slot
 (``models/kv_cache.py``: ``SlotKVCache``, ``DecoderOnlySlotKVCache``). Every decode step runs all ``S * R`` rows
-(``slot_step``), each slot at its own step: one shape per run (per span bucket and source width), so on CUDA the
+(``slot_step``), each slot at its own step: one shape per span bucket and source width, so on CUDA the
 backend is a ``CapturedBackend`` whose ``slot_step`` replays a CUDA graph (``models/capture.py``).
 
 Cohorts. Inputs that join at the same host check (decoder-only: with the same prompt width) form a *cohort*: they
