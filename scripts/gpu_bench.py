@@ -12,6 +12,11 @@ this). Sections, each written to ``--out`` as soon as it is done (``results.json
   agreement with float32; on CUDA also seqgen with the decode step captured (CUDA graphs) vs eager, its first
   run (compile and recording) timed on its own, with the capture counts (shapes, compile seconds, steps);
 * ``gpt2``: GPT-2 shape, 512-token prompts (the same articles), beam 4, 128 new tokens, same measures;
+* ``refill``: ``Generator(refill=True)`` vs ``refill=False`` in process on the ``bart`` stage's model with an EOS
+  bias bisected into ``final_logits_bias`` (greedy mean 90 tokens: outputs spread over lengths), the
+  ``cnndm-bart`` preset with its natural stop, 4 x batch inputs (the sources recycled), per dtype and batch size:
+  seconds (median, min-max of 3+ interleaved runs after each one's first, compiling, run), decode steps and
+  slot occupancy, output tokens per input, whether outputs are identical, the capture path's counts (CUDA);
 * ``cli``: ``Generator`` on the device (pinned, non-blocking input copies) and ``device_stats()``.
 
 Each system of a table cell is timed on its own: one that runs out of memory is marked OOM and the others'
@@ -27,6 +32,8 @@ folder such as ``bench-results/gpu``, which stays between calls, and copy it to 
     scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes bfloat16
     scripts/gpu_bench.sh --out DIR --budget 540 --stages gpt2
     scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16 --batches 256,max
+    scripts/gpu_bench.sh --out DIR --budget 540 --stages refill --dtypes float16
+    scripts/gpu_bench.sh --out DIR --budget 540 --stages refill --dtypes bfloat16
     scripts/gpu_bench.sh --device cpu --quick --out DIR             # tiny shapes on the CPU (CI)
     python scripts/gpu_bench.py --stage-shared                      # copy the needed shared files to .gpu-shared/
 
