@@ -160,7 +160,8 @@ def spread_checkpoint(
     if (dest / "config.json").is_file():
         return dest
     greedy = {"num_beams": 1, "length_penalty": 1.0, "early_stopping": False}  # beam-only settings off
-    gen = Generator(base, device=device, dtype="float32", **{**settings, **greedy})
+    # eager (capture=False): each bias rebuilds the backend, which would compile its CUDA graphs again
+    gen = Generator(base, device=device, dtype="float32", capture=False, **{**settings, **greedy})
     model = gen.model
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos

@@ -319,3 +319,23 @@ def test_refill_stage_stops_at_oom_and_skips_what_the_budget_cannot_fit(
     data = _refill(bench, base, ([2, 4], False), OneCell(None))
     assert [r["batch"] for r in data["rows"]] == [2]
     assert data["skipped"] == ["--stages refill --dtypes float32 --batches 4"]
+
+
+def test_refill_cell_through_the_capture_path(
+    bench: Any, tiny_models, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """On CUDA both systems' steps run captured (here an uncompiled stand-in): the cell records the capture
+    counts, and the steps it counts (first run) are the steps the capture path ran (first run + timed run)."""
+    from seqgen_cli.models import capture
+
+    def captured(backend: Any, device: Any, on: bool) -> tuple[Any, str]:
+        return capture.CapturedBackend(backend, lambda decode: decode), "captured"
+
+    monkeypatch.setattr(capture, "capture", captured)
+    settings = dict(num_beams=2, min_new_tokens=2, max_new_tokens=6)
+    row = bench.refill_cell(tiny_models("bart"), TEXTS * 3, torch.device("cpu"), "float32", 2, settings, 1)
+    assert row["refill_engine"] and row["same_as_no_refill"] == 1 and row["repeats_same"]
+    for system in bench.REFILL_SYSTEMS:
+        assert row[f"{system}_step_path"] == "captured" and row[f"{system}_shapes_compiled"] >= 1, row
+        assert row[f"{system}_eager_steps"] == 0 and row[f"{system}_compile_seconds"] >= 0
+        assert row[f"{system}_captured_steps"] == 2 * row[f"{system}_steps"], (system, row)
