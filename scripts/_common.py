@@ -1,5 +1,7 @@
 """What the benchmark and profiling scripts share: the shared data folder, random-weight models at real
-shapes, source texts, common options and interleaved timing with medians.
+shapes, source texts, common options and interleaved timing with medians, and the variable-length refill
+workload (an EOS-biased checkpoint, a ``Generator``'s token ids as ``seqgen generate`` batches them, decode steps
+and slot occupancy counted).
 
 The scripts import the installed package (``pip install -e .`` from the repository root) and this module
 (``python scripts/NAME.py`` puts ``scripts/`` on the import path). Tokenizers, configs and sources come from
@@ -14,14 +16,18 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from seqgen_cli.search import Batch
+
+if TYPE_CHECKING:
+    from seqgen_cli.generator import Generator
 
 REPO = Path(__file__).resolve().parents[1]
 STAGED = REPO / ".gpu-shared"  # the few shared files copied into the checkout for a GPU machine (ignored)
@@ -134,3 +140,106 @@ def print_medians(times: dict[str, list[float]], outputs: dict[str, list[list[in
             same = f"{sum(a == b for a, b in zip(ref, out, strict=True))}/{len(ref)}"
         runs = ", ".join(f"{t:.2f}" for t in ts)
         print(f"| {name} | {med:.2f} | {runs} | {base / med:.2f}x | {same} |")
+
+
+# -- the refill workload (scripts/bench_refill.py, the refill stage of scripts/gpu_bench.py) -------------------
+def spread_checkpoint(
+    base: str,
+    texts: list[str],
+    mean_length: float,
+    settings: dict[str, Any],
+    dest: Path,
+    bias: float | None,
+    device: str = "cpu",
+) -> Path:
+    """``base`` with the EOS logit biased (by ``bias``, or bisected) so that greedy outputs on ``texts`` average
+    ``mean_length`` tokens, saved in float32 to ``dest`` (reused when it exists): random weights then stop at a
+    spread of lengths."""
+    from seqgen_cli.generator import Generator
+
+    if (dest / "config.json").is_file():
+        return dest
+    greedy = {"num_beams": 1, "length_penalty": 1.0, "early_stopping": False}  # beam-only settings off
+    # eager (capture=False): each bias rebuilds the backend, which would compile its CUDA graphs again
+    gen = Generator(base, device=device, dtype="float32", capture=False, **{**settings, **greedy})
+    model = gen.model
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    logit_bias = model.final_logits_bias[0]
+    lo, hi = (-10.0, 30.0) if bias is None else (bias, bias)
+    for _ in range(8 if bias is None else 0):
+        mid = (lo + hi) / 2
+        logit_bias[eos] = mid
+        gen._model_backend = None  # the backend folds the bias in when built
+        lengths = [len(s[0]) for s in gen.generate_ids([e.ids for e in gen.encode(texts)])]
+        mean = statistics.mean(lengths)
+        print(f"bias {mid:.2f}: mean greedy length {mean:.1f}", file=sys.stderr)
+        lo, hi = (lo, mid) if mean < mean_length else (mid, hi)
+    logit_bias[eos] = (lo + hi) / 2
+    model.save_pretrained(dest)
+    gen.tokenizer.save_pretrained(dest)
+    return dest
+
+
+def generate_ids(gen: Generator, texts: list[str], batch: int) -> list[list[list[int]]]:
+    """``gen``'s token ids for ``texts`` (per input, its sequences), in input order, batched as
+    ``Generator.generate(texts, batch_size=batch)`` batches them (with refill: each look-ahead window over
+    ``batch`` slots)."""
+    from seqgen_cli.batching import Batcher, generate_split
+
+    batch_size, batch_tokens = gen.batch_limits(batch, None, None)
+    batcher = Batcher(gen._chunks(texts), lambda items: None, batch_size=batch_size, batch_tokens=batch_tokens,
+                      rows=gen.rows_per_input, memory=gen.memory_limit(), buckets=not gen.refill)  # fmt: skip
+    out: dict[int, list[list[int]]] = {}
+    for b in batcher:
+        for result in generate_split(gen, b.items):
+            if result.error is not None:
+                raise RuntimeError(result.error)
+            out[result.item.index] = result.sequences
+    return [out[i] for i in sorted(out)]
+
+
+@contextmanager
+def counted_steps(gen: Generator, batch: int) -> Iterator[dict[str, Any]]:
+    """Decode steps and live row-steps of ``gen``'s runs inside the block; on leaving, the yielded dict holds
+    ``steps``, ``live_row_steps``, ``occupancy`` (live rows / ``batch`` x rows per input, a full batch's rows)
+    and with refill ``joins`` (from ``gen.slot_stats``). Without refill the engine's ``start`` and ``step`` are
+    wrapped: a step feeds the rows still live; ``start`` counts as the first step (every row) only where it
+    returns the first logits (decoder-only prefill; an encoder-decoder's first step is a ``step``)."""
+    rows = gen.rows_per_input
+    counts: dict[str, Any] = {"steps": 0, "live_row_steps": 0}
+    engine = gen._engine()
+    before = (gen.slot_stats.steps, gen.slot_stats.live_row_steps, gen.slot_stats.joins)
+    step, start = engine.step, engine.start
+
+    def counted_step(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+        counts["steps"] += 1
+        counts["live_row_steps"] += tokens.shape[0]
+        return step(state, tokens)
+
+    def counted_start(b: Any, *a: Any, **k: Any) -> Any:
+        state, first = start(b, *a, **k)
+        if first is not None:
+            counts["steps"] += 1
+            counts["live_row_steps"] += b.input_ids.shape[0] * rows
+        return state, first
+
+    if not gen.refill:
+        engine.step, engine.start = counted_step, counted_start
+    try:
+        yield counts
+    finally:
+        if not gen.refill:
+            engine.step, engine.start = step, start
+    if gen.refill:
+        st = gen.slot_stats
+        counts |= {"steps": st.steps - before[0], "live_row_steps": st.live_row_steps - before[1]}
+        counts["joins"] = st.joins - before[2]
+    counts["occupancy"] = round(counts["live_row_steps"] / max(1, counts["steps"] * batch * rows), 4)
+
+
+def distribution(values: list[int]) -> dict[str, float]:
+    """min, p10, median, mean, p90 and max of ``values`` (at least two)."""
+    q = statistics.quantiles(values, n=10)
+    return {"min": min(values), "p10": q[0], "median": statistics.median(values), "mean": round(statistics.mean(values), 1),
+            "p90": q[-1], "max": max(values)}  # fmt: skip

@@ -26,78 +26,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-
-def spread_checkpoint(
-    base: str, texts: list[str], mean_length: float, settings: dict[str, Any], dest: Path, bias: float | None
-) -> Path:
-    """``base`` with the EOS logit biased (by ``bias``, or bisected) so that greedy outputs on ``texts`` average
-    ``mean_length`` tokens."""
-    from seqgen_cli.generator import Generator
-
-    if (dest / "config.json").is_file():
-        return dest
-    greedy = {"num_beams": 1, "length_penalty": 1.0, "early_stopping": False}  # beam-only settings off
-    gen = Generator(base, device="cpu", **{**settings, **greedy})
-    model = gen.model
-    eos = model.generation_config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    logit_bias = model.final_logits_bias[0]
-    lo, hi = (-10.0, 30.0) if bias is None else (bias, bias)
-    for _ in range(8 if bias is None else 0):
-        mid = (lo + hi) / 2
-        logit_bias[eos] = mid
-        gen._model_backend = None  # the backend folds the bias in when built
-        lengths = [len(s[0]) for s in gen.generate_ids([e.ids for e in gen.encode(texts)])]
-        mean = statistics.mean(lengths)
-        print(f"bias {mid:.2f}: mean greedy length {mean:.1f}", file=sys.stderr)
-        lo, hi = (lo, mid) if mean < mean_length else (mid, hi)
-    logit_bias[eos] = (lo + hi) / 2
-    model.save_pretrained(dest)
-    gen.tokenizer.save_pretrained(dest)
-    return dest
+from _common import counted_steps, distribution, generate_ids, spread_checkpoint
 
 
 def count_steps(
     model: str, texts: list[str], settings: dict[str, Any], batch: int, refill: bool
 ) -> dict[str, Any]:
-    """Decode steps, live row-steps and occupancy (live rows / ``batch`` x rows per input) of one in-process run,
-    and each input's output length in tokens."""
+    """Decode steps, live row-steps and occupancy of one in-process run (``counted_steps``), and each input's
+    output length in tokens."""
     from seqgen_cli.generator import Generator
 
     gen = Generator(model, device="cpu", refill=refill, **settings)
-    rows = gen.rows_per_input
-    counts = {"steps": 0, "live_row_steps": 0}
-    if not refill:
-        engine = gen._engine()
-        step, start = engine.step, engine.start
-
-        def counted_step(state: Any, tokens: torch.Tensor) -> torch.Tensor:
-            counts["steps"] += 1
-            counts["live_row_steps"] += tokens.shape[0]
-            return step(state, tokens)
-
-        def counted_start(b: Any, *a: Any, **k: Any) -> Any:  # the first step: every row of the batch
-            counts["steps"] += 1
-            counts["live_row_steps"] += b.input_ids.shape[0] * rows
-            return start(b, *a, **k)
-
-        engine.step, engine.start = counted_step, counted_start
-    batch_size, batch_tokens = gen.batch_limits(batch, None, None)
-    lengths: list[int] = []
-    from seqgen_cli.batching import Batcher, generate_split
-
-    items_out: dict[int, int] = {}
-    batcher = Batcher(gen._chunks(texts), lambda items: None, batch_size=batch_size, batch_tokens=batch_tokens,
-                      rows=rows, buckets=not refill)  # fmt: skip
-    for b in batcher:
-        for result in generate_split(gen, b.items):
-            items_out[result.item.index] = len(result.sequences[0])
-    lengths = [items_out[i] for i in sorted(items_out)]
-    if refill:
-        st = gen.slot_stats
-        counts = {"steps": st.steps, "live_row_steps": st.live_row_steps, "joins": st.joins}
-    counts["occupancy"] = round(counts["live_row_steps"] / (counts["steps"] * batch * rows), 4)
+    with counted_steps(gen, batch) as counts:
+        lengths = [len(seqs[0]) for seqs in generate_ids(gen, texts, batch)]
     counts["lengths"] = lengths
     return counts
 
@@ -106,12 +47,6 @@ def run(cmd: list[str], env: dict[str, str]) -> float:
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - t0
-
-
-def distribution(values: list[int]) -> dict[str, float]:
-    q = statistics.quantiles(values, n=10)
-    return {"min": min(values), "p10": q[0], "median": statistics.median(values), "mean": round(statistics.mean(values), 1),
-            "p90": q[-1], "max": max(values)}  # fmt: skip
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (issue 10): install seqgen without dependencies, then run scripts/gpu_bench.py
-# (float32 equivalence on the device, host-sync audit, the bart-large-cnn and GPT-2 tables, the CLI).
+# (float32 equivalence on the device, host-sync audit, the bart-large-cnn and GPT-2 tables, refill vs
+# --no-refill, the CLI).
 #
-#   scripts/gpu_bench.sh --out DIR [--shared DIR] [--stages equiv,sync,bart,gpt2,cli] [--batches 32,64,128|max]
+#   scripts/gpu_bench.sh --out DIR [--shared DIR] [--stages equiv,sync,bart,gpt2,refill,cli] [--batches 32,64,128|max]
 #   scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16   # one stage per 10-minute call
+#   scripts/gpu_bench.sh --out DIR --budget 540 --stages refill --dtypes float16
 #   scripts/gpu_bench.sh --device cpu --quick --out DIR        # tiny shapes on the CPU (CI)
 #
 # Calls into the same --out add up (gpu_bench.py's docstring lists the calls that cover everything); --budget

@@ -2,7 +2,7 @@
 on there (``seqgen generate`` without rouge-score, sacrebleu or ctranslate2 installed); and its table logic
 in-process, with out-of-memory errors and the capture path faked: ``--batches max``, inputs recycled to fill
 a batch, an OOM in one system keeping the others' cells, the captured arm's first run timed, ``--budget`` and
-calls adding up in one ``--out``."""
+calls adding up in one ``--out``; the refill stage's step counts."""
 
 from __future__ import annotations
 
@@ -98,11 +98,31 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
             assert r["seqgen_samples_per_s"] > 0 and r["generate_tokens_per_s"] > 0
             assert 0 <= r["same_as_float32"] <= 1 and 0 <= r["same_as_generate"] <= 1
             assert r["step_path"] == "eager (cpu: no CUDA graphs)" and "captured_first_s" not in r
+    refill = results["refill"]
+    assert {(r["dtype"], r["batch"]) for r in refill["rows"]} == {
+        (d, b) for d in ("float16", "bfloat16") for b in (2, 4)
+    }
+    assert refill["settings"]["preset"] == "cnndm-bart" and float(refill["settings"]["eos_bias"]) != 0
+    for r in refill["rows"]:
+        assert "error" not in r and r["inputs"] == 4 * r["batch"] and r["refill_engine"], r
+        assert r["same_as_no_refill"] == 1 and r["repeats_same"], r
+        for system in ("refill", "no_refill"):
+            assert len(r[f"{system}_s"]) == 2 and r[f"{system}_s_min"] <= r[f"{system}_s_median"]
+            assert (
+                r[f"{system}_steps"] > 0 and 0 < r[f"{system}_occupancy"] <= 1 and r[f"{system}_first_s"] > 0
+            )
+            assert r[f"{system}_step_path"] == "eager (cpu: no CUDA graphs)"
+        assert r["refill_live_row_steps"] == r["no_refill_live_row_steps"], "the same live rows either way"
+        assert r["refill_joins"] >= 1 and r["speedup"] > 0 and r["steps_ratio"] > 0
+        lengths = r["output_tokens"]
+        assert 4 <= lengths["min"] <= lengths["median"] <= lengths["max"] <= 24
+        assert r["generated_tokens"] >= lengths["max"]
     assert results["cli"]["api_ok"] and results["cli"]["cli_ok"], results["cli"]
     step = "eager (cpu: no CUDA graphs)"
     assert results["cli"]["device_stats"] == {"device": "cpu", "dtype": "float32", "step_path": step}
     md = (out / "results.md").read_text()
     assert "## bart-large-cnn shape" in md and "## GPT-2 shape" in md and "float32 equivalence" in md
+    assert "## Refill vs --no-refill" in md and "| float16 | 2 | 8 |" in md
 
 
 @pytest.fixture
@@ -228,3 +248,94 @@ def test_calls_into_one_out_add_up(bench: Any, tmp_path: Path) -> None:
         md.index("| float16 | 64 |") < md.index("| bfloat16 | 32 |")
         and "`scripts/gpu_bench.sh --stages gpt2`" in md
     )
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_counted_steps_are_one_per_new_token(
+    family: str, tiny_models, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """One input, exactly 5 new tokens, beam 2: 5 decode steps of 2 live rows, with and without refill (an
+    encoder-decoder's ``start`` runs the encoder only: not a step; a decoder-only one's prefill is the first)."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    common = importlib.import_module("_common")
+    from seqgen_cli.generator import Generator
+
+    settings = dict(num_beams=2, min_new_tokens=5, max_new_tokens=5)
+    for refill in (False, True) if family == "bart" else (False,):
+        gen = Generator(str(tiny_models(family)), device="cpu", refill=refill, **settings)
+        assert gen.refill == refill
+        with common.counted_steps(gen, 1) as counts:
+            (seqs,) = common.generate_ids(gen, ["The first article is short."], 1)
+        assert len(seqs) == 1 and len(seqs[0]) == 5
+        assert (counts["steps"], counts["live_row_steps"], counts["occupancy"]) == (5, 10, 1.0), (
+            refill,
+            counts,
+        )
+        assert gen._engine().step.__self__ is gen._engine(), "the engine's own step again"
+
+
+@pytest.fixture
+def one_thread() -> Any:
+    """One torch thread, as gpu_bench.py runs on the CPU (tiny ops on 2 threads of a busy machine crawl)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _refill(bench: Any, model: Path, plan: tuple, budget: Any = None) -> dict:
+    return bench.section_refill(
+        model, TEXTS, torch.device("cpu"), ["float32"], plan, 64, True, 1, budget or bench.Budget(None)
+    )
+
+
+def test_refill_stage_stops_at_oom_and_skips_what_the_budget_cannot_fit(
+    bench: Any, tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """An out-of-memory cell is marked and ends its dtype's sizes; a cell beyond ``--budget`` is listed with
+    its command. The EOS-biased checkpoint is built next to the base one (here a copy)."""
+    import shutil
+
+    base = tmp_path / "bart"
+    shutil.copytree(tiny_models("bart"), base)
+    real = bench.generate_ids
+
+    def generate_ids(gen: Any, texts: list[str], batch: int) -> Any:
+        if batch >= 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real(gen, texts, batch)
+
+    monkeypatch.setattr(bench, "generate_ids", generate_ids)
+    data = _refill(bench, base, ([2, 4, 8], False))
+    assert [(r["batch"], "error" in r) for r in data["rows"]] == [(2, False), (4, True)]
+    assert data["rows"][0]["same_as_no_refill"] == 1 and data["rows"][1]["error"] == "out of memory"
+    assert (tmp_path / "bart-eos12" / "config.json").is_file()
+    assert "| float32 | 4 | 16 | OOM |" in "\n".join(bench.refill_md("t", data))
+
+    class OneCell(bench.Budget):  # time for a first cell (estimate 0), not for a second
+        def left(self) -> float:
+            return 1e-6
+
+    data = _refill(bench, base, ([2, 4], False), OneCell(None))
+    assert [r["batch"] for r in data["rows"]] == [2]
+    assert data["skipped"] == ["--stages refill --dtypes float32 --batches 4"]
+
+
+def test_refill_cell_through_the_capture_path(
+    bench: Any, tiny_models, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """On CUDA both systems' steps run captured (here an uncompiled stand-in): the cell records the capture
+    counts, and the steps it counts (first run) are the steps the capture path ran (first run + timed run)."""
+    from seqgen_cli.models import capture
+
+    def captured(backend: Any, device: Any, on: bool) -> tuple[Any, str]:
+        return capture.CapturedBackend(backend, lambda decode: decode), "captured"
+
+    monkeypatch.setattr(capture, "capture", captured)
+    settings = dict(num_beams=2, min_new_tokens=2, max_new_tokens=6)
+    row = bench.refill_cell(tiny_models("bart"), TEXTS * 3, torch.device("cpu"), "float32", 2, settings, 1)
+    assert row["refill_engine"] and row["same_as_no_refill"] == 1 and row["repeats_same"]
+    for system in bench.REFILL_SYSTEMS:
+        assert row[f"{system}_step_path"] == "captured" and row[f"{system}_shapes_compiled"] >= 1, row
+        assert row[f"{system}_eager_steps"] == 0 and row[f"{system}_compile_seconds"] >= 0
+        assert row[f"{system}_captured_steps"] == 2 * row[f"{system}_steps"], (system, row)
