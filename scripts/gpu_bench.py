@@ -484,6 +484,36 @@ def table_sizes(sizes: list[int], grow: bool, cap: int) -> Iterator[int]:
         yield size
 
 
+def table_rows(
+    sizes: Iterator[int],
+    budget: Budget,
+    skipped: list[str],
+    command: str,
+    cell: Callable[[int], dict],
+    show: Callable[[dict], str],
+    last_key: str,
+) -> list[dict]:
+    """A table's rows, one ``cell(batch size)`` each, printed as they come: a cell whose time (estimated linearly
+    from the last one) would overrun ``budget`` ends the table, listed in ``skipped`` as ``command --batches N``;
+    a row holding ``last_key`` (an out-of-memory error) is the last."""
+    rows: list[dict] = []
+    last: tuple[int, float] | None = None  # (batch size, seconds) of the last cell
+    for batch_size in sizes:
+        estimate = 0.0 if last is None else last[1] * batch_size / last[0]
+        if not budget.allows(estimate):
+            skipped.append(f"{command} --batches {batch_size}")
+            break
+        t0 = time.perf_counter()
+        row = cell(batch_size)
+        last = (batch_size, time.perf_counter() - t0)
+        row["cell_s"] = round(last[1], 1)
+        rows.append(row)
+        print(show(row), flush=True)
+        if last_key in row:
+            break
+    return rows
+
+
 def section_table(
     stage: str,
     path: Path,
@@ -516,22 +546,17 @@ def section_table(
     skipped: list[str] = []
     for dtype_name in dtypes:
         model = load_model(path, getattr(torch, dtype_name), device)
-        last: tuple[int, float] | None = None  # (batch size, seconds) of the last cell
-        for batch_size in table_sizes(*plan, max_batch):
-            estimate = 0.0 if last is None else last[1] * batch_size / last[0]
-            if not budget.allows(estimate):
-                skipped.append(f"--stages {stage} --dtypes {dtype_name} --batches {batch_size}")
-                break
-            t0 = time.perf_counter()
+
+        def cell(batch_size: int, dtype_name: str = dtype_name, model: Any = model) -> dict:
             batch = encode(path, recycled(texts, batch_size), src_len, device, encdec)
             row = {"dtype": dtype_name, "batch": batch_size}
-            row |= measure_cell(model, batch, config, device, reps, warmup, new_tokens, reference)
-            last = (batch_size, time.perf_counter() - t0)
-            row["cell_s"] = round(last[1], 1)
-            rows.append(row)
-            print(table_row(row), flush=True)
-            if "seqgen_error" in row:  # seqgen's largest batch is behind: no larger size
-                break
+            return row | measure_cell(model, batch, config, device, reps, warmup, new_tokens, reference)
+
+        command = f"--stages {stage} --dtypes {dtype_name}"
+        # a row with seqgen's OOM: seqgen's largest batch is behind, no larger size
+        rows += table_rows(
+            table_sizes(*plan, max_batch), budget, skipped, command, cell, table_row, "seqgen_error"
+        )
         del model
         reset_peak(device)
     return {
@@ -717,23 +742,16 @@ def section_refill(
     rows: list[dict] = []
     skipped: list[str] = []
     for dtype_name in dtypes:
-        last: tuple[int, float] | None = None  # (batch size, seconds) of the last cell
-        for batch_size in table_sizes(*plan, max_batch):
-            estimate = 0.0 if last is None else last[1] * batch_size / last[0]
-            if not budget.allows(estimate):
-                skipped.append(f"--stages refill --dtypes {dtype_name} --batches {batch_size}")
-                break
-            t0 = time.perf_counter()
+
+        def cell(batch_size: int, dtype_name: str = dtype_name) -> dict:
             inputs = INPUTS_PER_SLOT * batch_size
             row = {"dtype": dtype_name, "batch": batch_size, "inputs": inputs}
             row |= refill_cell(path, recycled(texts, inputs), device, dtype_name, batch_size, settings, reps)
-            last = (batch_size, time.perf_counter() - t0)
-            row["cell_s"] = round(last[1], 1)
-            rows.append(row)
-            print(refill_row(row), flush=True)
-            if "error" in row:
-                break
             reset_peak(device)
+            return row
+
+        command = f"--stages refill --dtypes {dtype_name}"
+        rows += table_rows(table_sizes(*plan, max_batch), budget, skipped, command, cell, refill_row, "error")
     limits = f"{settings.get('min_length', 56)}-{settings.get('max_length', 142)} tokens"
     return {
         "title": f"cnndm-bart preset (beam 4, no-repeat 3, length penalty 2, {limits}, early stopping), natural "
