@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import counted_steps, distribution, generate_ids, spread_checkpoint
+from _common import counted_steps, distribution, generate_ids, interleaved, print_medians, spread_checkpoint
 
 
 def count_steps(
@@ -41,6 +41,23 @@ def count_steps(
         lengths = [len(seqs[0]) for seqs in generate_ids(gen, texts, batch)]
     counts["lengths"] = lengths
     return counts
+
+
+def decode_only(model: str, texts: list[str], settings: dict[str, Any], batch: int, repeats: int) -> None:
+    """In one process, models loaded and warmed up: ``Generator.generate`` with and without refill, interleaved;
+    a markdown table of the seconds and how many outputs are identical."""
+    from seqgen_cli.generator import Generator
+
+    gens = {
+        name: Generator(model, device="cpu", refill=name == "refill", **settings)
+        for name in ("refill", "no-refill")
+    }
+    for gen in gens.values():
+        gen.generate(texts[:batch], batch_size=batch)  # warm-up
+    arms = {name: (lambda gen=gen: gen.generate(texts, batch_size=batch)) for name, gen in gens.items()}
+    times, results = interleaved(arms, repeats)
+    print(f"load {os.getloadavg()[0]:.2f}")
+    print_medians(times, {name: runs[-1] for name, runs in results.items()})
 
 
 def run(cmd: list[str], env: dict[str, str]) -> float:
@@ -67,6 +84,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench-results/refill")
     ap.add_argument("--systems", default="refill,no-refill,ct2")
+    ap.add_argument("--decode-only", action="store_true", help="refill vs --no-refill in one process instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -88,6 +106,9 @@ def main() -> None:
         + (f"-{args.preset}" if args.preset else "")
     )
     model = spread_checkpoint(args.model, texts[:16], args.mean_length, settings, out / name, args.eos_bias)
+    if args.decode_only:
+        decode_only(str(model), texts, settings, args.batch, args.repeats)
+        return
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     # seqgen sets a passive OpenMP wait policy itself (seqgen_cli/openmp.py); CTranslate2 spins unless told
     ct2_env = {"OMP_WAIT_POLICY": "PASSIVE"}
