@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Collection
@@ -44,39 +45,33 @@ def _flag_decl(name: str, flag: _Flag) -> str:
     return f"{decl}/--no-{decl[2:]}" if flag.kwargs["type"] is bool else decl
 
 
-def _at_least(n: int) -> click.IntRange:
-    return click.IntRange(min=n)
-
-
-_POSITIVE = click.FloatRange(min=0, min_open=True)
-
 # The generation flags, keyed by transformers' names: the keys of seqgen_cli.config.GENERATION_KEYS (not
 # imported here: it loads transformers, and `seqgen --help` should not; tests/test_cli.py checks the two
-# agree). Every value reaches Generator(**flags) unchanged, --early-stopping through its callback.
+# agree). Every value reaches Generator(**flags) unchanged, --early-stopping through its callback; their
+# ranges are checked there (config.RULES), as a preset's and a checkpoint's are, not by click.
 GENERATION_OPTIONS: dict[str, _Flag] = {
-    "num_beams": _flag(_at_least(1), "Beam size (1 = greedy or sampling)."),
-    "max_new_tokens": _flag(_at_least(1), "Most tokens to generate (excludes the prompt)."),
-    "min_new_tokens": _flag(_at_least(0), "Fewest tokens to generate before EOS is allowed."),
+    "num_beams": _flag(int, "Beam size (1 = greedy or sampling)."),
+    "max_new_tokens": _flag(int, "Most tokens to generate (excludes the prompt)."),
+    "min_new_tokens": _flag(int, "Fewest tokens to generate before EOS is allowed."),
     "max_length": _flag(
-        _at_least(1),
-        "Most tokens in total, as transformers counts them (decoder start token / prompt included).",
+        int, "Most tokens in total, as transformers counts them (decoder start token / prompt included)."
     ),
-    "min_length": _flag(_at_least(0), "Fewest tokens in total, as transformers counts them."),
+    "min_length": _flag(int, "Fewest tokens in total, as transformers counts them."),
     "length_penalty": _flag(float, "Beam scores are divided by length**penalty (>1 favours longer outputs)."),
     "early_stopping": _flag(
         click.Choice(list(EARLY_STOPPING)),
         "Beam search stop rule, as in transformers.",
         callback=_early_stopping,
     ),
-    "no_repeat_ngram_size": _flag(_at_least(0), "Never repeat an n-gram of this size (0 = off)."),
+    "no_repeat_ngram_size": _flag(int, "Never repeat an n-gram of this size (0 = off)."),
     "num_return_sequences": _flag(
-        _at_least(1), "Outputs per input: N consecutive lines (text) or a list (JSONL), best first."
+        int, "Outputs per input: N consecutive lines (text) or a list (JSONL), best first."
     ),
     "do_sample": _flag(bool, "Sample instead of searching.", default=None),
-    "temperature": _flag(_POSITIVE, "Sampling temperature."),
-    "top_k": _flag(_at_least(0), "Sample among the k most likely tokens."),
-    "top_p": _flag(click.FloatRange(0, 1, min_open=True), "Sample within the top-p probability mass."),
-    "repetition_penalty": _flag(_POSITIVE, "Penalise tokens already in the output (1.0 = off)."),
+    "temperature": _flag(float, "Sampling temperature (> 0)."),
+    "top_k": _flag(int, "Sample among the k most likely tokens (0 = all)."),
+    "top_p": _flag(float, "Sample within the top-p probability mass (0 < p <= 1)."),
+    "repetition_penalty": _flag(float, "Penalise tokens already in the output (1.0 = off; > 0)."),
 }
 # Not bench flags: --num-beams is bench's own comma-separated list; bench times one searched output per input.
 _BENCH_EXCLUDES = ("num_beams", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p")
@@ -158,9 +153,11 @@ def run(args: list[str] | None = None) -> None:
     process with :func:`main`'s exit status. An uncaught exception (``SEQGEN_DEBUG=1``) exits as usual.
 
     First, before torch is imported, idle OpenMP threads are made to sleep instead of spinning unless the
-    user chose a wait policy (:mod:`seqgen_cli.openmp`: a box shared with other processes).
+    user chose a wait policy (:mod:`seqgen_cli.openmp`: a box shared with other processes), and SIGTERM
+    becomes Ctrl-C (what is done is written, exit 130), model loading included.
     """
     prefer_passive_wait(os.environ)
+    signal.signal(signal.SIGTERM, _terminated)  # a scheduler's stop, as Ctrl-C: from the start, loading too
     try:
         main(args)  # standalone click: always ends in SystemExit
         code: object = 0
@@ -186,6 +183,10 @@ def run(args: list[str] | None = None) -> None:
             pass
     run_exitfuncs()
     os._exit(status)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -9,6 +9,7 @@ one unit can be overridden in the other.
 from __future__ import annotations
 
 import copy
+import math
 import tomllib
 import warnings
 from dataclasses import dataclass, field
@@ -38,6 +39,86 @@ GENERATION_KEYS = (
     "repetition_penalty",
 )
 _DEFAULT_CONFIG = GenerationConfig()
+FLAG = "flag"  # the source of a setting given on the command line (or to Generator(...))
+CHECKPOINT = "the model's generation_config.json"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What values a generation setting takes: a number of ``kind`` (``bool``: true/false) within bounds."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is not allowed
+    also: tuple[Any, ...] = ()  # further values allowed as they are (early_stopping's "never")
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` breaks the rule (None: it does not)."""
+        if isinstance(value, str) and value in self.also:
+            return None
+        if self.kind is bool:
+            return (
+                None
+                if isinstance(value, bool)
+                else "must be true or false" + "".join(f" or {a}" for a in self.also)
+            )
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        whole = isinstance(value, int)
+        too_low = (
+            number and self.low is not None and (value < self.low or (self.low_open and value == self.low))
+        )
+        too_high = number and self.high is not None and value > self.high
+        if not number or (self.kind is int and not whole) or too_low or too_high:
+            return f"must be a {'whole' if self.kind is int else 'finite'} number{self._bounds()}"
+        return None
+
+    def _bounds(self) -> str:
+        low = "" if self.low is None else f"{'>' if self.low_open else '>='} {self.low:g}"
+        high = "" if self.high is None else f"<= {self.high:g}"
+        return "" if not (low or high) else " " + " and ".join(x for x in (low, high) if x)
+
+
+# Every setting of GENERATION_KEYS and its rule: flags, preset files and the checkpoint's generation_config.json
+# all go through check_setting.
+RULES: dict[str, Rule] = {
+    "num_beams": Rule(int, 1),
+    "max_new_tokens": Rule(int, 1),
+    "min_new_tokens": Rule(int, 0),
+    "max_length": Rule(int, 1),
+    "min_length": Rule(int, 0),
+    "length_penalty": Rule(float),
+    "early_stopping": Rule(bool, also=("never",)),
+    "no_repeat_ngram_size": Rule(int, 0),
+    "num_return_sequences": Rule(int, 1),
+    "do_sample": Rule(bool),
+    "temperature": Rule(float, 0, low_open=True),
+    "top_k": Rule(int, 0),
+    "top_p": Rule(float, 0, 1, low_open=True),
+    "repetition_penalty": Rule(float, 0, low_open=True),
+}
+SAMPLING_KEYS = (
+    "temperature",
+    "top_k",
+    "top_p",
+)  # used (so checked in a checkpoint's config) only when sampling
+
+
+def describe(key: str, value: Any, source: str) -> str:
+    """How an error names a setting: ``--num-beams 0`` for a flag, ``my.toml: num_beams = 0`` otherwise."""
+    if source == FLAG:
+        return f"--{key.replace('_', '-')} {value}"
+    return f"{source}: {key} = {value!r}"
+
+
+def check_setting(key: str, value: Any, source: str) -> None:
+    """One-line :class:`SeqgenError` naming the source when ``value`` breaks ``key``'s rule."""
+    rule = RULES.get(key)
+    problem = rule.problem(value) if rule is not None else None
+    if problem is not None:
+        raise SeqgenError(f"{describe(key, value, source)}: {problem}")
+
+
 # Pairs that say the same thing in two units: the later layer's choice wins.
 _SAME_LIMIT = {
     "max_new_tokens": "max_length",
@@ -56,6 +137,7 @@ class Preset:
     generation: dict[str, Any] = field(default_factory=dict)
     prefix: str | None = None
     max_source_length: int | None = None
+    source: str = "preset"  # how errors name it: "preset PATH"
 
 
 def preset_dirs() -> list[Path]:
@@ -92,24 +174,39 @@ def _read_preset(path: Path) -> Preset:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
         raise SeqgenError(f"{path}: cannot read preset: {err}") from None
+    where = f"preset {path}"
     generation = data.pop("generation", {})
+    if not isinstance(generation, dict):
+        raise SeqgenError(f"{where}: [generation] must be a table of settings")
     unknown = sorted(set(generation) - set(GENERATION_KEYS))
     if unknown:
-        raise SeqgenError(f"{path}: unknown generation setting(s) {', '.join(unknown)}")
+        raise SeqgenError(f"{where}: unknown generation setting(s) {', '.join(unknown)}")
     extra = sorted(set(data) - {"description", "prefix", "max_source_length"})
     if extra:
-        raise SeqgenError(f"{path}: unknown preset key(s) {', '.join(extra)}")
+        raise SeqgenError(f"{where}: unknown preset key(s) {', '.join(extra)}")
+    for key, value in generation.items():
+        check_setting(key, value, where)
+    for key in ("description", "prefix"):
+        if not isinstance(data.get(key, ""), str):
+            raise SeqgenError(f"{describe(key, data[key], where)}: must be a string")
+    limit = data.get("max_source_length")
+    if limit is not None and Rule(int, 1).problem(limit):
+        raise SeqgenError(f"{describe('max_source_length', limit, where)}: {Rule(int, 1).problem(limit)}")
     return Preset(
         name=path.stem,
         description=data.get("description", ""),
         generation=generation,
         prefix=data.get("prefix"),
-        max_source_length=data.get("max_source_length"),
+        max_source_length=limit,
+        source=where,
     )
 
 
 def resolve_generation_config(
-    base: GenerationConfig, preset: Preset | None = None, flags: dict[str, Any] | None = None
+    base: GenerationConfig,
+    preset: Preset | None = None,
+    flags: dict[str, Any] | None = None,
+    is_encoder_decoder: bool | None = None,
 ) -> GenerationConfig:
     """Checkpoint config, then preset, then explicit settings.
 
@@ -120,19 +217,60 @@ def resolve_generation_config(
     ``SeqgenError`` for settings transformers rejects.
     """
     config = copy.deepcopy(base)
+    source = {k: CHECKPOINT for k in RULES if getattr(base, k, None) is not None}
     given: set[str] = set()
-    for layer in (preset.generation if preset else {}, flags or {}):
+    layers = ((preset.generation, preset.source) if preset else ({}, ""), (flags or {}, FLAG))
+    for layer, where in layers:
         for key, value in layer.items():
             other = _SAME_LIMIT.get(key)
             if other is not None and other not in layer:
                 setattr(config, other, getattr(_DEFAULT_CONFIG, other))
                 given.discard(other)
+                source.pop(other, None)
             setattr(config, key, value)
             given.add(key)
+            source[key] = where
     if config.early_stopping is not None and config.num_beams in (None, 1):
         config.early_stopping = None  # a beam-only setting from a checkpoint/preset; harmless for greedy
+        source.pop("early_stopping", None)
+    for key, where in source.items():  # flags and presets were checked as they came; the checkpoint's now
+        if where == CHECKPOINT and (key not in SAMPLING_KEYS or config.do_sample):
+            check_setting(key, getattr(config, key), where)
+    _check_lengths(config, source, is_encoder_decoder)
     _validate(config, given)
     return config
+
+
+def _check_lengths(config: GenerationConfig, source: dict[str, str], is_encoder_decoder: bool | None) -> None:
+    """A fewest-tokens flag (or a preset's, beside its own most-tokens setting) that the most-tokens setting
+    leaves no room for (others, e.g. a preset's minimum under a --max-new-tokens flag, run as ``generate()``
+    runs them: every output at the maximum). ``*_length`` counts the decoder start token of an
+    encoder-decoder model and the prompt of a decoder-only one, so across units only the former compares."""
+
+    def limit(kind: str) -> tuple[str, int, bool] | None:  # (key, value, counted in new tokens)
+        key = f"{kind}_new_tokens"
+        if getattr(config, key) is None:
+            key = f"{kind}_length"
+        value = getattr(config, key)
+        return None if value is None else (key, value, key.endswith("new_tokens"))
+
+    most, fewest = limit("max"), limit("min")
+    if most is None or fewest is None:
+        return
+    chosen = source.get(fewest[0])  # a flag, or a preset's minimum beside its own maximum
+    if chosen != FLAG and (chosen in (None, CHECKPOINT) or chosen != source.get(most[0])):
+        return
+    (high_key, high, high_new), (low_key, low, low_new) = most, fewest
+    if high_new != low_new:
+        if not is_encoder_decoder:
+            return
+        high, low = (high, low - 1) if high_new else (high - 1, low)
+    if low > high:
+        raise SeqgenError(
+            f"{describe(low_key, getattr(config, low_key), source[low_key])} cannot be reached under "
+            f"{describe(high_key, getattr(config, high_key), source.get(high_key, CHECKPOINT))}: "
+            "lower the one or raise the other"
+        )
 
 
 def check_flags(flags: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +283,8 @@ def check_flags(flags: dict[str, Any]) -> dict[str, Any]:
     for a, b in (("max_new_tokens", "max_length"), ("min_new_tokens", "min_length")):
         if a in flags and b in flags:
             raise SeqgenError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} contradict; give one")
+    for key, value in flags.items():
+        check_setting(key, value, FLAG)
     return flags
 
 

@@ -83,7 +83,9 @@ class Generator:
         self.tokenizer = self.loaded.tokenizer
         self.model = self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
-        self.config = resolve_generation_config(self.model.generation_config, self.preset, flags)
+        self.config = resolve_generation_config(
+            self.model.generation_config, self.preset, flags, self.is_encoder_decoder
+        )
         self.prefix = prefix if prefix is not None else (self.preset.prefix if self.preset else None)
         self.max_source_length = max_source_length or (self.preset.max_source_length if self.preset else None)
         self.max_source_length = self._source_limit(self.max_source_length)

@@ -6,6 +6,8 @@ import ctypes
 import importlib
 import json
 import os
+import pickle
+import re
 import socket
 import sys
 import threading
@@ -175,8 +177,8 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
     try:
         with fast_sinusoids(model_type):
             model = auto.from_pretrained(source, dtype=torch_dtype)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise SeqgenError(f"model {name}: cannot load its weights: {_first_line(err)}") from None
+    except Exception as err:  # noqa: BLE001 - safetensors, pickle and torch each raise their own
+        raise SeqgenError(weights_error(name, source, err)) from None
     model.to(dev).eval()
     if dev.type == "cpu":
         keep_freed_memory()
@@ -186,6 +188,20 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
         eos = model.generation_config.eos_token_id
         tokenizer.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype, int8=dtype == INT8)
+
+
+def weights_error(name: str, source: str, err: Exception) -> str:
+    """One line for weights that cannot be loaded, naming the file where the folder shows which."""
+    files = sorted(p.name for p in Path(source).glob("*") if p.suffix in (".safetensors", ".bin"))
+    where = f" ({', '.join(files)})" if files and Path(source).is_dir() else ""
+    if isinstance(err, pickle.UnpicklingError):
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = f" ({refused.group(1)})" if refused else ""
+        return (
+            f"model {name}: its weights{where} hold Python objects besides tensors{what}, which seqgen does not "
+            "run (torch.load weights_only); convert the checkpoint to safetensors where it is trusted"
+        )
+    return f"model {name}: cannot load its weights{where}: {type(err).__name__}: {_first_line(err)}"
 
 
 def tokenizer_files(folder: Path, model_type: str | None) -> list[str]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from transformers import (
     PreTrainedModel,
 )
 
-from seqgen_cli.search import Batch
+from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.search import Batch, generate
 from tests.equivalence import tune_eos
 from tests.helpers import load_tiny
 from tests.tiny_models import FAMILIES, sample_texts
@@ -45,3 +47,16 @@ def text_batch(loaded: Loaded, n: int, seed: int = 0, max_tokens: int = 40) -> B
         sample_texts(n, seed=seed), return_tensors="pt", padding=True, truncation=True, max_length=max_tokens
     )
     return Batch(enc["input_ids"], enc["attention_mask"])
+
+
+def beam_config(loaded: Loaded, **kwargs: Any) -> Any:
+    """Beam 3, 10 new tokens (and ``kwargs``) over the checkpoint's generation config."""
+    return resolve_generation_config(
+        loaded.model.generation_config, None, dict(num_beams=3, max_new_tokens=10) | kwargs
+    )
+
+
+def run_beam(backend: Any, loaded: Loaded, batch: Batch | None = None, **kwargs: Any) -> list:
+    """The sequences :func:`beam_config` gives over ``backend`` for ``batch`` (default: 5 texts)."""
+    config = beam_config(loaded, **kwargs)
+    return generate(backend, batch or text_batch(loaded, 5, seed=5), config).sequences

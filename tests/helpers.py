@@ -1,15 +1,24 @@
-"""Helpers every test file uses: :func:`seqgen` (the CLI in-process) and :func:`load_tiny` (a checkpoint's
-model and tokenizer)."""
+"""Helpers the test files share: :func:`seqgen` (the CLI in-process), :func:`load_tiny` (a checkpoint's model
+and tokenizer), :func:`write_lines`, and :class:`FakeGen` (a generator without a model: an input's output is its
+text reversed, :func:`expected`) with :class:`Capture` (a binary stream) for the pipeline tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from click.testing import CliRunner, Result
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    GenerationConfig,
+)
 
+from seqgen_cli.batching import Encoded
 from seqgen_cli.cli import main
 
 
@@ -23,3 +32,73 @@ def load_tiny(path: Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]
     config = AutoConfig.from_pretrained(path)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     return auto.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)
+
+
+class FakeGen:
+    """Token ids are code points; the "generation" of an input is its text reversed."""
+
+    backend = "fake"
+    refill = False
+    prefix = None
+    max_source_length = None
+    seed = None
+
+    def __init__(self, n: int = 1, fail=None) -> None:
+        self.config = GenerationConfig(num_return_sequences=n, num_beams=n)
+        self.model = SimpleNamespace(config=SimpleNamespace(_name_or_path="fake-model"))
+        self.loaded = SimpleNamespace(device=SimpleNamespace(type="cpu"), dtype="float32", int8=False)
+        self.batches: list[list[list[int]]] = []
+        self.fail = fail  # called with the batch before generating; may raise
+
+    @property
+    def num_return_sequences(self) -> int:
+        return self.config.num_return_sequences
+
+    rows_per_input = num_return_sequences
+
+    def encode(self, texts):
+        return [Encoded([ord(c) for c in t], False) for t in texts]
+
+    def generate_ids(self, batch):
+        if self.fail is not None:
+            self.fail(batch)
+        self.batches.append([list(ids) for ids in batch])
+        n = self.config.num_return_sequences
+        return [[list(reversed(ids)) + [ord("0") + k] * (k > 0) for k in range(n)] for ids in batch]
+
+    def decode(self, seqs):
+        return ["".join(map(chr, s)) for s in seqs]
+
+    def device_stats(self):
+        return {"device": "cpu", "dtype": "float32"}
+
+    def batch_limits(self, batch_size, batch_tokens, window):
+        return batch_size, batch_tokens  # no refill
+
+    def memory_limit(self):
+        return None
+
+
+def expected(texts: list[str]) -> str:
+    return "".join(t.strip() and t[::-1] + "\n" or "\n" for t in texts)
+
+
+def write_lines(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+class Capture:
+    """A binary stream for StreamSink."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def write(self, b: bytes) -> None:
+        self.chunks.append(bytes(b))
+
+    def flush(self) -> None:
+        pass
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode()

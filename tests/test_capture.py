@@ -34,7 +34,7 @@ from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.search.settings import rows_per_input
 from seqgen_cli.search.slots import SlotStats, generate_slots
-from tests.engine_models import load, text_batch
+from tests.engine_models import beam_config, load, run_beam, text_batch
 
 
 def eager(decode: Decode) -> Decode:
@@ -64,16 +64,6 @@ def failing_on(call: int, error: Exception, after: bool = False) -> Callable[[De
     return compiler
 
 
-def _config(loaded: Any, **kwargs: Any) -> Any:
-    return resolve_generation_config(
-        loaded.model.generation_config, None, dict(num_beams=3, max_new_tokens=10) | kwargs
-    )
-
-
-def _run(backend: Any, loaded: Any, batch: Batch | None = None) -> list:
-    return generate(backend, batch or text_batch(loaded, 5, seed=5), _config(loaded)).sequences
-
-
 def _steps(backend: CapturedBackend) -> int:
     return backend.steps["captured"] + backend.steps["eager"]
 
@@ -98,7 +88,7 @@ def test_batches_are_padded_to_the_width_bucket(tiny_models, family: str) -> Non
     backend = CapturedBackend(get_backend(loaded.model), eager)
     state, _ = backend.start(batch, 2, 10)
     assert state.shape == (4 * 2, 256, 64), "3 inputs -> 4 slots x 2 rows, 130 tokens -> 256, 10 -> 64 slots"
-    assert _run(backend, loaded, batch) == _run(get_backend(loaded.model), loaded, batch)
+    assert run_beam(backend, loaded, batch) == run_beam(get_backend(loaded.model), loaded, batch)
 
 
 def test_compaction_stops_two_halvings_below_the_start(tiny_models) -> None:
@@ -119,10 +109,10 @@ def test_compaction_stops_two_halvings_below_the_start(tiny_models) -> None:
 
 def test_the_shape_cap_is_per_instance_and_reported(tiny_models) -> None:
     loaded = load(tiny_models("bart"))
-    reference = _run(get_backend(loaded.model), loaded)
+    reference = run_beam(get_backend(loaded.model), loaded)
     capped = CapturedBackend(get_backend(loaded.model), eager, max_shapes=1)
     free = CapturedBackend(get_backend(loaded.model), eager)
-    assert _run(capped, loaded) == reference and _run(free, loaded) == reference
+    assert run_beam(capped, loaded) == reference and run_beam(free, loaded) == reference
     assert len(capped.shapes) == 1 and capped.steps["eager"] > 0
     assert capped.path == "captured (1 shapes; eager beyond)"
     assert len(free.shapes) > 1 and free.steps["eager"] == 0 and free.path == "captured"
@@ -150,7 +140,7 @@ def test_torch_recompile_limit_is_raised_to_the_instance_cap(tiny_models) -> Non
 
     backend = CapturedBackend(get_backend(loaded.model), compiler, max_shapes=4)
     with torch._dynamo.config.patch(recompile_limit=1):
-        assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+        assert run_beam(backend, loaded) == run_beam(get_backend(loaded.model), loaded)
     assert backend.path == "captured" and len(backend.shapes) >= 2 and len(graphs) == len(backend.shapes)
     assert backend.steps["eager"] == 0
 
@@ -169,7 +159,7 @@ def test_a_recompile_limit_hit_is_reported_not_silent(tiny_models) -> None:
 
     backend = CapturedBackend(get_backend(loaded.model), compiler, max_shapes=2)
     with torch._dynamo.config.patch(recompile_limit=2):
-        assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+        assert run_beam(backend, loaded) == run_beam(get_backend(loaded.model), loaded)
     assert backend.path.startswith("captured, then eager (FailOnRecompileLimitHit"), backend.path
     assert backend.compiled is None and backend.steps["eager"] > 0
 
@@ -180,10 +170,10 @@ def test_a_failure_on_any_call_falls_back_to_eager(tiny_models, call: int, after
     """Call 1 compiles (and warms up), 2 records the CUDA graph, 3 replays it, 7 is a later replay: each
     failure reruns the step eagerly, the same tokens come out and the path names the error."""
     loaded = load(tiny_models("llama"))
-    reference = _run(get_backend(loaded.model), loaded)
+    reference = run_beam(get_backend(loaded.model), loaded, min_new_tokens=10)  # 10 steps: call 7 comes
     error = RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
     backend = CapturedBackend(get_backend(loaded.model), failing_on(call, error, after))
-    assert _run(backend, loaded) == reference
+    assert run_beam(backend, loaded, min_new_tokens=10) == reference
     reason = "RuntimeError: CUDA error: operation not permitted when stream is capturing"
     assert backend.path == ("eager" if call == 1 else "captured, then eager") + f" ({reason})"
     assert backend.compiled is None
@@ -200,7 +190,7 @@ class _Gen:
         width = max(map(len, batch))
         ids = torch.tensor([b + [1] * (width - len(b)) for b in batch])
         mask = torch.tensor([[1] * len(b) + [0] * (width - len(b)) for b in batch])
-        return generate(self.backend, Batch(ids, mask), _config(self.loaded)).sequences
+        return generate(self.backend, Batch(ids, mask), beam_config(self.loaded)).sequences
 
 
 @pytest.mark.parametrize("message", ["CUDA out of memory. Tried to allocate 2.00 GiB", "out of memory"])
@@ -232,9 +222,9 @@ def test_an_oom_on_a_replay_is_raised_and_the_shape_stays_captured(tiny_models) 
     loaded = load(tiny_models("bart"))
     backend = CapturedBackend(get_backend(loaded.model), failing_on(3, torch.OutOfMemoryError("CUDA OOM")))
     with pytest.raises(torch.OutOfMemoryError):
-        _run(backend, loaded)
+        run_beam(backend, loaded)
     assert not backend.oom_shapes and backend.path == "captured"
-    assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+    assert run_beam(backend, loaded) == run_beam(get_backend(loaded.model), loaded)
 
 
 def test_inductor_skipping_cuda_graphs_is_read_from_its_counter(tiny_models) -> None:
@@ -255,7 +245,7 @@ def test_inductor_skipping_cuda_graphs_is_read_from_its_counter(tiny_models) -> 
         return run
 
     backend = CapturedBackend(get_backend(loaded.model), skipping)
-    assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+    assert run_beam(backend, loaded) == run_beam(get_backend(loaded.model), loaded)
     assert backend.path == "captured, then eager (inductor skipped CUDA graphs: cudagraph_skips)"
     assert backend.steps["captured"] == 1 and backend.compiled is None
 
@@ -273,7 +263,7 @@ def test_the_real_compiler_on_the_cpu_skips_cuda_graphs_and_the_path_says_so(
     torch._dynamo.reset()
     loaded = load(tiny_models("bart"))
     backend = CapturedBackend(get_backend(loaded.model), compile_decode)
-    assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
+    assert run_beam(backend, loaded) == run_beam(get_backend(loaded.model), loaded)
     assert backend.path == "eager (inductor skipped CUDA graphs: cudagraph_skips)"
     assert backend.stats()["compile_seconds"] > 0 and backend.steps["captured"] == 0
 

@@ -19,15 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from seqgen_cli.batching import Encoded, width_bucket
-from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import linear_maps
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
 from seqgen_cli.search.protocol import Batch
+from tests.helpers import seqgen
 from tests.tiny_models import copy_checkpoint, sample_texts
 
 FAST_FAMILIES = ("bart", "marian", "pegasus", "t5", "gpt2", "llama")
@@ -194,8 +193,8 @@ BATCHINGS = {  # name -> flags; the first is the reference: every input alone in
 ALONE = (3, 77)  # lines also run as a file of their own
 
 
-def seqgen(*args: str, stdin: bytes | None = None) -> None:
-    res = CliRunner().invoke(main, list(args), input=stdin, catch_exceptions=False)
+def seqgen_ok(*args: str, stdin: bytes | None = None) -> None:
+    res = seqgen(*args, input=stdin)
     assert res.exit_code == 0, res.stderr
 
 
@@ -216,7 +215,7 @@ def _generate(
     job: tuple[Path, Path, list[str]], src: Path, out: Path, *more: str, stdin: bytes | None = None
 ) -> bytes:
     model, _, flags = job
-    seqgen("generate", "-m", str(model), str(src), "-o", str(out), *flags, *more, stdin=stdin)
+    seqgen_ok("generate", "-m", str(model), str(src), "-o", str(out), *flags, *more, stdin=stdin)
     return out.read_bytes()
 
 
@@ -238,7 +237,7 @@ def test_the_same_bytes_from_every_batching_window_shard_and_alone(job, tmp_path
     parts = [tmp_path / f"part{i}.jsonl" for i in range(3)]
     for i, part in enumerate(parts):
         _generate(job, src, part, "--batch-size", "16", "--shard", f"{i}/3")
-    seqgen("merge", *map(str, parts), "-o", str(tmp_path / "merged.jsonl"))
+    seqgen_ok("merge", *map(str, parts), "-o", str(tmp_path / "merged.jsonl"))
     runs["3 shards + merge"] = (tmp_path / "merged.jsonl").read_bytes()
 
     reference = runs.pop("batch 1")

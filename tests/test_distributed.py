@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback (read at import)
-import ray  # noqa: E402
+ray = pytest.importorskip("ray")  # the ray extra (installed by the test extra)
 
 from seqgen_cli.generator import GeneratorSpec  # noqa: E402
 from seqgen_cli.pipeline.cluster import ClusterOptions  # noqa: E402
@@ -24,7 +24,7 @@ from seqgen_cli.pipeline.driver import generate_distributed  # noqa: E402
 from seqgen_cli.pipeline.formats import index_path, read_index  # noqa: E402
 from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
 from seqgen_cli.pipeline.worker import parts_dir  # noqa: E402
-from tests.helpers import seqgen  # noqa: E402
+from tests.helpers import seqgen, write_lines  # noqa: E402
 from tests.tiny_models import sample_texts  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a local Ray cluster and its worker processes
@@ -59,11 +59,6 @@ def shuffled(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     rng.shuffle(texts)
     return ["" if rng.random() < 0.05 else t for t in texts]
-
-
-def write_lines(path: Path, lines: list[str]) -> Path:
-    path.write_text("".join(t + "\n" for t in lines), encoding="utf-8")
-    return path
 
 
 def one_process(model: Path, src: Path, out: Path, *more: str) -> bytes:

@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from rouge_score import rouge_scorer
 from sacrebleu.metrics import BLEU, CHRF
 
@@ -238,33 +236,6 @@ def test_summeval_refs_against_themselves() -> None:
 )
 def test_split_sentences(text: str, expected: list[str]) -> None:
     assert split_sentences(text) == expected
-
-
-_word = st.text(
-    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc", "Zl", "Zp")), min_size=1
-)
-
-
-@given(st.lists(_word, max_size=30).map(" ".join))
-def test_split_keeps_every_non_space_character(text: str) -> None:
-    sentences = split_sentences(text)
-    assert "".join("".join(sentences).split()) == "".join(text.split())
-    assert all(s and s == s.strip() for s in sentences)
-
-
-_sentence = st.lists(
-    st.sampled_from("alpha beta gamma delta the cat sat on mat".split()), min_size=4, max_size=12
-).map(lambda ws: " ".join(ws).capitalize() + ".")
-
-
-@settings(max_examples=30, deadline=None)
-@given(st.lists(st.lists(_sentence, min_size=1, max_size=3).map(" ".join), min_size=1, max_size=5))
-def test_refs_against_themselves_score_100(refs: list[str]) -> None:
-    result = score(refs, refs, list(METRICS))
-    for t in ROUGE_TYPES:
-        assert result["rouge"][t]["fmeasure"] == pytest.approx(100.0)
-    assert result["bleu"]["score"] == pytest.approx(100.0)
-    assert result["chrf"]["score"] == pytest.approx(100.0)
 
 
 # ----------------------------------------------------------------------------- read_lines

@@ -19,8 +19,7 @@ from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
 from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.sinks import StreamSink
-from tests.helpers import seqgen
-from tests.test_pipeline import Capture, FakeGen, expected, write_lines
+from tests.helpers import Capture, FakeGen, expected, seqgen, write_lines
 from tests.tiny_models import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,7 +70,7 @@ def test_stdin_that_is_the_output_file_is_refused(tmp_path: Path) -> None:
     with open(src, "rb") as stdin:
         res = run_seqgen("generate", "-m", str(tmp_path / "no-model"), "-o", str(src), stdin=stdin)
     err = res.stderr.decode().strip()
-    assert res.returncode == 2 and err.startswith("seqgen: error: standard input is the output"), err
+    assert res.returncode == 2 and err.startswith("seqgen: error: standard input is the same file as -o"), err
     assert len(err.splitlines()) == 1 and src.read_text(encoding="utf-8") == "keep me\n"
 
 
@@ -379,7 +378,7 @@ def test_dev_null_is_written_as_a_stream_and_cannot_be_resumed(tiny_models, tmp_
 DEV_STDOUT_JOB = """
 import sys
 from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
-from tests.test_pipeline import FakeGen
+from tests.helpers import FakeGen
 generate_job(FakeGen(), check_job([sys.argv[1]], "/dev/stdout", JobOptions()))
 """
 

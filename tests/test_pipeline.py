@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from transformers import GenerationConfig
 
-from seqgen_cli.batching import Encoded, plan_batches, width_bucket
+from seqgen_cli.batching import plan_batches, width_bucket
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import formats, resume
 from seqgen_cli.pipeline.formats import index_path
@@ -20,56 +17,7 @@ from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, gene
 from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.sinks import StreamSink
-
-
-class FakeGen:
-    """Token ids are code points; the "generation" of an input is its text reversed."""
-
-    backend = "fake"
-    refill = False
-    prefix = None
-    max_source_length = None
-
-    def __init__(self, n: int = 1, fail=None) -> None:
-        self.config = GenerationConfig(num_return_sequences=n, num_beams=n)
-        self.model = SimpleNamespace(config=SimpleNamespace(_name_or_path="fake-model"))
-        self.loaded = SimpleNamespace(
-            device=SimpleNamespace(type="cpu")
-        )  # --verify's default: off on the CPU
-        self.batches: list[list[list[int]]] = []
-        self.fail = fail  # called with the batch before generating; may raise
-
-    @property
-    def num_return_sequences(self) -> int:
-        return self.config.num_return_sequences
-
-    rows_per_input = num_return_sequences
-
-    def encode(self, texts):
-        return [Encoded([ord(c) for c in t], False) for t in texts]
-
-    def generate_ids(self, batch):
-        if self.fail is not None:
-            self.fail(batch)
-        self.batches.append([list(ids) for ids in batch])
-        n = self.config.num_return_sequences
-        return [[list(reversed(ids)) + [ord("0") + k] * (k > 0) for k in range(n)] for ids in batch]
-
-    def decode(self, seqs):
-        return ["".join(map(chr, s)) for s in seqs]
-
-    def device_stats(self):
-        return {"device": "cpu", "dtype": "float32"}
-
-    def batch_limits(self, batch_size, batch_tokens, window):
-        return batch_size, batch_tokens  # no refill
-
-    def memory_limit(self):
-        return None
-
-
-def expected(texts: list[str]) -> str:
-    return "".join(t.strip() and t[::-1] + "\n" or "\n" for t in texts)
+from tests.helpers import Capture, FakeGen, expected, write_lines
 
 
 def shuffled_texts(n: int, seed: int = 0) -> list[str]:
@@ -78,27 +26,6 @@ def shuffled_texts(n: int, seed: int = 0) -> list[str]:
     for i in range(n):
         out.append("" if rng.random() < 0.05 else f"{i}:" + "x" * rng.choice([1, 2, 5, 40, 200]))
     return out
-
-
-def write_lines(path: Path, texts: list[str]) -> Path:
-    path.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
-    return path
-
-
-class Capture:
-    """A binary stream for StreamSink."""
-
-    def __init__(self) -> None:
-        self.chunks: list[bytes] = []
-
-    def write(self, b: bytes) -> None:
-        self.chunks.append(bytes(b))
-
-    def flush(self) -> None:
-        pass
-
-    def text(self) -> str:
-        return b"".join(self.chunks).decode()
 
 
 @pytest.mark.parametrize(
@@ -120,28 +47,6 @@ def test_order_preserved_with_shuffled_lengths(tmp_path: Path, batch_size, batch
             assert width_bucket(max(map(len, b))) * len(b) <= batch_tokens
     if window != 0 and 1 < batch_size < 100:  # sorted within a window: little padding
         assert summary.padding_ratio < 0.5
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(st.integers(1, 300), max_size=80),
-    st.integers(1, 16),
-    st.one_of(st.none(), st.integers(1, 2000)),
-    st.integers(1, 4),
-    st.booleans(),
-)
-def test_plan_partitions_within_limits(lengths, batch_size, batch_tokens, rows, sort) -> None:
-    batches = plan_batches(lengths, batch_size, batch_tokens, rows, sort)
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-    for b in batches:
-        assert 1 <= len(b) <= batch_size
-        widths = {width_bucket(lengths[i]) for i in b}
-        assert len(widths) == 1  # an input is never padded past its own width bucket
-        if batch_tokens is not None and len(b) > 1:
-            assert widths.pop() * len(b) * rows <= batch_tokens
-    if not sort:  # input order within each bucket
-        order = [i for b in batches for i in b]
-        assert order == sorted(order, key=lambda i: width_bucket(lengths[i]))
 
 
 def test_token_budget_counts_beams(tmp_path: Path) -> None:
@@ -189,7 +94,7 @@ def test_input_that_fails_alone_stops_after_writing_all_before_it(tmp_path: Path
     summary = run(FakeGen(fail=_poison), read_records([str(src)]), StreamSink(out), opts)
     assert out.text() == expected(texts[:5])
     assert summary.error is not None and summary.error.startswith(f"{src}:6: out of memory")
-    assert "the 5 inputs before it" in closing_message(summary, "-")
+    assert "the outputs for the first 5 inputs are in stdout" in closing_message(summary, "-")
 
 
 @pytest.mark.parametrize(
@@ -301,7 +206,11 @@ def test_resume_state_ignores_a_torn_index_line(tmp_path: Path) -> None:
     out = tmp_path / "o.txt"
     out.write_bytes(b"a\nb\nc\n")
     settings = {"k": 1}
-    lines = [{"seqgen_index": 1, "settings": settings}, {"done": 2, "offset": 4, "sha256": "x"}]
+    written = hashlib.sha256(b"a\nb\n").hexdigest()
+    lines = [
+        {"seqgen_index": formats.INDEX_VERSION, "settings": settings},
+        {"done": 2, "offset": 4, "sha256": "x", "output_sha256": written},
+    ]
     index_path(out).write_text("".join(json.dumps(e) + "\n" for e in lines) + '{"done": 3, "off')
     state = resume.load(out, settings)
     assert (state.done, state.offset) == (2, 4)

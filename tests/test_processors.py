@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+
+pytest.importorskip("hypothesis")  # every processor is checked on random cases
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     ForcedBOSTokenLogitsProcessor,

@@ -34,7 +34,7 @@ from seqgen_cli.search import generate
 from tests.engine_models import load, text_batch
 from tests.equivalence import SETTINGS, check_equivalence
 from tests.helpers import seqgen
-from tests.test_host_sync import BEAM, recording
+from tests.host_sync import BEAM, recording
 
 
 def eager(decode: Decode) -> Decode:

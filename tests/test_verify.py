@@ -24,8 +24,7 @@ from seqgen_cli.models.bart import BartBackend
 from seqgen_cli.models.capture import CapturedBackend, Decode, step_tolerance
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.verify import Agreement, default_inputs, tolerance, verify
-from tests.engine_models import load, text_batch
-from tests.test_capture import _config, _run
+from tests.engine_models import beam_config, load, run_beam, text_batch
 
 TEXTS = [
     "the cat sat on the mat and looked at the dog",
@@ -157,9 +156,9 @@ def off_by(size: float, from_call: int = 3) -> Any:
 
 def test_a_compiled_step_that_differs_switches_to_eager(tiny_models) -> None:
     loaded = load(tiny_models("bart"))
-    reference = _run(get_backend(loaded.model), loaded)
+    reference = run_beam(get_backend(loaded.model), loaded)
     backend = CapturedBackend(get_backend(loaded.model), off_by(float("nan")))
-    assert _run(backend, loaded) == reference
+    assert run_beam(backend, loaded) == reference
     assert backend.compiled is None and backend.steps["captured"] == 2
     assert backend.path.startswith("captured, then eager (compiled step differs from eager: max |diff| nan")
 
@@ -168,8 +167,8 @@ def test_a_compiled_step_within_rounding_stays_captured(tiny_models) -> None:
     loaded = load(tiny_models("bart"))
     batch = text_batch(loaded, 5, seed=5)
     backend = CapturedBackend(get_backend(loaded.model), off_by(1e-6))
-    out = generate(backend, batch, _config(loaded)).sequences
-    assert out == _run(get_backend(loaded.model), loaded, batch)
+    out = generate(backend, batch, beam_config(loaded)).sequences
+    assert out == run_beam(get_backend(loaded.model), loaded, batch)
     assert backend.path == "captured" and backend.steps["eager"] == 0
 
 
@@ -178,7 +177,7 @@ def test_a_compiled_step_off_from_its_first_replay_is_caught(tiny_models) -> Non
     One input held to 4 tokens at least: its rows stay one shape, so the second captured step is that replay."""
     loaded = load(tiny_models("llama"))
     batch = Batch(*text_batch(loaded, 1, seed=1).__dict__.values())
-    config = _config(loaded, min_new_tokens=4)
+    config = beam_config(loaded, min_new_tokens=4)
     reference = generate(get_backend(loaded.model), batch, config).sequences
     backend = CapturedBackend(get_backend(loaded.model), off_by(5.0))
     assert generate(backend, batch, config).sequences == reference

@@ -229,7 +229,7 @@ class _Driver:
             head = old.name.split("-", 1)[0]
             if head.isdigit() and int(head) < state.done:
                 old.unlink(missing_ok=True)
-        return FileSink(self.output, settings, done=state.done, offset=state.offset, part=part), state
+        return FileSink(self.output, settings, resumed=state, part=part), state
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self, stdout: TextIO) -> Summary:

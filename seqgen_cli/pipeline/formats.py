@@ -1,12 +1,12 @@
 """The files beside an output, and how they are written and read: index, journal, ``--shard`` part manifest.
 
-- **index** ``OUTPUT.seqgen-index``: JSON lines, a header ``{"seqgen_index": 1, "settings": ...}`` then, per
-  flush, ``{"done", "offset", "sha256"}``: inputs written, the output's byte length, :class:`InputDigest` of
-  those inputs. Removed when the run completes.
+- **index** ``OUTPUT.seqgen-index``: JSON lines, a header ``{"seqgen_index": 2, "settings": ...}`` then, per
+  flush, ``{"done", "offset", "sha256", "output_sha256"}``: inputs written, the output's byte length,
+  :class:`InputDigest` of those inputs, SHA-256 of the output's bytes so far. Removed when the run completes.
 - **journal** ``OUTPUT.seqgen-journal``: outputs that wait for an earlier input, ``{"i", "in", "out"}`` (input
   index, :func:`input_key`, output text). Removed when the run completes.
-- **manifest** ``PART.seqgen-part``: a finished ``--shard`` part, ``{"seqgen_part": 1, "settings", "inputs",
-  "bytes"}`` (written whole or not at all; read by ``seqgen merge``).
+- **manifest** ``PART.seqgen-part``: a finished ``--shard`` part, ``{"seqgen_part": 2, "settings", "inputs",
+  "bytes", "sha256"}`` (the part's SHA-256; written whole or not at all; read by ``seqgen merge``).
 
 What a resume does with them is :mod:`~.resume`; who writes them is :mod:`~.sinks`.
 """
@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,9 @@ from seqgen_cli.pipeline.records import Record
 INDEX_SUFFIX = ".seqgen-index"
 JOURNAL_SUFFIX = ".seqgen-journal"
 MANIFEST_SUFFIX = ".seqgen-part"  # a finished --shard part, for `seqgen merge` (see merge.py)
-INDEX_VERSION = 1
-MANIFEST_VERSION = 1
+EMPTY_SHA256 = hashlib.sha256().hexdigest()
+INDEX_VERSION = 2
+MANIFEST_VERSION = 2
 
 
 def index_path(output: str | os.PathLike[str]) -> Path:
@@ -171,19 +172,20 @@ class IndexEntry:
     done: int  # inputs written
     offset: int  # the output's byte length after them
     sha256: str  # InputDigest of those inputs
+    output_sha256: str = EMPTY_SHA256  # of the output's first ``offset`` bytes
 
 
 class IndexWriter(JsonLog):
-    """Progress entries ``{"done", "offset", "sha256"}`` after the settings header."""
+    """Progress entries (:class:`IndexEntry`) after the settings header."""
 
     def __init__(self, output: str | os.PathLike[str], settings: dict[str, Any], *, fresh: bool) -> None:
         super().__init__(index_path(output), fresh=fresh)
         if fresh:
             header = {"seqgen_index": INDEX_VERSION, "settings": settings}
-            self.append([header, {"done": 0, "offset": 0, "sha256": ""}])
+            self.append([header, asdict(IndexEntry(0, 0, ""))])
 
-    def add(self, done: int, offset: int, sha256: str) -> None:
-        self.append([{"done": done, "offset": offset, "sha256": sha256}])
+    def add(self, entry: IndexEntry) -> None:
+        self.append([asdict(entry)])
 
 
 def read_index(output: str | os.PathLike[str]) -> tuple[dict[str, Any], IndexEntry]:
@@ -195,7 +197,12 @@ def read_index(output: str | os.PathLike[str]) -> tuple[dict[str, Any], IndexEnt
         if header is None:
             header = entry
         elif isinstance(entry, dict) and "done" in entry:
-            last = IndexEntry(int(entry["done"]), int(entry["offset"]), str(entry["sha256"]))
+            last = IndexEntry(
+                int(entry["done"]),
+                int(entry["offset"]),
+                str(entry["sha256"]),
+                str(entry.get("output_sha256", "")),
+            )
     if not isinstance(header, dict) or header.get("seqgen_index") != INDEX_VERSION:
         raise SeqgenError(f"--resume: {index} is not a seqgen index; delete it to start over")
     return header.get("settings", {}), last
@@ -227,10 +234,12 @@ def load_journal(output: str | os.PathLike[str], done: int) -> dict[int, tuple[s
 # -- the part manifest ------------------------------------------------------------------------------------
 
 
-def write_manifest(part: str, settings: dict[str, Any], inputs: int, size: int) -> None:
+def write_manifest(part: str, settings: dict[str, Any], inputs: int, size: int, sha256: str) -> None:
     """Record a finished part (written whole, or not at all)."""
     path = manifest_path(part)
-    entry = {"seqgen_part": MANIFEST_VERSION, "settings": settings, "inputs": inputs, "bytes": size}
+    entry = {
+        "seqgen_part": MANIFEST_VERSION, "settings": settings, "inputs": inputs, "bytes": size, "sha256": sha256,
+    }  # fmt: skip
     tmp = Path(f"{path}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
@@ -241,6 +250,21 @@ def write_manifest(part: str, settings: dict[str, Any], inputs: int, size: int) 
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise WriteError.of(err, path) from err
+
+
+def file_sha256(path: str | os.PathLike[str], size: int | None = None) -> Any:
+    """A SHA-256 hash object over the file's first ``size`` bytes (all of them: None), to compare or go on."""
+    h = hashlib.sha256()
+    left = size
+    with open(path, "rb") as fh:
+        while left is None or left > 0:
+            block = fh.read(1 << 20 if left is None else min(left, 1 << 20))
+            if not block:
+                break
+            h.update(block)
+            if left is not None:
+                left -= len(block)
+    return h
 
 
 def read_manifest(part: str | os.PathLike[str]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -14,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from seqgen_cli.config import GENERATION_KEYS
 from seqgen_cli.errors import Aborted, SeqgenError, WriteError
 from seqgen_cli.generator import Generator
-from seqgen_cli.pipeline import resume
-from seqgen_cli.pipeline.formats import InputDigest, load_journal
+from seqgen_cli.pipeline import paths, resume
+from seqgen_cli.pipeline.formats import InputDigest, index_path, journal_path, load_journal, manifest_path
 from seqgen_cli.pipeline.progress import Progress
-from seqgen_cli.pipeline.records import Record, check_inputs, check_not_output, is_regular, read_records
+from seqgen_cli.pipeline.records import Record, check_inputs, is_regular, read_records
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.shards import ShardRange, select_shard
 from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
@@ -73,15 +75,30 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
             raise SeqgenError(f"--resume needs -o FILE: {where} cannot be resumed")
     else:
         check_writable(output, "output")
-    if opts.stats:
+    if opts.stats and opts.stats != "-":
         check_writable(opts.stats, "--stats")
     if opts.metrics and not opts.reference:
         raise SeqgenError("--metrics needs --reference FILE")
     check_inputs(inputs)
-    check_not_output(inputs, output)
-    paths = list(inputs) or ["-"]
+    paths.check_distinct(job_paths(inputs, output, opts))
     shard = select_shard(list(inputs), opts.shard) if opts.shard is not None else None
-    return Job(paths, output, opts, shard)
+    return Job(list(inputs) or ["-"], output, opts, shard)
+
+
+def job_paths(inputs: Sequence[str], output: str, opts: JobOptions) -> list[paths.Role]:
+    """Every file the job reads or writes, with its role (for :func:`~.paths.check_distinct`)."""
+    roles = [paths.read("input", p) for p in inputs or ["-"]]
+    roles.append(paths.written("-o", output))
+    if not is_stream(output):
+        roles += [paths.written("the index", str(index_path(output))),
+                  paths.written("the journal", str(journal_path(output)))]  # fmt: skip
+        if opts.shard is not None:
+            roles.append(paths.written("the part manifest", str(manifest_path(output))))
+    if opts.stats:
+        roles.append(paths.written("--stats", opts.stats))
+    if opts.reference:
+        roles.append(paths.read("--reference", opts.reference))
+    return roles
 
 
 def check_writable(path: str, what: str) -> None:
@@ -180,7 +197,7 @@ def write_records(
             start = state.done
             records = resume.skip_done(records, state, digest)
             journaled = load_journal(output, state.done)
-            sink = FileSink(output, settings, done=state.done, offset=state.offset, part=part)
+            sink = FileSink(output, settings, resumed=state, part=part)
         else:
             sink = FileSink(output, settings, part=part)
     keep: list[str] | None = [] if opts.reference and is_stream(output) else None  # cannot be read back
@@ -200,20 +217,57 @@ def write_records(
     return summary
 
 
+# Where each option of `seqgen generate` that changes the outputs shows in the fingerprint (the flags of
+# cli.GENERATION_OPTIONS and --preset reach it through the resolved generation config; --shard through
+# ShardRange.settings). Every other option is in OUTPUT_NEUTRAL; tests/test_nothing_lost.py holds the two
+# to the command's options.
+FINGERPRINTED = {
+    "model": "model",
+    "preset": "generation",
+    "backend": "backend",
+    "device": "device",
+    "dtype": "dtype",
+    "prefix": "prefix",
+    "max_source_length": "max_source_length",
+    "seed": "seed",
+    "input_format": "input_format",
+    "input_field": "input_field",
+    "output_format": "output_format",
+    "output_field": "output_field",
+    "on_error": "on_error",
+    "shard_spec": "shard",
+    **dict.fromkeys(GENERATION_KEYS, "generation"),
+}
+# How a run goes, not what it writes: batching and look-ahead, CUDA graphs and refill (the same outputs; on a
+# GPU they may change rounding as batch composition does), where files and reports go, Ray's resources, checks.
+OUTPUT_NEUTRAL = frozenset(
+    {
+        "inputs", "output", "batch_size", "batch_tokens", "sort_window", "capture", "refill", "resume",
+        "stats_path", "reference", "metrics", "workers", "address", "gpus_per_worker", "cpus_per_worker",
+        "shard_size", "verify_spec", "quiet",
+    }
+)  # fmt: skip
+
+
 def fingerprint(gen: Generator, opts: JobOptions) -> dict[str, Any]:
-    """The settings that decide the output bytes, in a JSON-comparable form (checked by ``--resume``)."""
+    """What decides the output bytes, in a JSON-comparable form: the resolved settings (checkpoint, preset and
+    flags merged), the model's identity, device kind, dtype and backend (``--resume``, the journal and
+    ``seqgen merge`` compare it; :data:`FINGERPRINTED`)."""
     generation = {
         k: v
         for k, v in json.loads(gen.config.to_json_string(use_diff=False)).items()
         if not k.startswith("_") and k != "transformers_version"
     }
-    name = str(getattr(gen.model.config, "_name_or_path", ""))
+    loaded = gen.loaded
     settings = dict(
-        model=os.path.realpath(name) if name and os.path.isdir(name) else name,
+        model=model_identity(gen.model),
         backend=gen.backend,
+        device=loaded.device.type,
+        dtype="int8" if loaded.int8 else str(loaded.dtype).removeprefix("torch."),
         generation=generation,
         prefix=gen.prefix,
         max_source_length=gen.max_source_length,
+        seed=gen.seed,
         input_format=opts.input_format,
         input_field=opts.input_field,
         output_format=opts.output_format,
@@ -223,10 +277,32 @@ def fingerprint(gen: Generator, opts: JobOptions) -> dict[str, Any]:
     return json.loads(json.dumps(settings, sort_keys=True, default=str))
 
 
+def model_identity(model: Any) -> dict[str, Any]:
+    """The checkpoint: its folder, a digest of its config and the names and sizes of its weight files (a
+    checkpoint saved anew over the same folder is another model; hashing gigabytes of weights is not done)."""
+    name = str(getattr(model.config, "_name_or_path", ""))
+    if not (name and os.path.isdir(name)):
+        return {"name": name}
+    folder = Path(name)
+    config = folder / "config.json"
+    digest = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else ""
+    weights = {
+        p.name: p.stat().st_size
+        for p in sorted(folder.iterdir())
+        if p.suffix in (".safetensors", ".bin", ".pt", ".pth") and p.is_file()
+    }
+    return {"name": os.path.realpath(name), "config_sha256": digest, "weights": weights}
+
+
 def write_stats(path: str, summary: Summary) -> None:
-    """``--stats FILE``: the summary as JSON."""
+    """``--stats FILE``: the summary as JSON (``-``: standard output)."""
+    text = json.dumps(summary.as_dict(), indent=2) + "\n"
     try:
-        Path(path).write_text(json.dumps(summary.as_dict(), indent=2) + "\n", encoding="utf-8")
+        if path == "-":
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            Path(path).write_text(text, encoding="utf-8")
     except OSError as err:
         raise WriteError.of(err, path) from err
 
@@ -286,17 +362,28 @@ def aborted(err: Exception, output: str, done: int) -> Aborted:
 
 
 def closing_message(summary: Summary, output: str) -> str | None:
-    """What to tell the user after an interrupted or failed run (None after a complete one)."""
+    """What to tell the user after an interrupted or failed run (None after a complete one): what is kept
+    (written, and journaled for ``--resume``) and a next step that works."""
     where = "stdout" if output == "-" else output
     done = summary.resumed_from + summary.inputs
+    stream = is_stream(output)
+    kept = f"the outputs for the first {done} inputs are in {where}"
+    if summary.journaled:
+        kept += f" and {summary.journaled} later ones are kept in {journal_path(output).name}"
+    nothing = done == 0 and not summary.journaled
     if summary.interrupted:
-        tail = (
-            "rerun the same command with --resume to continue"
-            if not is_stream(output)
-            else f"writing to {where} cannot be resumed (use -o FILE and --resume)"
-        )
-        return f"seqgen: interrupted: the outputs for the first {done} inputs are in {where}; {tail}"
+        if nothing:
+            return "seqgen: interrupted before any output was finished; nothing was written"
+        if stream:
+            return f"seqgen: interrupted: {kept}; writing to {where} cannot be resumed (use -o FILE and --resume)"
+        return f"seqgen: interrupted: {kept}; rerun the same command with --resume to generate only the rest"
     if summary.error is not None:
-        tail = "; fix it and rerun with --resume to continue" if not is_stream(output) else ""
-        return f"{summary.error} (the outputs for the {done} inputs before it are in {where}{tail})"
+        if nothing:
+            return f"{summary.error} (nothing was written; fix it and rerun)"
+        if stream:
+            return f"{summary.error} ({kept})"
+        return (
+            f"{summary.error} ({kept}; fix the input and rerun with --resume to continue, or, to change "
+            f"settings, delete {where} and {index_path(output).name} and rerun)"
+        )
     return None

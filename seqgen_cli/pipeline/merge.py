@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from seqgen_cli.errors import SeqgenError, WriteError
-from seqgen_cli.pipeline.formats import index_path, journal_path, manifest_path, read_manifest
-from seqgen_cli.pipeline.records import check_not_output
+from seqgen_cli.pipeline import paths
+from seqgen_cli.pipeline.formats import file_sha256, index_path, journal_path, manifest_path, read_manifest
 from seqgen_cli.pipeline.resume import check_fresh
 from seqgen_cli.pipeline.shards import shard_range
 from seqgen_cli.pipeline.sinks import is_stream, open_stream
@@ -50,6 +50,10 @@ def check_part(part: str) -> dict[str, Any]:
     if path.stat().st_size != size:
         raise SeqgenError(
             f"{part}: changed since its shard finished ({path.stat().st_size} bytes, {manifest.name} says {size})"
+        )
+    if file_sha256(path).hexdigest() != entry.get("sha256"):
+        raise SeqgenError(
+            f"{part}: changed since its shard finished (its bytes differ from {manifest.name}'s digest)"
         )
     lo, hi = shard_range(lines, i, n)
     if entry.get("inputs") != hi - lo:
@@ -108,7 +112,10 @@ def merge_parts(parts: Sequence[str], output: str) -> int:
     if output == "-" and sys.stdout is None:
         raise SeqgenError("standard output is closed: give -o FILE")
     check_parts(parts)
-    check_not_output(parts, output, what="part")
+    roles = [paths.read("part", p) for p in parts] + [
+        paths.read("part manifest", str(manifest_path(p))) for p in parts
+    ]
+    paths.check_distinct([*roles, paths.written("-o", output)])
     if is_stream(output):  # stdout, /dev/null, a pipe: written into, never replaced
         sink = open_stream(output)
         try:

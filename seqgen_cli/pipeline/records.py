@@ -13,6 +13,7 @@ from typing import Any, BinaryIO
 from seqgen_cli.errors import SeqgenError
 
 DEFAULT_FIELDS = ("text", "src", "source", "input")
+BOM = b"\xef\xbb\xbf"
 
 
 @dataclass
@@ -60,48 +61,29 @@ def _open(path: str) -> tuple[BinaryIO, str]:
 
 
 def check_inputs(paths: Sequence[str]) -> None:
-    """Fail early (before the model loads) on an input file that cannot be opened."""
+    """Fail early (before the model loads) on an input file that cannot be opened.
+
+    A regular file is opened and closed; anything else (a named pipe, ``/dev/stdin``, a process substitution)
+    is only looked at: it can be read once, by the run, and an open here would wait for a writer or take its
+    data."""
     for path in paths or ["-"]:
-        stream = _open(path)[0]
-        if path != "-":
-            stream.close()
-
-
-def _stat(path: str) -> os.stat_result | None:
-    """``os.stat`` of ``path`` (``-``: standard input), or None when there is nothing to stat."""
-    try:
-        return os.fstat(sys.stdin.fileno()) if path == "-" else os.stat(path)
-    except (OSError, ValueError, AttributeError):  # missing, or stdin closed or replaced (no fileno)
-        return None
-
-
-def _stdout_stat() -> os.stat_result | None:
-    try:
-        return os.fstat(sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def check_not_output(inputs: Sequence[str], output: str, what: str = "input") -> None:
-    """Refuse an input (``-``: stdin) that is the output file (``-``: stdout) under any name: the same
-    inode through a hard link, a symlink or another path. Checked before anything is opened for writing."""
-    out = _stdout_stat() if output == "-" else _stat(output)
-    if out is None or not stat.S_ISREG(out.st_mode):  # a new file, a pipe or a device: nothing to destroy
-        return
-    for path in inputs or ["-"]:
-        st = _stat(path)
-        if st is None or (st.st_dev, st.st_ino) != (out.st_dev, out.st_ino):
+        if path == "-" or not is_regular(path):
+            _check_stream(path)
             continue
-        if path == "-":
-            raise SeqgenError(
-                f"standard input is the output file {output}: writing it would destroy the input"
-            )
-        if output == "-":
-            raise SeqgenError(
-                f"standard output is the {what} file {path}: writing it would destroy the {what}"
-            )
-        same = "" if os.path.abspath(path) == os.path.abspath(output) else f" (the same file as {path})"
-        raise SeqgenError(f"{output} is both an {what} and the output{same}")
+        _open(path)[0].close()
+
+
+def _check_stream(path: str) -> None:
+    if path == "-":
+        if sys.stdin is None:
+            raise SeqgenError("standard input is closed: give input files, or pipe the input in")
+        return
+    if not os.path.exists(path):
+        raise SeqgenError(f"{path}: no such input file")
+    if os.path.isdir(path):
+        raise SeqgenError(f"{path}: is a folder, not an input file")
+    if not os.access(path, os.R_OK):
+        raise SeqgenError(f"{path}: cannot read: permission denied")
 
 
 def is_regular(path: str) -> bool:
@@ -146,6 +128,8 @@ def read_records(
         try:
             fmt = input_format
             for number, raw in enumerate(stream, start=1):
+                if number == 1 and raw.startswith(BOM):  # a UTF-8 byte-order mark is not text
+                    raw = raw[len(BOM) :]
                 if fmt == "auto":
                     fmt = _detect(path, raw)  # from the file's first line, selected or not
                 if hi is not None and index >= hi:
@@ -174,15 +158,26 @@ def _record(index: int, name: str, number: int, raw: bytes, fmt: str, input_fiel
     return Record(index, name, number, line)
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON value (write it as a string, or as null)")
+
+
 def _json_record(index: int, name: str, number: int, line: str, input_field: str | None) -> Record:
     if not line.strip():
         raise SeqgenError(f"{name}:{number}: empty line in JSONL input (expected a JSON object)")
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_constant=_not_json)
     except ValueError as err:
         raise SeqgenError(f"{name}:{number}: invalid JSON: {err}") from None
     if not isinstance(obj, dict):
         raise SeqgenError(f"{name}:{number}: expected a JSON object, got {type(obj).__name__}")
+    try:  # a \ud800 escape decodes to a lone surrogate: no tokenizer (and no UTF-8 output) takes it
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        char = err.object[err.start : err.end].encode("unicode_escape").decode()
+        raise SeqgenError(
+            f"{name}:{number}: not valid Unicode: a lone surrogate ({char}) from a JSON escape"
+        ) from None
     key = input_field or next((k for k in DEFAULT_FIELDS if k in obj), None)
     if key is None or key not in obj:
         wanted = repr(input_field) if input_field else " or ".join(repr(k) for k in DEFAULT_FIELDS)

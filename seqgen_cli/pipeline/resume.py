@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.pipeline.formats import IndexEntry, InputDigest, index_path, read_index
+from seqgen_cli.pipeline.formats import IndexEntry, InputDigest, file_sha256, index_path, read_index
 from seqgen_cli.pipeline.records import Record
 
 
@@ -54,6 +54,11 @@ def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> IndexEntry
     if last.offset > size:
         raise SeqgenError(
             f"--resume: {output} is shorter than {index.name} records; delete both to start over"
+        )
+    if last.offset and file_sha256(out, last.offset).hexdigest() != last.output_sha256:
+        raise SeqgenError(
+            f"--resume: the first {last.done} outputs in {output} were changed since they were written "
+            f"(edited, reordered or replaced); delete both {output} and {index.name} to start over"
         )
     return last
 

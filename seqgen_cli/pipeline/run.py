@@ -142,6 +142,7 @@ def run(
     if fail is not None and summary.error is None:
         summary.error = fail.error
     summary.inputs = writer.next - start
+    summary.journaled = writer.waiting if sink.journals else 0
     summary.truncated = reader.truncated
     summary.batches = batcher.batches
     summary.padding_ratio = batcher.padding_ratio

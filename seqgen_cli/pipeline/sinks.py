@@ -8,6 +8,7 @@ earlier input go to the journal (both in :mod:`~.formats`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import stat
@@ -17,9 +18,11 @@ from typing import BinaryIO
 
 from seqgen_cli.errors import WriteError
 from seqgen_cli.pipeline.formats import (
+    IndexEntry,
     IndexWriter,
     Journal,
     JsonLog,
+    file_sha256,
     manifest_path,
     write_all,
     write_manifest,
@@ -31,6 +34,7 @@ class Sink:
 
     done = 0  # inputs whose outputs are written
     name = "<stdout>"
+    journals = False  # keeps outputs that wait for an earlier input where a resume finds them
 
     def write(self, data: bytes, inputs: int = 1) -> None:
         raise NotImplementedError
@@ -145,22 +149,26 @@ class FileSink(Sink):
     A write that fails (disk full, an I/O error) raises :class:`WriteError`; closing an incomplete run cuts the
     file back to its last committed output, so it never ends in a torn line, and keeps index and journal.
     ``part``: the output of a ``--shard I/N`` run; a complete one is recorded in ``FILE.seqgen-part`` (see
-    :mod:`~.merge`) before its index goes.
+    :mod:`~.merge`) before its index goes. ``resumed``: the interrupted run's last index entry, checked by
+    :func:`~.resume.load` (the file's bytes up to its offset included).
     """
+
+    journals = True
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         header: dict,
         *,
-        done: int = 0,
-        offset: int = 0,
+        resumed: IndexEntry | None = None,
         part: bool = False,
     ) -> None:
         self.name = os.fspath(path)
         self.header = header
         self.part = part  # a --shard run: a complete one leaves its manifest for `seqgen merge`
-        fresh = done == 0
+        done, offset = (resumed.done, resumed.offset) if resumed is not None else (0, 0)
+        fresh = resumed is None
+        self._created = fresh and not os.path.lexists(self.name)
         try:
             self.fd = os.open(self.name, os.O_WRONLY | os.O_CREAT, 0o666)
         except OSError as err:
@@ -181,9 +189,15 @@ class FileSink(Sink):
                 log.close(complete=fresh)  # a fresh run leaves no index behind that would block a rerun
             raise
         self._index, self._journal = logs
+        self._fresh, self._journaled = fresh, 0
         self.done = self.committed = done
         self.offset = offset
         self._buf: list[bytes] = []
+        try:  # SHA-256 of the committed bytes, for the index and the part manifest
+            self._hash = file_sha256(self.name, offset) if offset else hashlib.sha256()
+        except OSError as err:
+            self.close(complete=False)
+            raise WriteError.of(err, self.name) from err
 
     def write(self, data: bytes, inputs: int = 1) -> None:
         self._buf.append(data)
@@ -204,19 +218,27 @@ class FileSink(Sink):
             raise WriteError.of(err, self.name) from err
         self.offset += len(data)
         self.committed = self.done
-        self._index.add(self.done, self.offset, digest)
+        self._hash.update(data)
+        self._index.add(IndexEntry(self.done, self.offset, digest, self._hash.hexdigest()))
 
     def journal(self, entries: list[tuple[int, str, str]]) -> None:
         self._journal.add(entries)
+        self._journaled += len(entries)
 
     def close(self, complete: bool) -> None:
         """Close; a complete run's index and journal are removed (nothing is left to resume), an incomplete
-        run's file is cut back to its last committed output (a failed write may have left part of one)."""
+        run's file is cut back to its last committed output (a failed write may have left part of one).
+
+        A fresh run that stopped before any output was committed or journaled leaves nothing behind (no index,
+        journal, nor the output file it created): the next run starts afresh, with or without ``--resume``."""
+        if not complete and self._fresh and self.committed == 0 and self._journaled == 0:
+            self._discard()
+            return
         try:
             if not complete:
                 os.ftruncate(self.fd, self.offset)
             elif self.part:
-                write_manifest(self.name, self.header, self.committed, self.offset)
+                write_manifest(self.name, self.header, self.committed, self.offset, self._hash.hexdigest())
         except BaseException:
             complete = False  # no manifest: index and journal stay, --resume finishes the part
             raise
@@ -224,3 +246,14 @@ class FileSink(Sink):
             os.close(self.fd)
             self._journal.close(complete)
             self._index.close(complete)
+
+    def _discard(self) -> None:
+        try:
+            os.ftruncate(self.fd, 0)
+        finally:
+            os.close(self.fd)
+            self._journal.close(complete=True)
+            self._index.close(complete=True)
+            if self._created:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.name)

@@ -12,6 +12,9 @@ from typing import Any
 class Summary:
     inputs: int = 0  # inputs written by this run
     resumed_from: int = 0  # inputs already in the output when this run started
+    journaled: int = (
+        0  # an unfinished run: outputs kept in the journal for --resume (they wait for earlier ones)
+    )
     skipped: int = 0  # inputs written empty (--on-error skip)
     truncated: int = 0
     generated_tokens: int = 0

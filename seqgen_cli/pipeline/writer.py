@@ -41,7 +41,7 @@ def format_output(
         obj[output_field] = outputs[0] if len(outputs) == 1 else outputs
         if error is not None:
             obj["error"] = error
-        return json.dumps(obj, ensure_ascii=False) + "\n"
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False) + "\n"
     return "".join(" ".join(o.splitlines()) + "\n" for o in outputs)
 
 
@@ -99,6 +99,11 @@ class OrderedWriter:
         self._thread.join()
         if self.error is not None:
             raise self.error
+
+    @property
+    def waiting(self) -> int:
+        """Outputs finished but waiting for an earlier input (journaled where the sink keeps a journal)."""
+        return len(self._order.pending)
 
     def _loop(self) -> None:
         try:
