@@ -73,6 +73,7 @@ GENERATION_OPTIONS: dict[str, _Flag] = {
     "top_p": _flag(float, "Sample within the top-p probability mass (0 < p <= 1)."),
     "repetition_penalty": _flag(float, "Penalise tokens already in the output (1.0 = off; > 0)."),
 }
+BENCH_REPORTS = ("bench.json", "bench.md", "bench.png")  # what `seqgen bench` writes into --out
 # Not bench flags: --num-beams is bench's own comma-separated list; bench times one searched output per input.
 _BENCH_EXCLUDES = ("num_beams", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p")
 
@@ -569,6 +570,10 @@ def bench(input: str, model: str, **opts) -> None:
     warm-up, interleaved (A B C A B C ...); medians of --repeats runs. Writes bench.json (every run),
     bench.md (table) and bench.png (samples/s vs batch size) into --out.
     """
+    from seqgen_cli.pipeline import paths
+
+    reports = [paths.written("--out", str(Path(opts["out"]) / name)) for name in BENCH_REPORTS]
+    paths.check_distinct([paths.read("input", input), *reports])  # before the (slow) model load
     from seqgen_cli.bench import BenchSettings, run_bench
 
     generation = _pop_generation(opts, exclude=_BENCH_EXCLUDES)

@@ -4,6 +4,9 @@ text reversed, :func:`expected`) with :class:`Capture` (a binary stream) for the
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +23,8 @@ from transformers import (
 
 from seqgen_cli.batching import Encoded
 from seqgen_cli.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def seqgen(*args: str, input: str | bytes | None = None, env: dict[str, str | None] | None = None) -> Result:
@@ -102,3 +107,20 @@ class Capture:
 
     def text(self) -> str:
         return b"".join(self.chunks).decode()
+
+
+def one_line_error(res, *needles: str) -> str:
+    """The stderr of a failed run: exactly one line, starting `seqgen: error:`, holding ``needles``."""
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code != 0 and len(lines) == 1 and lines[0].startswith("seqgen: error: "), res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def run_seqgen(*args: str, cwd: Path | None = None, **kw) -> subprocess.CompletedProcess:
+    """``python -m seqgen_cli ARGS`` in a process of its own (signals, pipes, standard streams)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "seqgen_cli", *args]
+    kw.setdefault("timeout", 300)
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, **kw)

@@ -73,6 +73,7 @@ def test_stage_shared_copies_what_the_bench_needs(tmp_path: Path, monkeypatch: p
     assert ".gpu-shared/" in (REPO / ".gitignore").read_text().splitlines()
 
 
+@pytest.mark.slow  # a whole gpu_bench run (about 50 s)
 def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
     shared = _shared()
     if shared is None:

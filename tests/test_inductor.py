@@ -21,6 +21,7 @@ from torch._inductor.utils import run_and_get_code
 
 from seqgen_cli.models import get_backend
 from tests.engine_models import load, text_batch
+from tests.equivalence import COMPILED_TOL
 
 pytestmark = pytest.mark.slow  # inductor compiles
 
@@ -85,7 +86,7 @@ def test_compiled_step_writes_caches_in_place(
             expected = backend.decode(eager_state, tokens)
             got, code = run_and_get_code(compiled, state, tokens) if t == 0 else (compiled(state, tokens), [])
             codes += code
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got, expected, rtol=COMPILED_TOL, atol=COMPILED_TOL)
             for s in (eager_state, state):
                 s.t += 1
                 s.cache.advance()

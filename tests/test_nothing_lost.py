@@ -19,25 +19,10 @@ from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
 from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.sinks import StreamSink
-from tests.helpers import Capture, FakeGen, expected, seqgen, write_lines
+from tests.helpers import Capture, FakeGen, expected, one_line_error, run_seqgen, seqgen, write_lines
 from tests.tiny_models import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def one_line_error(res, *needles: str) -> str:
-    """The stderr of a failed run: exactly one line, starting `seqgen: error:`, holding ``needles``."""
-    lines = res.stderr.strip().splitlines()
-    assert res.exit_code != 0 and len(lines) == 1 and lines[0].startswith("seqgen: error: "), res.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
-def run_seqgen(*args: str, cwd: Path | None = None, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "seqgen_cli", *args]
-    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, timeout=300, **kw)
 
 
 # -- 1. an input that is the output under another name ------------------------------------------------
@@ -253,12 +238,18 @@ def test_resume_regenerates_a_journaled_output_whose_input_changed(tmp_path: Pat
 # -- 9. seqgen merge checks that the parts belong together ---------------------------------------------
 
 
-def make_parts(tmp_path: Path, src: Path, n: int, name: str = "part", **kw) -> list[Path]:
+def make_parts(tmp_path: Path, src: Path, n: int, name: str = "part", gen=FakeGen, **kw) -> list[Path]:
     parts = [tmp_path / f"{name}{i}.txt" for i in range(n)]
     for i, part in enumerate(parts):
         opts = JobOptions(batch_size=4, shard=(i, n), **kw)
-        assert generate_job(FakeGen(), check_job([str(src)], str(part), opts)).error is None
+        assert generate_job(gen(), check_job([str(src)], str(part), opts)).error is None
     return parts
+
+
+def int8_gen() -> FakeGen:
+    gen = FakeGen()
+    gen.loaded.int8 = True
+    return gen
 
 
 def test_merge_joins_the_shards_of_one_job_and_keeps_their_manifests(tmp_path: Path) -> None:
@@ -282,6 +273,8 @@ def test_merge_joins_the_shards_of_one_job_and_keeps_their_manifests(tmp_path: P
         ("other settings", "were written with different settings (output_format)"),
         ("other N", "is shard 1/4"),
         ("changed", "changed since its shard finished"),
+        ("edited in place", "changed since its shard finished"),
+        ("other dtype", "were written with different settings (dtype)"),
         ("no manifest", "no part1.txt.seqgen-part beside it"),
     ],
 )
@@ -306,6 +299,12 @@ def test_merge_refuses_parts_that_do_not_belong_together(tmp_path: Path, case: s
     elif case == "changed":
         with open(parts[1], "ab") as fh:
             fh.write(b"one more line\n")
+    elif case == "edited in place":  # the same length: only the content tells
+        data = bytearray(parts[1].read_bytes())
+        data[0] = ord("X") if data[0] != ord("X") else ord("Y")
+        parts[1].write_bytes(bytes(data))
+    elif case == "other dtype":
+        parts[1] = make_parts(other, src, 3, gen=int8_gen)[1]
     else:
         Path(f"{parts[1]}.seqgen-part").unlink()
     out = tmp_path / "out.txt"

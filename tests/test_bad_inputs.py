@@ -1,0 +1,161 @@
+"""Inputs and checkpoints that used to crash, hang or change an output: a named pipe, a JSON text no tokenizer
+takes, a byte-order mark, NaN in JSONL, broken weights, SIGTERM while the model loads; and a first run that
+fails before any output leaves nothing behind, so the fix the error names works."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import REPO, one_line_error, run_seqgen, seqgen, write_lines
+from tests.tiny_models import copy_checkpoint
+
+ARGS = ("--max-new-tokens", "3", "-q")
+
+
+def _generate(model: Path, *args: str, input: bytes | None = None):
+    return seqgen("generate", "-m", str(model), *args, *ARGS, input=input)
+
+
+@pytest.mark.slow
+def test_a_named_pipe_is_read_once_and_streamed(tiny_models, tmp_path: Path) -> None:
+    fifo, out = tmp_path / "in.fifo", tmp_path / "out.txt"
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with open(fifo, "w", encoding="utf-8") as fh:
+            fh.write("first input\nsecond input\n")
+
+    threading.Thread(target=feed, daemon=True).start()
+    res = run_seqgen(
+        "generate", "-m", str(tiny_models("bart")), str(fifo), "-o", str(out), *ARGS, timeout=120
+    )
+    assert res.returncode == 0, res.stderr.decode()
+    assert out.read_text(encoding="utf-8").count("\n") == 2
+    assert not list(tmp_path.glob("out.txt.seqgen-*"))
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_a_lone_surrogate_in_jsonl_is_a_bad_line(tiny_models, tmp_path: Path, on_error: str) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.txt"
+    src.write_text('{"text": "good one"}\n{"text": "a\\ud800b"}\n{"text": "good two"}\n', encoding="utf-8")
+    res = _generate(tiny_models("bart"), str(src), "-o", str(out), "--on-error", on_error)
+    lines = out.read_text(encoding="utf-8").splitlines()
+    if on_error == "fail":
+        assert res.exit_code == 2, res.stderr
+        assert f"{src}:2: not valid Unicode: a lone surrogate (\\ud800)" in res.stderr
+        assert len(lines) == 1 and lines[0], "the good line before it is written"
+    else:
+        assert res.exit_code == 0, res.stderr
+        assert len(lines) == 3 and lines[1] == "" and lines[0] and lines[2]
+
+
+def test_a_byte_order_mark_is_not_text(tiny_models, tmp_path: Path) -> None:
+    model = tiny_models("bart")
+    plain = write_lines(tmp_path / "plain.txt", ["the first line", "the second"])
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    jsonl = tmp_path / "marked.jsonl"
+    jsonl.write_bytes(b'\xef\xbb\xbf{"text": "the first line"}\n{"text": "the second"}\n')
+    outs = {}
+    for src in (plain, marked, jsonl):
+        res = _generate(model, str(src))
+        assert res.exit_code == 0, res.stderr
+        outs[src.name] = res.stdout
+    assert outs["marked.txt"] == outs["plain.txt"] == outs["marked.jsonl"]
+
+
+def test_nan_in_jsonl_fails_its_line_and_output_stays_json(tiny_models, tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "fine", "score": 1.5}\n{"text": "x", "score": NaN}\n', encoding="utf-8")
+    res = _generate(tiny_models("bart"), str(src), "-o", str(tmp_path / "out.jsonl"))
+    assert res.exit_code == 2 and f"{src}:2: invalid JSON: NaN is not a JSON value" in res.stderr
+    out = tmp_path / "skipped.jsonl"
+    res = _generate(
+        tiny_models("bart"), str(src), "-o", str(out), "--on-error", "skip", "--output-format", "jsonl"
+    )
+    assert res.exit_code == 0, res.stderr
+
+    def strict(constant: str) -> None:
+        raise ValueError(constant)
+
+    rows = [json.loads(line, parse_constant=strict) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 2 and "error" in rows[1] and rows[0]["score"] == 1.5
+
+
+def test_broken_weights_are_one_line_naming_the_file(tiny_models, tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.txt", ["an input"])
+    truncated = copy_checkpoint(tiny_models("bart"), tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    res = _generate(truncated, str(src))
+    one_line_error(res, f"model {truncated}: cannot load its weights (model.safetensors)")
+    assert res.exit_code == 2
+
+    pickled = copy_checkpoint(tiny_models("bart"), tmp_path / "pickled")
+    state = load_file(pickled / "model.safetensors")
+    (pickled / "model.safetensors").unlink()
+    state["extra"] = print  # a global weights_only loading refuses (and must keep refusing)
+    torch.save(state, pickled / "pytorch_model.bin")
+    res = _generate(pickled, str(src))
+    one_line_error(res, "(pytorch_model.bin) hold Python objects besides tensors (print)", "weights_only")
+    assert res.exit_code == 2
+
+
+def _catches_sigterm(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal mask from /proc")
+def test_sigterm_while_the_model_loads_is_an_interrupt(tiny_models, tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.txt", ["an input"])
+    out = tmp_path / "out.txt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "seqgen_cli",
+        "generate",
+        "-m",
+        str(tiny_models("bart")),
+        str(src),
+        "-o",
+        str(out),
+    ]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not _catches_sigterm(proc.pid):  # the handler is set before torch is imported
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 130 and lines and lines[-1].startswith("seqgen: interrupted"), err.decode()
+    assert not out.exists() and not list(tmp_path.glob("out.txt.seqgen-*"))
+
+
+def test_a_run_that_fails_before_any_output_leaves_nothing_and_the_fix_runs(
+    tiny_models, tmp_path: Path
+) -> None:
+    """The field is `document`: the error says so; the rerun with --input-field works without --resume."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"document": "one"}\n{"document": "two"}\n', encoding="utf-8")
+    res = _generate(tiny_models("bart"), str(src), "-o", str(out))
+    assert res.exit_code == 2 and "no field" in res.stderr and "--input-field" in res.stderr
+    assert "nothing was written" in res.stderr and "--resume" not in res.stderr
+    assert not out.exists() and not list(tmp_path.glob("out.jsonl.seqgen-*"))
+    res = _generate(tiny_models("bart"), str(src), "-o", str(out), "--input-field", "document")
+    assert res.exit_code == 0, res.stderr
+    assert out.read_text(encoding="utf-8").count("\n") == 2
