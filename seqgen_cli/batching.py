@@ -295,7 +295,9 @@ class Batcher:
 
 
 class GeneratesIds(Protocol):
-    def generate_ids(self, batch: Sequence[Sequence[int]]) -> list[list[list[int]]]: ...
+    def generate_ids(
+        self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None
+    ) -> list[list[list[int]]]: ...
 
 
 OOM_MESSAGES = (
@@ -336,7 +338,7 @@ def generate_split(gen: GeneratesIds, items: list[Item]) -> list[Result]:
     ``error`` names its line.
     """
     try:
-        out = gen.generate_ids([it.ids for it in items])
+        out = gen.generate_ids([it.ids for it in items], [it.index for it in items])
         return [Result(it, seqs) for it, seqs in zip(items, out, strict=True)]
     except Exception as err:  # noqa: BLE001 - only out-of-memory and user errors are handled
         if not (is_oom(err) or isinstance(err, SeqgenError)):

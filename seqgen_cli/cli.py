@@ -272,9 +272,13 @@ def main() -> None:
     type=click.Choice(["auto", "text", "jsonl"]),
     default="auto",
     show_default=True,
-    help="auto: JSONL for .jsonl files or lines that are JSON objects.",
+    help="auto: by extension (.jsonl/.json: JSONL; .txt, .src, ...: text), else JSONL when the first line is "
+    "a JSON object (stdin, other extensions).",
 )
-@click.option("--input-field", help="JSONL field holding the input (default: text, src, source or input).")
+@click.option(
+    "--input-field",
+    help="JSONL field holding the input (default: text, src, source or input); an error for text input.",
+)
 @click.option(
     "--output-format",
     type=click.Choice(["text", "jsonl"]),
@@ -306,7 +310,11 @@ def main() -> None:
     "(after writing every output before it); skip = warn, write an empty line (JSONL: an error field).",
 )
 @click.option(
-    "--stats", "stats_path", type=click.Path(dir_okay=False), help="Write the run's statistics here (JSON)."
+    "--stats",
+    "stats_path",
+    type=click.Path(dir_okay=False),
+    help="Write the run's statistics here (JSON; - is stdout). Their seconds are the run's, without start-up "
+    "and model load (the closing line gives both).",
 )
 @click.option(
     "--reference",
@@ -360,9 +368,14 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     --workers N runs the job on N Ray workers (a local cluster, or --address); the output is the same
     file, in input order, and resumable the same way. --shard I/N runs one shard for other launchers.
     """
+    import time
+
+    from seqgen_cli import STARTED
     from seqgen_cli.generator import GeneratorSpec
     from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, generate_job
+    from seqgen_cli.pipeline.progress import bar_wanted
     from seqgen_cli.pipeline.shards import parse_shard
+    from seqgen_cli.pipeline.stats import describe_inputs, plural
 
     quiet = opts["quiet"]
     cluster_flags = {k: opts.pop(k) for k in ("address", "gpus_per_worker", "cpus_per_worker", "shard_size")}
@@ -383,7 +396,7 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         input_format=opts["input_format"],
         input_field=opts["input_field"],
         resume=opts["resume"],
-        progress=not quiet and sys.stderr.isatty(),
+        progress=not quiet and bar_wanted(output),  # not over outputs written to the same terminal
         stats=opts["stats_path"],
         reference=opts["reference"],
         metrics=opts["metrics"],
@@ -416,15 +429,20 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         gen = spec.build()
         summary = generate_job(gen, checked)
         max_source_length = gen.max_source_length
+    # The closing lines on stderr; after a failure or Ctrl-C, what happened comes last (the line the user sees).
     if summary.truncated:
         click.echo(
-            f"seqgen: {summary.truncated} of {summary.inputs} inputs truncated to {max_source_length} tokens",
+            f"seqgen: {summary.truncated} of {plural(summary.inputs, 'input')} truncated to "
+            f"{max_source_length} tokens",
             err=True,
         )
     if summary.skipped:
-        click.echo(f"seqgen: {summary.skipped} inputs skipped (empty outputs; see the warnings)", err=True)
+        click.echo(
+            f"seqgen: {plural(summary.skipped, 'input')} skipped (empty outputs; see the warnings)", err=True
+        )
     if not quiet:
-        click.echo(summary.line(), err=True)
+        whole = time.perf_counter() - STARTED
+        click.echo(summary.line(describe_inputs(inputs), process_seconds=whole), err=True)
     if summary.metrics is not None:
         from seqgen_cli.metrics import format_table
 

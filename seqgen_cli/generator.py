@@ -39,7 +39,7 @@ from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generati
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load
 from seqgen_cli.search import settings as search_settings
-from seqgen_cli.search.slots import SlotStats
+from seqgen_cli.search.refill import RefillStats
 
 BACKENDS = ("auto", "fast", "hf")
 # per row and vocabulary entry while a step is searched: logits, log-probs and scores (float32)
@@ -73,7 +73,7 @@ class Generator:
     ) -> None:
         """``capture``: on CUDA, run the fast backends' decode step as CUDA graphs (``models/capture.py``);
         ``False`` runs it eagerly (``step_path`` says which, and why). ``refill``: run the fast engine over fixed
-        input slots that finished inputs hand to waiting ones (``search/slots.py``; the fast backends' families,
+        input lanes that finished inputs hand to waiting ones (``search/refill.py``; the fast backends' families,
         float32/half: elsewhere batches run as without it)."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
@@ -94,12 +94,11 @@ class Generator:
             torch.manual_seed(seed)
         self.backend = self._pick_backend(backend)
         self.capture = capture
-        self.slots = 32  # refill: input slots (batch_limits sets them)
-        self.slot_tokens: int | None = None  # refill: most padded source tokens x rows over the slots
-        self.slot_stats = SlotStats()
+        self.lanes = 32  # refill: input lanes (batch_limits sets them)
+        self.lane_tokens: int | None = None  # refill: most padded source tokens x rows over the lanes
+        self.refill_stats = RefillStats()
         self._model_backend = None  # the engine's model backend, built on first use (int8: now)
         self._step_path = ""  # how the engine runs its decode step (see step_path)
-        self._calls = 0  # batches generated so far (sampling seeds differ per batch)
         # bytes a batch may hold (caches + logits, batch_bytes): on CUDA the free memory now; None = no limit
         self.memory_budget: int | None = free_memory_budget(self.loaded.device)
         self._sizing: Any = None  # generate()'s caches as the generic backend counts them (hf backend)
@@ -109,13 +108,15 @@ class Generator:
 
     # -- settings ---------------------------------------------------------------------------------
     def _refills(self) -> bool:
-        """Whether ``--refill`` runs here: not int8, and the engine's backend has slots (``open_slots``: a fast
+        """Whether ``--refill`` runs here: not int8, and the engine's backend has lanes (a ``RefillBackend``: a fast
         family's, not the generic one a refused variant gets). Builds the engine."""
         if self.loaded.int8:
             return False
+        from seqgen_cli.search.protocol import RefillBackend
+
         engine = self._engine()
         plain = getattr(engine, "backend", engine)  # under a CapturedBackend: its backend
-        return hasattr(plain, "open_slots")
+        return isinstance(plain, RefillBackend)
 
     def _source_limit(self, requested: int | None) -> int | None:
         """The longest input the model takes: the smaller of the request and the model's position limit.
@@ -162,13 +163,13 @@ class Generator:
         self, batch_size: int, batch_tokens: int | None, window: int | None
     ) -> tuple[int, int | None]:
         """What the batcher should cut, ``(batch_size, batch_tokens)``: the batches themselves; with refill, the
-        whole look-ahead ``window`` per call, run over ``batch_size`` slots (and ``batch_tokens`` padded source
-        tokens x rows over the slots)."""
+        whole look-ahead ``window`` per call, run over ``batch_size`` lanes (and ``batch_tokens`` padded source
+        tokens x rows over the lanes)."""
         if not self.refill:
             return batch_size, batch_tokens
         from seqgen_cli.batching import default_window
 
-        self.slots, self.slot_tokens = batch_size, batch_tokens
+        self.lanes, self.lane_tokens = batch_size, batch_tokens
         window = default_window(batch_size) if window is None or window <= 1 else window
         return max(batch_size, window), None
 
@@ -294,9 +295,9 @@ class Generator:
         if isinstance(self._model_backend, CapturedBackend):
             out.update(self._model_backend.stats())
         if self.refill:
-            st = self.slot_stats
+            st = self.refill_stats
             out["refill"] = {
-                "slots": self.slots,
+                "lanes": self.lanes,
                 "occupancy": round(st.occupancy, 4),
                 "joins": st.joins,
                 "steps": st.steps,
@@ -310,11 +311,14 @@ class Generator:
 
     # -- generation -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate_ids(self, batch: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+    def generate_ids(
+        self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None
+    ) -> list[list[list[int]]]:
         """Generate for one batch of token-id inputs: per input, ``num_return_sequences`` id lists.
 
         Each list holds the generated tokens only (no prompt, no decoder start token, no padding),
-        best first.
+        best first. ``indices``: each input's index in the run, which (with ``seed``) seeds its sampling stream
+        (default: its position in ``batch``), so a sampled output does not depend on its batch.
         """
         if not batch:
             return []
@@ -322,37 +326,39 @@ class Generator:
             raise SeqgenError("cannot generate from an empty token sequence")
         input_ids, mask = self.pad(batch)
         if self.backend == "fast":
-            return self._generate_fast(input_ids, mask)
+            return self._generate_fast(input_ids, mask, indices)
         return self._generate_hf(input_ids, mask)
 
-    def _generate_fast(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
+    def _generate_fast(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, indices: Sequence[int] | None
+    ) -> list[list[list[int]]]:
         from seqgen_cli.search import generate
         from seqgen_cli.search.protocol import Batch
 
         if self.refill:
-            return self._generate_slots(Batch(input_ids, mask))
-        seed = None if self.seed is None else self.seed + self._calls  # fresh draws for every batch
-        self._calls += 1
-        return generate(self._engine(), Batch(input_ids, mask), self.config, seed=seed).sequences
+            return self._generate_refill(Batch(input_ids, mask), indices)
+        batch = Batch(input_ids, mask)
+        return generate(self._engine(), batch, self.config, seed=self.seed, indices=indices).sequences
 
-    def _generate_slots(self, batch: Any) -> list[list[list[int]]]:
-        """The refill engine over ``self.slots`` slots (fewer where ``slot_tokens`` cannot hold them at the
+    def _generate_refill(self, batch: Any, indices: Sequence[int] | None) -> list[list[list[int]]]:
+        """The refill engine over ``self.lanes`` lanes (fewer where ``lane_tokens`` cannot hold them at the
         batch's widest source), inputs joining in batch order."""
         from seqgen_cli.models.capture import width_bucket
-        from seqgen_cli.search.slots import generate_slots
+        from seqgen_cli.search.refill import generate_refill
 
-        engine = self._engine()  # under a CapturedBackend: its slot steps replay compiled graphs
-        slots = self.slots
-        if self.slot_tokens is not None:
+        engine = self._engine()  # under a CapturedBackend: its lane steps replay compiled graphs
+        lanes = self.lanes
+        if self.lane_tokens is not None:
             width = width_bucket(batch.input_ids.shape[1], getattr(engine, "max_position_embeddings", None))
-            slots = max(1, min(slots, self.slot_tokens // (width * self.rows_per_input)))
+            lanes = max(1, min(lanes, self.lane_tokens // (width * self.rows_per_input)))
         widths = None  # decoder-only: each prompt's length limits count from its own width, as without refill
         if not self.is_encoder_decoder:
             limit = self._source_limit(None)
             widths = [padded_width(int(n), limit) for n in batch.attention_mask.sum(dim=1).tolist()]
-        out = generate_slots(
-            engine, batch, self.config, slots=slots, seed=self.seed, stats=self.slot_stats, widths=widths
-        )
+        out = generate_refill(
+            engine, batch, self.config, lanes=lanes, seed=self.seed, indices=indices, stats=self.refill_stats,
+            widths=widths,
+        )  # fmt: skip
         return out.sequences
 
     def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:

@@ -8,9 +8,10 @@ its waits, each region's barrier waits for it to be scheduled again, and a decod
 regions runs many times slower (docs/BENCHMARKS.md, "Load"). With ``OMP_WAIT_POLICY=PASSIVE`` idle threads
 sleep at once and are woken for the next region, at about the same speed on a quiet box.
 
-OpenMP reads its settings once, when its library loads, i.e. when torch is first imported: the ``seqgen``
-process (:func:`seqgen_cli.cli.run`) sets the policy before anything imports torch. Importing seqgen as a
-library changes no environment.
+OpenMP reads its settings once, when its library loads, i.e. when torch is first imported: importing
+``seqgen_cli`` (which the ``seqgen`` process, :func:`seqgen_cli.cli.run`, does first) sets the policy when torch
+is not imported yet, so library users (``Generator``) get it too. When torch is already imported it is too late
+and nothing is set: such a program sets ``OMP_WAIT_POLICY=PASSIVE`` itself before importing torch.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class FakeGen:
     def encode(self, texts):
         return [Encoded([ord(c) for c in t], False) for t in texts]
 
-    def generate_ids(self, batch):
+    def generate_ids(self, batch, indices=None):
         if self.fail is not None:
             self.fail(batch)
         self.batches.append([list(ids) for ids in batch])

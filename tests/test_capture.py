@@ -32,8 +32,8 @@ from seqgen_cli.models.capture import (
 )
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import Batch, generate
+from seqgen_cli.search.refill import RefillStats, generate_refill
 from seqgen_cli.search.settings import rows_per_input
-from seqgen_cli.search.slots import SlotStats, generate_slots
 from tests.engine_models import beam_config, load, run_beam, text_batch
 from tests.equivalence import MASKED_SUM_RTOL
 
@@ -187,7 +187,7 @@ class _Gen:
     def __init__(self, backend: Any, loaded: Any) -> None:
         self.backend, self.loaded = backend, loaded
 
-    def generate_ids(self, batch: list[list[int]]) -> list[list[list[int]]]:
+    def generate_ids(self, batch: list[list[int]], indices: Any = None) -> list[list[list[int]]]:
         width = max(map(len, batch))
         ids = torch.tensor([b + [1] * (width - len(b)) for b in batch])
         mask = torch.tensor([[1] * len(b) + [0] * (width - len(b)) for b in batch])
@@ -288,7 +288,7 @@ def test_stats_reach_device_stats_and_the_closing_line(tiny_models) -> None:
     assert f", step {backend.path} (1 shapes compiled in 0s, {share}% of {steps} steps captured)" in line
 
 
-# -- the refill engine (search/slots.py) through the capture path ---------------------------------------------
+# -- the refill engine (search/refill.py) through the capture path ---------------------------------------------
 
 REFILL = {  # family, settings, longest source/prompt: enc-dec runs past 64 steps (two spans), dec-only widens
     "bart-beam": ("bart", dict(num_beams=3, max_new_tokens=72, min_new_tokens=60), 40),
@@ -310,8 +310,8 @@ def _refill_case(tiny_models, case: str) -> tuple[Any, Batch, Any, list[int]]:
     return loaded, batch, config, order
 
 
-def _refill(backend: Any, batch: Batch, config: Any, order: list[int], stats: SlotStats | None = None) -> Any:
-    return generate_slots(backend, batch, config, slots=3, seed=11, order=order, stats=stats)
+def _refill(backend: Any, batch: Batch, config: Any, order: list[int], stats: RefillStats | None = None) -> Any:
+    return generate_refill(backend, batch, config, lanes=3, seed=11, order=order, stats=stats)
 
 
 @pytest.mark.parametrize("case", list(REFILL))
@@ -322,7 +322,7 @@ def test_refill_runs_captured(tiny_models, case: str) -> None:
     one span and a prompt width per join's bucket."""
     loaded, batch, config, order = _refill_case(tiny_models, case)
     plain = _refill(get_backend(loaded.model), batch, config, order)
-    backend, stats = CapturedBackend(get_backend(loaded.model), eager), SlotStats()
+    backend, stats = CapturedBackend(get_backend(loaded.model), eager), RefillStats()
     out = _refill(backend, batch, config, order, stats)
     assert out.sequences == plain.sequences and out.scores == plain.scores
     assert backend.path == "captured"
@@ -350,7 +350,7 @@ def test_refill_traces_one_graph_per_shape(tiny_models, case: str) -> None:
     def compiler(decode: Decode) -> Decode:
         return torch.compile(decode, fullgraph=True, dynamic=False, backend=counting(graphs))
 
-    backend, stats = CapturedBackend(get_backend(loaded.model), compiler), SlotStats()
+    backend, stats = CapturedBackend(get_backend(loaded.model), compiler), RefillStats()
     out = _refill(backend, batch, config, order, stats)
     assert out.sequences == plain.sequences and out.scores == plain.scores
     assert backend.path == "captured" and backend.steps == {"captured": stats.steps, "eager": 0}
@@ -360,21 +360,21 @@ def test_refill_traces_one_graph_per_shape(tiny_models, case: str) -> None:
 
 
 def test_a_refill_join_that_widens_marks_the_new_tensors_static(tiny_models) -> None:
-    """The slots' prompt regions are static addresses after ``open_slots``; a wider joiner makes new ones,
+    """The slots' prompt regions are static addresses after ``open_lanes``; a wider joiner makes new ones,
     marked too (CUDA graphs read them in place)."""
     from torch._dynamo.utils import get_static_address_type
 
-    from seqgen_cli.search.slots import _columns
+    from seqgen_cli.search.refill import _columns
 
     loaded = load(tiny_models("gpt2"))
     batch = text_batch(loaded, 10, seed=3, max_tokens=300)  # prompts of up to 147 tokens
     backend = CapturedBackend(get_backend(loaded.model), eager)
     with torch.inference_mode():
-        state = backend.open_slots(2, 1, 8)
+        state = backend.open_lanes(2, 1, 8)
         assert get_static_address_type(state.cache.pk[0]) == "unguarded"
         longest = batch.attention_mask.sum(dim=1).argmax().view(1)
         backend.join(state, torch.tensor([0]), _columns(batch, longest, batch.input_ids.shape[1], left=True))
-    assert backend.backend.slot_width(state) > MIN_WIDTH, "widened"
+    assert backend.backend.lane_width(state) > MIN_WIDTH, "widened"
     assert get_static_address_type(state.cache.pk[0]) == "unguarded"
     assert get_static_address_type(state.cache.prompt_bias) == "unguarded"
 
@@ -386,7 +386,7 @@ def test_a_refill_failure_falls_back_to_eager(tiny_models, call: int) -> None:
     loaded, batch, config, order = _refill_case(tiny_models, "bart-beam")
     plain = _refill(get_backend(loaded.model), batch, config, order)
     error = RuntimeError("CUDA error: operation not permitted when stream is capturing")
-    backend, stats = CapturedBackend(get_backend(loaded.model), failing_on(call, error)), SlotStats()
+    backend, stats = CapturedBackend(get_backend(loaded.model), failing_on(call, error)), RefillStats()
     out = _refill(backend, batch, config, order, stats)
     assert out.sequences == plain.sequences and out.scores == plain.scores
     assert backend.path == ("eager" if call == 1 else "captured, then eager") + f" (RuntimeError: {error})"
@@ -432,7 +432,7 @@ def test_refill_through_the_real_compiler(tiny_models, monkeypatch, case: str) -
     def inductor(decode: Decode) -> Decode:
         return torch.compile(decode, fullgraph=True, dynamic=False)
 
-    backend, stats = CapturedBackend(get_backend(loaded.model), inductor), SlotStats()
+    backend, stats = CapturedBackend(get_backend(loaded.model), inductor), RefillStats()
     out = _refill(backend, batch, config, order, stats)
     assert backend.path == "captured" and len(backend.shapes) >= 2, (backend.path, backend.shapes)
     assert backend.steps == {"captured": stats.steps, "eager": 0}

@@ -24,7 +24,7 @@ class FakeGen:
         self.limit = limit
         self.calls: list[int] = []
 
-    def generate_ids(self, batch: list[list[int]]) -> list[list[list[int]]]:
+    def generate_ids(self, batch: list[list[int]], indices: object = None) -> list[list[list[int]]]:
         self.calls.append(len(batch))
         if len(batch) > self.limit:
             raise torch.cuda.OutOfMemoryError("CUDA error: tried to allocate 20.00 GiB")  # no 'out of memory'

@@ -40,11 +40,11 @@ def test_generate_iterable_streams_in_input_order(gen: Generator, batch_size, ba
     calls: list[int] = []
     generate_ids = gen.generate_ids
 
-    def spy(batch):
+    def spy(batch, indices=None):
         calls.append(len(batch))
         if batch_tokens is not None and len(batch) > 1:
             assert max(map(len, batch)) * len(batch) <= batch_tokens
-        return generate_ids(batch)
+        return generate_ids(batch, indices)
 
     gen.generate_ids = spy  # type: ignore[method-assign]
     try:
@@ -69,18 +69,18 @@ def test_generate_iterable_splits_a_batch_that_runs_out_of_memory(gen: Generator
     generate_ids = gen.generate_ids
     sizes: list[int] = []
 
-    def small_memory(batch):
+    def small_memory(batch, indices=None):
         sizes.append(len(batch))
         if len(batch) > 2:
             raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
-        return generate_ids(batch)
+        return generate_ids(batch, indices)
 
     gen.generate_ids = small_memory  # type: ignore[method-assign]
     try:
         got = gen.generate(inputs, batch_size=8)
         assert got == one_by_one(gen, inputs) and max(sizes) > 2  # batches of one width bucket, split
 
-        def always(batch):
+        def always(batch, indices=None):
             raise MemoryError
 
         gen.generate_ids = always  # type: ignore[method-assign]

@@ -98,3 +98,19 @@ def test_type_checking_and_relative_imports_count() -> None:
     assert "seqgen_cli.pipeline.job" in module_level_imports(tree, "seqgen_cli.pipeline")
     inner = ast.parse("def f():\n    import seqgen_cli.pipeline.job\n")
     assert module_level_imports(inner, "seqgen_cli") == set()
+
+
+def _longest(path: Path, kinds: tuple[type, ...]) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree) if isinstance(n, kinds)]
+
+
+def test_every_search_function_fits_a_screen() -> None:
+    """The decode loops stay a set of named helpers: no function in search/ over 60 lines."""
+    long = [
+        (p.name, name, n)
+        for p in sorted((PACKAGE / "search").glob("*.py"))
+        for name, n in _longest(p, (ast.FunctionDef,))
+        if n > 60
+    ]
+    assert not long, long

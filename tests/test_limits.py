@@ -108,7 +108,7 @@ def test_host_oom_on_one_input_is_split_down_and_skipped(
     generate_ids = Generator.generate_ids
     sizes: list[int] = []
 
-    def host_oom_for_long_inputs(self: Generator, batch):
+    def host_oom_for_long_inputs(self: Generator, batch, indices=None):
         sizes.append(len(batch))
         if any(len(ids) > 45 for ids in batch):  # texts[2] only
             raise RuntimeError(HOST_OOM)

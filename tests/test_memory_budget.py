@@ -134,9 +134,9 @@ def test_generator_sizes_batches_by_its_memory_budget(tiny_models, monkeypatch) 
     sizes: list[int] = []
     real = gen.generate_ids
 
-    def spy(batch):
+    def spy(batch, indices=None):
         sizes.append(len(batch))
-        return real(batch)
+        return real(batch, indices)
 
     monkeypatch.setattr(gen, "generate_ids", spy)
     texts = ["the same words in every line"] * 10

@@ -1,5 +1,5 @@
-"""The ``seqgen`` process sets a passive OpenMP wait policy before torch loads, unless the user chose one
-(issue 24, part 8); importing seqgen as a library changes no environment."""
+"""The ``seqgen`` process, and an import of ``seqgen_cli`` before torch, set a passive OpenMP wait policy before
+torch loads, unless the user chose one."""
 
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def test_process_entry_sets_it_before_torch_loads() -> None:
     assert _child(PROBE, GOMP_SPINCOUNT="300000") == "None False"
 
 
-def test_library_import_changes_no_environment() -> None:
-    code = "import os, seqgen_cli.cli, seqgen_cli.generator; print(os.environ.get('OMP_WAIT_POLICY'))"
+def test_library_import_sets_the_policy_unless_torch_came_first() -> None:
+    """Library users get the CLI's policy; once torch (and its OpenMP) is loaded, setting it would be a lie."""
+    code = "import os, seqgen_cli.generator; print(os.environ.get('OMP_WAIT_POLICY'))"
+    assert _child(code) == "PASSIVE"
+    code = "import os, torch, seqgen_cli.generator; print(os.environ.get('OMP_WAIT_POLICY'))"
     assert _child(code) == "None"

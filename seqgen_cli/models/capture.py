@@ -33,11 +33,11 @@ on. :meth:`CapturedBackend.stats` (``--stats``) counts shapes compiled, compile 
 and eager. Everything else (CPU, ``--no-capture``, the generic backend) runs the plain backend: :func:`capture`
 says why.
 
-The refill engine (``search/slots.py``, ``--refill``) runs through the same wrapper: ``open_slots``, ``join`` and
-``slot_step`` are the wrapped backend's, ``slot_step`` with the guarded compiled ``decode`` (every check and
+The refill engine (``search/refill.py``, ``--refill``) runs through the same wrapper: ``open_lanes``, ``join`` and
+``lane_step`` are the wrapped backend's, ``lane_step`` with the guarded compiled ``decode`` (every check and
 fallback above applies). Its shapes need no padding: the ``S * R`` rows are fixed for a window, the slots' source
 (prompt) width only widens to a :func:`width_bucket` and the attended span is a bucket
-(``kv_cache.slot_span``), so a shape is (rows, width, span, generated slots) and a whole window runs on a handful
+(``kv_cache.lane_span``), so a shape is (rows, width, span, generated slots) and a whole window runs on a handful
 of graphs. The slot state is marked static when opened and again when a wider joiner reallocates it. The slot
 step's ``decode`` is idempotent too (``begin`` derives where it writes from the slot counters, which only
 ``advance`` moves, after it).
@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from seqgen_cli.batching import is_oom
-from seqgen_cli.models.kv_cache import Decode, check_slot, slot_span, slot_step, static_step
+from seqgen_cli.models.kv_cache import Decode, check_slot, lane_span, lane_step, static_step
 from seqgen_cli.search.protocol import Batch, ModelBackend
 
 Compiler = Callable[[Decode], Decode]
@@ -386,10 +386,10 @@ class CapturedBackend:
         state.rows = torch.arange(b * r, device=kept.device)
         state.shape = (slots * r, *state.shape[1:])
 
-    # -- the refill engine's slots (search/slots.py): the wrapped backend's, with decode compiled ------------
+    # -- the refill engine's lanes (search/refill.py): the wrapped backend's, with decode compiled ------------
     @torch.inference_mode()
-    def open_slots(self, slots: int, rows_per_input: int, max_new_tokens: int) -> Any:
-        state = self.backend.open_slots(slots, rows_per_input, max_new_tokens)
+    def open_lanes(self, slots: int, rows_per_input: int, max_new_tokens: int) -> Any:
+        state = self.backend.open_lanes(slots, rows_per_input, max_new_tokens)
         mark_static(state)
         return state
 
@@ -397,19 +397,19 @@ class CapturedBackend:
     def join(self, state: Any, slots: Tensor, batch: Batch) -> Tensor | None:
         """The wrapped backend's join; a join that widens the slots' sources (prompts) makes new tensors: marked
         static (their first replay re-records, under a new shape)."""
-        width = self.backend.slot_width(state)
+        width = self.backend.lane_width(state)
         first = self.backend.join(state, slots, batch)
-        if self.backend.slot_width(state) != width:
+        if self.backend.lane_width(state) != width:
             mark_static(state)
         return first
 
     @torch.inference_mode()
-    def slot_step(self, state: Any, tokens: Tensor, step: int) -> Tensor:
+    def lane_step(self, state: Any, tokens: Tensor, step: int) -> Tensor:
         """The wrapped backend's refill step with ``decode`` guarded and compiled: one shape per (rows, source or
         prompt width, span, generated slots). tokens [S * R] -> logits [S * R, V], the graph's output: read it
         (the engine copies each cohort's rows) before the next step overwrites it."""
         cache = state.cache
-        span = slot_span(step, cache.max_len)
-        shape = (tokens.shape[0], self.backend.slot_width(state), span, cache.max_len)
+        span = lane_span(step, cache.max_len)
+        shape = (tokens.shape[0], self.backend.lane_width(state), span, cache.max_len)
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
-        return slot_step(self._decoder(shape), state, tokens, step)
+        return lane_step(self._decoder(shape), state, tokens, step)

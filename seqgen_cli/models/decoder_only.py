@@ -18,10 +18,10 @@ from torch import Tensor
 from seqgen_cli.models.capture import MIN_WIDTH, pad_batch, width_bucket
 from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
-    DecoderOnlySlotKVCache,
+    DecoderOnlyLaneKVCache,
     kv_bytes,
+    lane_step,
     pointer_bytes,
-    slot_step,
     static_step,
 )
 from seqgen_cli.models.linear_maps import dense
@@ -117,13 +117,13 @@ class DecoderOnlyBackend:
         state.cache.keep(keep, rows, used=state.t)
         state.start_pos = state.start_pos.index_select(0, rows)
 
-    # -- the refill engine's slots (search/slots.py) ----------------------------------------------------------
+    # -- the refill engine's lanes (search/refill.py) ----------------------------------------------------------
     @torch.inference_mode()
-    def open_slots(self, slots: int, rows_per_input: int, max_new_tokens: int) -> DecoderOnlyState:
+    def open_lanes(self, slots: int, rows_per_input: int, max_new_tokens: int) -> DecoderOnlyState:
         """``slots`` empty input slots of ``rows_per_input`` rows each (prompt regions of ``MIN_WIDTH`` positions
         until a wider prompt joins). The last new token is never fed: ``max_new_tokens - 1`` generated slots."""
         head = self.model.get_output_embeddings().weight
-        cache = DecoderOnlySlotKVCache(
+        cache = DecoderOnlyLaneKVCache(
             self.n_layers, slots, rows_per_input, self.n_kv, self.head_dim, max(1, max_new_tokens - 1),
             MIN_WIDTH, head.dtype, head.device,
         )  # fmt: skip
@@ -131,7 +131,7 @@ class DecoderOnlyBackend:
             cache, torch.zeros(slots * rows_per_input, dtype=torch.long, device=head.device)
         )
 
-    def slot_width(self, state: DecoderOnlyState) -> int:
+    def lane_width(self, state: DecoderOnlyState) -> int:
         """The slots' prompt-region width (one compiled shape each, ``models/capture.py``)."""
         return state.cache.width
 
@@ -172,10 +172,10 @@ class DecoderOnlyBackend:
         return first
 
     @torch.inference_mode()
-    def slot_step(self, state: DecoderOnlyState, tokens: Tensor, step: int) -> Tensor:
+    def lane_step(self, state: DecoderOnlyState, tokens: Tensor, step: int) -> Tensor:
         """One decode step over every slot's rows, each at its own step (the most advanced writes generated slot
         ``step``): tokens [S * R] -> logits [S * R, V]."""
-        return slot_step(self.decode, state, tokens, step)
+        return lane_step(self.decode, state, tokens, step)
 
     def cache_nbytes(self, state: DecoderOnlyState) -> dict[str, int]:
         """Bytes of the prompt K/V (per input) with its mask, the generated-token K/V (all layers) and the

@@ -23,11 +23,11 @@ from transformers import PreTrainedModel
 from seqgen_cli.models.capture import MIN_WIDTH, pad_batch, width_bucket
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
-    SlotKVCache,
+    LaneKVCache,
     attention,
     kv_bytes,
+    lane_step,
     pointer_bytes,
-    slot_step,
     static_step,
 )
 from seqgen_cli.models.linear_maps import linear
@@ -134,16 +134,16 @@ class EncoderDecoderBackend:
         )
         return state, None
 
-    # -- the refill engine's slots (search/slots.py) ----------------------------------------------------------
+    # -- the refill engine's lanes (search/refill.py) ----------------------------------------------------------
     @torch.inference_mode()
-    def open_slots(self, slots: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
+    def open_lanes(self, slots: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
         """``slots`` empty input slots of ``rows_per_input`` rows each (sources of ``MIN_WIDTH`` tokens until a
         wider one joins). An empty slot attends one zero key: finite, ignored."""
         h, d, dev, width = self.heads, self.head_dim, self.device, MIN_WIDTH
         mask = torch.full((slots, 1, 1, width), float("-inf"), device=dev)  # [S, 1, 1, W]
         mask[..., 0] = 0.0
         max_len = max(1, max_new_tokens)
-        cache = SlotKVCache(self.layers, slots, rows_per_input, h, max_len, d, self.dtype, dev)
+        cache = LaneKVCache(self.layers, slots, rows_per_input, h, max_len, d, self.dtype, dev)
         return EncoderDecoderState(
             cross_k=[
                 torch.zeros((slots, h, d, width), dtype=self.dtype, device=dev) for _ in range(self.layers)
@@ -156,7 +156,7 @@ class EncoderDecoderBackend:
             max_len=max_len,
         )
 
-    def slot_width(self, state: EncoderDecoderState) -> int:
+    def lane_width(self, state: EncoderDecoderState) -> int:
         """The slots' source width (one compiled shape each, ``models/capture.py``)."""
         return state.cross_mask.shape[-1]
 
@@ -189,10 +189,10 @@ class EncoderDecoderBackend:
         state.cache.join(slots)
 
     @torch.inference_mode()
-    def slot_step(self, state: EncoderDecoderState, tokens: torch.Tensor, step: int) -> torch.Tensor:
+    def lane_step(self, state: EncoderDecoderState, tokens: torch.Tensor, step: int) -> torch.Tensor:
         """One decode step over every slot's rows, each at its own step (the most advanced writes slot ``step``):
         tokens [S * R] -> logits [S * R, V]."""
-        return slot_step(self.decode, state, tokens, step)
+        return lane_step(self.decode, state, tokens, step)
 
     @torch.inference_mode()
     def reorder(self, state: EncoderDecoderState, rows: torch.Tensor) -> None:

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-MIN_SPAN = 64  # the refill engine's narrowest self-attention span (SlotKVCache)
+MIN_SPAN = 64  # the refill engine's narrowest self-attention span (LaneKVCache)
 
 
-def slot_span(step: int, max_len: int) -> int:
+def lane_span(step: int, max_len: int) -> int:
     """Slots a refill step attends when its most advanced input writes slot ``step``: the smallest power of two
     above ``step``, at least ``MIN_SPAN``, at most ``max_len``."""
     return min(max_len, max(MIN_SPAN, 1 << step.bit_length()))
@@ -239,13 +239,13 @@ class EncoderDecoderKVCache(GeneratedSlots):
         return sum(x.nbytes for x in self.k + self.v) + self.ptrs.ptr.nbytes
 
 
-class SlotSteps:
-    """What both refill caches (``search/slots.py``) share: a step counter per input slot (``steps`` [S], on the
+class LaneSteps:
+    """What both refill caches (``search/refill.py``) share: a step counter per input slot (``steps`` [S], on the
     device), so inputs at different steps share one decode step.
 
     A step writes every slot's keys/values at that slot's own step and attends over the first ``span`` slots
     under a mask (slot ``<=`` the slot's step, and the back-pointers). ``span`` (host int, set per step by
-    :func:`slot_step`) is a bucket, not the oldest input's step: :func:`slot_span`, at least ``MIN_SPAN`` slots,
+    :func:`lane_step`) is a bucket, not the oldest input's step: :func:`lane_span`, at least ``MIN_SPAN`` slots,
     so its shape changes a few times per run, and an input's sums run over the same span beside any neighbours
     wherever its own steps fit in ``MIN_SPAN`` (a sum over more masked slots can round differently).
     ``slot`` ([N]: each row's step) is what a backend reads for positions. Unwritten and stale slots hold finite
@@ -293,18 +293,18 @@ class SlotSteps:
         return (self.ptrs.ptr[:, :span].view(s, r, span, 1) == self.ptrs.beams) & upto  # [S, Rq, span, R]
 
 
-def slot_step(decode: Decode, state: Any, tokens: Tensor, step: int) -> Tensor:
-    """One refill step (``state.cache``: a :class:`SlotSteps` cache) over every slot's rows, each at its own step,
+def lane_step(decode: Decode, state: Any, tokens: Tensor, step: int) -> Tensor:
+    """One refill step (``state.cache``: a :class:`LaneSteps` cache) over every slot's rows, each at its own step,
     the most advanced writing slot ``step``: ``decode`` (the tensor work) at that step's span; tokens [S * R] ->
     logits [S * R, V]."""
-    state.cache.span = slot_span(step, state.cache.max_len)
+    state.cache.span = lane_span(step, state.cache.max_len)
     logits = decode(state, tokens)
     state.cache.advance()
     return logits
 
 
-class SlotKVCache(SlotSteps, EncoderDecoderKVCache):
-    """:class:`EncoderDecoderKVCache` for the refill engine, each input slot at its own step (:class:`SlotSteps`)."""
+class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
+    """:class:`EncoderDecoderKVCache` for the refill engine, each input slot at its own step (:class:`LaneSteps`)."""
 
     def __init__(
         self,
@@ -444,9 +444,9 @@ class DecoderOnlyKVCache(GeneratedSlots):
         return sum(x.nbytes for x in self.pk + self.pv + self.gk + self.gv) + self.ptrs.ptr.nbytes
 
 
-class DecoderOnlySlotKVCache(SlotSteps, DecoderOnlyKVCache):
+class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
     """:class:`DecoderOnlyKVCache` for the refill engine: per input slot a prompt region and generated slots at
-    the slot's own step (:class:`SlotSteps`).
+    the slot's own step (:class:`LaneSteps`).
 
     The prompt region (``pk`` [S, Hkv, d, W], ``pv`` [S, Hkv, W, d], ``prompt_bias`` [S, 1, 1, W]) holds a joiner's
     prefill as it came, left-padded to its own width ``w`` (a function of its length), in columns ``[0, w)``; the

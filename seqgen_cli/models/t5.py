@@ -93,8 +93,8 @@ class T5Backend(EncoderDecoderBackend):
         return super().cache_bytes(inputs, width, rows_per_input, new_tokens) + bias
 
     @torch.inference_mode()
-    def open_slots(self, slots: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
-        state = super().open_slots(slots, rows_per_input, max_new_tokens)
+    def open_lanes(self, slots: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
+        state = super().open_lanes(slots, rows_per_input, max_new_tokens)
         t = state.max_len
         state.self_bias = self.rel_attn.compute_bias(t, t, device=self.device).to(self.dtype)  # [1, H, T, T]
         return state

@@ -23,7 +23,7 @@ from seqgen_cli.pipeline.formats import InputDigest, index_path, journal_path, l
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.records import Record, check_inputs, is_regular, read_records
 from seqgen_cli.pipeline.run import RunOptions, run
-from seqgen_cli.pipeline.shards import ShardRange, select_shard
+from seqgen_cli.pipeline.shards import ShardRange, count_lines, select_shard
 from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary
 
@@ -82,7 +82,30 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
     check_inputs(inputs)
     paths.check_distinct(job_paths(inputs, output, opts))
     shard = select_shard(list(inputs), opts.shard) if opts.shard is not None else None
+    if opts.reference:
+        check_reference(inputs, opts.reference, shard)
     return Job(list(inputs) or ["-"], output, opts, shard)
+
+
+def check_reference(inputs: Sequence[str], reference: str, shard: ShardRange | None) -> None:
+    """``--reference`` has one line per input (per input of the shard, with ``--shard``; one per input too with
+    ``--num-return-sequences``): checked now, when the input files and the reference are regular files, rather
+    than found by the scoring after generating. Streams (stdin, pipes) are not read here."""
+    refs = count_lines([reference])
+    if refs is None:
+        return
+    if shard is not None:
+        wanted, what = shard.size, f"shard {shard.index}/{shard.count} of the input has"
+    else:
+        counted = count_lines(list(inputs))
+        if counted is None:
+            return
+        wanted, what = counted, "the input has"
+    if refs != wanted:
+        raise SeqgenError(
+            f"--reference {reference} has {refs} {'line' if refs == 1 else 'lines'} but {what} "
+            f"{wanted} {'input' if wanted == 1 else 'inputs'}: give one reference line per input"
+        )
 
 
 def job_paths(inputs: Sequence[str], output: str, opts: JobOptions) -> list[paths.Role]:

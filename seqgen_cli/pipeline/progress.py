@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 import threading
 from collections.abc import Sequence
@@ -11,6 +13,33 @@ from tqdm import tqdm
 from seqgen_cli.pipeline.shards import count_lines
 
 MAX_WARNINGS = 20  # shown per run; the rest are counted in the summary
+
+
+def bar_wanted(output: str) -> bool:
+    """Whether a progress bar may show: stderr is a terminal and the outputs (``-o output``; ``-``: stdout) do
+    not go to that terminal, where the bar's redraws and the output lines would overwrite each other."""
+    return _isatty(sys.stderr) and not _to_terminal(output)
+
+
+def _isatty(stream: object) -> bool:
+    try:
+        return stream is not None and stream.isatty()  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+def _to_terminal(output: str) -> bool:
+    """Whether ``output`` is stdout on a terminal, the controlling terminal or stderr's terminal."""
+    if output == "-":
+        return _isatty(sys.stdout)
+    path = os.path.realpath(output)  # /dev/stdout -> /proc/self/fd/1 -> /dev/pts/N
+    if path == "/dev/tty":
+        return True
+    try:
+        mode, device = os.stat(path), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return stat.S_ISCHR(mode.st_mode) and mode.st_rdev == device.st_rdev
 
 
 class Progress:

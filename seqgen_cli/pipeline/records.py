@@ -95,9 +95,19 @@ def is_regular(path: str) -> bool:
     return stat.S_ISREG(mode)
 
 
+JSONL_EXTENSIONS = (".jsonl", ".json", ".ndjson")
+# Read as text whatever their first line holds (a .txt file may well start with a JSON object).
+TEXT_EXTENSIONS = (".txt", ".text", ".src", ".source", ".tgt", ".target", ".tok", ".raw")
+
+
 def _detect(path: str, first: bytes) -> str:
-    if path.endswith((".jsonl", ".json")):
+    """``--input-format auto``: by the file's extension; for stdin and other extensions, JSONL when the first
+    line is a JSON object, else text."""
+    suffix = os.path.splitext(path)[1].lower() if path != "-" else ""
+    if suffix in JSONL_EXTENSIONS:
         return "jsonl"
+    if suffix in TEXT_EXTENSIONS:
+        return "text"
     stripped = first.strip()
     if stripped.startswith(b"{") and stripped.endswith(b"}"):
         try:
@@ -105,6 +115,14 @@ def _detect(path: str, first: bytes) -> str:
         except ValueError:
             return "text"
     return "text"
+
+
+def _text_with_field(name: str, input_format: str) -> SeqgenError:
+    """``--input-field`` given for an input read as text: one line naming the input."""
+    name = "stdin" if name == "<stdin>" else name
+    if input_format == "auto":
+        return SeqgenError(f"{name} is text (one input per line): --input-field needs JSONL input")
+    return SeqgenError(f"{name} is read as text (--input-format text): --input-field needs JSONL input")
 
 
 def read_records(
@@ -132,6 +150,8 @@ def read_records(
                     raw = raw[len(BOM) :]
                 if fmt == "auto":
                     fmt = _detect(path, raw)  # from the file's first line, selected or not
+                if number == 1 and fmt == "text" and input_field is not None:
+                    raise _text_with_field(name, input_format)
                 if hi is not None and index >= hi:
                     return
                 if index >= lo:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -47,12 +48,20 @@ class Summary:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
 
-    def line(self) -> str:
-        done = f"{self.inputs} inputs" + (
+    def line(self, source: str = "", process_seconds: float | None = None) -> str:
+        """The closing line: ``seqgen: SOURCE: 5 inputs in 0.1s (4.6s with start-up and model load): ...``.
+
+        ``source``: what was read (:func:`describe_inputs`); ``process_seconds``: the whole process so far,
+        start-up and model load included (``seconds`` is the run alone)."""
+        done = plural(self.inputs, "input") + (
             f" (after {self.resumed_from} resumed)" if self.resumed_from else ""
         )
+        whole = (
+            f" ({process_seconds:.1f}s with start-up and model load)" if process_seconds is not None else ""
+        )
         return (
-            f"seqgen: {done} in {self.seconds:.1f}s: {self.samples_per_second:.2f} samples/s, "
+            f"seqgen: {source + ': ' if source else ''}{done} in {self.seconds:.1f}s{whole}: "
+            f"{self.samples_per_second:.2f} samples/s, "
             f"{self.tokens_per_second:.1f} generated tokens/s, padding {100 * self.padding_ratio:.1f}%; "
             f"time read+tokenise {self.read_seconds + self.tokenise_seconds:.1f}s, "
             f"generate {self.generate_seconds:.1f}s, write {self.write_seconds:.1f}s; backend {self.backend}"
@@ -69,6 +78,19 @@ class Summary:
         d["generated_tokens_per_second"] = self.tokens_per_second
         d["peak_rss_mb"] = peak_rss_mb()
         return d
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 input``, ``5 inputs``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def describe_inputs(paths: Sequence[str]) -> str:
+    """The input, briefly, for the closing line: ``in.txt``, ``stdin``, ``a.txt, b.txt``, ``a.txt and 4 more``."""
+    names = ["stdin" if p == "-" else p for p in paths or ["-"]]
+    if len(names) <= 2:
+        return ", ".join(names)
+    return f"{names[0]} and {len(names) - 1} more"
 
 
 def capture_note(device: dict[str, Any]) -> str:

@@ -9,15 +9,24 @@ lengths depend on the batch's prompt width. Unsupported options raise ``SeqgenEr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.search.beam import beam_search
-from seqgen_cli.search.greedy import greedy_search
+from seqgen_cli.search.beam import BeamConstants, pick_topk
+from seqgen_cli.search.cohort import Cohort, Results, make_search, run_search
 from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
-from seqgen_cli.search.sampling import sample_search
-from seqgen_cli.search.settings import SearchSettings, resolve_mode, resolve_settings, settings_for
+from seqgen_cli.search.rows import default_sync_every, start_rows
+from seqgen_cli.search.sampling import Streams
+from seqgen_cli.search.settings import (
+    SearchSettings,
+    resolve_mode,
+    resolve_settings,
+    rows_per_input,
+    settings_for,
+)
 
 __all__ = [
     "Batch",
@@ -47,16 +56,19 @@ def generate(
     config: GenerationConfig,
     *,
     seed: int | None = None,
+    indices: Sequence[int] | None = None,
     sync_every: int | None = None,
 ) -> SearchOutput:
     """Generate for every input of ``batch``; token-identical to ``model.generate()`` for greedy and beam search.
 
-    ``seed`` seeds sampling (ignored otherwise). ``sync_every``: steps between host checks for finished
+    Sampling draws input ``b`` from a stream seeded by ``seed`` and ``indices[b]`` (its index in the run; default
+    ``b``: :class:`~seqgen_cli.search.sampling.Streams`). ``sync_every``: steps between host checks for finished
     inputs (default: every step on CPU, every 4 on GPU); it never changes results.
     """
-    settings = settings_for(backend, batch, config)
-    if settings.mode == "beam":
-        return beam_search(backend, batch, settings, sync_every)
-    if settings.mode == "sample":
-        return sample_search(backend, batch, settings, seed, sync_every)
-    return greedy_search(backend, batch, settings, sync_every)
+    s = settings_for(backend, batch, config)
+    device = batch.input_ids.device
+    streams = Streams(seed, device, indices)
+    consts = BeamConstants.build(s, device)  # before the first step is queued
+    rows, logits = start_rows(backend, batch, s, rows_per_input(config))
+    cohort = Cohort(rows, make_search(rows, s, consts, pick_topk(logits), streams), Results(len(rows.inputs)))
+    return run_search(backend, cohort, logits, s.max_new_tokens, sync_every or default_sync_every(device))

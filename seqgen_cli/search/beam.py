@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
-from seqgen_cli.search.rows import Leaving, Rows, default_sync_every, run_search, start_rows
+from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
 BIG = -1.0e9  # transformers' "impossible" score
@@ -254,7 +253,7 @@ def _continue_running_beams(rows: Rows, next_beams: torch.Tensor, next_tokens: t
 
 class BeamSearch:
     """Beam search over the inputs of ``rows``, one step per :meth:`advance`: transformers' loop body, so a batch
-    (:func:`beam_search`) and a refill cohort (``search/slots.py``) run the same ops in the same order."""
+    (:func:`beam_search`) and a refill cohort (``search/refill.py``) run the same ops in the same order."""
 
     def __init__(self, rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK) -> None:
         self.rows, self.s, self.consts, self.topk = rows, settings, consts, topk
@@ -301,7 +300,8 @@ class BeamSearch:
 
 @dataclass(frozen=True)
 class BeamConstants:
-    """Device constants of a beam search, built before its first step is queued."""
+    """Device constants of a search (the EOS ids; for beam search its candidate mask), built before its first
+    step is queued."""
 
     beams_to_keep: int  # C: enough candidates that K survive when the top K all end
     eos: torch.Tensor | None  # [E] int64
@@ -325,17 +325,3 @@ def pick_topk(logits: torch.Tensor) -> TopK:
     """float32 CPU logits: top-k by chunks (equal values may trade places, which in float32 takes an exact tie);
     half-precision logits tie often, and transformers orders ties as torch.topk does."""
     return wide_topk if logits.device.type == "cpu" and logits.dtype == torch.float32 else torch.topk
-
-
-def beam_search(
-    backend: ModelBackend, batch: Batch, settings: SearchSettings, sync_every: int | None = None
-) -> SearchOutput:
-    """Beam search over ``batch``: per input, the ``num_return_sequences`` best finished hypotheses and their
-    scores, as transformers' ``_beam_search`` returns them."""
-    s = settings
-    device = batch.input_ids.device
-    sync_every = sync_every or default_sync_every(device)
-    consts = BeamConstants.build(s, device)
-    rows, logits = start_rows(backend, batch, s, s.num_beams)
-    search = BeamSearch(rows, s, consts, pick_topk(logits))
-    return run_search(backend, rows, search, logits, s.max_new_tokens, sync_every)

@@ -1,4 +1,4 @@
-"""Greedy search, and the token-by-token loop it shares with sampling (``sampling.py``).
+"""One token per row per step: greedy search (the arg-max) and sampling (a draw, ``sampling.py``).
 
 Mirrors transformers' ``_sample``: processors on float32 logits, pick one token per row, a row stops at
 EOS (later tokens are pad and discarded), an input stops when all its rows did. Inputs whose rows all
@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
-from seqgen_cli.search.rows import Leaving, Rows, default_sync_every, run_search, start_rows
+from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
 Picker = Callable[[torch.Tensor], torch.Tensor]  # processed scores [N, V] -> tokens [N]
@@ -20,7 +19,7 @@ Picker = Callable[[torch.Tensor], torch.Tensor]  # processed scores [N, V] -> to
 
 class TokenSearch:
     """One token per row per step over the inputs of ``rows``, one step per :meth:`advance` (transformers'
-    ``_sample`` loop body): shared by a batch (:func:`token_search`) and a refill cohort (``search/slots.py``)."""
+    ``_sample`` loop body), for any cohort (``search/cohort.py``)."""
 
     def __init__(self, rows: Rows, settings: SearchSettings, pick: Picker, eos: torch.Tensor | None) -> None:
         self.rows, self.s, self.pick, self.eos = rows, settings, pick, eos
@@ -66,29 +65,3 @@ class TokenSearch:
         kept_rows = leaving.kept_rows  # [B' * R]
         self.finished, self.lengths = self.finished[kept_rows], self.lengths[kept_rows]
         self.rows.keep_inputs(leaving)
-
-
-def token_search(
-    backend: ModelBackend,
-    batch: Batch,
-    settings: SearchSettings,
-    pick: Picker,
-    rows_per_input: int,
-    sync_every: int | None = None,
-) -> SearchOutput:
-    """Run one token per row per step until every row hit EOS or ``max_length``."""
-    s = settings
-    device = batch.input_ids.device
-    sync_every = sync_every or default_sync_every(device)
-    # Host data goes to the device before the first step is queued (a copy after it would wait for it).
-    eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
-    rows, logits = start_rows(backend, batch, s, rows_per_input)
-    search = TokenSearch(rows, s, pick, eos)
-    return run_search(backend, rows, search, logits, s.max_new_tokens, sync_every)
-
-
-def greedy_search(
-    backend: ModelBackend, batch: Batch, settings: SearchSettings, sync_every: int | None = None
-) -> SearchOutput:
-    """Arg-max decoding (``num_beams=1``, no sampling)."""
-    return token_search(backend, batch, settings, lambda scores: scores.argmax(dim=-1), 1, sync_every)

@@ -21,7 +21,7 @@ Life of a call::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -89,4 +89,26 @@ class ModelBackend(Protocol):
         ``rows`` ([B' * R] int64) are their rows, ``keep[i] * R + k`` for ``k < R``: computed once by the
         search (``Rows.keep_inputs``) for the backend's per-row state.
         """
+        ...
+
+
+@runtime_checkable
+class RefillBackend(ModelBackend, Protocol):
+    """A model backend the refill engine (``search/refill.py``) runs: ``L`` input lanes of ``R`` rows each, every
+    lane at its own step. Rows are lane-major (row ``l * R + k``); ``reorder`` takes a permutation of all
+    ``L * R`` rows. Implemented by the fast backends (``models/encoder_decoder.py``, ``models/decoder_only.py``)
+    and passed through by ``models/capture.py``."""
+
+    def open_lanes(self, lanes: int, rows_per_input: int, max_new_tokens: int) -> Any:
+        """The state of ``lanes`` empty lanes (caches preallocated for ``max_new_tokens`` steps)."""
+        ...
+
+    def join(self, state: Any, lanes: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """Inputs ``batch`` ([J, W]) into lanes ``lanes`` ([J] int64): run the encoder (prefill the prompts) for
+        them and restart those lanes at step 0. Decoder-only: the prefill's last logits [J, V]; else ``None``."""
+        ...
+
+    def lane_step(self, state: Any, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """Feed one token per row of every lane (``tokens`` [L * R]); each lane writes its own next cache slot.
+        ``step``: the furthest lane's step (sizes the attended span). Returns logits [L * R, V]."""
         ...

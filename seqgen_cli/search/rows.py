@@ -15,13 +15,13 @@ synchronising op and holds the loops to this.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
-from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
+from seqgen_cli.search.protocol import Batch, ModelBackend
 from seqgen_cli.search.settings import SearchSettings
 
 
@@ -139,63 +139,3 @@ def start_rows(
     else:
         logits = first.repeat_interleave(r, dim=0) if r > 1 else first  # [B, V] -> [N, V]
     return rows, logits
-
-
-class Search(Protocol):
-    """One search's per-step update over :class:`Rows` (``BeamSearch``, ``TokenSearch``)."""
-
-    def advance(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The next token of each row ([N]) from the logits ([N, V]); ``None`` after the last step."""
-
-    def done(self) -> torch.Tensor | None:
-        """[B] bool: inputs whose results can no longer change (``None``: none can stop early)."""
-
-    def results(self, idx: torch.Tensor) -> tuple[list[list[list[int]]], list[list[float]] | None]:
-        """Sequences (and scores) of active inputs ``idx`` ([D] int64), on the host."""
-
-    def keep(self, leaving: Leaving) -> None:
-        """Done inputs leave."""
-
-
-def run_search(
-    backend: ModelBackend,
-    rows: Rows,
-    search: Search,
-    logits: torch.Tensor,
-    max_new_tokens: int,
-    sync_every: int,
-) -> SearchOutput:
-    """The decode loop: advance, every ``sync_every`` steps let done inputs leave, step the backend."""
-    num_inputs = len(rows.inputs)
-    results: list[list[list[int]]] = [[] for _ in range(num_inputs)]
-    scores: list[list[float]] = [[] for _ in range(num_inputs)]
-    with_scores = False
-
-    def collect(idx: torch.Tensor, inputs: list[int]) -> None:
-        """Copy the results of active inputs ``idx`` ([D] int64; batch indices ``inputs``) to the host: only
-        after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
-        nonlocal with_scores
-        sequences, seq_scores = search.results(idx)
-        with_scores = seq_scores is not None
-        for j, b in enumerate(inputs):
-            results[b] = sequences[j]
-            if seq_scores is not None:
-                scores[b] = seq_scores[j]
-
-    for t in range(max_new_tokens):
-        tokens = search.advance(logits)  # [N]
-        if tokens is None:
-            break
-        done = search.done() if (t + 1) % sync_every == 0 else None
-        if done is not None:  # done inputs leave
-            leaving = rows.check(done)
-            if leaving is not None:
-                if leaving.all_done:
-                    break
-                collect(leaving.done, leaving.inputs)
-                search.keep(leaving)
-                tokens = tokens[leaving.kept_rows]
-        logits = backend.step(rows.state, tokens)  # [N, V]
-
-    collect(*rows.remaining())
-    return SearchOutput(sequences=results, scores=scores if with_scores else None)

@@ -196,20 +196,8 @@ def resolve_mode(config: GenerationConfig) -> Mode:
     return "sample" if do_sample else "greedy"
 
 
-def resolve_settings(
-    config: GenerationConfig,
-    *,
-    is_encoder_decoder: bool,
-    prompt_len: int,
-    max_position_embeddings: int | None = None,
-) -> SearchSettings:
-    """Resolve a merged config (:func:`seqgen_cli.config.resolve_generation_config`) for a batch whose prompts
-    are ``prompt_len`` tokens wide, padded (decoder-only; encoder-decoder models start from the decoder start
-    token, one position, whatever the source width)."""
-    mode = resolve_mode(config)
-    prompt_len = _decoder_positions(is_encoder_decoder, prompt_len)
-
-    # Special tokens (_prepare_special_tokens).
+def _special_tokens(config: GenerationConfig, is_encoder_decoder: bool) -> tuple[tuple[int, ...], Any, Any]:
+    """EOS ids, pad and decoder start token as ``_prepare_special_tokens`` resolves them."""
     eos = _token_list(config.eos_token_id)
     pad = config.pad_token_id
     if pad is None and eos:
@@ -223,7 +211,22 @@ def resolve_settings(
         )
     if isinstance(decoder_start, (list, tuple)):
         raise SeqgenError("per-input decoder_start_token_id lists are not supported")
+    return eos, pad, decoder_start
 
+
+def resolve_settings(
+    config: GenerationConfig,
+    *,
+    is_encoder_decoder: bool,
+    prompt_len: int,
+    max_position_embeddings: int | None = None,
+) -> SearchSettings:
+    """Resolve a merged config (:func:`seqgen_cli.config.resolve_generation_config`) for a batch whose prompts
+    are ``prompt_len`` tokens wide, padded (decoder-only; encoder-decoder models start from the decoder start
+    token, one position, whatever the source width)."""
+    mode = resolve_mode(config)
+    prompt_len = _decoder_positions(is_encoder_decoder, prompt_len)
+    eos, pad, decoder_start = _special_tokens(config, is_encoder_decoder)
     max_length, min_length = length_limits(config, prompt_len, max_position_embeddings)
     if max_length <= prompt_len:
         raise SeqgenError(

@@ -1,4 +1,4 @@
-"""The refill engine (``search/slots.py``, ``--refill``): token-identical to ``generate()`` with joins at many
+"""The refill engine (``search/refill.py``, ``--refill``): token-identical to ``generate()`` with joins at many
 different steps, and an input's output (tokens and scores, bit for bit) does not depend on its neighbours or
 on when it joined."""
 
@@ -14,7 +14,7 @@ from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import MIN_WIDTH
 from seqgen_cli.search import Batch
-from seqgen_cli.search.slots import SlotStats, generate_slots
+from seqgen_cli.search.refill import RefillStats, generate_refill
 from tests.engine_models import load, text_batch
 from tests.equivalence import COMPILED_TOL, MASKED_SUM_RTOL, SETTINGS, check_equivalence
 
@@ -25,14 +25,14 @@ FEW = ["greedy", "beam4_ngram3_lp2_minmax_es", "beam4_nrs3"]
 BATCH = 16
 
 
-def refill(slots: int, seed: int, min_free: int = 1, stats: SlotStats | None = None):
+def refill(lanes: int, seed: int, min_free: int = 1, stats: RefillStats | None = None):
     """The refill engine as the harness calls an engine: inputs join in a shuffled order."""
 
     def engine(backend, batch: Batch, config):
         order = list(range(batch.input_ids.shape[0]))
         random.Random(seed).shuffle(order)
-        return generate_slots(
-            backend, batch, config, slots=slots, order=order, min_free=min_free, stats=stats
+        return generate_refill(
+            backend, batch, config, lanes=lanes, order=order, min_free=min_free, stats=stats
         )
 
     return engine
@@ -45,8 +45,8 @@ def cases() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("family", "setting"), cases())
 def test_refill_equivalence(tiny_models, family: str, setting: str) -> None:
     loaded = load(tiny_models(family))
-    stats = SlotStats()
-    engine = refill(slots=5, seed=len(setting), min_free=2, stats=stats)
+    stats = RefillStats()
+    engine = refill(lanes=5, seed=len(setting), min_free=2, stats=stats)
     result = check_equivalence(
         loaded.model,
         get_backend,
@@ -66,7 +66,7 @@ def test_refill_equivalence(tiny_models, family: str, setting: str) -> None:
 
 def run_alone(backend, batch: Batch, config, i: int):
     one = Batch(batch.input_ids[i : i + 1], batch.attention_mask[i : i + 1])  # decoder-only: the same width
-    return generate_slots(backend, one, config, slots=1)
+    return generate_refill(backend, one, config, lanes=1)
 
 
 @pytest.mark.parametrize("family", ["bart", "t5", *DEC_ONLY])
@@ -87,9 +87,9 @@ def test_refill_output_independent_of_neighbours(tiny_models, family: str, setti
     backend = get_backend(model)
     alone = [run_alone(backend, batch, config, i) for i in range(12)]
     join_counts = set()
-    for trial, (slots, min_free) in enumerate([(4, 1), (3, 2), (5, 1), (7, 3)]):
-        stats = SlotStats()
-        out = refill(slots, seed=trial, min_free=min_free, stats=stats)(backend, batch, config)
+    for trial, (lanes, min_free) in enumerate([(4, 1), (3, 2), (5, 1), (7, 3)]):
+        stats = RefillStats()
+        out = refill(lanes, seed=trial, min_free=min_free, stats=stats)(backend, batch, config)
         join_counts.add(stats.joins)
         for i in range(12):
             assert out.sequences[i] == alone[i].sequences[0], f"trial {trial}, input {i}"
@@ -114,8 +114,8 @@ def test_refill_prompt_widths(tiny_models, family: str) -> None:
     assert len(set(widths)) > 2
     order = list(range(12))
     random.Random(0).shuffle(order)
-    out = generate_slots(get_backend(model), batch, config, slots=4, order=order, widths=widths)
-    same_width = generate_slots(get_backend(model), batch, config, slots=4, order=order)
+    out = generate_refill(get_backend(model), batch, config, lanes=4, order=order, widths=widths)
+    same_width = generate_refill(get_backend(model), batch, config, lanes=4, order=order)
     assert out.sequences != same_width.sequences  # the widths matter here
     for w in sorted(set(widths)):
         group = [i for i in range(12) if widths[i] == w]
@@ -135,13 +135,13 @@ def test_refill_sampling_stream_per_input(tiny_models, family: str) -> None:
     kwargs = dict(do_sample=True, num_return_sequences=2, top_k=20, max_new_tokens=12)
     config = resolve_generation_config(model.generation_config, None, kwargs)
     backend = get_backend(model)
-    whole = generate_slots(backend, batch, config, slots=4, seed=7)
-    shuffled = generate_slots(backend, batch, config, slots=3, seed=7, order=[9, 2, 5, 0, 1, 8, 3, 7, 6, 4])
+    whole = generate_refill(backend, batch, config, lanes=4, seed=7)
+    shuffled = generate_refill(backend, batch, config, lanes=3, seed=7, order=[9, 2, 5, 0, 1, 8, 3, 7, 6, 4])
     assert shuffled.sequences == whole.sequences
     tail = Batch(batch.input_ids[6:], batch.attention_mask[6:])  # a shard: inputs 6..9
-    part = generate_slots(backend, tail, config, slots=2, seed=7, indices=range(6, 10))
+    part = generate_refill(backend, tail, config, lanes=2, seed=7, indices=range(6, 10))
     assert part.sequences == whole.sequences[6:]
-    other_seed = generate_slots(backend, batch, config, slots=4, seed=8)
+    other_seed = generate_refill(backend, batch, config, lanes=4, seed=8)
     assert other_seed.sequences != whole.sequences
     assert len({tuple(map(tuple, s)) for s in whole.sequences}) > 1  # sampling differs across inputs
 
@@ -151,8 +151,8 @@ def test_refill_occupancy_counts(tiny_models) -> None:
     loaded = load(tiny_models("bart"))
     model, batch = loaded.model, text_batch(loaded, 16, seed=2)
     config = resolve_generation_config(model.generation_config, None, SETTINGS["beam4_lp0.6"])
-    stats = SlotStats()
-    generate_slots(get_backend(model), batch, config, slots=4, stats=stats)
+    stats = RefillStats()
+    generate_refill(get_backend(model), batch, config, lanes=4, stats=stats)
     assert stats.row_steps == stats.steps * 4 * 4
     assert 0.5 < stats.occupancy <= 1.0
     assert stats.joins >= 4
@@ -183,7 +183,7 @@ def test_refill_cli(tiny_models, tmp_path, family: str) -> None:
     assert a.exit_code == 0 and b.exit_code == 0, (a.stderr, b.stderr)
     assert (tmp_path / "a.txt").read_bytes() == (tmp_path / "b.txt").read_bytes()
     refill_stats = json.loads(stats.read_text())["device"]["refill"]
-    assert refill_stats["slots"] == 6 and refill_stats["joins"] >= 1 and refill_stats["steps"] > 0
+    assert refill_stats["lanes"] == 6 and refill_stats["joins"] >= 1 and refill_stats["steps"] > 0
     assert 0 < refill_stats["occupancy"] <= 1
 
 
@@ -202,19 +202,21 @@ def test_refill_window_mixes_widths(tiny_models) -> None:
         assert len(widths) >= 3
         batches: list[int] = []
         generate_ids = gen.generate_ids
-        gen.generate_ids = lambda batch, f=generate_ids, seen=batches: seen.append(len(batch)) or f(batch)
+        gen.generate_ids = lambda batch, idx=None, f=generate_ids, seen=batches: (
+            seen.append(len(batch)) or f(batch, idx)
+        )
         outputs[refill] = list(gen.generate_iterable(texts, batch_size=4))
         calls[refill] = batches
     assert outputs[True] == outputs[False]
-    assert calls[True] == [len(texts)]  # one window, one call over 4 slots
+    assert calls[True] == [len(texts)]  # one window, one call over 4 lanes
     assert len(calls[False]) >= len(widths)
 
 
 def test_slot_cache_steps_per_slot() -> None:
-    """SlotKVCache: slots at different steps write their own step and see their own history only."""
-    from seqgen_cli.models.kv_cache import SlotKVCache
+    """LaneKVCache: slots at different steps write their own step and see their own history only."""
+    from seqgen_cli.models.kv_cache import LaneKVCache
 
-    cache = SlotKVCache(1, 2, 1, 1, 4, 2, torch.float32, torch.device("cpu"))
+    cache = LaneKVCache(1, 2, 1, 1, 4, 2, torch.float32, torch.device("cpu"))
     cache.steps.copy_(torch.tensor([0, 2]))
     cache._row_steps()
     cache.begin()
@@ -226,14 +228,14 @@ def test_slot_cache_steps_per_slot() -> None:
 
 
 def test_decoder_only_slot_cache_prompt_region_and_steps() -> None:
-    """DecoderOnlySlotKVCache: a joiner's prefill K/V go into columns [0, w) of its slot's prompt region, the rest
+    """DecoderOnlyLaneKVCache: a joiner's prefill K/V go into columns [0, w) of its slot's prompt region, the rest
     masked; widening adds masked columns on the right; slots at different steps write their own generated slot,
     and a row attends its visible generated keys and its prompt's real keys, as one softmax."""
-    from seqgen_cli.models.kv_cache import DecoderOnlySlotKVCache
+    from seqgen_cli.models.kv_cache import DecoderOnlyLaneKVCache
 
     inf = float("-inf")
     # 1 layer, 2 slots of 1 row, 1 K/V head of 2 dims, 4 generated slots, prompt regions of 3 columns
-    cache = DecoderOnlySlotKVCache(1, 2, 1, 1, 2, 4, 3, torch.float32, torch.device("cpu"))
+    cache = DecoderOnlyLaneKVCache(1, 2, 1, 1, 2, 4, 3, torch.float32, torch.device("cpu"))
     pk = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])  # [J=1, Hkv=1, w=2, d=2]: a pad column, then a real one
     pv = torch.tensor([[[[5.0, 6.0], [7.0, 8.0]]]])
     cache.put_prompt(torch.tensor([1]), [pk], [pv], torch.tensor([[0, 1]]))
@@ -271,7 +273,7 @@ def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
     """The refill step has static shapes: its ``decode`` compiles as one graph (``fullgraph=True``, no dynamic
     shapes) under the real inductor on the CPU and gives the eager step's logits, with slots at different steps,
     a join mid-run and a beam reordering. A span bucket is a host int: one graph per (slots, width, span)."""
-    from seqgen_cli.search.slots import _columns
+    from seqgen_cli.search.refill import _columns
 
     loaded = load(tiny_models(family))
     eager, compiled = get_backend(loaded.model), get_backend(loaded.model)
@@ -282,7 +284,7 @@ def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
     slots, r = 3, 2
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
-        states = [b.open_slots(slots, r, 8) for b in (eager, compiled)]
+        states = [b.open_lanes(slots, r, 8) for b in (eager, compiled)]
 
         def join(slot_ids: list[int], inputs: list[int]) -> None:
             rows = _columns(batch, torch.tensor(inputs), width, left=family in DEC_ONLY)
@@ -294,8 +296,8 @@ def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
             if t == 3:
                 join([1], [3])  # a joiner at step 0 beside slots at step 3
             tokens = torch.randint(4, eager.vocab_size, (slots * r,), generator=g)
-            expected = eager.slot_step(states[0], tokens, t)
-            got = compiled.slot_step(states[1], tokens, t)
+            expected = eager.lane_step(states[0], tokens, t)
+            got = compiled.lane_step(states[1], tokens, t)
             torch.testing.assert_close(got, expected, rtol=COMPILED_TOL, atol=COMPILED_TOL)
             if t == 1:
                 rows = torch.tensor([1, 0, 2, 2, 5, 4])

@@ -1,0 +1,127 @@
+"""A cohort: inputs searched together, in lockstep. Its rows (history, processors), one search over them, and the
+results its inputs leave behind. The ordinary engine runs one cohort over ``backend.step``
+(:func:`run_search`); the refill engine runs many over ``backend.lane_step``
+(``search/refill.py``). Both build their searches with :func:`make_search`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from seqgen_cli.search.beam import BeamConstants, BeamSearch, TopK
+from seqgen_cli.search.greedy import TokenSearch
+from seqgen_cli.search.protocol import ModelBackend, SearchOutput
+from seqgen_cli.search.rows import Leaving, Rows
+from seqgen_cli.search.sampling import Streams
+from seqgen_cli.search.settings import SearchSettings
+
+
+class Search(Protocol):
+    """One search's per-step update over :class:`Rows` (``BeamSearch``, ``TokenSearch``)."""
+
+    t: int  # steps done
+
+    def advance(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The next token of each row ([N]) from the logits ([N, V]); ``None`` after the last step."""
+
+    def done(self) -> torch.Tensor | None:
+        """[B] bool: inputs whose results can no longer change (``None``: none can stop early)."""
+
+    def results(self, idx: torch.Tensor) -> tuple[list[list[list[int]]], list[list[float]] | None]:
+        """Sequences (and scores) of active inputs ``idx`` ([D] int64), on the host."""
+
+    def keep(self, leaving: Leaving) -> None:
+        """Done inputs leave."""
+
+
+def make_search(
+    rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK, streams: Streams
+) -> Search:
+    """The search of ``settings.mode`` over ``rows``: beam search, or one token per row, the arg-max or a draw from
+    each input's random stream. ``consts``: the device constants, built once per call before its first step is
+    queued (host data copied later would wait for that step)."""
+    s = settings
+    if s.mode == "beam":
+        return BeamSearch(rows, s, consts, topk)
+    if s.mode == "sample":
+        return TokenSearch(rows, s, streams.picker(rows), consts.eos)
+    return TokenSearch(rows, s, lambda scores: scores.argmax(dim=-1), consts.eos)
+
+
+class Results:
+    """Per input (batch position), its sequences and, for beam search, their scores; filled as inputs leave."""
+
+    def __init__(self, num_inputs: int) -> None:
+        self.sequences: list[list[list[int]]] = [[] for _ in range(num_inputs)]
+        self.scores: list[list[float]] = [[] for _ in range(num_inputs)]
+        self.with_scores = False
+
+    def collect(self, search: Search, idx: torch.Tensor, inputs: list[int]) -> None:
+        """Copy the results of active inputs ``idx`` ([D] int64; batch positions ``inputs``) to the host: only
+        after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
+        sequences, scores = search.results(idx)
+        self.with_scores = scores is not None
+        for j, b in enumerate(inputs):
+            self.sequences[b] = sequences[j]
+            if scores is not None:
+                self.scores[b] = scores[j]
+
+    def output(self) -> SearchOutput:
+        return SearchOutput(self.sequences, self.scores if self.with_scores else None)
+
+
+class Cohort:
+    """Inputs that run in lockstep: ``rows``, their ``search``, and ``results`` where leaving inputs go."""
+
+    def __init__(self, rows: Rows, search: Search, results: Results) -> None:
+        self.rows, self.search, self.results = rows, search, results
+        self.finished = False  # every input has left
+
+    def advance(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """One step on the rows' logits [N, V]: the tokens [N] to feed next; ``None`` after the last step (then
+        every input's results are collected)."""
+        tokens = self.search.advance(logits)
+        if tokens is None:
+            self.finish()
+        return tokens
+
+    def check(self) -> Leaving | None:
+        """The host check: inputs that are done leave (their results collected, the rest kept); the split, or
+        ``None`` when none is done (or the search cannot stop early)."""
+        done = self.search.done()
+        leaving = self.rows.check(done) if done is not None else None
+        if leaving is None:
+            return None
+        self.results.collect(self.search, leaving.done, leaving.inputs)
+        if leaving.all_done:
+            self.finished = True
+        else:
+            self.search.keep(leaving)
+        return leaving
+
+    def finish(self) -> None:
+        """Collect every input still running (after the last step)."""
+        if not self.finished:
+            self.results.collect(self.search, *self.rows.remaining())
+            self.finished = True
+
+
+def run_search(
+    backend: ModelBackend, cohort: Cohort, logits: torch.Tensor, max_new_tokens: int, sync_every: int
+) -> SearchOutput:
+    """The decode loop of one cohort: advance, every ``sync_every`` steps let done inputs leave, step the backend
+    (``logits``: the first step's [N, V])."""
+    rows = cohort.rows
+    for t in range(max_new_tokens):
+        tokens = cohort.advance(logits)  # [N]
+        if tokens is None:
+            break
+        if (t + 1) % sync_every == 0 and (leaving := cohort.check()) is not None:
+            if leaving.all_done:
+                break
+            tokens = tokens[leaving.kept_rows]  # [N'] the rows that run on
+        logits = backend.step(rows.state, tokens)  # [N, V]
+    cohort.finish()
+    return cohort.results.output()
