@@ -98,3 +98,20 @@ def test_draws_repeat_with_a_seed() -> None:
     first = draw(rows, torch.Generator().manual_seed(7))
     assert torch.equal(first, draw(rows, torch.Generator().manual_seed(7)))
     assert not torch.equal(first, draw(rows, torch.Generator().manual_seed(8)))
+
+
+def test_a_sampled_output_depends_on_its_seed_and_index_only(tiny_models) -> None:
+    """Each input draws from its own stream (``Streams``: --seed and its index in the run): batch size, sort window
+    and refill give the same sampled outputs; another seed gives others."""
+    from seqgen_cli.generator import Generator
+    from tests.tiny_models import sample_texts
+
+    texts = sample_texts(9, seed=4)
+    settings = dict(do_sample=True, top_k=20, max_new_tokens=6, num_return_sequences=2)
+    gen = Generator(str(tiny_models("bart")), device="cpu", seed=5, **settings)
+    whole = gen.generate(texts, batch_size=9)
+    assert whole == gen.generate(texts, batch_size=2) == gen.generate(texts, batch_size=1)
+    refill = Generator(str(tiny_models("bart")), device="cpu", seed=5, refill=True, **settings)
+    assert refill.generate(texts, batch_size=3) == whole
+    other = Generator(str(tiny_models("bart")), device="cpu", seed=6, **settings)
+    assert other.generate(texts, batch_size=9) != whole
