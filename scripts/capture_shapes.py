@@ -6,7 +6,7 @@ are recycled to ``--inputs`` lines, tokenised with bart-large-cnn's tokenizer (t
 positions) and batched as ``seqgen generate`` batches them (``batching.plan_batches`` over windows of
 ``default_window(batch_size)`` inputs, beams as rows). Each batch's shape is ``(rows bucket, width bucket,
 slots)`` as ``models/capture.py`` pads it; as inputs finish, the running ones are compacted to fewer slots
-(``capture.compacted``; checked every 4 steps, the GPU cadence). When an input finishes is taken from bart-large-cnn's
+(``shapes.compacted``; checked every 4 steps, the GPU cadence). When an input finishes is taken from bart-large-cnn's
 real output lengths for FastSeq's 128 articles (``expected_bart_output.hypo``, cycled; clipped to the
 preset's 56..142 tokens): a proxy, since beam search may run past the best hypothesis's length.
 
@@ -30,7 +30,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _common import SHARED  # noqa: E402
 
 from seqgen_cli.batching import default_window, plan_batches  # noqa: E402
-from seqgen_cli.models.capture import SLOTS, bucket, compacted, round_up, width_bucket  # noqa: E402
+from seqgen_cli.shapes import compacted, graph_slots, graph_width, power_of_two  # noqa: E402
 
 SOURCES = ("data/cnndm/fastseq128/cnndm_128.txt", "data/cnndm/summeval.source", "data/cnndm/realsumm.source")
 OUTPUTS = "data/cnndm/fastseq128/expected_bart_output.hypo"
@@ -41,11 +41,11 @@ Width = Callable[[int], int]  # widest source -> padded width
 Compact = Callable[[int, int], int]  # (running inputs, start slots) -> slots
 BUCKETINGS: dict[str, tuple[Width, Compact]] = {
     "old (widths: multiples of 64; compaction: every power of two)": (
-        lambda n: round_up(n, 64),
-        lambda running, start: bucket(running),
+        lambda n: -(-n // 64) * 64,
+        lambda running, start: power_of_two(running),
     ),
     "new (widths: powers of two, 64..limit; compaction: at most two halvings)": (
-        lambda n: width_bucket(n, LIMIT),
+        lambda n: graph_width(n, LIMIT),
         compacted,
     ),
 }
@@ -62,8 +62,8 @@ Run = tuple[Shape, int, int]  # a shape, the decode steps run at it, and its inp
 def batch_steps(width: int, out_lengths: list[int], compact: Compact) -> tuple[list[Run], int]:
     """The shapes one batch runs through (steps and input-slot steps at each), compacting as
     ``CapturedBackend`` does; and the input steps of the inputs still running (the work that is not idle)."""
-    slots = round_up(MAX_NEW, SLOTS)
-    start = phys = bucket(len(out_lengths))
+    slots = graph_slots(MAX_NEW)
+    start = phys = power_of_two(len(out_lengths))
     runs: list[Run] = []
     steps = busy = 0
     for t in range(1, MAX_NEW + 1):

@@ -9,7 +9,7 @@ one. Windows are consecutive in input order, so every input of a later window co
 earlier one. :func:`generate_split` runs a batch and, when it runs out of memory, splits it in halves down to a
 single input: no input is dropped.
 
-Batch independence. An input is padded to :func:`width_bucket` of its own length, never to a longer
+Batch independence. An input is padded to :func:`~seqgen_cli.shapes.input_width` of its own length, never to a longer
 neighbour's: a batch holds inputs of one bucket only. With the fast backends' row-invariant products
 (``models/linear_maps.py``) the bytes of an output then depend on its input and the settings only, not on
 which inputs share its batch, the window, the batch size, a shard or the reader's timing (CPU float32;
@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.errors import SeqgenError, is_oom
+from seqgen_cli.shapes import input_width
 
 MIN_WINDOW = 2048
 CHUNK_SIZE = 256  # inputs tokenised by one call (Generator.generate_iterable, the pipeline's reader)
-WIDTH_STEP = 8  # padded widths are multiples of this (and finer steps are never used)
 
 
 @dataclass
@@ -162,21 +162,6 @@ def free_memory_budget(device: Any) -> int | None:
     return int((free + unused) * (1 - HEADROOM))
 
 
-def width_bucket(length: int) -> int:
-    """The width an input of ``length`` tokens is padded to, whoever its neighbours: ``length`` rounded up to a
-    multiple of 8 tokens up to 128, beyond that of 1/16 of the next power of two (16 up to 256, 32 up to 512,
-    ...): at most 12.5 % padding, 8 widths per doubling of the length.
-
-    Why widths are fixed per input: the kernels that attend over a padded source (encoder self-attention,
-    cross-attention, a decoder-only prompt) round differently at different widths even where the padding is
-    masked, so an input padded to its neighbours' width would get other bits. Why multiples of 8: MKL's GEMM
-    (the encoder's linear layers, ``B x width`` rows) and torch's CPU flash attention give a row the same bits
-    whatever the batch and thread count when the row count and width are multiples of 8 (measured with 1-16
-    threads; not with odd widths)."""
-    step = max(WIDTH_STEP, (1 << max(0, length - 1).bit_length()) // 16)
-    return -(-max(length, 1) // step) * step
-
-
 def default_window(batch_size: int) -> int:
     """Inputs read ahead and sorted by length: 16 batches, at least ``MIN_WINDOW``."""
     return max(16 * batch_size, MIN_WINDOW)
@@ -191,10 +176,10 @@ def plan_batches(
     memory: MemoryLimit | None = None,
     buckets: bool = True,
 ) -> list[list[int]]:
-    """Positions grouped into batches of one :func:`width_bucket` each: shortest first when ``sort``, else
+    """Positions grouped into batches of one :func:`~seqgen_cli.shapes.input_width` each: shortest first when ``sort``, else
     bucket by bucket, in the given order within each. ``buckets=False`` (the refill engine, which pads each
     input on its own): batches mix widths, cut by size and budget only."""
-    widths = [width_bucket(n) for n in lengths]
+    widths = [input_width(n) for n in lengths]
     order = sorted(range(len(lengths)), key=(lengths if sort else widths).__getitem__)
     batches: list[list[int]] = []
     batch: list[int] = []
@@ -266,7 +251,7 @@ class Batcher:
             lengths, self.batch_size, self.batch_tokens, self.rows, self.sort, self.memory, self.buckets
         ):
             self.source_tokens += sum(lengths[i] for i in idx)
-            self.padded_tokens += sum(width_bucket(lengths[i]) for i in idx)
+            self.padded_tokens += sum(input_width(lengths[i]) for i in idx)
             self.batches += 1
             yield ItemBatch([pending[i] for i in idx], window)
 
@@ -298,30 +283,6 @@ class GeneratesIds(Protocol):
     def generate_ids(
         self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None
     ) -> list[list[list[int]]]: ...
-
-
-OOM_MESSAGES = (
-    "out of memory",  # CUDA's allocator and "CUDA error: out of memory", MPS
-    "can't allocate memory",  # the CPU allocator (DefaultCPUAllocator) on Linux
-    "not enough memory",  # the CPU allocator in older torch ("... Buy new RAM!")
-    "status_alloc_failed",  # cuBLAS / cuDNN workspace or handle allocation
-)
-
-
-def is_oom(err: BaseException) -> bool:
-    """Out of memory on the device or the host: ``MemoryError``, ``torch.OutOfMemoryError``, or a
-    ``RuntimeError`` carrying one of the allocators' messages (:data:`OOM_MESSAGES`)."""
-    if isinstance(err, MemoryError):
-        return True
-    try:
-        import torch
-
-        if isinstance(err, torch.OutOfMemoryError):
-            return True
-    except (ImportError, AttributeError):
-        pass
-    message = str(err).lower()
-    return isinstance(err, RuntimeError) and any(m in message for m in OOM_MESSAGES)
 
 
 def free_device_memory() -> None:

@@ -28,3 +28,27 @@ class Aborted(SeqgenError):
     outputs are and how to go on."""
 
     exit_code = 1
+
+
+OOM_MESSAGES = (
+    "out of memory",  # CUDA's allocator and "CUDA error: out of memory", MPS
+    "can't allocate memory",  # the CPU allocator (DefaultCPUAllocator) on Linux
+    "not enough memory",  # the CPU allocator in older torch ("... Buy new RAM!")
+    "status_alloc_failed",  # cuBLAS / cuDNN workspace or handle allocation
+)
+
+
+def is_oom(err: BaseException) -> bool:
+    """Out of memory on the device or the host: ``MemoryError``, ``torch.OutOfMemoryError``, or a
+    ``RuntimeError`` carrying one of the allocators' messages (:data:`OOM_MESSAGES`)."""
+    if isinstance(err, MemoryError):
+        return True
+    try:
+        import torch
+
+        if isinstance(err, torch.OutOfMemoryError):
+            return True
+    except (ImportError, AttributeError):
+        pass
+    message = str(err).lower()
+    return isinstance(err, RuntimeError) and any(m in message for m in OOM_MESSAGES)

@@ -33,24 +33,17 @@ from seqgen_cli.batching import (
     free_memory_budget,
     generate_split,
     tokenise,
-    width_bucket,
 )
 from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load
 from seqgen_cli.search import settings as search_settings
 from seqgen_cli.search.refill import RefillStats
+from seqgen_cli.shapes import graph_width, input_width
 
 BACKENDS = ("auto", "fast", "hf")
 # per row and vocabulary entry while a step is searched: logits, log-probs and scores (float32)
 LOGIT_BYTES = 3 * 4
-
-
-def padded_width(length: int, limit: int | None) -> int:
-    """The padded width of an input of ``length`` tokens: its :func:`~seqgen_cli.batching.width_bucket`, but no
-    padding past ``limit`` (the positions the model has)."""
-    width = width_bucket(length)
-    return width if limit is None else max(length, min(width, limit))
 
 
 class Generator:
@@ -262,13 +255,13 @@ class Generator:
     def pad(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pad to a rectangle: right for encoder-decoder sources, left for decoder-only prompts. [B, S] int64.
 
-        ``S`` is the :func:`~seqgen_cli.batching.width_bucket` of the longest input (at most the model's position
+        ``S`` is the :func:`~seqgen_cli.shapes.input_width` of the longest input (at most the model's position
         limit): an input batched with others of its bucket (``Batcher``) gets the width it has alone, so its
         output does not depend on its neighbours. The rectangle is built on the host; for a CUDA device in
         pinned memory, copied with ``non_blocking=True`` so the host queues the copy and goes on (the caching
         host allocator keeps the pinned block until the copy is done).
         """
-        width = padded_width(max(len(ids) for ids in batch), self._source_limit(None))
+        width = input_width(max(len(ids) for ids in batch), self._source_limit(None))
         device = self.loaded.device
         pinned = device.type == "cuda"
         input_ids = torch.full(
@@ -343,18 +336,17 @@ class Generator:
     def _generate_refill(self, batch: Any, indices: Sequence[int] | None) -> list[list[list[int]]]:
         """The refill engine over ``self.lanes`` lanes (fewer where ``lane_tokens`` cannot hold them at the
         batch's widest source), inputs joining in batch order."""
-        from seqgen_cli.models.capture import width_bucket
         from seqgen_cli.search.refill import generate_refill
 
         engine = self._engine()  # under a CapturedBackend: its lane steps replay compiled graphs
         lanes = self.lanes
         if self.lane_tokens is not None:
-            width = width_bucket(batch.input_ids.shape[1], getattr(engine, "max_position_embeddings", None))
+            width = graph_width(batch.input_ids.shape[1], getattr(engine, "max_position_embeddings", None))
             lanes = max(1, min(lanes, self.lane_tokens // (width * self.rows_per_input)))
         widths = None  # decoder-only: each prompt's length limits count from its own width, as without refill
         if not self.is_encoder_decoder:
             limit = self._source_limit(None)
-            widths = [padded_width(int(n), limit) for n in batch.attention_mask.sum(dim=1).tolist()]
+            widths = [input_width(int(n), limit) for n in batch.attention_mask.sum(dim=1).tolist()]
         out = generate_refill(
             engine, batch, self.config, lanes=lanes, seed=self.seed, indices=indices, stats=self.refill_stats,
             widths=widths,

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from seqgen_cli.batching import free_device_memory, is_oom
+from seqgen_cli.batching import free_device_memory
+from seqgen_cli.errors import is_oom
 from seqgen_cli.generator import strip_generated
 from seqgen_cli.search import Batch
 from seqgen_cli.search.history import TokenHistory

@@ -23,17 +23,15 @@ from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import get_backend, linear_maps
 from seqgen_cli.models.capture import (
-    MIN_WIDTH,
     CapturedBackend,
     Decode,
-    compacted,
     compile_decode,
-    width_bucket,
 )
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.search.refill import RefillStats, generate_refill
 from seqgen_cli.search.settings import rows_per_input
+from seqgen_cli.shapes import MIN_WIDTH, compacted, graph_width
 from tests.engine_models import beam_config, load, run_beam, text_batch
 from tests.equivalence import MASKED_SUM_RTOL
 
@@ -70,15 +68,15 @@ def _steps(backend: CapturedBackend) -> int:
 
 
 def test_widths_are_powers_of_two_capped_at_the_model_limit() -> None:
-    assert [width_bucket(n) for n in (1, 64, 65, 129, 1000)] == [MIN_WIDTH, 64, 128, 256, 1024]
-    assert {width_bucket(n, 1024) for n in range(1, 1025)} == {64, 128, 256, 512, 1024}
-    assert width_bucket(520, 600) == 600 and width_bucket(600, 600) == 600  # the model's limit, not 1024
-    assert width_bucket(700, 600) == 700, "longer than the limit: not padded further (the backend reports it)"
-    assert width_bucket(100, None) == 128  # no position limit (T5)
+    assert [graph_width(n) for n in (1, 64, 65, 129, 1000)] == [MIN_WIDTH, 64, 128, 256, 1024]
+    assert {graph_width(n, 1024) for n in range(1, 1025)} == {64, 128, 256, 512, 1024}
+    assert graph_width(520, 600) == 600 and graph_width(600, 600) == 600  # the model's limit, not 1024
+    assert graph_width(700, 600) == 700, "longer than the limit: not padded further (the backend reports it)"
+    assert graph_width(100, None) == 128  # no position limit (T5)
 
 
 @pytest.mark.parametrize("family", ["bart", "llama"])
-def test_batches_are_padded_to_the_width_bucket(tiny_models, family: str) -> None:
+def test_batches_are_padded_to_the_graph_width(tiny_models, family: str) -> None:
     loaded = load(tiny_models(family))
     base = text_batch(loaded, 3, seed=1)
     reps = -(-130 // base.input_ids.shape[1])
@@ -310,7 +308,9 @@ def _refill_case(tiny_models, case: str) -> tuple[Any, Batch, Any, list[int]]:
     return loaded, batch, config, order
 
 
-def _refill(backend: Any, batch: Batch, config: Any, order: list[int], stats: RefillStats | None = None) -> Any:
+def _refill(
+    backend: Any, batch: Batch, config: Any, order: list[int], stats: RefillStats | None = None
+) -> Any:
     return generate_refill(backend, batch, config, lanes=3, seed=11, order=order, stats=stats)
 
 
@@ -332,10 +332,10 @@ def test_refill_runs_captured(tiny_models, case: str) -> None:
         assert backend.shapes == {(rows, MIN_WIDTH, 64, 72), (rows, MIN_WIDTH, 72, 72)}
     else:  # a join runs at its widest joiner's bucket: the first (the 3 shortest prompts) and the last (the longest)
         lengths = batch.attention_mask.sum(dim=1).tolist()
-        widths = {width_bucket(n) for n in lengths}
+        widths = {graph_width(n) for n in lengths}
         seen = {shape[1] for shape in backend.shapes}
         assert {(r, span, t) for r, _, span, t in backend.shapes} == {(rows, 39, 39)}
-        assert {width_bucket(lengths[order[2]]), max(widths)} <= seen <= widths
+        assert {graph_width(lengths[order[2]]), max(widths)} <= seen <= widths
 
 
 @pytest.mark.parametrize("case", ["bart-beam", "gpt2-beam"])

@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from seqgen_cli.batching import Encoded, width_bucket
+from seqgen_cli.batching import Encoded
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import linear_maps
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
 from seqgen_cli.search.protocol import Batch
+from seqgen_cli.shapes import input_width
 from tests.helpers import seqgen
 from tests.tiny_models import copy_checkpoint, sample_texts
 
@@ -35,12 +36,12 @@ FAST_FAMILIES = ("bart", "marian", "pegasus", "t5", "gpt2", "llama")
 # -- products -------------------------------------------------------------------------------------------------
 
 
-def test_width_bucket_depends_on_the_length_only_and_pads_little() -> None:
+def test_input_width_depends_on_the_length_only_and_pads_little() -> None:
     previous = 0
     for n in range(1, 5000):
-        w = width_bucket(n)
+        w = input_width(n)
         assert w >= n and w % 8 == 0 and w >= previous
-        assert width_bucket(w) == w  # a bucket's bound is its own bucket
+        assert input_width(w) == w  # a bucket's bound is its own bucket
         assert w - n < max(8, n / 8)  # under 8 tokens or 12.5 %
         previous = w
 
@@ -106,7 +107,7 @@ def _check_neighbours(gen: Generator) -> None:
     """One input's logits alone, and first or last among 1-4 inputs of its width bucket (of other lengths), with
     them throughout or leaving after step 2: the same bits, for 1 and 3 rows per input."""
     ids = [e.ids for e in gen.encode(sample_texts(100, seed=11))]
-    widths = [width_bucket(len(s)) for s in ids]
+    widths = [input_width(len(s)) for s in ids]
     x, *same_bucket = [s for s, w in zip(ids, widths, strict=True) if w == max(widths, key=widths.count)]
     assert len(same_bucket) >= 4 and len({len(s) for s in same_bucket}) > 1, "neighbours of other lengths"
     rng = random.Random(0)

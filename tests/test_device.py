@@ -13,7 +13,8 @@ from unittest import mock
 import pytest
 import torch
 
-from seqgen_cli.batching import Item, generate_split, is_oom
+from seqgen_cli.batching import Item, generate_split
+from seqgen_cli.errors import is_oom
 from seqgen_cli.generator import Generator
 
 

@@ -167,7 +167,9 @@ def test_a_bad_line_in_a_late_shard_names_its_line_then_skip_and_resume(
     out = tmp_path / "out.jsonl"
     res = seqgen("generate", "-m", str(marian), str(src), "-o", str(out), *ARGS, *workers)
     assert res.exit_code == 2
-    assert f"{src}:47: invalid JSON" in res.stderr and "the outputs for the first 46 inputs are in" in res.stderr
+    assert (
+        f"{src}:47: invalid JSON" in res.stderr and "the outputs for the first 46 inputs are in" in res.stderr
+    )
     assert out.read_bytes() == b"".join(reference.splitlines(keepends=True)[:46])
     # --on-error skip, to stdout: the bad line becomes an error object, everything else as one process
     res = seqgen("generate", "-m", str(marian), str(src), *ARGS, *workers, "--on-error", "skip")

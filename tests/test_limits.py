@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
-from seqgen_cli.batching import is_oom
+from seqgen_cli.errors import is_oom
 from seqgen_cli.generator import Generator
 from seqgen_cli.loading import load
 from seqgen_cli.models import get_backend

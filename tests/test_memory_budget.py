@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seqgen_cli.batching import HEADROOM, MemoryLimit, free_memory_budget, plan_batches, width_bucket
+from seqgen_cli.batching import HEADROOM, MemoryLimit, free_memory_budget, plan_batches
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.models.generic import GenericBackend
+from seqgen_cli.shapes import input_width
 from tests.engine_models import load, text_batch
 
 GiB = 2**30
@@ -140,7 +141,7 @@ def test_generator_sizes_batches_by_its_memory_budget(tiny_models, monkeypatch) 
 
     monkeypatch.setattr(gen, "generate_ids", spy)
     texts = ["the same words in every line"] * 10
-    width = width_bucket(len(gen.encode(texts[:1])[0].ids))  # the width the batch is padded to
+    width = input_width(len(gen.encode(texts[:1])[0].ids))  # the width the batch is padded to
     baseline = list(gen.generate_iterable(texts, batch_size=32))
     assert sizes == [10]
     gen.memory_budget = gen.batch_bytes(4, width)

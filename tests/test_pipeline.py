@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from seqgen_cli.batching import plan_batches, width_bucket
+from seqgen_cli.batching import plan_batches
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import formats, resume
 from seqgen_cli.pipeline.formats import index_path
@@ -17,6 +17,7 @@ from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, gene
 from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.sinks import StreamSink
+from seqgen_cli.shapes import input_width
 from tests.helpers import Capture, FakeGen, expected, write_lines
 
 
@@ -42,9 +43,9 @@ def test_order_preserved_with_shuffled_lengths(tmp_path: Path, batch_size, batch
     assert summary.inputs == 400 and summary.error is None
     for b in gen.batches:
         assert len(b) <= batch_size
-        assert len({width_bucket(len(ids)) for ids in b}) == 1  # one width bucket per batch
+        assert len({input_width(len(ids)) for ids in b}) == 1  # one width bucket per batch
         if batch_tokens and len(b) > 1:
-            assert width_bucket(max(map(len, b))) * len(b) <= batch_tokens
+            assert input_width(max(map(len, b))) * len(b) <= batch_tokens
     if window != 0 and 1 < batch_size < 100:  # sorted within a window: little padding
         assert summary.padding_ratio < 0.5
 

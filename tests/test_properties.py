@@ -10,8 +10,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from seqgen_cli.batching import plan_batches, width_bucket  # noqa: E402
+from seqgen_cli.batching import plan_batches  # noqa: E402
 from seqgen_cli.metrics import METRICS, ROUGE_TYPES, score, split_sentences  # noqa: E402
+from seqgen_cli.shapes import input_width  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)
@@ -27,13 +28,13 @@ def test_plan_partitions_within_limits(lengths, batch_size, batch_tokens, rows, 
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert 1 <= len(b) <= batch_size
-        widths = {width_bucket(lengths[i]) for i in b}
+        widths = {input_width(lengths[i]) for i in b}
         assert len(widths) == 1  # an input is never padded past its own width bucket
         if batch_tokens is not None and len(b) > 1:
             assert widths.pop() * len(b) * rows <= batch_tokens
     if not sort:  # input order within each bucket
         order = [i for b in batches for i in b]
-        assert order == sorted(order, key=lambda i: width_bucket(lengths[i]))
+        assert order == sorted(order, key=lambda i: input_width(lengths[i]))
 
 
 _word = st.text(

@@ -12,9 +12,9 @@ import torch
 
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import get_backend
-from seqgen_cli.models.capture import MIN_WIDTH
 from seqgen_cli.search import Batch
 from seqgen_cli.search.refill import RefillStats, generate_refill
+from seqgen_cli.shapes import MIN_WIDTH
 from tests.engine_models import load, text_batch
 from tests.equivalence import COMPILED_TOL, MASKED_SUM_RTOL, SETTINGS, check_equivalence
 
@@ -102,7 +102,7 @@ def test_refill_output_independent_of_neighbours(tiny_models, family: str, setti
 def test_refill_prompt_widths(tiny_models, family: str) -> None:
     """Decoder-only ``widths``: each prompt counts its positions (``max_length``, ``min_length``) from its own width,
     as ``generate()`` on it padded to that width alone does; inputs of several widths share the slots."""
-    from seqgen_cli.batching import width_bucket
+    from seqgen_cli.shapes import input_width
     from seqgen_cli.verify import compare
 
     loaded = load(tiny_models(family))
@@ -110,7 +110,7 @@ def test_refill_prompt_widths(tiny_models, family: str) -> None:
     kwargs = SETTINGS["beam4_maxlen48_minlen44"]  # lengths count the padded prompt
     config = resolve_generation_config(model.generation_config, None, kwargs)
     lengths = batch.attention_mask.sum(dim=1).tolist()
-    widths = [width_bucket(n) for n in lengths]
+    widths = [input_width(n) for n in lengths]
     assert len(set(widths)) > 2
     order = list(range(12))
     random.Random(0).shuffle(order)
@@ -190,15 +190,15 @@ def test_refill_cli(tiny_models, tmp_path, family: str) -> None:
 def test_refill_window_mixes_widths(tiny_models) -> None:
     """With refill the batcher hands a window of several width buckets to one engine call (the slots pad each
     input on their own); without, each bucket is a batch of its own. Same outputs either way."""
-    from seqgen_cli.batching import width_bucket
     from seqgen_cli.generator import Generator
+    from seqgen_cli.shapes import input_width
     from tests.tiny_models import sample_texts
 
     texts = sample_texts(24, seed=5)
     outputs, calls = {}, {}
     for refill in (False, True):
         gen = Generator(str(tiny_models("bart")), device="cpu", refill=refill, num_beams=2, max_new_tokens=5)
-        widths = {width_bucket(len(e.ids)) for e in gen.encode(texts)}
+        widths = {input_width(len(e.ids)) for e in gen.encode(texts)}
         assert len(widths) >= 3
         batches: list[int] = []
         generate_ids = gen.generate_ids

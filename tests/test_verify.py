@@ -126,7 +126,11 @@ def test_cli_verify_strict_passes_when_they_agree(tiny_models, tmp_path) -> None
 def test_cli_verify_is_off_by_default_on_the_cpu(tiny_models, tmp_path) -> None:
     result, _, stats = _cli(tiny_models, tmp_path)
     assert result.exit_code == 0, result.output
-    assert json.loads(stats.read_text())["verify"] is None and "verify " not in result.output and "verify:" not in result.output
+    assert (
+        json.loads(stats.read_text())["verify"] is None
+        and "verify " not in result.output
+        and "verify:" not in result.output
+    )
 
 
 def test_cli_verify_rejects_a_bad_value(tiny_models, tmp_path) -> None:

@@ -14,9 +14,9 @@ step number (``models/kv_cache.py``), so one compiled graph serves every step of
 ``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``: a CUDA graph per batch shape,
 replayed every step. Shapes come from a small fixed set, so a long length-sorted run compiles a handful:
 inputs are padded to a power-of-two number of *slots* (copies of the last input; their rows run idle),
-sources (or prompts) to a power-of-two width (at least ``MIN_WIDTH``, at most the model's position limit) and
-the new-token slots to a multiple of ``SLOTS``; finished inputs idle in their slot, and the rows are compacted
-only when they fit a smaller power of two, at most twice per batch (:func:`compacted`). Each instance compiles
+sources (or prompts) to a power-of-two width (at least ``shapes.MIN_WIDTH``, at most the model's position limit) and
+the new-token slots to a multiple of ``shapes.SLOTS``; finished inputs idle in their slot, and the rows are compacted
+only when they fit a smaller power of two, at most twice per batch (:func:`~seqgen_cli.shapes.compacted`). Each instance compiles
 at most ``max_shapes`` shapes (torch's recompile limit raised to match for its calls); later shapes run
 ``decode`` eagerly. ``scripts/capture_shapes.py`` counts the shapes of a CNN/DM run.
 
@@ -36,8 +36,8 @@ says why.
 The refill engine (``search/refill.py``, ``--refill``) runs through the same wrapper: ``open_lanes``, ``join`` and
 ``lane_step`` are the wrapped backend's, ``lane_step`` with the guarded compiled ``decode`` (every check and
 fallback above applies). Its shapes need no padding: the ``S * R`` rows are fixed for a window, the slots' source
-(prompt) width only widens to a :func:`width_bucket` and the attended span is a bucket
-(``kv_cache.lane_span``), so a shape is (rows, width, span, generated slots) and a whole window runs on a handful
+(prompt) width only widens to a :func:`~seqgen_cli.shapes.graph_width` and the attended span is a bucket
+(``shapes.lane_span``), so a shape is (rows, width, span, generated slots) and a whole window runs on a handful
 of graphs. The slot state is marked static when opened and again when a wider joiner reallocates it. The slot
 step's ``decode`` is idempotent too (``begin`` derives where it writes from the slot counters, which only
 ``advance`` moves, after it).
@@ -56,14 +56,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqgen_cli.batching import is_oom
-from seqgen_cli.models.kv_cache import Decode, check_slot, lane_span, lane_step, static_step
+from seqgen_cli.errors import is_oom
+from seqgen_cli.models.kv_cache import Decode, check_slot, lane_step, static_step
 from seqgen_cli.search.protocol import Batch, ModelBackend
+from seqgen_cli.shapes import compacted, graph_inputs, graph_slots, graph_width, lane_span
 
 Compiler = Callable[[Decode], Decode]
 
-MIN_WIDTH = 64  # narrowest source / prompt bucket; wider ones are powers of two
-SLOTS = 64  # new-token slots are allocated in multiples of this
 MAX_SHAPES = 16  # batch shapes one CapturedBackend compiles at most; then eager
 SETTLING_CALLS = 3  # a shape's first calls: compile + warm-up, CUDA graph recording, first replay
 
@@ -103,29 +102,6 @@ def capture(
     else:
         return CapturedBackend(backend, compiler), "captured"
     return backend, f"eager ({reason})"
-
-
-def bucket(n: int) -> int:
-    """The smallest power of two >= ``n``."""
-    return 1 << max(0, n - 1).bit_length()
-
-
-def width_bucket(n: int, limit: int | None = None) -> int:
-    """The padded width of ``n`` source (or prompt) tokens: the smallest power of two >= ``n``, at least
-    ``MIN_WIDTH``, and at most ``limit`` (the model's position limit) when ``n`` fits in it."""
-    width = max(MIN_WIDTH, bucket(n))
-    return min(width, max(n, limit)) if limit else width
-
-
-def compacted(running: int, start: int) -> int:
-    """Input slots for ``running`` inputs of a batch that started with ``start`` slots: the smallest power of two
-    that holds them, but at most two halvings below ``start``. Fewer slots save little on a GPU (the weights'
-    traffic stays), another shape costs a compile: a batch runs at most 3 row shapes."""
-    return max(bucket(running), start // 4, 1)
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def tensors_of(obj: Any, seen: set[int] | None = None) -> Iterator[Tensor]:
@@ -238,19 +214,18 @@ class CapturedBackend:
 
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int | None:
         """The wrapped backend's cache bytes for the batch :meth:`start` builds: inputs padded to a power of two,
-        the width to its bucket, the new-token slots to a multiple of ``SLOTS``."""
-        width = width_bucket(width, self.max_position_embeddings)
-        slots = round_up(max(1, new_tokens), SLOTS)
-        return self.backend.cache_bytes(bucket(inputs), width, rows_per_input, slots)
+        the width to its bucket, the new-token slots to a multiple of ``shapes.SLOTS``."""
+        width = graph_width(width, self.max_position_embeddings)
+        return self.backend.cache_bytes(graph_inputs(inputs), width, rows_per_input, graph_slots(new_tokens))
 
     @torch.inference_mode()
     def start(
         self, batch: Batch, rows_per_input: int, max_new_tokens: int
     ) -> tuple[CapturedState, Tensor | None]:
         b, s = batch.input_ids.shape
-        r, slots = rows_per_input, round_up(max(1, max_new_tokens), SLOTS)
-        width = width_bucket(s, self.max_position_embeddings)
-        padded = pad_batch(batch, bucket(b), width, left=not self.is_encoder_decoder)
+        r, slots = rows_per_input, graph_slots(max_new_tokens)
+        width = graph_width(s, self.max_position_embeddings)
+        padded = pad_batch(batch, graph_inputs(b), width, left=not self.is_encoder_decoder)
         inner, first = self.backend.start(padded, r, slots)
         inner.cache.make_static()  # all T slots: one shape per capture, CPU or CUDA
         mark_static(inner)
@@ -260,10 +235,10 @@ class CapturedBackend:
             r,
             inputs=torch.arange(b, device=device),
             rows=torch.arange(b * r, device=device),
-            tokens=torch.zeros(bucket(b) * r, dtype=torch.long, device=device),
+            tokens=torch.zeros(graph_inputs(b) * r, dtype=torch.long, device=device),
             limit=max(1, max_new_tokens),
-            shape=(bucket(b) * r, width, slots),
-            start=bucket(b),
+            shape=(graph_inputs(b) * r, width, slots),
+            start=graph_inputs(b),
         )
         return state, None if first is None else first[:b]  # [B, V]
 
@@ -370,7 +345,7 @@ class CapturedBackend:
     @torch.inference_mode()
     def drop(self, state: CapturedState, keep: Tensor, rows: Tensor) -> None:
         """Finished inputs idle in their slots; the slots shrink (a new shape) only to a smaller power of two, at
-        most two halvings (:func:`compacted`)."""
+        most two halvings (:func:`~seqgen_cli.shapes.compacted`)."""
         inputs, r = state.inputs.index_select(0, keep), state.rows_per_input  # [B']
         b = inputs.shape[0]
         slots = compacted(b, state.start)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from seqgen_cli.models.capture import MIN_WIDTH, pad_batch, width_bucket
+from seqgen_cli.models.capture import pad_batch
 from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
     DecoderOnlyLaneKVCache,
@@ -26,6 +26,7 @@ from seqgen_cli.models.kv_cache import (
 )
 from seqgen_cli.models.linear_maps import dense
 from seqgen_cli.search.protocol import Batch
+from seqgen_cli.shapes import MIN_WIDTH, graph_width, input_width
 
 
 @dataclass
@@ -135,25 +136,18 @@ class DecoderOnlyBackend:
         """The slots' prompt-region width (one compiled shape each, ``models/capture.py``)."""
         return state.cache.width
 
-    def prefill_width(self, length: int) -> int:
-        """The width a prompt of ``length`` tokens is prefilled at when it joins: a function of its length only
-        (``batching.width_bucket``, within the model's positions), never of its neighbours'."""
-        from seqgen_cli.batching import width_bucket as batch_width
-
-        return max(length, min(batch_width(length), self.max_position_embeddings))
-
     @torch.inference_mode()
     def join(self, state: DecoderOnlyState, slots: Tensor, batch: Batch) -> Tensor:
         """Prompts ``batch`` ([J, P] left-padded) take slots ``slots`` ([J] int64): the prefill runs for them only,
-        each at :meth:`prefill_width` of its length (one forward per width, and apart whether padded, so that an
+        each at :func:`~seqgen_cli.shapes.input_width` of its length (one forward per width, and apart whether padded, so that an
         input's prefill never depends on who joins with it); their K/V go into the slots' prompt regions (widened
         first if needed), their positions start at their lengths and their generated slots restart at step 0.
         Returns their first logits [J, V] (the search's first step: no decode step feeds a token for it)."""
         check_batch(batch)
         cache = state.cache
         lengths = batch.attention_mask.sum(dim=1).tolist()
-        widths = [self.prefill_width(n) for n in lengths]
-        cache.widen(width_bucket(max(widths), self.max_position_embeddings))
+        widths = [input_width(n, self.max_position_embeddings) for n in lengths]
+        cache.widen(graph_width(max(widths), self.max_position_embeddings))
         first = torch.empty(len(lengths), self.vocab_size, device=slots.device)  # [J, V]
         groups: dict[tuple[int, bool], list[int]] = {}
         for j, (n, w) in enumerate(zip(lengths, widths, strict=True)):

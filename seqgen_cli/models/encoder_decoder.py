@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.capture import MIN_WIDTH, pad_batch, width_bucket
+from seqgen_cli.models.capture import pad_batch
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
     LaneKVCache,
@@ -32,6 +32,7 @@ from seqgen_cli.models.kv_cache import (
 )
 from seqgen_cli.models.linear_maps import linear
 from seqgen_cli.search.protocol import Batch
+from seqgen_cli.shapes import MIN_WIDTH, graph_width
 
 
 @dataclass
@@ -162,8 +163,8 @@ class EncoderDecoderBackend:
 
     def _widen(self, state: EncoderDecoderState, longest: int) -> None:
         """Room for sources of ``longest`` tokens: every slot's source columns grow (masked) to
-        ``capture.width_bucket(longest)``, so a run widens a few times at most."""
-        width = width_bucket(longest, getattr(self, "max_position_embeddings", None))
+        ``shapes.graph_width(longest)``, so a run widens a few times at most."""
+        width = graph_width(longest, getattr(self, "max_position_embeddings", None))
         grow = width - state.cross_mask.shape[-1]
         if grow > 0:
             state.cross_k = [torch.nn.functional.pad(k, (0, grow)) for k in state.cross_k]  # [S, H, d, W]

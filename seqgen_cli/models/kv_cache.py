@@ -34,13 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-MIN_SPAN = 64  # the refill engine's narrowest self-attention span (LaneKVCache)
-
-
-def lane_span(step: int, max_len: int) -> int:
-    """Slots a refill step attends when its most advanced input writes slot ``step``: the smallest power of two
-    above ``step``, at least ``MIN_SPAN``, at most ``max_len``."""
-    return min(max_len, max(MIN_SPAN, 1 << step.bit_length()))
+from seqgen_cli.shapes import lane_span
 
 
 def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, slots: int) -> int:
@@ -245,7 +239,7 @@ class LaneSteps:
 
     A step writes every slot's keys/values at that slot's own step and attends over the first ``span`` slots
     under a mask (slot ``<=`` the slot's step, and the back-pointers). ``span`` (host int, set per step by
-    :func:`lane_step`) is a bucket, not the oldest input's step: :func:`lane_span`, at least ``MIN_SPAN`` slots,
+    :func:`lane_step`) is a bucket, not the oldest input's step: :func:`~seqgen_cli.shapes.lane_span`, at least ``MIN_SPAN`` slots,
     so its shape changes a few times per run, and an input's sums run over the same span beside any neighbours
     wherever its own steps fit in ``MIN_SPAN`` (a sum over more masked slots can round differently).
     ``slot`` ([N]: each row's step) is what a backend reads for positions. Unwritten and stale slots hold finite

@@ -10,7 +10,7 @@ number of rows, the row's position among them, the number of threads and whether
 a product of a single row (a matrix-vector kernel with another summation order): :func:`onednn` runs one row as
 two. MKL's GEMM does so only when the row count is a multiple of 8 (rows of products of fewer than 12 rows
 change with the row count and the thread count), which the sources' width buckets guarantee
-(``batching.width_bucket``: ``B x S`` rows). The choice between the two depends on the input's rank, never on
+(``shapes.input_width``: ``B x S`` rows). The choice between the two depends on the input's rank, never on
 its row count: a row's result does not depend on the rows beside it, so an output does not depend on which
 inputs share its batch or leave it.
 
