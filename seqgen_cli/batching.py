@@ -28,6 +28,7 @@ from seqgen_cli.shapes import input_width
 
 MIN_WINDOW = 2048
 CHUNK_SIZE = 256  # inputs tokenised by one call (Generator.generate_iterable, the pipeline's reader)
+DEFAULT_BATCH_SIZE = 32  # inputs per batch (--batch-size); with --refill, lanes
 
 
 @dataclass
@@ -112,6 +113,42 @@ def tokenise(inputs: Sequence[Input], encode: Encode) -> list[Item]:
         for it, enc in zip(todo, encode([it.record.text for it in todo]), strict=True):
             it.ids, it.truncated = enc.ids, enc.truncated
     return items
+
+
+def text_chunks(texts: Iterable[str], encode: Encode) -> Iterator[Chunk]:
+    """Tokenised items of ``texts`` in input order, :data:`CHUNK_SIZE` at a time (``Generator.generate_iterable``;
+    the file pipeline's reader thread does the same from records)."""
+    group: list[Text] = []
+    for index, text in enumerate(texts):
+        group.append(Text(index, text))
+        if len(group) == CHUNK_SIZE:
+            yield Chunk(tokenise(group, encode))
+            group = []
+    if group:
+        yield Chunk(tokenise(group, encode))
+
+
+def pad_ids(
+    batch: Sequence[Sequence[int]], width: int, pad_id: int, left: bool, device: Any
+) -> tuple[Any, Any]:
+    """Token ids padded to a ``[B, width]`` rectangle (right: encoder-decoder sources; ``left``: decoder-only
+    prompts) and its mask, int64 on ``device``.
+
+    ``width`` is the :func:`~seqgen_cli.shapes.input_width` of the longest input: an input batched with others of
+    its bucket (``Batcher``) gets the width it has alone, so its output does not depend on its neighbours. The
+    rectangle is built on the host; for a CUDA device in pinned memory, copied with ``non_blocking=True`` so the
+    host queues the copy and goes on (the caching host allocator keeps the pinned block until the copy is done).
+    """
+    import torch
+
+    pinned = torch.device(device).type == "cuda"
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long, pin_memory=pinned)
+    mask = torch.zeros((len(batch), width), dtype=torch.long, pin_memory=pinned)
+    for i, ids in enumerate(batch):
+        cols = slice(width - len(ids), width) if left else slice(0, len(ids))
+        input_ids[i, cols] = torch.tensor(ids, dtype=torch.long)
+        mask[i, cols] = 1
+    return input_ids.to(device, non_blocking=pinned), mask.to(device, non_blocking=pinned)
 
 
 T = TypeVar("T")

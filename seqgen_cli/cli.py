@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 import click
 
 from seqgen_cli import __version__
+from seqgen_cli.batching import DEFAULT_BATCH_SIZE
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.openmp import prefer_passive_wait
 
@@ -256,7 +257,11 @@ def main() -> None:
 @generation_options()
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option(
-    "--batch-size", type=click.IntRange(min=1), default=32, show_default=True, help="Most inputs per batch."
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=DEFAULT_BATCH_SIZE,
+    show_default=True,
+    help="Most inputs per batch (with --refill: the lanes).",
 )
 @click.option(
     "--batch-tokens", type=click.IntRange(min=1), help="Most padded source tokens x beams per batch."
@@ -412,6 +417,8 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         dtype=opts.pop("dtype"),
         capture=opts.pop("capture"),
         refill=opts.pop("refill"),
+        lanes=opts["batch_size"],  # with --refill the batch size is the lanes, the token budget theirs
+        lane_tokens=opts["batch_tokens"],
         preset=opts.pop("preset"),
         prefix=opts.pop("prefix"),
         max_source_length=opts.pop("max_source_length"),
@@ -427,6 +434,8 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         max_source_length = (summary.distributed or {}).get("max_source_length")
     else:
         gen = spec.build()
+        if gen.fallback and not quiet:  # --backend auto runs generate(): say so, and why
+            click.echo(f"seqgen: note: running transformers generate(): {gen.fallback}", err=True)
         summary = generate_job(gen, checked)
         max_source_length = gen.max_source_length
     # The closing lines on stderr; after a failure or Ctrl-C, what happened comes last (the line the user sees).

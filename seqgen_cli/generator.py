@@ -15,28 +15,30 @@ decoding engine over the model (per-family fast decoders where they exist, a gen
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from seqgen_cli.batching import (
-    CHUNK_SIZE,
+    DEFAULT_BATCH_SIZE,
     Batcher,
     Chunk,
     Encoded,
     InOrder,
     Item,
     MemoryLimit,
-    Text,
+    default_window,
     free_memory_budget,
     generate_split,
-    tokenise,
+    pad_ids,
+    text_chunks,
 )
 from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.loading import Loaded, load
+from seqgen_cli.loading import Loaded, load, source_limit
+from seqgen_cli.search import choose_backend
 from seqgen_cli.search import settings as search_settings
 from seqgen_cli.search.refill import RefillStats
 from seqgen_cli.shapes import graph_width, input_width
@@ -62,12 +64,15 @@ class Generator:
         seed: int | None = None,
         capture: bool = True,
         refill: bool = False,
+        lanes: int = 32,
+        lane_tokens: int | None = None,
         **generation: Any,
     ) -> None:
         """``capture``: on CUDA, run the fast backends' decode step as CUDA graphs (``models/capture.py``);
-        ``False`` runs it eagerly (``step_path`` says which, and why). ``refill``: run the fast engine over fixed
-        input lanes that finished inputs hand to waiting ones (``search/refill.py``; the fast backends' families,
-        float32/half: elsewhere batches run as without it)."""
+        ``False`` runs it eagerly (``step_path`` says which, and why). ``refill``: run the fast engine over
+        ``lanes`` fixed input lanes that finished inputs hand to waiting ones, at most ``lane_tokens`` padded source
+        tokens x rows over them (``search/refill.py``; the fast backends' families, float32/half: elsewhere batches
+        run as without it)."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
@@ -85,10 +90,14 @@ class Generator:
         self.seed = seed
         if seed is not None:
             torch.manual_seed(seed)
-        self.backend = self._pick_backend(backend)
+        self.backend, self.fallback = choose_backend(
+            backend, self.config
+        )  # fallback: why auto runs generate()
         self.capture = capture
-        self.lanes = 32  # refill: input lanes (batch_limits sets them)
-        self.lane_tokens: int | None = None  # refill: most padded source tokens x rows over the lanes
+        self.lanes, self.lane_tokens = (
+            lanes,
+            lane_tokens,
+        )  # refill: input lanes, padded tokens x rows over them
         self.refill_stats = RefillStats()
         self._model_backend = None  # the engine's model backend, built on first use (int8: now)
         self._step_path = ""  # how the engine runs its decode step (see step_path)
@@ -103,36 +112,17 @@ class Generator:
     def _refills(self) -> bool:
         """Whether ``--refill`` runs here: not int8, and the engine's backend has lanes (a ``RefillBackend``: a fast
         family's, not the generic one a refused variant gets). Builds the engine."""
-        if self.loaded.int8:
-            return False
         from seqgen_cli.search.protocol import RefillBackend
 
-        engine = self._engine()
-        plain = getattr(engine, "backend", engine)  # under a CapturedBackend: its backend
-        return isinstance(plain, RefillBackend)
+        engine = None if self.loaded.int8 else self._engine()
+        return isinstance(
+            getattr(engine, "backend", engine), RefillBackend
+        )  # a CapturedBackend's: its backend
 
     def _source_limit(self, requested: int | None) -> int | None:
-        """The longest input the model takes: the smaller of the request and the model's position limit.
-
-        A model without a position limit (T5's relative positions) takes the request as given, by default the
-        tokenizer's ``model_max_length`` where that is a real number (not transformers' ``int(1e30)`` for "no
-        limit"), so one huge line is truncated (and counted) instead of asking for any amount of memory.
-        """
-        cfg = self.model.config
-        limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-        if getattr(cfg, "model_type", "").startswith(("t5", "mt5")):
-            limit = None  # relative positions: no hard limit
-        if limit is None:
-            if requested is not None:
-                return requested
-            tokenizer_limit = getattr(self.tokenizer, "model_max_length", None)
-            real = isinstance(tokenizer_limit, int) and 0 < tokenizer_limit < 10**9  # 1e30: none set
-            limit = tokenizer_limit if real else None
-        if limit is not None and not self.is_encoder_decoder:
-            limit = max(1, limit - self.max_new_tokens())
-        if requested is None:
-            return limit
-        return min(requested, limit) if limit else requested
+        """The longest input the model takes (:func:`~seqgen_cli.loading.source_limit`)."""
+        new_tokens = 0 if self.is_encoder_decoder else self.new_token_limits()[0]
+        return source_limit(self.model.config, self.tokenizer, requested, new_tokens)
 
     @property
     def num_return_sequences(self) -> int:
@@ -144,40 +134,9 @@ class Generator:
         """Rows the model runs per input: beams, or returned sequences when more (sampling)."""
         return search_settings.rows_per_input(self.config)
 
-    def max_new_tokens(self, prompt_len: int = 0) -> int:
-        """Most new tokens for a prompt of ``prompt_len`` tokens (ignored for encoder-decoder models)."""
-        return search_settings.new_token_limits(self.config, self.is_encoder_decoder, prompt_len)[0]
-
-    def min_new_tokens(self, prompt_len: int = 0) -> int:
-        """Fewest new tokens before EOS is allowed, for a prompt of ``prompt_len`` tokens."""
-        return search_settings.new_token_limits(self.config, self.is_encoder_decoder, prompt_len)[1]
-
-    def batch_limits(
-        self, batch_size: int, batch_tokens: int | None, window: int | None
-    ) -> tuple[int, int | None]:
-        """What the batcher should cut, ``(batch_size, batch_tokens)``: the batches themselves; with refill, the
-        whole look-ahead ``window`` per call, run over ``batch_size`` lanes (and ``batch_tokens`` padded source
-        tokens x rows over the lanes)."""
-        if not self.refill:
-            return batch_size, batch_tokens
-        from seqgen_cli.batching import default_window
-
-        self.lanes, self.lane_tokens = batch_size, batch_tokens
-        window = default_window(batch_size) if window is None or window <= 1 else window
-        return max(batch_size, window), None
-
-    def _pick_backend(self, backend: str) -> str:
-        """``fast`` (seqgen's engine) where it runs the resolved settings, else ``hf`` (``generate()``)."""
-        from seqgen_cli.search import unsupported_reason
-
-        if backend == "hf":
-            return "hf"
-        reason = unsupported_reason(self.config)
-        if reason is None:
-            return "fast"
-        if backend == "fast":
-            raise SeqgenError(f"--backend fast cannot run these settings: {reason} (use --backend hf)")
-        return "hf"
+    def new_token_limits(self, prompt_len: int = 0) -> tuple[int, int]:
+        """Most and fewest new tokens for a prompt of ``prompt_len`` tokens (ignored for encoder-decoder models)."""
+        return search_settings.new_token_limits(self.config, self.is_encoder_decoder, prompt_len)
 
     def _quantize(self) -> None:
         """``--dtype int8``: linear layers in int8 (in place): the int8 fast backend, or the whole model for
@@ -223,7 +182,9 @@ class Generator:
             backend = self._sizing = GenericBackend(self.model)
         cache_bytes = getattr(backend, "cache_bytes", None)
         r = self.rows_per_input
-        caches = None if cache_bytes is None else cache_bytes(inputs, width, r, self.max_new_tokens(width))
+        caches = (
+            None if cache_bytes is None else cache_bytes(inputs, width, r, self.new_token_limits(width)[0])
+        )
         return None if caches is None else caches + inputs * r * backend.vocab_size * LOGIT_BYTES
 
     def memory_limit(self) -> MemoryLimit | None:
@@ -253,54 +214,22 @@ class Generator:
         return self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
 
     def pad(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pad to a rectangle: right for encoder-decoder sources, left for decoder-only prompts. [B, S] int64.
-
-        ``S`` is the :func:`~seqgen_cli.shapes.input_width` of the longest input (at most the model's position
-        limit): an input batched with others of its bucket (``Batcher``) gets the width it has alone, so its
-        output does not depend on its neighbours. The rectangle is built on the host; for a CUDA device in
-        pinned memory, copied with ``non_blocking=True`` so the host queues the copy and goes on (the caching
-        host allocator keeps the pinned block until the copy is done).
-        """
+        """Pad to a rectangle ([B, S] int64 ids and mask), each input to its own width (:func:`~.batching.pad_ids`)."""
         width = input_width(max(len(ids) for ids in batch), self._source_limit(None))
-        device = self.loaded.device
-        pinned = device.type == "cuda"
-        input_ids = torch.full(
-            (len(batch), width), self.tokenizer.pad_token_id, dtype=torch.long, pin_memory=pinned
-        )
-        mask = torch.zeros((len(batch), width), dtype=torch.long, pin_memory=pinned)
-        for i, ids in enumerate(batch):
-            cols = slice(0, len(ids)) if self.is_encoder_decoder else slice(width - len(ids), width)
-            input_ids[i, cols] = torch.tensor(ids, dtype=torch.long)
-            mask[i, cols] = 1
-        return input_ids.to(device, non_blocking=pinned), mask.to(device, non_blocking=pinned)
+        left = not self.is_encoder_decoder
+        return pad_ids(batch, width, self.tokenizer.pad_token_id, left, self.loaded.device)
 
     def device_stats(self) -> dict[str, Any]:
-        """Where and how the model runs, for ``--stats`` and the closing line: ``device``, ``dtype``,
-        ``step_path`` (:attr:`step_path`); under CUDA graphs ``shapes_compiled``, ``compile_seconds``,
-        ``captured_steps`` and ``eager_steps`` (``CapturedBackend.stats``); and on CUDA ``device_name`` and
-        ``peak_gpu_memory_mb`` (``torch.cuda.max_memory_allocated`` since the start or the last
-        ``torch.cuda.reset_peak_memory_stats``, in MiB)."""
+        """Where and how the model runs (``--stats``, the closing line): device, dtype and :attr:`step_path`; under
+        CUDA graphs ``CapturedBackend.stats``; with refill its lanes and counts; on CUDA the GPU and its peak."""
         from seqgen_cli.models.capture import CapturedBackend
 
-        device = self.loaded.device
-        dtype = "int8" if self.loaded.int8 else str(self.loaded.dtype).removeprefix("torch.")
-        out: dict[str, Any] = {"device": str(device), "dtype": dtype, "step_path": self.step_path}
+        out: dict[str, Any] = {**self.loaded.describe(), "step_path": self.step_path}
         if isinstance(self._model_backend, CapturedBackend):
             out.update(self._model_backend.stats())
         if self.refill:
-            st = self.refill_stats
-            out["refill"] = {
-                "lanes": self.lanes,
-                "occupancy": round(st.occupancy, 4),
-                "joins": st.joins,
-                "steps": st.steps,
-                "row_steps": st.row_steps,
-                "live_row_steps": st.live_row_steps,
-            }
-        if device.type == "cuda":
-            out["device_name"] = torch.cuda.get_device_name(device)
-            out["peak_gpu_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-        return out
+            out["refill"] = {"lanes": self.lanes, **self.refill_stats.report()}
+        return out | self.loaded.gpu_memory()
 
     # -- generation -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -340,7 +269,7 @@ class Generator:
 
         engine = self._engine()  # under a CapturedBackend: its lane steps replay compiled graphs
         lanes = self.lanes
-        if self.lane_tokens is not None:
+        if self.lane_tokens is not None:  # as many lanes as hold the window's widest source (graph width)
             width = graph_width(batch.input_ids.shape[1], getattr(engine, "max_position_embeddings", None))
             lanes = max(1, min(lanes, self.lane_tokens // (width * self.rows_per_input)))
         widths = None  # decoder-only: each prompt's length limits count from its own width, as without refill
@@ -354,19 +283,16 @@ class Generator:
         return out.sequences
 
     def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
-        sequences = self.model.generate(
-            input_ids=input_ids, attention_mask=mask, generation_config=self.config
-        )
-        start = 1 if self.is_encoder_decoder else input_ids.shape[1]
-        n = self.num_return_sequences
-        rows = [strip_generated(row[start:].tolist(), self.config.eos_token_id) for row in sequences]
-        return [rows[i * n : (i + 1) * n] for i in range(len(input_ids))]
+        from seqgen_cli.models.reference import hf_generate
+        from seqgen_cli.search.protocol import Batch
+
+        return hf_generate(self.model, Batch(input_ids, mask), self.config, scores=False)[0]
 
     def generate_iterable(
         self,
         texts: Iterable[str],
         *,
-        batch_size: int = 32,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         batch_tokens: int | None = None,
         sort_window: int | None = None,
     ) -> Iterator[list[str]]:
@@ -383,11 +309,9 @@ class Generator:
         def passthrough(items: list[Item]) -> None:
             order.add_all((it.index, empty) for it in items)
 
-        batch_size, batch_tokens = self.batch_limits(batch_size, batch_tokens, sort_window)
-        batcher = Batcher(
-            self._chunks(texts), passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
-            rows=self.rows_per_input, window=sort_window, memory=self.memory_limit(), buckets=not self.refill,
-        )  # fmt: skip
+        batcher = self.batcher(
+            text_chunks(texts, self.encode), passthrough, batch_size, batch_tokens, sort_window
+        )
         for batch in batcher:
             for result in generate_split(self, batch.items):
                 if result.error is not None:
@@ -396,18 +320,27 @@ class Generator:
             yield from order.ready()
         yield from order.ready()  # empty inputs after the last batch
 
-    def _chunks(self, texts: Iterable[str]) -> Iterator[Chunk]:
-        """Tokenised items in input order, :data:`~seqgen_cli.batching.CHUNK_SIZE` at a time."""
-        group: list[Text] = []
-        for index, text in enumerate(texts):
-            group.append(Text(index, text))
-            if len(group) == CHUNK_SIZE:
-                yield Chunk(tokenise(group, self.encode))
-                group = []
-        if group:
-            yield Chunk(tokenise(group, self.encode))
+    def batcher(
+        self,
+        chunks: Iterable[Chunk],
+        passthrough: Callable[[list[Item]], None],
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        batch_tokens: int | None = None,
+        sort_window: int | None = None,
+    ) -> Batcher:
+        """The one batching path (:meth:`generate_iterable`, the file pipeline, the benchmarks): batches of
+        tokenised items of one width from ``sort_window`` sorted items, within ``batch_size`` inputs,
+        ``batch_tokens`` padded tokens x rows and the memory budget; items with nothing to generate go to
+        ``passthrough``. With refill a batch is the whole window: the engine runs it over the lanes."""
+        if self.refill:
+            window = default_window(self.lanes) if sort_window is None or sort_window <= 1 else sort_window
+            batch_size, batch_tokens = max(self.lanes, window), None
+        return Batcher(
+            chunks, passthrough, batch_size=batch_size, batch_tokens=batch_tokens, rows=self.rows_per_input,
+            window=sort_window, memory=self.memory_limit(), buckets=not self.refill,
+        )  # fmt: skip
 
-    def generate(self, texts: Sequence[str], batch_size: int = 32) -> list[list[str]]:
+    def generate(self, texts: Sequence[str], batch_size: int = DEFAULT_BATCH_SIZE) -> list[list[str]]:
         """Generate for texts: per input, ``num_return_sequences`` strings, best first."""
         return list(self.generate_iterable(texts, batch_size=batch_size))
 
@@ -427,20 +360,13 @@ class GeneratorSpec:
     seed: int | None = None
     capture: bool = True
     refill: bool = False
+    lanes: int = DEFAULT_BATCH_SIZE  # refill: --batch-size
+    lane_tokens: int | None = None  # refill: --batch-tokens
     generation: dict[str, Any] = field(default_factory=dict)  # transformers' names; None: not given
 
     def build(self) -> Generator:
         return Generator(
             self.model, backend=self.backend, device=self.device, dtype=self.dtype, preset=self.preset,
             prefix=self.prefix, max_source_length=self.max_source_length, seed=self.seed, capture=self.capture,
-            refill=self.refill, **self.generation,
+            refill=self.refill, lanes=self.lanes, lane_tokens=self.lane_tokens, **self.generation,
         )  # fmt: skip
-
-
-def strip_generated(tokens: list[int], eos: int | list[int] | None) -> list[int]:
-    """Cut a padded output row after its first end-of-sequence token (kept)."""
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    for i, tok in enumerate(tokens):
-        if tok in eos_ids:
-            return tokens[: i + 1]
-    return tokens

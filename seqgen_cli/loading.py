@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -39,6 +40,22 @@ class Loaded:
     device: torch.device
     dtype: torch.dtype  # of the loaded weights (float32 for int8)
     int8: bool = False  # --dtype int8: the Generator quantizes the linear layers before the first batch
+
+    @property
+    def dtype_name(self) -> str:
+        """``float32``, ``bfloat16``, ... or ``int8``."""
+        return "int8" if self.int8 else str(self.dtype).removeprefix("torch.")
+
+    def describe(self) -> dict[str, str]:
+        return {"device": str(self.device), "dtype": self.dtype_name}
+
+    def gpu_memory(self) -> dict[str, Any]:
+        """On CUDA: the GPU's name and peak memory (``torch.cuda.max_memory_allocated`` since the start or the last
+        ``reset_peak_memory_stats``, MiB); else nothing."""
+        if self.device.type != "cuda":
+            return {}
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        return {"device_name": torch.cuda.get_device_name(self.device), "peak_gpu_memory_mb": round(peak, 1)}
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -202,6 +219,30 @@ def weights_error(name: str, source: str, err: Exception) -> str:
             "run (torch.load weights_only); convert the checkpoint to safetensors where it is trusted"
         )
     return f"model {name}: cannot load its weights{where}: {type(err).__name__}: {_first_line(err)}"
+
+
+def source_limit(config: Any, tokenizer: Any, requested: int | None, new_tokens: int = 0) -> int | None:
+    """The longest input the model takes: the smaller of the request and the model's position limit, less the
+    ``new_tokens`` a decoder-only model generates after it.
+
+    A model without a position limit (T5's relative positions) takes the request as given, by default the
+    tokenizer's ``model_max_length`` where that is a real number (not transformers' ``int(1e30)`` for "no
+    limit"), so one huge line is truncated (and counted) instead of asking for any amount of memory.
+    """
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if getattr(config, "model_type", "").startswith(("t5", "mt5")):
+        limit = None  # relative positions: no hard limit
+    if limit is None:
+        if requested is not None:
+            return requested
+        tokenizer_limit = getattr(tokenizer, "model_max_length", None)
+        real = isinstance(tokenizer_limit, int) and 0 < tokenizer_limit < 10**9  # 1e30: none set
+        limit = tokenizer_limit if real else None
+    if limit is not None and new_tokens:
+        limit = max(1, limit - new_tokens)
+    if requested is None:
+        return limit
+    return min(requested, limit) if limit else requested
 
 
 def tokenizer_files(folder: Path, model_type: str | None) -> list[str]:

@@ -25,17 +25,16 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from seqgen_cli.batching import free_device_memory
 from seqgen_cli.errors import is_oom
-from seqgen_cli.generator import strip_generated
+from seqgen_cli.models.reference import Generation, hf_generate
 from seqgen_cli.search import Batch
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
-from seqgen_cli.search.settings import SearchSettings, resolve_settings
+from seqgen_cli.search.settings import SearchSettings, settings_for
 
 if TYPE_CHECKING:
     from seqgen_cli.generator import Generator
 
 VERIFY_INPUTS = 8  # --verify's default on CUDA
-Generation = GenerationConfig | dict[str, Any]  # a resolved config, or generate() keyword arguments
 
 
 @dataclass
@@ -85,34 +84,6 @@ def tolerance(dtype: torch.dtype) -> float:
     return max(1e-5, 4 * torch.finfo(dtype).eps)
 
 
-def _generate_kwargs(generation: Generation) -> dict[str, Any]:
-    return dict(generation) if isinstance(generation, dict) else {"generation_config": generation}
-
-
-def hf_generate(
-    model: PreTrainedModel, batch: Batch, generation: Generation, **extra: Any
-) -> tuple[list[list[list[int]]], list[list[float]] | None]:
-    """``generate()``'s output in seqgen's format: (sequences per input, sequence scores per input or None)."""
-    out = model.generate(
-        batch.input_ids,
-        attention_mask=batch.attention_mask,
-        return_dict_in_generate=True,
-        output_scores=True,
-        **_generate_kwargs(generation),
-        **extra,
-    )
-    config = resolved(model, generation)
-    start = 1 if model.config.is_encoder_decoder else batch.input_ids.shape[1]
-    n = config.num_return_sequences or 1
-    rows = [strip_generated(row[start:], config.eos_token_id) for row in out.sequences.tolist()]
-    seqs = [rows[i * n : (i + 1) * n] for i in range(batch.input_ids.shape[0])]
-    scores = None
-    if getattr(out, "sequences_scores", None) is not None:
-        flat = out.sequences_scores.tolist()
-        scores = [flat[i * n : (i + 1) * n] for i in range(batch.input_ids.shape[0])]
-    return seqs, scores
-
-
 def resolved(model: PreTrainedModel, generation: Generation) -> GenerationConfig:
     """``generation`` as a config: keyword arguments over the model's own ``generation_config``."""
     from seqgen_cli.config import resolve_generation_config
@@ -120,16 +91,6 @@ def resolved(model: PreTrainedModel, generation: Generation) -> GenerationConfig
     if isinstance(generation, GenerationConfig):
         return generation
     return resolve_generation_config(model.generation_config, None, generation)
-
-
-def search_settings(model: PreTrainedModel, batch: Batch, generation: Generation) -> SearchSettings:
-    """The search settings for ``batch``, as the engine resolves them."""
-    return resolve_settings(
-        resolved(model, generation),
-        is_encoder_decoder=bool(model.config.is_encoder_decoder),
-        prompt_len=batch.input_ids.shape[1],
-        max_position_embeddings=getattr(model.config, "max_position_embeddings", None),
-    )
 
 
 @torch.inference_mode()
@@ -217,7 +178,7 @@ def compare(
     ``our_scores``: beam scores to check where the tokens agree; ``names``: what to call each input in the
     notes (default ``input <i>``)."""
     theirs, their_scores = hf_generate(model, batch, generation)
-    settings = search_settings(model, batch, generation)
+    settings = settings_for(model.config, batch, resolved(model, generation))
     names = [f"input {b}" for b in range(len(ours))] if names is None else names
     result = Agreement()
     unexplained: dict[tuple[int, int], tuple[list[int], str]] = {}
@@ -282,7 +243,7 @@ def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | 
     if not ids:
         return Agreement(note="no inputs")
     batch = Batch(*gen.pad(ids))
-    if search_settings(gen.model, batch, gen.config).mode == "sample":
+    if settings_for(gen.model.config, batch, gen.config).mode == "sample":
         return Agreement(note="sampling draws differ from generate()'s")
     tol = tolerance(gen.loaded.dtype)
     try:

@@ -16,8 +16,9 @@ import torch
 from transformers import PreTrainedModel
 
 from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.models.reference import hf_generate
 from seqgen_cli.search import Batch, ModelBackend, generate
-from seqgen_cli.verify import Agreement, compare, hf_generate, rescore
+from seqgen_cli.verify import Agreement, compare, rescore
 
 __all__ = ["SETTINGS", "check_equivalence", "hf_generate", "rescore", "tune_eos"]
 

@@ -21,8 +21,9 @@ from transformers import (
     GenerationConfig,
 )
 
-from seqgen_cli.batching import Encoded
+from seqgen_cli.batching import Batcher, Encoded
 from seqgen_cli.cli import main
+from seqgen_cli.loading import Loaded
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,7 +44,6 @@ class FakeGen:
     """Token ids are code points; the "generation" of an input is its text reversed."""
 
     backend = "fake"
-    refill = False
     prefix = None
     max_source_length = None
     seed = None
@@ -51,7 +51,7 @@ class FakeGen:
     def __init__(self, n: int = 1, fail=None) -> None:
         self.config = GenerationConfig(num_return_sequences=n, num_beams=n)
         self.model = SimpleNamespace(config=SimpleNamespace(_name_or_path="fake-model"))
-        self.loaded = SimpleNamespace(device=SimpleNamespace(type="cpu"), dtype="float32", int8=False)
+        self.loaded = Loaded(None, None, True, torch.device("cpu"), torch.float32)
         self.batches: list[list[list[int]]] = []
         self.fail = fail  # called with the batch before generating; may raise
 
@@ -77,11 +77,10 @@ class FakeGen:
     def device_stats(self):
         return {"device": "cpu", "dtype": "float32"}
 
-    def batch_limits(self, batch_size, batch_tokens, window):
-        return batch_size, batch_tokens  # no refill
+    def batcher(self, chunks, passthrough, batch_size=32, batch_tokens=None, sort_window=None):
+        return Batcher(chunks, passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
+                       rows=self.rows_per_input, window=sort_window)  # fmt: skip
 
-    def memory_limit(self):
-        return None
 
 
 def expected(texts: list[str]) -> str:

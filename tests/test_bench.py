@@ -171,8 +171,7 @@ def _plan_gen(**settings: object) -> object:
     return SimpleNamespace(
         config=config,
         is_encoder_decoder=False,
-        max_new_tokens=lambda: 8,
-        min_new_tokens=lambda: 0,
+        new_token_limits=lambda: (8, 0),
         tokenizer=SimpleNamespace(convert_ids_to_tokens=lambda i: f"t{i}"),
     )
 

@@ -332,3 +332,13 @@ def test_sampling_with_a_seed_repeats(bart: Path) -> None:
     first, second = seqgen(*args, input=stdin), seqgen(*args, input=stdin)
     assert first.exit_code == 0, first.stderr
     assert first.stdout == second.stdout and len(first.stdout.splitlines()) == 5
+
+
+def test_auto_backend_says_when_it_falls_back_to_generate(bart: Path) -> None:
+    res = seqgen(
+        "generate", "-m", str(bart), "--num-beams", "2", "--do-sample", "--max-new-tokens", "3", input="a b\n"
+    )
+    assert res.exit_code == 0, res.stderr
+    assert "seqgen: note: running transformers generate(): beam sampling" in res.stderr
+    quiet = seqgen("generate", "-m", str(bart), "--max-new-tokens", "3", input="a b\n")
+    assert "note:" not in quiet.stderr  # the fast engine runs it: nothing to say

@@ -16,6 +16,7 @@ import torch
 from seqgen_cli.batching import Item, generate_split
 from seqgen_cli.errors import is_oom
 from seqgen_cli.generator import Generator
+from seqgen_cli.loading import Loaded
 
 
 class FakeGen:
@@ -62,7 +63,7 @@ def _fake_generator(
     device: str, encoder_decoder: bool, dtype: torch.dtype = torch.float32, limit: int | None = None
 ) -> SimpleNamespace:
     return SimpleNamespace(
-        loaded=SimpleNamespace(device=torch.device(device), dtype=dtype, int8=False),
+        loaded=Loaded(None, None, encoder_decoder, torch.device(device), dtype),
         tokenizer=SimpleNamespace(pad_token_id=9),
         is_encoder_decoder=encoder_decoder,
         _source_limit=lambda requested: limit,  # the model's position limit

@@ -18,7 +18,7 @@ def _headings() -> list[str]:
 def _quotes() -> list[tuple[str, str]]:
     files = [
         *REPO.glob("seqgen_cli/**/*.py"),
-        *REPO.glob("scripts/*.py"),
+        *REPO.glob("scripts/**/*.py"),
         *REPO.glob("docs/*.md"),
         REPO / "README.md",
     ]

@@ -91,11 +91,11 @@ def test_generate_iterable_splits_a_batch_that_runs_out_of_memory(gen: Generator
 
 
 def test_length_rules(gen: Generator, tiny_models) -> None:
-    assert (gen.max_new_tokens(), gen.min_new_tokens()) == (4, 0)
+    assert gen.new_token_limits() == (4, 0)
     enc_dec = Generator(str(tiny_models("bart")), backend="hf", max_length=10, min_length=3)
-    assert (enc_dec.max_new_tokens(), enc_dec.min_new_tokens()) == (9, 2)  # the decoder start token counts
+    assert enc_dec.new_token_limits() == (9, 2)  # the decoder start token counts
     causal = Generator(str(tiny_models("gpt2")), backend="hf", max_length=10, min_length=3)
-    assert (causal.max_new_tokens(prompt_len=4), causal.min_new_tokens(prompt_len=2)) == (6, 1)
+    assert causal.new_token_limits(prompt_len=4)[0] == 6 and causal.new_token_limits(prompt_len=2)[1] == 1
     assert causal.num_return_sequences == 1 and causal.rows_per_input == 1
 
 
@@ -108,4 +108,6 @@ def test_flags_are_checked_once_before_the_model_loads(tiny_models, tmp_path) ->
     given = Generator(
         str(tiny_models("bart")), backend="hf", max_new_tokens=3, max_length=None, num_beams=None
     )
-    assert given.max_new_tokens() == 3 and given.config.num_beams == given.model.generation_config.num_beams
+    assert (
+        given.new_token_limits()[0] == 3 and given.config.num_beams == given.model.generation_config.num_beams
+    )

@@ -127,40 +127,61 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+def scripts(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``scripts/`` on the import path, as gpu_bench.py puts it: import a module of it by name."""
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    return importlib.import_module("gpu_bench")
+    return importlib.import_module
+
+
+@pytest.fixture
+def bench(scripts: Any) -> Any:
+    return scripts("gpu_bench")
+
+
+@pytest.fixture
+def base(scripts: Any) -> Any:
+    return scripts("gpu_stages.base")
+
+
+@pytest.fixture
+def tables(scripts: Any) -> Any:
+    return scripts("gpu_stages.tables")
+
+
+@pytest.fixture
+def refill(scripts: Any) -> Any:
+    return scripts("gpu_stages.refill")
 
 
 TEXTS = ["The first article is short.", "A second one, a little longer than the first.", "Third."]
 
 
-def test_batch_plan(bench: Any) -> None:
-    assert bench.batch_plan("32,64,128", False) == ([32, 64, 128], False)
-    assert bench.batch_plan("max", False) == ([32], True)
-    assert bench.batch_plan("max", True) == ([2], True)
-    assert bench.batch_plan("256,max", False) == ([256], True)
-    assert list(bench.table_sizes([2], True, 16)) == [2, 4, 8, 16]
-    assert list(bench.table_sizes([2, 3], False, 16)) == [2, 3]
+def test_batch_plan(base: Any) -> None:
+    assert base.batch_plan("32,64,128", False) == ([32, 64, 128], False)
+    assert base.batch_plan("max", False) == ([32], True)
+    assert base.batch_plan("max", True) == ([2], True)
+    assert base.batch_plan("256,max", False) == ([256], True)
+    assert list(base.table_sizes([2], True, 16)) == [2, 4, 8, 16]
+    assert list(base.table_sizes([2, 3], False, 16)) == [2, 3]
     with pytest.raises(ValueError):
-        bench.batch_plan("0,4", False)
-    assert bench.recycled(TEXTS, 7) == TEXTS * 2 + TEXTS[:1]
+        base.batch_plan("0,4", False)
+    assert base.recycled(TEXTS, 7) == TEXTS * 2 + TEXTS[:1]
 
 
-def _table(bench: Any, model: Path, plan: tuple, budget: Any = None, dtypes: tuple = ("float32",)) -> dict:
-    return bench.section_table(
+def _table(tables: Any, model: Path, plan: tuple, budget: Any = None, dtypes: tuple = ("float32",)) -> dict:
+    return tables.section_table(
         "bart", model, TEXTS, torch.device("cpu"), list(dtypes), plan, 64, 32, 4,
-        dict(num_beams=2), 1, False, budget or bench.Budget(None),
+        dict(num_beams=2), 1, False, budget or tables.Budget(None),
     )  # fmt: skip
 
 
 def test_max_doubles_until_seqgen_runs_out_and_an_oom_keeps_the_other_cells(
-    bench: Any, tiny_models, monkeypatch: pytest.MonkeyPatch
+    tables: Any, base: Any, tiny_models, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``max``: 2, 4, 8, ... until seqgen's eager step runs out of memory (here at 8 inputs); generate() running
     out at 4 leaves seqgen's figures of that cell; every batch has as many inputs as its size."""
     sizes: list[int] = []
-    real_generate, real_load = bench.generate, bench.load_model
+    real_generate, real_load = tables.generate, tables.load_model
 
     def generate(backend: Any, batch: Any, config: Any) -> Any:
         sizes.append(batch.input_ids.shape[0])
@@ -180,9 +201,9 @@ def test_max_doubles_until_seqgen_runs_out_and_an_oom_keeps_the_other_cells(
         model.generate = hf_generate
         return model
 
-    monkeypatch.setattr(bench, "generate", generate)
-    monkeypatch.setattr(bench, "load_model", load_model)
-    data = _table(bench, tiny_models("bart"), bench.batch_plan("max", True))
+    monkeypatch.setattr(tables, "generate", generate)
+    monkeypatch.setattr(tables, "load_model", load_model)
+    data = _table(tables, tiny_models("bart"), base.batch_plan("max", True))
     rows = {r["batch"]: r for r in data["rows"]}
     assert sorted(rows) == [2, 4, 8], "doubling stops at seqgen's first out-of-memory"
     assert 8 in sizes and 4 in sizes, "inputs recycled to fill each batch"
@@ -190,36 +211,36 @@ def test_max_doubles_until_seqgen_runs_out_and_an_oom_keeps_the_other_cells(
     assert rows[4]["generate_error"] == "out of memory" and rows[4]["seqgen_samples_per_s"] > 0
     assert rows[4]["same_as_float32"] == 1 and "speedup" not in rows[4]
     assert rows[8]["seqgen_error"] == "out of memory" and "seqgen_s" not in rows[8]
-    md = "\n".join(bench.table_md("bart-large-cnn shape", data))
+    md = "\n".join(tables.table_md("bart-large-cnn shape", data))
     assert "| float32 | 4 |" in md and "| OOM |" in md
 
 
 def test_the_captured_arm_times_its_first_run(
-    bench: Any, tiny_models, monkeypatch: pytest.MonkeyPatch
+    tables: Any, tiny_models, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the step is captured (CUDA; here an uncompiled stand-in), its first run (compile and recording) is
     timed apart from the timed runs, with the capture path's counts."""
     from seqgen_cli.models.capture import CapturedBackend
 
     monkeypatch.setattr(
-        bench, "capture", lambda backend, device, on: (CapturedBackend(backend, lambda d: d), "x")
+        tables, "capture", lambda backend, device, on: (CapturedBackend(backend, lambda d: d), "x")
     )
-    data = _table(bench, tiny_models("bart"), ([2], False))
+    data = _table(tables, tiny_models("bart"), ([2], False))
     (row,) = data["rows"]
     assert row["step_path"] == "captured" and row["captured_first_s"] > 0
     assert row["shapes_compiled"] >= 1 and row["compile_seconds"] >= 0 and row["eager_steps"] == 0
     assert row["captured_steps"] > 0 and row["captured_same_as_eager"] == 1 and row["captured_speedup"] > 0
 
 
-def test_budget_skips_cells_and_names_their_command(bench: Any, tiny_models) -> None:
-    class OneCell(bench.Budget):  # time for a first cell (estimate 0), not for a second
+def test_budget_skips_cells_and_names_their_command(tables: Any, tiny_models) -> None:
+    class OneCell(tables.Budget):  # time for a first cell (estimate 0), not for a second
         def left(self) -> float:
             return 1e-6
 
-    data = _table(bench, tiny_models("bart"), ([2, 4], False), OneCell(None))
+    data = _table(tables, tiny_models("bart"), ([2, 4], False), OneCell(None))
     assert [r["batch"] for r in data["rows"]] == [2]
     assert data["skipped"] == ["--stages bart --dtypes float32 --batches 4"]
-    assert "--batches 4" in "\n".join(bench.table_md("t", data))
+    assert "--batches 4" in "\n".join(tables.table_md("t", data))
 
 
 def test_calls_into_one_out_add_up(bench: Any, tmp_path: Path) -> None:
@@ -263,7 +284,7 @@ def test_counted_steps_are_one_per_new_token(
 
     settings = dict(num_beams=2, min_new_tokens=5, max_new_tokens=5)
     for refill in (False, True) if family == "bart" else (False,):
-        gen = Generator(str(tiny_models(family)), device="cpu", refill=refill, **settings)
+        gen = Generator(str(tiny_models(family)), device="cpu", refill=refill, lanes=1, **settings)
         assert gen.refill == refill
         with common.counted_steps(gen, 1) as counts:
             (seqs,) = common.generate_ids(gen, ["The first article is short."], 1)
@@ -284,14 +305,14 @@ def one_thread() -> Any:
     torch.set_num_threads(threads)
 
 
-def _refill(bench: Any, model: Path, plan: tuple, budget: Any = None) -> dict:
-    return bench.section_refill(
-        model, TEXTS, torch.device("cpu"), ["float32"], plan, 64, True, 1, budget or bench.Budget(None)
+def _refill(refill: Any, model: Path, plan: tuple, budget: Any = None) -> dict:
+    return refill.section_refill(
+        model, TEXTS, torch.device("cpu"), ["float32"], plan, 64, True, 1, budget or refill.Budget(None)
     )
 
 
 def test_refill_stage_stops_at_oom_and_skips_what_the_budget_cannot_fit(
-    bench: Any, tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+    refill: Any, tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
 ) -> None:
     """An out-of-memory cell is marked and ends its dtype's sizes; a cell beyond ``--budget`` is listed with
     its command. The EOS-biased checkpoint is built next to the base one (here a copy)."""
@@ -299,31 +320,31 @@ def test_refill_stage_stops_at_oom_and_skips_what_the_budget_cannot_fit(
 
     base = tmp_path / "bart"
     shutil.copytree(tiny_models("bart"), base)
-    real = bench.generate_ids
+    real = refill.generate_ids
 
     def generate_ids(gen: Any, texts: list[str], batch: int) -> Any:
         if batch >= 4:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
         return real(gen, texts, batch)
 
-    monkeypatch.setattr(bench, "generate_ids", generate_ids)
-    data = _refill(bench, base, ([2, 4, 8], False))
+    monkeypatch.setattr(refill, "generate_ids", generate_ids)
+    data = _refill(refill, base, ([2, 4, 8], False))
     assert [(r["batch"], "error" in r) for r in data["rows"]] == [(2, False), (4, True)]
     assert data["rows"][0]["same_as_no_refill"] == 1 and data["rows"][1]["error"] == "out of memory"
     assert (tmp_path / "bart-eos12" / "config.json").is_file()
-    assert "| float32 | 4 | 16 | OOM |" in "\n".join(bench.refill_md("t", data))
+    assert "| float32 | 4 | 16 | OOM |" in "\n".join(refill.refill_md("t", data))
 
-    class OneCell(bench.Budget):  # time for a first cell (estimate 0), not for a second
+    class OneCell(refill.Budget):  # time for a first cell (estimate 0), not for a second
         def left(self) -> float:
             return 1e-6
 
-    data = _refill(bench, base, ([2, 4], False), OneCell(None))
+    data = _refill(refill, base, ([2, 4], False), OneCell(None))
     assert [r["batch"] for r in data["rows"]] == [2]
     assert data["skipped"] == ["--stages refill --dtypes float32 --batches 4"]
 
 
 def test_refill_cell_through_the_capture_path(
-    bench: Any, tiny_models, monkeypatch: pytest.MonkeyPatch, one_thread: None
+    refill: Any, tiny_models, monkeypatch: pytest.MonkeyPatch, one_thread: None
 ) -> None:
     """On CUDA both systems' steps run captured (here an uncompiled stand-in): the cell records the capture
     counts, and the steps it counts (first run) are the steps the capture path ran (first run + timed run)."""
@@ -334,9 +355,9 @@ def test_refill_cell_through_the_capture_path(
 
     monkeypatch.setattr(capture, "capture", captured)
     settings = dict(num_beams=2, min_new_tokens=2, max_new_tokens=6)
-    row = bench.refill_cell(tiny_models("bart"), TEXTS * 3, torch.device("cpu"), "float32", 2, settings, 1)
+    row = refill.refill_cell(tiny_models("bart"), TEXTS * 3, torch.device("cpu"), "float32", 2, settings, 1)
     assert row["refill_engine"] and row["same_as_no_refill"] == 1 and row["repeats_same"]
-    for system in bench.REFILL_SYSTEMS:
+    for system in refill.REFILL_SYSTEMS:
         assert row[f"{system}_step_path"] == "captured" and row[f"{system}_shapes_compiled"] >= 1, row
         assert row[f"{system}_eager_steps"] == 0 and row[f"{system}_compile_seconds"] >= 0
         assert row[f"{system}_captured_steps"] == 2 * row[f"{system}_steps"], (system, row)

@@ -131,7 +131,7 @@ def plan_for(gen: Generator, ct2_dir: Path, vocab: list[str] | None = None) -> C
     from seqgen_cli.search.settings import setting
 
     config, causal = gen.config, not gen.is_encoder_decoder
-    max_new, min_new = gen.max_new_tokens(), gen.min_new_tokens()
+    max_new, min_new = gen.new_token_limits()
     known = set(vocab if vocab is not None else vocabulary(ct2_dir))
     tok = gen.tokenizer.convert_ids_to_tokens
     eos = [tok(i) for i in _ids(config.eos_token_id)]

@@ -15,7 +15,7 @@ import torch
 from seqgen_cli.bench import ct2
 from seqgen_cli.bench.cells import INT8_REFERENCE_NOTE, dtype_name
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.generator import strip_generated
+from seqgen_cli.models.reference import strip_generated
 
 if TYPE_CHECKING:
     from seqgen_cli.generator import Generator

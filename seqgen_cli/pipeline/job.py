@@ -286,7 +286,7 @@ def fingerprint(gen: Generator, opts: JobOptions) -> dict[str, Any]:
         model=model_identity(gen.model),
         backend=gen.backend,
         device=loaded.device.type,
-        dtype="int8" if loaded.int8 else str(loaded.dtype).removeprefix("torch."),
+        dtype=loaded.dtype_name,
         generation=generation,
         prefix=gen.prefix,
         max_source_length=gen.max_source_length,

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from seqgen_cli.batching import Batcher, Item, Result, generate_split
+from seqgen_cli.batching import DEFAULT_BATCH_SIZE, Item, Result, generate_split
 from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline.formats import InputDigest, input_key
@@ -25,7 +25,7 @@ from seqgen_cli.pipeline.writer import OrderedWriter
 
 @dataclass
 class RunOptions:
-    batch_size: int = 32
+    batch_size: int = DEFAULT_BATCH_SIZE
     batch_tokens: int | None = None
     sort_window: int | None = None  # inputs looked ahead and sorted; None: auto; 0 or 1: no sorting
     output_format: str = "text"
@@ -88,11 +88,7 @@ def run(
         writer.put([Result(it, None, it.record.error) for it in items])
         progress.update(len(items), summary.generated_tokens / max(time.perf_counter() - t_start, 1e-9))
 
-    batch_size, batch_tokens = gen.batch_limits(opts.batch_size, opts.batch_tokens, opts.sort_window)
-    batcher = Batcher(
-        reader.chunks(), passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
-        rows=gen.rows_per_input, window=opts.sort_window, memory=gen.memory_limit(), buckets=not gen.refill,
-    )  # fmt: skip
+    batcher = gen.batcher(reader.chunks(), passthrough, opts.batch_size, opts.batch_tokens, opts.sort_window)
     fail: Result | None = None
     fail_window = -1
     finished = False  # the loop ended and every output reached the sink: no exception on the way

@@ -33,6 +33,7 @@ __all__ = [
     "ModelBackend",
     "SearchOutput",
     "SearchSettings",
+    "choose_backend",
     "generate",
     "resolve_settings",
     "settings_for",
@@ -47,6 +48,19 @@ def unsupported_reason(config: GenerationConfig) -> str | None:
     except SeqgenError as err:
         return str(err)
     return None
+
+
+def choose_backend(requested: str, config: GenerationConfig) -> tuple[str, str | None]:
+    """``--backend``: ``fast`` (this engine) where it runs ``config``, else ``hf`` (``generate()``); and, when
+    ``auto`` falls back to ``hf``, why (``None`` otherwise)."""
+    if requested == "hf":
+        return "hf", None
+    reason = unsupported_reason(config)
+    if reason is None:
+        return "fast", None
+    if requested == "fast":
+        raise SeqgenError(f"--backend fast cannot run these settings: {reason} (use --backend hf)")
+    return "hf", reason
 
 
 @torch.inference_mode()

@@ -61,6 +61,13 @@ class RefillStats:
     def occupancy(self) -> float:
         return self.live_row_steps / self.row_steps if self.row_steps else 0.0
 
+    def report(self) -> dict[str, float]:
+        """For ``--stats`` (``device.refill``)."""
+        return {
+            "occupancy": round(self.occupancy, 4), "joins": self.joins, "steps": self.steps,
+            "row_steps": self.row_steps, "live_row_steps": self.live_row_steps,
+        }  # fmt: skip
+
     def add(self, other: RefillStats) -> None:
         self.steps += other.steps
         self.row_steps += other.row_steps
