@@ -72,9 +72,10 @@ def random_model(
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def read_sources(relpath: str) -> list[str]:
-    """The non-empty lines of ``shared/<relpath>`` (e.g. ``data/cnndm/summeval.source``), stripped."""
-    lines = (SHARED / relpath).read_text(encoding="utf-8").splitlines()
+def read_sources(relpath: str, shared: Path | None = None) -> list[str]:
+    """The non-empty lines of ``<shared>/<relpath>`` (e.g. ``data/cnndm/summeval.source``), stripped; ``shared``
+    defaults to the shared folder found at import (:data:`SHARED`)."""
+    lines = ((shared or SHARED) / relpath).read_text(encoding="utf-8").splitlines()
     return [line.strip() for line in lines if line.strip()]
 
 
@@ -183,15 +184,12 @@ def spread_checkpoint(
 
 def generate_ids(gen: Generator, texts: list[str], batch: int) -> list[list[list[int]]]:
     """``gen``'s token ids for ``texts`` (per input, its sequences), in input order, batched as
-    ``Generator.generate(texts, batch_size=batch)`` batches them (with refill: each look-ahead window over
-    ``batch`` slots)."""
-    from seqgen_cli.batching import Batcher, generate_split
+    ``Generator.generate(texts, batch_size=batch)`` batches them (``Generator.batcher``; with refill each
+    look-ahead window runs over the generator's ``lanes``: build it with ``lanes=batch``)."""
+    from seqgen_cli.batching import generate_split, text_chunks
 
-    batch_size, batch_tokens = gen.batch_limits(batch, None, None)
-    batcher = Batcher(gen._chunks(texts), lambda items: None, batch_size=batch_size, batch_tokens=batch_tokens,
-                      rows=gen.rows_per_input, memory=gen.memory_limit(), buckets=not gen.refill)  # fmt: skip
     out: dict[int, list[list[int]]] = {}
-    for b in batcher:
+    for b in gen.batcher(text_chunks(texts, gen.encode), lambda items: None, batch):
         for result in generate_split(gen, b.items):
             if result.error is not None:
                 raise RuntimeError(result.error)
@@ -203,13 +201,13 @@ def generate_ids(gen: Generator, texts: list[str], batch: int) -> list[list[list
 def counted_steps(gen: Generator, batch: int) -> Iterator[dict[str, Any]]:
     """Decode steps and live row-steps of ``gen``'s runs inside the block; on leaving, the yielded dict holds
     ``steps``, ``live_row_steps``, ``occupancy`` (live rows / ``batch`` x rows per input, a full batch's rows)
-    and with refill ``joins`` (from ``gen.slot_stats``). Without refill the engine's ``start`` and ``step`` are
+    and with refill ``joins`` (from ``gen.refill_stats``). Without refill the engine's ``start`` and ``step`` are
     wrapped: a step feeds the rows still live; ``start`` counts as the first step (every row) only where it
     returns the first logits (decoder-only prefill; an encoder-decoder's first step is a ``step``)."""
     rows = gen.rows_per_input
     counts: dict[str, Any] = {"steps": 0, "live_row_steps": 0}
     engine = gen._engine()
-    before = (gen.slot_stats.steps, gen.slot_stats.live_row_steps, gen.slot_stats.joins)
+    before = (gen.refill_stats.steps, gen.refill_stats.live_row_steps, gen.refill_stats.joins)
     step, start = engine.step, engine.start
 
     def counted_step(state: Any, tokens: torch.Tensor) -> torch.Tensor:
@@ -232,7 +230,7 @@ def counted_steps(gen: Generator, batch: int) -> Iterator[dict[str, Any]]:
         if not gen.refill:
             engine.step, engine.start = step, start
     if gen.refill:
-        st = gen.slot_stats
+        st = gen.refill_stats
         counts |= {"steps": st.steps - before[0], "live_row_steps": st.live_row_steps - before[1]}
         counts["joins"] = st.joins - before[2]
     counts["occupancy"] = round(counts["live_row_steps"] / max(1, counts["steps"] * batch * rows), 4)

@@ -36,7 +36,7 @@ def count_steps(
     output length in tokens."""
     from seqgen_cli.generator import Generator
 
-    gen = Generator(model, device="cpu", refill=refill, **settings)
+    gen = Generator(model, device="cpu", refill=refill, lanes=batch, **settings)
     with counted_steps(gen, batch) as counts:
         lengths = [len(seqs[0]) for seqs in generate_ids(gen, texts, batch)]
     counts["lengths"] = lengths
@@ -49,7 +49,7 @@ def decode_only(model: str, texts: list[str], settings: dict[str, Any], batch: i
     from seqgen_cli.generator import Generator
 
     gens = {
-        name: Generator(model, device="cpu", refill=name == "refill", **settings)
+        name: Generator(model, device="cpu", refill=name == "refill", lanes=batch, **settings)
         for name in ("refill", "no-refill")
     }
     for gen in gens.values():
