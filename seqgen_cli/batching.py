@@ -237,10 +237,12 @@ def plan_batches(
 class Batcher:
     """Turns chunks of items into batches; items with nothing to generate go to ``passthrough``.
 
-    A window is cut when it holds ``window`` inputs, at the end of the input, or when the reader is
+    A window is cut when it holds its size in inputs, at the end of the input, or when the reader is
     starved (only a pipe with nothing more to read yet: ``Chunk.starved``), so a slow producer still sees its
-    outputs early; batches then depend on timing, outputs do not (module docstring). ``window <= 1`` turns
-    sorting off: windows of ``batch_size`` inputs, batched in input order within each width bucket.
+    outputs early; batches then depend on timing, outputs do not (module docstring). Windows grow: the first
+    holds ``batch_size`` inputs, each next one twice as many, up to ``window``, so the first outputs come after
+    one batch, not after a whole look-ahead (``seqgen generate ... | head``). ``window <= 1`` turns sorting off:
+    windows of ``batch_size`` inputs, batched in input order within each width bucket.
     """
 
     def __init__(
@@ -276,6 +278,11 @@ class Batcher:
         self._stopped = True
 
     @property
+    def window_size(self) -> int:
+        """Inputs the next window holds: ``batch_size``, doubling per window, up to ``window``."""
+        return min(self.window, self.batch_size << min(self._windows, 30))
+
+    @property
     def padding_ratio(self) -> float:
         """Share of the padded source tokens that are padding."""
         return 1 - self.source_tokens / self.padded_tokens if self.padded_tokens else 0.0
@@ -302,8 +309,9 @@ class Batcher:
                 if skip:
                     self._passthrough(skip)
                 pending.extend(it for it in chunk.items if it.ids is not None)
-                while len(pending) >= self.window and not self._stopped:
-                    head, pending = pending[: self.window], pending[self.window :]
+                while len(pending) >= self.window_size and not self._stopped:
+                    size = self.window_size
+                    head, pending = pending[:size], pending[size:]
                     yield from self._cut(head)
                 if pending and chunk.starved and not self._stopped:
                     yield from self._cut(pending)

@@ -111,3 +111,21 @@ def test_flags_are_checked_once_before_the_model_loads(tiny_models, tmp_path) ->
     assert (
         given.new_token_limits()[0] == 3 and given.config.num_beams == given.model.generation_config.num_beams
     )
+
+
+def test_the_first_output_comes_after_one_chunk_not_the_whole_window(gen: Generator) -> None:
+    """The default look-ahead sorts 2048 inputs; the first window is one batch, so the first output needs only the
+    first chunk of tokenised inputs (CHUNK_SIZE), not the window."""
+    from seqgen_cli.batching import CHUNK_SIZE
+
+    consumed = 0
+
+    def lines():
+        nonlocal consumed
+        for i in range(3 * CHUNK_SIZE):
+            consumed += 1
+            yield f"input number {i}"
+
+    stream = gen.generate_iterable(lines(), batch_size=4)
+    next(stream)
+    assert consumed <= CHUNK_SIZE

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 from pathlib import Path
 
 import pytest
 
-from seqgen_cli.batching import plan_batches
+from seqgen_cli.batching import Batcher, Chunk, Encoded, Text, tokenise
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import formats, resume
 from seqgen_cli.pipeline.formats import index_path
@@ -251,15 +252,21 @@ def _killed_run(src: Path, out: Path, kill_at_batch: int) -> list[int]:
     return sizes
 
 
+def _batches(texts: list[str], batch_size: int, window: int):
+    """The batches a run over ``texts`` cuts (FakeGen's ids: a token per character)."""
+    items = tokenise([Text(i, t) for i, t in enumerate(texts)], FakeGen().encode)
+    return Batcher(iter([Chunk(items)]), lambda items: None, batch_size=batch_size, window=window)
+
+
 def test_sigkill_loses_no_generated_output(tmp_path: Path) -> None:
-    # One sort window over the whole input: batches run shortest first, so almost every finished output
-    # waits for an earlier (longer) input. The journal keeps them; --resume generates only the rest.
+    # Sort windows of 4, 8, ... 64 inputs: batches run shortest first within each, so most finished outputs
+    # wait for an earlier (longer) input. The journal keeps them; --resume generates only the rest.
     texts = [f"{i:03d}" + "x" * ((i * 37) % 50) for i in range(120)]
     src = write_lines(tmp_path / "in.txt", texts)
     out = tmp_path / "out.txt"
     sizes = _killed_run(src, out, kill_at_batch=10)
     generated = sum(sizes)
-    assert generated == sum(map(len, plan_batches([len(t) for t in texts], 4, None)[:10]))
+    assert generated == sum(len(b.items) for b in itertools.islice(_batches(texts, 4, 1000), 10))
     gen = FakeGen()
     summary = _job(gen, src, out, resume=True, batch_size=4, sort_window=1000)
     regenerated = sum(len(b) for b in gen.batches)
@@ -267,3 +274,14 @@ def test_sigkill_loses_no_generated_output(tmp_path: Path) -> None:
     assert summary.resumed_from + summary.inputs == len(texts)
     assert out.read_text(encoding="utf-8") == expected(texts)
     assert not formats.journal_path(out).exists() and not index_path(out).exists()
+
+
+def test_windows_grow_from_one_batch_to_the_sort_window(tmp_path: Path) -> None:
+    """The first window is one batch, each next twice as many, up to the sort window: first outputs come early."""
+    texts = [Text(i, "x" * (1 + i % 7)) for i in range(200)]
+    items = tokenise(texts, lambda ts: [Encoded([1] * len(t), False) for t in ts])
+    batcher = Batcher(iter([Chunk(items)]), lambda items: None, batch_size=4, window=64)
+    sizes: dict[int, int] = {}
+    for batch in batcher:
+        sizes[batch.window] = sizes.get(batch.window, 0) + len(batch.items)
+    assert list(sizes.values()) == [4, 8, 16, 32, 64, 64, 12]

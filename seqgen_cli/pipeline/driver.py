@@ -19,16 +19,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from seqgen_cli.errors import SeqgenError, WriteError
+from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import GeneratorSpec
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.cluster import ClusterOptions, check_resources, connect, import_ray, node_id
 from seqgen_cli.pipeline.formats import IndexEntry, InputDigest
-from seqgen_cli.pipeline.job import Job, aborted, score, sigterm_as_interrupt, write_stats
+from seqgen_cli.pipeline.job import Job, guarded, open_sink, score, write_stats
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.shards import Cutter, Shard, count_lines
-from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
+from seqgen_cli.pipeline.sinks import Sink, is_stream
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
 from seqgen_cli.pipeline.worker import (
     DRIVER_MARK,
@@ -127,34 +127,17 @@ class _Worker:
         )  # fmt: skip
 
 
-class _Driver:
-    def __init__(
-        self,
-        ray: Any,
-        generator: GeneratorSpec,
-        job: Job,
-        cluster: ClusterOptions,
-        events: Events | None,
-        t0: float,
-    ) -> None:
-        self.ray, self.generator, self.job, self.cluster, self.t0 = ray, generator, job, cluster, t0
-        self.paths, self.output, self.opts = job.paths, job.output, job.opts
-        self.events = events or (lambda kind, info: None)
-        self.summary = Summary(
-            output=job.output if job.output != "-" else "<stdout>", rss_at_start_mb=peak_rss_mb()
-        )
+class _Pool:
+    """The Ray actors: started, answering ``hello`` once the model is loaded, restarted by Ray when they die,
+    dropped after ``max_restarts``."""
+
+    def __init__(self, ray: Any, generator: GeneratorSpec, opts: Any, cluster: ClusterOptions) -> None:
+        self.ray, self.generator, self.opts, self.cluster = ray, generator, opts, cluster
         self.workers: list[_Worker] = []
         self.lost_workers: list[_Worker] = []  # dropped after too many restarts
-        self.shards_merged = self.retried = self.size = self.start = 0
-        # the shards between the cutter and the output (see _loop)
-        self.retry: list[Shard] = []  # a heap, by shard order
-        self.cut: dict[int, Shard] = {}  # cut and not merged yet
-        self.results: dict[int, ShardResult] = {}  # by shard order, not merged yet
-        self.next_merge = 0  # the next shard to merge
-        self.stop: int | None = None  # the shard with the first failing input
 
-    # -- set-up ------------------------------------------------------------------------------------
-    def _start_workers(self, parts: Path) -> None:
+    def start(self, parts: Path) -> None:
+        """One actor per worker, each loading the model (``hello`` answers once it has)."""
         cl = self.cluster
         actor = self.ray.remote(
             num_cpus=cl.cpus_per_worker, num_gpus=cl.gpus_per_worker, max_restarts=cl.max_restarts,
@@ -166,13 +149,13 @@ class _Driver:
             handle = actor.remote(self.generator, self.opts, str(parts.resolve()), node, threads)
             self.workers.append(_Worker(i, handle))
 
-    def _hello(self, w: _Worker) -> dict[str, Any] | None:
+    def hello(self, w: _Worker) -> dict[str, Any] | None:
         """Take a worker's hello; None when its process died (it is restarted, or dropped)."""
         try:
             info = self.ray.get(w.hello_ref)
         except self.ray.exceptions.RayActorError:  # died loading the model, or was already dead when asked
             w.hello_failures += 1
-            self._lost(w, died=False)
+            self.lost(w, died=False)
             return None
         w.hello_ref, w.hello_failures = None, 0
         if info["error"] is not None:
@@ -181,7 +164,7 @@ class _Driver:
         w.pids.append(info["pid"])
         return info
 
-    def _lost(self, w: _Worker, died: bool = True) -> None:
+    def lost(self, w: _Worker, died: bool = True) -> None:
         """A worker's process died: wait for Ray to restart it, or drop it after ``max_restarts``."""
         w.deaths += died
         w.ready, w.task_ref, w.poll_ref, w.shard, w.progress = False, None, None, None, 0
@@ -193,7 +176,7 @@ class _Driver:
             return
         w.hello_ref = w.handle.hello.remote()  # answered once the restarted process has loaded the model
 
-    def _first_hello(self) -> dict[str, Any]:
+    def first_hello(self) -> dict[str, Any]:
         waited = 0.0
         while True:
             refs = [w.hello_ref for w in self.workers if w.hello_ref is not None]
@@ -209,27 +192,61 @@ class _Driver:
                 )
                 continue
             w = next(w for w in self.workers if w.hello_ref == ready[0])
-            info = self._hello(w)
+            info = self.hello(w)
             if info is not None:
                 return info
+
+    def kill(self) -> None:
+        for w in self.workers + self.lost_workers:
+            self.ray.kill(w.handle, no_restart=True)
+
+    def report(self) -> list[dict[str, Any]]:
+        return [w.report() for w in sorted(self.workers + self.lost_workers, key=lambda w: w.index)]
+
+
+class _Driver:
+    def __init__(
+        self,
+        ray: Any,
+        generator: GeneratorSpec,
+        job: Job,
+        cluster: ClusterOptions,
+        events: Events | None,
+        t0: float,
+    ) -> None:
+        self.ray, self.job, self.cluster, self.t0 = ray, job, cluster, t0
+        self.paths, self.output, self.opts = job.paths, job.output, job.opts
+        self.events = events or (lambda kind, info: None)
+        self.summary = Summary(
+            output=job.output if job.output != "-" else "<stdout>", rss_at_start_mb=peak_rss_mb()
+        )
+        self.pool = _Pool(ray, generator, job.opts, cluster)
+        self.shards_merged = self.retried = self.size = self.start = 0
+        # the shards between the cutter and the output (see _loop)
+        self.retry: list[Shard] = []  # a heap, by shard order
+        self.cut: dict[int, Shard] = {}  # cut and not merged yet
+        self.results: dict[int, ShardResult] = {}  # by shard order, not merged yet
+        self.next_merge = 0  # the next shard to merge
+        self.stop: int | None = None  # the shard with the first failing input
 
     def _open_output(
         self, settings: dict[str, Any], parts: Path, stdout: TextIO
     ) -> tuple[Sink, IndexEntry | None]:
+        sink, state = open_sink(
+            self.output, settings, self.opts, part=self.job.shard is not None, stdout=stdout.buffer
+        )
         if is_stream(self.output):
-            return open_stream(self.output, stdout.buffer), None
-        state = resume.load(self.output, settings) if self.opts.resume else None
-        part = self.job.shard is not None
+            return sink, None
         if state is None:
             shutil.rmtree(parts, ignore_errors=True)  # parts of a run that is not being resumed
             parts.mkdir()
-            return FileSink(self.output, settings, part=part), None
+            return sink, None
         parts.mkdir(exist_ok=True)
         for old in parts.iterdir():  # parts merged before the driver was lost
             head = old.name.split("-", 1)[0]
             if head.isdigit() and int(head) < state.done:
                 old.unlink(missing_ok=True)
-        return FileSink(self.output, settings, resumed=state, part=part), state
+        return sink, state
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self, stdout: TextIO) -> Summary:
@@ -238,11 +255,11 @@ class _Driver:
         parts = Path(tmp) if tmp else parts_dir(self.output)
         if tmp is None:
             parts.mkdir(exist_ok=True)
-        self._start_workers(parts)
+        self.pool.start(parts)
         sink: Sink | None = None
         complete = False
         try:
-            first = self._first_hello()
+            first = self.pool.first_hello()
             self.worker_settings = first["settings"]
             # one of N drivers (--shard I/N --workers M): the shard is in the settings, as in one process
             settings = {**first["settings"], **(self.job.shard.settings() if self.job.shard else {})}
@@ -255,8 +272,7 @@ class _Driver:
             complete = self._run_loop(sink, state, parts)
             self.summary.distributed = self._report(startup)
         finally:
-            for w in self.workers + self.lost_workers:
-                self.ray.kill(w.handle, no_restart=True)
+            self.pool.kill()
             if sink is not None:
                 sink.close(complete)
             if tmp is not None:
@@ -271,25 +287,18 @@ class _Driver:
         return self.summary
 
     def _run_loop(self, sink: Sink, state: IndexEntry | None, parts: Path) -> bool:
-        """:meth:`_loop`, with Ctrl-C and SIGTERM as an interrupt and a failed write said in one line."""
-        with sigterm_as_interrupt():
+        """:meth:`_loop`, guarded as one process's run is (:func:`~.job.guarded`); Ctrl-C is an interrupt."""
+        with guarded(self.output, sink):
             try:
                 return self._loop(sink, state, parts)
             except KeyboardInterrupt:
                 self.summary.interrupted = True
                 return False
-            except BrokenPipeError:
-                raise
-            except Exception as err:  # the output cannot be written (disk full), a bug: say where it is
-                if isinstance(err, SeqgenError) and not isinstance(err, WriteError):
-                    raise
-                raise aborted(err, self.output, sink.kept()) from err
 
     def _report(self, startup: float) -> dict[str, Any]:
         """``Summary.distributed``: the workers, shards, retries and start-up."""
-        workers = sorted(self.workers + self.lost_workers, key=lambda w: w.index)
         return dict(
-            workers=[w.report() for w in workers], shards=self.shards_merged, shard_size=self.size,
+            workers=self.pool.report(), shards=self.shards_merged, shard_size=self.size,
             retried_shards=self.retried, startup_seconds=startup, address=self.cluster.address or "local",
             max_source_length=self.info["max_source_length"],
         )  # fmt: skip
@@ -329,7 +338,7 @@ class _Driver:
 
     def _hand_out(self) -> None:
         """A shard to every idle worker."""
-        for w in self.workers:
+        for w in self.pool.workers:
             if not w.ready or w.shard is not None:
                 continue
             shard = self._next_shard()
@@ -376,15 +385,15 @@ class _Driver:
 
     def _wait(self) -> list[Any]:
         """Wait briefly for a result or a restarted worker's hello; the one that came, if any."""
-        refs = [w.task_ref for w in self.workers if w.task_ref is not None]
-        refs += [w.hello_ref for w in self.workers if w.hello_ref is not None]
+        refs = [w.task_ref for w in self.pool.workers if w.task_ref is not None]
+        refs += [w.hello_ref for w in self.pool.workers if w.hello_ref is not None]
         if not refs:
             time.sleep(0.05)  # waiting for the reader
             return []
         return self.ray.wait(refs, num_returns=1, timeout=0.2)[0]
 
     def _take(self, ref: Any) -> None:
-        w = next(w for w in self.workers if ref in (w.task_ref, w.hello_ref))
+        w = next(w for w in self.pool.workers if ref in (w.task_ref, w.hello_ref))
         if ref is w.hello_ref:
             self._on_hello(w)
         else:
@@ -392,7 +401,7 @@ class _Driver:
 
     def _on_hello(self, w: _Worker) -> None:
         """A restarted worker is back: it must resolve the settings the first one did."""
-        info = self._hello(w)
+        info = self.pool.hello(w)
         if info is not None and info["settings"] != self.worker_settings:
             raise SeqgenError(
                 f"the worker on node {info['node']} resolves other settings than the first "
@@ -419,7 +428,7 @@ class _Driver:
 
     def _on_death(self, w: _Worker, shard: Shard, err: Exception) -> None:
         """A worker died running ``shard``: the shard goes back in the queue, up to ``max_attempts``."""
-        self._lost(w)
+        self.pool.lost(w)
         if shard.attempts >= self.cluster.max_attempts:
             raise SeqgenError(
                 f"{shard.span}: the worker running them died {shard.attempts} times ({type(err).__name__})"
@@ -429,9 +438,9 @@ class _Driver:
 
     def _poll(self) -> None:
         """Ask busy workers how far they are; show the sum on the one progress bar."""
-        polls = [w.poll_ref for w in self.workers if w.poll_ref is not None]
+        polls = [w.poll_ref for w in self.pool.workers if w.poll_ref is not None]
         ready = set(self.ray.wait(polls, num_returns=len(polls), timeout=0)[0]) if polls else set()
-        for w in self.workers:
+        for w in self.pool.workers:
             if w.poll_ref is not None and w.poll_ref in ready:
                 try:
                     w.progress = self.ray.get(w.poll_ref)
@@ -443,7 +452,7 @@ class _Driver:
             if w.shard is not None and w.poll_ref is None:
                 w.poll_ref = w.handle.progress.remote()
         finished = self.summary.inputs + sum(r.done for r in self.results.values())
-        done = self.start + finished + sum(w.progress for w in self.workers if w.shard is not None)
+        done = self.start + finished + sum(w.progress for w in self.pool.workers if w.shard is not None)
         self.progress.set(done, self.summary.generated_tokens / max(time.perf_counter() - self.t0, 1e-9))
 
     def _add(self, r: ShardResult) -> None:

@@ -11,15 +11,23 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from seqgen_cli.config import GENERATION_KEYS
 from seqgen_cli.errors import Aborted, SeqgenError, WriteError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline import paths, resume
-from seqgen_cli.pipeline.formats import InputDigest, index_path, journal_path, load_journal, manifest_path
+from seqgen_cli.pipeline.formats import (
+    IndexEntry,
+    InputDigest,
+    index_path,
+    journal_path,
+    load_journal,
+    manifest_path,
+)
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.records import Record, check_inputs, is_regular, read_records
 from seqgen_cli.pipeline.run import RunOptions, run
@@ -211,33 +219,47 @@ def write_records(
     digest = InputDigest()
     start = 0
     journaled: dict[int, tuple[str, str]] = {}
-    sink: Sink
-    if is_stream(output):
-        sink = open_stream(output)
-    else:
-        state = resume.load(output, settings) if opts.resume else resume.check_fresh(output)
-        if state is not None:
-            start = state.done
-            records = resume.skip_done(records, state, digest)
-            journaled = load_journal(output, state.done)
-            sink = FileSink(output, settings, resumed=state, part=part)
-        else:
-            sink = FileSink(output, settings, part=part)
+    sink, state = open_sink(output, settings, opts, part=part)
+    if state is not None:
+        start = state.done
+        records = resume.skip_done(records, state, digest)
+        journaled = load_journal(output, state.done)
     keep: list[str] | None = [] if opts.reference and is_stream(output) else None  # cannot be read back
     progress.start_at(start)
-    with sigterm_as_interrupt():
-        try:
-            summary = run(
-                gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep,
-                streaming=streaming, journaled=journaled,
-            )  # fmt: skip
-        except BrokenPipeError:  # the reader of stdout went away (e.g. `| head`): not an error
-            raise
-        except Exception as err:
-            raise aborted(err, output, sink.kept()) from err
+    with guarded(output, sink):
+        summary = run(
+            gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep,
+            streaming=streaming, journaled=journaled,
+        )  # fmt: skip
     if opts.reference and summary.error is None and not summary.interrupted:
         summary.metrics = score(output, keep, opts, gen.num_return_sequences)
     return summary
+
+
+def open_sink(
+    output: str, settings: dict[str, Any], opts: JobOptions, *, part: bool, stdout: BinaryIO | None = None
+) -> tuple[Sink, IndexEntry | None]:
+    """Where a job's outputs go: a stream (``-``: ``stdout``), or ``-o FILE`` fresh (refused over an interrupted
+    run) or resumed (``--resume``: checked against ``settings``, the inputs and the bytes written; the last index
+    entry comes back). ``part``: a ``--shard`` part."""
+    if is_stream(output):
+        return open_stream(output, stdout), None
+    state = resume.load(output, settings) if opts.resume else resume.check_fresh(output)
+    return FileSink(output, settings, resumed=state, part=part), state
+
+
+@contextmanager
+def guarded(output: str, sink: Sink) -> Iterator[None]:
+    """Around a job's run (one process or the Ray driver): SIGTERM is Ctrl-C; anything but a closed stdout
+    (``| head``: not an error) becomes the one line of :func:`aborted` (what happened, what is kept, how to go
+    on)."""
+    with sigterm_as_interrupt():
+        try:
+            yield
+        except BrokenPipeError:
+            raise
+        except Exception as err:
+            raise aborted(err, output, sink.kept()) from err
 
 
 # Where each option of `seqgen generate` that changes the outputs shows in the fingerprint (the flags of
