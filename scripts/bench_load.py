@@ -1,4 +1,4 @@
-"""Load collapse (issue 24, part 8): whole ``seqgen generate`` processes, and CTranslate2's plain script, on a
+"""Load collapse: whole ``seqgen generate`` processes, and CTranslate2's plain script, on a
 quiet box and with competing CPU-bound processes (``python -c "while True: pass"``, started and killed by this
 script by their pids), the arms interleaved and rotated per round, medians and spread, ratio loaded / quiet.
 

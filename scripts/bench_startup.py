@@ -1,6 +1,6 @@
 """Start-up: ``seqgen generate`` on one input with one new token against a bare transformers load (import,
 ``AutoTokenizer`` + ``AutoModelForSeq2SeqLM/CausalLM.from_pretrained``, nothing generated), each a fresh
-process, interleaved, wall-clock medians and spread. Issue 13's bar: seqgen within 1.1x of the bare load.
+process, interleaved, wall-clock medians and spread. The bar: seqgen within 1.1x of the bare load.
 See docs/BENCHMARKS.md ("Start-up")::
 
     python scripts/bench_startup.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en

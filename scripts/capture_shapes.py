@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How many CUDA-graph shapes a real CNN/DM run compiles (issue 21, part 2): old vs new width buckets.
+"""How many CUDA-graph shapes a real CNN/DM run compiles: old vs new width buckets.
 
 No model runs: the CNN/DM sources in the shared folder (FastSeq's 128, SummEval's and REALSumm's 100 each)
 are recycled to ``--inputs`` lines, tokenised with bart-large-cnn's tokenizer (truncated to its 1,024

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Everything issue 10's GPU table needs, in one command (``scripts/gpu_bench.sh`` installs seqgen, then calls
+"""Everything the GPU tables need, in one command (``scripts/gpu_bench.sh`` installs seqgen, then calls
 this). Sections, each written to ``--out`` as soon as it is done (``results.json``, ``results.md``):
 
 * ``env``: versions and the device;

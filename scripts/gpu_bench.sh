@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (issue 10): install seqgen without dependencies, then run scripts/gpu_bench.py
+# One command for a GPU machine: install seqgen without dependencies, then run scripts/gpu_bench.py
 # (float32 equivalence on the device, host-sync audit, the bart-large-cnn and GPT-2 tables, refill vs
 # --no-refill, the CLI).
 #

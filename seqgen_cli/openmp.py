@@ -1,4 +1,4 @@
-"""The OpenMP wait policy of the ``seqgen`` process (issue 24, part 8: load collapse).
+"""The OpenMP wait policy of the ``seqgen`` process and of an import of ``seqgen_cli`` (load collapse).
 
 torch's CPU wheel runs its intra-op pool, MKL and oneDNN on GNU OpenMP (the bundled ``libgomp``;
 ``torch.__config__.parallel_info()`` says "ATen parallel backend: OpenMP"). Unset, libgomp's idle threads

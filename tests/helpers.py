@@ -82,7 +82,6 @@ class FakeGen:
                        rows=self.rows_per_input, window=sort_window)  # fmt: skip
 
 
-
 def expected(texts: list[str]) -> str:
     return "".join(t.strip() and t[::-1] + "\n" or "\n" for t in texts)
 

@@ -1,4 +1,4 @@
-"""The capture path's bookkeeping (issue 21, parts 2 and 3), on the CPU with fake compilers standing in for
+"""The capture path's bookkeeping, on the CPU with fake compilers standing in for
 CUDA's failures:
 
 * shapes from a small fixed set: power-of-two widths capped at the model's limit; a cap per instance, torch's

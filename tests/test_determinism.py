@@ -1,4 +1,4 @@
-"""The bytes of an output depend on its input and the settings only (issue 24, part 7; CPU float32).
+"""The bytes of an output depend on its input and the settings only (CPU float32).
 
 Not on the batch size, the token budget, the sort window, a shard, the thread count, the reader's timing or
 which inputs share a batch or leave it first. Three layers: the products (a row's bits whatever the rows beside

@@ -1,4 +1,4 @@
-"""A user's first hour (issue 31): outputs on a terminal stay intact, the library shares the cores as the command
+"""A user's first hour: outputs on a terminal stay intact, the library shares the cores as the command
 does, the closing line says what it did, a .txt file is text, and mistakes are found before the model loads."""
 
 from __future__ import annotations

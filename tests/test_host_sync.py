@@ -1,4 +1,4 @@
-"""No device->host synchronisation inside the decode loop (issue 10, part 1).
+"""No device->host synchronisation inside the decode loop.
 
 On a GPU every op that reads device memory on the host (``.item()``, ``bool(t)``, ``nonzero``, boolean-mask
 indexing, ``tolist()``, a copy of host data into device memory, ...) drains the launch queue and leaves the

@@ -1,5 +1,5 @@
 """The static decode step under the real inductor (``torch.compile``'s default backend) on the CPU, the
-compiler that also runs on CUDA (issue 21, part 1).
+compiler that also runs on CUDA.
 
 Every self-attention cache write must stay an in-place ``index_put_`` on the cache tensor, and no buffer the
 size of a cache may be allocated (a copy of the cache) per step: a write through a view of one tensor holding

@@ -1,4 +1,4 @@
-"""Limits a demanding user hits (issue 24): source length without a position limit, out of memory on the
+"""Limits a demanding user hits: source length without a position limit, out of memory on the
 host, n-gram sizes past int64 packing, checkpoints without tokenizer files."""
 
 from __future__ import annotations

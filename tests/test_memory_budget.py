@@ -1,4 +1,4 @@
-"""Memory-aware batching (issue 21, part 6): a batch's budget counts the bytes its caches and logits take.
+"""Memory-aware batching: a batch's budget counts the bytes its caches and logits take.
 
 Each backend says what ``start()`` allocates (``cache_bytes``: cross and self K/V, K/V heads only under
 grouped-query attention, back-pointers; capture's padding of inputs, widths and slots), checked here against

@@ -1,4 +1,4 @@
-"""Issue 24: nothing lost, nothing mixed. Same-file checks by inode, write failures (disk full), journal
+"""Nothing lost, nothing mixed. Same-file checks by inode, write failures (disk full), journal
 entries checked against their input, `seqgen merge` manifests, streams and closed standard streams."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampling's sync-free draw (issue 21, part 4): ``search.sampling.draw`` (an exponential race) draws from the
+"""Sampling's sync-free draw: ``search.sampling.draw`` (an exponential race) draws from the
 same distribution as ``torch.multinomial``, never draws a token of probability 0, and repeats with a seed.
 (That the decode loop calls no ``multinomial`` is ``tests/test_host_sync.py``'s: it forbids the op.)"""
 

@@ -1,4 +1,4 @@
-"""The graph-capturable decode step (issue 10, part 2): ``backend.decode`` with static shapes, and the capture
+"""The graph-capturable decode step: ``backend.decode`` with static shapes, and the capture
 path (``models/capture.py``), exercised on the CPU.
 
 * ``decode`` compiles with ``torch.compile(fullgraph=True)`` (no graph breaks), once per shape: a step number

@@ -1,4 +1,4 @@
-"""Self-check on the user's device (issue 21, part 7), on the CPU.
+"""Self-check on the user's device, on the CPU.
 
 * ``--verify N``: the first N inputs through seqgen's path and through ``generate()``, the token-identical
   share (near-ties named) in the closing line and ``--stats``; ``--verify strict`` stops before writing when

@@ -1,4 +1,4 @@
-"""A graph-capturable decode step (issue 10) and the capture path.
+"""A graph-capturable decode step and the capture path.
 
 The fast backends' step has three parts; only the middle one touches the model, and it has static shapes:
 

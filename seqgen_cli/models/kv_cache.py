@@ -7,7 +7,7 @@ its input's keys and a mask built from the back-pointers keeps its own history. 
 score FLOPs on tiny matrices instead of copying or gathering the cache every step (measured against both in
 docs/BENCHMARKS.md, "Self-attention cache: reorder strategies").
 
-Static shapes (issue 10, graph capture). A step reads the slot it writes from a device tensor (``slot``,
+Static shapes (graph capture). A step reads the slot it writes from a device tensor (``slot``,
 [1] int64), writes with ``index_copy_``, and the visibility mask is built from tensors (slots ``<= slot``, and
 the back-pointers). With ``static`` (set by ``make_static()``, which ``models/capture.py`` calls) it attends
 over all ``T`` slots: no host integer that changes per step reaches the step's tensor work, so it can be
