@@ -14,7 +14,7 @@ neighbour's: a batch holds inputs of one bucket only. With the fast backends' ro
 (``models/linear_maps.py``) the bytes of an output then depend on its input and the settings only, not on
 which inputs share its batch, the window, the batch size, a shard or the reader's timing (CPU float32;
 tests/test_determinism.py). The refill engine (``--refill``) takes a whole window per call instead
-(``buckets=False``): its slots pad each input on their own (docs/ARCHITECTURE.md, "Slots and refill").
+(``buckets=False``): its lanes pad each input on their own (docs/ARCHITECTURE.md, "Lanes and refill").
 """
 
 from __future__ import annotations
