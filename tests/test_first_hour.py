@@ -200,3 +200,15 @@ def test_reference_from_a_stream_is_not_counted(tmp_path: Path) -> None:
     ref = write_lines(tmp_path / "ref.txt", TEXTS[:3])
     res = seqgen("generate", "-m", NO_MODEL, "--reference", str(ref), input="one\ntwo\n")
     assert "--reference" not in res.stderr and NO_MODEL in res.stderr, res.stderr
+
+
+def test_jsonl_output_of_text_input_carries_its_line(bart: Path, tmp_path: Path) -> None:
+    import json
+
+    src = write_lines(tmp_path / "in.txt", ["first line", "", "third line"])
+    res = seqgen(
+        "generate", "-m", str(bart), str(src), "--output-format", "jsonl", "--max-new-tokens", "3", "-q"
+    )
+    assert res.exit_code == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["text"] for r in rows] == ["first line", "", "third line"] and all("output" in r for r in rows)

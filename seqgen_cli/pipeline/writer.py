@@ -33,11 +33,11 @@ def format_output(
 
     Text: one line per returned sequence (``num_return_sequences`` consecutive lines, best first);
     newlines inside a generation become spaces so line alignment holds. JSONL: the input object
-    (or ``{}`` for text input) with ``output_field`` set to the string, or to a list when more than one
+    (for text input ``{"text": line}``) with ``output_field`` set to the string, or to a list when more than one
     sequence is returned, and ``error`` set for an input that was skipped.
     """
     if output_format == "jsonl":
-        obj = dict(record.fields) if record.fields is not None else {}
+        obj = dict(record.fields) if record.fields is not None else {"text": record.text}  # text input: its line
         obj[output_field] = outputs[0] if len(outputs) == 1 else outputs
         if error is not None:
             obj["error"] = error
