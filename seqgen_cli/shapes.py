@@ -11,7 +11,7 @@ Two widths, for two reasons:
 
 Rows and time: a captured batch pads its inputs to a power of two (:func:`graph_inputs`, and fewer as inputs
 leave: :func:`compacted`), its new-token cache slots to a multiple of :data:`SLOTS` (:func:`graph_slots`); a
-refill step attends a span bucket of cache slots (:func:`lane_span`).
+static step (captured, or refill) attends a span bucket of those slots (:func:`span_bucket`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 WIDTH_STEP = 8  # input widths are multiples of this (and finer steps are never used)
 MIN_WIDTH = 64  # narrowest graph width; wider ones are powers of two
 SLOTS = 64  # a captured batch's new-token cache slots are allocated in multiples of this
-MIN_SPAN = 64  # the refill engine's narrowest self-attention span
+MIN_SPAN = 64  # a static step's narrowest self-attention span (captured and refill steps)
 
 
 def power_of_two(n: int) -> int:
@@ -68,7 +68,8 @@ def graph_slots(new_tokens: int) -> int:
     return -(-max(1, new_tokens) // SLOTS) * SLOTS
 
 
-def lane_span(step: int, max_len: int) -> int:
-    """Cache slots a refill step attends when its most advanced lane writes slot ``step``: the smallest power of
-    two above ``step``, at least :data:`MIN_SPAN`, at most ``max_len``."""
+def span_bucket(step: int, max_len: int) -> int:
+    """Cache slots a static step attends when it (or, refill, its most advanced lane) writes slot ``step``: the
+    smallest power of two above ``step``, at least :data:`MIN_SPAN`, at most ``max_len``. A step reads at most
+    twice the slots written (once past :data:`MIN_SPAN`), and a run compiles one graph per bucket it reaches."""
     return min(max_len, max(MIN_SPAN, 1 << step.bit_length()))

@@ -277,6 +277,7 @@ def test_stats_reach_device_stats_and_the_closing_line(tiny_models) -> None:
     stats = gen.device_stats()
     assert stats["step_path"] == backend.path
     assert stats["shapes_compiled"] == len(backend.shapes) == 1
+    assert stats["max_shapes"] == 1 and stats["span_buckets"] == [64]  # 6 new tokens: the first bucket
     assert stats["captured_steps"] == backend.steps["captured"] > 0
     assert stats["eager_steps"] == backend.steps["eager"]
     assert stats["compile_seconds"] >= 0

@@ -321,3 +321,47 @@ def test_captured_backend_through_torch_compile(tiny_models) -> None:
     assert backend.path == "captured" and len(backend.shapes) >= 2, backend.shapes
     assert len(graphs) == len(backend.shapes), f"{len(graphs)} graphs for {len(backend.shapes)} shapes"
     assert torch._dynamo.utils.get_static_address_type(backend.backend.dec_layers[0].qkv_w) == "unguarded"
+
+
+def _spans(max_len: int, steps: int, static: bool) -> list[int]:
+    """The self-attention slots each step attends, as the cache decides them (``GeneratedSlots.check``)."""
+    from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
+
+    cache = EncoderDecoderKVCache(1, 1, 1, 1, max_len, 1, torch.float32, torch.device("cpu"))
+    if static:
+        cache.make_static()
+    spans = []
+    for t in range(steps):
+        cache.check(t)
+        spans.append(cache.span)
+    return spans
+
+
+# (layers, d_model, ffn, vocab, inputs, beams, source width, new tokens, preset's max new tokens)
+CHECKPOINTS = {
+    "marian wmt": (6, 512, 2048, 58101, 32, 4, 128, 30, 512),  # opus-mt, wmt-marian preset (max_length 512)
+    "bart-large-cnn": (12, 1024, 4096, 50264, 32, 4, 1024, 142, 142),  # cnndm-bart preset
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_a_captured_step_reads_at_most_twice_what_the_dynamic_step_reads(name: str) -> None:
+    """Bytes a decode step reads, counted from the shapes (half precision): the decoder's weights, the
+    cross-attention K/V (once per input) and the self-attention K/V of the slots it attends. Over a whole
+    generation the captured (static) step, attending span buckets of the preallocated slots, reads at most twice
+    what the eager step (the slots written) reads; attending all slots (Marian: 512 for ~30 tokens) would not."""
+    from seqgen_cli.shapes import graph_slots
+
+    layers, d, ffn, vocab, inputs, beams, width, new, max_new = CHECKPOINTS[name]
+    weights = layers * (8 * d * d + 2 * d * ffn) + vocab * d  # self q/k/v/o, cross q/o and k/v, ffn; lm head
+    cross = inputs * width * d * 2 * layers
+    per_slot = inputs * beams * d * 2 * layers
+
+    def read(spans: list[int]) -> int:
+        return 2 * sum(weights + cross + per_slot * span for span in spans)  # 2 bytes per half
+
+    slots = graph_slots(max_new)
+    dynamic, static = read(_spans(slots, new, False)), read(_spans(slots, new, True))
+    assert dynamic < static <= 2 * dynamic, (name, static / dynamic)
+    every_slot = read([slots] * new)
+    assert name != "marian wmt" or every_slot > 2 * dynamic, "the case must tell buckets from all slots"

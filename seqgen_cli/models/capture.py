@@ -7,12 +7,14 @@ The fast backends' step has three parts; only the middle one touches the model, 
     state.t += 1; state.cache.advance()       host counter; the device slot tensor moves on (queued)
 
 ``decode`` reads the step's slot from a device tensor (``cache.slot``), writes the caches with
-``index_copy_``, attends over all preallocated slots under a mask built from tensors and never branches on the
-step number (``models/kv_cache.py``), so one compiled graph serves every step of a batch shape.
+``index_copy_``, attends over a span bucket of the preallocated slots under a mask built from tensors and never
+branches on the step number (``models/kv_cache.py``), so one compiled graph serves every step of a batch shape
+within a span bucket (``shapes.span_bucket``: powers of two from 64; a step reads at most twice the slots
+written, not all of them).
 
 :class:`CapturedBackend` (CUDA, ``--capture``, the default there) runs ``decode`` through
-``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``: a CUDA graph per batch shape,
-replayed every step. Shapes come from a small fixed set, so a long length-sorted run compiles a handful:
+``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``: a CUDA graph per batch shape and span
+bucket, replayed every step. Shapes come from a small fixed set, so a long length-sorted run compiles a handful:
 inputs are padded to a power-of-two number of *slots* (copies of the last input; their rows run idle),
 sources (or prompts) to a power-of-two width (at least ``shapes.MIN_WIDTH``, at most the model's position limit) and
 the new-token slots to a multiple of ``shapes.SLOTS``; finished inputs idle in their slot, and the rows are compacted
@@ -37,7 +39,7 @@ The refill engine (``search/refill.py``, ``--refill``) runs through the same wra
 ``lane_step`` are the wrapped backend's, ``lane_step`` with the guarded compiled ``decode`` (every check and
 fallback above applies). Its shapes need no padding: the ``S * R`` rows are fixed for a window, the slots' source
 (prompt) width only widens to a :func:`~seqgen_cli.shapes.graph_width` and the attended span is a bucket
-(``shapes.lane_span``), so a shape is (rows, width, span, generated slots) and a whole window runs on a handful
+(``shapes.span_bucket``), so a shape is (rows, width, span, generated slots) and a whole window runs on a handful
 of graphs. The slot state is marked static when opened and again when a wider joiner reallocates it. The slot
 step's ``decode`` is idempotent too (``begin`` derives where it writes from the slot counters, which only
 ``advance`` moves, after it).
@@ -59,11 +61,11 @@ from torch import Tensor
 from seqgen_cli.errors import is_oom
 from seqgen_cli.models.kv_cache import Decode, check_slot, lane_step, static_step
 from seqgen_cli.search.protocol import Batch, ModelBackend
-from seqgen_cli.shapes import compacted, graph_inputs, graph_slots, graph_width, lane_span
+from seqgen_cli.shapes import compacted, graph_inputs, graph_slots, graph_width, span_bucket
 
 Compiler = Callable[[Decode], Decode]
 
-MAX_SHAPES = 16  # batch shapes one CapturedBackend compiles at most; then eager
+MAX_SHAPES = 48  # shapes (batch shape x span bucket) one CapturedBackend compiles at most; then eager
 SETTLING_CALLS = 3  # a shape's first calls: compile + warm-up, CUDA graph recording, first replay
 
 
@@ -160,7 +162,7 @@ class CapturedState:
     rows: Tensor  # [B * R] int64: physical row of each running row
     tokens: Tensor  # [P * R] int64: the step's input tokens for every physical row (idle rows: stale ones)
     limit: int  # steps the search may run (slots are rounded up)
-    shape: tuple[int, ...]  # (physical rows, padded width, slots): one compiled graph each
+    shape: tuple[int, ...]  # (physical rows, padded width, slots): a compiled graph per span bucket each
     start: int  # input slots at the start (compaction stops at a quarter of them)
 
 
@@ -204,9 +206,12 @@ class CapturedBackend:
         return "captured" + (f" ({'; '.join(notes)})" if notes else "")
 
     def stats(self) -> dict[str, Any]:
-        """For ``--stats``: shapes compiled, compile seconds, decode steps run captured and eagerly."""
+        """For ``--stats``: shapes compiled (of at most ``max_shapes``; a shape is a batch shape and a span bucket),
+        the span buckets they reach, compile seconds, decode steps run captured and eagerly."""
         return {
             "shapes_compiled": len(self.shapes),
+            "max_shapes": self.max_shapes,
+            "span_buckets": sorted({shape[-1] for shape in self.shapes}),
             "compile_seconds": round(self.compile_seconds, 1),
             "captured_steps": self.steps["captured"],
             "eager_steps": self.steps["eager"],
@@ -227,7 +232,7 @@ class CapturedBackend:
         width = graph_width(s, self.max_position_embeddings)
         padded = pad_batch(batch, graph_inputs(b), width, left=not self.is_encoder_decoder)
         inner, first = self.backend.start(padded, r, slots)
-        inner.cache.make_static()  # all T slots: one shape per capture, CPU or CUDA
+        inner.cache.make_static()  # span buckets: one shape per bucket, CPU or CUDA
         mark_static(inner)
         device = batch.input_ids.device
         state = CapturedState(
@@ -247,7 +252,8 @@ class CapturedBackend:
         check_slot(state.inner.t, state.limit)
         state.tokens.index_copy_(0, state.rows, tokens)
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
-        logits = static_step(self._decoder(state.shape), state.inner, state.tokens)  # [P * R, V]
+        span = span_bucket(state.inner.t, state.inner.cache.max_len)  # the slots this step attends
+        logits = static_step(self._decoder((*state.shape, span)), state.inner, state.tokens)  # [P * R, V]
         return logits.index_select(0, state.rows)  # [N, V], a copy: the graph's output is overwritten
 
     def _decoder(self, shape: tuple[int, ...]) -> Decode:
@@ -384,7 +390,7 @@ class CapturedBackend:
         prompt width, span, generated slots). tokens [S * R] -> logits [S * R, V], the graph's output: read it
         (the engine copies each cohort's rows) before the next step overwrites it."""
         cache = state.cache
-        span = lane_span(step, cache.max_len)
+        span = span_bucket(step, cache.max_len)
         shape = (tokens.shape[0], self.backend.lane_width(state), span, cache.max_len)
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
         return lane_step(self._decoder(shape), state, tokens, step)

@@ -10,8 +10,9 @@ docs/BENCHMARKS.md, "Self-attention cache: reorder strategies").
 Static shapes (graph capture). A step reads the slot it writes from a device tensor (``slot``,
 [1] int64), writes with ``index_copy_``, and the visibility mask is built from tensors (slots ``<= slot``, and
 the back-pointers). With ``static`` (set by ``make_static()``, which ``models/capture.py`` calls) it attends
-over all ``T`` slots: no host integer that changes per step reaches the step's tensor work, so it can be
-compiled or captured once and replayed. Otherwise (every eager step, CPU or CUDA) it attends over the
+over a span bucket of slots (``shapes.span_bucket``: a power of two from 64, at most ``T``): no host integer that
+changes per step reaches the step's tensor work, so it can be compiled or captured once per bucket and replayed,
+and a step reads at most twice the slots written. Otherwise (every eager step, CPU or CUDA) it attends over the
 ``t + 1`` slots written so far (``span``, set by the host-side :meth:`check`), cheaper than all ``T`` slots
 (docs/BENCHMARKS.md, "Static vs dynamic step on the CPU"). Reordering is in place; only ``keep`` (inputs
 leaving) reallocates, copying only the slots written so far. On the static path unwritten slots are zeros
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqgen_cli.shapes import lane_span
+from seqgen_cli.shapes import span_bucket
 
 
 def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, slots: int) -> int:
@@ -137,14 +138,15 @@ class GeneratedSlots:
 
     static: bool  # attend the t+1 slots written so far; all T after make_static() (capture)
     max_len: int
-    span: int  # slots this step attends (host int; T if static)
+    span: int  # slots this step attends (host int; a span bucket if static)
 
     def buffers(self) -> list[Tensor]:
         """The per-layer generated K/V tensors."""
         raise NotImplementedError
 
     def make_static(self) -> None:
-        """Attend all ``T`` slots from now on (graph capture, before the first step): zero the unwritten."""
+        """Attend a span bucket of slots from now on (``shapes.span_bucket``: graph capture, before the first step):
+        zero the unwritten."""
         if not self.static:
             for x in self.buffers():
                 x.zero_()
@@ -153,7 +155,7 @@ class GeneratedSlots:
     def check(self, t: int) -> None:
         """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
         check_slot(t, self.max_len)
-        self.span = self.max_len if self.static else t + 1
+        self.span = span_bucket(t, self.max_len) if self.static else t + 1
 
 
 class EncoderDecoderKVCache(GeneratedSlots):
@@ -172,7 +174,7 @@ class EncoderDecoderKVCache(GeneratedSlots):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.static = False  # attend the t+1 slots written so far; all T after make_static() (capture)
+        self.static = False  # attend the t+1 slots written so far; a span bucket after make_static() (capture)
         b, h, t, r, d = inputs, heads, max_len, rows_per_input, head_dim
         # Unread slots need no zeros off the static path: empty pages are only touched as slots are written.
         self.k = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in range(layers)]
@@ -180,7 +182,7 @@ class EncoderDecoderKVCache(GeneratedSlots):
         self.heads, self.max_len, self.r, self.head_dim = h, t, r, d
         self.ptrs = BackPointers(inputs, rows_per_input, max_len, device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]: the slot this step writes
-        self.span = max_len  # slots this step attends (host int; T if static)
+        self.span = max_len  # slots this step attends (host int; a span bucket if static)
         self.bias: Tensor | None = None  # additive float32, [B or 1, 1 or H, Rq, span*R]; None = all
 
     def buffers(self) -> list[Tensor]:
@@ -239,7 +241,7 @@ class LaneSteps:
 
     A step writes every slot's keys/values at that slot's own step and attends over the first ``span`` slots
     under a mask (slot ``<=`` the slot's step, and the back-pointers). ``span`` (host int, set per step by
-    :func:`lane_step`) is a bucket, not the oldest input's step: :func:`~seqgen_cli.shapes.lane_span`, at least ``MIN_SPAN`` slots,
+    :func:`lane_step`) is a bucket, not the oldest input's step: :func:`~seqgen_cli.shapes.span_bucket`, at least ``MIN_SPAN`` slots,
     so its shape changes a few times per run, and an input's sums run over the same span beside any neighbours
     wherever its own steps fit in ``MIN_SPAN`` (a sum over more masked slots can round differently).
     ``slot`` ([N]: each row's step) is what a backend reads for positions. Unwritten and stale slots hold finite
@@ -291,7 +293,7 @@ def lane_step(decode: Decode, state: Any, tokens: Tensor, step: int) -> Tensor:
     """One refill step (``state.cache``: a :class:`LaneSteps` cache) over every slot's rows, each at its own step,
     the most advanced writing slot ``step``: ``decode`` (the tensor work) at that step's span; tokens [S * R] ->
     logits [S * R, V]."""
-    state.cache.span = lane_span(step, state.cache.max_len)
+    state.cache.span = span_bucket(step, state.cache.max_len)
     logits = decode(state, tokens)
     state.cache.advance()
     return logits
@@ -312,7 +314,7 @@ class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
         device: torch.device,
     ) -> None:
         super().__init__(layers, slots, rows_per_input, heads, max_len, head_dim, dtype, device)
-        self.make_static()  # zeros, all T slots attended
+        self.make_static()  # zeros; a span bucket of slots attended
         self._init_steps(slots, device)
         # [S * H] int64: where this step's keys go in a layer's cache viewed as [S * H * T, R, d]
         self.where = torch.zeros(slots * heads, dtype=torch.long, device=device)
@@ -363,7 +365,7 @@ class DecoderOnlyKVCache(GeneratedSlots):
             k.transpose(-1, -2).contiguous() for k in pk
         ]  # [B, Hkv, d, P]; the prefill's copy is freed
         self.pv = pv  # [B, Hkv, P, d]
-        self.static = False  # attend the t+1 slots written so far; all T after make_static() (capture)
+        self.static = False  # attend the t+1 slots written so far; a span bucket after make_static() (capture)
         # unread slots need no zeros off the static path
         self.gk = [torch.empty(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
         self.gv = [torch.empty(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]
@@ -372,7 +374,7 @@ class DecoderOnlyKVCache(GeneratedSlots):
         self.ptrs = BackPointers(b, r, max_len, dev)
         self.r, self.max_len = r, max_len
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # [1]: the slot this step writes
-        self.span = max_len  # slots this step attends (host int; T if static)
+        self.span = max_len  # slots this step attends (host int; a span bucket if static)
         self.gen_bias: Tensor | None = None  # [B|1, 1, Rq, 1, span*R] float32, 0 or -inf; None = all
 
     def buffers(self) -> list[Tensor]:
@@ -467,7 +469,7 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
         ]
         mask = torch.zeros(slots, width, dtype=torch.long, device=device)  # all masked until a join
         super().__init__(kv, [x.clone() for x in kv], mask, rows_per_input, max_len)
-        self.make_static()  # zeros, all T slots attended
+        self.make_static()  # zeros; a span bucket of slots attended
         self._init_steps(slots, device)
         t = self.max_len
         # where this step's keys ([S * Hkv * d] rows of [S * Hkv * d * T, R]) and values ([S * Hkv] rows of
