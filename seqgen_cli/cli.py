@@ -73,6 +73,10 @@ GENERATION_OPTIONS: dict[str, _Flag] = {
     "top_k": _flag(int, "Sample among the k most likely tokens (0 = all)."),
     "top_p": _flag(float, "Sample within the top-p probability mass (0 < p <= 1)."),
     "repetition_penalty": _flag(float, "Penalise tokens already in the output (1.0 = off; > 0)."),
+    "forced_bos_token_id": _flag(
+        int, "Token id forced as the first generated token (mBART-50, M2M-100, NLLB: the target language)."
+    ),
+    "forced_eos_token_id": _flag(int, "Token id forced as the last token at the maximum length."),
 }
 BENCH_REPORTS = ("bench.json", "bench.md", "bench.png")  # what `seqgen bench` writes into --out
 # Not bench flags: --num-beams is bench's own comma-separated list; bench times one searched output per input.
@@ -255,6 +259,12 @@ def main() -> None:
     "(same outputs; BART family, T5, GPT-2, Llama). --stats gives slot occupancy, joins and steps.",
 )
 @generation_options()
+@click.option(
+    "--target-lang",
+    metavar="CODE",
+    help="Translate into this language: its code in the model's tokenizer (mBART-50 de_DE, M2M-100 de, NLLB "
+    "deu_Latn), forced as the first generated token (--forced-bos-token-id).",
+)
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option(
     "--batch-size",
@@ -423,6 +433,7 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         prefix=opts.pop("prefix"),
         max_source_length=opts.pop("max_source_length"),
         seed=opts.pop("seed"),
+        target_lang=opts.pop("target_lang"),
         generation=_pop_generation(opts),
     )
     if workers is not None:  # Ray is imported only here

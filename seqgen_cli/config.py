@@ -9,7 +9,9 @@ one unit can be overridden in the other.
 from __future__ import annotations
 
 import copy
+import difflib
 import math
+import re
 import tomllib
 import warnings
 from dataclasses import dataclass, field
@@ -37,6 +39,8 @@ GENERATION_KEYS = (
     "top_k",
     "top_p",
     "repetition_penalty",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
 )
 _DEFAULT_CONFIG = GenerationConfig()
 FLAG = "flag"  # the source of a setting given on the command line (or to Generator(...))
@@ -52,9 +56,18 @@ class Rule:
     high: float | None = None
     low_open: bool = False  # low itself is not allowed
     also: tuple[Any, ...] = ()  # further values allowed as they are (early_stopping's "never")
+    lists: bool = False  # a non-empty list of such values is allowed too (forced_eos_token_id, as generate())
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` breaks the rule (None: it does not)."""
+        if self.lists:
+            values = value if isinstance(value, list | tuple) else [value]
+            if values and not any(self._problem(v) for v in values):
+                return None
+            return f"{self._problem(None)}, or a list of them"
+        return self._problem(value)
+
+    def _problem(self, value: Any) -> str | None:
         if isinstance(value, str) and value in self.also:
             return None
         if self.kind is bool:
@@ -96,7 +109,10 @@ RULES: dict[str, Rule] = {
     "top_k": Rule(int, 0),
     "top_p": Rule(float, 0, 1, low_open=True),
     "repetition_penalty": Rule(float, 0, low_open=True),
+    "forced_bos_token_id": Rule(int, 0),  # the target language of mBART-50, M2M-100, NLLB (--target-lang)
+    "forced_eos_token_id": Rule(int, 0, lists=True),
 }
+FORCED_TOKEN_KEYS = ("forced_bos_token_id", "forced_eos_token_id")  # token ids: below the model's vocabulary
 SAMPLING_KEYS = (
     "temperature",
     "top_k",
@@ -207,6 +223,7 @@ def resolve_generation_config(
     preset: Preset | None = None,
     flags: dict[str, Any] | None = None,
     is_encoder_decoder: bool | None = None,
+    vocab_size: int | None = None,
 ) -> GenerationConfig:
     """Checkpoint config, then preset, then explicit settings.
 
@@ -214,7 +231,8 @@ def resolve_generation_config(
     settings given, any ``GenerationConfig`` field (the CLI exposes :data:`GENERATION_KEYS`); user input,
     where ``None`` means "not given", goes through :func:`check_flags` first. A layer that gives both units
     of a limit keeps both, and ``max_new_tokens``/``min_new_tokens`` win, as in ``generate()``. Raises
-    ``SeqgenError`` for settings transformers rejects.
+    ``SeqgenError`` for settings transformers rejects, and (``vocab_size``: the model's) for a forced token id
+    of a flag or preset that is not a token of the model.
     """
     config = copy.deepcopy(base)
     source = {k: CHECKPOINT for k in RULES if getattr(base, k, None) is not None}
@@ -237,8 +255,22 @@ def resolve_generation_config(
         if where == CHECKPOINT and (key not in SAMPLING_KEYS or config.do_sample):
             check_setting(key, getattr(config, key), where)
     _check_lengths(config, source, is_encoder_decoder)
+    if vocab_size is not None:
+        _check_token_ids(config, source, vocab_size)
     _validate(config, given)
     return config
+
+
+def _check_token_ids(config: GenerationConfig, source: dict[str, str], vocab_size: int) -> None:
+    """A forced token id given by a flag or preset must be a token of the model (``generate()`` fails with an
+    index error at the step that forces it; a checkpoint's own value is left as it runs)."""
+    for key in FORCED_TOKEN_KEYS:
+        value, where = getattr(config, key, None), source.get(key)
+        ids = value if isinstance(value, list | tuple) else [value]
+        if where not in (None, CHECKPOINT) and any(isinstance(i, int) and i >= vocab_size for i in ids):
+            raise SeqgenError(
+                f"{describe(key, value, where)}: not a token of the model (its vocabulary has {vocab_size} tokens)"
+            )
 
 
 def _check_lengths(config: GenerationConfig, source: dict[str, str], is_encoder_decoder: bool | None) -> None:
@@ -299,3 +331,85 @@ def _validate(config: GenerationConfig, given: set[str]) -> None:
             lines = [ln.strip("- ").strip() for ln in str(err).splitlines()]
             problems = [ln for ln in lines if ln.startswith("`")]
             raise SeqgenError("invalid generation settings: " + "; ".join(problems or lines[:1])) from None
+
+
+# -- target languages (--target-lang) ------------------------------------------------------------------------
+# A language code as multilingual tokenizers spell their special tokens: mBART-50 ``de_DE``, NLLB ``deu_Latn``,
+# M2M-100 ``__de__`` (and its bare code ``de``).
+_LANG_CODE = re.compile(r"(?:__)?[a-z]{2,3}(?:_[A-Za-z]{2,4})?(?:__)?")
+TARGET_LANG_FAMILIES = "mBART-50, M2M-100 and NLLB tokenizers have them"
+
+
+def _extra_special_tokens(tokenizer: Any) -> list[str]:
+    """The tokenizer's extra special tokens (transformers 5 ``extra_special_tokens``; 4 ``additional_...``)."""
+    tokens: list[str] = []
+    for name in ("extra_special_tokens", "additional_special_tokens"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list | tuple):
+            tokens += [str(t) for t in value if str(t) not in tokens]
+    return tokens
+
+
+def language_codes(tokenizer: Any) -> dict[str, int]:
+    """A tokenizer's language codes and their token ids: mBART-50's ``lang_code_to_id`` (``de_DE``), M2M-100's
+    ``lang_code_to_id`` and ``lang_token_to_id`` (``de``, ``__de__``), and the extra special tokens spelled as
+    language codes (NLLB's ``deu_Latn``, and any tokenizer saved with such tokens, a plain one included)."""
+    codes: dict[str, int] = {}
+    for name in ("lang_code_to_id", "lang_token_to_id"):
+        mapping = getattr(tokenizer, name, None)
+        if isinstance(mapping, dict):
+            codes.update({str(k): v for k, v in mapping.items() if isinstance(v, int) and k not in codes})
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for token in _extra_special_tokens(tokenizer):
+        if token in codes or not _LANG_CODE.fullmatch(token):
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != unk:
+            codes[token] = token_id
+    return codes
+
+
+def resolve_target_lang(tokenizer: Any, code: str, source: str = FLAG) -> int:
+    """The token id of target language ``code`` (the ``forced_bos_token_id`` that makes mBART-50, M2M-100 and
+    NLLB translate into it): the exact code, then the families' other spellings (``de-DE`` for ``de_DE``,
+    ``__de__`` and ``de`` for each other, ``get_lang_id``, any letter case). One-line :class:`SeqgenError`
+    listing close codes when ``code`` is none of the tokenizer's, or when it has none."""
+    codes = language_codes(tokenizer)
+    bare = code.strip().strip("_").replace("-", "_")
+    spellings = list(dict.fromkeys((code, code.strip(), bare, f"__{bare}__")))
+    for spelling in spellings:
+        if spelling in codes:
+            return codes[spelling]
+    get_lang_id = getattr(tokenizer, "get_lang_id", None)  # M2M-100: "de" -> the id of __de__
+    if callable(get_lang_id) and bare:
+        try:
+            found = get_lang_id(bare)
+        except (KeyError, ValueError, TypeError, AttributeError):
+            found = None
+        if isinstance(found, int):
+            return found
+    folded: dict[str, set[int]] = {}
+    for name, token_id in codes.items():
+        folded.setdefault(name.lower(), set()).add(token_id)
+    for spelling in spellings:
+        ids = folded.get(spelling.lower(), set())
+        if len(ids) == 1:
+            return next(iter(ids))
+    where = describe("target_lang", code, source)
+    if not codes:
+        raise SeqgenError(f"{where}: the model's tokenizer has no language codes ({TARGET_LANG_FAMILIES})")
+    names: dict[int, str] = {}  # one name per language: the first spelling (M2M-100: "de" before "__de__")
+    for name, token_id in codes.items():
+        names.setdefault(token_id, name)
+    by_lower = {name.lower(): names[token_id] for name, token_id in codes.items()}
+    wanted = bare.lower() or code.lower()
+    close = difflib.get_close_matches(wanted, list(by_lower), n=8, cutoff=0.5)
+    language = wanted.split("_")[0]  # the same language first (de_XX: de_DE before en_XX)
+    close.sort(key=lambda c: c.strip("_").split("_")[0] != language)
+    shown = list(dict.fromkeys(by_lower[c] for c in close))[:5]
+    hint = f"close: {', '.join(shown)}" if shown else f"e.g. {', '.join(sorted(names.values())[:5])}"
+    raise SeqgenError(
+        f"{where}: not a language code of the model's tokenizer ({hint}; {len(names)} codes in all)"
+    )

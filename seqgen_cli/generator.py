@@ -35,7 +35,13 @@ from seqgen_cli.batching import (
     pad_ids,
     text_chunks,
 )
-from seqgen_cli.config import Preset, check_flags, load_preset, resolve_generation_config
+from seqgen_cli.config import (
+    Preset,
+    check_flags,
+    load_preset,
+    resolve_generation_config,
+    resolve_target_lang,
+)
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load, source_limit
 from seqgen_cli.search import choose_backend
@@ -66,23 +72,32 @@ class Generator:
         refill: bool = False,
         lanes: int = 32,
         lane_tokens: int | None = None,
+        target_lang: str | None = None,
         **generation: Any,
     ) -> None:
         """``capture``: on CUDA, run the fast backends' decode step as CUDA graphs (``models/capture.py``);
         ``False`` runs it eagerly (``step_path`` says which, and why). ``refill``: run the fast engine over
         ``lanes`` fixed input lanes that finished inputs hand to waiting ones, at most ``lane_tokens`` padded source
         tokens x rows over them (``search/refill.py``; the fast backends' families, float32/half: elsewhere batches
-        run as without it)."""
+        run as without it). ``target_lang``: a language code of the tokenizer (mBART-50 ``de_DE``, M2M-100 ``de``,
+        NLLB ``deu_Latn``), given to the search as ``forced_bos_token_id`` (:func:`~.config.resolve_target_lang`)."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
         flags = check_flags(generation)  # the settings given, checked before the (slow) model load
+        if target_lang is not None and "forced_bos_token_id" in flags:
+            raise SeqgenError("--target-lang and --forced-bos-token-id contradict; give one")
+        self.target_lang = target_lang
         self.loaded: Loaded = load(model, device, dtype)
         self.tokenizer = self.loaded.tokenizer
         self.model = self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
+        if target_lang is not None:  # a flag: over the checkpoint's and the preset's forced_bos_token_id
+            flags["forced_bos_token_id"] = resolve_target_lang(self.tokenizer, target_lang)
+        head = self.model.get_output_embeddings()  # the ids the model can score: its lm head's rows
+        vocab_size = getattr(head, "out_features", None) or getattr(self.model.config, "vocab_size", None)
         self.config = resolve_generation_config(
-            self.model.generation_config, self.preset, flags, self.is_encoder_decoder
+            self.model.generation_config, self.preset, flags, self.is_encoder_decoder, vocab_size=vocab_size
         )
         self.prefix = prefix if prefix is not None else (self.preset.prefix if self.preset else None)
         self.max_source_length = max_source_length or (self.preset.max_source_length if self.preset else None)
@@ -362,11 +377,13 @@ class GeneratorSpec:
     refill: bool = False
     lanes: int = DEFAULT_BATCH_SIZE  # refill: --batch-size
     lane_tokens: int | None = None  # refill: --batch-tokens
+    target_lang: str | None = None  # --target-lang: resolved through the tokenizer into forced_bos_token_id
     generation: dict[str, Any] = field(default_factory=dict)  # transformers' names; None: not given
 
     def build(self) -> Generator:
         return Generator(
             self.model, backend=self.backend, device=self.device, dtype=self.dtype, preset=self.preset,
             prefix=self.prefix, max_source_length=self.max_source_length, seed=self.seed, capture=self.capture,
-            refill=self.refill, lanes=self.lanes, lane_tokens=self.lane_tokens, **self.generation,
+            refill=self.refill, lanes=self.lanes, lane_tokens=self.lane_tokens, target_lang=self.target_lang,
+            **self.generation,
         )  # fmt: skip

@@ -58,7 +58,11 @@ GENERATOR_CHANGES: dict[str, Any] = {
     "top_k": 5,
     "top_p": 0.5,
     "repetition_penalty": 1.3,
+    "forced_bos_token_id": 5,
+    "forced_eos_token_id": 4,
 }
+# Options that need a tokenizer with language codes: changed on the tiny mBART (whose checkpoint forces de_DE).
+MBART_CHANGES: dict[str, Any] = {"target_lang": "fr_XX"}
 JOB_CHANGES: dict[str, Any] = {
     "input_format": "jsonl",
     "input_field": "src",
@@ -89,6 +93,12 @@ def test_each_fingerprinted_option_changes_the_fingerprint(tiny_models, tmp_path
         else:
             changed, reference = _print(model, **{option: value}), base
         assert changed[key] != reference[key], f"{option}={value!r} does not change the fingerprint's {key}"
+        covered.add(option)
+    mbart = tiny_models("mbart")
+    mbart_base = _print(mbart)
+    for option, value in MBART_CHANGES.items():
+        key = FINGERPRINTED[option]
+        assert _print(mbart, **{option: value})[key] != mbart_base[key], f"{option}={value!r}: same {key}"
         covered.add(option)
     for option, value in JOB_CHANGES.items():
         changed = _print(model, JobOptions(**{option: value}))

@@ -697,6 +697,42 @@ def build_real_tokenizer(family: str, dest: Path) -> Path | None:
     return dest
 
 
+#: the mBART-50 many-to-many config in ``shared/tokenizers`` (config and generation config; no tokenizer)
+MBART50 = "mbart50"
+MBART50_CONFIG_DIR = "mbart-large-50-many-to-many-mmt-config"
+
+
+def build_mbart50(dest: Path) -> Path | None:
+    """A tiny mBART-50-shaped checkpoint; None where ``shared/tokenizers/<MBART50_CONFIG_DIR>`` is absent.
+
+    The real mBART-50 many-to-many config (shrunk as :func:`build_real_tokenizer` shrinks, vocabulary cut to the
+    tokenizer's) and its generation config's token ids (no ``forced_bos_token_id``: the target language is
+    the user's). The tokenizer is transformers' own ``MBart50Tokenizer`` over a tiny trained unigram vocab laid
+    out as the real one: ``<s> <pad> </s> <unk>``, the pieces, the 52 language codes, ``<mask>``; source
+    ``en_XX`` (``[en_XX] X </s>``)."""
+    shared = shared_dir()
+    src = None if shared is None else shared / "tokenizers" / MBART50_CONFIG_DIR
+    if src is None or not (src / "config.json").is_file():
+        return None
+    from transformers import AutoConfig, GenerationConfig, MBart50Tokenizer
+    from transformers.models.mbart50.tokenization_mbart50 import FAIRSEQ_LANGUAGE_CODES
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    trained = _train_unigram(["<s>", "<pad>", "</s>", "<unk>"], unk="<unk>")
+    pieces = json.loads(trained.to_str())["model"]["vocab"]
+    vocab = [(p, s) for p, s in pieces] + [(c, 0.0) for c in FAIRSEQ_LANGUAGE_CODES] + [("<mask>", 0.0)]
+    tok = MBart50Tokenizer(vocab=vocab, src_lang="en_XX", model_max_length=SEQ2SEQ_MAX_POSITIONS)
+    config = _shrink_config(AutoConfig.from_pretrained(src))
+    config.vocab_size = len(tok)
+    config.max_position_embeddings = SEQ2SEQ_MAX_POSITIONS
+    real_gen = GenerationConfig.from_pretrained(src).to_dict()
+    gen = {k: v for k, v in real_gen.items() if k in _GEN_ID_KEYS and v is not None}
+    _save_model(config, gen, False, dest)
+    tok.save_pretrained(dest)
+    return dest
+
+
 def copy_checkpoint(src: Path, dest: Path) -> Path:
     """Copy a built checkpoint folder (for tests that want to modify one)."""
     shutil.copytree(src, dest, dirs_exist_ok=True)
@@ -727,7 +763,8 @@ def default_cache_root() -> Path:
 
 
 def cached_build(family: str, real: bool = False, cache_root: Path | None = None) -> Path | None:
-    """Build (or reuse) ``<cache_root>/<family>`` (``real-<family>`` for real-tokenizer variants).
+    """Build (or reuse) ``<cache_root>/<family>`` (``real-<family>`` for real-tokenizer variants; ``real-mbart50``:
+    :func:`build_mbart50`).
 
     Builds into a temporary sibling folder and renames it into place, so concurrent test sessions never see
     a half-written checkpoint. Returns None where :func:`build_real_tokenizer` does.
@@ -738,12 +775,15 @@ def cached_build(family: str, real: bool = False, cache_root: Path | None = None
     final = root / (f"real-{family}" if real else family)
     if final.is_dir():
         return final
-    if real and (family not in REAL_TOKENIZER_DIRS or shared_dir() is None):
+    if real and (family not in (*REAL_TOKENIZER_DIRS, MBART50) or shared_dir() is None):
         return None
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        out = build_real_tokenizer(family, tmp) if real else build(family, tmp)
+        if real:
+            out = build_mbart50(tmp) if family == MBART50 else build_real_tokenizer(family, tmp)
+        else:
+            out = build(family, tmp)
         if out is None:
             return None
         try:

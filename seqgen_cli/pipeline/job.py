@@ -281,6 +281,7 @@ FINGERPRINTED = {
     "output_field": "output_field",
     "on_error": "on_error",
     "shard_spec": "shard",
+    "target_lang": "generation",  # resolved into forced_bos_token_id
     **dict.fromkeys(GENERATION_KEYS, "generation"),
 }
 # How a run goes, not what it writes: batching and look-ahead, CUDA graphs and refill (the same outputs; on a
