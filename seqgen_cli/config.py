@@ -305,6 +305,21 @@ def _check_lengths(config: GenerationConfig, source: dict[str, str], is_encoder_
         )
 
 
+def settings_for_model(
+    model: Any, tokenizer: Any, preset: Preset | None, flags: dict[str, Any], target_lang: str | None = None
+) -> GenerationConfig:
+    """A loaded model's settings: its ``generation_config``, then ``preset``, then ``flags`` (checked by
+    :func:`check_flags`), ``target_lang`` resolved through ``tokenizer`` over any ``forced_bos_token_id``; forced
+    ids checked against the rows of the model's lm head."""
+    if target_lang is not None:  # a flag: over the checkpoint's and the preset's forced_bos_token_id
+        flags = {**flags, "forced_bos_token_id": resolve_target_lang(tokenizer, target_lang)}
+    head = model.get_output_embeddings()  # the ids the model can score: its lm head's rows
+    vocab_size = getattr(head, "out_features", None) or getattr(model.config, "vocab_size", None)
+    return resolve_generation_config(
+        model.generation_config, preset, flags, model.config.is_encoder_decoder, vocab_size=vocab_size
+    )
+
+
 def check_flags(flags: dict[str, Any]) -> dict[str, Any]:
     """The settings a user gave (values not ``None``), checked before the (slow) model load: unknown names
     and two units of one limit are errors."""

@@ -35,13 +35,7 @@ from seqgen_cli.batching import (
     pad_ids,
     text_chunks,
 )
-from seqgen_cli.config import (
-    Preset,
-    check_flags,
-    load_preset,
-    resolve_generation_config,
-    resolve_target_lang,
-)
+from seqgen_cli.config import Preset, check_flags, load_preset, settings_for_model
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load, source_limit
 from seqgen_cli.search import choose_backend
@@ -92,13 +86,7 @@ class Generator:
         self.tokenizer = self.loaded.tokenizer
         self.model = self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
-        if target_lang is not None:  # a flag: over the checkpoint's and the preset's forced_bos_token_id
-            flags["forced_bos_token_id"] = resolve_target_lang(self.tokenizer, target_lang)
-        head = self.model.get_output_embeddings()  # the ids the model can score: its lm head's rows
-        vocab_size = getattr(head, "out_features", None) or getattr(self.model.config, "vocab_size", None)
-        self.config = resolve_generation_config(
-            self.model.generation_config, self.preset, flags, self.is_encoder_decoder, vocab_size=vocab_size
-        )
+        self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, target_lang)
         self.prefix = prefix if prefix is not None else (self.preset.prefix if self.preset else None)
         self.max_source_length = max_source_length or (self.preset.max_source_length if self.preset else None)
         self.max_source_length = self._source_limit(self.max_source_length)
