@@ -145,12 +145,14 @@ class Generator:
         """``--dtype int8``: linear layers in int8 (in place): the int8 fast backend, or the whole model for
         the generic backend and ``generate()`` (``models/linear_maps.py``)."""
         from seqgen_cli.models import get_backend
+        from seqgen_cli.models.int8_cache import session
         from seqgen_cli.models.linear_maps import quantize_linears
 
-        if self.backend == "fast":
-            self._engine(get_backend(self.model, int8=True))
-        else:
-            quantize_linears(self.model)
+        with session(self.model):  # quantized weights from, or into, the disk cache
+            if self.backend == "fast":
+                self._engine(get_backend(self.model, int8=True))
+            else:
+                quantize_linears(self.model)
 
     def _engine(self, backend: Any = None) -> Any:
         """The engine's model backend (built on first use, or ``backend``), behind the capture path."""

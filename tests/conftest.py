@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.tiny_models import FAMILIES, cached_build, default_cache_root
+
+
+@pytest.fixture(autouse=True, scope="session")
+def int8_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``--dtype int8`` caches quantized weights (``models/int8_cache.py``): in a temp folder, not the user's."""
+    import os
+
+    folder = tmp_path_factory.mktemp("seqgen-cache")
+    old = os.environ.get("SEQGEN_CACHE")
+    os.environ["SEQGEN_CACHE"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("SEQGEN_CACHE", None)
+    else:
+        os.environ["SEQGEN_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

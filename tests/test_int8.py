@@ -8,6 +8,7 @@ required. No timing assertions (speed lives in docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,32 @@ def test_float32_linear_is_f_linear_up_to_rounding() -> None:
     assert torch.allclose(q(x), lin(x), atol=0.1) and not torch.equal(q(x), lin(x))
 
 
+def test_int8_linear_is_torchs_from_float() -> None:
+    """``linear(..., int8=True)`` and ``quantize_linears`` build what torch's ``from_float`` builds (same int8
+    values, scales, bias, repr and outputs), without its extra ``nn.Linear`` and all-zero packing."""
+    import warnings
+
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    from seqgen_cli.models.linear_maps import quantize_linears
+
+    torch.manual_seed(0)
+    for out_f, in_f, bias in [(48, 32, True), (40, 16, False)]:
+        lin = nn.Linear(in_f, out_f, bias=bias)
+        lin.qconfig = per_channel_dynamic_qconfig
+        with warnings.catch_warnings():  # torch's deprecation of torch.ao.quantization
+            warnings.simplefilter("ignore")
+            ref = DynamicLinear.from_float(lin)
+        new = linear(lin.weight, lin.bias, int8=True)
+        quantized_in_place = quantize_linears(nn.Sequential(lin))[0]
+        x = torch.randn(5, in_f) * 3
+        for q in (new, quantized_in_place):
+            assert repr(q) == repr(ref) and torch.equal(q(x), ref(x))
+            assert torch.equal(q.weight().int_repr(), ref.weight().int_repr())
+            assert torch.equal(q.weight().q_per_channel_scales(), ref.weight().q_per_channel_scales())
+
+
 def test_int8_on_cuda_is_a_one_line_error(tiny_models, tmp_path: Path) -> None:
     from seqgen_cli.loading import resolve_dtype
 
@@ -235,3 +262,303 @@ def test_packed_linear_runs_onednn_for_any_row_count_and_packs_late(monkeypatch)
     assert calls == [("onednn", 3), ("mkl", 0), ("onednn", 2000), ("packed", 2), ("mkl", 0)]
     assert lin.packed is not None and lin.packed.is_mkldnn
     assert linear(w.double(), b.double())(torch.randn(2, 16, dtype=torch.float64)).dtype == torch.float64
+
+
+# -- the disk cache of quantized weights (seqgen_cli/models/int8_cache.py) --------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test of this file caches int8 weights in a folder of its own, never in the user's cache."""
+    folder = tmp_path / "seqgen-cache"
+    monkeypatch.setenv("SEQGEN_CACHE", str(folder))
+    return folder
+
+
+@pytest.fixture
+def quantize_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes of the weights ``linear_maps.quantize_weight`` quantizes (the cache's misses), in order."""
+    from seqgen_cli.models import linear_maps
+
+    calls: list[tuple[int, ...]] = []
+    quantize = linear_maps.quantize_weight
+
+    def counting(weight: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(weight.shape))
+        return quantize(weight)
+
+    monkeypatch.setattr(linear_maps, "quantize_weight", counting)
+    return calls
+
+
+def _cached_generator(path: Path, backend: str = "fast") -> Generator:
+    """An int8 :class:`Generator` built inside a cache session for ``path``."""
+    from seqgen_cli.models import int8_cache
+
+    with int8_cache.session(str(path)):
+        return Generator(str(path), dtype="int8", backend=backend, **SETTINGS)
+
+
+def _int8_weights(gen: Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """(int8 values, scales, bias) of every quantized map of the generator: model modules, then the fast
+    backend's own maps."""
+    maps = [m for m in gen.model.modules() if is_quantized(m)]
+    backend = gen._model_backend
+    if isinstance(backend, BartBackend):
+        maps += [backend.lm] + [
+            m for lay in backend.dec_layers for m in vars(lay).values() if is_quantized(m)
+        ]
+    out = []
+    for m in maps:
+        w = m.weight()
+        out.append((w.int_repr(), w.q_per_channel_scales(), m.bias()))
+    return out
+
+
+def _same_weights(a: Generator, b: Generator) -> bool:
+    wa, wb = _int8_weights(a), _int8_weights(b)
+    return len(wa) == len(wb) > 0 and all(
+        torch.equal(x[0], y[0])
+        and torch.equal(x[1], y[1])
+        and ((x[2] is None and y[2] is None) or torch.equal(x[2], y[2]))
+        for x, y in zip(wa, wb, strict=True)
+    )
+
+
+def _cache_files(folder: Path) -> list[Path]:
+    return sorted((folder / "int8").glob("*.safetensors")) if (folder / "int8").is_dir() else []
+
+
+@pytest.mark.parametrize(
+    ("family", "backend"),
+    [("bart", "fast"), ("marian", "fast"), ("t5", "fast"), ("gpt2", "fast"), ("bart", "hf")],
+)
+def test_int8_cache_second_build_loads_from_disk(
+    tiny_models, texts: list[str], _cache_in_tmp: Path, quantize_calls: list, family: str, backend: str
+) -> None:
+    """The first build quantizes and writes one file; the second quantizes nothing and gets the very same int8
+    weights, scales, biases and outputs (as a build without any cache session)."""
+    from seqgen_cli.models import int8_cache
+
+    path = tiny_models(family)
+    with pytest.MonkeyPatch.context() as mp:  # the reference: no readable cache, nothing written
+        mp.setattr(int8_cache, "cache_dir", lambda: Path(os.devnull) / "no-cache")
+        plain = Generator(str(path), dtype="int8", backend=backend, **SETTINGS)
+    reference = _check_valid(plain, texts)
+    quantize_calls.clear()
+    first = _cached_generator(path, backend)
+    n_quantized = len(quantize_calls)
+    assert n_quantized > 0 and len(_cache_files(_cache_in_tmp)) == 1
+    second = _cached_generator(path, backend)
+    assert len(quantize_calls) == n_quantized  # nothing quantized again: every weight from the file
+    assert _same_weights(first, second) and _same_weights(plain, second)
+    assert _check_valid(first, texts) == _check_valid(second, texts) == reference
+
+
+def test_int8_cache_one_file_serves_fast_and_hf(
+    tiny_models, _cache_in_tmp: Path, quantize_calls: list
+) -> None:
+    """``--backend hf`` quantizes the whole model (q, k, v apart, the plain LM head): it finds the fast
+    backend's encoder and shared weights, adds its own to the same file, and the fast build still loads all."""
+    path = tiny_models("bart")
+    _cached_generator(path, "fast")
+    fast_calls = len(quantize_calls)
+    _cached_generator(path, "hf")
+    hf_calls = len(quantize_calls) - fast_calls
+    assert 0 < hf_calls < fast_calls + 4 * 2  # only the decoder's separate q/k/v (and such) are new
+    _cached_generator(path, "fast")
+    _cached_generator(path, "hf")
+    assert len(quantize_calls) == fast_calls + hf_calls and len(_cache_files(_cache_in_tmp)) == 1
+
+
+def _damage(file: Path, how: str) -> None:
+    data = file.read_bytes()
+    if how == "truncated":
+        file.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        file.write_bytes(bytes(range(256)) * 40)
+    elif how == "empty":
+        file.write_bytes(b"")
+    elif how == "flipped byte":  # a valid file whose last tensor's bytes changed: its entry's CRC fails
+        file.write_bytes(data[:-1] + bytes([data[-1] ^ 0x55]))
+    elif how == "other key":  # a valid file that says it is for another checkpoint
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        from seqgen_cli.models.int8_cache import META
+
+        with safe_open(str(file), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+            info = json.loads(f.metadata()[META])
+        info["key"]["checkpoint"]["config"] = "0" * 64
+        save_file(tensors, str(file), metadata={META: json.dumps(info)})
+    else:
+        raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "empty", "flipped byte", "other key"])
+def test_int8_cache_damaged_file_is_rebuilt(
+    tiny_models, texts: list[str], _cache_in_tmp: Path, quantize_calls: list, how: str
+) -> None:
+    path = tiny_models("marian")
+    first = _cached_generator(path)
+    n_quantized = len(quantize_calls)
+    (file,) = _cache_files(_cache_in_tmp)
+    _damage(file, how)
+    rebuilt = _cached_generator(path)  # no error, whatever the file holds
+    again = len(quantize_calls) - n_quantized
+    assert again == (1 if how == "flipped byte" else n_quantized)  # the damaged entry, or all of them
+    assert _same_weights(first, rebuilt)
+    assert _check_valid(first, texts) == _check_valid(rebuilt, texts)
+    assert _cache_files(_cache_in_tmp) == [file] and not list(file.parent.glob(".*.tmp"))
+    _cached_generator(path)  # the file was rewritten whole: nothing quantized now
+    assert len(quantize_calls) == n_quantized + again
+
+
+def _copy_checkpoint(src: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dest)
+    return dest
+
+
+def test_int8_cache_changed_checkpoint_gets_a_new_entry(
+    tiny_models, texts: list[str], tmp_path: Path, _cache_in_tmp: Path, quantize_calls: list
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_checkpoint(tiny_models("bart"), tmp_path / "bart")
+    _cached_generator(path)
+    n_quantized = len(quantize_calls)
+    # the config changes: another key, another file; everything quantized again
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "seqgen_test_note": "changed"}, indent=2))
+    _cached_generator(path)
+    assert len(quantize_calls) == 2 * n_quantized and len(_cache_files(_cache_in_tmp)) == 2
+    # the weights change (one decoder feed-forward matrix), and so the file's time: a third file
+    weights = path / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(k for k in tensors if k.endswith("decoder.layers.0.fc1.weight"))
+    tensors[name] = tensors[name] * 0.5
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    changed = _cached_generator(path)
+    assert len(quantize_calls) == 3 * n_quantized and len(_cache_files(_cache_in_tmp)) == 3
+    # they change again, keeping the file's name, size and time: the same key, but no stale weight is used,
+    # only the changed matrix is quantized again
+    tensors[name] = tensors[name] * 3.0
+    stat = weights.stat()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_size == stat.st_size
+    rechanged = _cached_generator(path)
+    assert quantize_calls[3 * n_quantized :] == [tuple(tensors[name].shape)]
+    assert len(_cache_files(_cache_in_tmp)) == 3
+    plain = Generator(str(path), dtype="int8", backend="fast", **SETTINGS)  # no session: quantizes
+    assert _same_weights(plain, rechanged) and not _same_weights(changed, rechanged)
+    assert _check_valid(plain, texts) == _check_valid(rechanged, texts)
+
+
+def test_int8_cache_unwritable_folder_still_runs(
+    tiny_models,
+    texts: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    quantize_calls: list,
+    caplog,
+) -> None:
+    """A cache folder that cannot be created (below a file: refused even to root): the run quantizes, as
+    without the cache, and says nothing above debug level."""
+    import logging
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SEQGEN_CACHE", str(blocker / "cache"))
+    path = tiny_models("marian")
+    with caplog.at_level(logging.DEBUG, logger="seqgen_cli.models.int8_cache"):
+        first = _cached_generator(path)
+        n_quantized = len(quantize_calls)
+        second = _cached_generator(path)
+    assert n_quantized > 0 and len(quantize_calls) == 2 * n_quantized
+    assert _same_weights(first, second) and _check_valid(first, texts) == _check_valid(second, texts)
+    assert all(r.levelno <= logging.DEBUG for r in caplog.records) and len(caplog.records) <= 1
+
+
+def test_int8_cache_folder_and_key(tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from seqgen_cli.models import int8_cache
+
+    monkeypatch.setenv("SEQGEN_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert int8_cache.cache_dir() == tmp_path / "a"
+    monkeypatch.setenv("SEQGEN_CACHE", "")
+    assert int8_cache.cache_dir() == tmp_path / "xdg" / "seqgen"
+    monkeypatch.delenv("SEQGEN_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert int8_cache.cache_dir() == tmp_path / "home" / ".cache" / "seqgen"
+
+    path = tiny_models("bart")
+    checkpoint = int8_cache.checkpoint_key(path)
+    assert checkpoint is not None and [f[0] for f in checkpoint["files"]] == ["model.safetensors"]
+    key = int8_cache.cache_key(checkpoint)
+    assert key["torch"] == torch.__version__ and key["cpu"] == torch.backends.cpu.get_cpu_capability()
+    assert "qint8" in key["scheme"] and "per_channel" in key["scheme"]
+    name = int8_cache.Session(tmp_path, key).path.name
+    monkeypatch.setattr(torch, "__version__", "0.0.0-another")
+    assert int8_cache.Session(tmp_path, int8_cache.cache_key(checkpoint)).path.name != name
+    # no checkpoint folder (a model built in memory, a name that is no folder): no session, no cache
+    with int8_cache.session(tmp_path / "missing") as s:
+        assert s is None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with int8_cache.session(empty) as s:
+        assert s is None
+
+
+def test_int8_cache_concurrent_writers_leave_one_whole_file(tiny_models, _cache_in_tmp: Path) -> None:
+    """Two sessions of one checkpoint writing at the same time: one whole file stays, readable, no temporary
+    files left."""
+    import threading
+
+    from seqgen_cli.models import int8_cache
+    from seqgen_cli.models.linear_maps import quantize_weight
+
+    path = tiny_models("marian")
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 32) for _ in range(8)]
+    key = int8_cache.cache_key(int8_cache.checkpoint_key(path))
+    sessions = [int8_cache.Session(_cache_in_tmp / "int8", key) for _ in range(4)]
+    for s in sessions:
+        for w in weights:
+            s.quantized(w, quantize_weight)
+    barrier = threading.Barrier(len(sessions))
+
+    def save(s: int8_cache.Session) -> None:
+        barrier.wait()
+        s.save()
+
+    threads = [threading.Thread(target=save, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (file,) = _cache_files(_cache_in_tmp)
+    assert not list(file.parent.glob(".*.tmp"))
+    with int8_cache.session(path) as s:
+        for w in weights:
+            assert torch.equal(s.quantized(w, quantize_weight).int_repr(), quantize_weight(w).int_repr())
+    assert s.hits == len(weights) and s.misses == 0
+
+
+def test_generator_uses_the_int8_cache_by_itself(
+    tiny_models, _cache_in_tmp: Path, quantize_calls: list
+) -> None:
+    """Once ``Generator._quantize`` opens ``int8_cache.session(self.model)``, a plain int8 Generator caches."""
+    path = str(tiny_models("bart"))
+    Generator(path, dtype="int8", backend="fast", **SETTINGS)
+    if not _cache_files(_cache_in_tmp):
+        pytest.skip("Generator._quantize does not open an int8_cache.session (yet)")
+    n_quantized = len(quantize_calls)
+    Generator(path, dtype="int8", backend="fast", **SETTINGS)
+    assert len(quantize_calls) == n_quantized

@@ -23,6 +23,11 @@ rest of its batch (tests/test_determinism.py, an expected failure). Everything t
 float32. torch's ``torch.ao.quantization`` namespace is deprecated in favour of torchao, but torchao has no
 fast eager CPU kernel for int8 dynamic activations (see docs/BENCHMARKS.md, "CPU int8"), so this uses the
 torch one and silences its deprecation warnings.
+
+Quantizing is a start-up cost (a Marian-sized model: ~1 s of a ~4.4 s process, docs/BENCHMARKS.md, "int8 weight
+cache"): :func:`int8_linear` takes each weight's quantized values from the disk cache of
+:mod:`seqgen_cli.models.int8_cache` when a session of it is open, and packs them (fbgemm's packed layout is not
+saved). Cached or not, a layer gets the same int8 values, scales and packed weight, so the same outputs.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from seqgen_cli.models.int8_cache import quantized
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -111,32 +118,80 @@ class PackedLinear:
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) -> Linear:
     """``x -> x @ weight.T + bias``: float32 on the CPU a :class:`PackedLinear`, else :func:`dense` over the
-    given tensors (no copy); with ``int8`` a dynamic-quantized copy of ``weight`` (per-channel qint8; ``bias``
-    stays float32)."""
+    given tensors (no copy); with ``int8`` a dynamic-quantized copy of ``weight`` (:func:`int8_linear`)."""
     if not int8:
         if ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32:
             return PackedLinear(weight, bias)
         return partial(dense, weight=weight, bias=bias)
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+    return int8_linear(weight, bias)
+
+
+@cache
+def int8_scheme() -> str:
+    """The weight quantization :func:`quantize_weight` applies, in words (part of the disk cache's key)."""
     from torch.ao.quantization import per_channel_dynamic_qconfig
 
-    out_features, in_features = weight.shape
+    with _quiet():
+        obs = per_channel_dynamic_qconfig.weight()
+    return (
+        f"{type(obs).__name__} {obs.dtype} {obs.qscheme} axis {obs.ch_axis} range {obs.quant_min}..{obs.quant_max}"
+        f" reduce_range {obs.reduce_range} eps {float(obs.eps)}"
+    )
+
+
+def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [O, I] as a per-channel qint8 tensor (one scale per output row), exactly as torch's
+    ``DynamicLinear.from_float`` quantizes it under ``per_channel_dynamic_qconfig``."""
+    from torch.ao.nn.quantized.modules.utils import _quantize_weight
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
     with torch.no_grad(), _quiet():
-        float_linear = nn.Linear(in_features, out_features, bias=bias is not None)
-        float_linear.weight = nn.Parameter(weight.detach().float(), requires_grad=False)
-        if bias is not None:
-            float_linear.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
-        float_linear.qconfig = per_channel_dynamic_qconfig
-        return DynamicLinear.from_float(float_linear)
+        w = weight.detach().float()
+        observer = per_channel_dynamic_qconfig.weight()
+        observer(w)
+        return _quantize_weight(w, observer)
+
+
+def dynamic_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """torch's dynamic-quantized ``Linear`` over ``qweight`` (packed here) and a float32 ``bias``: what
+    ``from_float`` builds, without first packing an all-zero weight of the full size (its constructor's)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    with torch.no_grad(), _quiet():
+        module = DynamicLinear(1, 1, bias_=False)
+        module.set_weight_bias(qweight, bias)
+    module.out_features, module.in_features = (int(n) for n in qweight.shape)
+    return module
+
+
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A dynamic-quantized copy of ``x -> x @ weight.T + bias`` (per-channel qint8 weight, float32 ``bias``),
+    the quantized weight taken from the disk cache (:mod:`~seqgen_cli.models.int8_cache`) when a session is
+    open and holds it."""
+    qweight = quantized(weight, quantize_weight)
+    return dynamic_linear(qweight, None if bias is None else bias.detach().float())
+
+
+class _Int8Linear:
+    """``quantize_dynamic``'s target for ``nn.Linear``: :func:`int8_linear` over the float module's tensors."""
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> nn.Module:
+        return int8_linear(mod.weight, mod.bias)
 
 
 def quantize_linears(module: nn.Module) -> nn.Module:
-    """Replace every ``nn.Linear`` inside ``module`` (in place) by its dynamic-quantized int8 version."""
+    """Replace every ``nn.Linear`` inside ``module`` (in place) by its dynamic-quantized int8 version
+    (:func:`int8_linear`); torch's ``quantize_dynamic`` finds them and moves their hooks."""
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     with torch.no_grad(), _quiet():
         return quantize_dynamic(
-            module, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True
+            module,
+            {nn.Linear: per_channel_dynamic_qconfig},
+            dtype=torch.qint8,
+            mapping={nn.Linear: _Int8Linear},
+            inplace=True,
         )
 
 
