@@ -202,7 +202,37 @@ def main() -> None:
     checkpoints. Run `seqgen COMMAND --help` for each command."""
 
 
-@main.command()
+# `seqgen generate --help` in sections (each option under the first section that names it; the rest: "Other").
+HELP_SECTIONS = {
+    "Input and output": ("output", "input_format", "input_field", "output_format", "output_field", "prefix",
+                         "max_source_length"),
+    "Model and device": ("model", "preset", "backend", "device", "dtype", "capture", "verify_spec"),
+    "Generation": (*GENERATION_OPTIONS, "seed", "target_lang", "forced_bos_token_id", "forced_eos_token_id"),
+    "Batching": ("batch_size", "batch_tokens", "sort_window", "refill"),
+    "Resume and errors": ("resume", "on_error"),
+    "Reports": ("stats_path", "reference", "metrics", "quiet"),
+    "Many processes": ("workers", "address", "gpus_per_worker", "cpus_per_worker", "shard_size", "shard_spec"),
+}  # fmt: skip
+
+
+class _SectionedCommand(click.Command):
+    """A command whose ``--help`` lists its options in :data:`HELP_SECTIONS`."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = None if isinstance(param, click.Argument) else param.get_help_record(ctx)
+            if record is None:
+                continue
+            section = next((s for s, names in HELP_SECTIONS.items() if param.name in names), "Other")
+            rows.setdefault(section, []).append(record)
+        for section in [*HELP_SECTIONS, "Other"]:
+            if section in rows:
+                with formatter.section(section):
+                    formatter.write_dl(rows[section])
+
+
+@main.command(cls=_SectionedCommand)
 @click.argument("inputs", nargs=-1, type=click.Path(dir_okay=False, allow_dash=True))
 @click.option(
     "-m", "--model", required=True, help="Checkpoint folder (or a hub id where the hub is reachable)."
@@ -382,6 +412,15 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
 
     --workers N runs the job on N Ray workers (a local cluster, or --address); the output is the same
     file, in input order, and resumable the same way. --shard I/N runs one shard for other launchers.
+
+    \b
+    Examples:
+      seqgen generate -m bart-large-cnn --preset cnndm-bart articles.txt -o summaries.txt
+      seqgen generate -m opus-mt-en-de --preset wmt-marian news.en -o news.de --stats run.json
+      seqgen generate -m mbart-large-50 --target-lang de_DE news.en -o news.de
+      cat docs.jsonl | seqgen generate -m ckpt --input-field document --output-format jsonl > out.jsonl
+      seqgen generate -m ckpt in.txt -o out.txt --resume          # after Ctrl-C or a crash
+      seqgen generate -m ckpt in.txt -o out.txt --workers 4       # on a local Ray cluster
     """
     import time
 
@@ -510,6 +549,8 @@ def eval_(hypotheses: str, references: str, metrics: str | None, as_json: bool) 
 
     names = m.parse_metrics(metrics)
     result = m.score(m.read_lines(hypotheses), m.read_lines(references), names)
+    if metrics is None:  # every metric, whatever the task: say so, and how to choose
+        click.echo(f"seqgen: scoring {', '.join(names)} (choose with --metrics)", err=True)
     click.echo(json.dumps(result, indent=2) if as_json else m.format_table(result))
 
 

@@ -212,3 +212,20 @@ def test_jsonl_output_of_text_input_carries_its_line(bart: Path, tmp_path: Path)
     assert res.exit_code == 0, res.stderr
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert [r["text"] for r in rows] == ["first line", "", "third line"] and all("output" in r for r in rows)
+
+
+def test_generate_help_has_sections_and_examples() -> None:
+    res = seqgen("generate", "--help")
+    assert res.exit_code == 0
+    for section in ("Input and output:", "Generation:", "Batching:", "Resume and errors:", "Examples:"):
+        assert section in res.stdout, section
+    generation = res.stdout.split("Generation:")[1].split("Batching:")[0]
+    assert "--num-beams" in generation and "--target-lang" in generation and "--batch-size" not in generation
+
+
+def test_eval_says_which_metrics_it_picked(tmp_path: Path) -> None:
+    hyp = write_lines(tmp_path / "hyp.txt", ["the cat sat on the mat"])
+    res = seqgen("eval", str(hyp), str(hyp))
+    assert res.exit_code == 0 and "seqgen: scoring rouge, bleu, chrf (choose with --metrics)" in res.stderr
+    res = seqgen("eval", str(hyp), str(hyp), "--metrics", "bleu")
+    assert res.exit_code == 0 and "scoring" not in res.stderr
