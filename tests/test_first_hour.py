@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from seqgen_cli.openmp import WAIT_SETTINGS
 from seqgen_cli.pipeline.stats import Summary
 from tests.helpers import REPO, one_line_error, seqgen, write_lines
 
@@ -78,36 +77,6 @@ def test_the_bar_still_shows_for_output_to_a_file(bart: Path, tmp_path: Path) ->
     assert status == 0, screen
     assert "input/s" in screen or "input [" in screen, screen
     assert len((tmp_path / "out.txt").read_text(encoding="utf-8").splitlines()) == len(TEXTS)
-
-
-# -- 2. the library's OpenMP wait policy --------------------------------------------------------------------
-
-
-def _child(code: str, **settings: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in WAIT_SETTINGS}
-    env.update(settings, PYTHONPATH=str(REPO))
-    return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
-def test_importing_the_library_prefers_a_passive_wait() -> None:
-    code = "import seqgen_cli, os; print(os.environ.get('OMP_WAIT_POLICY'))"
-    assert _child(code) == "PASSIVE"
-    assert _child(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
-    assert _child(code, KMP_BLOCKTIME="200") == "None"
-
-
-def test_the_policy_reaches_torch_through_the_generator_import() -> None:
-    """``from seqgen_cli.generator import Generator`` (which imports torch) sets it before torch loads."""
-    code = "import os; from seqgen_cli.generator import Generator; print(os.environ.get('OMP_WAIT_POLICY'))"
-    assert _child(code) == "PASSIVE"
-
-
-def test_too_late_once_torch_is_imported() -> None:
-    """torch first: its OpenMP has read its settings already; nothing is set (see the README)."""
-    code = "import os, torch, seqgen_cli; print(os.environ.get('OMP_WAIT_POLICY'))"
-    assert _child(code) == "None"
 
 
 # -- 3. the closing line ------------------------------------------------------------------------------------

@@ -50,9 +50,20 @@ def test_process_entry_sets_it_before_torch_loads() -> None:
     assert _child(PROBE, GOMP_SPINCOUNT="300000") == "None False"
 
 
-def test_library_import_sets_the_policy_unless_torch_came_first() -> None:
-    """Library users get the CLI's policy; once torch (and its OpenMP) is loaded, setting it would be a lie."""
-    code = "import os, seqgen_cli.generator; print(os.environ.get('OMP_WAIT_POLICY'))"
+def test_importing_the_library_prefers_a_passive_wait() -> None:
+    code = "import seqgen_cli, os; print(os.environ.get('OMP_WAIT_POLICY'))"
     assert _child(code) == "PASSIVE"
-    code = "import os, torch, seqgen_cli.generator; print(os.environ.get('OMP_WAIT_POLICY'))"
+    assert _child(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+    assert _child(code, KMP_BLOCKTIME="200") == "None"
+
+
+def test_the_policy_reaches_torch_through_the_generator_import() -> None:
+    """``from seqgen_cli.generator import Generator`` (which imports torch) sets it before torch loads."""
+    code = "import os; from seqgen_cli.generator import Generator; print(os.environ.get('OMP_WAIT_POLICY'))"
+    assert _child(code) == "PASSIVE"
+
+
+def test_too_late_once_torch_is_imported() -> None:
+    """torch first: its OpenMP has read its settings already; nothing is set (see the README)."""
+    code = "import os, torch, seqgen_cli; print(os.environ.get('OMP_WAIT_POLICY'))"
     assert _child(code) == "None"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from _common import counted_steps, distribution, generate_ids, interleaved, spread_checkpoint
 
-from seqgen_cli.batching import is_oom
+from seqgen_cli.errors import is_oom
 
 from .base import (
     Budget,

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from seqgen_cli.batching import is_oom
 from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.errors import is_oom
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend, capture
 from seqgen_cli.search import Batch, generate
