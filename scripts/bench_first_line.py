@@ -1,7 +1,8 @@
-"""Time to the first output line and to the last, of whole ``seqgen generate`` processes, per checkout.
+"""Time to the first output line, to line ``--line`` and to the last, of whole ``seqgen generate`` processes.
 
 Each round runs every checkout once (``PYTHONPATH=<checkout>``, interleaved), reading stdout as it comes: the
-seconds from the process start to its first output line and to its exit. Medians and spread over rounds::
+seconds from the process start to its first output line, to line ``--line`` (100: every input before it done; the
+first line alone is early whenever input 1 is short) and to its exit. Medians and spread over rounds::
 
     python scripts/bench_first_line.py MODEL INPUT --rounds 3 /work/base /work/main -- --max-new-tokens 16
 """
@@ -16,21 +17,28 @@ import sys
 import time
 
 
-def one_run(checkout: str, model: str, src: str, flags: list[str]) -> tuple[float, float, int]:
-    """(seconds to the first output line, seconds to exit, output lines)."""
+def one_run(
+    checkout: str, model: str, src: str, flags: list[str], nth: int
+) -> tuple[float, float, float, int]:
+    """(seconds to the first output line, to line ``nth``, to exit; output lines)."""
     env = {**os.environ, "PYTHONPATH": checkout}
+    model, src = os.path.abspath(model), os.path.abspath(src)
     cmd = [sys.executable, "-m", "seqgen_cli", "generate", "-m", model, src, "-q", *flags]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    # cwd: ``python -m`` puts the working directory first on sys.path, before PYTHONPATH
+    proc = subprocess.Popen(cmd, env=env, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
-    first, lines = None, 0
+    first = at_nth = 0.0
+    lines = 0
     for _ in proc.stdout:
         lines += 1
-        if first is None:
+        if lines == 1:
             first = time.perf_counter() - t0
+        if lines == nth:
+            at_nth = time.perf_counter() - t0
     if proc.wait() != 0:
         raise SystemExit(f"{checkout}: seqgen exited {proc.returncode}")
-    return first or 0.0, time.perf_counter() - t0, lines
+    return first, at_nth, time.perf_counter() - t0, lines
 
 
 def main() -> None:
@@ -42,19 +50,20 @@ def main() -> None:
     ap.add_argument("input")
     ap.add_argument("checkouts", nargs="+")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--line", type=int, default=100, help="also time this output line (default 100)")
     args = ap.parse_args(argv)
-    runs: dict[str, list[tuple[float, float, int]]] = {c: [] for c in args.checkouts}
+    runs: dict[str, list[tuple[float, float, float, int]]] = {c: [] for c in args.checkouts}
     for _ in range(args.rounds):
         for c in args.checkouts:
-            runs[c].append(one_run(c, args.model, args.input, flags))
-    print("| checkout | first line, s (min-max) | whole run, s (min-max) | lines |")
-    print("| --- | ---: | ---: | ---: |")
+            runs[c].append(one_run(c, args.model, args.input, flags, args.line))
+    print(f"| checkout | first line, s | line {args.line}, s | whole run, s | lines |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for c, rs in runs.items():
-        first, total = [r[0] for r in rs], [r[1] for r in rs]
-        print(
-            f"| {c} | {statistics.median(first):.1f} ({min(first):.1f}-{max(first):.1f}) | "
-            f"{statistics.median(total):.1f} ({min(total):.1f}-{max(total):.1f}) | {rs[0][2]} |"
-        )
+        cells = []
+        for k in range(3):
+            xs = [r[k] for r in rs]
+            cells.append(f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})")
+        print(f"| {c} | {' | '.join(cells)} | {rs[0][3]} |")
 
 
 if __name__ == "__main__":

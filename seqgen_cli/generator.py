@@ -300,8 +300,10 @@ class Generator:
         batch_size: int = DEFAULT_BATCH_SIZE,
         batch_tokens: int | None = None,
         sort_window: int | None = None,
+        early: bool = True,
     ) -> Iterator[list[str]]:
-        """Per input, ``num_return_sequences`` strings (best first), in input order, streaming.
+        """Per input, ``num_return_sequences`` strings (best first), in input order, streaming (``early``: the
+        first after one batch, see :meth:`batcher`).
 
         Reads ``sort_window`` texts ahead (default :func:`~seqgen_cli.batching.default_window`), sorts them
         by length and cuts batches of ``batch_size`` inputs and ``batch_tokens`` padded tokens x rows; a
@@ -314,9 +316,8 @@ class Generator:
         def passthrough(items: list[Item]) -> None:
             order.add_all((it.index, empty) for it in items)
 
-        batcher = self.batcher(
-            text_chunks(texts, self.encode), passthrough, batch_size, batch_tokens, sort_window
-        )
+        chunks = text_chunks(texts, self.encode)
+        batcher = self.batcher(chunks, passthrough, batch_size, batch_tokens, sort_window, early)
         for batch in batcher:
             for result in generate_split(self, batch.items):
                 if result.error is not None:
@@ -332,22 +333,25 @@ class Generator:
         batch_size: int = DEFAULT_BATCH_SIZE,
         batch_tokens: int | None = None,
         sort_window: int | None = None,
+        early: bool = False,
     ) -> Batcher:
         """The one batching path (:meth:`generate_iterable`, the file pipeline, the benchmarks): batches of
         tokenised items of one width from ``sort_window`` sorted items, within ``batch_size`` inputs,
         ``batch_tokens`` padded tokens x rows and the memory budget; items with nothing to generate go to
-        ``passthrough``. With refill a batch is the whole window: the engine runs it over the lanes."""
+        ``passthrough``. ``early``: windows grow from one batch, for a reader of the first outputs (they come
+        after one batch; the run takes a few per cent longer: docs/BENCHMARKS.md, "Time to the first lines").
+        With refill a batch is the whole window: the engine runs it over the lanes."""
         if self.refill:
             window = default_window(self.lanes) if sort_window is None or sort_window <= 1 else sort_window
             batch_size, batch_tokens = max(self.lanes, window), None
         return Batcher(
             chunks, passthrough, batch_size=batch_size, batch_tokens=batch_tokens, rows=self.rows_per_input,
-            window=sort_window, memory=self.memory_limit(), buckets=not self.refill,
+            window=sort_window, memory=self.memory_limit(), buckets=not self.refill, grow=early,
         )  # fmt: skip
 
     def generate(self, texts: Sequence[str], batch_size: int = DEFAULT_BATCH_SIZE) -> list[list[str]]:
         """Generate for texts: per input, ``num_return_sequences`` strings, best first."""
-        return list(self.generate_iterable(texts, batch_size=batch_size))
+        return list(self.generate_iterable(texts, batch_size=batch_size, early=False))
 
 
 @dataclass(frozen=True)

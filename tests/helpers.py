@@ -77,9 +77,9 @@ class FakeGen:
     def device_stats(self):
         return {"device": "cpu", "dtype": "float32"}
 
-    def batcher(self, chunks, passthrough, batch_size=32, batch_tokens=None, sort_window=None):
+    def batcher(self, chunks, passthrough, batch_size=32, batch_tokens=None, sort_window=None, early=False):
         return Batcher(chunks, passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
-                       rows=self.rows_per_input, window=sort_window)  # fmt: skip
+                       rows=self.rows_per_input, window=sort_window, grow=early)  # fmt: skip
 
 
 def expected(texts: list[str]) -> str:

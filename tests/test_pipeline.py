@@ -259,8 +259,9 @@ def _batches(texts: list[str], batch_size: int, window: int):
 
 
 def test_sigkill_loses_no_generated_output(tmp_path: Path) -> None:
-    # Sort windows of 4, 8, ... 64 inputs: batches run shortest first within each, so most finished outputs
-    # wait for an earlier (longer) input. The journal keeps them; --resume generates only the rest.
+    # One sort window over the whole input (a file output: windows do not grow): batches run shortest first, so
+    # almost every finished output waits for an earlier (longer) input. The journal keeps them; --resume generates
+    # only the rest.
     texts = [f"{i:03d}" + "x" * ((i * 37) % 50) for i in range(120)]
     src = write_lines(tmp_path / "in.txt", texts)
     out = tmp_path / "out.txt"
@@ -277,11 +278,25 @@ def test_sigkill_loses_no_generated_output(tmp_path: Path) -> None:
 
 
 def test_windows_grow_from_one_batch_to_the_sort_window(tmp_path: Path) -> None:
-    """The first window is one batch, each next twice as many, up to the sort window: first outputs come early."""
+    """The first window is one batch, each next four times as many, up to the sort window: first outputs come
+    early."""
     texts = [Text(i, "x" * (1 + i % 7)) for i in range(200)]
     items = tokenise(texts, lambda ts: [Encoded([1] * len(t), False) for t in ts])
-    batcher = Batcher(iter([Chunk(items)]), lambda items: None, batch_size=4, window=64)
+    batcher = Batcher(iter([Chunk(items)]), lambda items: None, batch_size=4, window=64, grow=True)
     sizes: dict[int, int] = {}
     for batch in batcher:
         sizes[batch.window] = sizes.get(batch.window, 0) + len(batch.items)
-    assert list(sizes.values()) == [4, 8, 16, 32, 64, 64, 12]
+    assert list(sizes.values()) == [4, 16, 64, 64, 52]
+
+
+def test_windows_grow_for_a_stream_not_for_a_file(tmp_path: Path) -> None:
+    """Output to stdout or a pipe: someone may read the first lines as they come, so windows grow from one batch;
+    to a file, whole sort windows (fuller batches)."""
+    texts = [f"{i:03d}" + "x" * ((i * 37) % 50) for i in range(120)]
+    src = write_lines(tmp_path / "in.txt", texts)
+    first_four = {tuple(ord(c) for c in t) for t in texts[:4]}
+    stream, file = FakeGen(), FakeGen()
+    run(stream, read_records([str(src)]), StreamSink(Capture()), RunOptions(batch_size=4, sort_window=1000))
+    _job(file, src, tmp_path / "out.txt", batch_size=4, sort_window=1000)
+    assert {tuple(ids) for ids in stream.batches[0]} <= first_four  # the first window: the first batch
+    assert not {tuple(ids) for ids in file.batches[0]} <= first_four  # the shortest of all 120 first

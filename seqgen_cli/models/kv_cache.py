@@ -174,7 +174,9 @@ class EncoderDecoderKVCache(GeneratedSlots):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.static = False  # attend the t+1 slots written so far; a span bucket after make_static() (capture)
+        self.static = (
+            False  # attend the t+1 slots written so far; a span bucket after make_static() (capture)
+        )
         b, h, t, r, d = inputs, heads, max_len, rows_per_input, head_dim
         # Unread slots need no zeros off the static path: empty pages are only touched as slots are written.
         self.k = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in range(layers)]
@@ -365,7 +367,9 @@ class DecoderOnlyKVCache(GeneratedSlots):
             k.transpose(-1, -2).contiguous() for k in pk
         ]  # [B, Hkv, d, P]; the prefill's copy is freed
         self.pv = pv  # [B, Hkv, P, d]
-        self.static = False  # attend the t+1 slots written so far; a span bucket after make_static() (capture)
+        self.static = (
+            False  # attend the t+1 slots written so far; a span bucket after make_static() (capture)
+        )
         # unread slots need no zeros off the static path
         self.gk = [torch.empty(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
         self.gv = [torch.empty(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]

@@ -18,7 +18,7 @@ from seqgen_cli.pipeline.formats import InputDigest, input_key
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
-from seqgen_cli.pipeline.sinks import Sink
+from seqgen_cli.pipeline.sinks import Sink, StreamSink
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
 from seqgen_cli.pipeline.writer import OrderedWriter
 
@@ -88,7 +88,10 @@ def run(
         writer.put([Result(it, None, it.record.error) for it in items])
         progress.update(len(items), summary.generated_tokens / max(time.perf_counter() - t_start, 1e-9))
 
-    batcher = gen.batcher(reader.chunks(), passthrough, opts.batch_size, opts.batch_tokens, opts.sort_window)
+    early = isinstance(sink, StreamSink)  # stdout, a pipe: someone may read the first lines as they come
+    batcher = gen.batcher(
+        reader.chunks(), passthrough, opts.batch_size, opts.batch_tokens, opts.sort_window, early
+    )
     fail: Result | None = None
     fail_window = -1
     finished = False  # the loop ended and every output reached the sink: no exception on the way

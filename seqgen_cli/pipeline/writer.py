@@ -37,7 +37,9 @@ def format_output(
     sequence is returned, and ``error`` set for an input that was skipped.
     """
     if output_format == "jsonl":
-        obj = dict(record.fields) if record.fields is not None else {"text": record.text}  # text input: its line
+        obj = (
+            dict(record.fields) if record.fields is not None else {"text": record.text}
+        )  # text input: its line
         obj[output_field] = outputs[0] if len(outputs) == 1 else outputs
         if error is not None:
             obj["error"] = error
