@@ -335,12 +335,9 @@ class Generator:
         sort_window: int | None = None,
         early: bool = False,
     ) -> Batcher:
-        """The one batching path (:meth:`generate_iterable`, the file pipeline, the benchmarks): batches of
-        tokenised items of one width from ``sort_window`` sorted items, within ``batch_size`` inputs,
-        ``batch_tokens`` padded tokens x rows and the memory budget; items with nothing to generate go to
-        ``passthrough``. ``early``: windows grow from one batch, for a reader of the first outputs (they come
-        after one batch; the run takes a few per cent longer: docs/BENCHMARKS.md, "Time to the first lines").
-        With refill a batch is the whole window: the engine runs it over the lanes."""
+        """The one batching path (``generate_iterable``, the pipeline, the benchmarks): :class:`~.batching.Batcher`
+        with this generator's rows, memory budget and refill (a batch is then a whole window, run over the lanes);
+        ``early``: windows grow from one batch (docs/BENCHMARKS.md, "Time to the first lines")."""
         if self.refill:
             window = default_window(self.lanes) if sort_window is None or sort_window <= 1 else sort_window
             batch_size, batch_tokens = max(self.lanes, window), None
