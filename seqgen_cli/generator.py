@@ -241,11 +241,9 @@ class Generator:
     def generate_ids(
         self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None
     ) -> list[list[list[int]]]:
-        """Generate for one batch of token-id inputs: per input, ``num_return_sequences`` id lists.
-
-        Each list holds the generated tokens only (no prompt, no decoder start token, no padding),
-        best first. ``indices``: each input's index in the run, which (with ``seed``) seeds its sampling stream
-        (default: its position in ``batch``), so a sampled output does not depend on its batch.
+        """Per input of one batch of token ids, ``num_return_sequences`` lists of generated ids (no prompt, no
+        decoder start token, no padding), best first. ``indices``: each input's index in the run, which with
+        ``seed`` seeds its sampling stream (default: its position), so a sampled output does not depend on its batch.
         """
         if not batch:
             return []
