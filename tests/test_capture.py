@@ -144,6 +144,32 @@ def test_torch_recompile_limit_is_raised_to_the_instance_cap(tiny_models) -> Non
     assert backend.steps["eager"] == 0
 
 
+def test_every_compiled_call_runs_under_the_instance_limit(tiny_models) -> None:
+    """Not only a shape's settling calls: a guard that misses on a known shape later recompiles under the same
+    limit (and fails loudly at it); torch's own setting is back after each call."""
+    loaded = load(tiny_models("bart"))
+    seen: list[tuple[int, bool]] = []
+
+    def recording(decode: Decode) -> Decode:
+        def run(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+            cfg = torch._dynamo.config
+            seen.append((cfg.recompile_limit, cfg.fail_on_recompile_limit_hit))
+            return decode(state, tokens)
+
+        return run
+
+    backend = CapturedBackend(get_backend(loaded.model), recording, max_shapes=8)
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=False):
+        assert run_beam(backend, loaded, min_new_tokens=10) == run_beam(
+            get_backend(loaded.model), loaded, min_new_tokens=10
+        )
+        assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit) == (
+            1,
+            False,
+        )
+    assert len(seen) > 3 and set(seen) == {(8, True)}
+
+
 def test_a_recompile_limit_hit_is_reported_not_silent(tiny_models) -> None:
     """A step value that reaches the graph recompiles every step: torch's limit is hit and the step path says
     so (torch alone would raise mid-run under fullgraph, or run eagerly and silently without it)."""
