@@ -22,17 +22,32 @@ only when they fit a smaller power of two, at most twice per batch (:func:`~seqg
 at most ``max_shapes`` shapes (torch's recompile limit raised to match for its calls); later shapes run
 ``decode`` eagerly. ``scripts/capture_shapes.py`` counts the shapes of a CNN/DM run.
 
+Kept states: the graphs read the state's tensors in place (static addresses), and cudagraph trees record a graph
+again for every new set of addresses, keep every recording and check them on every call. So each instance keeps
+one static state per batch shape (:class:`Kept`: graph inputs, rows per input, width, slots; the wrapped
+backend's state and the step's token buffer) for its life: the first batch of a shape allocates it (the backend's
+``start``), every later one refills it in place (``restart``: encoder outputs, cross K/V or prompt K/V and masks
+copied in; the self-attention cache, back-pointers and counters reset), and a compaction copies the running
+inputs into the smaller shape's kept state (``compact``, allocating it the first time). A batch's addresses
+are its shape's, so each (shape, span bucket) records once per kept state. One batch at a time: a batch
+whose kept state a later batch took (or that was released) raises on its next call instead of reading another
+batch's caches. The kept states (one per batch shape seen: input counts and widths are powers of two) stay
+allocated, beside the running batch, within ``keep_bytes`` (on CUDA the same free-memory budget the batcher
+plans with): a new shape first releases the least recently used idle ones until they and the new batch's
+state and logits fit; an out-of-memory error releases every one before it is raised (the batch is split).
+
 Checked: each shape's first replay is compared with the eager step on the same state (``decode`` again:
 idempotent); logits further apart than :func:`step_tolerance` switch to eager for good, with the reason.
 
 Fallbacks: every compiled call is guarded (cudagraph trees warm up on a shape's first call, record on the
-second, replay from the third; a new batch re-records). A failure (compile error, recording error, torch's
+second, replay from the third; a new batch of a kept shape replays). A failure (compile error, recording error, torch's
 recompile limit, inductor skipping CUDA graphs: ``cudagraph_skips`` read around every call) falls back to
 eager for good, with the reason in :attr:`CapturedBackend.path`; the failed call is rerun eagerly (``decode``
 is idempotent: same slot, same values). An out-of-memory error stays one, so the batch is split
 (``batching.generate_split``); raised during a shape's compile or recording, that shape runs eagerly from then
-on. :meth:`CapturedBackend.stats` (``--stats``) counts shapes compiled, compile seconds and steps run captured
-and eager. Everything else (CPU, ``--no-capture``, the generic backend) runs the plain backend: :func:`capture`
+on. :meth:`CapturedBackend.stats` (``--stats``) counts shapes compiled, compile seconds, steps run captured
+and eager, the kept states (shapes, bytes, allocations, releases) and, on CUDA where torch's cudagraph trees
+tell, the graphs recorded. Everything else (CPU, ``--no-capture``, the generic backend) runs the plain backend: :func:`capture`
 says why.
 
 The refill engine (``search/refill.py``, ``--refill``) runs through the same wrapper: ``open_lanes``, ``join`` and
@@ -40,7 +55,8 @@ The refill engine (``search/refill.py``, ``--refill``) runs through the same wra
 fallback above applies). Its shapes need no padding: the ``S * R`` rows are fixed for a window, the slots' source
 (prompt) width only widens to a :func:`~seqgen_cli.shapes.graph_width` and the attended span is a bucket
 (``shapes.span_bucket``), so a shape is (rows, width, span, generated slots) and a whole window runs on a handful
-of graphs. The slot state is marked static when opened and again when a wider joiner reallocates it. The slot
+of graphs. The slot state is marked static when opened and again when a wider joiner reallocates it (lane
+states are a window's: not kept). The slot
 step's ``decode`` is idempotent too (``begin`` derives where it writes from the slot counters, which only
 ``advance`` moves, after it).
 """
@@ -48,18 +64,21 @@ step's ``decode`` is idempotent too (``begin`` derives where it writes from the 
 from __future__ import annotations
 
 import inspect
+import sys
 import time
+import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from seqgen_cli.batching import free_memory_budget
 from seqgen_cli.errors import is_oom
-from seqgen_cli.models.kv_cache import Decode, check_slot, lane_step, static_step
+from seqgen_cli.models.kv_cache import Decode, check_slot, lane_step, select_into, static_step
 from seqgen_cli.search.protocol import Batch, ModelBackend
 from seqgen_cli.shapes import compacted, graph_inputs, graph_slots, graph_width, span_bucket
 
@@ -128,9 +147,41 @@ def tensors_of(obj: Any, seen: set[int] | None = None) -> Iterator[Tensor]:
 def mark_static(obj: Any) -> None:
     """The tensors of a backend (fused weights) or its state keep their addresses while a graph replays
     (reorder is in place): CUDA graphs read them where they are instead of copying them in every replay. A new
-    address (next batch, compaction) re-records the graph (torch's limit: 128 re-records per function)."""
+    address re-records the graph (torch's limit: 128 re-records per function): batch states are kept per shape
+    (:class:`Kept`), so only a new shape (or a refill window's lanes) brings new ones."""
     for t in tensors_of(obj):
         torch._dynamo.mark_static_address(t)
+
+
+def held_bytes(tensors: Iterable[Tensor]) -> int:
+    """Device bytes behind ``tensors``: each storage once (views and shared tensors count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def cuda_graph_recordings(device: torch.device) -> int | None:
+    """CUDA graphs recorded so far on ``device`` by torch's cudagraph trees (every compiled function's in this
+    thread, warm-ups aside), or ``None`` where that is not known: not CUDA, no tree manager yet, or a torch whose
+    internals differ (read only, never raises)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # a reduce-overhead compile imports it
+    if device.type != "cuda" or trees is None:
+        return None
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        manager = trees.get_manager(index, create_if_none_exists=False)
+        return None if manager is None else count_recordings(manager.roots)
+    except Exception:  # noqa: BLE001 - a statistic: torch internals that moved give none
+        return None
+
+
+def count_recordings(roots: dict[Any, list[Any]]) -> int:
+    """Nodes (recorded graphs) in cudagraph trees: ``roots`` and each node's ``children``, function id -> nodes."""
+    count, todo = 0, [node for nodes in roots.values() for node in nodes]
+    while todo:
+        node = todo.pop()
+        count += 1
+        todo.extend(child for nodes in node.children.values() for child in nodes)
+    return count
 
 
 def first_line(err: BaseException) -> str:
@@ -151,12 +202,29 @@ def pad_batch(batch: Batch, inputs: int, width: int, left: bool) -> Batch:
     return Batch(ids, mask)
 
 
+Key = tuple[int, int, int, int]  # a kept state's shape: (graph inputs, rows per input, graph width, slots)
+
+
+@dataclass(eq=False)
+class Kept:
+    """One captured batch shape's state, kept for the :class:`CapturedBackend`'s life: the wrapped backend's
+    static state and the step's token buffer, allocated once, refilled by every batch (or compaction) of the
+    shape, so their addresses, which CUDA graphs read in place, never change."""
+
+    key: Key
+    inner: Any  # the wrapped backend's static state
+    tokens: Tensor  # [P * R] int64: the step's input tokens for every physical row
+    nbytes: int  # device bytes held (each storage once)
+    owner: weakref.ref[Any] | None = None  # the CapturedState running on it; None: idle
+    used: int = 0  # when a batch last took it (least recently used is released first)
+
+
 @dataclass
 class CapturedState:
     """A call on :class:`CapturedBackend`: the backend's state over the padded batch, and where the running
     rows are in it."""
 
-    inner: Any  # the wrapped backend's state (physical slots)
+    inner: Any  # the wrapped backend's state (physical slots): a kept one
     rows_per_input: int
     inputs: Tensor  # [B] int64: physical slot of each running input
     rows: Tensor  # [B * R] int64: physical row of each running row
@@ -164,6 +232,7 @@ class CapturedState:
     limit: int  # steps the search may run (slots are rounded up)
     shape: tuple[int, ...]  # (physical rows, padded width, slots): a compiled graph per span bucket each
     start: int  # input slots at the start (compaction stops at a quarter of them)
+    kept: Kept = field(repr=False)  # whose buffers ``inner`` and ``tokens`` are
 
 
 class CapturedBackend:
@@ -172,9 +241,15 @@ class CapturedBackend:
     the counts behind it."""
 
     def __init__(
-        self, backend: Any, compiler: Compiler = compile_decode, max_shapes: int | None = None
+        self,
+        backend: Any,
+        compiler: Compiler = compile_decode,
+        max_shapes: int | None = None,
+        keep_bytes: int | None = None,
     ) -> None:
-        """``max_shapes``: this instance's cap on compiled shapes (default ``MAX_SHAPES``)."""
+        """``max_shapes``: this instance's cap on compiled shapes (default ``MAX_SHAPES``). ``keep_bytes``: the
+        device bytes its kept states may hold with a batch's logits (default: the device's memory budget,
+        :func:`~seqgen_cli.batching.free_memory_budget`; on the CPU none)."""
         from torch._dynamo.utils import counters
 
         self.backend = backend
@@ -192,7 +267,15 @@ class CapturedBackend:
         self.compile_seconds = 0.0  # host seconds in each shape's compile + warm-up and recording calls
         self.steps = Counter({"captured": 0, "eager": 0})
         self._counters = counters  # torch's: counters["inductor"]["cudagraph_skips"]
-        self.tolerance = step_tolerance(next(backend.model.parameters()).dtype)
+        weight = next(backend.model.parameters())
+        self.tolerance = step_tolerance(weight.dtype)
+        self.device = weight.device
+        self.kept: dict[Key, Kept] = {}  # a static state per batch shape, for this instance's life
+        self.allocations: Counter[Key] = Counter()  # kept states allocated, per shape (a release frees one)
+        self.released = 0  # kept states released (room for another shape; out of memory)
+        self.keep_bytes = free_memory_budget(self.device) if keep_bytes is None else keep_bytes
+        self._uses = 0  # batches and compactions that took a kept state (its ``used`` stamp)
+        self._recordings: int | None = None  # cudagraph trees' recordings, read at each batch's start (CUDA)
 
     @property
     def path(self) -> str:
@@ -207,19 +290,29 @@ class CapturedBackend:
 
     def stats(self) -> dict[str, Any]:
         """For ``--stats``: shapes compiled (of at most ``max_shapes``; a shape is a batch shape and a span bucket),
-        the span buckets they reach, compile seconds, decode steps run captured and eagerly."""
-        return {
+        the span buckets they reach, compile seconds, decode steps run captured and eagerly; the kept states (batch
+        shapes held, their bytes, allocations and releases) and, on CUDA where torch tells, the CUDA graphs
+        recorded (this thread's, every compiled function's)."""
+        out = {
             "shapes_compiled": len(self.shapes),
             "max_shapes": self.max_shapes,
             "span_buckets": sorted({shape[-1] for shape in self.shapes}),
             "compile_seconds": round(self.compile_seconds, 1),
             "captured_steps": self.steps["captured"],
             "eager_steps": self.steps["eager"],
+            "kept_shapes": len(self.kept),
+            "kept_bytes": sum(kept.nbytes for kept in self.kept.values()),
+            "kept_allocations": sum(self.allocations.values()),
+            "kept_released": self.released,
         }
+        recordings = cuda_graph_recordings(self.device)
+        recordings = self._recordings if recordings is None else recordings
+        return out if recordings is None else out | {"cuda_graphs_recorded": recordings}
 
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int | None:
         """The wrapped backend's cache bytes for the batch :meth:`start` builds: inputs padded to a power of two,
-        the width to its bucket, the new-token slots to a multiple of ``shapes.SLOTS``."""
+        the width to its bucket, the new-token slots to a multiple of ``shapes.SLOTS``. What the batch's kept state
+        holds: kept states of other shapes are held beside it within ``keep_bytes``."""
         width = graph_width(width, self.max_position_embeddings)
         return self.backend.cache_bytes(graph_inputs(inputs), width, rows_per_input, graph_slots(new_tokens))
 
@@ -227,33 +320,114 @@ class CapturedBackend:
     def start(
         self, batch: Batch, rows_per_input: int, max_new_tokens: int
     ) -> tuple[CapturedState, Tensor | None]:
+        """The batch padded to its shape runs on the shape's kept state: the first batch of a shape allocates it
+        (the wrapped backend's ``start``), later ones refill it (its ``restart``: nothing allocated). One batch at
+        a time: an earlier batch of the shape that is still held cannot step on (its buffers are taken)."""
         b, s = batch.input_ids.shape
         r, slots = rows_per_input, graph_slots(max_new_tokens)
-        width = graph_width(s, self.max_position_embeddings)
-        padded = pad_batch(batch, graph_inputs(b), width, left=not self.is_encoder_decoder)
-        inner, first = self.backend.start(padded, r, slots)
-        inner.cache.make_static()  # span buckets: one shape per bucket, CPU or CUDA
-        mark_static(inner)
+        width, inputs = graph_width(s, self.max_position_embeddings), graph_inputs(b)
+        padded = pad_batch(batch, inputs, width, left=not self.is_encoder_decoder)
+        key = (inputs, r, width, slots)
+        kept = self.kept.get(key)
+        try:
+            if kept is None:
+                self._make_room(key, busy=())
+                inner, first = self.backend.start(padded, r, slots)
+                inner.cache.make_static()  # span buckets: one shape per bucket, CPU or CUDA
+                kept = self._keep(key, inner)
+            else:
+                first = self.backend.restart(kept.inner, padded)
+                kept.tokens.zero_()
+        except Exception as err:
+            if is_oom(err):  # the batch is split: its halves find the memory the kept states held
+                self._release(busy=())
+            raise
         device = batch.input_ids.device
         state = CapturedState(
-            inner,
+            kept.inner,
             r,
             inputs=torch.arange(b, device=device),
             rows=torch.arange(b * r, device=device),
-            tokens=torch.zeros(graph_inputs(b) * r, dtype=torch.long, device=device),
+            tokens=kept.tokens,
             limit=max(1, max_new_tokens),
-            shape=(graph_inputs(b) * r, width, slots),
-            start=graph_inputs(b),
+            shape=(inputs * r, width, slots),
+            start=inputs,
+            kept=kept,
         )
+        self._take(kept, state)
+        if self.shapes and self.device.type == "cuda":  # read here, on the thread that runs the graphs
+            self._recordings = cuda_graph_recordings(self.device)
         return state, None if first is None else first[:b]  # [B, V]
+
+    def _batch_bytes(self, key: Key) -> int:
+        """Device bytes a batch of shape ``key`` holds: its state (``cache_bytes``) and its logits rows."""
+        from seqgen_cli.generator import LOGIT_BYTES
+
+        inputs, r, width, slots = key
+        return self.backend.cache_bytes(inputs, width, r, slots) + inputs * r * self.vocab_size * LOGIT_BYTES
+
+    def _keep(self, key: Key, inner: Any) -> Kept:
+        """A newly allocated static state becomes the kept one of ``key``, its tensors static addresses."""
+        tokens = torch.zeros(key[0] * key[1], dtype=torch.long, device=self.device)
+        mark_static(inner)
+        torch._dynamo.mark_static_address(tokens)
+        kept = Kept(key, inner, tokens, held_bytes([*tensors_of(inner), tokens]))
+        self.kept[key] = kept
+        self.allocations[key] += 1
+        return kept
+
+    def _take(self, kept: Kept, state: CapturedState) -> None:
+        """``state`` runs on ``kept`` from now on (an earlier holder cannot step on)."""
+        self._uses += 1
+        kept.owner, kept.used = weakref.ref(state), self._uses
+
+    def _check(self, state: CapturedState) -> None:
+        """``state`` still holds its kept state (not taken by a later batch, nor released)."""
+        owner = state.kept.owner
+        if owner is None or owner() is not state:
+            raise RuntimeError(
+                f"the kept state of shape {state.kept.key} was taken by a later batch or released: "
+                "a CapturedBackend runs one batch at a time"
+            )
+
+    def _make_room(self, key: Key, busy: Iterable[Key]) -> None:
+        """Release kept states (least recently used first, never those of ``busy``) until they and a batch of
+        shape ``key`` (:meth:`_batch_bytes`) fit in ``keep_bytes``."""
+        if self.keep_bytes is None:
+            return
+        need, busy = self._batch_bytes(key), set(busy)
+        held = sum(kept.nbytes for kept in self.kept.values())
+        idle = sorted((k for k in self.kept.values() if k.key not in busy), key=lambda k: k.used)
+        for kept in idle:
+            if held + need <= self.keep_bytes:
+                break
+            self._drop_kept(kept)
+            held -= kept.nbytes
+
+    def _release(self, busy: Iterable[Key]) -> None:
+        """Release every kept state but those of ``busy`` (out of memory)."""
+        busy = set(busy)
+        for kept in [k for k in self.kept.values() if k.key not in busy]:
+            self._drop_kept(kept)
+
+    def _drop_kept(self, kept: Kept) -> None:
+        del self.kept[kept.key]
+        kept.owner = None  # a state still running on it fails its next call
+        self.released += 1
 
     @torch.inference_mode()
     def step(self, state: CapturedState, tokens: Tensor) -> Tensor:
         check_slot(state.inner.t, state.limit)
+        self._check(state)
         state.tokens.index_copy_(0, state.rows, tokens)
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
         span = span_bucket(state.inner.t, state.inner.cache.max_len)  # the slots this step attends
-        logits = static_step(self._decoder((*state.shape, span)), state.inner, state.tokens)  # [P * R, V]
+        try:
+            logits = static_step(self._decoder((*state.shape, span)), state.inner, state.tokens)  # [P * R, V]
+        except Exception as err:
+            if is_oom(err):  # the batch is split: its halves find the memory the kept states held
+                self._release(busy=())
+            raise
         return logits.index_select(0, state.rows)  # [N, V], a copy: the graph's output is overwritten
 
     def _decoder(self, shape: tuple[int, ...]) -> Decode:
@@ -345,6 +519,7 @@ class CapturedBackend:
         if not isinstance(state, CapturedState):
             self.backend.reorder(state, rows)
             return
+        self._check(state)
         n = state.tokens.shape[0]
         physical = torch.arange(n, device=rows.device).index_copy_(
             0, state.rows, state.rows.index_select(0, rows)
@@ -354,18 +529,34 @@ class CapturedBackend:
     @torch.inference_mode()
     def drop(self, state: CapturedState, keep: Tensor, rows: Tensor) -> None:
         """Finished inputs idle in their slots; the slots shrink (a new shape) only to a smaller power of two, at
-        most two halvings (:func:`~seqgen_cli.shapes.compacted`)."""
+        most two halvings (:func:`~seqgen_cli.shapes.compacted`): the running inputs are copied into the smaller
+        shape's kept state (allocated by the first compaction to it), and the larger one waits for the next batch
+        of its shape."""
         inputs, r = state.inputs.index_select(0, keep), state.rows_per_input  # [B']
         b = inputs.shape[0]
         slots = compacted(b, state.start)
         if slots * r == state.tokens.shape[0]:
             state.inputs, state.rows = inputs, state.rows.index_select(0, rows)
             return
+        self._check(state)
         kept = torch.cat([inputs, inputs[-1:].expand(slots - b)])  # [slots]: the last one again as padding
         kept_rows = (kept[:, None] * r + torch.arange(r, device=kept.device)).reshape(-1)  # [slots * R]
-        state.tokens = state.tokens.index_select(0, kept_rows)
-        self.backend.drop(state.inner, kept, kept_rows)
-        mark_static(state.inner)
+        key = (slots, *state.kept.key[1:])
+        target = self.kept.get(key)
+        try:
+            if target is None:
+                self._make_room(key, busy=[state.kept.key])
+                target = self._keep(key, self.backend.compact(state.inner, kept, kept_rows))
+            else:
+                self.backend.compact(state.inner, kept, kept_rows, into=target.inner)
+        except Exception as err:
+            if is_oom(err):
+                self._release(busy=())
+            raise
+        select_into(target.tokens, state.tokens, kept_rows)
+        state.kept.owner = None  # idle: the next batch of its shape takes it
+        self._take(target, state)
+        state.inner, state.tokens, state.kept = target.inner, target.tokens, target
         state.inputs = torch.arange(b, device=kept.device)
         state.rows = torch.arange(b * r, device=kept.device)
         state.shape = (slots * r, *state.shape[1:])

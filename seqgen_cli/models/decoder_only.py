@@ -22,6 +22,7 @@ from seqgen_cli.models.kv_cache import (
     kv_bytes,
     lane_step,
     pointer_bytes,
+    select_into,
     static_step,
 )
 from seqgen_cli.models.linear_maps import dense
@@ -100,8 +101,7 @@ class DecoderOnlyBackend:
         pk, pv, logits = self._prefill(batch)
         mask = batch.attention_mask
         cache = DecoderOnlyKVCache(pk, pv, mask, rows_per_input, max_new_tokens)
-        b, r = mask.shape[0], rows_per_input
-        pos = mask.long().sum(-1)[:, None].expand(b, r).reshape(b * r)  # [B] -> [B, R] -> [N]
+        pos = mask.long().sum(-1).repeat_interleave(rows_per_input)  # [B] -> [N], own storage (refilled)
         return DecoderOnlyState(cache, pos), logits
 
     @torch.inference_mode()
@@ -117,6 +117,41 @@ class DecoderOnlyBackend:
     def drop(self, state: DecoderOnlyState, keep: Tensor, rows: Tensor) -> None:
         state.cache.keep(keep, rows, used=state.t)
         state.start_pos = state.start_pos.index_select(0, rows)
+
+    # -- kept states (models/capture.py: one per captured batch shape, for the backend's life) --------------------
+    @torch.inference_mode()
+    def restart(self, state: DecoderOnlyState, batch: Batch) -> Tensor:
+        """The static ``state`` of an earlier batch of this shape (inputs, width; rows per input and slots are the
+        state's) takes ``batch`` ([B, P] left-padded) as :meth:`start` would, in place: the prefill's K/V and mask
+        are copied into its tensors, the generated slots restart (zeros, slot 0). Returns the last-position logits
+        [B, V]."""
+        check_batch(batch)
+        b, p = batch.input_ids.shape
+        held = (state.cache.prompt_bias.shape[0], state.cache.prompt_bias.shape[-1])
+        if (b, p) != held:
+            raise ValueError(f"a batch of {b} x {p} cannot restart a state of {held[0]} x {held[1]} prompts")
+        pk, pv, logits = self._prefill(batch)
+        mask = batch.attention_mask
+        state.cache.restart(pk, pv, mask)
+        r = state.start_pos.shape[0] // b
+        state.start_pos.copy_(mask.long().sum(-1).repeat_interleave(r))  # [B] -> [N]
+        state.t = 0
+        return logits
+
+    @torch.inference_mode()
+    def compact(
+        self, state: DecoderOnlyState, keep: Tensor, rows: Tensor, into: DecoderOnlyState | None = None
+    ) -> DecoderOnlyState:
+        """Inputs ``keep`` ([B'] int64), i.e. rows ``rows`` ([B' * R]), of the static ``state`` in ``into`` (a kept
+        state of B' inputs, same width and slots; a new one if ``None``): the prompts' K/V and mask, the generated
+        slots written so far, back-pointers, positions, the step. ``state`` is left as it is."""
+        if into is None:
+            positions = state.start_pos.new_zeros(rows.shape[0])
+            into = DecoderOnlyState(state.cache.empty(keep.shape[0]), positions)
+        state.cache.keep_into(into.cache, keep, rows, used=state.t)
+        select_into(into.start_pos, state.start_pos, rows)
+        into.t = state.t
+        return into
 
     # -- the refill engine's lanes (search/refill.py) ----------------------------------------------------------
     @torch.inference_mode()

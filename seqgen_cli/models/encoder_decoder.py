@@ -13,7 +13,7 @@ BART backend rebuilds it with ``final_logits_bias`` folded in).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from seqgen_cli.models.kv_cache import (
     kv_bytes,
     lane_step,
     pointer_bytes,
+    select_into,
     static_step,
 )
 from seqgen_cli.models.linear_maps import linear
@@ -96,16 +97,17 @@ class EncoderDecoderBackend:
         """tokens [N] -> logits [N, V] (float32)."""
         return static_step(self.decode, state, tokens)
 
-    def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, H, d, S], [B, H, S, d])."""
+    def _cross_views(self, hidden: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cross-attention keys (transposed) and values in turn, as views of its K|V projection:
+        [B, S, D] -> ([B, H, d, S], [B, H, S, d])."""
         b, s, _ = hidden.shape
-        out = []
         for lay in self.dec_layers:
             kv = lay.ckv(hidden).view(b, s, 2, self.heads, self.head_dim)  # [B, S, 2, H, d]
-            out.append(
-                (kv[:, :, 0].permute(0, 2, 3, 1).contiguous(), kv[:, :, 1].transpose(1, 2).contiguous())
-            )
-        return out
+            yield kv[:, :, 0].permute(0, 2, 3, 1), kv[:, :, 1].transpose(1, 2)
+
+    def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, H, d, S], [B, H, S, d])."""
+        return [(k.contiguous(), v.contiguous()) for k, v in self._cross_views(hidden)]
 
     @torch.inference_mode()
     def start(
@@ -134,6 +136,54 @@ class EncoderDecoderBackend:
             max_len=max_len,
         )
         return state, None
+
+    # -- kept states (models/capture.py: one per captured batch shape, for the backend's life) --------------------
+    @torch.inference_mode()
+    def restart(self, state: EncoderDecoderState, batch: Batch) -> None:
+        """The static ``state`` of an earlier batch of this shape (inputs, width; rows per input and slots are the
+        state's) takes ``batch`` as :meth:`start` would, in place: the encoder's cross-attention K/V and the mask
+        are copied into its tensors, the self-attention cache restarts (zeros, slot 0). T5's position bias depends
+        on the slots only and stays. No first logits (``None``), as :meth:`start`."""
+        b, s = batch.input_ids.shape
+        held = (state.cross_mask.shape[0], state.cross_mask.shape[-1])
+        if (b, s) != held:
+            raise ValueError(f"a batch of {b} x {s} cannot restart a state of {held[0]} x {held[1]} sources")
+        enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
+        for i, (k, v) in enumerate(self._cross_views(enc.last_hidden_state)):
+            state.cross_k[i].copy_(k)  # [B, H, d, S]
+            state.cross_v[i].copy_(v)  # [B, H, S, d]
+        mask = torch.where(batch.attention_mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
+        state.cross_mask.copy_(mask)
+        state.cache.reset()
+        state.t = 0
+
+    @torch.inference_mode()
+    def compact(
+        self,
+        state: EncoderDecoderState,
+        keep: torch.Tensor,
+        rows: torch.Tensor,
+        into: EncoderDecoderState | None = None,
+    ) -> EncoderDecoderState:
+        """Inputs ``keep`` ([B'] int64), i.e. rows ``rows`` ([B' * R]), of the static ``state`` in ``into`` (a kept
+        state of B' inputs, same width and slots; a new one if ``None``): cross-attention K/V and mask, the
+        self-attention slots written so far, back-pointers, the step. ``state`` is left as it is."""
+        if into is None:
+            b = keep.shape[0]
+            into = EncoderDecoderState(
+                cross_k=[k.new_zeros((b, *k.shape[1:])) for k in state.cross_k],
+                cross_v=[v.new_zeros((b, *v.shape[1:])) for v in state.cross_v],
+                cross_mask=state.cross_mask.new_zeros((b, *state.cross_mask.shape[1:])),
+                cache=state.cache.empty(b),
+                max_len=state.max_len,
+                self_bias=state.self_bias,  # [1, H, T, T]: the slots' only, shared
+            )
+        for dst, src in zip(into.cross_k + into.cross_v, state.cross_k + state.cross_v, strict=True):
+            select_into(dst, src, keep)
+        select_into(into.cross_mask, state.cross_mask, keep)
+        state.cache.keep_into(into.cache, keep, rows, used=state.t)
+        into.t = state.t
+        return into
 
     # -- the refill engine's lanes (search/refill.py) ----------------------------------------------------------
     @torch.inference_mode()

@@ -15,9 +15,10 @@ changes per step reaches the step's tensor work, so it can be compiled or captur
 and a step reads at most twice the slots written. Otherwise (every eager step, CPU or CUDA) it attends over the
 ``t + 1`` slots written so far (``span``, set by the host-side :meth:`check`), cheaper than all ``T`` slots
 (docs/BENCHMARKS.md, "Static vs dynamic step on the CPU"). Reordering is in place; only ``keep`` (inputs
-leaving) reallocates, copying only the slots written so far. On the static path unwritten slots are zeros
-(masked keys must still be finite: ``nan - inf`` is ``nan``); off it they are never read, so they are
-allocated empty.
+leaving) reallocates, copying only the slots written so far. The capture path keeps its static caches for later
+batches (``models/capture.py``): ``reset`` restarts one in place, ``keep_into`` copies what ``keep`` keeps into
+another one's tensors, ``empty`` allocates one. On the static path unwritten slots are zeros (masked keys must
+still be finite: ``nan - inf`` is ``nan``); off it they are never read, so they are allocated empty.
 
 Every layer has its own K and V tensors. Under ``torch.compile`` a write through a view of one tensor holding
 all layers is functionalized into a copy of that whole tensor per write (``index_put`` + ``select_scatter`` +
@@ -104,10 +105,24 @@ def keep_slots(cache: Tensor, inputs: Tensor, dim: int, used: int, zero: bool) -
     """``cache`` [B, ...] for inputs ``inputs`` ([B'] int64) only: a new tensor [B', ...] holding the ``used``
     slots written so far (along ``dim``); the unwritten ones are zeros if ``zero`` (static step), else unset."""
     new = cache.new_empty((inputs.shape[0], *cache.shape[1:]))
-    new.narrow(dim, 0, used).copy_(cache.narrow(dim, 0, used).index_select(0, inputs))
-    if zero:
-        new.narrow(dim, used, cache.shape[dim] - used).zero_()
+    copy_slots(new, cache, inputs, dim, used, zero)
     return new
+
+
+def copy_slots(dst: Tensor, src: Tensor, inputs: Tensor, dim: int, used: int, zero: bool = True) -> None:
+    """``dst`` [B', ...] (a kept buffer, written in place) := inputs ``inputs`` ([B'] int64) of ``src`` [B, ...]:
+    the ``used`` slots written so far (along ``dim``); the rest zeros if ``zero``, else left as they are."""
+    dst.narrow(dim, 0, used).copy_(src.narrow(dim, 0, used).index_select(0, inputs))
+    if zero:
+        dst.narrow(dim, used, src.shape[dim] - used).zero_()
+
+
+def select_into(dst: Tensor, src: Tensor, index: Tensor) -> None:
+    """``dst := src.index_select(0, index)``, in ``dst``'s own storage (a kept buffer keeps its address)."""
+    if dst.is_contiguous():
+        torch.index_select(src, 0, index, out=dst)
+    else:
+        dst.copy_(src.index_select(0, index))
 
 
 def write_slot(cache: Tensor, dim: int, new: Tensor, slot: Tensor, at: int | None) -> None:
@@ -139,6 +154,8 @@ class GeneratedSlots:
     static: bool  # attend the t+1 slots written so far; all T after make_static() (capture)
     max_len: int
     span: int  # slots this step attends (host int; a span bucket if static)
+    ptrs: BackPointers
+    slot: Tensor  # [1] int64: the slot this step writes
 
     def buffers(self) -> list[Tensor]:
         """The per-layer generated K/V tensors."""
@@ -151,6 +168,15 @@ class GeneratedSlots:
             for x in self.buffers():
                 x.zero_()
             self.static = True
+
+    def reset(self) -> None:
+        """A kept static cache (``models/capture.py``) takes a new batch, as a new cache would start: every slot
+        unwritten (zeros), back-pointers cleared, the next step writes slot 0. In place: no tensor is allocated."""
+        for x in self.buffers():
+            x.zero_()
+        self.ptrs.ptr.zero_()
+        self.slot.zero_()
+        self.span = self.max_len
 
     def check(self, t: int) -> None:
         """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
@@ -231,6 +257,23 @@ class EncoderDecoderKVCache(GeneratedSlots):
             for i, x in enumerate(cache):
                 cache[i] = keep_slots(x, inputs, 2, used, self.static)
         self.ptrs.keep(rows)
+
+    def keep_into(self, into: EncoderDecoderKVCache, inputs: Tensor, rows: Tensor, used: int) -> None:
+        """:meth:`keep` into the kept static cache ``into`` (``inputs.shape[0]`` inputs, same slots): the ``used``
+        slots written so far, the rest zeros, the back-pointers and the slot counter; ``self`` is left as it is."""
+        for dst, src in zip(into.k + into.v, self.k + self.v, strict=True):
+            copy_slots(dst, src, inputs, 2, used)
+        select_into(into.ptrs.ptr, self.ptrs.ptr, rows)
+        into.slot.copy_(self.slot)
+
+    def empty(self, inputs: int) -> EncoderDecoderKVCache:
+        """A static cache like this one for ``inputs`` inputs: zeros (what :meth:`keep_into` fills)."""
+        k = self.k[0]
+        cache = EncoderDecoderKVCache(
+            len(self.k), inputs, self.r, self.heads, self.max_len, self.head_dim, k.dtype, k.device
+        )
+        cache.make_static()
+        return cache
 
     @property
     def nbytes(self) -> int:
@@ -384,6 +427,22 @@ class DecoderOnlyKVCache(GeneratedSlots):
     def buffers(self) -> list[Tensor]:
         return self.gk + self.gv
 
+    def make_static(self) -> None:
+        """As :meth:`GeneratedSlots.make_static`; the prompt's values get storage of their own too (the prefill's
+        are views of its projection's output, which they would keep alive: a kept cache lives on)."""
+        super().make_static()
+        self.pv = [v.contiguous() for v in self.pv]
+
+    def restart(self, pk: list[Tensor], pv: list[Tensor], mask: Tensor) -> None:
+        """A kept static cache (``models/capture.py``) takes a new batch's prefill (K/V [B, Hkv, P, d] per layer, mask
+        [B, P]: this cache's shape) as a new cache would, copied into its tensors; the generated slots restart."""
+        for i, (k, v) in enumerate(zip(pk, pv, strict=True)):
+            self.pk[i].copy_(k.transpose(-1, -2))  # [B, Hkv, d, P]
+            self.pv[i].copy_(v)  # [B, Hkv, P, d]
+        bias = torch.zeros(mask.shape, device=mask.device, dtype=torch.float32)
+        self.prompt_bias.copy_(bias.masked_fill(mask == 0, float("-inf"))[:, None, None, :])  # [B, 1, 1, P]
+        self.reset()
+
     def begin(self) -> None:
         """A step starts: build the generated-slot bias once for all layers."""
         r, span = self.r, self.span
@@ -438,6 +497,29 @@ class DecoderOnlyKVCache(GeneratedSlots):
             self.gv[i] = keep_slots(self.gv[i], inputs, 2, used, self.static)
         self.prompt_bias = self.prompt_bias.index_select(0, inputs)
         self.ptrs.keep(rows)
+
+    def keep_into(self, into: DecoderOnlyKVCache, inputs: Tensor, rows: Tensor, used: int) -> None:
+        """:meth:`keep` into the kept static cache ``into`` (``inputs.shape[0]`` inputs, same width and slots): the
+        prompts, the ``used`` generated slots (the rest zeros), the back-pointers and the slot counter; ``self`` is
+        left as it is."""
+        for i in range(len(self.pk)):
+            select_into(into.pk[i], self.pk[i], inputs)
+            select_into(into.pv[i], self.pv[i], inputs)
+            copy_slots(into.gk[i], self.gk[i], inputs, 3, used)
+            copy_slots(into.gv[i], self.gv[i], inputs, 2, used)
+        select_into(into.prompt_bias, self.prompt_bias, inputs)
+        select_into(into.ptrs.ptr, self.ptrs.ptr, rows)
+        into.slot.copy_(self.slot)
+
+    def empty(self, inputs: int) -> DecoderOnlyKVCache:
+        """A static cache like this one for ``inputs`` inputs: zeros, prompts all masked (what :meth:`keep_into`
+        fills)."""
+        _, hkv, d, width = self.pk[0].shape
+        kv = [self.pv[0].new_zeros(inputs, hkv, width, d) for _ in self.pk]
+        mask = torch.zeros(inputs, width, dtype=torch.long, device=self.pv[0].device)
+        cache = DecoderOnlyKVCache(kv, [x.clone() for x in kv], mask, self.r, self.max_len)
+        cache.make_static()
+        return cache
 
     @property
     def nbytes(self) -> int:
