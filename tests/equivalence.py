@@ -76,7 +76,7 @@ def check_equivalence(
     """Run seqgen (via ``backend_factory(model)``) and ``model.generate()`` on ``batch``; compare tokens.
 
     The model runs in float32 unless ``keep_dtype``. ``engine(backend, batch, config)``: seqgen's entry point
-    (default :func:`seqgen_cli.search.generate`; the refill engine in tests/test_slots.py).
+    (default :func:`seqgen_cli.search.generate`; the refill engine in tests/test_refill.py).
     """
     model = (model if keep_dtype else model.float()).eval()
     config = resolve_generation_config(model.generation_config, None, kwargs)
