@@ -3,8 +3,8 @@
 The workload: a checkpoint (a random-weight shape of ``make_bench_models.py``) with an EOS bias written into
 ``final_logits_bias``, bisected so that greedy outputs average ``--mean-length`` new tokens: random weights then
 stop at a roughly geometric spread of lengths (reported: the output tokens per input of the ``--no-refill`` run).
-Decode steps and slot occupancy (live rows / rows a full batch runs) of both engines come from one extra
-in-process run each (``--no-refill``: its backend's steps counted). See docs/BENCHMARKS.md ("Refill: slots that
+Decode steps and lane occupancy (live rows / rows a full batch runs) of both engines come from one extra
+in-process run each (``--no-refill``: its backend's steps counted). See docs/BENCHMARKS.md ("Refill: lanes that
 stay full"). From the repository root::
 
     python scripts/bench_refill.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \\
