@@ -29,6 +29,9 @@ from seqgen_cli.shapes import input_width
 MIN_WINDOW = 2048
 CHUNK_SIZE = 256  # inputs tokenised by one call (Generator.generate_iterable, the pipeline's reader)
 DEFAULT_BATCH_SIZE = 32  # inputs per batch (--batch-size); with --refill, lanes
+LOGIT_BYTES = (
+    3 * 4
+)  # per row and vocabulary entry while a step is searched: logits, log-probs, scores (float32)
 
 
 @dataclass

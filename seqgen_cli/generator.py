@@ -23,6 +23,7 @@ import torch
 
 from seqgen_cli.batching import (
     DEFAULT_BATCH_SIZE,
+    LOGIT_BYTES,
     Batcher,
     Chunk,
     Encoded,
@@ -44,8 +45,6 @@ from seqgen_cli.search.refill import RefillStats
 from seqgen_cli.shapes import graph_width, input_width
 
 BACKENDS = ("auto", "fast", "hf")
-# per row and vocabulary entry while a step is searched: logits, log-probs and scores (float32)
-LOGIT_BYTES = 3 * 4
 
 
 class Generator:

@@ -361,7 +361,7 @@ class CapturedBackend:
 
     def _batch_bytes(self, key: Key) -> int:
         """Device bytes a batch of shape ``key`` holds: its state (``cache_bytes``) and its logits rows."""
-        from seqgen_cli.generator import LOGIT_BYTES
+        from seqgen_cli.batching import LOGIT_BYTES
 
         inputs, r, width, slots = key
         return self.backend.cache_bytes(inputs, width, r, slots) + inputs * r * self.vocab_size * LOGIT_BYTES

@@ -17,7 +17,7 @@ the tensors change together in one ``os.replace``. No pickle.
 
 **Key** (the file's name is a hash of it): the checkpoint folder's weight files (name, size and ``st_mtime_ns``
 of every ``*.safetensors``, ``*.bin``, ... and their index files) plus the bytes of ``config.json``; the weight
-scheme (observer, dtype, qscheme, range, from :func:`~seqgen_cli.models.linear_maps.int8_scheme`); torch's
+scheme (observer, dtype, qscheme, range, from :func:`int8_scheme`); torch's
 version; the CPU capability torch dispatches to (AVX2, AVX512, ...: quantized values are computed by vectorised
 kernels, and a cache folder may be shared between machines) and the quantized engine. File metadata, not a
 hash of the weight files' bytes: that would read the whole checkpoint again (GBs for large models) on every start,
@@ -120,10 +120,24 @@ def checkpoint_key(folder: Path) -> dict[str, Any] | None:
     return {"files": files, "config": config_hash} if files else None
 
 
+def int8_scheme() -> str:
+    """The weight quantization ``linear_maps.quantize_weight`` applies (torch's per-channel dynamic qconfig), in
+    words (part of the key)."""
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        obs = per_channel_dynamic_qconfig.weight()
+    return (
+        f"{type(obs).__name__} {obs.dtype} {obs.qscheme} axis {obs.ch_axis} range {obs.quant_min}..{obs.quant_max}"
+        f" reduce_range {obs.reduce_range} eps {float(obs.eps)}"
+    )
+
+
 def cache_key(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """The whole key: the checkpoint's, the weight scheme, torch's version, the CPU capability and engine."""
-    from seqgen_cli.models.linear_maps import int8_scheme
-
     return {
         "format": FORMAT,
         "checkpoint": checkpoint,

@@ -127,18 +127,6 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) 
 
 
 @cache
-def int8_scheme() -> str:
-    """The weight quantization :func:`quantize_weight` applies, in words (part of the disk cache's key)."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig
-
-    with _quiet():
-        obs = per_channel_dynamic_qconfig.weight()
-    return (
-        f"{type(obs).__name__} {obs.dtype} {obs.qscheme} axis {obs.ch_axis} range {obs.quant_min}..{obs.quant_max}"
-        f" reduce_range {obs.reduce_range} eps {float(obs.eps)}"
-    )
-
-
 def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [O, I] as a per-channel qint8 tensor (one scale per output row), exactly as torch's
     ``DynamicLinear.from_float`` quantizes it under ``per_channel_dynamic_qconfig``."""
