@@ -253,8 +253,8 @@ def test_an_oom_on_a_replay_is_raised_and_the_shape_stays_captured(tiny_models) 
 
 
 def test_inductor_skipping_cuda_graphs_is_read_from_its_counter(tiny_models) -> None:
-    """Inductor may run a compiled graph without CUDA graphs (``cudagraph_skips``, on a recording or later):
-    the step path must not say captured then."""
+    """Inductor may run a compiled graph without CUDA graphs (``cudagraph_skips``, on a recording or later): that
+    shape runs eagerly from then on, and the step path says so."""
     loaded = load(tiny_models("bart"))
 
     def skipping(decode: Decode) -> Decode:
@@ -271,8 +271,31 @@ def test_inductor_skipping_cuda_graphs_is_read_from_its_counter(tiny_models) -> 
 
     backend = CapturedBackend(get_backend(loaded.model), skipping)
     assert run_beam(backend, loaded) == run_beam(get_backend(loaded.model), loaded)
-    assert backend.path == "captured, then eager (inductor skipped CUDA graphs: cudagraph_skips)"
-    assert backend.steps["captured"] == 1 and backend.compiled is None
+    assert backend.path == "captured (1 eager: inductor skipped CUDA graphs)"  # later shapes: another count
+    assert len(backend.skipped_shapes) == 1 and backend.steps["eager"] > 0
+
+
+def test_a_cuda_graph_skip_turns_only_its_shape_eager(tiny_models) -> None:
+    """``cudagraph_skips`` is one counter for the process: a rise during one shape's call is that shape's, and the
+    other shapes keep their graphs."""
+    loaded = load(tiny_models("bart"))
+    small = text_batch(loaded, 2, seed=8)  # 2 inputs: 2 x 3 rows, another shape than 5 inputs' 8 x 3
+
+    def skipping_small(decode: Decode) -> Decode:
+        def run(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+            if tokens.shape[0] == 2 * 3:
+                counters["inductor"]["cudagraph_skips"] += 1
+            return decode(state, tokens)
+
+        return run
+
+    backend = CapturedBackend(get_backend(loaded.model), skipping_small)
+    plain = get_backend(loaded.model)
+    assert run_beam(backend, loaded) == run_beam(plain, loaded)
+    assert run_beam(backend, loaded, small) == run_beam(plain, loaded, small)
+    assert run_beam(backend, loaded) == run_beam(plain, loaded)  # the first shape: still captured
+    assert len(backend.skipped_shapes) == 1 and backend.shapes and backend.compiled is not None
+    assert backend.path == "captured (1 eager: inductor skipped CUDA graphs)"
 
 
 @pytest.mark.slow

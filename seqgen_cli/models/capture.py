@@ -85,6 +85,7 @@ from seqgen_cli.shapes import compacted, graph_inputs, graph_slots, graph_width,
 Compiler = Callable[[Decode], Decode]
 
 MAX_SHAPES = 48  # shapes (batch shape x span bucket) one CapturedBackend compiles at most; then eager
+SKIPPED = "inductor skipped CUDA graphs: cudagraph_skips"  # a shape's calls raised inductor's counter
 SETTLING_CALLS = 3  # a shape's first calls: compile + warm-up, CUDA graph recording, first replay
 
 
@@ -263,6 +264,7 @@ class CapturedBackend:
         self.calls: Counter[tuple[int, ...]] = Counter()  # compiled calls per shape
         self.oom_shapes: set[tuple[int, ...]] = set()  # out of memory while compiling or recording: eager
         self.failure: str | None = None  # why compiled calls stopped
+        self.skipped_shapes: set[tuple[int, ...]] = set()  # inductor ran them without CUDA graphs: eager
         self.capped = False  # a shape beyond max_shapes ran eagerly
         self.compile_seconds = 0.0  # host seconds in each shape's compile + warm-up and recording calls
         self.steps = Counter({"captured": 0, "eager": 0})
@@ -281,9 +283,16 @@ class CapturedBackend:
     def path(self) -> str:
         """``captured``; ``captured (<notes>)`` where some shapes ran eagerly; ``eager (<reason>)`` after a
         failure before any captured step, ``captured, then eager (<reason>)`` after one."""
-        if self.failure is not None:
-            return f"{'captured, then ' if self.steps['captured'] else ''}eager ({self.failure})"
+        failure = self.failure
+        if (
+            failure is None and self.skipped_shapes and not self.shapes
+        ):  # every shape skipped: eager as a whole
+            failure = SKIPPED
+        if failure is not None:
+            return f"{'captured, then ' if self.steps['captured'] else ''}eager ({failure})"
         notes = [f"{self.max_shapes} shapes; eager beyond"] if self.capped else []
+        if self.skipped_shapes:
+            notes.append(f"{len(self.skipped_shapes)} eager: inductor skipped CUDA graphs")
         if self.oom_shapes:
             notes.append(f"{len(self.oom_shapes)} eager: out of memory while compiling")
         return "captured" + (f" ({'; '.join(notes)})" if notes else "")
@@ -433,7 +442,7 @@ class CapturedBackend:
     def _decoder(self, shape: tuple[int, ...]) -> Decode:
         """The guarded compiled ``decode`` for ``shape``; the eager one after a failure, for a shape that ran
         out of memory while compiling, and for new shapes once ``max_shapes`` are compiled."""
-        if self.compiled is None or shape in self.oom_shapes:
+        if self.compiled is None or shape in self.oom_shapes or shape in self.skipped_shapes:
             return self._eager
         if shape not in self.shapes and len(self.shapes) >= self.max_shapes:
             self.capped = True
@@ -466,8 +475,12 @@ class CapturedBackend:
             failure = None
         if call < SETTLING_CALLS - 1:
             self.compile_seconds += time.perf_counter() - t0
-        if failure is None and self._skips() > skips:  # inductor ran it without CUDA graphs (and goes on so)
-            failure = "inductor skipped CUDA graphs: cudagraph_skips"
+        if (
+            failure is None and self._skips() > skips
+        ):  # inductor ran this shape without CUDA graphs (and goes on
+            self.skipped_shapes.add(shape)  # so): this shape eager from now on, the others as they were
+            self.shapes.discard(shape)
+            return self._eager(state, tokens)
         if failure is not None:
             return self._fall_back(failure, state, tokens)
         if call == SETTLING_CALLS - 1:  # the shape's first replay: checked once against the eager step
