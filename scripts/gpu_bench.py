@@ -11,6 +11,8 @@ this). Sections, each written to ``--out`` as soon as it is done (``results.json
   exactly 142 new tokens; per dtype and batch size seqgen vs ``generate()``: samples/s, tokens/s, peak memory,
   agreement with float32; on CUDA also seqgen with the decode step captured (CUDA graphs) vs eager, its first
   run (compile and recording) timed on its own, with the capture counts (shapes, compile seconds, steps);
+* ``long``: one captured float16 backend over 100 batches of 16 (bart-large-cnn shape, 48 new tokens): seconds
+  per batch, the first 10 against the last 10, CUDA graphs recorded; then the captured path's synchronising calls;
 * ``gpt2``: GPT-2 shape, 512-token prompts (the same articles), beam 4, 128 new tokens, same measures;
 * ``refill``: ``Generator(refill=True)`` vs ``refill=False`` in process on the ``bart`` stage's model with an EOS
   bias bisected into ``final_logits_bias`` (greedy mean 90 tokens: outputs spread over lengths), the
@@ -62,13 +64,14 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _common import STAGED, find_shared, read_sources  # noqa: E402
 from gpu_stages.base import Budget, batch_plan  # noqa: E402
 from gpu_stages.checks import section_cli, section_env, section_equiv, section_sync  # noqa: E402
+from gpu_stages.long import section_long  # noqa: E402
 from gpu_stages.refill import refill_md, section_refill  # noqa: E402
 from gpu_stages.tables import SHAPES, section_table, table_md  # noqa: E402
 from make_bench_models import build  # noqa: E402
 
 STAGE_FILES = ("tokenizers/bart-large-cnn", "tokenizers/gpt2", "data/cnndm/fastseq128/cnndm_128.txt")
 SOURCES = "data/cnndm/fastseq128/cnndm_128.txt"  # FastSeq's 128 CNN/DM test articles
-SECTIONS = ("env", "equiv", "sync", "bart", "gpt2", "refill", "cli")
+SECTIONS = ("env", "equiv", "sync", "bart", "long", "gpt2", "refill", "cli")
 TABLES = {  # section: its heading and how its rows are shown
     "bart": ("bart-large-cnn shape", table_md),
     "gpt2": ("GPT-2 shape", table_md),
@@ -223,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
             report.add("equiv", *section_equiv(device, quick, models, texts))
         elif stage == "sync":
             report.add("sync", *section_sync(device, models["bart"], texts, quick))
+        elif stage == "long":
+            report.add("long", *section_long(models["bart"], texts, device, quick, budget))
         elif stage == "cli":
             report.add("cli", *section_cli(device, models["bart"], texts, args.out, quick))
         elif stage == "refill":

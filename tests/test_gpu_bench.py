@@ -99,6 +99,9 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
             assert r["seqgen_samples_per_s"] > 0 and r["generate_tokens_per_s"] > 0
             assert 0 <= r["same_as_float32"] <= 1 and 0 <= r["same_as_generate"] <= 1
             assert r["step_path"] == "eager (cpu: no CUDA graphs)" and "captured_first_s" not in r
+    long = results["long"]  # 6 batches of 2 through one backend: every batch timed, no recordings on the CPU
+    assert long["batches"] == len(long["batch_seconds"]) == 6 and long["recordings_at_end"] is None
+    assert long["step_path"] == "eager (cpu: no CUDA graphs)" and "sync" not in long
     refill = results["refill"]
     assert {(r["dtype"], r["batch"]) for r in refill["rows"]} == {
         (d, b) for d in ("float16", "bfloat16") for b in (2, 4)
