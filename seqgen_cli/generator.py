@@ -7,6 +7,7 @@ Three layers, as CTranslate2's ``translate_batch`` / ``translate_iterable`` / ``
 ``generate_ids(batch)`` runs one batch of token ids; ``generate_iterable(texts)`` streams any number of
 texts through length-sorted, token-budget batches (``seqgen_cli.batching``) with out-of-memory splitting;
 the file pipeline (``seqgen_cli.pipeline``) adds reader and writer threads, input order and resume on top.
+Both run their batches through ``generate_batches``, the one generate loop.
 
 Backends: ``hf`` is plain transformers ``generate()`` (the reference); ``fast`` is seqgen's own
 decoding engine over the model (per-family fast decoders where they exist, a generic one otherwise);
@@ -15,6 +16,7 @@ decoding engine over the model (per-family fast decoders where they exist, a gen
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +31,9 @@ from seqgen_cli.batching import (
     Encoded,
     InOrder,
     Item,
+    ItemBatch,
     MemoryLimit,
+    Result,
     default_window,
     free_memory_budget,
     generate_split,
@@ -45,6 +49,19 @@ from seqgen_cli.search.refill import RefillStats
 from seqgen_cli.shapes import graph_width, input_width
 
 BACKENDS = ("auto", "fast", "hf")
+
+# a batch's inputs -> (those whose outputs the caller has: not generated; the rest)
+Known = Callable[[list[Item]], tuple[list[Item], list[Item]]]
+
+
+@dataclass
+class BatchResults:
+    """One batch through :meth:`Generator.generate_batches`."""
+
+    batch: ItemBatch
+    results: list[Result]  # of the inputs generated, in the batch's order (an error: failed alone)
+    known: list[Item]  # the inputs ``known`` answered: not generated
+    seconds: float  # spent generating
 
 
 class Generator:
@@ -92,14 +109,9 @@ class Generator:
         self.seed = seed
         if seed is not None:
             torch.manual_seed(seed)
-        self.backend, self.fallback = choose_backend(
-            backend, self.config
-        )  # fallback: why auto runs generate()
+        self.backend, self.fallback = choose_backend(backend, self.config)  # fallback: why auto picks hf
         self.capture = capture
-        self.lanes, self.lane_tokens = (
-            lanes,
-            lane_tokens,
-        )  # refill: input lanes, padded tokens x rows over them
+        self.lanes, self.lane_tokens = lanes, lane_tokens  # refill: input lanes, padded tokens x rows
         self.refill_stats = RefillStats()
         self._model_backend = None  # the engine's model backend, built on first use (int8: now)
         self._step_path = ""  # how the engine runs its decode step (see step_path)
@@ -248,21 +260,16 @@ class Generator:
             return []
         if any(len(ids) == 0 for ids in batch):
             raise SeqgenError("cannot generate from an empty token sequence")
-        input_ids, mask = self.pad(batch)
-        if self.backend == "fast":
-            return self._generate_fast(input_ids, mask, indices)
-        return self._generate_hf(input_ids, mask)
-
-    def _generate_fast(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, indices: Sequence[int] | None
-    ) -> list[list[list[int]]]:
+        from seqgen_cli.models.reference import hf_generate
         from seqgen_cli.search import generate
         from seqgen_cli.search.protocol import Batch
 
+        padded = Batch(*self.pad(batch))
+        if self.backend != "fast":
+            return hf_generate(self.model, padded, self.config, scores=False)[0]
         if self.refill:
-            return self._generate_refill(Batch(input_ids, mask), indices)
-        batch = Batch(input_ids, mask)
-        return generate(self._engine(), batch, self.config, seed=self.seed, indices=indices).sequences
+            return self._generate_refill(padded, indices)
+        return generate(self._engine(), padded, self.config, seed=self.seed, indices=indices).sequences
 
     def _generate_refill(self, batch: Any, indices: Sequence[int] | None) -> list[list[list[int]]]:
         """The refill engine over ``self.lanes`` lanes (fewer where ``lane_tokens`` cannot hold them at the
@@ -283,12 +290,6 @@ class Generator:
             widths=widths,
         )  # fmt: skip
         return out.sequences
-
-    def _generate_hf(self, input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
-        from seqgen_cli.models.reference import hf_generate
-        from seqgen_cli.search.protocol import Batch
-
-        return hf_generate(self.model, Batch(input_ids, mask), self.config, scores=False)[0]
 
     def generate_iterable(
         self,
@@ -315,13 +316,27 @@ class Generator:
 
         chunks = text_chunks(texts, self.encode)
         batcher = self.batcher(chunks, passthrough, batch_size, batch_tokens, sort_window, early)
-        for batch in batcher:
-            for result in generate_split(self, batch.items):
+        for done in self.generate_batches(batcher):
+            for result in done.results:
                 if result.error is not None:
                     raise SeqgenError(result.error)
                 order.add(result.item.index, self.decode(result.sequences))
             yield from order.ready()
         yield from order.ready()  # empty inputs after the last batch
+
+    def generate_batches(
+        self, batches: Iterable[ItemBatch], known: Known | None = None
+    ) -> Iterator[BatchResults]:
+        """The one generate loop (:meth:`generate_iterable`, the file pipeline): per batch of ``batches`` (from
+        :meth:`batcher`), the results of its inputs as they finish, in the batch's order (the callers put them back
+        in input order); a batch that runs out of memory is split (:func:`~.batching.generate_split`), an input that
+        fails alone is a result with an ``error``. ``known``: a batch's inputs -> (those whose outputs the caller
+        has, not generated: a resumed run's journal; the rest). The next batch is read only when one is taken."""
+        for batch in batches:
+            done, todo = known(batch.items) if known is not None else ([], batch.items)
+            t0 = time.perf_counter()
+            results = generate_split(self, todo) if todo else []
+            yield BatchResults(batch, results, done, time.perf_counter() - t0)
 
     def batcher(
         self,

@@ -23,6 +23,7 @@ from transformers import (
 
 from seqgen_cli.batching import Batcher, Encoded
 from seqgen_cli.cli import main
+from seqgen_cli.generator import Generator
 from seqgen_cli.loading import Loaded
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,6 +81,8 @@ class FakeGen:
     def batcher(self, chunks, passthrough, batch_size=32, batch_tokens=None, sort_window=None, early=False):
         return Batcher(chunks, passthrough, batch_size=batch_size, batch_tokens=batch_tokens,
                        rows=self.rows_per_input, window=sort_window, grow=early)  # fmt: skip
+
+    generate_batches = Generator.generate_batches  # the real generate loop, over this generate_ids
 
 
 def expected(texts: list[str]) -> str:

@@ -1,6 +1,7 @@
 """The generate loop: reader thread -> batcher -> model (this thread) -> writer thread.
 
-The model runs in the calling thread while the reader tokenises ahead and the writer detokenises
+The model runs in the calling thread (``Generator.generate_batches``, the one generate loop, with a resumed
+run's journaled outputs and ``--on-error`` on top) while the reader tokenises ahead and the writer detokenises
 and writes behind. A batch that runs out of memory is split in halves and retried, down to one input;
 no input is ever dropped silently. Ctrl-C stops reading and writes what is done, in order.
 """
@@ -8,10 +9,10 @@ no input is ever dropped silently. Ctrl-C stops reading and writes what is done,
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from seqgen_cli.batching import DEFAULT_BATCH_SIZE, Item, Result, generate_split
+from seqgen_cli.batching import DEFAULT_BATCH_SIZE, Item, ItemBatch, Result
 from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.generator import Generator
 from seqgen_cli.pipeline.formats import InputDigest, input_key
@@ -94,36 +95,39 @@ def run(
     )
     fail: Result | None = None
     fail_window = -1
+
+    def before_failure(batches: Iterable[ItemBatch]) -> Iterator[ItemBatch]:
+        """``batches``; once an input failed (``on_error="fail"``), only its window's inputs before it."""
+        for batch in batches:
+            if fail is not None:
+                if batch.window != fail_window:
+                    return
+                batch = ItemBatch([it for it in batch.items if it.index < fail.item.index], batch.window)
+                if not batch.items:
+                    continue
+            yield batch
+
     finished = False  # the loop ended and every output reached the sink: no exception on the way
     try:
         try:
-            for batch in batcher:
-                items = batch.items
-                if fail is not None:
-                    if batch.window != fail_window:
-                        break
-                    items = [it for it in items if it.index < fail.item.index]
-                    if not items:
-                        continue
-                reused, todo = take_journaled(items)
-                t0 = time.perf_counter()
-                results = generate_split(gen, todo) if todo else []
-                summary.generate_seconds += time.perf_counter() - t0
+            for done in gen.generate_batches(before_failure(batcher), take_journaled):
+                results = done.results
+                summary.generate_seconds += done.seconds
                 bad = [r for r in results if r.error is not None]
                 if bad and opts.on_error == "fail":
                     first = min(bad, key=lambda r: r.item.index)
                     if fail is None or first.item.index < fail.item.index:
-                        fail, fail_window = first, batch.window
+                        fail, fail_window = first, done.batch.window
                         batcher.stop()  # finish this window's inputs before the failure, read no further
                     results = [r for r in results if r.item.index < fail.item.index]
                 for r in bad if opts.on_error == "skip" else ():
                     progress.warn(f"{r.error} (skipped: empty output)")
                     summary.skipped += 1
                 summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
-                results += [Result(it) for it in reused if fail is None or it.index < fail.item.index]
+                results += [Result(it) for it in done.known if fail is None or it.index < fail.item.index]
                 writer.put(results)
                 elapsed = time.perf_counter() - t_start
-                progress.update(len(items), summary.generated_tokens / elapsed)
+                progress.update(len(done.batch.items), summary.generated_tokens / elapsed)
         except KeyboardInterrupt:
             summary.interrupted = True
         except WriteError:
