@@ -134,15 +134,52 @@ def write_slot(cache: Tensor, dim: int, new: Tensor, slot: Tensor, at: int | Non
         cache.select(dim, at).copy_(new)
 
 
+HALF = (torch.float16, torch.bfloat16)
+# ``torch.bmm(..., out_dtype=torch.float32)`` (torch >= 2.8): a half product written as float32, CUDA only (the
+# CPU has no kernel for it); inductor lowers it to the same cuBLAS call (``at::_bmm_out_dtype_cuda``).
+BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
+
+
+def scores32(q: Tensor, keys_t: Tensor) -> Tensor:
+    """``q @ keys_t`` as float32: ``q`` [..., Q, d], ``keys_t`` [..., d, K] (same batch dims) -> [..., Q, K].
+
+    float32 inputs: ``torch.matmul`` as it always was (the exactness contract). float16 / bfloat16 inputs: the
+    dot products are summed in float32 and come out as float32, never rounded to half in between (as in
+    transformers' SDPA kernels); a product of two halves is exact in float32, so this is ``q.float() @
+    keys_t.float()`` up to float32 summation order. On CUDA one cuBLAS GEMM reads the half keys once and writes
+    float32 scores. Elsewhere (the CPU) ``q`` and the attended keys are upcast first: per layer and step a
+    float32 copy of the ``E`` key elements attended (``4 E`` bytes written, read again by the GEMM, against the
+    ``2 E`` the half GEMM reads), where the CPU runs float32 unless asked otherwise."""
+    if q.dtype not in HALF:
+        return torch.matmul(q, keys_t)
+    if BMM_OUT_DTYPE and q.device.type == "cuda":
+        *batch, m, d = q.shape
+        k = keys_t.shape[-1]
+        q3 = q.reshape(-1, m, d)  # [..., Q, d] -> [prod(...), Q, d]; a copy only of q where not viewable
+        k3 = keys_t.reshape(-1, d, k)  # [..., d, K] -> [prod(...), d, K]: a view for every cache here
+        out = torch.bmm(q3, k3, out_dtype=torch.float32)  # [prod(...), Q, K]
+        return out.view(*batch, m, k)  # [prod(...), Q, K] -> [..., Q, K]
+    return torch.matmul(q.float(), keys_t.float())
+
+
 def attention(q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None, scale: float) -> Tensor:
-    """``softmax(scale * q @ keys_t + bias) @ values`` with float32 scores: ``q`` [..., Q, d] (scaled first),
-    ``keys_t`` [..., d, K] (keys transposed), ``values`` [..., K, d], ``bias`` additive (0 / -inf, float32),
+    """``softmax(scale * q @ keys_t + bias) @ values`` with float32 scores: ``q`` [..., Q, d], ``keys_t``
+    [..., d, K] (keys transposed), ``values`` [..., K, d], ``bias`` additive (0 / -inf, float32),
     broadcastable to [..., Q, K] -> [..., Q, d].
+
+    float32 scales ``q`` before the product (the order it always had); float16 / bfloat16 take the product in
+    float32 (:func:`scores32`) and scale the float32 scores, so neither the scores nor the scaled queries are
+    rounded to half.
 
     Decoding attention on the CPU: two batched GEMMs beat SDPA's kernel, whose
     per-(input, head) overhead dominates at a handful of queries (docs/BENCHMARKS.md,
     "CPU float32: what the step does, and what each choice measured")."""
-    scores = torch.matmul(q if scale == 1.0 else q * scale, keys_t).float()  # [..., Q, K]
+    if q.dtype in HALF:
+        scores = scores32(q, keys_t)  # [..., Q, K] float32
+        if scale != 1.0:
+            scores.mul_(scale)
+    else:
+        scores = torch.matmul(q if scale == 1.0 else q * scale, keys_t)  # [..., Q, K]
     if bias is not None:
         scores += bias
     return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [..., Q, d]
@@ -473,10 +510,10 @@ class DecoderOnlyKVCache(GeneratedSlots):
         qg = q.view(b, r, hkv, g, d).transpose(1, 2).reshape(b, hkv, r * g, d)
         keys_t = gk[:, :, :, :span].view(b, hkv, d, span * r)  # slot-major: index s*R + beam
         vals = gv[:, :, :span].view(b, hkv, span * r, d)
-        sp = torch.matmul(qg, self.pk[layer]).mul_(scale)  # [B, Hkv, R*G, P]
-        sg = torch.matmul(qg, keys_t).mul_(scale)  # [B, Hkv, R*G, span*R]
+        sp = scores32(qg, self.pk[layer]).mul_(scale)  # [B, Hkv, R*G, P] float32
+        sg = scores32(qg, keys_t).mul_(scale)  # [B, Hkv, R*G, span*R] float32
         p = sp.shape[-1]
-        scores = torch.cat([sp.float() + self.prompt_bias, sg.float()], dim=-1)  # [B, Hkv, R*G, P+span*R]
+        scores = torch.cat([sp + self.prompt_bias, sg], dim=-1)  # [B, Hkv, R*G, P+span*R]
         if self.gen_bias is not None:
             scores.view(b, hkv, r, g, -1)[..., p:] += self.gen_bias
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -614,10 +651,10 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
         qg = q.view(s, r, hkv, g, d).transpose(1, 2).reshape(s, hkv, r * g, d)
         keys_t = gk[:, :, :, :span].view(s, hkv, d, span * r)  # slot-major: index s*R + beam
         vals = gv[:, :, :span].view(s, hkv, span * r, d)
-        sg = torch.matmul(qg, keys_t).mul_(scale).float()  # [S, Hkv, R*G, span*R]
+        sg = scores32(qg, keys_t).mul_(scale)  # [S, Hkv, R*G, span*R] float32
         sg = (sg.view(s, hkv, r, g, span * r) + self.gen_bias).view(s, hkv, r * g, span * r)
-        sp = torch.matmul(qg, self.pk[layer]).mul_(scale)  # [S, Hkv, R*G, W]
-        scores = torch.cat([sg, sp.float() + self.prompt_bias], dim=-1)  # [S, Hkv, R*G, span*R + W]
+        sp = scores32(qg, self.pk[layer]).mul_(scale)  # [S, Hkv, R*G, W] float32
+        scores = torch.cat([sg, sp + self.prompt_bias], dim=-1)  # [S, Hkv, R*G, span*R + W]
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         m = span * r
         out = torch.matmul(probs[..., :m], vals)
