@@ -3,11 +3,12 @@
 Inputs arrive as :class:`Item` chunks in input order. :class:`Batcher` reads a look-ahead *window* of them,
 sorts it by source length and cuts batches of at most ``batch_size`` inputs and ``batch_tokens`` padded
 source tokens, counted once per row the model runs (``rows`` = beams, or returned sequences when more), and at
-most a :class:`MemoryLimit` of device memory (caches and logits, as the backend counts them; on CUDA by default
-the free memory, :func:`free_memory_budget`); an input longer than the budget on its own still forms a batch of
-one. Windows are consecutive in input order, so every input of a later window comes after every input of an
-earlier one. :func:`generate_split` runs a batch and, when it runs out of memory, splits it in halves down to a
-single input: no input is dropped.
+most a :class:`MemoryLimit` of device memory (caches and logits as the backend counts them, the encoder's and the
+search's temporaries: ``seqgen_cli/memory.py``; on CUDA by default the free memory, :func:`free_memory_budget`,
+read again after the first batch of each new shape, and read as each batch is cut); an input longer than the
+budget on its own still forms a batch of one. Windows are consecutive in input order, so every input of a later
+window comes after every input of an earlier one. :func:`generate_split` runs a batch and, when it runs out of
+memory, splits it in halves down to a single input: no input is dropped.
 
 Batch independence. An input is padded to :func:`~seqgen_cli.shapes.input_width` of its own length, never to a longer
 neighbour's: a batch holds inputs of one bucket only. With the fast backends' row-invariant products
@@ -179,27 +180,34 @@ class InOrder(Generic[T]):
             yield value
 
 
-HEADROOM = 0.25  # share of the free device memory left to activations, fragmentation and other processes
+HEADROOM = 0.25  # of the free memory: left to fragmentation, other processes, an eager step (uncounted)
 
 
 @dataclass(frozen=True)
 class MemoryLimit:
-    """Bytes a batch may hold, and what a batch of ``inputs`` inputs padded to ``width`` tokens holds."""
+    """Bytes a batch may hold, and what a batch of ``inputs`` inputs padded to ``width`` tokens holds. ``limit``:
+    the budget, or a function that says it when each batch is cut (``Generator``'s, read again as shapes run;
+    ``None``: no limit)."""
 
-    budget: int
+    limit: int | Callable[[], int | None]
     cost: Callable[[int, int], int]  # (inputs, width) -> bytes (Generator.batch_bytes)
 
+    @property
+    def budget(self) -> int | None:
+        return self.limit() if callable(self.limit) else self.limit
 
-def free_memory_budget(device: Any) -> int | None:
+
+def free_memory_budget(device: Any, held: int = 0) -> int | None:
     """The default memory budget: on CUDA the free memory (the driver's free, plus what torch's allocator
-    holds unused) less :data:`HEADROOM`; ``None`` (no limit) elsewhere."""
+    holds unused, plus ``held``: bytes it holds for state a later batch reuses or releases) less
+    :data:`HEADROOM`; ``None`` (no limit) elsewhere."""
     import torch
 
     if device.type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info(device)
     unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int((free + unused) * (1 - HEADROOM))
+    return int((free + unused + held) * (1 - HEADROOM))
 
 
 def default_window(batch_size: int) -> int:
@@ -219,22 +227,35 @@ def plan_batches(
     """Positions grouped into batches of one :func:`~seqgen_cli.shapes.input_width` each: shortest first when ``sort``, else
     bucket by bucket, in the given order within each. ``buckets=False`` (the refill engine, which pads each
     input on its own): batches mix widths, cut by size and budget only."""
+    return list(iter_batches(lengths, batch_size, batch_tokens, rows, sort, memory, buckets))
+
+
+def iter_batches(
+    lengths: list[int],
+    batch_size: int,
+    batch_tokens: int | None,
+    rows: int = 1,
+    sort: bool = True,
+    memory: MemoryLimit | None = None,
+    buckets: bool = True,
+) -> Iterator[list[int]]:
+    """:func:`plan_batches`, one batch at a time: the memory budget is read as each batch is cut, so a budget
+    read again after a batch ran applies to the rest of its window."""
     widths = [input_width(n) for n in lengths]
     order = sorted(range(len(lengths)), key=(lengths if sort else widths).__getitem__)
-    batches: list[list[int]] = []
     batch: list[int] = []
     for i in order:
         width = widths[i]
+        budget = None if memory is None else memory.budget
         over = (batch_tokens is not None and width * (len(batch) + 1) * rows > batch_tokens) or (
-            memory is not None and memory.cost(len(batch) + 1, width) > memory.budget
+            memory is not None and budget is not None and memory.cost(len(batch) + 1, width) > budget
         )
         if batch and ((buckets and widths[batch[0]] != width) or len(batch) >= batch_size or over):
-            batches.append(batch)
+            yield batch
             batch = []
         batch.append(i)
     if batch:
-        batches.append(batch)
-    return batches
+        yield batch
 
 
 class Batcher:
@@ -298,7 +319,7 @@ class Batcher:
         lengths = [len(it.ids or ()) for it in pending]
         window = self._windows
         self._windows += 1
-        for idx in plan_batches(
+        for idx in iter_batches(
             lengths, self.batch_size, self.batch_tokens, self.rows, self.sort, self.memory, self.buckets
         ):
             self.source_tokens += sum(lengths[i] for i in idx)

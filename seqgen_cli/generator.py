@@ -25,7 +25,6 @@ import torch
 
 from seqgen_cli.batching import (
     DEFAULT_BATCH_SIZE,
-    LOGIT_BYTES,
     Batcher,
     Chunk,
     Encoded,
@@ -43,6 +42,7 @@ from seqgen_cli.batching import (
 from seqgen_cli.config import Preset, check_flags, load_preset, settings_for_model
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load, source_limit
+from seqgen_cli.memory import BudgetReader, batch_bytes
 from seqgen_cli.search import choose_backend
 from seqgen_cli.search import settings as search_settings
 from seqgen_cli.search.refill import RefillStats
@@ -115,8 +115,9 @@ class Generator:
         self.refill_stats = RefillStats()
         self._model_backend = None  # the engine's model backend, built on first use (int8: now)
         self._step_path = ""  # how the engine runs its decode step (see step_path)
-        # bytes a batch may hold (caches + logits, batch_bytes): on CUDA the free memory now; None = no limit
+        # bytes a batch may hold (batch_bytes): on CUDA the free memory now, again as shapes run; None = no limit
         self.memory_budget: int | None = free_memory_budget(self.loaded.device)
+        self.budget_reader = BudgetReader(self.loaded.device)
         self._sizing: Any = None  # generate()'s caches as the generic backend counts them (hf backend)
         if self.loaded.int8:
             self._quantize()
@@ -189,25 +190,22 @@ class Generator:
     def batch_bytes(self, inputs: int, width: int) -> int | None:
         """Device memory a batch of ``inputs`` inputs padded to ``width`` tokens holds while it decodes: the
         backend's caches (``cache_bytes``, capture's padding included; ``generate()``'s as the generic backend
-        counts them) and the logits rows; ``None`` when the backend cannot say."""
+        counts them), the logits rows, the encoder's peak, the search's buffers and the CUDA graphs' pool
+        (:func:`~.memory.batch_bytes`); ``None`` when the backend cannot say."""
         from seqgen_cli.models.generic import GenericBackend
 
         if self.backend == "fast":
             backend = self._engine()
         elif not isinstance(backend := self._sizing, GenericBackend):
             backend = self._sizing = GenericBackend(self.model)
-        cache_bytes = getattr(backend, "cache_bytes", None)
-        r = self.rows_per_input
-        caches = (
-            None if cache_bytes is None else cache_bytes(inputs, width, r, self.new_token_limits(width)[0])
-        )
-        return None if caches is None else caches + inputs * r * backend.vocab_size * LOGIT_BYTES
+        new_tokens = self.new_token_limits(width)[0]
+        return batch_bytes(backend, self.model, self.config, inputs, width, self.rows_per_input, new_tokens)
 
     def memory_limit(self) -> MemoryLimit | None:
-        """The batcher's memory budget: :attr:`memory_budget` over :meth:`batch_bytes`, where both are known."""
+        """The batcher's memory budget: :attr:`memory_budget` as each batch is cut, over :meth:`batch_bytes`."""
         if self.memory_budget is None or self.batch_bytes(1, 1) is None:
             return None
-        return MemoryLimit(self.memory_budget, self.batch_bytes)
+        return MemoryLimit(lambda: self.memory_budget, self.batch_bytes)
 
     # -- tokens -----------------------------------------------------------------------------------
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
@@ -336,6 +334,9 @@ class Generator:
             done, todo = known(batch.items) if known is not None else ([], batch.items)
             t0 = time.perf_counter()
             results = generate_split(self, todo) if todo else []
+            reader = getattr(self, "budget_reader", None)  # None: a stand-in without a model (tests)
+            if reader is not None:  # on CUDA, read again after a new shape's first batch
+                self.memory_budget = reader.after(todo, self.memory_budget, self._model_backend)
             yield BatchResults(batch, results, done, time.perf_counter() - t0)
 
     def batcher(
