@@ -13,6 +13,23 @@ prompt and ``--slots`` new-token slots. Arms, interleaved in every repetition, e
 
 Also reported, as a proxy for kernel launches per step on a GPU: the ATen ops one eager step dispatches and
 the kernels the compiled step's generated code calls (inductor's CPU code, not CUDA's: a proxy).
+
+The decode loop, model and beam search (``--engine``, on by default): beam ``--beams``, no-repeat 3, length penalty
+2, exactly ``--steps`` new tokens, host check every ``--sync-every`` steps, only the loop timed (after the
+encoder or prefill), arms interleaved in every repetition as above, each on its own backend kept across
+repetitions (the capture path's kept states):
+
+* ``loop eager``: the CPU's default, the eager dynamic step and ``BeamSearch``;
+* ``loop static``: ``CapturedBackend`` with stand-in compilers that compile nothing: the static step and the slot
+  search (``search/slots.py``), both eager;
+* ``loop inductor model``: the static step compiled, ``BeamSearch`` eager (the capture path without a search
+  compiler);
+* ``loop inductor model+search``: both compiled, the slot search's step too, as ``--capture`` runs them on CUDA
+  (default mode here: no CUDA graphs on the CPU).
+
+Counted per step: the eager loop's ATen ops (the model step's, the search's and the loop's own), and for the
+compiled loop the kernels of the model's and the search's graphs plus the ATen ops run outside them.
+
 ``--checkouts A B``: run the same in a fresh process per checkout (``PYTHONPATH``), alternating, ``--reps``
 rounds (before/after a change). From the repository root::
 
@@ -23,6 +40,7 @@ rounds (before/after a change). From the repository root::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -35,9 +53,17 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from seqgen_cli.models import get_backend, linear_maps
+from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.models import capture, get_backend, linear_maps
+from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.models.kv_cache import static_step
+from seqgen_cli.search.beam import BeamConstants, pick_topk
+from seqgen_cli.search.cohort import Cohort, Results, make_search, run_search
 from seqgen_cli.search.protocol import Batch
+from seqgen_cli.search.rows import start_rows
+from seqgen_cli.search.sampling import Streams
+from seqgen_cli.search.settings import rows_per_input, settings_for
+from seqgen_cli.search.slots import slot_beam_step
 
 VOCAB = 8192
 onednn = linear_maps.ONEDNN
@@ -84,21 +110,29 @@ def source(batch: int, length: int) -> Batch:
 
 
 class OpCount(TorchDispatchMode):
-    """Counts the ATen ops dispatched (views aside: they launch nothing)."""
+    """Counts the ATen ops dispatched (views aside: they launch nothing), none while ``paused``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.paused = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += not func.is_view
+        self.ops += not func.is_view and not self.paused
         return func(*args, **(kwargs or {}))
 
 
+KERNEL_CALL = re.compile(
+    r"^\s+(?:\w+ = )?"  # a fallback's result may be assigned: buf9 = torch.ops.aten.topk.default(...)
+    r"(?:cpp_fused_\w+|extern_kernels\.\w+|(?:torch\.ops\.)?aten\.\w+(?:\.\w+)?|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(",
+    re.M,
+)
+
+
 def kernel_calls(code: str) -> int:
-    """Kernel calls in inductor's generated ``call()``: fused kernels and extern ones (GEMMs)."""
-    body = code[code.index("def call(") :]
-    return len(re.findall(r"^\s+(?:cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+)\(", body, re.M))
+    """Kernel calls in inductor's generated ``call()``: fused kernels, extern ones (GEMMs) and ATen fallbacks
+    (``aten.scatter_reduce_.two(...)``, ``buf = torch.ops.aten.topk.default(...)``)."""
+    return len(KERNEL_CALL.findall(code[code.index("def call(") :]))
 
 
 def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -156,22 +190,166 @@ def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def report(results: list[dict[str, Any]], label: str = "") -> None:
-    print(f"| family{label} | arm | median ms/step | runs | vs eager dynamic | vs eager static |")
+def inductor(fn: Any) -> Any:
+    """``torch.compile`` as the capture path does, less CUDA graphs (none on the CPU)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def engine_config(model: torch.nn.Module, beams: int, steps: int) -> Any:
+    """Beam ``beams``, no-repeat 3, length penalty 2, early stopping, exactly ``steps`` new tokens."""
+    flags = dict(
+        num_beams=beams, max_new_tokens=steps, min_new_tokens=steps, no_repeat_ngram_size=3,
+        length_penalty=2.0, early_stopping=True,
+    )  # fmt: skip
+    if model.config.is_encoder_decoder:  # T5's config has one, its generation config may not
+        flags["decoder_start_token_id"] = getattr(model.config, "decoder_start_token_id", None) or 0
+    return resolve_generation_config(model.generation_config, None, flags)
+
+
+def decode_loop(
+    backend: Any, batch: Batch, config: Any, sync_every: int, around: Any = None
+) -> tuple[float, float]:
+    """Seconds of ``generate()``'s decode loop over ``backend`` (its start, the encoder or prefill, untimed), run
+    inside the context ``around``, and of its search steps (``Cohort.advance``: the search and the reorder)."""
+    s = settings_for(backend, batch, config)
+    device = batch.input_ids.device
+    consts = BeamConstants.build(s, device)
+    rows, logits = start_rows(backend, batch, s, rows_per_input(config))
+    search = make_search(rows, s, consts, pick_topk(logits), Streams(None, device))
+    cohort = Cohort(rows, search, Results(len(rows.inputs)))
+    searching, advance = [0.0], cohort.advance
+
+    def timed(logits: torch.Tensor) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return advance(logits)
+        finally:
+            searching[0] += time.perf_counter() - t0
+
+    cohort.advance = timed  # type: ignore[method-assign]
+    with around or contextlib.nullcontext():
+        t0 = time.perf_counter()
+        run_search(backend, cohort, logits, s.max_new_tokens, sync_every)
+        return time.perf_counter() - t0, searching[0]
+
+
+def count_loop(backend: Any, batch: Batch, config: Any, sync_every: int, pause: str) -> int:
+    """ATen ops of one decode loop (the loop only), none inside what ``pause`` names: ``"model"`` (the backend's
+    step), ``"compiled"`` (every compiled call of a ``CapturedBackend``) or ``""``."""
+    count, step, under_limit = OpCount(), backend.step, capture.call_under_limit
+
+    def paused_step(*args: Any) -> Any:
+        count.paused = True
+        try:
+            return step(*args)
+        finally:
+            count.paused = False
+
+    def outside(*args: Any) -> Any:  # a compiled call runs without the mode (no guard sees it)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return under_limit(*args)
+
+    if pause == "model":
+        backend.step = paused_step
+    if pause == "compiled":
+        capture.call_under_limit = outside
+    try:
+        decode_loop(backend, batch, config, sync_every, around=count)
+    finally:
+        backend.__dict__.pop("step", None)
+        capture.call_under_limit = under_limit
+    return count.ops
+
+
+def search_kernels(backend: CapturedBackend) -> int:
+    """Kernel calls in the compiled slot search step of ``backend``'s (first) kept state (a pure function: run on
+    random logits, it changes nothing)."""
+    from torch._inductor.utils import run_and_get_code
+
+    st = next(iter(backend.kept.values())).search[1]  # type: ignore[index]
+    logits = torch.randn(st.history.tokens.shape[0], st.spec.vocab)
+    _, codes = run_and_get_code(inductor(slot_beam_step), st, logits)
+    return sum(kernel_calls(c) for c in codes)
+
+
+def bench_engine(family: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The decode loop (model + beam search) per arm: ms per step over ``args.reps`` interleaved repetitions and
+    the op / kernel counts per step."""
+    model = build(family, args.d_model, args.layers)
+    batch, config = source(args.batch, args.src), engine_config(model, args.beams, args.steps)
+    torch._dynamo.reset()
+    arms = {
+        "loop eager": get_backend(model),
+        "loop static": CapturedBackend(get_backend(model), lambda d: d, search_compiler=lambda f: f),
+        "loop inductor model": CapturedBackend(get_backend(model), inductor),
+        "loop inductor model+search": CapturedBackend(get_backend(model), inductor, search_compiler=inductor),
+    }
+    out: dict[str, Any] = {"family": family}
+    with torch.inference_mode():
+        times: dict[str, list[float]] = {name: [] for name in arms}
+        searching: dict[str, list[float]] = {name: [] for name in arms}
+        for rep in range(-1, args.reps):  # rep -1: a warm-up run of every arm (compiles), not recorded
+            for name, backend in arms.items():
+                seconds, search_s = decode_loop(backend, batch, config, args.sync_every)
+                if rep >= 0:
+                    times[name].append(1e3 * seconds / args.steps)
+                    searching[name].append(1e3 * search_s / args.steps)
+        eager, compiled = arms["loop eager"], arms["loop inductor model+search"]
+        total = count_loop(eager, batch, config, args.sync_every, "")
+        search = count_loop(eager, batch, config, args.sync_every, "model")
+        out["loop_ops_model"] = (total - search) / (args.steps - 1)  # the first step's logits come from start
+        out["loop_ops_search"] = search / args.steps
+        out["loop_ops_outside"] = (
+            count_loop(compiled, batch, config, args.sync_every, "compiled") / args.steps
+        )
+        out["search_kernels"] = search_kernels(compiled)
+        out["search_path"] = compiled.stats()["search_path"]
+    out["ms_per_step"], out["search_ms_per_step"] = times, searching
+    return out
+
+
+def report(
+    results: list[dict[str, Any]], label: str = "", bases: tuple[str, str] = ("eager dynamic", "eager static")
+) -> None:
+    print(f"| family{label} | arm | median ms/step (min-max) | runs | vs {bases[0]} | vs {bases[1]} |")
     print("| --- | --- | ---: | --- | ---: | ---: |")
     for res in results:
         times = res["ms_per_step"]
-        base_d, base_s = (statistics.median(times[a]) for a in ("eager dynamic", "eager static"))
+        base_d, base_s = (statistics.median(times[a]) for a in bases)
         for arm, ts in times.items():
             med = statistics.median(ts)
             runs = ", ".join(f"{t:.2f}" for t in ts)
+            spread = f"{med:.2f} ({min(ts):.2f}-{max(ts):.2f})"
             print(
-                f"| {res['family']} | {arm} | {med:.2f} | {runs} | {base_d / med:.2f}x | {base_s / med:.2f}x |"
+                f"| {res['family']} | {arm} | {spread} | {runs} | {base_d / med:.2f}x | {base_s / med:.2f}x |"
             )
     for res in results:
+        if "compile_s" not in res:
+            continue
         print(
             f"{res['family']}: first compiled call {res['compile_s']:.1f} s; ops per eager step {res['ops_eager']}, "
             f"kernel calls per compiled step {res['kernels_compiled']} (CPU inductor: a proxy for GPU launches)"
+        )
+
+
+def report_engine(results: list[dict[str, Any]], steps: list[dict[str, Any]]) -> None:
+    """The loop arms' table and the counts per decode step (model kernels from the step arms' ``steps``)."""
+    report(results, bases=("loop eager", "loop static"))
+    print("\nof which the search step (Cohort.advance: search, reorder), ms per step:")
+    report(
+        [res | {"ms_per_step": res["search_ms_per_step"]} for res in results],
+        bases=("loop eager", "loop static"),
+    )
+    for res, step in zip(results, steps, strict=True):
+        model_k, search_k, outside = step["kernels_compiled"], res["search_kernels"], res["loop_ops_outside"]
+        eager_m, eager_s = res["loop_ops_model"], res["loop_ops_search"]
+        compiled, eager = model_k + search_k + outside, eager_m + eager_s
+        print(
+            f"{res['family']} decode step: eager {eager:.0f} ATen ops (model {eager_m:.0f}, search and loop "
+            f"{eager_s:.0f}); compiled {compiled:.0f} (model graph {model_k} kernels, search graph {search_k}, "
+            f"outside the graphs {outside:.1f} ops): {compiled / eager:.2f} of eager; search {res['search_path']}"
         )
 
 
@@ -189,16 +367,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared box)")
     ap.add_argument("--checkouts", nargs="*", help="run in these checkouts, alternating, one process each")
     ap.add_argument("--json", action="store_true", help="print the results as JSON (one line)")
+    ap.add_argument(
+        "--engine", action=argparse.BooleanOptionalAction, default=True, help="the decode loop too"
+    )
+    ap.add_argument("--sync-every", type=int, default=4, help="steps between host checks in the loop arms")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     families = args.families.split(",")
     if not args.checkouts:
         results = [bench_family(f, args) for f in families]
-        print(json.dumps(results)) if args.json else report(results)
+        loops = [bench_engine(f, args) for f in families] if args.engine else []
+        if args.json:
+            print(json.dumps(results + loops))
+            return
+        report(results)
+        if loops:
+            print()
+            report_engine(loops, results)
         return
     runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in args.checkouts}
     forwarded = [a for a in sys.argv[1:] if a not in args.checkouts and a != "--checkouts"]
-    forwarded += ["--reps", "1", "--json"]  # later --reps wins in argparse
+    forwarded += ["--reps", "1", "--json", "--no-engine"]  # later --reps wins in argparse
     for _ in range(args.reps):
         for checkout in args.checkouts:
             env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout))

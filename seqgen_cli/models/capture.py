@@ -39,6 +39,14 @@ state and logits fit; an out-of-memory error releases every one before it is rai
 Checked: each shape's first replay is compared with the eager step on the same state (``decode`` again:
 idempotent); logits further apart than :func:`step_tolerance` switch to eager for good, with the reason.
 
+The beam search's step is compiled the same way (``search/slots.py``; ``search_compiler``, :func:`compile_search`,
+which :func:`capture` passes): a pure function over the search's own static state, kept with each kept state
+(``Kept.search``, :meth:`CapturedBackend.kept_search`, moved along by a compaction), that reads the logits of every
+slot row (:meth:`CapturedBackend.slot_step`: no gather of the running rows) and writes the next step's tokens into
+the kept token buffer; so a decode step is two graph replays (model, search) and a handful of launches around them.
+:class:`CompiledSearch` guards it as ``decode`` is guarded below (the first replay of each shape checked, any
+failure or CUDA-graph skip: the eager step for good, with the reason in ``path`` and ``stats()``).
+
 Fallbacks: every compiled call is guarded (cudagraph trees warm up on a shape's first call, record on the
 second, replay from the third; a new batch of a kept shape replays). A failure (compile error, recording error, torch's
 recompile limit, inductor skipping CUDA graphs: ``cudagraph_skips`` read around every call) falls back to
@@ -79,10 +87,13 @@ from torch import Tensor
 from seqgen_cli.batching import free_memory_budget
 from seqgen_cli.errors import is_oom
 from seqgen_cli.models.kv_cache import Decode, check_slot, lane_step, select_into, static_step
-from seqgen_cli.search.protocol import Batch, ModelBackend
+from seqgen_cli.search.protocol import Batch, ModelBackend, SlotLayout
 from seqgen_cli.shapes import compacted, graph_inputs, graph_slots, graph_width, span_bucket
 
 Compiler = Callable[[Decode], Decode]
+# (search state, logits [P * R, V]) -> its new tensors, tokens, rows (search/slots.py)
+SearchStep = Callable[[Any, Tensor], list[Tensor]]
+SearchCompiler = Callable[[SearchStep], SearchStep]
 
 MAX_SHAPES = 48  # shapes (batch shape x span bucket) one CapturedBackend compiles at most; then eager
 SKIPPED = "inductor skipped CUDA graphs: cudagraph_skips"  # a shape's calls raised inductor's counter
@@ -107,14 +118,22 @@ def compile_decode(decode: Decode) -> Decode:
     return torch.compile(decode, mode="reduce-overhead", fullgraph=True, dynamic=False, **isolate)
 
 
+def compile_search(step: SearchStep) -> SearchStep:
+    """The beam search's slot step (``search/slots.py``) as CUDA graphs, compiled as :func:`compile_decode`
+    compiles the model's: one graph per slot shape, its state's tensors static addresses (kept per shape)."""
+    isolate = {"isolate_recompiles": True} if "isolate_recompiles" in _COMPILE_PARAMS else {}
+    return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False, **isolate)
+
+
 def capture(
     backend: ModelBackend,
     device: torch.device,
     enabled: bool,
     compiler: Compiler = compile_decode,
+    search_compiler: SearchCompiler | None = compile_search,
 ) -> tuple[ModelBackend, str]:
     """The backend to run and its step path: ``(CapturedBackend, "captured")`` where the step can be captured,
-    else ``(backend, "eager (<reason>)")``."""
+    else ``(backend, "eager (<reason>)")``. ``search_compiler``: the beam search's step too (``None``: eager)."""
     if not enabled:
         reason = "--no-capture"
     elif device.type != "cuda":
@@ -122,7 +141,7 @@ def capture(
     elif not hasattr(backend, "decode"):
         reason = f"{type(backend).__name__} has no static step"
     else:
-        return CapturedBackend(backend, compiler), "captured"
+        return CapturedBackend(backend, compiler, search_compiler=search_compiler), "captured"
     return backend, f"eager ({reason})"
 
 
@@ -218,6 +237,7 @@ class Kept:
     nbytes: int  # device bytes held (each storage once)
     owner: weakref.ref[Any] | None = None  # the CapturedState running on it; None: idle
     used: int = 0  # when a batch last took it (least recently used is released first)
+    search: tuple[Any, Any] | None = None  # (key, state) of the slot search kept with it (search/slots.py)
 
 
 @dataclass
@@ -234,6 +254,95 @@ class CapturedState:
     shape: tuple[int, ...]  # (physical rows, padded width, slots): a compiled graph per span bucket each
     start: int  # input slots at the start (compaction stops at a quarter of them)
     kept: Kept = field(repr=False)  # whose buffers ``inner`` and ``tokens`` are
+    moved: Tensor | None = None  # [P' * R] after the last drop moved the rows to P' slots: each row's old row
+
+
+def call_under_limit(limit: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` (a compiled function) under torch's recompile limit raised to at least ``limit`` (ours
+    decides; a guard that misses on a known shape recompiles under it too) and a hit of it raising instead of
+    running eagerly unseen. Set and restored by attribute: ~6 µs a call (``config.patch``: ~100)."""
+    cfg = torch._dynamo.config
+    old = cfg.recompile_limit, cfg.fail_on_recompile_limit_hit
+    cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = max(old[0], limit), True
+    try:
+        return fn(*args)
+    finally:
+        cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = old
+
+
+def outputs_differ(compiled: list[Tensor], eager: list[Tensor], tolerance: float) -> str | None:
+    """Why a compiled search step's outputs are not the eager step's, or ``None``: integer and boolean ones
+    (tokens, rows, flags, lengths) must be equal, float ones (scores) within ``tolerance`` of each value (at least
+    of 1). One host sync."""
+    same = []
+    for ours, theirs in zip(compiled, eager, strict=True):
+        if ours.is_floating_point():
+            gap = torch.where(ours == theirs, 0.0, (ours - theirs).abs())  # nan stays nan: differs
+            same.append((gap <= tolerance * theirs.abs().nan_to_num(0.0, 0.0, 0.0).clamp(min=1.0)).all())
+        else:
+            same.append((ours == theirs).all())
+    flags = torch.stack(same).tolist()  # the one sync
+    for i, ok in enumerate(flags):
+        if not ok:
+            return f"compiled search step differs from eager: output {i} of {len(compiled)}"
+    return None
+
+
+class CompiledSearch:
+    """The search's slot step (``search/slots.py``) compiled once by ``compiler`` (torch traces it once per slot
+    shape) and guarded as ``decode`` is: a compile or recording error, torch's recompile limit or inductor skipping
+    CUDA graphs falls back to the eager step for good, with the reason (the step is a pure function of its
+    tensors: the failed call reruns eagerly); an out-of-memory error is re-raised; each shape's first replay is
+    checked against the eager step."""
+
+    def __init__(self, compiler: SearchCompiler, max_shapes: int, tolerance: float) -> None:
+        from torch._dynamo.utils import counters
+
+        self.compiler, self.max_shapes, self.tolerance = compiler, max_shapes, tolerance
+        self.compiled: dict[SearchStep, SearchStep] = {}
+        self.calls: Counter[Any] = Counter()  # compiled calls per slot shape
+        self.failure: str | None = None  # why compiled calls stopped
+        self.steps = Counter({"compiled": 0, "eager": 0})
+        self.compile_seconds = 0.0
+        self._counters = counters
+
+    def __call__(self, shape: Any, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
+        if self.failure is not None:
+            return self._eager(step, search, logits)
+        compiled = self.compiled.get(step) or self.compiled.setdefault(step, self.compiler(step))
+        call = self.calls[shape]
+        self.calls[shape] += 1
+        skips, t0 = self._counters["inductor"]["cudagraph_skips"], time.perf_counter()
+        try:
+            out = call_under_limit(self.max_shapes, compiled, search, logits)
+        except Exception as err:  # noqa: BLE001 - any compile/capture failure: eager, with the reason
+            if is_oom(err):
+                raise
+            return self._fall_back(f"{type(err).__name__}: {first_line(err)}", step, search, logits)
+        if call < SETTLING_CALLS - 1:
+            self.compile_seconds += time.perf_counter() - t0
+        if self._counters["inductor"]["cudagraph_skips"] > skips:
+            return self._fall_back(SKIPPED, step, search, logits)
+        if call == SETTLING_CALLS - 1:  # the shape's first replay: checked once against the eager step
+            eager = step(search, logits)
+            self.failure = outputs_differ(out, eager, self.tolerance)
+            if self.failure is not None:
+                self.steps["eager"] += 1
+                return eager
+        self.steps["compiled"] += 1
+        return out
+
+    def _eager(self, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
+        self.steps["eager"] += 1
+        return step(search, logits)
+
+    def _fall_back(self, reason: str, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
+        self.failure = reason
+        return self._eager(step, search, logits)
+
+    @property
+    def path(self) -> str:
+        return "compiled" if self.failure is None else f"eager ({self.failure})"
 
 
 class CapturedBackend:
@@ -247,10 +356,12 @@ class CapturedBackend:
         compiler: Compiler = compile_decode,
         max_shapes: int | None = None,
         keep_bytes: int | None = None,
+        search_compiler: SearchCompiler | None = None,
     ) -> None:
         """``max_shapes``: this instance's cap on compiled shapes (default ``MAX_SHAPES``). ``keep_bytes``: the
         device bytes its kept states may hold with a batch's logits (default: the device's memory budget,
-        :func:`~seqgen_cli.batching.free_memory_budget`; on the CPU none)."""
+        :func:`~seqgen_cli.batching.free_memory_budget`; on the CPU none). ``search_compiler``: compiles beam
+        search's slot step (:func:`compile_search`; ``None``: beam search runs as over any backend, eagerly)."""
         from torch._dynamo.utils import counters
 
         self.backend = backend
@@ -278,6 +389,12 @@ class CapturedBackend:
         self.keep_bytes = free_memory_budget(self.device) if keep_bytes is None else keep_bytes
         self._uses = 0  # batches and compactions that took a kept state (its ``used`` stamp)
         self._recordings: int | None = None  # cudagraph trees' recordings, read at each batch's start (CUDA)
+        self.search = (
+            None
+            if search_compiler is None
+            else CompiledSearch(search_compiler, self.max_shapes, self.tolerance)
+        )
+        self.slot_search = self.search is not None  # beam search over the slots, its step compiled
 
     @property
     def path(self) -> str:
@@ -295,6 +412,8 @@ class CapturedBackend:
             notes.append(f"{len(self.skipped_shapes)} eager: inductor skipped CUDA graphs")
         if self.oom_shapes:
             notes.append(f"{len(self.oom_shapes)} eager: out of memory while compiling")
+        if self.search is not None and self.search.failure is not None:
+            notes.append(f"search {self.search.path}")
         return "captured" + (f" ({'; '.join(notes)})" if notes else "")
 
     def stats(self) -> dict[str, Any]:
@@ -314,6 +433,13 @@ class CapturedBackend:
             "kept_allocations": sum(self.allocations.values()),
             "kept_released": self.released,
         }
+        if self.search is not None:
+            out |= {
+                "search_path": self.search.path,
+                "search_compiled_steps": self.search.steps["compiled"],
+                "search_eager_steps": self.search.steps["eager"],
+                "search_compile_seconds": round(self.search.compile_seconds, 1),
+            }
         recordings = cuda_graph_recordings(self.device)
         recordings = self._recordings if recordings is None else recordings
         return out if recordings is None else out | {"cuda_graphs_recorded": recordings}
@@ -429,15 +555,58 @@ class CapturedBackend:
         check_slot(state.inner.t, state.limit)
         self._check(state)
         state.tokens.index_copy_(0, state.rows, tokens)
+        logits = self._run(state)  # [P * R, V]
+        return logits.index_select(0, state.rows)  # [N, V], a copy: the graph's output is overwritten
+
+    # -- the slot search (search/slots.py): search/protocol.py's SlotBackend -----------------------------------
+    @torch.inference_mode()
+    def slot_step(self, state: CapturedState) -> Tensor:
+        """The step of every physical row on ``state.tokens`` (the slot search wrote them): logits [P * R, V], the
+        graph's output (read before the next step)."""
+        check_slot(state.inner.t, state.limit)
+        self._check(state)
+        return self._run(state)
+
+    def _run(self, state: CapturedState) -> Tensor:
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
         span = span_bucket(state.inner.t, state.inner.cache.max_len)  # the slots this step attends
         try:
-            logits = static_step(self._decoder((*state.shape, span)), state.inner, state.tokens)  # [P * R, V]
+            return static_step(self._decoder((*state.shape, span)), state.inner, state.tokens)  # [P * R, V]
         except Exception as err:
             if is_oom(err):  # the batch is split: its halves find the memory the kept states held
                 self._release(busy=())
             raise
-        return logits.index_select(0, state.rows)  # [N, V], a copy: the graph's output is overwritten
+
+    def slot_layout(self, state: CapturedState) -> SlotLayout:
+        """The running inputs' slots, the token buffer, the history's prompt width (decoder-only: the graph width)
+        and new-token slots, and the last drop's move."""
+        width = 1 if self.is_encoder_decoder else state.shape[1]
+        return SlotLayout(state.inputs, state.tokens, width, state.shape[2], state.moved)
+
+    @torch.inference_mode()
+    def slot_reorder(self, state: CapturedState, rows: Tensor) -> None:
+        """Physical row ``i`` continues physical row ``rows[i]`` ([P * R] int64)."""
+        self._check(state)
+        self.backend.reorder(state.inner, rows)
+
+    def kept_search(self, state: CapturedState, key: Any, make: Callable[[], Any]) -> Any:
+        """The slot search's state kept with ``state``'s kept buffers (one per shape): ``make()``, its tensors
+        marked static, the first time or when ``key`` changes."""
+        kept = state.kept
+        if kept.search is None or kept.search[0] != key:
+            search = make()
+            mark_static(search)
+            kept.search = (key, search)
+        return kept.search[1]
+
+    @torch.inference_mode()
+    def search_call(
+        self, state: CapturedState, step: SearchStep, search: Any, logits: Tensor
+    ) -> list[Tensor]:
+        """The slot search's step, compiled and guarded (:class:`CompiledSearch`)."""
+        if self.search is None:
+            raise RuntimeError("no search compiler: beam search does not run over the slots")
+        return self.search((state.shape, getattr(search, "spec", None)), step, search, logits)
 
     def _decoder(self, shape: tuple[int, ...]) -> Decode:
         """The guarded compiled ``decode`` for ``shape``; the eager one after a failure, for a shape that ran
@@ -495,16 +664,8 @@ class CapturedBackend:
         return logits
 
     def _call(self, state: Any, tokens: Tensor) -> Tensor:
-        """The compiled ``decode``, every call under torch's recompile limit raised to at least ``max_shapes``
-        (ours decides; a guard that misses on a known shape recompiles under it too) and a hit of it raising
-        instead of running eagerly unseen. Set and restored by attribute: ~6 µs a call (``config.patch``: ~100)."""
-        cfg = torch._dynamo.config
-        old = cfg.recompile_limit, cfg.fail_on_recompile_limit_hit
-        cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = max(old[0], self.max_shapes), True
-        try:
-            return self.compiled(state, tokens)  # type: ignore[misc]
-        finally:
-            cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = old
+        """The compiled ``decode`` under :func:`call_under_limit` (``max_shapes``)."""
+        return call_under_limit(self.max_shapes, self.compiled, state, tokens)  # type: ignore[arg-type]
 
     def _differs(self, compiled: Tensor, eager: Tensor, shape: tuple[int, ...]) -> str | None:
         """Why the compiled step's logits are not the eager step's (beyond :func:`step_tolerance` of the largest
@@ -546,6 +707,7 @@ class CapturedBackend:
         shape's kept state (allocated by the first compaction to it), and the larger one waits for the next batch
         of its shape."""
         inputs, r = state.inputs.index_select(0, keep), state.rows_per_input  # [B']
+        state.moved = None
         b = inputs.shape[0]
         slots = compacted(b, state.start)
         if slots * r == state.tokens.shape[0]:
@@ -573,6 +735,7 @@ class CapturedBackend:
         state.inputs = torch.arange(b, device=kept.device)
         state.rows = torch.arange(b * r, device=kept.device)
         state.shape = (slots * r, *state.shape[1:])
+        state.moved = kept_rows
 
     # -- the refill engine's lanes (search/refill.py): the wrapped backend's, with decode compiled ------------
     @torch.inference_mode()

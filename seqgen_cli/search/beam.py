@@ -166,6 +166,46 @@ def _get_running_beams_for_next_iteration(
     )
 
 
+def _divide(x: torch.Tensor, divisor: float | torch.Tensor, reciprocal: bool) -> torch.Tensor:
+    """``x / divisor`` as eager torch computes a tensor over a Python float: on the CPU a division; on CUDA
+    ``x * (1 / divisor)`` (ATen's CPU-scalar fast path), where ``reciprocal`` passes ``divisor`` already inverted
+    in float32 (a compiled division on CUDA is not correctly rounded, a product is)."""
+    return x * divisor if reciprocal else x / divisor
+
+
+def _candidate_scores(
+    topk_log_probs: torch.Tensor,
+    divisor: float | torch.Tensor,
+    beams_finished: torch.Tensor,
+    heuristic_unsatisfied: torch.Tensor,
+    did_top_num_beams_just_finish: torch.Tensor,
+    early_stopping: bool | str,
+    reciprocal: bool = False,
+) -> torch.Tensor:
+    """[B, C] length-penalised scores of the candidates that may enter the finished set (``BIG`` added to the
+    others): ``divisor`` is ``(t + 1) ** length_penalty`` (see :func:`_divide`); ``beams_finished`` [B, K] bool."""
+    candidate_scores = _divide(topk_log_probs, divisor, reciprocal)
+    beams_full = torch.all(beams_finished, dim=-1, keepdim=True) & (early_stopping is True)
+    candidate_scores += beams_full.to(torch.float32) * BIG
+    candidate_scores += (~heuristic_unsatisfied).to(torch.float32) * BIG
+    candidate_scores += (~did_top_num_beams_just_finish) * BIG
+    return candidate_scores
+
+
+def _merge_finished(
+    beam_scores: torch.Tensor,
+    is_finished: torch.Tensor,
+    candidate_scores: torch.Tensor,
+    did_top_num_beams_just_finish: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best K of [old K | C candidates]: ``chosen`` [B, K] into them, the new scores and finished flags."""
+    k = beam_scores.shape[1]
+    merged_scores = torch.cat((beam_scores, candidate_scores), dim=1)  # [B, K + C]
+    chosen = torch.topk(merged_scores, k=k)[1]  # [B, K] into [old K | C candidates]
+    merged_finished = torch.cat((is_finished, did_top_num_beams_just_finish), dim=1)
+    return chosen, torch.gather(merged_scores, 1, chosen), torch.gather(merged_finished, 1, chosen)
+
+
 def _update_finished_beams(
     beams: BeamState,
     generated: torch.Tensor,
@@ -181,18 +221,47 @@ def _update_finished_beams(
     ``generated`` ([N, t]): the running rows' generated tokens before step ``t``; ``did_top_num_beams_just_finish``
     ([B, C] bool): the candidate ended and is among the top K.
     """
-    k = beams.beam_scores.shape[1]
-    candidate_scores = topk_log_probs / ((t + 1) ** settings.length_penalty)
-    beams_full = torch.all(beams.is_finished, dim=-1, keepdim=True) & (settings.early_stopping is True)
-    candidate_scores += beams_full.to(torch.float32) * BIG
-    candidate_scores += (~beams.heuristic_unsatisfied).to(torch.float32) * BIG
-    candidate_scores += (~did_top_num_beams_just_finish) * BIG
-    merged_scores = torch.cat((beams.beam_scores, candidate_scores), dim=1)  # [B, K + C]
-    chosen = torch.topk(merged_scores, k=k)[1]  # [B, K] into [old K | C candidates]
-    beams.beam_scores = torch.gather(merged_scores, 1, chosen)
-    merged_finished = torch.cat((beams.is_finished, did_top_num_beams_just_finish), dim=1)
-    beams.is_finished = torch.gather(merged_finished, 1, chosen)
+    candidate_scores = _candidate_scores(
+        topk_log_probs,
+        (t + 1) ** settings.length_penalty,
+        beams.is_finished,
+        beams.heuristic_unsatisfied,
+        did_top_num_beams_just_finish,
+        settings.early_stopping,
+    )
+    chosen, beams.beam_scores, beams.is_finished = _merge_finished(
+        beams.beam_scores, beams.is_finished, candidate_scores, did_top_num_beams_just_finish
+    )
     _gather_finished_sequences(beams, chosen, generated, topk_beams, topk_tokens, t)
+
+
+def _select_finished(
+    fin_tokens: torch.Tensor,
+    fin_lengths: torch.Tensor,
+    chosen: torch.Tensor,
+    cand_tokens: torch.Tensor,
+    length: int | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The finished slots' tokens [B, K, T] and lengths [B, K] after the merge: old slots keep theirs (``chosen``
+    [B, K] < K), candidate slots take ``cand_tokens`` [B, K, T] and ``length`` (``t + 1``)."""
+    k, total = fin_tokens.shape[1], fin_tokens.shape[2]
+    from_candidate = chosen >= k  # [B, K]
+    old = chosen.clamp(max=k - 1)
+    tokens = torch.where(
+        from_candidate[:, :, None],
+        cand_tokens,
+        torch.gather(fin_tokens, 1, old[:, :, None].expand(-1, -1, total)),
+    )
+    return tokens, torch.where(from_candidate, length, torch.gather(fin_lengths, 1, old))
+
+
+def _candidate_rows(chosen: torch.Tensor, topk_beams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each finished slot after the merge (``chosen`` [B, K]): the candidate it would take (``cand`` [B, K],
+    0 for old slots) and that candidate's row ([B * K])."""
+    bsz, k = chosen.shape
+    cand = (chosen - k).clamp(min=0)
+    rows = torch.arange(bsz, device=chosen.device)[:, None] * k + torch.gather(topk_beams, 1, cand)
+    return cand, rows.reshape(-1)
 
 
 def _gather_finished_sequences(
@@ -206,21 +275,35 @@ def _gather_finished_sequences(
     """The finished slots' tokens after the merge: old slots keep theirs, candidate slots copy their beam's
     generated tokens plus the new token. ``chosen``: [B, K] into [old K | C candidates]."""
     bsz, k, total = beams.fin_tokens.shape
-    from_candidate = chosen >= k  # [B, K]
-    cand = (chosen - k).clamp(min=0)
-    cand_rows = (
-        torch.arange(bsz, device=chosen.device)[:, None] * k + torch.gather(topk_beams, 1, cand)
-    ).reshape(-1)  # [B * K]
+    cand, cand_rows = _candidate_rows(chosen, topk_beams)  # [B, K], [B * K]
     cand_tokens = torch.zeros((bsz * k, total), dtype=torch.long, device=chosen.device)  # [B*K, T]
     cand_tokens[:, :t] = generated.index_select(0, cand_rows)
     cand_tokens[:, t] = torch.gather(topk_tokens, 1, cand).reshape(-1)
-    old = chosen.clamp(max=k - 1)
-    beams.fin_tokens = torch.where(
-        from_candidate[:, :, None],
-        cand_tokens.view(bsz, k, total),
-        torch.gather(beams.fin_tokens, 1, old[:, :, None].expand(-1, -1, total)),
+    beams.fin_tokens, beams.fin_lengths = _select_finished(
+        beams.fin_tokens, beams.fin_lengths, chosen, cand_tokens.view(bsz, k, total), t + 1
     )
-    beams.fin_lengths = torch.where(from_candidate, t + 1, torch.gather(beams.fin_lengths, 1, old))
+
+
+def _heuristic(
+    running_scores: torch.Tensor,
+    is_finished: torch.Tensor,
+    beam_scores: torch.Tensor,
+    heuristic_unsatisfied: torch.Tensor,
+    divisor: float | torch.Tensor,
+    reciprocal: bool = False,
+) -> torch.Tensor:
+    """[B, 1] bool: can the best running beam, scored with ``divisor`` (``best_length ** length_penalty``, see
+    :func:`_divide`), still beat the worst finished hypothesis? Once unsatisfied, an input stays so."""
+    best_running = _divide(running_scores[:, :1], divisor, reciprocal)
+    worst_finished = torch.where(is_finished, torch.min(beam_scores, dim=1, keepdim=True)[0], BIG)
+    return heuristic_unsatisfied & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
+
+
+def best_length(settings: SearchSettings, new_tokens: int) -> int:
+    """The length the early-stop heuristic scores the best running beam at, ``new_tokens`` generated: with
+    ``early_stopping="never"`` and a positive length penalty the most new tokens, else ``new_tokens``."""
+    s = settings
+    return s.max_new_tokens if s.early_stopping == "never" and s.length_penalty > 0.0 else new_tokens
 
 
 def _check_early_stop_heuristic(beams: BeamState, cur_len: int, settings: SearchSettings) -> torch.Tensor:
@@ -229,14 +312,10 @@ def _check_early_stop_heuristic(beams: BeamState, cur_len: int, settings: Search
     With ``early_stopping="never"`` and a positive length penalty the best running beam is scored at
     ``max_length``, otherwise at ``cur_len``; once unsatisfied, an input stays so.
     """
-    s = settings
-    if s.early_stopping == "never" and s.length_penalty > 0.0:
-        best_length = s.max_length - s.prompt_len
-    else:
-        best_length = cur_len - s.prompt_len
-    best_running = beams.running_scores[:, :1] / (best_length**s.length_penalty)
-    worst_finished = torch.where(beams.is_finished, torch.min(beams.beam_scores, dim=1, keepdim=True)[0], BIG)
-    return beams.heuristic_unsatisfied & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
+    divisor = best_length(settings, cur_len - settings.prompt_len) ** settings.length_penalty
+    return _heuristic(
+        beams.running_scores, beams.is_finished, beams.beam_scores, beams.heuristic_unsatisfied, divisor
+    )
 
 
 def _continue_running_beams(rows: Rows, next_beams: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,11 @@ import torch
 
 from seqgen_cli.search.beam import BeamConstants, BeamSearch, TopK
 from seqgen_cli.search.greedy import TokenSearch
-from seqgen_cli.search.protocol import ModelBackend, SearchOutput
+from seqgen_cli.search.protocol import ModelBackend, SearchOutput, SlotBackend
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.sampling import Streams
 from seqgen_cli.search.settings import SearchSettings
+from seqgen_cli.search.slots import SlotBeamSearch
 
 
 class Search(Protocol):
@@ -39,10 +40,13 @@ class Search(Protocol):
 def make_search(
     rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK, streams: Streams
 ) -> Search:
-    """The search of ``settings.mode`` over ``rows``: beam search, or one token per row, the arg-max or a draw from
-    each input's random stream. ``consts``: the device constants, built once per call before its first step is
-    queued (host data copied later would wait for that step)."""
+    """The search of ``settings.mode`` over ``rows``: beam search (over a slot backend's fixed slots, a step that
+    compiles: ``search/slots.py``), or one token per row, the arg-max or a draw from each input's random stream.
+    ``consts``: the device constants, built once per call before its first step is queued (host data copied later
+    would wait for that step)."""
     s = settings
+    if s.mode == "beam" and isinstance(rows.backend, SlotBackend) and rows.backend.slot_search:
+        return SlotBeamSearch(rows, s, consts, topk)
     if s.mode == "beam":
         return BeamSearch(rows, s, consts, topk)
     if s.mode == "sample":
@@ -112,16 +116,21 @@ def run_search(
     backend: ModelBackend, cohort: Cohort, logits: torch.Tensor, max_new_tokens: int, sync_every: int
 ) -> SearchOutput:
     """The decode loop of one cohort: advance, every ``sync_every`` steps let done inputs leave, step the backend
-    (``logits``: the first step's [N, V])."""
+    (``logits``: the first step's [N, V]). A slot search steps the backend over all its slots (``slot_step``: it
+    wrote their tokens)."""
     rows = cohort.rows
+    slots = isinstance(cohort.search, SlotBeamSearch)
     for t in range(max_new_tokens):
-        tokens = cohort.advance(logits)  # [N]
+        tokens = cohort.advance(logits)  # [N] ([P * R]: every slot row)
         if tokens is None:
             break
         if (t + 1) % sync_every == 0 and (leaving := cohort.check()) is not None:
             if leaving.all_done:
                 break
-            tokens = tokens[leaving.kept_rows]  # [N'] the rows that run on
-        logits = backend.step(rows.state, tokens)  # [N, V]
+            tokens = tokens if slots else tokens[leaving.kept_rows]  # [N'] the rows that run on
+        if slots:
+            logits = backend.slot_step(rows.state)  # type: ignore[attr-defined]  # [P * R, V]
+        else:
+            logits = backend.step(rows.state, tokens)  # [N, V]
     cohort.finish()
     return cohort.results.output()

@@ -20,6 +20,7 @@ Life of a call::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -111,4 +112,49 @@ class RefillBackend(ModelBackend, Protocol):
     def lane_step(self, state: Any, tokens: torch.Tensor, step: int) -> torch.Tensor:
         """Feed one token per row of every lane (``tokens`` [L * R]); each lane writes its own next cache slot.
         ``step``: the furthest lane's step (sizes the attended span). Returns logits [L * R, V]."""
+        ...
+
+
+@dataclass
+class SlotLayout:
+    """Where a :class:`SlotBackend`'s running rows lie among its fixed ``P * R`` rows (``P`` input slots of ``R``
+    rows; slots of inputs that left, or that pad the batch, run idle)."""
+
+    inputs: torch.Tensor  # [B] int64: the slot of each running input
+    tokens: torch.Tensor  # [P * R] int64: the next step's input tokens, a buffer whose address stays
+    width: int  # decoder positions a row's history may start with: the prompts' graph width, or 1
+    slots: int  # new-token positions
+    moved: torch.Tensor | None  # [P' * R] int64 after a drop that moved the rows to P' slots: row i's old row
+
+
+@runtime_checkable
+class SlotBackend(ModelBackend, Protocol):
+    """A model backend with static shapes and addresses whose search step may be compiled too (beam search in
+    ``search/slots.py``): the search keeps its state over all ``P * R`` rows, writes the next tokens into
+    :attr:`SlotLayout.tokens` and reads the logits of every row. ``models/capture.py``'s ``CapturedBackend``; beam
+    search runs over its slots where ``slot_search`` (its step is compiled), else as over any backend."""
+
+    slot_search: bool
+
+    def slot_layout(self, state: Any) -> SlotLayout:
+        """The layout now (after a ``drop``, the new one)."""
+        ...
+
+    def slot_step(self, state: Any) -> torch.Tensor:
+        """One step on the layout's tokens: logits [P * R, V] of every row (read them before the next step)."""
+        ...
+
+    def slot_reorder(self, state: Any, rows: torch.Tensor) -> None:
+        """Row ``i`` of the ``P * R`` continues row ``rows[i]`` (same input slot)."""
+        ...
+
+    def kept_search(self, state: Any, key: Any, make: Callable[[], Any]) -> Any:
+        """The search state kept with the state's buffers for ``key`` (``make()`` the first time, or when the key
+        changes): its tensors keep their addresses for the backend's life, as the model's do."""
+        ...
+
+    def search_call(
+        self, state: Any, step: Callable[[Any, torch.Tensor], Any], search: Any, logits: torch.Tensor
+    ) -> Any:
+        """``step(search, logits)``, a pure function of its tensors, compiled (and guarded)."""
         ...

@@ -1,0 +1,296 @@
+"""Beam search over fixed slots, a step with static shapes and addresses: compiled like the model's step.
+
+After the captured model step (``models/capture.py``) what is left of a decode step is the search's ~80 small ops
+(cast, log-softmax, processors, score add, top-k over ``[B, K * V]``, the finished-set merge, reordering the
+history, n-gram keys and back-pointers), each a launch. Here the search runs over all ``P * R`` rows of a
+:class:`~seqgen_cli.search.protocol.SlotBackend` (the capture path's padded slots: inputs that left or that pad
+the batch run idle, their rows finite and unread), with every tensor preallocated in a :class:`SlotState` kept
+with the backend's state for that shape, and the step counter and length limits as 0-d device tensors
+(``slot_processors.SlotLimits``). :func:`slot_beam_step` is a pure function of that state and the logits: it
+returns the new buffers, which the search copies in (:func:`commit`: one ``_foreach_copy_`` per dtype), so the
+same function runs eagerly (the first step of a batch, a fallback) and compiled (``SlotBackend.search_call``: one
+graph, on CUDA one replay per step), and a compiled call can be checked against, or rerun as, the eager one.
+
+Launches per decode step on the capture path: the model's graph and its slot counter, the search's graph, the
+commit (one copy per dtype: 3) and the back-pointers' reorder (2), against ~80-100 eager ops for the search alone;
+plus the host check every ``sync_every`` steps. A batch's first search step runs eagerly (its logits come from
+the encoder's or prefill's path, not the model's graph).
+
+Exactness: the step is ``beam.BeamSearch.advance`` (its helpers, transformers' order), with "only at this step"
+conditions as ``torch.where`` on the device step and divisions as eager torch divides by a Python float (on CUDA a
+product by the float32 inverse, ``beam._divide``): run eagerly, tokens and scores are bit for bit those of
+``BeamSearch`` (``tests/test_compiled_search.py``); compiled, log-softmax and sums may round differently, so
+tokens are the same where no near-tie separates them, as for the compiled model step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from seqgen_cli.search.beam import (
+    BIG,
+    BeamConstants,
+    BeamState,
+    TopK,
+    _candidate_rows,
+    _candidate_scores,
+    _get_running_beams_for_next_iteration,
+    _get_top_k_continuations,
+    _heuristic,
+    _merge_finished,
+    _select_finished,
+    wide_topk,
+)
+from seqgen_cli.search.protocol import SlotBackend, SlotLayout
+from seqgen_cli.search.rows import Leaving, Rows
+from seqgen_cli.search.settings import SearchSettings
+from seqgen_cli.search.slot_processors import (
+    SlotHistory,
+    SlotLimits,
+    SlotProcessors,
+    append,
+    float32_inverse,
+    process,
+    process_split,
+)
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """What a kept :class:`SlotState` and its compiled step are built for: the settings (less the batch's lengths,
+    which are device values) and the shape of the history."""
+
+    settings: SearchSettings  # prompt_len, max_length, min_length, begin_index zeroed
+    vocab: int
+    width: int  # W: history columns (prompt positions + new-token slots)
+    slots: int  # T: new-token slots
+    wide: bool  # top-k by chunks (``beam.wide_topk``: CPU float32) instead of torch.topk
+    reciprocal: bool  # divide as CUDA does (see beam._divide)
+    ids_in_vocab: bool  # the repetition penalty's in-place path
+    packed: bool  # n-gram keys packed into int64
+
+    @classmethod
+    def of(
+        cls, s: SearchSettings, layout: SlotLayout, rows: Rows, topk: TopK, device: torch.device
+    ) -> SlotSpec:
+        """The spec of a batch with settings ``s`` on ``layout`` (``rows``: its history and processors)."""
+        ngram = rows.pipeline.ngram
+        return cls(
+            settings=replace(s, prompt_len=0, max_length=0, min_length=0, begin_index=0),
+            vocab=rows.backend.vocab_size,
+            width=layout.width + layout.slots,
+            slots=layout.slots,
+            wide=topk is wide_topk,
+            reciprocal=device.type == "cuda",
+            ids_in_vocab=rows.pipeline.ids_in_vocab,
+            packed=ngram is not None and ngram.keys is not None,
+        )
+
+
+@dataclass(eq=False)
+class SlotState:
+    """A slot search's tensors, ``P`` input slots of ``K`` beams (``N = P * K`` rows): the beams' state, the
+    history, the limits, and device constants (the processors', ``divisors`` ``[T + 1]`` float32: ``i **
+    length_penalty``, or its float32 inverse on CUDA; the top-K candidate mask ``[C]``; EOS ids ``[E]``)."""
+
+    spec: SlotSpec
+    limits: SlotLimits
+    beams: BeamState  # [P, K] ...; fin_tokens [P, K, T]
+    history: SlotHistory  # [N, W]
+    proc: SlotProcessors
+    divisors: Tensor
+    top_mask: Tensor
+    eos: Tensor | None
+
+    @classmethod
+    def allocate(
+        cls, spec: SlotSpec, slots: int, rows: Rows, consts: BeamConstants, device: torch.device
+    ) -> SlotState:
+        """A new state for ``slots`` input slots; the constants from the batch's processors and ``consts``."""
+        s = spec.settings
+        powers = [float(i) ** s.length_penalty if i else 1.0 for i in range(spec.slots + 1)]
+        divisors = float32_inverse(powers) if spec.reciprocal else torch.tensor(powers, dtype=torch.float32)
+        proc = SlotProcessors.build(rows.pipeline, spec.vocab, device)
+        return cls(
+            spec,
+            SlotLimits.zeros(device),
+            BeamState.start(slots, s.num_beams, spec.slots, device),
+            SlotHistory.empty(slots * s.num_beams, spec.width, spec.packed, device),
+            proc,
+            divisors.to(device),
+            consts.top_num_beam_mask,
+            consts.eos,
+        )
+
+    def empty(self, slots: int) -> SlotState:
+        """A state like this one for ``slots`` input slots, sharing its constants (what :meth:`take` fills)."""
+        device, k = self.top_mask.device, self.spec.settings.num_beams
+        beams = BeamState.start(slots, k, self.spec.slots, device)
+        history = SlotHistory.empty(slots * k, self.spec.width, self.spec.packed, device)
+        return replace(self, limits=SlotLimits.zeros(device), beams=beams, history=history)
+
+    def buffers(self) -> list[Tensor]:
+        """What a step replaces, in :func:`slot_beam_step`'s order."""
+        b = self.beams
+        beams = [b.running_scores, b.beam_scores, b.is_finished, b.heuristic_unsatisfied, b.fin_tokens]
+        return [*beams, b.fin_lengths, *self.history.buffers(), self.limits.t]
+
+    def restart(self, s: SearchSettings, rows: Rows, src: Tensor) -> None:
+        """A batch's start, in place: no finished hypothesis, only each input's first beam running (as
+        ``BeamState.start``), the batch's history (slot row ``i`` from its row ``src[i]``) and limits."""
+        b = self.beams
+        b.running_scores.zero_()
+        b.running_scores[:, 1:] = BIG
+        b.beam_scores.fill_(BIG)
+        b.is_finished.zero_()
+        b.heuristic_unsatisfied.fill_(True)
+        b.fin_tokens.zero_()
+        b.fin_lengths.zero_()
+        ngram = rows.pipeline.ngram
+        self.history.restart(rows.history, None if ngram is None else ngram.keys, src)
+        self.limits.restart(s)
+
+    def take(self, other: SlotState, moved: Tensor) -> None:
+        """Row ``i`` := ``other``'s row ``moved[i]`` ([N] int64, whole input slots), in place (a compaction)."""
+        k = self.spec.settings.num_beams
+        inputs = moved.view(-1, k)[:, 0] // k  # [P] the old slot of each slot
+        for dst, src in zip(self.buffers()[:6], other.buffers()[:6], strict=True):
+            dst.copy_(src.index_select(0, inputs))
+        for dst, src in zip(self.history.buffers(), other.history.buffers(), strict=True):
+            dst.copy_(src.index_select(0, moved))
+        self.history.pad_lengths.copy_(other.history.pad_lengths.index_select(0, moved))
+        for dst, src in zip(self.limits.tensors(), other.limits.tensors(), strict=True):
+            dst.copy_(src)
+
+
+def _finished_sequences(
+    st: SlotState, chosen: Tensor, topk_beams: Tensor, topk_tokens: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``beam._gather_finished_sequences`` over the slot history: a candidate slot's generated tokens are its
+    beam's history from ``prompt_len`` (zeros past the step), the new token at column ``t``."""
+    b, lim = st.beams, st.limits
+    p, k, total = b.fin_tokens.shape
+    steps = st.history.cols[:total]  # [T]
+    cand, cand_rows = _candidate_rows(chosen, topk_beams)  # [P, K], [P * K]
+    generated = st.history.tokens[cand_rows[:, None], (lim.prompt_len + steps)[None, :]]  # [P * K, T]
+    new = torch.gather(topk_tokens, 1, cand).reshape(-1, 1)  # [P * K, 1]
+    cand_tokens = torch.where(steps == lim.t, new, generated).view(p, k, total)
+    return _select_finished(b.fin_tokens, b.fin_lengths, chosen, cand_tokens, lim.t + 1)
+
+
+def slot_beam_step(st: SlotState, logits: Tensor) -> list[Tensor]:
+    """``BeamSearch.advance`` over every slot, a pure function: ``logits`` [N, V] -> the new values of
+    ``st.buffers()``, then the next tokens [N] and the rows they continue [N]."""
+    s, lim, b = st.spec.settings, st.limits, st.beams
+    p, k = b.running_scores.shape
+    length = lim.prompt_len + lim.t  # [] transformers' cur_len
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    if st.proc.renormalize:  # log-softmax again after the processors: in their order, then the running scores
+        log_probs = process(st.proc, st.history, lim, log_probs).view(p, k, -1) + b.running_scores[:, :, None]
+    else:
+        running = b.running_scores.reshape(-1, 1)  # [N, 1]
+        log_probs = process_split(st.proc, st.history, lim, log_probs, running)  # [N, V]
+    log_probs = log_probs.reshape(p, -1)  # [P, K * V]
+    topk = wide_topk if st.spec.wide else torch.topk
+    topk_log_probs, topk_beams, topk_tokens = _get_top_k_continuations(
+        log_probs, st.top_mask.shape[0], k, topk
+    )
+    last = length + 1 >= lim.max_length  # [] bool
+    hits = last.expand(topk_tokens.shape) if st.eos is None else torch.isin(topk_tokens, st.eos) | last
+    running, next_beams, next_tokens = _get_running_beams_for_next_iteration(
+        topk_log_probs, topk_beams, topk_tokens, hits, k
+    )
+    did_finish = hits & st.top_mask  # [P, C]: only the top K candidates may finish
+    divisor = st.divisors.index_select(0, (lim.t + 1).view(1))  # [1] (t + 1) ** length_penalty
+    r = st.spec.reciprocal
+    scores = _candidate_scores(
+        topk_log_probs, divisor, b.is_finished, b.heuristic_unsatisfied, did_finish, s.early_stopping, r
+    )
+    chosen, beam_scores, is_finished = _merge_finished(b.beam_scores, b.is_finished, scores, did_finish)
+    fin_tokens, fin_lengths = _finished_sequences(st, chosen, topk_beams, topk_tokens)
+    if s.early_stopping == "never" and s.length_penalty > 0.0:  # scored at the most new tokens (best_length)
+        divisor = st.divisors.index_select(0, (lim.max_length - lim.prompt_len).view(1))  # [1]
+    heuristic = _heuristic(running, is_finished, beam_scores, b.heuristic_unsatisfied, divisor, r)
+    rows = (torch.arange(p, device=logits.device)[:, None] * k + next_beams).reshape(-1)  # [N]
+    tokens = next_tokens.reshape(-1)  # [N]
+    history = append(st.proc, st.history, rows, tokens, length)
+    beams = [running, beam_scores, is_finished, heuristic, fin_tokens, fin_lengths]
+    return [*beams, *history, lim.t + 1, tokens, rows]
+
+
+SearchStep = Callable[[SlotState, Tensor], list[Tensor]]
+
+
+def commit(targets: list[Tensor], values: list[Tensor]) -> None:
+    """``targets[i] := values[i]`` in place: one ``_foreach_copy_`` per dtype (on CUDA one launch each; a list of
+    mixed dtypes would copy tensor by tensor)."""
+    groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+    for dst, src in zip(targets, values, strict=True):
+        dsts, srcs = groups.setdefault(dst.dtype, ([], []))
+        dsts.append(dst)
+        srcs.append(src)
+    for dsts, srcs in groups.values():
+        torch._foreach_copy_(dsts, srcs)
+
+
+class SlotBeamSearch:
+    """Beam search over the slots of a :class:`~seqgen_cli.search.protocol.SlotBackend` (the ``Search`` of
+    ``search/cohort.py``): its :meth:`advance` takes the logits of every slot row (the first step: of the running
+    rows, as ``start_rows`` gives them) and returns the backend's token buffer for ``slot_step``."""
+
+    def __init__(self, rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK) -> None:
+        backend: SlotBackend = rows.backend  # type: ignore[assignment]
+        self.rows, self.s, self.backend = rows, settings, backend
+        self.layout = backend.slot_layout(rows.state)
+        device, k = consts.top_num_beam_mask.device, settings.num_beams
+        self.spec = SlotSpec.of(settings, self.layout, rows, topk, device)
+        slots = self.layout.tokens.shape[0] // k
+        self.st: SlotState = backend.kept_search(
+            rows.state, self.spec, lambda: SlotState.allocate(self.spec, slots, rows, consts, device)
+        )
+        running = len(rows.inputs)
+        first = torch.arange(slots, device=device).clamp(max=running - 1)  # idle slots repeat the last input
+        self.src = (first[:, None] * k + torch.arange(k, device=device)).reshape(-1)  # [P * K] row of each
+        self.st.restart(settings, rows, self.src)
+        self.t = 0  # steps done (host int)
+
+    def advance(self, logits: Tensor) -> Tensor | None:
+        """Step ``t`` on the logits ([N, V] of the running rows at step 0, else [P * K, V] of every slot row): the
+        token buffer for the next ``slot_step``, or ``None`` after the last step."""
+        st, state = self.st, self.rows.state
+        if self.t == 0:  # eagerly: the first logits come from elsewhere than the model's graph
+            out = slot_beam_step(st, logits.index_select(0, self.src))
+        else:
+            out = self.backend.search_call(state, slot_beam_step, st, logits)
+        commit([*st.buffers(), self.layout.tokens], out[:-1])
+        self.t += 1
+        if self.t == self.s.max_new_tokens:
+            return None
+        self.backend.slot_reorder(state, out[-1])  # the model's back-pointers
+        return self.layout.tokens
+
+    def done(self) -> Tensor:
+        """[B] bool: running inputs whose results can no longer change."""
+        return self.st.beams.done(self.s.early_stopping).index_select(0, self.layout.inputs)
+
+    def results(self, idx: Tensor) -> tuple[list[list[list[int]]], list[list[float]] | None]:
+        """Sequences and scores of running inputs ``idx`` ([D] int64), on the host (after a check only)."""
+        return self.st.beams.best(self.layout.inputs.index_select(0, idx), self.s.num_return_sequences)
+
+    def keep(self, leaving: Leaving) -> None:
+        """Done inputs leave: the backend idles their slots, or moves the rows to fewer slots (then the search
+        state moves into the kept one of that shape)."""
+        rows, backend = self.rows, self.backend
+        backend.drop(rows.state, leaving.keep, leaving.kept_rows)
+        gone = set(leaving.inputs)
+        rows.inputs = [b for b in rows.inputs if b not in gone]
+        layout = backend.slot_layout(rows.state)
+        if layout.moved is not None:
+            old, slots = self.st, layout.tokens.shape[0] // self.s.num_beams
+            self.st = backend.kept_search(rows.state, self.spec, lambda: old.empty(slots))
+            self.st.take(old, layout.moved)
+        self.layout = layout
