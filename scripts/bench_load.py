@@ -35,7 +35,14 @@ REPO = Path(__file__).resolve().parent.parent
 # Arms: environment settings, "VAR=VALUE[,VAR=VALUE]"; "-" runs with none of OMP_VARS set.
 SEQGEN_ARMS = ["-", "GOMP_SPINCOUNT=300000", "OMP_NUM_THREADS=1"]
 CT2_ARMS = ["-"]
-OMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "MKL_NUM_THREADS")
+OMP_VARS = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "GOMP_SPINCOUNT",
+    "KMP_BLOCKTIME",
+    "MKL_NUM_THREADS",
+    "SEQGEN_OMP_SET",
+)
 STATES = ("quiet", "loaded")
 
 

@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--out DIR is required")
     if shared is None:
         ap.error("no shared folder: give --shared DIR, set SEQGEN_SHARED, or stage .gpu-shared first")
-    os.environ["SEQGEN_SHARED"] = str(shared)  # the equiv stage's fixtures (tests/) read it: the staged files too
+    # the equiv stage's fixtures (tests/) read it: the staged files too
+    os.environ["SEQGEN_SHARED"] = str(shared)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     stages = [s for s in args.stages.split(",") if s]

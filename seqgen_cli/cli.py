@@ -17,7 +17,7 @@ import click
 from seqgen_cli import __version__
 from seqgen_cli.batching import DEFAULT_BATCH_SIZE
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.openmp import prefer_passive_wait
+from seqgen_cli.openmp import govern_threads, prefer_bounded_spin
 
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
@@ -158,11 +158,13 @@ def run(args: list[str] | None = None) -> None:
     flushes stdout and stderr, runs the ``atexit`` handlers (Ray, logging, temporary folders) and ends the
     process with :func:`main`'s exit status. An uncaught exception (``SEQGEN_DEBUG=1``) exits as usual.
 
-    First, before torch is imported, idle OpenMP threads are made to sleep instead of spinning unless the
-    user chose a wait policy (:mod:`seqgen_cli.openmp`: a box shared with other processes), and SIGTERM
-    becomes Ctrl-C (what is done is written, exit 130), model loading included.
+    First, before torch is imported, idle OpenMP threads spin only briefly and torch's thread count follows
+    the cores other processes leave free (:mod:`seqgen_cli.openmp`; a user's wait policy or
+    ``OMP_NUM_THREADS`` is kept), and SIGTERM becomes Ctrl-C (what is done is written, exit 130), model loading
+    included.
     """
-    prefer_passive_wait(os.environ)
+    prefer_bounded_spin(os.environ)
+    govern_threads(os.environ)
     signal.signal(signal.SIGTERM, _terminated)  # a scheduler's stop, as Ctrl-C: from the start, loading too
     try:
         main(args)  # standalone click: always ends in SystemExit

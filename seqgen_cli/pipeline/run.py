@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from seqgen_cli import openmp
 from seqgen_cli.batching import DEFAULT_BATCH_SIZE, Item, ItemBatch, Result
 from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.generator import Generator
@@ -154,4 +155,6 @@ def run(
     summary.write_seconds = writer.seconds
     summary.seconds = time.perf_counter() - t_start
     summary.device = gen.device_stats()
+    if (threads := openmp.governor_stats()) is not None:  # the thread count that followed the load
+        summary.device["threads"] = threads
     return summary

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from seqgen_cli import openmp
 from seqgen_cli.search.beam import BeamConstants, BeamSearch, TopK
 from seqgen_cli.search.greedy import TokenSearch
 from seqgen_cli.search.protocol import ModelBackend, SearchOutput, SlotBackend
@@ -132,5 +133,6 @@ def run_search(
             logits = backend.slot_step(rows.state)  # type: ignore[attr-defined]  # [P * R, V]
         else:
             logits = backend.step(rows.state, tokens)  # [N, V]
+        openmp.tick()  # the thread count may follow the load (the `seqgen` process)
     cohort.finish()
     return cohort.results.output()

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from seqgen_cli import openmp
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.beam import BeamConstants, pick_topk
 from seqgen_cli.search.cohort import Cohort, Results, make_search
@@ -196,6 +197,7 @@ class Refill:
         self.stats.live_row_steps += sum(run.physical.shape[0] for run in self.running)
         step = max(run.cohort.search.t for run in self.running) - fed  # the cache slot the furthest writes
         logits = self.backend.lane_step(self.state, self.tokens, step)  # [L * R, V]
+        openmp.tick()
         perm: torch.Tensor | None = None
         for run in list(self.running):
             nxt = run.cohort.advance(logits.index_select(0, run.physical))  # [N_c]
