@@ -102,6 +102,12 @@ def main() -> None:
         "--new-tokens", type=int, help="exactly this many (min = max); default: the model's settings"
     )
     ap.add_argument("--batch-size", type=int, default=32, help="both systems")
+    ap.add_argument(
+        "--dtype", default="float32", help="both systems: float32 or int8 (CTranslate2's compute type)"
+    )
+    ap.add_argument(
+        "--max-source-length", type=int, help="both systems: truncate sources to this many tokens"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--arms", nargs="*", default=SEQGEN_ARMS, help="seqgen's: VAR=VALUE[,VAR=VALUE], - for none"
@@ -130,6 +136,8 @@ def main() -> None:
 def seqgen_arms(args: argparse.Namespace, env: dict[str, str], src: Path, tmp: str) -> dict[str, Arm]:
     """``seqgen generate`` under each of ``args.arms``."""
     flags = ["--num-beams", str(args.beams), "--batch-size", str(args.batch_size), "-q"]
+    flags += ["--dtype", args.dtype]
+    flags += ["--max-source-length", str(args.max_source_length)] if args.max_source_length else []
     if args.new_tokens:
         flags += ["--max-new-tokens", str(args.new_tokens), "--min-new-tokens", str(args.new_tokens)]
     arms = {}
@@ -148,12 +156,15 @@ def ct2_arms(args: argparse.Namespace, env: dict[str, str], src: Path, tmp: str)
     from seqgen_cli.generator import Generator
 
     fixed = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens} if args.new_tokens else {}
+    if args.max_source_length:
+        fixed["max_source_length"] = args.max_source_length
     gen = Generator(args.model, device="cpu", num_beams=args.beams, **fixed)
     path = ct2.convert(args.model)
     out = Path(tmp, "ct2.txt")
     cmd = [sys.executable, "-m", "seqgen_cli.bench.baselines", "ct2", "--model", args.model]
     cmd += ["--ct2-model", str(path), "--input", str(src), "--output", str(out)]
     cmd += ["--settings", json.dumps(asdict(ct2.plan_for(gen, path))), "--batch-size", str(args.batch_size)]
+    cmd += ["--compute-type", args.dtype]
     cmd += ["--max-source-length", str(gen.max_source_length)] if gen.max_source_length else []
     cmd += ["--prefix", gen.prefix] if gen.prefix else []
     names = {arm: "ctranslate2" + (" (its defaults)" if arm == "-" else f" {arm}") for arm in args.ct2_arms}

@@ -10,7 +10,8 @@ this). Sections, each written to ``--out`` as soon as it is done (``results.json
   sources truncated to 1024 tokens (recycled to fill larger batches), beam 4, no-repeat 3, length penalty 2,
   exactly 142 new tokens; per dtype and batch size seqgen vs ``generate()``: samples/s, tokens/s, peak memory,
   agreement with float32; on CUDA also seqgen with the decode step captured (CUDA graphs) vs eager, its first
-  run (compile and recording) timed on its own, with the capture counts (shapes, compile seconds, steps);
+  run (compile and recording) timed on its own, with the capture counts (shapes, compile seconds, steps), and
+  with the model's step alone captured (the beam search eager: what the search's graph brings);
 * ``long``: one captured float16 backend over 100 batches of 16 (bart-large-cnn shape, 48 new tokens): seconds
   per batch, the first 10 against the last 10, CUDA graphs recorded; then the captured path's synchronising calls;
 * ``gpt2``: GPT-2 shape, 512-token prompts (the same articles), beam 4, 128 new tokens, same measures;

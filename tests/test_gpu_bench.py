@@ -225,14 +225,21 @@ def test_the_captured_arm_times_its_first_run(
     timed apart from the timed runs, with the capture path's counts."""
     from seqgen_cli.models.capture import CapturedBackend
 
-    monkeypatch.setattr(
-        tables, "capture", lambda backend, device, on: (CapturedBackend(backend, lambda d: d), "x")
-    )
+    search_compilers: list = []
+
+    def stand_in(backend: Any, device: Any, on: bool, search_compiler: Any = "default") -> tuple:
+        search_compilers.append(search_compiler)
+        return CapturedBackend(backend, lambda d: d), "x"
+
+    monkeypatch.setattr(tables, "capture", stand_in)
     data = _table(tables, tiny_models("bart"), ([2], False))
     (row,) = data["rows"]
     assert row["step_path"] == "captured" and row["captured_first_s"] > 0
     assert row["shapes_compiled"] >= 1 and row["compile_seconds"] >= 0 and row["eager_steps"] == 0
     assert row["captured_steps"] > 0 and row["captured_same_as_eager"] == 1 and row["captured_speedup"] > 0
+    # the second captured arm: the model's step alone (no search compiler), timed against the first
+    assert search_compilers == ["default", None] and row["model_only_s_median"] > 0
+    assert row["search_graph_speedup"] > 0 and "| " in tables.table_row(row)
 
 
 def test_budget_skips_cells_and_names_their_command(tables: Any, tiny_models) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,23 @@ from seqgen_cli.search import Batch
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def sync_sites(fn: Any) -> dict[str, int]:
+    """``fn()`` under CUDA's sync debug mode: synchronising calls per source line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            sites[key] = sites.get(key, 0) + 1
+    return sites
 
 
 def synced(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:

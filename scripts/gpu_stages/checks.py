@@ -9,7 +9,6 @@ import json
 import platform
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import get_backend
 from seqgen_cli.search import Batch, generate
 
-from .base import encode, load_model, reset_peak, sync
+from .base import encode, load_model, reset_peak, sync, sync_sites
 
 TESTED_TRANSFORMERS = "5.23.0"  # the CI's version; the equivalence suite's generate() reference
 
@@ -118,18 +117,7 @@ def section_sync(device: torch.device, path: Path, texts: list[str], quick: bool
     backend = get_backend(model)
     generate(backend, batch, config, sync_every=4)  # warm-up: allocator, kernels
     sync(device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            generate(backend, batch, config, sync_every=4)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sites: dict[str, int] = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            key = f"{Path(w.filename).name}:{w.lineno}"
-            sites[key] = sites.get(key, 0) + 1
+    sites = sync_sites(lambda: generate(backend, batch, config, sync_every=4))
     data = {
         "steps": steps,
         "host_checks": steps // 4,

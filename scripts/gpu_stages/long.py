@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,27 +17,10 @@ from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend, capture, cuda_graph_recordings
 from seqgen_cli.search import generate
 
-from .base import Budget, encode, load_model, recycled, sync
+from .base import Budget, encode, load_model, recycled, sync, sync_sites
 
 SETTINGS = dict(num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, early_stopping=True)
 EDGE = 10  # batches compared at each end of the run
-
-
-def sync_sites(fn: Any) -> dict[str, int]:
-    """``fn()`` under CUDA's sync debug mode: synchronising calls per source line."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sites: dict[str, int] = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            key = f"{Path(w.filename).name}:{w.lineno}"
-            sites[key] = sites.get(key, 0) + 1
-    return sites
 
 
 def section_long(

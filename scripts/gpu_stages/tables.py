@@ -139,6 +139,16 @@ def measure_cell(
         if cap is not None and ours is not None:
             row["captured_speedup"] = row["seqgen_s_median"] / row["captured_s_median"]
             row["captured_same_as_eager"] = sum(a == b for a, b in zip(cap, ours, strict=True)) / size
+        # the same with only the model's step captured (the search eager): what the search's graph brings
+        model_only, _ = capture(get_backend(model), device, True, search_compiler=None)
+        only_row, only = run_system(
+            "model_only",
+            lambda: generate(model_only, batch, config).sequences,
+            device, reps, True, size, new_tokens,
+        )  # fmt: skip
+        row |= only_row
+        if cap is not None and only is not None:
+            row["search_graph_speedup"] = row["model_only_s_median"] / row["captured_s_median"]
     hf_row, hf = run_system(
         "generate",
         lambda: model.generate(
@@ -241,6 +251,8 @@ def table_row(row: dict) -> str:
         _cell(row, "compile_seconds", ".1f", "captured"),
         _cell(row, "captured_speedup", ".2f", "captured"),
         f"{100 * row['captured_same_as_eager']:.0f} %" if "captured_same_as_eager" in row else "-",
+        _cell(row, "model_only_s_median", ".2f", "model_only"),
+        _cell(row, "search_graph_speedup", ".2f", "model_only"),
     ]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
 
@@ -251,14 +263,16 @@ def table_md(name: str, data: dict) -> list[str]:
         "",
         "| dtype | batch | seqgen s | generate() s | speed-up | seqgen samples/s | seqgen tokens/s | "
         "generate() samples/s | seqgen peak MiB | generate() peak MiB | = float32 | = generate() | "
-        "captured s | captured first run s | compile s | captured speed-up | = eager |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "captured s | captured first run s | compile s | captured speed-up | = eager | model step only captured s | "
+        "search graph speed-up |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *map(table_row, sorted_rows(data["rows"])),
         "",
         "median of the timed runs; OOM: that system ran out of memory (the others' figures stand); `= float32`: "
         f"outputs identical to seqgen in float32 on the first {data['reference_inputs']} inputs; `= generate()`: "
         "identical to generate() in the same dtype; captured: the decode step replayed as CUDA graphs "
         "(`models/capture.py`; seqgen s is the eager step); its first run compiles and records (compile s: "
-        "the capture path's own count), then its speed-up over the eager step and agreement with it.",
+        "the capture path's own count), then its speed-up over the eager step and agreement with it; model step only "
+        "captured: the beam search's step eager (no search graph), and the captured run's speed-up over it.",
     ]
     return md + skipped_md(data)
