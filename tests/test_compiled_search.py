@@ -132,20 +132,23 @@ def test_the_eager_slot_step_is_beam_search_bit_for_bit(
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
 def test_inputs_leave_and_the_rows_move_to_fewer_slots(tiny_models, family: str) -> None:
-    """16 inputs that end at different steps, checked every step: finished inputs idle in their slots, then the
-    rows move to 8 (and 4) slots, the search state into the kept one of each shape."""
+    """Batches of 16 inputs that end at different steps, checked every step: finished inputs idle in their slots;
+    once no more than 8 run, the rows move to 8 slots, the search state into the kept one of that shape. Which
+    batch gets there depends on the model's and tokenizer's outputs (real or offline tokenizers), so ten batches
+    run and each must equal the reference; at least one must have moved."""
     loaded = load(tiny_models(family))
-    batch = text_batch(loaded, 16, seed=3)
     settings = dict(num_beams=3, max_new_tokens=30, length_penalty=1.5, no_repeat_ngram_size=2)
-    reference = run(beam_only(loaded), loaded, batch, settings, sync_every=1)
-    backend = slots(loaded)
-    out = run(backend, loaded, batch, settings, sync_every=1)
-    assert (out.sequences, out.scores) == (reference.sequences, reference.scores)
-    moved = [kept for kept in backend.kept.values() if kept.search is not None]
-    shapes = sorted(kept.key[0] for kept in moved)
-    assert shapes[-1] == 16 and len(shapes) >= 2, f"the search state moved with the rows: {shapes}"
-    lengths = {len(seq) for per_input in out.sequences for seq in per_input}
-    assert len(lengths) > 3, "inputs should end at different steps"
+    moved_batches = 0
+    for seed in range(3, 13):
+        batch = text_batch(loaded, 16, seed=seed)
+        reference = run(beam_only(loaded), loaded, batch, settings, sync_every=1)
+        backend = slots(loaded)
+        out = run(backend, loaded, batch, settings, sync_every=1)
+        assert (out.sequences, out.scores) == (reference.sequences, reference.scores), seed
+        shapes = sorted(kept.key[0] for kept in backend.kept.values() if kept.search is not None)
+        assert shapes[-1] == 16, shapes
+        moved_batches += len(shapes) >= 2
+    assert moved_batches >= 1, "no batch moved its rows to fewer slots"
 
 
 def test_a_kept_search_state_keeps_its_addresses(tiny_models) -> None:
