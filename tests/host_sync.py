@@ -105,16 +105,21 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
 
 
 @contextmanager
-def recording(backend: Any) -> Iterator[SyncRecorder]:
-    """Run the code inside under a :class:`SyncRecorder` that follows the loop through ``backend``'s steps."""
+def recording(
+    backend: Any, first: tuple[Any, str] = (LogitsPipeline, "__call__"), step_name: str = "step"
+) -> Iterator[SyncRecorder]:
+    """Run the code inside under a :class:`SyncRecorder` that follows the loop through ``backend``'s steps:
+    an iteration starts with ``first`` (a class and its method: by default the processors, which run first in
+    every iteration) and steps through ``backend.<step_name>``."""
     rec = SyncRecorder()
-    pipeline_call, check, remaining = LogitsPipeline.__call__, Rows.check, Rows.remaining
-    step = backend.step
+    owner, method = first
+    start, check, remaining = getattr(owner, method), Rows.check, Rows.remaining
+    step = getattr(backend, step_name)
 
-    def on_pipeline(self: LogitsPipeline, *args: Any, **kwargs: Any) -> torch.Tensor:
-        rec.iteration += 1  # the processors run first in every iteration
+    def on_start(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rec.iteration += 1
         rec.phase = "step"
-        return pipeline_call(self, *args, **kwargs)
+        return start(self, *args, **kwargs)
 
     def on_check(self: Rows, done: torch.Tensor) -> Any:
         rec.phase = "check"
@@ -125,9 +130,9 @@ def recording(backend: Any) -> Iterator[SyncRecorder]:
         rec.phase = "finish"
         return remaining(self)
 
-    def on_step(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+    def on_step(*args: Any, **kwargs: Any) -> torch.Tensor:
         rec.phase = "step"
-        return step(state, tokens)
+        return step(*args, **kwargs)
 
     def python_level(name: str, original: Callable, to_host_only: bool = False) -> Callable:
         def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -138,10 +143,10 @@ def recording(backend: Any) -> Iterator[SyncRecorder]:
         return wrapper
 
     with ExitStack() as stack:
-        stack.enter_context(mock.patch.object(LogitsPipeline, "__call__", on_pipeline))
+        stack.enter_context(mock.patch.object(owner, method, on_start))
         stack.enter_context(mock.patch.object(Rows, "check", on_check))
         stack.enter_context(mock.patch.object(Rows, "remaining", on_remaining))
-        stack.enter_context(mock.patch.object(backend, "step", on_step))
+        stack.enter_context(mock.patch.object(backend, step_name, on_step))
         for name in ("tolist", "numpy", "cpu"):
             stack.enter_context(
                 mock.patch.object(torch.Tensor, name, python_level(name, getattr(torch.Tensor, name)))

@@ -20,8 +20,7 @@ capture path compiles like the model's step (``models/capture.py``: ``CapturedBa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -38,7 +37,6 @@ from seqgen_cli.search import Batch, generate, ngram
 from seqgen_cli.search.beam import BeamSearch
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
-from seqgen_cli.search.rows import Rows
 from seqgen_cli.search.settings import resolve_settings
 from seqgen_cli.search.slot_processors import (
     SlotHistory,
@@ -53,7 +51,7 @@ from tests.engine_models import FAMILIES as ENGINE_FAMILIES
 from tests.engine_models import load, text_batch
 from tests.equivalence import MASKED_SUM_RTOL, check_equivalence
 from tests.equivalence import SETTINGS as EQUIVALENCE
-from tests.host_sync import SyncRecorder, _to_host
+from tests.host_sync import recording
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "ngram-minlen-lp-forced": dict(
@@ -171,58 +169,10 @@ def test_a_kept_search_state_keeps_its_addresses(tiny_models) -> None:
     assert addresses[0] == addresses[1] == addresses[2]
 
 
-@contextmanager
-def recording_slots(backend: CapturedBackend) -> Iterator[SyncRecorder]:
+def recording_slots(backend: CapturedBackend) -> Any:
     """``tests/host_sync.py``'s recorder, following the slot search's loop: an iteration starts with its search
     step (``SlotBeamSearch.advance``) and continues with ``slot_step``."""
-    rec = SyncRecorder()
-    advance, check, remaining, slot_step = (
-        SlotBeamSearch.advance,
-        Rows.check,
-        Rows.remaining,
-        backend.slot_step,
-    )
-
-    def on_advance(self: SlotBeamSearch, logits: torch.Tensor) -> Any:
-        rec.iteration += 1
-        rec.phase = "step"
-        return advance(self, logits)
-
-    def on_check(self: Rows, done: torch.Tensor) -> Any:
-        rec.phase = "check"
-        rec.checks.append(rec.iteration)
-        return check(self, done)
-
-    def on_remaining(self: Rows) -> Any:
-        rec.phase = "finish"
-        return remaining(self)
-
-    def on_slot_step(state: Any) -> torch.Tensor:
-        rec.phase = "step"
-        return slot_step(state)
-
-    def python_level(name: str, original: Callable, to_host_only: bool = False) -> Callable:
-        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if not to_host_only or _to_host(args, kwargs):
-                rec.record(f"Tensor.{name}")
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    with ExitStack() as stack:
-        stack.enter_context(mock.patch.object(SlotBeamSearch, "advance", on_advance))
-        stack.enter_context(mock.patch.object(Rows, "check", on_check))
-        stack.enter_context(mock.patch.object(Rows, "remaining", on_remaining))
-        stack.enter_context(mock.patch.object(backend, "slot_step", on_slot_step))
-        for name in ("tolist", "numpy", "cpu"):
-            stack.enter_context(
-                mock.patch.object(torch.Tensor, name, python_level(name, getattr(torch.Tensor, name)))
-            )
-        stack.enter_context(
-            mock.patch.object(torch.Tensor, "to", python_level("to", torch.Tensor.to, to_host_only=True))
-        )
-        stack.enter_context(rec)
-        yield rec
+    return recording(backend, first=(SlotBeamSearch, "advance"), step_name="slot_step")
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
