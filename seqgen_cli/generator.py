@@ -334,9 +334,8 @@ class Generator:
             done, todo = known(batch.items) if known is not None else ([], batch.items)
             t0 = time.perf_counter()
             results = generate_split(self, todo) if todo else []
-            reader = getattr(self, "budget_reader", None)  # None: a stand-in without a model (tests)
-            if reader is not None:  # on CUDA, read again after a new shape's first batch
-                self.memory_budget = reader.after(todo, self.memory_budget, self._model_backend)
+            # on CUDA, read again after a new shape's first batch
+            self.memory_budget = self.budget_reader.after(todo, self.memory_budget, self._model_backend)
             yield BatchResults(batch, results, done, time.perf_counter() - t0)
 
     def batcher(

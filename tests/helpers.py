@@ -25,6 +25,7 @@ from seqgen_cli.batching import Batcher, Encoded
 from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
 from seqgen_cli.loading import Loaded
+from seqgen_cli.memory import BudgetReader
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,6 +56,8 @@ class FakeGen:
         self.loaded = Loaded(None, None, True, torch.device("cpu"), torch.float32)
         self.batches: list[list[list[int]]] = []
         self.fail = fail  # called with the batch before generating; may raise
+        self.memory_budget, self._model_backend = None, None  # as a CPU Generator: no budget
+        self.budget_reader = BudgetReader(self.loaded.device)
 
     @property
     def num_return_sequences(self) -> int:
