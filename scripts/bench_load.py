@@ -5,7 +5,7 @@ script by their pids), the arms interleaved and rotated per round, medians and s
 Arms, each an environment: "-" runs with none of ``OMP_VARS`` set (seqgen as shipped: ``OMP_WAIT_POLICY=PASSIVE``,
 ``seqgen_cli/openmp.py``; CTranslate2 with its defaults), ``GOMP_SPINCOUNT=300000`` is libgomp's own default
 when no wait policy is set (seqgen before the fix: a user's setting is kept), ``OMP_NUM_THREADS=1`` one thread.
-Besides wall time: seqgen's decode time (``--stats``: ``generate_seconds``) and every run's CPU time (user +
+Besides wall time: the decode time (seqgen's ``--stats`` ``generate_seconds``; CTranslate2's ``translate_batch``) and every run's CPU time (user +
 system, from ``getrusage``; idle OpenMP threads that spin show up there). From the repository root
 (``scripts/make_bench_models.py marian-base`` builds the model)::
 
@@ -160,15 +160,15 @@ def ct2_arms(args: argparse.Namespace, env: dict[str, str], src: Path, tmp: str)
         fixed["max_source_length"] = args.max_source_length
     gen = Generator(args.model, device="cpu", num_beams=args.beams, **fixed)
     path = ct2.convert(args.model)
-    out = Path(tmp, "ct2.txt")
+    out, stats = Path(tmp, "ct2.txt"), Path(tmp, "ct2.json")
     cmd = [sys.executable, "-m", "seqgen_cli.bench.baselines", "ct2", "--model", args.model]
     cmd += ["--ct2-model", str(path), "--input", str(src), "--output", str(out)]
     cmd += ["--settings", json.dumps(asdict(ct2.plan_for(gen, path))), "--batch-size", str(args.batch_size)]
-    cmd += ["--compute-type", args.dtype]
+    cmd += ["--compute-type", args.dtype, "--stats", str(stats)]
     cmd += ["--max-source-length", str(gen.max_source_length)] if gen.max_source_length else []
     cmd += ["--prefix", gen.prefix] if gen.prefix else []
     names = {arm: "ctranslate2" + (" (its defaults)" if arm == "-" else f" {arm}") for arm in args.ct2_arms}
-    return {name: Arm(cmd, arm_env(env, arm), out) for arm, name in names.items()}
+    return {name: Arm(cmd, arm_env(env, arm), out, stats) for arm, name in names.items()}
 
 
 def measure(arms: dict[str, Arm], args: argparse.Namespace) -> tuple[list[Run], dict[str, list[str]]]:
@@ -207,6 +207,9 @@ def run_once(arm: Arm, name: str, state: str, rnd: int) -> Run:
 
 
 def print_table(runs: list[Run], outputs: dict[str, list[str]], args: argparse.Namespace) -> None:
+    """The markdown table; output tokens per input: the outputs' lines tokenized again (special tokens in)."""
+    from transformers import AutoTokenizer
+
     names = list(outputs)
     first = outputs[names[0]]
     loads = {s: [r.loadavg[0] for r in runs if r.state == s] for s in STATES}
@@ -218,9 +221,10 @@ def print_table(runs: list[Run], outputs: dict[str, list[str]], args: argparse.N
         f"average just before the runs: quiet {min(loads['quiet']):.1f}-{max(loads['quiet']):.1f}, "
         f"loaded {min(loads['loaded']):.1f}-{max(loads['loaded']):.1f}. Seconds: median (min-max).\n"
     )
-    print("| system | whole process, quiet | loaded | loaded / quiet | decode (--stats), quiet | loaded "
-          "| loaded / quiet | CPU s, quiet | loaded | outputs = first row's |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| system | whole process, quiet | loaded | loaded / quiet | decode, quiet | loaded "
+          "| loaded / quiet | CPU s, quiet | loaded | outputs = first row's | output tokens per input |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
     for name in names:
         mine = {s: [r for r in runs if r.arm == name and r.state == s] for s in STATES}
         cells = []
@@ -233,7 +237,8 @@ def print_table(runs: list[Run], outputs: dict[str, list[str]], args: argparse.N
             if field != "cpu_seconds":
                 cells.append(f"{statistics.median(t['loaded']) / statistics.median(t['quiet']):.2f}")
         same = sum(a == b for a, b in zip(first, outputs[name], strict=True))
-        print(f"| {name} | {' | '.join(cells)} | {same}/{len(first)} |")
+        tokens = statistics.mean(len(tokenizer(line)["input_ids"]) for line in outputs[name])
+        print(f"| {name} | {' | '.join(cells)} | {same}/{len(first)} | {tokens:.1f} |")
 
 
 def _spread(t: list[float]) -> str:

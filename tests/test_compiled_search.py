@@ -32,7 +32,7 @@ from transformers import GenerationConfig
 import tests.equivalence  # noqa: F401  (single intra-op thread)
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import get_backend, linear_maps
-from seqgen_cli.models.capture import SKIPPED, CapturedBackend, Decode, compile_search
+from seqgen_cli.models.capture import SKIPPED, CapturedBackend, Decode, compile_search, held_bytes, tensors_of
 from seqgen_cli.search import Batch, generate, ngram
 from seqgen_cli.search.beam import BeamSearch
 from seqgen_cli.search.history import TokenHistory
@@ -151,7 +151,7 @@ def test_inputs_leave_and_the_rows_move_to_fewer_slots(tiny_models, family: str)
 
 def test_a_kept_search_state_keeps_its_addresses(tiny_models) -> None:
     """Three batches of one shape: the same search state, its tensors where they were (CUDA graphs read them in
-    place), refilled by each batch; the outputs are a fresh backend's."""
+    place), refilled by each batch, its bytes counted in the kept state's; the outputs are a fresh backend's."""
     loaded = load(tiny_models("bart"))
     settings = SETTINGS["ngram-minlen-lp-forced"]
     backend = slots(loaded)
@@ -165,6 +165,13 @@ def test_a_kept_search_state_keeps_its_addresses(tiny_models) -> None:
         state: SlotState = kept.search[1]  # type: ignore[index]
         states.append(state)
         addresses.append([t.data_ptr() for t in [*state.buffers(), *state.history.buffers()]])
+        model_bytes = held_bytes([*tensors_of(kept.inner), kept.tokens])
+        assert (
+            kept.nbytes
+            == held_bytes([*tensors_of(kept.inner), kept.tokens, *tensors_of(state)])
+            > model_bytes
+        )
+        assert backend.stats()["kept_bytes"] >= kept.nbytes  # what keep_bytes holds the kept states to
     assert states[0] is states[1] is states[2]
     assert addresses[0] == addresses[1] == addresses[2]
 

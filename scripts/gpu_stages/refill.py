@@ -31,6 +31,9 @@ from .base import (
 
 REFILL_SYSTEMS = ("refill", "no_refill")
 INPUTS_PER_SLOT = 4  # a refill cell runs 4 x its batch of inputs (sources recycled): slots get refilled
+# 8 bisection runs over 16 sources of 1024 tokens took a whole 190 s device call on an H200; 4 sources suffice for
+# a spread of lengths
+BISECT_INPUTS = 4
 MEAN_LENGTH = {False: 90.0, True: 12.0}  # the greedy mean length the EOS bias is bisected for (--quick: True)
 
 
@@ -43,14 +46,17 @@ def refill_settings(quick: bool) -> dict[str, Any]:
 
 
 def spread_model(base: Path, texts: list[str], device: torch.device, quick: bool) -> tuple[Path, float]:
-    """``base`` with an EOS bias in ``final_logits_bias`` bisected so that greedy outputs on the first 16 sources
-    average ``MEAN_LENGTH`` tokens (``_common.spread_checkpoint``; built once next to ``base``), and that bias."""
+    """``base`` with an EOS bias in ``final_logits_bias`` bisected so that greedy outputs on the first
+    ``BISECT_INPUTS`` sources average ``MEAN_LENGTH`` tokens (``_common.spread_checkpoint``; built once next to
+    ``base``), and that bias."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
     mean = MEAN_LENGTH[quick]
     dest = base.parent / f"{base.name}-eos{mean:g}"
-    path = spread_checkpoint(str(base), texts[:16], mean, refill_settings(quick), dest, None, str(device))
+    path = spread_checkpoint(
+        str(base), texts[:BISECT_INPUTS], mean, refill_settings(quick), dest, None, str(device)
+    )
     eos = AutoConfig.from_pretrained(path).eos_token_id
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         return path, float(f.get_tensor("final_logits_bias")[0, eos])

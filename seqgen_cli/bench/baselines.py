@@ -4,6 +4,8 @@
     python -m seqgen_cli.bench.baselines hf  --model DIR --input IN --output OUT --batch-size 8 --settings JSON
     python -m seqgen_cli.bench.baselines ct2 --model DIR --ct2-model CT2DIR --input IN --output OUT ...
 
+(ct2 --stats FILE: the seconds ``translate_batch`` / ``generate_batch`` took, as JSON ``generate_seconds``.)
+
 Both read one input per line (optional --prefix, truncated to --max-source-length), generate in batches
 sorted by length and write one decoded line per input, in input order. The driver (seqgen_cli.bench.e2e)
 resolves the settings with seqgen's Generator, as `seqgen generate` does, and passes them as JSON
@@ -70,6 +72,8 @@ def run_hf(args: argparse.Namespace) -> None:
 
 def run_ct2(args: argparse.Namespace) -> None:
     """Plain CTranslate2: ``Translator.translate_batch`` / ``Generator.generate_batch``."""
+    import time
+
     import ctranslate2
 
     tokenizer, seq2seq, ids = _inputs(args)
@@ -79,11 +83,15 @@ def run_ct2(args: argparse.Namespace) -> None:
     engine = cls(args.ct2_model, device=device, compute_type=args.compute_type, intra_threads=args.threads)
     tokens = [tokenizer.convert_ids_to_tokens(x) for x in ids]
     options = dict(plan["options"], max_batch_size=args.batch_size)
+    start = time.perf_counter()
     if seq2seq:
         prefix = [plan["prefix"]] * len(tokens) if plan["prefix"] else None
         results = engine.translate_batch(tokens, target_prefix=prefix, **options)
     else:
         results = engine.generate_batch(tokens, **options)
+    if args.stats:  # the decode alone, as seqgen's --stats generate_seconds
+        with open(args.stats, "w", encoding="utf-8") as f:
+            json.dump({"generate_seconds": time.perf_counter() - start}, f)
     outputs = []
     for res in results:
         hyp = list(res.hypotheses[0] if seq2seq else res.sequences[0])
@@ -110,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--compute-type", default="float32")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--stats", help="ct2: write the decode's seconds here (JSON, generate_seconds)")
     args = parser.parse_args(argv)
     if args.threads:
         import torch

@@ -234,7 +234,7 @@ class Kept:
     key: Key
     inner: Any  # the wrapped backend's static state
     tokens: Tensor  # [P * R] int64: the step's input tokens for every physical row
-    nbytes: int  # device bytes held (each storage once)
+    nbytes: int  # device bytes held (each storage once), the kept search state's with them
     owner: weakref.ref[Any] | None = None  # the CapturedState running on it; None: idle
     used: int = 0  # when a batch last took it (least recently used is released first)
     search: tuple[Any, Any] | None = None  # (key, state) of the slot search kept with it (search/slots.py)
@@ -591,12 +591,13 @@ class CapturedBackend:
 
     def kept_search(self, state: CapturedState, key: Any, make: Callable[[], Any]) -> Any:
         """The slot search's state kept with ``state``'s kept buffers (one per shape): ``make()``, its tensors
-        marked static, the first time or when ``key`` changes."""
+        marked static, the first time or when ``key`` changes; its bytes count in the kept state's (``keep_bytes``)."""
         kept = state.kept
         if kept.search is None or kept.search[0] != key:
             search = make()
             mark_static(search)
             kept.search = (key, search)
+            kept.nbytes = held_bytes([*tensors_of(kept.inner), kept.tokens, *tensors_of(search)])
         return kept.search[1]
 
     @torch.inference_mode()
