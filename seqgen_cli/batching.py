@@ -10,12 +10,14 @@ budget on its own still forms a batch of one. Windows are consecutive in input o
 window comes after every input of an earlier one. :func:`generate_split` runs a batch and, when it runs out of
 memory, splits it in halves down to a single input: no input is dropped.
 
-Batch independence. An input is padded to :func:`~seqgen_cli.shapes.input_width` of its own length, never to a longer
-neighbour's: a batch holds inputs of one bucket only. With the fast backends' row-invariant products
-(``models/linear_maps.py``) the bytes of an output then depend on its input and the settings only, not on
-which inputs share its batch, the window, the batch size, a shard or the reader's timing (CPU float32;
-tests/test_determinism.py). The refill engine (``--refill``) takes a whole window per call instead
-(``buckets=False``): its lanes pad each input on their own (docs/ARCHITECTURE.md, "Lanes and refill").
+Batch independence. An input's arithmetic runs at :func:`~seqgen_cli.shapes.input_width` of its own length, never
+at a longer neighbour's: the fast encoder-decoder backends run each input's encoder at its own width and sum
+cross-attention chunk by chunk (``Batch.widths``), so their batches mix widths (``buckets=False``); the others
+(decoder-only prompts, the generic backend) take inputs of one bucket per batch. With the fast backends'
+row-invariant products (``models/linear_maps.py``) the bytes of an output then depend on its input and the
+settings only, not on which inputs share its batch, the window, the batch size, a shard or the reader's timing
+(CPU float32; tests/test_determinism.py). The refill engine (``--refill``) takes a whole window per call
+(docs/ARCHITECTURE.md, "Lanes and refill").
 """
 
 from __future__ import annotations
@@ -225,8 +227,8 @@ def plan_batches(
     buckets: bool = True,
 ) -> list[list[int]]:
     """Positions grouped into batches of one :func:`~seqgen_cli.shapes.input_width` each: shortest first when ``sort``, else
-    bucket by bucket, in the given order within each. ``buckets=False`` (the refill engine, which pads each
-    input on its own): batches mix widths, cut by size and budget only."""
+    bucket by bucket, in the given order within each. ``buckets=False`` (backends that run each input at its own
+    width, and the refill engine): batches mix widths, cut by size and budget (at the batch's widest) only."""
     return list(iter_batches(lengths, batch_size, batch_tokens, rows, sort, memory, buckets))
 
 
@@ -244,16 +246,18 @@ def iter_batches(
     widths = [input_width(n) for n in lengths]
     order = sorted(range(len(lengths)), key=(lengths if sort else widths).__getitem__)
     batch: list[int] = []
+    widest = 0  # the batch's width: its widest input's
     for i in order:
-        width = widths[i]
+        width = max(widest, widths[i])
         budget = None if memory is None else memory.budget
         over = (batch_tokens is not None and width * (len(batch) + 1) * rows > batch_tokens) or (
             memory is not None and budget is not None and memory.cost(len(batch) + 1, width) > budget
         )
-        if batch and ((buckets and widths[batch[0]] != width) or len(batch) >= batch_size or over):
+        if batch and ((buckets and widths[batch[0]] != widths[i]) or len(batch) >= batch_size or over):
             yield batch
-            batch = []
+            batch, width = [], widths[i]
         batch.append(i)
+        widest = width
     if batch:
         yield batch
 

@@ -45,6 +45,7 @@ from seqgen_cli.loading import Loaded, load, source_limit
 from seqgen_cli.memory import BudgetReader, batch_bytes
 from seqgen_cli.search import choose_backend
 from seqgen_cli.search import settings as search_settings
+from seqgen_cli.search.protocol import Batch
 from seqgen_cli.search.refill import RefillStats
 from seqgen_cli.shapes import graph_width, input_width
 
@@ -227,11 +228,13 @@ class Generator:
         """Token ids to text, special tokens removed."""
         return self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
 
-    def pad(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pad to a rectangle ([B, S] int64 ids and mask), each input to its own width (:func:`~.batching.pad_ids`)."""
-        width = input_width(max(len(ids) for ids in batch), self._source_limit(None))
+    def pad(self, batch: Sequence[Sequence[int]]) -> Batch:
+        """Pad to a rectangle ([B, S] int64 ids and mask, :func:`~.batching.pad_ids`) of the widest input's own
+        width, with each input's own width (``Batch.widths``: an encoder-decoder backend encodes it there)."""
+        limit = self._source_limit(None)
+        widths = tuple(input_width(len(ids), limit) for ids in batch)
         left = not self.is_encoder_decoder
-        return pad_ids(batch, width, self.tokenizer.pad_token_id, left, self.loaded.device)
+        return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, self.loaded.device), widths)
 
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs (``--stats``, the closing line): device, dtype and :attr:`step_path`; under
@@ -260,9 +263,8 @@ class Generator:
             raise SeqgenError("cannot generate from an empty token sequence")
         from seqgen_cli.models.reference import hf_generate
         from seqgen_cli.search import generate
-        from seqgen_cli.search.protocol import Batch
 
-        padded = Batch(*self.pad(batch))
+        padded = self.pad(batch)
         if self.backend != "fast":
             return hf_generate(self.model, padded, self.config, scores=False)[0]
         if self.refill:
@@ -353,9 +355,11 @@ class Generator:
         if self.refill:
             window = default_window(self.lanes) if sort_window is None or sort_window <= 1 else sort_window
             batch_size, batch_tokens = max(self.lanes, window), None
+        # width buckets unless each input runs at its own width anyway (Batch.widths: fast encoder-decoder; refill)
+        buckets = not (self.refill or (self.backend == "fast" and self.is_encoder_decoder))
         return Batcher(
             chunks, passthrough, batch_size=batch_size, batch_tokens=batch_tokens, rows=self.rows_per_input,
-            window=sort_window, memory=self.memory_limit(), buckets=not self.refill, grow=early,
+            window=sort_window, memory=self.memory_limit(), buckets=buckets, grow=early,
         )  # fmt: skip
 
     def generate(self, texts: Sequence[str], batch_size: int = DEFAULT_BATCH_SIZE) -> list[list[str]]:

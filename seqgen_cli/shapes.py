@@ -9,6 +9,10 @@ Two widths, for two reasons:
 - :func:`graph_width`: the width of a compiled (captured) shape, or of the refill lanes' sources and prompt
   regions: a power of two, at least :data:`MIN_WIDTH`, so a run compiles a handful of shapes.
 
+An encoder-decoder batch mixes input widths: each input's encoder runs at its own :func:`input_width`, and the
+batch's cross-attention keys/values span :func:`cross_width` (whole chunks of :data:`CROSS_CHUNK` positions,
+``models/kv_cache.attention``), zeros past an input's own width.
+
 Rows and time: a captured batch pads its inputs to a power of two (:func:`graph_inputs`, and fewer as inputs
 leave: :func:`compacted`), its new-token cache slots to a multiple of :data:`SLOTS` (:func:`graph_slots`); a
 static step (captured, or refill) attends a span bucket of those slots (:func:`span_bucket`).
@@ -20,6 +24,7 @@ WIDTH_STEP = 8  # input widths are multiples of this (and finer steps are never 
 MIN_WIDTH = 64  # narrowest graph width; wider ones are powers of two
 SLOTS = 64  # a captured batch's new-token cache slots are allocated in multiples of this
 MIN_SPAN = 64  # a static step's narrowest self-attention span (captured and refill steps)
+CROSS_CHUNK = 64  # cross-attention sums its values over chunks of this many source positions
 
 
 def power_of_two(n: int) -> int:
@@ -42,6 +47,12 @@ def input_width(length: int, limit: int | None = None) -> int:
     step = max(WIDTH_STEP, power_of_two(length) // 16)
     width = -(-max(length, 1) // step) * step
     return width if limit is None else max(length, min(width, limit))
+
+
+def cross_width(width: int) -> int:
+    """The cross-attention width of a batch of sources padded to ``width``: whole :data:`CROSS_CHUNK` chunks
+    (graph widths are already)."""
+    return -(-width // CROSS_CHUNK) * CROSS_CHUNK
 
 
 def graph_width(n: int, limit: int | None = None) -> int:

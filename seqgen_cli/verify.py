@@ -242,7 +242,7 @@ def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | 
         return Agreement(note="int8 is not exact")
     if not ids:
         return Agreement(note="no inputs")
-    batch = Batch(*gen.pad(ids))
+    batch = gen.pad(ids)
     if settings_for(gen.model.config, batch, gen.config).mode == "sample":
         return Agreement(note="sampling draws differ from generate()'s")
     tol = tolerance(gen.loaded.dtype)

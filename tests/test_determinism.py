@@ -19,14 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from seqgen_cli.batching import Encoded
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import linear_maps
+from seqgen_cli.models.kv_cache import attention
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
-from seqgen_cli.search.protocol import Batch
-from seqgen_cli.shapes import input_width
+from seqgen_cli.shapes import CROSS_CHUNK, input_width
 from tests.helpers import seqgen
 from tests.tiny_models import copy_checkpoint, sample_texts
 
@@ -79,6 +80,35 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(inputs: int
         torch.set_num_threads(threads)
 
 
+def test_cross_attention_keeps_its_bits_at_wider_widths_and_in_any_batch() -> None:
+    """``kv_cache.attention`` with ``chunk`` (cross-attention, sources padded to whole chunks): an input's output
+    over its own width equals its output over a wider batch's (keys past its width zero and masked) and alone,
+    at 1-3 threads, for widths of 1 to 16 chunks. (One product over all keys does not keep them on this box's
+    MKL: the GEMM splits its inner dimension by its length.)"""
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            for chunks, wider in [(1, 2), (1, 16), (3, 4), (5, 7), (6, 16), (8, 9)]:
+                w, big = chunks * CROSS_CHUNK, wider * CROSS_CHUNK
+                q = torch.randn(3, 4, 4, 64, generator=g)  # [B, H, R, d]
+                k, v = torch.randn(3, 4, 64, w, generator=g), torch.randn(3, 4, w, 64, generator=g)
+                mask = torch.zeros(3, 1, 1, w)
+                mask[1, ..., w - 5 :] = float("-inf")  # an input shorter than its width
+                own = attention(q, k, v, mask, 0.125, chunk=CROSS_CHUNK)
+                pad = big - w
+                wide = attention(
+                    q, F.pad(k, (0, pad)), F.pad(v, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=float("-inf")),
+                    0.125, chunk=CROSS_CHUNK,
+                )  # fmt: skip
+                assert torch.equal(own, wide), f"{w} -> {big} keys, {n_threads} threads"
+                alone = attention(q[1:2], k[1:2], v[1:2], mask[1:2], 0.125, chunk=CROSS_CHUNK)
+                assert torch.equal(alone, own[1:2]), f"{w} keys alone, {n_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 # -- model backends -------------------------------------------------------------------------------------------
 
 
@@ -88,8 +118,7 @@ def _logits(
     """Input ``at``'s logits [steps, rows, V] from start() and teacher-forced step()s (the same token for every
     row); ``leave_at``: every other input leaves after that step."""
     backend = gen._engine()
-    input_ids, mask = gen.pad(batch)
-    state, first = backend.start(Batch(input_ids, mask), rows, len(steps) + 1)
+    state, first = backend.start(gen.pad(batch), rows, len(steps) + 1)
     out = [] if first is None else [first[at : at + 1].expand(rows, -1)]
     inputs = len(batch)
     token = gen.config.decoder_start_token_id if backend.is_encoder_decoder else steps[0]
@@ -105,21 +134,37 @@ def _logits(
 
 def _check_neighbours(gen: Generator) -> None:
     """One input's logits alone, and first or last among 1-4 inputs of its width bucket (of other lengths), with
-    them throughout or leaving after step 2: the same bits, for 1 and 3 rows per input."""
+    them throughout or leaving after step 2: the same bits, for 1 and 3 rows per input. Encoder-decoder models,
+    whose batches mix widths (``Batch.widths``), also among inputs of other widths: narrower, and wider by
+    several cross-attention chunks (``shapes.CROSS_CHUNK``), and both."""
     ids = [e.ids for e in gen.encode(sample_texts(100, seed=11))]
     widths = [input_width(len(s)) for s in ids]
-    x, *same_bucket = [s for s, w in zip(ids, widths, strict=True) if w == max(widths, key=widths.count)]
+    bucket = max((w for w in widths if w > 8), key=widths.count)  # narrower buckets exist
+    x, *same_bucket = [s for s, w in zip(ids, widths, strict=True) if w == bucket]
     assert len(same_bucket) >= 4 and len({len(s) for s in same_bucket}) > 1, "neighbours of other lengths"
+    groups = [same_bucket]
+    if gen.is_encoder_decoder:
+        narrow = [s[: 1 + i % (bucket - 8)] for i, s in enumerate(ids[:8])]  # narrower buckets
+        wide = [
+            (a + b + c)[: 200 + 37 * i]
+            for i, (a, b, c) in enumerate(zip(ids[:20], ids[10:], ids[20:], strict=False))
+        ]
+        wide = [s for s in wide if input_width(len(s)) > 128]  # other chunks than x's
+        assert len(narrow) >= 4 and len(wide) >= 4 and input_width(len(x)) <= 64
+        groups += [narrow, wide, [narrow[0], wide[0], narrow[1], wide[1]]]
     rng = random.Random(0)
     steps = [rng.randrange(4, gen._engine().vocab_size) for _ in range(6)]
     for rows in (1, 3):
         alone = _logits(gen, [x], 0, steps, rows, None)
-        for k in (1, 2, 4):
-            for at in (0, k):
-                batch = [*same_bucket[:at], x, *same_bucket[at:k]]
-                for leave_at in (None, 2):
-                    got = _logits(gen, batch, at, steps, rows, leave_at)
-                    assert torch.equal(got, alone), f"{k} neighbours, at {at}, leave {leave_at}, R={rows}"
+        for g, neighbours in enumerate(groups):
+            for k in (1, 2, 4):
+                for at in (0, k):
+                    batch = [*neighbours[:at], x, *neighbours[at:k]]
+                    for leave_at in (None, 2):
+                        got = _logits(gen, batch, at, steps, rows, leave_at)
+                        assert torch.equal(got, alone), (
+                            f"group {g}: {k} neighbours, at {at}, leave {leave_at}, R={rows}"
+                        )
 
 
 @pytest.mark.parametrize("family", FAST_FAMILIES)

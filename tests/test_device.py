@@ -77,7 +77,9 @@ def _fake_generator(
 @pytest.mark.parametrize(("limit", "width"), [(None, 8), (5, 5)])  # 3 tokens' width bucket, or the limit
 def test_pad_layout(encoder_decoder: bool, limit: int | None, width: int) -> None:
     gen = _fake_generator("cpu", encoder_decoder, limit=limit)
-    ids, mask = Generator.pad(gen, [[1, 2, 3], [4]])
+    batch = Generator.pad(gen, [[1, 2, 3], [4]])
+    ids, mask = batch.input_ids, batch.attention_mask
+    assert batch.widths == (width, min(8, width))  # each input's own width
     pad = [9] * width
     if encoder_decoder:  # right padding
         assert ids.tolist() == [[1, 2, 3, *pad[3:]], [4, *pad[1:]]]
@@ -111,7 +113,7 @@ def test_pad_for_cuda_pins_and_copies_without_blocking() -> None:
         mock.patch.object(torch, "zeros", fake_zeros),
         mock.patch.object(torch.Tensor, "to", fake_to),
     ):
-        ids, _ = Generator.pad(_fake_generator("cuda", True), [[1, 2], [3]])
+        ids = Generator.pad(_fake_generator("cuda", True), [[1, 2], [3]]).input_ids
     assert pinned == [True, True]
     assert copies == [((torch.device("cuda"),), {"non_blocking": True})] * 2
     assert ids.tolist() == [[1, 2, *[9] * 6], [3, *[9] * 7]]  # width bucket 8
@@ -120,9 +122,10 @@ def test_pad_for_cuda_pins_and_copies_without_blocking() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pad_on_cuda_matches_the_host() -> None:
     batch = [[1, 2, 3], [4], [5, 6]]
-    ids, mask = Generator.pad(_fake_generator("cuda", False), batch)
-    ref_ids, ref_mask = Generator.pad(_fake_generator("cpu", False), batch)
-    assert ids.is_cuda and torch.equal(ids.cpu(), ref_ids) and torch.equal(mask.cpu(), ref_mask)
+    got = Generator.pad(_fake_generator("cuda", False), batch)
+    ref = Generator.pad(_fake_generator("cpu", False), batch)
+    assert got.input_ids.is_cuda and torch.equal(got.input_ids.cpu(), ref.input_ids)
+    assert torch.equal(got.attention_mask.cpu(), ref.attention_mask) and got.widths == ref.widths
 
 
 def test_device_stats_cpu_and_cuda() -> None:

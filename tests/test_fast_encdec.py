@@ -11,6 +11,7 @@ import torch
 
 from seqgen_cli.models import FAST_BACKENDS
 from seqgen_cli.search.protocol import Batch
+from seqgen_cli.shapes import cross_width
 from tests.helpers import load_tiny
 
 ENCDEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
@@ -92,15 +93,17 @@ def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
     inner = dec.heads * dec.head_dim
     itemsize = torch.finfo(torch.float32).bits // 8
     sizes = dec.cache_nbytes(state)
-    assert sizes["cross"] == dec.layers * 2 * bsz * s * inner * itemsize  # B, not B * beams
-    assert all(k.shape == (bsz, dec.heads, dec.head_dim, s) for k in state.cross_k)  # keys transposed
-    assert all(v.shape == (bsz, dec.heads, s, dec.head_dim) for v in state.cross_v)
+    w = cross_width(s)  # whole cross-attention chunks
+    assert sizes["cross"] == dec.layers * 2 * bsz * w * inner * itemsize  # B, not B * beams
+    assert all(k.shape == (bsz, dec.heads, dec.head_dim, w) for k in state.cross_k)  # keys transposed
+    assert all(v.shape == (bsz, dec.heads, w, dec.head_dim) for v in state.cross_v)
+    assert sizes["cross"] + sizes["self"] + sizes["bias"] == dec.cache_bytes(bsz, s, r, 5)
     # self-attention cache: preallocated once, N = B * R rows, max_new_tokens positions
     for cache in (state.cache.k, state.cache.v):  # one tensor per layer (in-place writes under torch.compile)
         assert len(cache) == dec.layers
         assert all(x.shape == (bsz, dec.heads, 5, r, dec.head_dim) for x in cache)
     dec.drop(state, torch.tensor([1]), torch.arange(r, 2 * r))
-    assert dec.cache_nbytes(state)["cross"] == dec.layers * 2 * 1 * s * inner * itemsize
+    assert dec.cache_nbytes(state)["cross"] == dec.layers * 2 * 1 * w * inner * itemsize
 
 
 def test_fused_qkv_shares_the_model_weights(tiny_models) -> None:

@@ -211,15 +211,16 @@ def first_line(err: BaseException) -> str:
 
 def pad_batch(batch: Batch, inputs: int, width: int, left: bool) -> Batch:
     """``batch`` [B, S] padded to ``inputs`` rows (copies of the last input) and ``width`` columns (masked;
-    on the left for decoder-only prompts, on the right for sources)."""
+    on the left for decoder-only prompts, on the right for sources); each input keeps its own width."""
     ids, mask = batch.input_ids, batch.attention_mask
     b, s = ids.shape
+    widths = None if batch.widths is None else (*batch.widths, *batch.widths[-1:] * (inputs - b))
     ids = torch.cat([ids, ids[-1:].expand(inputs - b, s)])  # [inputs, S]
     mask = torch.cat([mask, mask[-1:].expand(inputs - b, s)])
     pad = ids.new_zeros(inputs, width - s)  # [inputs, width - S]: token 0, masked
     ids = torch.cat([pad, ids] if left else [ids, pad], dim=1)  # [inputs, width]
     mask = torch.cat([pad, mask] if left else [mask, pad], dim=1)
-    return Batch(ids, mask)
+    return Batch(ids, mask, widths)
 
 
 Key = tuple[int, int, int, int]  # a kept state's shape: (graph inputs, rows per input, graph width, slots)

@@ -33,7 +33,7 @@ from seqgen_cli.models.kv_cache import (
 )
 from seqgen_cli.models.linear_maps import linear
 from seqgen_cli.search.protocol import Batch
-from seqgen_cli.shapes import MIN_WIDTH, graph_width
+from seqgen_cli.shapes import CROSS_CHUNK, MIN_WIDTH, cross_width, graph_width
 
 
 @dataclass
@@ -51,11 +51,11 @@ def cross_attention(
     q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """``q`` [N, H*d] (N = B*R, input-major), ``k_t`` [B, H, d, S], ``v`` [B, H, S, d], ``mask`` additive
-    [B, 1, 1, S] -> [N, H*d]."""
+    [B, 1, 1, S] -> [N, H*d]; ``S`` whole chunks (``shapes.cross_width``), summed chunk by chunk."""
     b, h, d, _ = k_t.shape
     n = q.shape[0]
     q = q.view(b, n // b, h, d).transpose(1, 2)  # [N, H*d] -> [B, H, R, d]: beams as query positions
-    out = attention(q, k_t, v, mask, scale)  # [B, H, R, d]
+    out = attention(q, k_t, v, mask, scale, chunk=CROSS_CHUNK)  # [B, H, R, d]
     return out.transpose(1, 2).reshape(n, h * d)  # [B, R, H, d] -> [N, H*d]
 
 
@@ -109,28 +109,53 @@ class EncoderDecoderBackend:
         """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, H, d, S], [B, H, S, d])."""
         return [(k.contiguous(), v.contiguous()) for k, v in self._cross_views(hidden)]
 
+    def _encode(self, batch: Batch, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Every layer's cross-attention keys [B, H, d, W] and values [B, H, W, d] and the mask [B, 1, 1, W] over
+        ``width`` (W, whole ``CROSS_CHUNK`` chunks) source positions. The model's own encoder runs once per input,
+        for each group of inputs of one own width (``batch.widths``) at that width: an input's encoder and
+        cross K/V are what they are with any neighbours; positions past an input's width hold zeros, masked."""
+        b, s = batch.input_ids.shape
+        widths = batch.widths or (s,) * b
+        mask = torch.nn.functional.pad(batch.attention_mask, (0, width - s))  # [B, W]
+        mask = torch.where(mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [B, 1, 1, W]
+        if len(set(widths)) == 1 and widths[0] == width == s:  # one group at the batch's width: no copies
+            cross = self._cross_kv(self._encoder(batch.input_ids, batch.attention_mask))
+            return [k for k, _ in cross], [v for _, v in cross], mask
+        hd = (self.heads, self.head_dim)
+        keys = [torch.zeros((b, *hd, width), dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        values = [torch.zeros((b, hd[0], width, hd[1]), dtype=self.dtype, device=self.device) for _ in keys]
+        for w in sorted(set(widths)):
+            rows = torch.tensor([i for i, x in enumerate(widths) if x == w], device=self.device)  # [G]
+            hidden = self._encoder(batch.input_ids[rows, :w], batch.attention_mask[rows, :w])  # [G, w, D]
+            for key, value, (k, v) in zip(keys, values, self._cross_views(hidden), strict=True):
+                key[rows, :, :, :w] = k  # [G, H, d, w]
+                value[rows, :, :w] = v  # [G, H, w, d]
+        return keys, values, mask
+
+    def _encoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The model's encoder: [B, S] ids and mask -> last hidden state [B, S, D]."""
+        enc = self.encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+        return enc.last_hidden_state
+
     @torch.inference_mode()
     def start(
         self, batch: Batch, rows_per_input: int, max_new_tokens: int
     ) -> tuple[EncoderDecoderState, None]:
-        enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
-        hidden = enc.last_hidden_state  # [B, S, D], the model's own encoder, once per input
-        cross = self._cross_kv(hidden)
-        mask = torch.where(batch.attention_mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
+        keys, values, mask = self._encode(batch, cross_width(batch.input_ids.shape[1]))
         max_len = max(1, max_new_tokens)  # step() is called at most max_new_tokens times
         cache = EncoderDecoderKVCache(
             self.layers,
-            hidden.shape[0],
+            batch.input_ids.shape[0],
             rows_per_input,
             self.heads,
             max_len,
             self.head_dim,
             self.dtype,
-            hidden.device,
+            self.device,
         )
         state = EncoderDecoderState(
-            cross_k=[k for k, _ in cross],
-            cross_v=[v for _, v in cross],
+            cross_k=keys,
+            cross_v=values,
             cross_mask=mask,
             cache=cache,
             max_len=max_len,
@@ -146,14 +171,12 @@ class EncoderDecoderBackend:
         on the slots only and stays. No first logits (``None``), as :meth:`start`."""
         b, s = batch.input_ids.shape
         held = (state.cross_mask.shape[0], state.cross_mask.shape[-1])
-        if (b, s) != held:
+        if (b, cross_width(s)) != held:
             raise ValueError(f"a batch of {b} x {s} cannot restart a state of {held[0]} x {held[1]} sources")
-        enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
-        for i, (k, v) in enumerate(self._cross_views(enc.last_hidden_state)):
-            state.cross_k[i].copy_(k)  # [B, H, d, S]
-            state.cross_v[i].copy_(v)  # [B, H, S, d]
-        mask = torch.where(batch.attention_mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
-        state.cross_mask.copy_(mask)
+        keys, values, mask = self._encode(batch, held[1])
+        for dst, src in zip(state.cross_k + state.cross_v, keys + values, strict=True):
+            dst.copy_(src)  # [B, H, d, S], [B, H, S, d]
+        state.cross_mask.copy_(mask)  # [B, 1, 1, S]
         state.cache.reset()
         state.t = 0
 
@@ -268,5 +291,5 @@ class EncoderDecoderBackend:
         ``new_tokens`` slots (what :meth:`cache_nbytes` then counts): cross K/V once per input, self K/V and
         back-pointers per row."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
-        slots = inputs * width + rows * t
+        slots = inputs * cross_width(width) + rows * t
         return kv_bytes(self.layers, self.heads, self.head_dim, self.dtype, slots) + pointer_bytes(rows, t)

@@ -162,10 +162,18 @@ def scores32(q: Tensor, keys_t: Tensor) -> Tensor:
     return torch.matmul(q.float(), keys_t.float())
 
 
-def attention(q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+def attention(
+    q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None, scale: float, chunk: int | None = None
+) -> Tensor:
     """``softmax(scale * q @ keys_t + bias) @ values`` with float32 scores: ``q`` [..., Q, d], ``keys_t``
     [..., d, K] (keys transposed), ``values`` [..., K, d], ``bias`` additive (0 / -inf, float32),
     broadcastable to [..., Q, K] -> [..., Q, d].
+
+    ``chunk`` (cross-attention: ``shapes.CROSS_CHUNK``; ``K`` a multiple of it): the values are summed chunk by
+    chunk (one product per chunk of ``chunk`` keys, then a sum over the chunks), so keys masked at the end (a
+    wider neighbour's source) add exact zeros and leave an input's bits as they are at its own width. One
+    product over all ``K`` keys does not: the GEMM splits its inner dimension by its length. The scores and the
+    softmax keep their bits at any width that is a multiple of 64 (measured; tests/test_determinism.py).
 
     float32 scales ``q`` before the product (the order it always had); float16 / bfloat16 take the product in
     float32 (:func:`scores32`) and scale the float32 scores, so neither the scores nor the scaled queries are
@@ -182,7 +190,14 @@ def attention(q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None, sc
         scores = torch.matmul(q if scale == 1.0 else q * scale, keys_t)  # [..., Q, K]
     if bias is not None:
         scores += bias
-    return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [..., Q, d]
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [..., Q, K]
+    if chunk is None:
+        return torch.matmul(probs, values)  # [..., Q, d]
+    *lead, q_len, k_len = probs.shape
+    c = k_len // chunk
+    probs = probs.view(*lead, q_len, c, chunk).transpose(-3, -2)  # [..., Q, C, chunk] -> [..., C, Q, chunk]
+    parts = torch.matmul(probs, values.view(*lead, c, chunk, values.shape[-1]))  # [..., C, Q, d]
+    return parts.sum(dim=-3)  # [..., Q, d]
 
 
 class GeneratedSlots:

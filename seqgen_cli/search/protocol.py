@@ -32,11 +32,14 @@ class Batch:
     """Tokenised inputs for one call.
 
     ``input_ids``/``attention_mask``: [B, S] int64. Encoder-decoder sources are right-padded;
-    decoder-only prompts are left-padded (as transformers' ``generate()`` expects them).
+    decoder-only prompts are left-padded (as transformers' ``generate()`` expects them). ``widths``: each
+    input's own padded width (``shapes.input_width``), at which an encoder-decoder backend runs its encoder;
+    ``None``: ``S`` for every input.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    widths: tuple[int, ...] | None = None
 
 
 @dataclass
