@@ -12,6 +12,8 @@ system, from ``getrusage``; idle OpenMP threads that spin show up there). From t
     python scripts/bench_load.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \
         --n 32 --beams 4 --new-tokens 48
 
+Variable lengths: ``--eos-bias 1.8`` on ``bart-base`` (no ``--new-tokens``: the checkpoint's 56-142 tokens).
+
 Every run is logged on stderr with the load average (1, 5, 15 min) just before it; on a shared box the
 "quiet" column is not quiet.
 """
@@ -108,6 +110,11 @@ def main() -> None:
     ap.add_argument(
         "--max-source-length", type=int, help="both systems: truncate sources to this many tokens"
     )
+    ap.add_argument(
+        "--eos-bias", type=float,
+        help="run the model with this EOS logit bias (final_logits_bias, BART family; built once next to it by "
+        "scripts/_common.spread_checkpoint): outputs stop at their own, spread lengths",
+    )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--arms", nargs="*", default=SEQGEN_ARMS, help="seqgen's: VAR=VALUE[,VAR=VALUE], - for none"
@@ -118,6 +125,12 @@ def main() -> None:
     ap.add_argument("--hogs", type=int, default=1, help="competing busy loops when loaded")
     ap.add_argument("--json", help="write every run here")
     args = ap.parse_args()
+    if args.eos_bias is not None:
+        from _common import spread_checkpoint
+
+        base = Path(args.model).expanduser().resolve()
+        dest = base.parent / f"{base.name}-bias{args.eos_bias:g}"
+        args.model = str(spread_checkpoint(str(base), [], 0.0, {}, dest, args.eos_bias))
     env = {k: v for k, v in os.environ.items() if k not in OMP_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     with tempfile.TemporaryDirectory(prefix="seqgen-load-") as tmp:
