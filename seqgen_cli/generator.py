@@ -234,7 +234,9 @@ class Generator:
         limit = self._source_limit(None)
         widths = tuple(input_width(len(ids), limit) for ids in batch)
         left = not self.is_encoder_decoder
-        return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, self.loaded.device), widths)
+        return Batch(
+            *pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, self.loaded.device), widths
+        )
 
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs (``--stats``, the closing line): device, dtype and :attr:`step_path`; under

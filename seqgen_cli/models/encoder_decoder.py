@@ -109,7 +109,9 @@ class EncoderDecoderBackend:
         """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, H, d, S], [B, H, S, d])."""
         return [(k.contiguous(), v.contiguous()) for k, v in self._cross_views(hidden)]
 
-    def _encode(self, batch: Batch, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    def _encode(
+        self, batch: Batch, width: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """Every layer's cross-attention keys [B, H, d, W] and values [B, H, W, d] and the mask [B, 1, 1, W] over
         ``width`` (W, whole ``CROSS_CHUNK`` chunks) source positions. The model's own encoder runs once per input,
         for each group of inputs of one own width (``batch.widths``) at that width: an input's encoder and
@@ -122,7 +124,9 @@ class EncoderDecoderBackend:
             cross = self._cross_kv(self._encoder(batch.input_ids, batch.attention_mask))
             return [k for k, _ in cross], [v for _, v in cross], mask
         hd = (self.heads, self.head_dim)
-        keys = [torch.zeros((b, *hd, width), dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        keys = [
+            torch.zeros((b, *hd, width), dtype=self.dtype, device=self.device) for _ in range(self.layers)
+        ]
         values = [torch.zeros((b, hd[0], width, hd[1]), dtype=self.dtype, device=self.device) for _ in keys]
         for w in sorted(set(widths)):
             rows = torch.tensor([i for i, x in enumerate(widths) if x == w], device=self.device)  # [G]
