@@ -231,12 +231,10 @@ class Generator:
     def pad(self, batch: Sequence[Sequence[int]]) -> Batch:
         """Pad to a rectangle ([B, S] int64 ids and mask, :func:`~.batching.pad_ids`) of the widest input's own
         width, with each input's own width (``Batch.widths``: an encoder-decoder backend encodes it there)."""
-        limit = self._source_limit(None)
-        widths = tuple(input_width(len(ids), limit) for ids in batch)
-        left = not self.is_encoder_decoder
-        return Batch(
-            *pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, self.loaded.device), widths
-        )
+        widths = tuple(input_width(len(ids), self._source_limit(None)) for ids in batch)
+        left, device = not self.is_encoder_decoder, self.loaded.device
+        ids, mask = pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device)
+        return Batch(ids, mask, widths)
 
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs (``--stats``, the closing line): device, dtype and :attr:`step_path`; under
