@@ -225,24 +225,12 @@ def plan_batches(
     sort: bool = True,
     memory: MemoryLimit | None = None,
     buckets: bool = True,
-) -> list[list[int]]:
-    """Positions grouped into batches of one :func:`~seqgen_cli.shapes.input_width` each: shortest first when ``sort``, else
-    bucket by bucket, in the given order within each. ``buckets=False`` (backends that run each input at its own
-    width, and the refill engine): batches mix widths, cut by size and budget (at the batch's widest) only."""
-    return list(iter_batches(lengths, batch_size, batch_tokens, rows, sort, memory, buckets))
-
-
-def iter_batches(
-    lengths: list[int],
-    batch_size: int,
-    batch_tokens: int | None,
-    rows: int = 1,
-    sort: bool = True,
-    memory: MemoryLimit | None = None,
-    buckets: bool = True,
 ) -> Iterator[list[int]]:
-    """:func:`plan_batches`, one batch at a time: the memory budget is read as each batch is cut, so a budget
-    read again after a batch ran applies to the rest of its window."""
+    """Positions grouped into batches of one :func:`~seqgen_cli.shapes.input_width` each: shortest first when
+    ``sort``, else bucket by bucket, in the given order within each. ``buckets=False`` (backends that run each
+    input at its own width, and the refill engine): batches mix widths, cut by size and budget (at the batch's
+    widest) only. One batch at a time: the memory budget is read as each batch is cut, so a budget read again
+    after a batch ran applies to the rest of its window."""
     widths = [input_width(n) for n in lengths]
     order = sorted(range(len(lengths)), key=(lengths if sort else widths).__getitem__)
     batch: list[int] = []
@@ -323,7 +311,7 @@ class Batcher:
         lengths = [len(it.ids or ()) for it in pending]
         window = self._windows
         self._windows += 1
-        for idx in iter_batches(
+        for idx in plan_batches(
             lengths, self.batch_size, self.batch_tokens, self.rows, self.sort, self.memory, self.buckets
         ):
             self.source_tokens += sum(lengths[i] for i in idx)

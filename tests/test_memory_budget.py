@@ -102,16 +102,16 @@ def test_batches_fit_the_memory_budget() -> None:
     def cost(inputs: int, width: int) -> int:
         return inputs * width * 100
 
-    assert plan_batches(lengths, 32, None, memory=MemoryLimit(5000, cost)) == [
+    assert list(plan_batches(lengths, 32, None, memory=MemoryLimit(5000, cost))) == [
         [0, 1, 2],
         [3, 4],
         [5],
         [6],
         [7],
     ]
-    assert plan_batches(lengths, 32, None, memory=None) == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert list(plan_batches(lengths, 32, None, memory=None)) == [[0, 1, 2, 3, 4], [5, 6, 7]]
     too_big = MemoryLimit(10, cost)  # nothing fits: each input alone, none dropped
-    assert plan_batches(lengths, 32, None, memory=too_big) == [[i] for i in range(8)]
+    assert list(plan_batches(lengths, 32, None, memory=too_big)) == [[i] for i in range(8)]
 
 
 def test_capture_padding_shrinks_the_batch(tiny_models) -> None:
@@ -125,8 +125,8 @@ def test_capture_padding_shrinks_the_batch(tiny_models) -> None:
         return MemoryLimit(captured.cache_bytes(4, 64, 2, 10), lambda n, w: backend.cache_bytes(n, w, 2, 10))
 
     lengths = [60] * 6
-    assert plan_batches(lengths, 32, None, memory=limit(captured)) == [[0, 1, 2, 3], [4, 5]]
-    assert plan_batches(lengths, 32, None, memory=limit(eager)) == [list(range(6))]
+    assert list(plan_batches(lengths, 32, None, memory=limit(captured))) == [[0, 1, 2, 3], [4, 5]]
+    assert list(plan_batches(lengths, 32, None, memory=limit(eager))) == [list(range(6))]
 
 
 def test_generator_sizes_batches_by_its_memory_budget(tiny_models, monkeypatch) -> None:

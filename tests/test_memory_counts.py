@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import GenerationConfig
 
-from seqgen_cli.batching import HEADROOM, LOGIT_BYTES, Item, MemoryLimit, iter_batches
+from seqgen_cli.batching import HEADROOM, LOGIT_BYTES, Item, MemoryLimit, plan_batches
 from seqgen_cli.generator import Generator
 from seqgen_cli.memory import (
     CANDIDATE_BYTES,
@@ -298,7 +298,7 @@ def test_a_budget_read_again_applies_to_the_rest_of_the_window() -> None:
     def cost(inputs: int, width: int) -> int:
         return inputs * 100
 
-    batches = iter_batches([16] * 12, 32, None, memory=MemoryLimit(lambda: budget[0], cost))
+    batches = plan_batches([16] * 12, 32, None, memory=MemoryLimit(lambda: budget[0], cost))
     first = next(batches)
     budget[0] = 500  # read again after the first batch ran
     assert [first, *batches] == [[0, 1], [2, 3, 4, 5, 6], [7, 8, 9, 10, 11]]

@@ -22,17 +22,18 @@ from seqgen_cli.shapes import input_width  # noqa: E402
     st.one_of(st.none(), st.integers(1, 2000)),
     st.integers(1, 4),
     st.booleans(),
+    st.booleans(),
 )
-def test_plan_partitions_within_limits(lengths, batch_size, batch_tokens, rows, sort) -> None:
-    batches = plan_batches(lengths, batch_size, batch_tokens, rows, sort)
+def test_plan_partitions_within_limits(lengths, batch_size, batch_tokens, rows, sort, buckets) -> None:
+    batches = list(plan_batches(lengths, batch_size, batch_tokens, rows, sort, buckets=buckets))
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert 1 <= len(b) <= batch_size
         widths = {input_width(lengths[i]) for i in b}
-        assert len(widths) == 1  # an input is never padded past its own width bucket
-        if batch_tokens is not None and len(b) > 1:
-            assert widths.pop() * len(b) * rows <= batch_tokens
-    if not sort:  # input order within each bucket
+        assert len(widths) == 1 or not buckets  # with buckets, one width bucket per batch
+        if batch_tokens is not None and len(b) > 1:  # counted at the batch's widest input
+            assert max(widths) * len(b) * rows <= batch_tokens
+    if not sort and buckets:  # input order within each bucket
         order = [i for b in batches for i in b]
         assert order == sorted(order, key=lambda i: input_width(lengths[i]))
 
