@@ -89,7 +89,9 @@ def simulate(
     runs, busy, padded, widest = [], 0, 0, 0
     for start in range(0, len(lengths), window):
         part = lengths[start : start + window]
-        for idx in plan_batches(part, batch_size, None, rows=BEAMS):
+        for idx in plan_batches(
+            part, batch_size, None, rows=BEAMS, buckets=False
+        ):  # as encoder-decoder runs batch
             width = bucketing(max(part[i] for i in idx))
             batch, n = batch_steps(width, [outs[start + i] for i in idx], compact)
             runs.append(batch)
