@@ -17,7 +17,7 @@ import click
 from seqgen_cli import __version__
 from seqgen_cli.batching import DEFAULT_BATCH_SIZE
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.openmp import govern_threads, prefer_bounded_spin
+from seqgen_cli.openmp import choose_wait
 
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
@@ -158,13 +158,12 @@ def run(args: list[str] | None = None) -> None:
     flushes stdout and stderr, runs the ``atexit`` handlers (Ray, logging, temporary folders) and ends the
     process with :func:`main`'s exit status. An uncaught exception (``SEQGEN_DEBUG=1``) exits as usual.
 
-    First, before torch is imported, idle OpenMP threads spin only briefly and torch's thread count follows
-    the cores other processes leave free (:mod:`seqgen_cli.openmp`; a user's wait policy or
-    ``OMP_NUM_THREADS`` is kept), and SIGTERM becomes Ctrl-C (what is done is written, exit 130), model loading
-    included.
+    First, before torch is imported, the OpenMP setting (:func:`seqgen_cli.openmp.choose_wait`: idle threads
+    that spin only briefly and a thread count that follows the cores other processes leave free, or, where
+    others fill half the cores already, sleeping threads; a user's wait policy or ``OMP_NUM_THREADS`` is kept),
+    and SIGTERM becomes Ctrl-C (what is done is written, exit 130), model loading included.
     """
-    prefer_bounded_spin(os.environ)
-    govern_threads(os.environ)
+    choose_wait(os.environ)
     signal.signal(signal.SIGTERM, _terminated)  # a scheduler's stop, as Ctrl-C: from the start, loading too
     try:
         main(args)  # standalone click: always ends in SystemExit

@@ -12,10 +12,14 @@ can. Two settings, then:
 
 * Importing ``seqgen_cli`` (library use: ``Generator``) before torch sets ``OMP_WAIT_POLICY=PASSIVE``: safe
   everywhere, and the thread count stays the program's.
-* The ``seqgen`` process (:func:`seqgen_cli.cli.run`) instead bounds the spin (:data:`SPIN_COUNT`, ~tens of
-  microseconds) and runs a :class:`ThreadGovernor`: every :data:`INTERVAL` seconds of decoding it reads how
-  much of its cores other processes used (``/proc/stat`` against its own CPU time) and runs torch on the cores
-  left free, so spinning threads never share a core with another process for longer than that.
+* The ``seqgen`` process (:func:`seqgen_cli.cli.run`, :func:`choose_wait`) looks at the cores when it starts.
+  Where other processes run on at least half of them, it sets the passive policy and keeps every thread: a team
+  that sleeps between regions takes its share of the shared cores (on 2 cores beside one busy process, 2
+  passive threads decode 1.2× faster than 1 thread on the free core; docs/BENCHMARKS.md, "Load"). Otherwise it
+  bounds the spin (:data:`SPIN_COUNT`, ~tens of microseconds) and runs a :class:`ThreadGovernor`: every
+  :data:`INTERVAL` seconds of decoding it reads how much of its cores other processes used (``/proc/stat``
+  against its own CPU time) and runs torch on the cores left free, so spinning threads never share a core with
+  another process for longer than that.
 
 A user's own wait setting (:data:`WAIT_SETTINGS`) is kept, and ``OMP_NUM_THREADS`` fixes the thread count.
 When torch is already imported it is too late to set a policy, and nothing is set.
@@ -59,6 +63,47 @@ def _set_wait(environ: MutableMapping[str, str], name: str, value: str) -> bool:
         environ.pop(ours, None)
     environ[name], environ[MARK] = value, name
     return True
+
+
+def choose_wait(environ: MutableMapping[str, str], read_loadavg: Callable[[], str] | None = None) -> str:
+    """The ``seqgen`` process's setting, before torch loads: ``"passive"`` (:func:`prefer_passive_wait`, every
+    thread) where other processes' running threads (:func:`others_running`) fill at least half of this process's
+    cores, else a bounded spin (:func:`prefer_bounded_spin`) with a :class:`ThreadGovernor` (``"governed"``;
+    ``"fixed"`` where ``OMP_NUM_THREADS`` fixes the count). A user's wait setting or thread count is never
+    replaced, and with either no passive policy is chosen."""
+    global _CHOICE
+    user = (
+        any(key in environ and key != environ.get(MARK) for key in WAIT_SETTINGS)
+        or "OMP_NUM_THREADS" in environ
+    )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not user and 2 * others_running(read_loadavg or _read_loadavg) >= cores:
+        prefer_passive_wait(environ)
+        _CHOICE = "passive"
+    else:
+        prefer_bounded_spin(environ)
+        _CHOICE = "governed" if govern_threads(environ) else "fixed"
+    return _CHOICE
+
+
+def others_running(read_loadavg: Callable[[], str], looks: int = 5, pause: float = 0.002) -> int:
+    """Threads of other processes running or ready to run now: ``/proc/loadavg``'s running count (its fourth
+    field, ``running/total``) less this thread, the median of ``looks`` looks ``pause`` seconds apart (a
+    snapshot each, so short-lived work seldom counts); 0 where it cannot be read."""
+    counts = []
+    for i in range(looks):
+        try:
+            counts.append(int(read_loadavg().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return 0
+        if i + 1 < looks:
+            time.sleep(pause)
+    return max(0, sorted(counts)[len(counts) // 2])
+
+
+def _read_loadavg() -> str:
+    with open("/proc/loadavg", encoding="ascii") as f:
+        return f.read()
 
 
 def busy_seconds(stat: str, cpus: Collection[int]) -> float:
@@ -128,6 +173,7 @@ class ThreadGovernor:
 
 
 _GOVERNOR: ThreadGovernor | None = None
+_CHOICE: str | None = None  # what choose_wait chose, for --stats
 
 
 def govern_threads(environ: MutableMapping[str, str]) -> bool:
@@ -163,9 +209,12 @@ def tick() -> None:
     governor.tick()
 
 
-def governor_stats() -> dict[str, int] | None:
-    """The governor's thread count now and its changes (``--stats``), or ``None`` without one."""
+def governor_stats() -> dict[str, int | str] | None:
+    """``--stats``: the governor's thread count now and its changes; ``{"wait": "passive"}`` where
+    :func:`choose_wait` chose sleeping threads; ``None`` without either."""
     g = _GOVERNOR
+    if _CHOICE == "passive":
+        return {"wait": "passive"}
     return (
         None
         if g is None or g.limit == 0

@@ -27,6 +27,7 @@ PROBE = """
 import os, sys
 import seqgen_cli.cli as cli
 from seqgen_cli import openmp
+openmp._read_loadavg = lambda: "0.00 0.00 0.00 1/100 1"  # a quiet box: only this process runs
 cli.main = lambda args: print(
     os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"), "torch" in sys.modules,
     openmp._GOVERNOR is not None,
@@ -61,6 +62,51 @@ def test_a_users_setting_is_kept(name: str, value: str) -> None:
     environ = {name: value}
     assert not prefer_passive_wait(environ) and not prefer_bounded_spin(environ)
     assert environ == {name: value}
+
+
+def _loadavg(*running: int):
+    """A ``/proc/loadavg`` reader whose looks see ``running`` running threads in turn (this one included)."""
+    looks = iter(running)
+    return lambda: f"1.00 1.00 1.00 {next(looks)}/321 4242"
+
+
+@pytest.mark.parametrize(
+    ("cores", "running", "user", "choice"),
+    [
+        (2, (2, 2, 1, 2, 3), {}, "passive"),  # another running thread on 2 cores (median of the looks)
+        (2, (1, 2, 1, 1, 3), {}, "governed"),  # a short-lived one seen twice of five: quiet
+        (4, (2, 2, 2, 2, 2), {}, "governed"),  # 1 of 4 cores taken: spin on the 3 free ones
+        (4, (3, 3, 3, 3, 3), {}, "passive"),
+        (2, (3, 3, 3, 3, 3), {"OMP_WAIT_POLICY": "active"}, "governed"),  # a user's policy stays
+        (2, (3, 3, 3, 3, 3), {"OMP_NUM_THREADS": "2"}, "fixed"),  # a user's count stays
+    ],
+)
+def test_the_process_sleeps_its_threads_where_others_fill_half_its_cores(
+    monkeypatch: pytest.MonkeyPatch, cores: int, running: tuple[int, ...], user: dict[str, str], choice: str
+) -> None:
+    monkeypatch.setattr(openmp.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(openmp, "_GOVERNOR", None)
+    monkeypatch.setattr(openmp, "_CHOICE", None)
+    environ = dict(user)
+    assert openmp.choose_wait(environ, _loadavg(*running)) == choice
+    assert (openmp._GOVERNOR is not None) == (choice == "governed")
+    if choice == "passive":
+        assert environ == {"OMP_WAIT_POLICY": "PASSIVE", MARK: "OMP_WAIT_POLICY"}
+        assert openmp.governor_stats() == {"wait": "passive"}
+    elif not user:
+        assert environ == {"GOMP_SPINCOUNT": SPIN_COUNT, MARK: "GOMP_SPINCOUNT"}
+    else:
+        assert all(environ[k] == v for k, v in user.items()) and "OMP_WAIT_POLICY" not in set(environ) - set(
+            user
+        )
+
+
+def test_others_running_is_zero_where_loadavg_cannot_be_read() -> None:
+    def broken() -> str:
+        raise OSError("no /proc")
+
+    assert openmp.others_running(broken) == 0
+    assert openmp.others_running(lambda: "garbage") == 0
 
 
 def test_process_entry_sets_it_before_torch_loads() -> None:
