@@ -146,6 +146,11 @@ class Generator:
         return search_settings.num_return_sequences(self.config)
 
     @property
+    def buckets(self) -> bool:
+        """One width bucket per batch, unless inputs run at their own widths (fast encoder-decoder, refill)."""
+        return not (self.refill or (self.backend == "fast" and self.is_encoder_decoder))
+
+    @property
     def rows_per_input(self) -> int:
         """Rows the model runs per input: beams, or returned sequences when more (sampling)."""
         return search_settings.rows_per_input(self.config)
@@ -229,12 +234,10 @@ class Generator:
         return self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
 
     def pad(self, batch: Sequence[Sequence[int]]) -> Batch:
-        """Pad to a rectangle ([B, S] int64 ids and mask, :func:`~.batching.pad_ids`) of the widest input's own
-        width, with each input's own width (``Batch.widths``: an encoder-decoder backend encodes it there)."""
+        """[B, S] ids and mask (:func:`~.batching.pad_ids`) at the widest input's width; ``widths``: each one's."""
         widths = tuple(input_width(len(ids), self._source_limit(None)) for ids in batch)
         left, device = not self.is_encoder_decoder, self.loaded.device
-        ids, mask = pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device)
-        return Batch(ids, mask, widths)
+        return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device), widths)
 
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs (``--stats``, the closing line): device, dtype and :attr:`step_path`; under
@@ -336,7 +339,6 @@ class Generator:
             done, todo = known(batch.items) if known is not None else ([], batch.items)
             t0 = time.perf_counter()
             results = generate_split(self, todo) if todo else []
-            # on CUDA, read again after a new shape's first batch
             self.memory_budget = self.budget_reader.after(todo, self.memory_budget, self._model_backend)
             yield BatchResults(batch, results, done, time.perf_counter() - t0)
 
@@ -355,11 +357,9 @@ class Generator:
         if self.refill:
             window = default_window(self.lanes) if sort_window is None or sort_window <= 1 else sort_window
             batch_size, batch_tokens = max(self.lanes, window), None
-        # width buckets unless each input runs at its own width anyway (Batch.widths: fast encoder-decoder; refill)
-        buckets = not (self.refill or (self.backend == "fast" and self.is_encoder_decoder))
         return Batcher(
             chunks, passthrough, batch_size=batch_size, batch_tokens=batch_tokens, rows=self.rows_per_input,
-            window=sort_window, memory=self.memory_limit(), buckets=buckets, grow=early,
+            window=sort_window, memory=self.memory_limit(), buckets=self.buckets, grow=early,
         )  # fmt: skip
 
     def generate(self, texts: Sequence[str], batch_size: int = DEFAULT_BATCH_SIZE) -> list[list[str]]:

@@ -54,7 +54,10 @@ def bench_decode(
 
         def cell(bs: int, n: int) -> Cell:
             ids = encoded[:n]
-            batches = [[ids[i] for i in b] for b in plan_batches([len(x) for x in ids], bs, None)]
+            plan = plan_batches(
+                [len(x) for x in ids], bs, None, buckets=gen.buckets
+            )  # as `seqgen generate` cuts
+            batches = [[ids[i] for i in b] for b in plan]
             return {
                 x.name: Entrant(
                     _run_once(x, batches, device), x.backend, kind if x.measured else "n/a", x.notes
