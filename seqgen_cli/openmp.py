@@ -53,14 +53,16 @@ def prefer_bounded_spin(environ: MutableMapping[str, str]) -> bool:
     return _set_wait(environ, "GOMP_SPINCOUNT", SPIN_COUNT)
 
 
+def _users_wait(environ: MutableMapping[str, str]) -> bool:
+    """Whether a user set any of :data:`WAIT_SETTINGS` (not the one seqgen made, named by :data:`MARK` in the
+    environment, which a child process sees too)."""
+    return any(key in environ and key != environ.get(MARK) for key in WAIT_SETTINGS)
+
+
 def _set_wait(environ: MutableMapping[str, str], name: str, value: str) -> bool:
-    ours = environ.get(
-        MARK
-    )  # the setting seqgen made, named in the environment (a child process sees it too)
-    if any(key in environ and key != ours for key in WAIT_SETTINGS):
+    if _users_wait(environ):
         return False
-    if ours:
-        environ.pop(ours, None)
+    environ.pop(environ.get(MARK, ""), None)
     environ[name], environ[MARK] = value, name
     return True
 
@@ -72,10 +74,7 @@ def choose_wait(environ: MutableMapping[str, str], read_loadavg: Callable[[], st
     ``"fixed"`` where ``OMP_NUM_THREADS`` fixes the count). A user's wait setting or thread count is never
     replaced, and with either no passive policy is chosen."""
     global _CHOICE
-    user = (
-        any(key in environ and key != environ.get(MARK) for key in WAIT_SETTINGS)
-        or "OMP_NUM_THREADS" in environ
-    )
+    user = _users_wait(environ) or "OMP_NUM_THREADS" in environ
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if not user and 2 * others_running(read_loadavg or _read_loadavg) >= cores:
         prefer_passive_wait(environ)

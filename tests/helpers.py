@@ -1,12 +1,14 @@
 """Helpers the test files share: :func:`seqgen` (the CLI in-process), :func:`load_tiny` (a checkpoint's model
 and tokenizer), :func:`write_lines`, and :class:`FakeGen` (a generator without a model: an input's output is its
-text reversed, :func:`expected`) with :class:`Capture` (a binary stream) for the pipeline tests."""
+text reversed, :func:`expected`) with :class:`Capture` (a binary stream) for the pipeline tests, and
+:func:`failing_on` (a compiler whose compiled step fails on a given call) for the capture tests."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -128,3 +130,26 @@ def run_seqgen(*args: str, cwd: Path | None = None, **kw) -> subprocess.Complete
     cmd = [sys.executable, "-m", "seqgen_cli", *args]
     kw.setdefault("timeout", 300)
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, **kw)
+
+
+def failing_on(call: int, error: Exception, after: bool = False) -> Callable[[Any], Any]:
+    """A compiler (of a model's ``decode`` or a search step: any ``(state, tensor) -> out``) whose compiled function
+    raises ``error`` on its ``call``-th call (1-based; ``after``: once the step has run, as a recording that fails
+    after the warm-up wrote the caches)."""
+
+    def compiler(step: Callable[[Any, torch.Tensor], Any]) -> Callable[[Any, torch.Tensor], Any]:
+        calls = 0
+
+        def run(state: Any, x: torch.Tensor) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == call and not after:
+                raise error
+            out = step(state, x)
+            if calls == call:
+                raise error
+            return out
+
+        return run
+
+    return compiler

@@ -11,7 +11,6 @@ CUDA's failures:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,33 +33,12 @@ from seqgen_cli.search.settings import rows_per_input
 from seqgen_cli.shapes import MIN_WIDTH, compacted, graph_width
 from tests.engine_models import beam_config, load, run_beam, text_batch
 from tests.equivalence import MASKED_SUM_RTOL
+from tests.helpers import failing_on
 
 
 def eager(decode: Decode) -> Decode:
     """A "compiler" that keeps ``decode`` as it is: the capture wrapper's logic without compiling."""
     return decode
-
-
-def failing_on(call: int, error: Exception, after: bool = False) -> Callable[[Decode], Decode]:
-    """A compiler whose compiled function raises ``error`` on its ``call``-th call (1-based; ``after``: once
-    ``decode`` has run, as a recording that fails after the warm-up wrote the caches)."""
-
-    def compiler(decode: Decode) -> Decode:
-        calls = 0
-
-        def run(state: Any, tokens: torch.Tensor) -> torch.Tensor:
-            nonlocal calls
-            calls += 1
-            if calls == call and not after:
-                raise error
-            logits = decode(state, tokens)
-            if calls == call:
-                raise error
-            return logits
-
-        return run
-
-    return compiler
 
 
 def _steps(backend: CapturedBackend) -> int:

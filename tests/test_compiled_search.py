@@ -20,7 +20,6 @@ capture path compiles like the model's step (``models/capture.py``: ``CapturedBa
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -51,6 +50,7 @@ from tests.engine_models import FAMILIES as ENGINE_FAMILIES
 from tests.engine_models import load, text_batch
 from tests.equivalence import MASKED_SUM_RTOL, check_equivalence
 from tests.equivalence import SETTINGS as EQUIVALENCE
+from tests.helpers import failing_on
 from tests.host_sync import recording
 
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -204,27 +204,6 @@ def test_a_slot_step_never_syncs(tiny_models, family: str) -> None:
     assert any(e.phase == "check" for e in rec.events), "the check itself was not seen: the recorder is blind"
 
 
-def failing_search(call: int, error: Exception, after: bool = False) -> Callable[[Any], Any]:
-    """A search compiler whose step raises ``error`` on its ``call``-th call (``after``: once the step ran)."""
-
-    def compiler(step: Any) -> Any:
-        calls = 0
-
-        def run_step(search: Any, logits: torch.Tensor) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == call and not after:
-                raise error
-            out = step(search, logits)
-            if calls == call:
-                raise error
-            return out
-
-        return run_step
-
-    return compiler
-
-
 @pytest.mark.parametrize("after", [False, True], ids=["before-step", "after-step"])
 @pytest.mark.parametrize("call", [1, 2, 3, 7])
 def test_a_search_failure_on_any_call_falls_back_to_eager(tiny_models, call: int, after: bool) -> None:
@@ -232,7 +211,7 @@ def test_a_search_failure_on_any_call_falls_back_to_eager(tiny_models, call: int
     batch, settings = text_batch(loaded, 5, seed=5), SETTINGS["ngram-minlen-lp-forced"]
     reference = run(beam_only(loaded), loaded, batch, settings)
     error = RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
-    backend = slots(loaded, failing_search(call, error, after))
+    backend = slots(loaded, failing_on(call, error, after))
     out = run(backend, loaded, batch, settings)
     assert (out.sequences, out.scores) == (reference.sequences, reference.scores)
     reason = "RuntimeError: CUDA error: operation not permitted when stream is capturing"
@@ -245,7 +224,7 @@ def test_a_search_failure_on_any_call_falls_back_to_eager(tiny_models, call: int
 def test_an_out_of_memory_in_the_search_step_is_raised(tiny_models) -> None:
     loaded = load(tiny_models("bart"))
     batch, settings = text_batch(loaded, 5, seed=5), SETTINGS["ngram-minlen-lp-forced"]
-    failing = failing_search(2, torch.OutOfMemoryError("CUDA out of memory"))
+    failing = failing_on(2, torch.OutOfMemoryError("CUDA out of memory"))
     backend = slots(loaded, failing)
     with pytest.raises(torch.OutOfMemoryError):
         run(backend, loaded, batch, settings)

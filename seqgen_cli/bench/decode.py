@@ -54,9 +54,8 @@ def bench_decode(
 
         def cell(bs: int, n: int) -> Cell:
             ids = encoded[:n]
-            plan = plan_batches(
-                [len(x) for x in ids], bs, None, buckets=gen.buckets
-            )  # as `seqgen generate` cuts
+            # batches as `seqgen generate` cuts them
+            plan = plan_batches([len(x) for x in ids], bs, None, buckets=gen.buckets)
             batches = [[ids[i] for i in b] for b in plan]
             return {
                 x.name: Entrant(
