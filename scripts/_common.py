@@ -184,13 +184,15 @@ def spread_checkpoint(
 
 def generate_ids(gen: Generator, texts: list[str], batch: int) -> list[list[list[int]]]:
     """``gen``'s token ids for ``texts`` (per input, its sequences), in input order, batched as
-    ``Generator.generate(texts, batch_size=batch)`` batches them (``Generator.batcher``; with refill each
-    look-ahead window runs over the generator's ``lanes``: build it with ``lanes=batch``)."""
-    from seqgen_cli.batching import generate_split, text_chunks
+    ``Generator.generate(texts, batch_size=batch)`` batches and runs them (``Generator.batcher`` and
+    ``generate_batches``; with refill each look-ahead window runs over the generator's ``lanes``: build it with
+    ``lanes=batch``)."""
+    from seqgen_cli.batching import text_chunks
 
     out: dict[int, list[list[int]]] = {}
-    for b in gen.batcher(text_chunks(texts, gen.encode), lambda items: None, batch):
-        for result in generate_split(gen, b.items):
+    batches = gen.batcher(text_chunks(texts, gen.encode), lambda items: None, batch)
+    for done in gen.generate_batches(batches):
+        for result in done.results:
             if result.error is not None:
                 raise RuntimeError(result.error)
             out[result.item.index] = result.sequences
