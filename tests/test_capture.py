@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from seqgen_cli.batching import Item, generate_split
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import get_backend, linear_maps
+from seqgen_cli.models import capture, get_backend, linear_maps
 from seqgen_cli.models.capture import (
     CapturedBackend,
     Decode,
@@ -312,6 +312,75 @@ def test_stats_reach_device_stats_and_the_closing_line(tiny_models) -> None:
     steps = stats["captured_steps"] + stats["eager_steps"]
     share = round(100 * stats["captured_steps"] / steps)
     assert f", step {backend.path} (1 shapes compiled in 0s, {share}% of {steps} steps captured)" in line
+
+
+def _skipping_guards() -> bool:
+    """Whether compiled calls now run only dynamo's differentiating guards (``capture.unguarded``)."""
+    return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+
+
+def test_a_settled_shape_runs_only_the_differentiating_guards(tiny_models) -> None:
+    """Per key (batch shape and span bucket for ``decode``; slot shape and search settings for the search step):
+    its first ``SETTLING_CALLS`` calls run every guard (a new span is a new host value: it must recompile), every
+    later one only the differentiating guards; nothing outside a compiled call runs so."""
+    loaded = load(tiny_models("bart"))
+    decodes: list[tuple[int, bool]] = []  # (span, skipping) per compiled decode call
+    searches: list[bool] = []
+
+    def spying_decode(decode: Decode) -> Decode:
+        def run(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+            decodes.append((state.cache.span, _skipping_guards()))
+            return decode(state, tokens)
+
+        return run
+
+    def spying_search(step: Any) -> Any:
+        def run(state: Any, logits: torch.Tensor) -> Any:
+            searches.append(_skipping_guards())
+            return step(state, logits)
+
+        return run
+
+    backend = CapturedBackend(get_backend(loaded.model), spying_decode, search_compiler=spying_search)
+    kwargs = dict(min_new_tokens=70, max_new_tokens=70)  # 128 slots: spans 64, then 128
+    assert run_beam(backend, loaded, **kwargs) == run_beam(get_backend(loaded.model), loaded, **kwargs)
+    assert backend.steps["eager"] == 0 and not _skipping_guards()
+    spans = sorted({span for span, _ in decodes})
+    assert spans == [64, 128], spans
+    settled = capture.SETTLING_CALLS
+    for span in spans:
+        flags = [skipping for s, skipping in decodes if s == span]
+        assert len(flags) > settled and flags == [False] * settled + [True] * (len(flags) - settled), span
+    # the checked first replay calls the step a second time, eagerly (not through the spy)
+    assert len(searches) > settled and searches == [False] * settled + [True] * (len(searches) - settled)
+
+
+@pytest.mark.slow  # inductor compiles two spans and the search step: about a minute on a loaded 2-core box
+def test_settled_shapes_through_the_real_compiler_stay_captured_and_exact(tiny_models, monkeypatch) -> None:
+    """Inductor (``fullgraph=True, dynamic=False``, CPU) over two span buckets, model and search compiled: with
+    only the differentiating guards on settled keys, every step still runs its own span's graph (a call under
+    that stance that needed another graph raises, which would turn the step eager), and the eager tokens."""
+    monkeypatch.setattr(linear_maps, "ONEDNN", False)  # oneDNN's fused linear does not lower in inductor
+    loaded = load(tiny_models("bart"))
+    torch._dynamo.reset()
+    unguarded, entered = capture.unguarded, [0]
+
+    def counting() -> Any:
+        entered[0] += 1
+        return unguarded()
+
+    monkeypatch.setattr(capture, "unguarded", counting)
+
+    def inductor(fn: Any) -> Any:
+        return torch.compile(fn, fullgraph=True, dynamic=False)
+
+    backend = CapturedBackend(get_backend(loaded.model), inductor, search_compiler=inductor)
+    kwargs = dict(min_new_tokens=70, max_new_tokens=70)
+    assert run_beam(backend, loaded, **kwargs) == run_beam(get_backend(loaded.model), loaded, **kwargs)
+    stats = backend.stats()
+    assert backend.path == "captured" and stats["span_buckets"] == [64, 128], stats
+    assert stats["eager_steps"] == 0 and stats["search_eager_steps"] == 0, stats
+    assert entered[0] > stats["captured_steps"], "settled calls of both steps ran under the stance"
 
 
 # -- the refill engine (search/refill.py) through the capture path ---------------------------------------------

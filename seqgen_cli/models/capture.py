@@ -71,6 +71,7 @@ step's ``decode`` is idempotent too (``begin`` derives where it writes from the 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import time
@@ -258,17 +259,40 @@ class CapturedState:
     moved: Tensor | None = None  # [P' * R] after the last drop moved the rows to P' slots: each row's old row
 
 
-def call_under_limit(limit: int, fn: Callable[..., Any], *args: Any) -> Any:
+def call_under_limit(limit: int, fn: Callable[..., Any], *args: Any, settled: bool = False) -> Any:
     """``fn(*args)`` (a compiled function) under torch's recompile limit raised to at least ``limit`` (ours
     decides; a guard that misses on a known shape recompiles under it too) and a hit of it raising instead of
-    running eagerly unseen. Set and restored by attribute: ~6 µs a call (``config.patch``: ~100)."""
+    running eagerly unseen. Set and restored by attribute: ~6 µs a call (``config.patch``: ~100).
+
+    ``settled``: the call's shape (the caller's key: batch shape and span bucket, or slot shape and search
+    settings) has run its :data:`SETTLING_CALLS`, so a compiled entry for it exists and every host value its
+    graph depends on is in the key. Then only dynamo's *differentiating* guards run
+    (:func:`unguarded`): every tensor's metadata, and the values that told the entries apart so far, not the
+    hundreds of type, id and constant checks that cannot change for a kept state (~200 -> ~75 µs a call at BART
+    d 256 on the 2-core CPU of docs/BENCHMARKS.md). A new key's first calls run every guard, so a host value
+    that selects another graph (a new span bucket) recompiles and becomes a differentiating guard."""
     cfg = torch._dynamo.config
     old = cfg.recompile_limit, cfg.fail_on_recompile_limit_hit
     cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = max(old[0], limit), True
     try:
+        if settled:
+            with unguarded():
+                return fn(*args)
         return fn(*args)
     finally:
         cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = old
+
+
+def unguarded() -> Any:
+    """A context in which compiled calls run only the differentiating guards (``torch.compiler.set_stance``'s
+    ``skip_guard_eval_unsafe``), or nothing where torch lacks it or a caller chose another stance."""
+    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
+    if _SKIP_GUARDS and stance is not None and (stance.stance, stance.backend) == ("default", None):
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
+
+
+_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
 
 
 def outputs_differ(compiled: list[Tensor], eager: list[Tensor], tolerance: float) -> str | None:
@@ -315,7 +339,7 @@ class CompiledSearch:
         self.calls[shape] += 1
         skips, t0 = self._counters["inductor"]["cudagraph_skips"], time.perf_counter()
         try:
-            out = call_under_limit(self.max_shapes, compiled, search, logits)
+            out = call_under_limit(self.max_shapes, compiled, search, logits, settled=call >= SETTLING_CALLS)
         except Exception as err:  # noqa: BLE001 - any compile/capture failure: eager, with the reason
             if is_oom(err):
                 raise
@@ -633,7 +657,7 @@ class CapturedBackend:
         skips = self._skips()
         t0 = time.perf_counter()
         try:
-            logits = self._call(state, tokens)
+            logits = self._call(state, tokens, settled=call >= SETTLING_CALLS)
         except Exception as err:  # noqa: BLE001 - any compile/capture failure: eager, with the reason
             failure: str | None = f"{type(err).__name__}: {first_line(err)}"
             if is_oom(err):
@@ -665,9 +689,10 @@ class CapturedBackend:
         self.steps["captured"] += 1
         return logits
 
-    def _call(self, state: Any, tokens: Tensor) -> Tensor:
-        """The compiled ``decode`` under :func:`call_under_limit` (``max_shapes``)."""
-        return call_under_limit(self.max_shapes, self.compiled, state, tokens)  # type: ignore[arg-type]
+    def _call(self, state: Any, tokens: Tensor, settled: bool = False) -> Tensor:
+        """The compiled ``decode`` under :func:`call_under_limit` (``max_shapes``; ``settled``: the shape's
+        settling calls are done)."""
+        return call_under_limit(self.max_shapes, self.compiled, state, tokens, settled=settled)  # type: ignore[arg-type]
 
     def _differs(self, compiled: Tensor, eager: Tensor, shape: tuple[int, ...]) -> str | None:
         """Why the compiled step's logits are not the eager step's (beyond :func:`step_tolerance` of the largest
