@@ -28,7 +28,9 @@ repetitions (the capture path's kept states):
   (default mode here: no CUDA graphs on the CPU).
 
 Counted per step: the eager loop's ATen ops (the model step's, the search's and the loop's own), and for the
-compiled loop the kernels of the model's and the search's graphs plus the ATen ops run outside them.
+compiled loop the kernels of the model's and the search's graphs plus the ATen ops run outside them; and dynamo's
+cache lookup per compiled call (its guards), a settled key's calls on the differentiating guards (as shipped)
+against every guard.
 
 ``--checkouts A B``: run the same in a fresh process per checkout (``PYTHONPATH``), alternating, ``--reps``
 rounds (before/after a change). From the repository root::
@@ -245,11 +247,11 @@ def count_loop(backend: Any, batch: Batch, config: Any, sync_every: int, pause: 
         finally:
             count.paused = False
 
-    def outside(*args: Any) -> Any:  # a compiled call runs without the mode (no guard sees it)
+    def outside(*args: Any, **kwargs: Any) -> Any:  # a compiled call runs without the mode (no guard sees it)
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            return under_limit(*args)
+            return under_limit(*args, **kwargs)
 
     if pause == "model":
         backend.step = paused_step
@@ -261,6 +263,25 @@ def count_loop(backend: Any, batch: Batch, config: Any, sync_every: int, pause: 
         backend.__dict__.pop("step", None)
         capture.call_under_limit = under_limit
     return count.ops
+
+
+def lookup_us(backend: CapturedBackend, batch: Batch, config: Any, sync_every: int) -> dict[str, float]:
+    """Microseconds per compiled call in dynamo's cache lookup (its guards; ``torch.profiler``'s "TorchDynamo Cache
+    Lookup" events over one decode loop), with a settled key's calls on the differentiating guards only (as
+    shipped) and on every guard."""
+    from torch.profiler import profile
+
+    out = {}
+    for name, skip in (("differentiating guards", True), ("every guard", False)):
+        capture._SKIP_GUARDS, shipped = skip, capture._SKIP_GUARDS
+        try:
+            with profile() as prof:
+                decode_loop(backend, batch, config, sync_every)
+        finally:
+            capture._SKIP_GUARDS = shipped
+        (event,) = [e for e in prof.key_averages() if e.key == "TorchDynamo Cache Lookup"]
+        out[name] = event.self_cpu_time_total / event.count
+    return out
 
 
 def search_kernels(backend: CapturedBackend) -> int:
@@ -305,6 +326,7 @@ def bench_engine(family: str, args: argparse.Namespace) -> dict[str, Any]:
             count_loop(compiled, batch, config, args.sync_every, "compiled") / args.steps
         )
         out["search_kernels"] = search_kernels(compiled)
+        out["lookup_us"] = lookup_us(compiled, batch, config, args.sync_every)
         out["search_path"] = compiled.stats()["search_path"]
     out["ms_per_step"], out["search_ms_per_step"] = times, searching
     return out
@@ -351,6 +373,8 @@ def report_engine(results: list[dict[str, Any]], steps: list[dict[str, Any]]) ->
             f"{eager_s:.0f}); compiled {compiled:.0f} (model graph {model_k} kernels, search graph {search_k}, "
             f"outside the graphs {outside:.1f} ops): {compiled / eager:.2f} of eager; search {res['search_path']}"
         )
+        lookups = ", ".join(f"{name} {us:.0f}" for name, us in res["lookup_us"].items())
+        print(f"{res['family']} dynamo cache lookup per compiled call, settled keys, us: {lookups}")
 
 
 def main() -> None:

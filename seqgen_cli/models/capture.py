@@ -37,7 +37,9 @@ plans with): a new shape first releases the least recently used idle ones until 
 state and logits fit; an out-of-memory error releases every one before it is raised (the batch is split).
 
 Checked: each shape's first replay is compared with the eager step on the same state (``decode`` again:
-idempotent); logits further apart than :func:`step_tolerance` switch to eager for good, with the reason.
+idempotent); logits further apart than :func:`step_tolerance` switch to eager for good, with the reason. After
+that, dynamo's guards: a shape's (key's) later calls run only the differentiating ones (:func:`call_under_limit`,
+``settled``), the key naming every host value a graph depends on (batch shape, source width, slots, span bucket).
 
 The beam search's step is compiled the same way (``search/slots.py``; ``search_compiler``, :func:`compile_search`,
 which :func:`capture` passes): a pure function over the search's own static state, kept with each kept state
@@ -268,9 +270,12 @@ def call_under_limit(limit: int, fn: Callable[..., Any], *args: Any, settled: bo
     settings) has run its :data:`SETTLING_CALLS`, so a compiled entry for it exists and every host value its
     graph depends on is in the key. Then only dynamo's *differentiating* guards run
     (:func:`unguarded`): every tensor's metadata, and the values that told the entries apart so far, not the
-    hundreds of type, id and constant checks that cannot change for a kept state (~200 -> ~75 µs a call at BART
-    d 256 on the 2-core CPU of docs/BENCHMARKS.md). A new key's first calls run every guard, so a host value
-    that selects another graph (a new span bucket) recompiles and becomes a differentiating guard."""
+    type, id and constant checks that cannot change for a kept state (45-58 against 77-96 µs a call on the
+    CPU of docs/BENCHMARKS.md, "Compiled step on the CPU"). A new key's first calls run every guard, so a host
+    value that selects another graph (a new span bucket) recompiles and becomes a differentiating guard. The key
+    must name every such value: a settled call whose differentiating guards pass may run a graph traced for another
+    value, silently (``tests/test_capture.py``: a key without its span gives other tokens); one whose guards fail
+    raises (a compile is refused under the stance), which falls back to eager."""
     cfg = torch._dynamo.config
     old = cfg.recompile_limit, cfg.fail_on_recompile_limit_hit
     cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = max(old[0], limit), True
