@@ -355,6 +355,25 @@ def test_a_settled_shape_runs_only_the_differentiating_guards(tiny_models) -> No
     assert len(searches) > settled and searches == [False] * settled + [True] * (len(searches) - settled)
 
 
+def test_a_settled_call_that_no_entry_fits_runs_with_every_guard(tiny_models) -> None:
+    """Where no compiled entry passes the differentiating guards (here: dynamo's caches dropped), torch refuses to
+    compile under the stance; the call is made again with every guard, compiles, and the shape stays captured."""
+    loaded = load(tiny_models("bart"))
+    torch._dynamo.reset()
+
+    def dynamo_only(fn: Any) -> Any:  # dynamo's guards and caches, no inductor
+        return torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
+
+    backend = CapturedBackend(get_backend(loaded.model), dynamo_only, search_compiler=dynamo_only)
+    plain = run_beam(get_backend(loaded.model), loaded, max_new_tokens=8)
+    assert run_beam(backend, loaded, max_new_tokens=8) == plain
+    torch._dynamo.reset()  # every key settled, no entry left
+    assert run_beam(backend, loaded, max_new_tokens=8) == plain
+    stats = backend.stats()
+    assert backend.path == "captured" and stats["eager_steps"] == 0, stats
+    assert stats["search_path"] == "compiled" and stats["search_eager_steps"] == 0, stats
+
+
 @pytest.mark.slow  # inductor compiles two spans and the search step: about a minute on a loaded 2-core box
 def test_settled_shapes_through_the_real_compiler_stay_captured_and_exact(tiny_models, monkeypatch) -> None:
     """Inductor (``fullgraph=True, dynamic=False``, CPU) over two span buckets, model and search compiled: with
