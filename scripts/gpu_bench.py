@@ -20,7 +20,10 @@ this). Sections, each written to ``--out`` as soon as it is done (``results.json
   ``cnndm-bart`` preset with its natural stop, 4 x batch inputs (the sources recycled), per dtype and batch size:
   seconds (median, min-max of 3+ interleaved runs after each one's first, compiling, run), decode steps and
   slot occupancy, output tokens per input, whether outputs are identical, the capture path's counts (CUDA);
-* ``cli``: ``Generator`` on the device (pinned, non-blocking input copies) and ``device_stats()``.
+* ``cli``: ``Generator`` on the device (pinned, non-blocking input copies) and ``device_stats()``;
+* ``run``: whole ``seqgen generate`` processes over ``--run-inputs`` CNN/DM lines (the sources recycled),
+  ``--preset cnndm-bart``, batch 32: ``--no-capture``, then captured from empty inductor caches (every graph
+  compiled) and again on the warm caches: wall and generate seconds, shapes compiled, compile seconds.
 
 Each system of a table cell is timed on its own: one that runs out of memory is marked OOM and the others'
 figures stay. ``--batches max`` doubles the batch until seqgen's eager step runs out of memory. ``--budget S``
@@ -37,6 +40,7 @@ folder such as ``bench-results/gpu``, which stays between calls, and copy it to 
     scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16 --batches 256,max
     scripts/gpu_bench.sh --out DIR --budget 540 --stages refill --dtypes float16
     scripts/gpu_bench.sh --out DIR --budget 540 --stages refill --dtypes bfloat16
+    scripts/gpu_bench.sh --out DIR --budget 540 --stages run                       # 512 inputs
     scripts/gpu_bench.sh --device cpu --quick --out DIR             # tiny shapes on the CPU (CI)
     python scripts/gpu_bench.py --stage-shared                      # copy the needed shared files to .gpu-shared/
 
@@ -67,12 +71,13 @@ from gpu_stages.base import Budget, batch_plan  # noqa: E402
 from gpu_stages.checks import section_cli, section_env, section_equiv, section_sync  # noqa: E402
 from gpu_stages.long import section_long  # noqa: E402
 from gpu_stages.refill import refill_md, section_refill  # noqa: E402
+from gpu_stages.run import section_run  # noqa: E402
 from gpu_stages.tables import SHAPES, section_table, table_md  # noqa: E402
 from make_bench_models import build  # noqa: E402
 
 STAGE_FILES = ("tokenizers/bart-large-cnn", "tokenizers/gpt2", "data/cnndm/fastseq128/cnndm_128.txt")
 SOURCES = "data/cnndm/fastseq128/cnndm_128.txt"  # FastSeq's 128 CNN/DM test articles
-SECTIONS = ("env", "equiv", "sync", "bart", "long", "gpt2", "refill", "cli")
+SECTIONS = ("env", "equiv", "sync", "bart", "long", "gpt2", "refill", "cli", "run")
 TABLES = {  # section: its heading and how its rows are shown
     "bart": ("bart-large-cnn shape", table_md),
     "gpt2": ("GPT-2 shape", table_md),
@@ -165,6 +170,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     )
     ap.add_argument("--max-batch", type=int, default=4096, help="largest size 'max' tries")
     ap.add_argument("--reps", type=int, default=2, help="timed runs per arm (after one warm-up run)")
+    ap.add_argument("--run-inputs", type=int, help="lines of the run stage (default 512; --quick: 12)")
     ap.add_argument(
         "--budget",
         type=float,
@@ -232,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
             report.add("long", *section_long(models["bart"], texts, device, quick, budget))
         elif stage == "cli":
             report.add("cli", *section_cli(device, models["bart"], texts, args.out, quick))
+        elif stage == "run":
+            inputs = args.run_inputs or (12 if quick else 512)
+            report.add("run", *section_run(device, models["bart"], texts, args.out, inputs, budget, quick))
         elif stage == "refill":
             refill_reps = 2 if quick else max(3, args.reps)
             report.add_table("refill", section_refill(models["bart"], texts, device, dtypes, plan, args.max_batch,

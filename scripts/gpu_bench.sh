@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: install seqgen without dependencies, then run scripts/gpu_bench.py
 # (float32 equivalence on the device, host-sync audit, the bart-large-cnn and GPT-2 tables, refill vs
-# --no-refill, the CLI).
+# --no-refill, the CLI, whole runs captured and not).
 #
-#   scripts/gpu_bench.sh --out DIR [--shared DIR] [--stages equiv,sync,bart,gpt2,refill,cli] [--batches 32,64,128|max]
+#   scripts/gpu_bench.sh --out DIR [--shared DIR] [--stages equiv,sync,bart,long,gpt2,refill,cli,run] [--batches 32,64,128|max]
 #   scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16   # one stage per 10-minute call
 #   scripts/gpu_bench.sh --out DIR --budget 540 --stages refill --dtypes float16
 #   scripts/gpu_bench.sh --device cpu --quick --out DIR        # tiny shapes on the CPU (CI)

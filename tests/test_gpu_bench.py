@@ -124,7 +124,17 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
     assert results["cli"]["api_ok"] and results["cli"]["cli_ok"], results["cli"]
     step = "eager (cpu: no CUDA graphs)"
     assert results["cli"]["device_stats"] == {"device": "cpu", "dtype": "float32", "step_path": step}
+    run = results["run"]  # whole processes over 12 lines: on the CPU every arm runs the eager step
+    assert run["inputs"] == 12 and list(run["rows"]) == [
+        "--no-capture",
+        "captured, cold caches",
+        "captured, warm caches",
+    ]
+    for r in run["rows"].values():
+        assert r["rc"] == 0 and r["wall_s"] > 0 and r["generate_s"] > 0 and r["same_as_no_capture"] == 1, r
+        assert r["step_path"].startswith("eager (") and r["shapes_compiled"] is None, r
     md = (out / "results.md").read_text()
+    assert "## Whole `seqgen generate` runs: 12 CNN/DM inputs" in md
     assert "## bart-large-cnn shape" in md and "## GPT-2 shape" in md and "float32 equivalence" in md
     assert "## Refill vs --no-refill" in md and "| float16 | 2 | 8 |" in md
 
