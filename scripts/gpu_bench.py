@@ -22,8 +22,8 @@ this). Sections, each written to ``--out`` as soon as it is done (``results.json
   slot occupancy, output tokens per input, whether outputs are identical, the capture path's counts (CUDA);
 * ``cli``: ``Generator`` on the device (pinned, non-blocking input copies) and ``device_stats()``;
 * ``run``: whole ``seqgen generate`` processes over ``--run-inputs`` CNN/DM lines (the sources recycled),
-  ``--preset cnndm-bart``, batch 32: ``--no-capture``, then captured from empty inductor caches (every graph
-  compiled) and again on the warm caches: wall and generate seconds, shapes compiled, compile seconds.
+  ``--preset cnndm-bart``, batch 32: ``--no-capture``, the default (a shape compiled once it pays), ``--capture``
+  from empty inductor caches and again on warm ones: wall and generate seconds, shapes compiled, compile seconds.
 
 Each system of a table cell is timed on its own: one that runs out of memory is marked OOM and the others'
 figures stay. ``--batches max`` doubles the batch until seqgen's eager step runs out of memory. ``--budget S``

@@ -79,15 +79,15 @@ class Generator:
         prefix: str | None = None,
         max_source_length: int | None = None,
         seed: int | None = None,
-        capture: bool = True,
+        capture: bool | None = None,
         refill: bool = False,
         lanes: int = 32,
         lane_tokens: int | None = None,
         target_lang: str | None = None,
         **generation: Any,
     ) -> None:
-        """``capture``: on CUDA, run the fast backends' decode step as CUDA graphs (``models/capture.py``);
-        ``False`` runs it eagerly (``step_path`` says which, and why). ``refill``: run the fast engine over
+        """``capture``: on CUDA, the fast backends' decode step as CUDA graphs (``models/capture.py``), each shape
+        compiled once its eager steps pay for it (``None``), at once (``True``) or never (``False``; ``step_path``). ``refill``: run the fast engine over
         ``lanes`` fixed input lanes that finished inputs hand to waiting ones, at most ``lane_tokens`` padded source
         tokens x rows over them (``search/refill.py``; the fast backends' families, float32/half: elsewhere batches
         run as without it). ``target_lang``: a language code of the tokenizer (mBART-50 ``de_DE``, M2M-100 ``de``,
@@ -380,7 +380,7 @@ class GeneratorSpec:
     prefix: str | None = None
     max_source_length: int | None = None
     seed: int | None = None
-    capture: bool = True
+    capture: bool | None = None
     refill: bool = False
     lanes: int = DEFAULT_BATCH_SIZE  # refill: --batch-size
     lane_tokens: int | None = None  # refill: --batch-tokens

@@ -402,6 +402,78 @@ def test_settled_shapes_through_the_real_compiler_stay_captured_and_exact(tiny_m
     assert entered[0] > stats["captured_steps"], "settled calls of both steps ran under the stance"
 
 
+class Ticks:
+    """A clock that moves ``dt`` seconds each time it is read."""
+
+    def __init__(self, dt: float) -> None:
+        self.now, self.dt = 0.0, dt
+
+    def __call__(self) -> float:
+        self.now += self.dt
+        return self.now
+
+
+def test_a_shape_compiles_once_its_eager_steps_would_have_paid_for_it() -> None:
+    """Rent, then buy: the seconds capture would have saved (``1 - 1/speedup`` of each step, timed between two
+    consecutive steps of the shape) reach the compile cost: the default guess first, then this backend's mean."""
+    policy = capture.Amortized(compile_seconds=1.0, speedup=2.0, clock=Ticks(0.1))  # saves 0.05 s a step
+    none = (0, 0.0)
+    assert [policy.ready("a", t, none) for t in range(22)] == [False] * 20 + [True] * 2  # 20 intervals: 1.0 s
+    assert not policy.ready("b", 0, none) and not policy.ready("b", 5, none), (
+        "not consecutive: nothing counts"
+    )
+    assert policy.forgone["b"] == 0
+    fast = (2, 0.2)  # two shapes compiled in 0.2 s: 0.1 s each, two steps' worth
+    assert [policy.ready("c", t, fast) for t in range(4)] == [False, False, True, True]
+    assert policy.waiting(["a"]) == 2
+
+
+def test_amortized_capture_runs_eagerly_until_compiling_pays_then_captured(tiny_models) -> None:
+    """Through :class:`CapturedBackend`: a shape's steps run eagerly (its search too) until its forgone savings
+    reach the compile cost, then compiled (and checked) as ever; the tokens are the eager engine's either way."""
+    loaded = load(tiny_models("bart"))
+    compiled: list[int] = []
+
+    def counting(decode: Decode) -> Decode:
+        def run(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+            compiled.append(state.t)
+            return decode(state, tokens)
+
+        return run
+
+    policy = capture.Amortized(compile_seconds=1.0, speedup=2.0, clock=Ticks(0.1))  # pays after 20 intervals
+    backend = CapturedBackend(get_backend(loaded.model), counting, search_compiler=eager, amortized=policy)
+    kwargs = dict(min_new_tokens=30, max_new_tokens=30)  # one batch shape, one span bucket
+    assert run_beam(backend, loaded, **kwargs) == run_beam(get_backend(loaded.model), loaded, **kwargs)
+    # step 0 starts the clock; steps 1-20 each forgo 0.05 s: step 20 is the first compiled
+    assert compiled[0] == 20, compiled[:3]
+    assert backend.steps == {"eager": 20, "captured": 30 - 20}, backend.steps
+    assert backend.search is not None and backend.search.steps["compiled"] > 0
+    # the search compiles with its batch shape's model step (a batch's first search step is BeamSearch's)
+    assert backend.search.steps["eager"] == 20 - 1, backend.search.steps
+    assert backend.path == "captured" and backend.stats()["compile_when"] == "once it pays"
+
+
+def test_a_short_run_compiles_nothing_by_default(tiny_models) -> None:
+    """``capture(..., enabled=None)`` (the CLI's default): ~14 s of compiling against a tiny model's millisecond
+    steps never pays in a short run, which runs eagerly and says so; ``True`` compiles at once, ``False`` never."""
+    loaded = load(tiny_models("bart"))
+    cuda = torch.device("cuda")  # capture() decides by the device's type; nothing here runs on it
+    lazy, path = capture.capture(get_backend(loaded.model), cuda, None, compiler=eager, search_compiler=eager)
+    assert isinstance(lazy, CapturedBackend) and lazy.amortized is not None and path == "captured"
+    at_once, _ = capture.capture(get_backend(loaded.model), cuda, True, compiler=eager, search_compiler=eager)
+    assert isinstance(at_once, CapturedBackend) and at_once.amortized is None
+    never, path = capture.capture(get_backend(loaded.model), cuda, False)
+    assert not isinstance(never, CapturedBackend) and path == "eager (--no-capture)"
+    assert run_beam(lazy, loaded) == run_beam(get_backend(loaded.model), loaded) == run_beam(at_once, loaded)
+    assert lazy.steps["captured"] == 0 and lazy.steps["eager"] > 0 and not lazy.shapes
+    waiting = len(
+        lazy.amortized.forgone.keys() | lazy.amortized._last.keys()
+    )  # the batch and its compactions
+    assert waiting >= 1 and lazy.path == f"captured ({waiting} eager until compiling them pays)", lazy.path
+    assert at_once.steps["eager"] == 0 and at_once.steps["captured"] > 0
+
+
 # -- the refill engine (search/refill.py) through the capture path ---------------------------------------------
 
 REFILL = {  # family, settings, longest source/prompt: enc-dec runs past 64 steps (two spans), dec-only widens
@@ -555,3 +627,27 @@ def test_refill_through_the_real_compiler(tiny_models, monkeypatch, case: str) -
     assert out.sequences == plain.sequences
     for ours, theirs in zip(out.scores, plain.scores, strict=True):
         assert ours == pytest.approx(theirs, rel=MASKED_SUM_RTOL)
+
+
+@pytest.mark.parametrize("flag, enabled", [([], None), (["--capture"], True), (["--no-capture"], False)])
+def test_the_capture_flag_reaches_the_capture_path(
+    tiny_models, tmp_path, monkeypatch: pytest.MonkeyPatch, flag: list[str], enabled: bool | None
+) -> None:
+    """``seqgen generate``: no flag compiles a shape once it pays (``None``), ``--capture`` at once, ``--no-capture``
+    never; the engine's backend goes through :func:`capture.capture` with that setting."""
+    from tests.helpers import seqgen
+
+    seen: list[bool | None] = []
+    real = capture.capture
+
+    def recording(backend: Any, device: torch.device, on: bool | None, *args: Any, **kwargs: Any) -> Any:
+        seen.append(on)
+        return real(backend, device, on, *args, **kwargs)
+
+    monkeypatch.setattr(capture, "capture", recording)
+    src = tmp_path / "in.txt"
+    src.write_text("one input\n", encoding="utf-8")
+    args = ["generate", "-m", str(tiny_models("bart")), str(src), "--max-new-tokens", "3", "-q", *flag]
+    result = seqgen(*args, "-o", str(tmp_path / "out.txt"))
+    assert result.exit_code == 0, result.stderr
+    assert seen == [enabled]

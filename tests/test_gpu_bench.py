@@ -125,11 +125,7 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
     step = "eager (cpu: no CUDA graphs)"
     assert results["cli"]["device_stats"] == {"device": "cpu", "dtype": "float32", "step_path": step}
     run = results["run"]  # whole processes over 12 lines: on the CPU every arm runs the eager step
-    assert run["inputs"] == 12 and list(run["rows"]) == [
-        "--no-capture",
-        "captured, cold caches",
-        "captured, warm caches",
-    ]
+    assert run["inputs"] == 12 and len(run["rows"]) == 4 and "--capture, warm caches" in run["rows"]
     for r in run["rows"].values():
         assert r["rc"] == 0 and r["wall_s"] > 0 and r["generate_s"] > 0 and r["same_as_no_capture"] == 1, r
         assert r["step_path"].startswith("eager (") and r["shapes_compiled"] is None, r

@@ -12,7 +12,8 @@ branches on the step number (``models/kv_cache.py``), so one compiled graph serv
 within a span bucket (``shapes.span_bucket``: powers of two from 64; a step reads at most twice the slots
 written, not all of them).
 
-:class:`CapturedBackend` (CUDA, ``--capture``, the default there) runs ``decode`` through
+:class:`CapturedBackend` (CUDA, by default: a shape once its eager steps pay for compiling it,
+:class:`Amortized`; ``--capture``: every shape at once) runs ``decode`` through
 ``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``: a CUDA graph per batch shape and span
 bucket, replayed every step. Shapes come from a small fixed set, so a long length-sorted run compiles a handful:
 inputs are padded to a power-of-two number of *slots* (copies of the last input; their rows run idle),
@@ -131,20 +132,25 @@ def compile_search(step: SearchStep) -> SearchStep:
 def capture(
     backend: ModelBackend,
     device: torch.device,
-    enabled: bool,
+    enabled: bool | None,
     compiler: Compiler = compile_decode,
     search_compiler: SearchCompiler | None = compile_search,
 ) -> tuple[ModelBackend, str]:
     """The backend to run and its step path: ``(CapturedBackend, "captured")`` where the step can be captured,
-    else ``(backend, "eager (<reason>)")``. ``search_compiler``: the beam search's step too (``None``: eager)."""
-    if not enabled:
+    else ``(backend, "eager (<reason>)")``. ``enabled``: ``True`` compiles each shape at once, ``None`` (the
+    default) once its eager steps pay for it (:class:`Amortized`), ``False`` never. ``search_compiler``: the beam
+    search's step too (``None``: eager)."""
+    if enabled is False:
         reason = "--no-capture"
     elif device.type != "cuda":
         reason = f"{device.type}: no CUDA graphs"
     elif not hasattr(backend, "decode"):
         reason = f"{type(backend).__name__} has no static step"
     else:
-        return CapturedBackend(backend, compiler, search_compiler=search_compiler), "captured"
+        amortized = None if enabled else Amortized()
+        return CapturedBackend(
+            backend, compiler, search_compiler=search_compiler, amortized=amortized
+        ), "captured"
     return backend, f"eager ({reason})"
 
 
@@ -322,6 +328,51 @@ def outputs_differ(compiled: list[Tensor], eager: list[Tensor], tolerance: float
     return None
 
 
+COMPILE_SECONDS = (
+    14.0  # a graph's compile and recording on empty caches (bart-large-cnn, H200: docs/BENCHMARKS.md)
+)
+CAPTURED_SPEEDUP = (
+    3.0  # a captured step against the eager one (H200 fp16: 3.75x BART, 4.41x GPT-2; float32 1.33x)
+)
+
+
+class Amortized:
+    """When a shape is worth compiling (``--capture`` left to its default): once the steps it ran eagerly would,
+    captured, have saved what compiling it costs. Rent, then buy: a run never pays for compiling much more than
+    capture saves it (at most about twice the better of the two choices), and a short or varied run, whose shapes
+    each see a few hundred steps, compiles little or nothing (docs/BENCHMARKS.md, "Compile time on a real
+    stream": ~14 s a graph, ~40 graphs for 2,000 CNN/DM inputs, against ~40 s that capturing them all saves).
+
+    A step's time is the clock between two consecutive eager steps of a shape (model, search and host work; a
+    batch's first step starts nothing); what capture would save of it is ``1 - 1 / speedup``; what compiling
+    costs is the mean of this backend's shapes compiled so far, else ``compile_seconds``."""
+
+    def __init__(
+        self,
+        compile_seconds: float = COMPILE_SECONDS,
+        speedup: float = CAPTURED_SPEEDUP,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.compile_seconds, self.saves, self.clock = compile_seconds, 1.0 - 1.0 / speedup, clock
+        self.forgone: Counter[Any] = Counter()  # per shape: seconds capture would have saved it so far
+        self._last: dict[Any, tuple[int, float]] = {}  # per shape: (step, clock) of its last eager step
+
+    def ready(self, shape: Any, step: int, compiled: tuple[int, float]) -> bool:
+        """Whether ``shape``, about to run step ``step``, should compile now; ``compiled``: (shapes compiled so
+        far, their compile seconds)."""
+        now = self.clock()
+        last = self._last.get(shape)
+        if last is not None and last[0] == step - 1:
+            self.forgone[shape] += (now - last[1]) * self.saves
+        self._last[shape] = (step, now)
+        shapes, seconds = compiled
+        return self.forgone[shape] >= (seconds / shapes if shapes else self.compile_seconds)
+
+    def waiting(self, compiled: Iterable[Any]) -> int:
+        """Shapes that ran and are not compiled yet."""
+        return len(set(self._last) - set(compiled))
+
+
 class CompiledSearch:
     """The search's slot step (``search/slots.py``) compiled once by ``compiler`` (torch traces it once per slot
     shape) and guarded as ``decode`` is: a compile or recording error, torch's recompile limit or inductor skipping
@@ -342,7 +393,7 @@ class CompiledSearch:
 
     def __call__(self, shape: Any, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
         if self.failure is not None:
-            return self._eager(step, search, logits)
+            return self.eager(step, search, logits)
         compiled = self.compiled.get(step) or self.compiled.setdefault(step, self.compiler(step))
         call = self.calls[shape]
         self.calls[shape] += 1
@@ -366,13 +417,14 @@ class CompiledSearch:
         self.steps["compiled"] += 1
         return out
 
-    def _eager(self, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
+    def eager(self, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
+        """The step run eagerly (counted)."""
         self.steps["eager"] += 1
         return step(search, logits)
 
     def _fall_back(self, reason: str, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
         self.failure = reason
-        return self._eager(step, search, logits)
+        return self.eager(step, search, logits)
 
     @property
     def path(self) -> str:
@@ -391,11 +443,13 @@ class CapturedBackend:
         max_shapes: int | None = None,
         keep_bytes: int | None = None,
         search_compiler: SearchCompiler | None = None,
+        amortized: Amortized | None = None,
     ) -> None:
         """``max_shapes``: this instance's cap on compiled shapes (default ``MAX_SHAPES``). ``keep_bytes``: the
         device bytes its kept states may hold with a batch's logits (default: the device's memory budget,
         :func:`~seqgen_cli.batching.free_memory_budget`; on the CPU none). ``search_compiler``: compiles beam
-        search's slot step (:func:`compile_search`; ``None``: beam search runs as over any backend, eagerly)."""
+        search's slot step (:func:`compile_search`; ``None``: beam search runs as over any backend, eagerly).
+        ``amortized``: a shape compiles once its eager steps pay for it (:class:`Amortized`); ``None``: at once."""
         from torch._dynamo.utils import counters
 
         self.backend = backend
@@ -429,6 +483,7 @@ class CapturedBackend:
             else CompiledSearch(search_compiler, self.max_shapes, self.tolerance)
         )
         self.slot_search = self.search is not None  # beam search over the slots, its step compiled
+        self.amortized = amortized
 
     @property
     def path(self) -> str:
@@ -448,6 +503,9 @@ class CapturedBackend:
             notes.append(f"{len(self.oom_shapes)} eager: out of memory while compiling")
         if self.search is not None and self.search.failure is not None:
             notes.append(f"search {self.search.path}")
+        waiting = 0 if self.amortized is None else self.amortized.waiting(self.shapes)
+        if waiting:
+            notes.append(f"{waiting} eager until compiling them pays")
         return "captured" + (f" ({'; '.join(notes)})" if notes else "")
 
     def stats(self) -> dict[str, Any]:
@@ -460,6 +518,7 @@ class CapturedBackend:
             "max_shapes": self.max_shapes,
             "span_buckets": sorted({shape[-1] for shape in self.shapes}),
             "compile_seconds": round(self.compile_seconds, 1),
+            "compile_when": "at once" if self.amortized is None else "once it pays",
             "captured_steps": self.steps["captured"],
             "eager_steps": self.steps["eager"],
             "kept_shapes": len(self.kept),
@@ -605,7 +664,8 @@ class CapturedBackend:
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
         span = span_bucket(state.inner.t, state.inner.cache.max_len)  # the slots this step attends
         try:
-            return static_step(self._decoder((*state.shape, span)), state.inner, state.tokens)  # [P * R, V]
+            decode = self._decoder((*state.shape, span), state.inner.t)
+            return static_step(decode, state.inner, state.tokens)  # [P * R, V]
         except Exception as err:
             if is_oom(err):  # the batch is split: its halves find the memory the kept states held
                 self._release(busy=())
@@ -641,16 +701,22 @@ class CapturedBackend:
         """The slot search's step, compiled and guarded (:class:`CompiledSearch`)."""
         if self.search is None:
             raise RuntimeError("no search compiler: beam search does not run over the slots")
+        if self.amortized is not None and not any(shape[:-1] == state.shape for shape in self.calls):
+            return self.search.eager(step, search, logits)  # its model step is not compiled yet either
         return self.search((state.shape, getattr(search, "spec", None)), step, search, logits)
 
-    def _decoder(self, shape: tuple[int, ...]) -> Decode:
-        """The guarded compiled ``decode`` for ``shape``; the eager one after a failure, for a shape that ran
-        out of memory while compiling, and for new shapes once ``max_shapes`` are compiled."""
+    def _decoder(self, shape: tuple[int, ...], step: int) -> Decode:
+        """The guarded compiled ``decode`` for ``shape`` (about to run step ``step``); the eager one after a
+        failure, for a shape that ran out of memory while compiling, for new shapes once ``max_shapes`` are
+        compiled, and for a shape whose compiling does not pay yet (``amortized``)."""
         if self.compiled is None or shape in self.oom_shapes or shape in self.skipped_shapes:
             return self._eager
         if shape not in self.shapes and len(self.shapes) >= self.max_shapes:
             self.capped = True
             return self._eager
+        if self.amortized is not None and not self.calls[shape]:
+            if not self.amortized.ready(shape, step, (len(self.shapes), self.compile_seconds)):
+                return self._eager
         return partial(self._guarded, shape)
 
     def _eager(self, state: Any, tokens: Tensor) -> Tensor:
@@ -799,4 +865,4 @@ class CapturedBackend:
         span = span_bucket(step, cache.max_len)
         shape = (tokens.shape[0], self.backend.lane_width(state), span, cache.max_len)
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
-        return lane_step(self._decoder(shape), state, tokens, step)
+        return lane_step(self._decoder(shape, step), state, tokens, step)
