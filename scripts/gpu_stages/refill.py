@@ -77,9 +77,10 @@ def refill_cell(
     first: dict[str, list] = {}
     try:
         for system in REFILL_SYSTEMS:
-            gen = gens[system] = Generator(
-                str(path), device=str(device), dtype=dtype, refill=system == "refill", lanes=batch, **settings
-            )
+            gen = gens[system] = Generator(  # every shape compiled at once: the steps captured, as in the tables
+                str(path), device=str(device), dtype=dtype, refill=system == "refill", lanes=batch, capture=True,
+                **settings,
+            )  # fmt: skip
             reset_peak(device)
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             sync(device)
