@@ -328,12 +328,10 @@ def outputs_differ(compiled: list[Tensor], eager: list[Tensor], tolerance: float
     return None
 
 
-COMPILE_SECONDS = (
-    14.0  # a graph's compile and recording on empty caches (bart-large-cnn, H200: docs/BENCHMARKS.md)
-)
-CAPTURED_SPEEDUP = (
-    3.0  # a captured step against the eager one (H200 fp16: 3.75x BART, 4.41x GPT-2; float32 1.33x)
-)
+# A graph's compile and recording on empty caches (bart-large-cnn on the H200 of docs/BENCHMARKS.md, "GPU").
+COMPILE_SECONDS = 14.0
+# A captured step against the eager one (the same H200, fp16: 3.75x BART, 4.41x GPT-2; float32 1.33x).
+CAPTURED_SPEEDUP = 3.0
 
 
 class Amortized:
