@@ -651,3 +651,25 @@ def test_the_capture_flag_reaches_the_capture_path(
     result = seqgen(*args, "-o", str(tmp_path / "out.txt"))
     assert result.exit_code == 0, result.stderr
     assert seen == [enabled]
+
+
+@pytest.mark.slow  # inductor compiles the model step and the search step: ~20 s on a loaded 2-core box
+def test_compiling_mid_batch_through_the_real_compiler_keeps_the_tokens(tiny_models, monkeypatch) -> None:
+    """The amortized policy switches a running batch from eager steps to compiled ones (model and search, on the
+    same kept state): with a compile cost of nothing the switch comes at step 1; the eager engine's tokens."""
+    monkeypatch.setattr(linear_maps, "ONEDNN", False)  # oneDNN's fused linear does not lower in inductor
+    loaded = load(tiny_models("bart"))
+    torch._dynamo.reset()
+
+    def inductor(fn: Any) -> Any:
+        return torch.compile(fn, fullgraph=True, dynamic=False)
+
+    policy = capture.Amortized(compile_seconds=1e-12)
+    backend = CapturedBackend(get_backend(loaded.model), inductor, search_compiler=inductor, amortized=policy)
+    kwargs = dict(min_new_tokens=12, max_new_tokens=12)
+    assert run_beam(backend, loaded, **kwargs) == run_beam(get_backend(loaded.model), loaded, **kwargs)
+    stats = backend.stats()
+    assert (
+        backend.path == "captured" and stats["captured_steps"] > 0 and stats["search_compiled_steps"] > 0
+    ), stats
+    assert stats["eager_steps"] >= 1 and stats["compile_when"] == "once it pays", stats
