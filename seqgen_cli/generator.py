@@ -90,9 +90,8 @@ class Generator:
         compiled once its eager steps pay for it (``None``), at once (``True``) or never (``False``; ``step_path``).
         ``refill``: run the fast engine over ``lanes`` fixed input lanes that finished inputs hand to waiting ones,
         at most ``lane_tokens`` padded source tokens x rows over them (``search/refill.py``; the fast backends'
-        families, float32/half: elsewhere batches run as without it). ``target_lang``: a language code of the
-        tokenizer (mBART-50 ``de_DE``, M2M-100 ``de``, NLLB ``deu_Latn``), given to the search as
-        ``forced_bos_token_id`` (:func:`~.config.resolve_target_lang`)."""
+        families, float32/half: elsewhere batches run as without it). ``target_lang``: a tokenizer's language code
+        (mBART-50 ``de_DE``, M2M-100 ``de``, NLLB ``deu_Latn``): ``forced_bos_token_id`` (``resolve_target_lang``)."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
