@@ -145,9 +145,9 @@ def run_mode(
     meta: dict[str, Any] = {}
     want_ct2 = "ct2" in s.compare
     for beams in s.num_beams:
-        gen = Generator(
+        gen = Generator(  # capture=True: on CUDA a shape compiles at its first batch (the warm-up where it can)
             s.model, backend="auto", device=s.device, dtype=s.dtype, preset=s.preset, prefix=s.prefix,
-            max_source_length=s.max_source_length, **s.generation_flags(beams),
+            max_source_length=s.max_source_length, capture=True, **s.generation_flags(beams),
         )  # fmt: skip
         meta.setdefault("seqgen_backend", gen.backend)
         meta.setdefault("max_source_length", gen.max_source_length)
