@@ -674,3 +674,21 @@ def test_compiling_mid_batch_through_the_real_compiler_keeps_the_tokens(tiny_mod
         backend.path == "captured" and stats["captured_steps"] > 0 and stats["search_compiled_steps"] > 0
     ), stats
     assert stats["eager_steps"] >= 1 and stats["compile_when"] == "once it pays", stats
+
+
+def test_amortized_capture_over_a_run_of_batches_gives_the_same_outputs(tiny_models) -> None:
+    """A ``Generator`` run of several batches (mixed widths, inputs leaving, compactions) through a
+    :class:`CapturedBackend` that compiles each shape after 3 eager steps' worth of savings: some steps eager, the
+    rest captured, every output the plain engine's; the closing figures count both."""
+    texts = [("a rather long input " * (i % 5 + 1)).strip() for i in range(11)]
+    settings = dict(num_beams=2, min_new_tokens=4, max_new_tokens=12)
+    plain = Generator(str(tiny_models("bart")), device="cpu", **settings)
+    expected = plain.generate(texts, batch_size=4)
+    gen = Generator(str(tiny_models("bart")), device="cpu", **settings)
+    policy = capture.Amortized(compile_seconds=0.3, speedup=2.0, clock=Ticks(0.2))  # 0.1 s a step: 3 steps
+    backend = CapturedBackend(gen._engine(), eager, search_compiler=eager, amortized=policy)
+    gen._model_backend = backend
+    assert gen.generate(texts, batch_size=4) == expected
+    stats = gen.device_stats()
+    assert stats["captured_steps"] > 0 and stats["eager_steps"] >= 3, stats
+    assert stats["compile_when"] == "once it pays" and stats["shapes_compiled"] == len(backend.shapes) >= 1
