@@ -271,9 +271,9 @@ def lookup_us(backend: CapturedBackend, batch: Batch, config: Any, sync_every: i
     shipped) and on every guard."""
     from torch.profiler import profile
 
-    out = {}
+    out, shipped = {}, capture._SKIP_GUARDS
     for name, skip in (("differentiating guards", True), ("every guard", False)):
-        capture._SKIP_GUARDS, shipped = skip, capture._SKIP_GUARDS
+        capture._SKIP_GUARDS = skip
         try:
             with profile() as prof:
                 decode_loop(backend, batch, config, sync_every)

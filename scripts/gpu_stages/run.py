@@ -26,6 +26,10 @@ from _common import REPO
 
 from gpu_stages.base import Budget
 
+RUN_STATS = (  # the --stats device keys each arm reports
+    "dtype", "step_path", "shapes_compiled", "compile_seconds", "captured_steps", "eager_steps",
+    "search_compile_seconds",
+)  # fmt: skip
 ARMS = {  # name: (extra flags, inductor's caches emptied first)
     "--no-capture": (["--no-capture"], True),
     "default (a shape compiled once it pays)": ([], True),
@@ -75,8 +79,7 @@ def section_run(
             stats = json.loads(stats_file.read_text())
             dev = stats.get("device") or {}
             row["generate_s"] = stats.get("generate_seconds")
-            row |= {k: dev.get(k) for k in ("dtype", "step_path", "shapes_compiled", "compile_seconds")}
-            row |= {k: dev.get(k) for k in ("captured_steps", "eager_steps", "search_compile_seconds")}
+            row |= {k: dev.get(k) for k in RUN_STATS}
         if dst.exists():
             outputs[name] = dst.read_text(encoding="utf-8").splitlines()
         rows[name] = row
