@@ -200,7 +200,8 @@ class _Gen:
 @pytest.mark.parametrize("call", [1, 2])
 def test_out_of_memory_while_compiling_stays_an_oom(tiny_models, call: int, message: str) -> None:
     """An OOM while compiling or recording is re-raised (not taken for a compile failure), so the batch is
-    split; the shape that ran out runs eagerly from then on, the others stay captured."""
+    retried (split if it runs out again); the shape that ran out runs on the plain backend from then on (no kept
+    state), the others stay captured."""
     loaded = load(tiny_models("bart"))
     batch = text_batch(loaded, 5, seed=5)
     items = [
@@ -213,12 +214,13 @@ def test_out_of_memory_while_compiling_stays_an_oom(tiny_models, call: int, mess
         _Gen(backend, loaded).generate_ids([it.ids for it in items])
     (oom_shape,) = backend.oom_shapes
     assert oom_shape[0] == 8 * 3, "5 inputs: 8 slots of 3 rows"
-    split = generate_split(_Gen(backend, loaded), items)
-    assert [r.sequences for r in split] == [r.sequences for r in plain]
+    retried = generate_split(_Gen(backend, loaded), items)
+    assert [r.sequences for r in retried] == [r.sequences for r in plain]
+    assert not backend.kept and not backend.shapes, "the shape that ran out runs on the plain backend's state"
+    two = [it.ids for it in items[:2]]  # another shape (2 slots): captured
+    assert _Gen(backend, loaded).generate_ids(two) == _Gen(get_backend(loaded.model), loaded).generate_ids(two)
     assert backend.failure is None and backend.shapes and oom_shape not in backend.shapes
     assert backend.path == "captured (1 eager: out of memory while compiling)"
-    again = _Gen(backend, loaded).generate_ids([it.ids for it in items])  # the whole batch: eager now
-    assert again == [r.sequences for r in plain]
 
 
 def test_an_oom_on_a_replay_is_raised_and_the_shape_stays_captured(tiny_models) -> None:
@@ -428,9 +430,11 @@ def test_a_shape_compiles_once_its_eager_steps_would_have_paid_for_it() -> None:
     assert policy.waiting(["a"]) == 2
 
 
-def test_amortized_capture_runs_eagerly_until_compiling_pays_then_captured(tiny_models) -> None:
-    """Through :class:`CapturedBackend`: a shape's steps run eagerly (its search too) until its forgone savings
-    reach the compile cost, then compiled (and checked) as ever; the tokens are the eager engine's either way."""
+def test_amortized_capture_runs_plain_until_compiling_pays_then_captured(tiny_models) -> None:
+    """Through :class:`CapturedBackend`: a batch whose first shape has not paid for compiling runs on the wrapped
+    backend's own state, as ``--no-capture`` runs it (no kept state; beam search as over any backend), its steps
+    counted for that shape; once their forgone savings reach the compile cost, the next batch of the shape runs on
+    a kept state, compiled (and checked) from its first step. The eager engine's tokens either way."""
     loaded = load(tiny_models("bart"))
     compiled: list[int] = []
 
@@ -444,13 +448,16 @@ def test_amortized_capture_runs_eagerly_until_compiling_pays_then_captured(tiny_
     policy = capture.Amortized(compile_seconds=1.0, speedup=2.0, clock=Ticks(0.1))  # pays after 20 intervals
     backend = CapturedBackend(get_backend(loaded.model), counting, search_compiler=eager, amortized=policy)
     kwargs = dict(min_new_tokens=30, max_new_tokens=30)  # one batch shape, one span bucket
-    assert run_beam(backend, loaded, **kwargs) == run_beam(get_backend(loaded.model), loaded, **kwargs)
-    # step 0 starts the clock; steps 1-20 each forgo 0.05 s: step 20 is the first compiled
-    assert compiled[0] == 20, compiled[:3]
-    assert backend.steps == {"eager": 20, "captured": 30 - 20}, backend.steps
-    assert backend.search is not None and backend.search.steps["compiled"] > 0
-    # the search compiles with its batch shape's model step (a batch's first search step is BeamSearch's)
-    assert backend.search.steps["eager"] == 20 - 1, backend.search.steps
+    expected = run_beam(get_backend(loaded.model), loaded, **kwargs)
+    assert run_beam(backend, loaded, **kwargs) == expected
+    assert not compiled and not backend.kept and backend.steps == {"eager": 30, "captured": 0}
+    assert backend.search is not None and not backend.search.calls, "beam search ran as over any backend"
+    ((shape, forgone),) = policy.forgone.items()
+    assert shape == (8 * 3, 64, 64, 64) and forgone == pytest.approx(29 * 0.05), "5 inputs: 8 slots of 3 beams"
+    assert backend.path == "captured (1 eager until compiling them pays)"
+    assert run_beam(backend, loaded, **kwargs) == expected
+    assert compiled[0] == 0 and backend.steps == {"eager": 30, "captured": 30}, backend.steps
+    assert backend.search.steps == {"compiled": 30 - 1, "eager": 0}, "every step but BeamSearch's first"
     assert backend.path == "captured" and backend.stats()["compile_when"] == "once it pays"
 
 
@@ -654,10 +661,12 @@ def test_the_capture_flag_reaches_the_capture_path(
     assert seen == [enabled]
 
 
-@pytest.mark.slow  # inductor compiles the model step and the search step: ~20 s on a loaded 2-core box
-def test_compiling_mid_batch_through_the_real_compiler_keeps_the_tokens(tiny_models, monkeypatch) -> None:
-    """The amortized policy switches a running batch from eager steps to compiled ones (model and search, on the
-    same kept state): with a compile cost of nothing the switch comes at step 1; the eager engine's tokens."""
+@pytest.mark.slow  # inductor compiles two model steps and the search step: ~40 s on a loaded 2-core box
+def test_amortized_capture_through_the_real_compiler_keeps_the_tokens(tiny_models, monkeypatch) -> None:
+    """The amortized policy through inductor: a first batch runs on the plain backend and pays for its shapes;
+    the next batch of the shape runs compiled (model and search) on a kept state, and meets a span bucket that has
+    not paid (what the first batch counted for it forgotten): that step eager on the kept state, the next compiled,
+    mid-batch. The eager engine's tokens throughout."""
     monkeypatch.setattr(linear_maps, "ONEDNN", False)  # oneDNN's fused linear does not lower in inductor
     loaded = load(tiny_models("bart"))
     torch._dynamo.reset()
@@ -665,15 +674,19 @@ def test_compiling_mid_batch_through_the_real_compiler_keeps_the_tokens(tiny_mod
     def inductor(fn: Any) -> Any:
         return torch.compile(fn, fullgraph=True, dynamic=False)
 
-    policy = capture.Amortized(compile_seconds=1e-12)
+    policy = capture.Amortized(compile_seconds=1e-12, clock=Ticks(1e3))  # one interval pays for any compile
     backend = CapturedBackend(get_backend(loaded.model), inductor, search_compiler=inductor, amortized=policy)
-    kwargs = dict(min_new_tokens=12, max_new_tokens=12)
-    assert run_beam(backend, loaded, **kwargs) == run_beam(get_backend(loaded.model), loaded, **kwargs)
+    kwargs = dict(min_new_tokens=70, max_new_tokens=70)  # span buckets 64 and 128
+    expected = run_beam(get_backend(loaded.model), loaded, **kwargs)
+    assert run_beam(backend, loaded, **kwargs) == expected
+    assert backend.steps == {"eager": 70, "captured": 0} and sorted(s[-1] for s in policy.forgone) == [64, 128]
+    later = next(shape for shape in policy.forgone if shape[-1] == 128)
+    del policy.forgone[later], policy._last[later]
+    assert run_beam(backend, loaded, **kwargs) == expected
     stats = backend.stats()
-    assert (
-        backend.path == "captured" and stats["captured_steps"] > 0 and stats["search_compiled_steps"] > 0
-    ), stats
-    assert stats["eager_steps"] >= 1 and stats["compile_when"] == "once it pays", stats
+    assert stats["span_buckets"] == [64, 128] and backend.path == "captured", (stats, backend.path)
+    assert stats["eager_steps"] == 70 + 1 and stats["captured_steps"] == 70 - 1, "step 64 eager, then compiled"
+    assert stats["search_compiled_steps"] == 70 - 1, stats
 
 
 def test_amortized_capture_over_a_run_of_batches_gives_the_same_outputs(tiny_models) -> None:

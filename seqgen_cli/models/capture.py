@@ -50,6 +50,14 @@ the kept token buffer; so a decode step is two graph replays (model, search) and
 :class:`CompiledSearch` guards it as ``decode`` is guarded below (the first replay of each shape checked, any
 failure or CUDA-graph skip: the eager step for good, with the reason in ``path`` and ``stats()``).
 
+Batches that would not run compiled run on the wrapped backend's own state (:class:`PlainRun`), as ``--no-capture``
+runs them: no padding, finished inputs leaving at once, beam search as over any backend. That is a batch whose first
+step's shape runs eagerly for good (after a failure, out of memory while compiling, inductor skipping it, past
+``max_shapes``) or, under :class:`Amortized`, has not paid for compiling yet; its steps count for the shapes a kept
+state would have run (:meth:`PlainRun.shape`), so a frequent shape pays and its next batch runs captured. Within a
+captured batch, a later shape (a span bucket, a compaction) that has not paid runs its steps eagerly on the kept
+state until it does.
+
 Fallbacks: every compiled call is guarded (cudagraph trees warm up on a shape's first call, record on the
 second, replay from the third; a new batch of a kept shape replays). A failure (compile error, recording error, torch's
 recompile limit, inductor skipping CUDA graphs: ``cudagraph_skips`` read around every call) falls back to
@@ -268,6 +276,25 @@ class CapturedState:
     moved: Tensor | None = None  # [P' * R] after the last drop moved the rows to P' slots: each row's old row
 
 
+@dataclass
+class PlainRun:
+    """A batch on the wrapped backend's own state, as ``--no-capture`` runs it (no padding; finished inputs leave
+    at once): one whose first step would run eagerly anyway, or under :class:`Amortized` one whose first shape has
+    not paid for compiling yet. Its steps count for the shapes a kept state would have run (:meth:`shape`)."""
+
+    inner: Any  # the wrapped backend's state
+    rows_per_input: int
+    start: int  # graph inputs a kept state would have (the batch padded to a power of two)
+    width: int  # graph width
+    slots: int  # new-token slots
+    running: int  # inputs still running
+
+    def shape(self) -> tuple[int, ...]:
+        """The decode shape a kept state would run now: (physical rows, width, slots, span bucket)."""
+        rows = compacted(self.running, self.start) * self.rows_per_input
+        return (rows, self.width, self.slots, span_bucket(self.inner.t, self.slots))
+
+
 def call_under_limit(limit: int, fn: Callable[..., Any], *args: Any, settled: bool = False) -> Any:
     """``fn(*args)`` (a compiled function) under torch's recompile limit raised to at least ``limit`` (ours
     decides; a guard that misses on a known shape recompiles under it too) and a hit of it raising instead of
@@ -344,8 +371,9 @@ class Amortized:
     stream": ~14 s a graph, ~40 graphs for 2,000 CNN/DM inputs, against ~40 s that capturing them all saves).
 
     A step's time is the clock between two consecutive eager steps of a shape (model, search and host work; a
-    batch's first step starts nothing); what capture would save of it is ``1 - 1 / speedup``; what compiling
-    costs is the mean of this backend's shapes compiled so far, else ``compile_seconds``."""
+    batch's first step starts nothing), on the plain backend or a kept state; what capture would save of it is
+    ``1 - 1 / speedup``; what compiling costs is the mean of this backend's shapes compiled so far, else
+    ``compile_seconds``."""
 
     def __init__(
         self,
@@ -357,16 +385,25 @@ class Amortized:
         self.forgone: Counter[Any] = Counter()  # per shape: seconds capture would have saved it so far
         self._last: dict[Any, tuple[int, float]] = {}  # per shape: (step, clock) of its last eager step
 
-    def ready(self, shape: Any, step: int, compiled: tuple[int, float]) -> bool:
-        """Whether ``shape``, about to run step ``step``, should compile now; ``compiled``: (shapes compiled so
-        far, their compile seconds)."""
+    def charge(self, shape: Any, step: int) -> None:
+        """``shape`` (or a batch standing in for it) is about to run step ``step`` eagerly: the interval since its
+        step ``step - 1`` counts, what capture would have saved of it."""
         now = self.clock()
         last = self._last.get(shape)
         if last is not None and last[0] == step - 1:
             self.forgone[shape] += (now - last[1]) * self.saves
         self._last[shape] = (step, now)
+
+    def paid(self, shape: Any, compiled: tuple[int, float]) -> bool:
+        """Whether ``shape``'s forgone savings reach what compiling it costs; ``compiled``: (shapes compiled so
+        far, their compile seconds)."""
         shapes, seconds = compiled
         return self.forgone[shape] >= (seconds / shapes if shapes else self.compile_seconds)
+
+    def ready(self, shape: Any, step: int, compiled: tuple[int, float]) -> bool:
+        """:meth:`charge` step ``step``, then whether ``shape`` should compile now (:meth:`paid`)."""
+        self.charge(shape, step)
+        return self.paid(shape, compiled)
 
     def waiting(self, compiled: Iterable[Any]) -> int:
         """Shapes that ran and are not compiled yet."""
@@ -482,8 +519,12 @@ class CapturedBackend:
             if search_compiler is None
             else CompiledSearch(search_compiler, self.max_shapes, self.tolerance)
         )
-        self.slot_search = self.search is not None  # beam search over the slots, its step compiled
         self.amortized = amortized
+
+    def slot_search(self, state: Any) -> bool:
+        """Whether beam search runs over ``state``'s slots, its step compiled: a kept state's, given a search
+        compiler (a :class:`PlainRun` runs as over any backend)."""
+        return self.search is not None and isinstance(state, CapturedState)
 
     @property
     def path(self) -> str:
@@ -555,6 +596,8 @@ class CapturedBackend:
         r, slots = rows_per_input, graph_slots(max_new_tokens)
         width, inputs = graph_width(s, self.max_position_embeddings), graph_inputs(b)
         padded = pad_batch(batch, inputs, width, left=not self.is_encoder_decoder)
+        if not self._captures((inputs * r, width, slots, span_bucket(0, slots))):
+            return self._start_plain(batch, PlainRun(None, r, inputs, width, slots, b), max_new_tokens)
         key = (inputs, r, width, slots)
         kept = self.kept.get(key)
         try:
@@ -586,6 +629,39 @@ class CapturedBackend:
         if self.shapes and self.device.type == "cuda":  # read here, on the thread that runs the graphs
             self._recordings = cuda_graph_recordings(self.device)
         return state, None if first is None else first[:b]  # [B, V]
+
+    def _captures(self, shape: tuple[int, ...]) -> bool:
+        """Whether a batch whose first step has ``shape`` runs on a kept state: not where that step would run
+        eagerly (:meth:`_eager_for_good`), nor, under ``amortized``, before compiling the shape pays."""
+        if self._eager_for_good(shape):
+            return False
+        if self.amortized is None or self.calls[shape]:
+            return True
+        return self.amortized.paid(shape, (len(self.shapes), self.compile_seconds))
+
+    def _start_plain(
+        self, batch: Batch, run: PlainRun, max_new_tokens: int
+    ) -> tuple[PlainRun, Tensor | None]:
+        """The batch on the wrapped backend's own ``start`` (its caches sized to the batch)."""
+        try:
+            run.inner, first = self.backend.start(batch, run.rows_per_input, max_new_tokens)
+        except Exception as err:
+            if is_oom(err):  # the batch is split: its halves find the memory the kept states held
+                self._release(busy=())
+            raise
+        return run, first
+
+    def _plain_step(self, run: PlainRun, tokens: Tensor) -> Tensor:
+        """A :class:`PlainRun`'s step, counted eager and, under ``amortized``, for the shape it stands for."""
+        if self.amortized is not None:
+            self.amortized.charge(run.shape(), run.inner.t)
+        self.steps["eager"] += 1
+        try:
+            return self.backend.step(run.inner, tokens)
+        except Exception as err:
+            if is_oom(err):
+                self._release(busy=())
+            raise
 
     def _batch_bytes(self, key: Key) -> int:
         """Device bytes a batch of shape ``key`` holds: its state (``cache_bytes``) and its logits rows."""
@@ -644,7 +720,9 @@ class CapturedBackend:
         self.released += 1
 
     @torch.inference_mode()
-    def step(self, state: CapturedState, tokens: Tensor) -> Tensor:
+    def step(self, state: CapturedState | PlainRun, tokens: Tensor) -> Tensor:
+        if isinstance(state, PlainRun):
+            return self._plain_step(state, tokens)
         check_slot(state.inner.t, state.limit)
         self._check(state)
         state.tokens.index_copy_(0, state.rows, tokens)
@@ -709,15 +787,22 @@ class CapturedBackend:
         """The guarded compiled ``decode`` for ``shape`` (about to run step ``step``); the eager one after a
         failure, for a shape that ran out of memory while compiling, for new shapes once ``max_shapes`` are
         compiled, and for a shape whose compiling does not pay yet (``amortized``)."""
-        if self.compiled is None or shape in self.oom_shapes or shape in self.skipped_shapes:
-            return self._eager
-        if shape not in self.shapes and len(self.shapes) >= self.max_shapes:
-            self.capped = True
+        if self._eager_for_good(shape):
             return self._eager
         if self.amortized is not None and not self.calls[shape]:
             if not self.amortized.ready(shape, step, (len(self.shapes), self.compile_seconds)):
                 return self._eager
         return partial(self._guarded, shape)
+
+    def _eager_for_good(self, shape: tuple[int, ...]) -> bool:
+        """Whether ``shape``'s steps run eagerly whatever comes: after a failure, a shape that ran out of memory
+        while compiling or that inductor skipped, a new shape once ``max_shapes`` are compiled (noted)."""
+        if self.compiled is None or shape in self.oom_shapes or shape in self.skipped_shapes:
+            return True
+        if shape not in self.shapes and len(self.shapes) >= self.max_shapes:
+            self.capped = True
+            return True
+        return False
 
     def _eager(self, state: Any, tokens: Tensor) -> Tensor:
         self.steps["eager"] += 1
@@ -793,7 +878,7 @@ class CapturedBackend:
         """Physical row ``state.rows[i]`` continues ``state.rows[rows[i]]``; idle rows continue themselves. A slot
         state (the refill engine's, not a :class:`CapturedState`): its rows are physical already."""
         if not isinstance(state, CapturedState):
-            self.backend.reorder(state, rows)
+            self.backend.reorder(state.inner if isinstance(state, PlainRun) else state, rows)
             return
         self._check(state)
         n = state.tokens.shape[0]
@@ -803,11 +888,15 @@ class CapturedBackend:
         self.backend.reorder(state.inner, physical)
 
     @torch.inference_mode()
-    def drop(self, state: CapturedState, keep: Tensor, rows: Tensor) -> None:
+    def drop(self, state: CapturedState | PlainRun, keep: Tensor, rows: Tensor) -> None:
         """Finished inputs idle in their slots; the slots shrink (a new shape) only to a smaller power of two, at
         most two halvings (:func:`~seqgen_cli.shapes.compacted`): the running inputs are copied into the smaller
         shape's kept state (allocated by the first compaction to it), and the larger one waits for the next batch
-        of its shape."""
+        of its shape. A :class:`PlainRun`'s inputs leave its state at once (the wrapped backend's ``drop``)."""
+        if isinstance(state, PlainRun):
+            self.backend.drop(state.inner, keep, rows)
+            state.running = keep.shape[0]
+            return
         inputs, r = state.inputs.index_select(0, keep), state.rows_per_input  # [B']
         state.moved = None
         b = inputs.shape[0]

@@ -46,7 +46,7 @@ def make_search(
     ``consts``: the device constants, built once per call before its first step is queued (host data copied later
     would wait for that step)."""
     s = settings
-    if s.mode == "beam" and isinstance(rows.backend, SlotBackend) and rows.backend.slot_search:
+    if s.mode == "beam" and isinstance(rows.backend, SlotBackend) and rows.backend.slot_search(rows.state):
         return SlotBeamSearch(rows, s, consts, topk)
     if s.mode == "beam":
         return BeamSearch(rows, s, consts, topk)

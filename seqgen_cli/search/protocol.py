@@ -135,9 +135,12 @@ class SlotBackend(ModelBackend, Protocol):
     """A model backend with static shapes and addresses whose search step may be compiled too (beam search in
     ``search/slots.py``): the search keeps its state over all ``P * R`` rows, writes the next tokens into
     :attr:`SlotLayout.tokens` and reads the logits of every row. ``models/capture.py``'s ``CapturedBackend``; beam
-    search runs over its slots where ``slot_search`` (its step is compiled), else as over any backend."""
+    search runs over a state's slots where ``slot_search`` says so (its step is compiled), else as over any
+    backend."""
 
-    slot_search: bool
+    def slot_search(self, state: Any) -> bool:
+        """Whether beam search runs over ``state``'s slots (a state from this backend's ``start``)."""
+        ...
 
     def slot_layout(self, state: Any) -> SlotLayout:
         """The layout now (after a ``drop``, the new one)."""
