@@ -218,7 +218,8 @@ def test_out_of_memory_while_compiling_stays_an_oom(tiny_models, call: int, mess
     assert [r.sequences for r in retried] == [r.sequences for r in plain]
     assert not backend.kept and not backend.shapes, "the shape that ran out runs on the plain backend's state"
     two = [it.ids for it in items[:2]]  # another shape (2 slots): captured
-    assert _Gen(backend, loaded).generate_ids(two) == _Gen(get_backend(loaded.model), loaded).generate_ids(two)
+    expected = _Gen(get_backend(loaded.model), loaded).generate_ids(two)
+    assert _Gen(backend, loaded).generate_ids(two) == expected
     assert backend.failure is None and backend.shapes and oom_shape not in backend.shapes
     assert backend.path == "captured (1 eager: out of memory while compiling)"
 
@@ -453,9 +454,11 @@ def test_amortized_capture_runs_plain_until_compiling_pays_then_captured(tiny_mo
     assert not compiled and not backend.kept and backend.steps == {"eager": 30, "captured": 0}
     assert backend.search is not None and not backend.search.calls, "beam search ran as over any backend"
     ((shape, forgone),) = policy.forgone.items()
-    assert shape == (8 * 3, 64, 64, 64) and forgone == pytest.approx(29 * 0.05), "5 inputs: 8 slots of 3 beams"
+    assert shape == (8 * 3, 64, 64, 64), "5 inputs: 8 slots of 3 beams"
+    assert forgone == pytest.approx(29 * 0.05), "steps 1-29: 0.1 s each, half of it saved"
     assert backend.path == "captured (1 eager until compiling them pays)"
     assert run_beam(backend, loaded, **kwargs) == expected
+    assert backend.stats()["plain_batches"] == 1
     assert compiled[0] == 0 and backend.steps == {"eager": 30, "captured": 30}, backend.steps
     assert backend.search.steps == {"compiled": 30 - 1, "eager": 0}, "every step but BeamSearch's first"
     assert backend.path == "captured" and backend.stats()["compile_when"] == "once it pays"
@@ -525,12 +528,12 @@ def test_refill_runs_captured(tiny_models, case: str) -> None:
     assert backend.steps == {"captured": stats.steps, "eager": 0} and stats.joins >= 3
     rows = 3 * rows_per_input(config)  # 3 slots of beams or samples
     if loaded.model.config.is_encoder_decoder:
-        assert backend.shapes == {(rows, MIN_WIDTH, 64, 72), (rows, MIN_WIDTH, 72, 72)}
+        assert backend.shapes == {(rows, MIN_WIDTH, 72, 64), (rows, MIN_WIDTH, 72, 72)}
     else:  # a join runs at its widest joiner's bucket: the first (the 3 shortest prompts) and the last (the longest)
         lengths = batch.attention_mask.sum(dim=1).tolist()
         widths = {graph_width(n) for n in lengths}
         seen = {shape[1] for shape in backend.shapes}
-        assert {(r, span, t) for r, _, span, t in backend.shapes} == {(rows, 39, 39)}
+        assert {(r, t, span) for r, _, t, span in backend.shapes} == {(rows, 39, 39)}
         assert {graph_width(lengths[order[2]]), max(widths)} <= seen <= widths
 
 
@@ -679,13 +682,18 @@ def test_amortized_capture_through_the_real_compiler_keeps_the_tokens(tiny_model
     kwargs = dict(min_new_tokens=70, max_new_tokens=70)  # span buckets 64 and 128
     expected = run_beam(get_backend(loaded.model), loaded, **kwargs)
     assert run_beam(backend, loaded, **kwargs) == expected
-    assert backend.steps == {"eager": 70, "captured": 0} and sorted(s[-1] for s in policy.forgone) == [64, 128]
+    assert backend.steps == {"eager": 70, "captured": 0} and sorted(s[-1] for s in policy.forgone) == [
+        64,
+        128,
+    ]
     later = next(shape for shape in policy.forgone if shape[-1] == 128)
     del policy.forgone[later], policy._last[later]
     assert run_beam(backend, loaded, **kwargs) == expected
     stats = backend.stats()
     assert stats["span_buckets"] == [64, 128] and backend.path == "captured", (stats, backend.path)
-    assert stats["eager_steps"] == 70 + 1 and stats["captured_steps"] == 70 - 1, "step 64 eager, then compiled"
+    assert stats["eager_steps"] == 70 + 1 and stats["captured_steps"] == 70 - 1, (
+        "step 64 eager, then compiled"
+    )
     assert stats["search_compiled_steps"] == 70 - 1, stats
 
 

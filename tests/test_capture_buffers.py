@@ -15,9 +15,7 @@ the :class:`CapturedBackend`'s life, on the CPU with the stand-in "eager" compil
 from __future__ import annotations
 
 import itertools
-import sys
 from collections import Counter, defaultdict
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -301,27 +299,48 @@ def test_a_batch_whose_state_was_taken_cannot_step_on(tiny_models) -> None:
         backend.reorder(first, torch.arange(6))
 
 
-def test_cuda_graph_recordings_are_counted_from_the_trees(monkeypatch) -> None:
-    """On the CPU there is nothing to count (``None``, and no key in ``stats``); the count walks cudagraph trees'
-    roots and children (stand-in nodes here: no device needed)."""
+def recording(fn: Any) -> Any:
+    """A "compiler" that announces a CUDA graph recording as cudagraph trees do (torch.compile's start callbacks,
+    trigger ``CUDAGRAPH_RECORDING``) the first time a call's input addresses are new (its state's first tensor and
+    the input's shape), and runs ``fn`` as it is."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
 
-    def node(*children: Any) -> Any:
-        return SimpleNamespace(children={"f": list(children)} if children else {})
+    seen: set[tuple[Any, ...]] = set()
 
-    roots = {"f": [node(node(), node(node())), node()], "g": [node()]}
-    assert capture.count_recordings(roots) == 6 and capture.count_recordings({}) == 0
-    assert capture.cuda_graph_recordings(torch.device("cpu")) is None
-    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", None)
-    assert capture.cuda_graph_recordings(torch.device("cuda", 0)) is None, "no trees module: nothing known"
+    def run(state: Any, x: torch.Tensor) -> Any:
+        key = (tuple(x.shape), next(capture.tensors_of(state)).data_ptr())
+        if key not in seen:
+            seen.add(key)
+            with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "test"):
+                pass
+        return fn(state, x)
 
-    class Trees:
-        @staticmethod
-        def get_manager(index: int, create_if_none_exists: bool = True) -> Any:
-            assert not create_if_none_exists, "reading must not build a tree manager"
-            return SimpleNamespace(roots=roots)
+    return run
 
-    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", Trees)
-    assert capture.cuda_graph_recordings(torch.device("cuda", 0)) == 6
+
+def test_cuda_graph_recordings_are_counted_per_shape(tiny_models) -> None:
+    """``--stats`` counts the CUDA graphs each compiled shape's calls recorded (model steps and search steps), read
+    from torch.compile's recording callbacks (counted again after a ``torch._dynamo.reset``, which clears them):
+    over 50 batches on kept states every shape records once; the CPU with nothing recorded reports nothing."""
+    from tests.tiny_models import sample_texts
+
+    model, texts = str(tiny_models("bart")), sample_texts(200, seed=21)
+    gen = Generator(model, device="cpu", num_beams=2, max_new_tokens=8)
+    backend = CapturedBackend(gen._engine(), recording, search_compiler=recording)
+    gen._model_backend = backend
+    torch._dynamo.reset()  # clears torch.compile's callbacks: the next batch registers the count again
+    assert "cuda_graphs_recorded" not in backend.stats(), "nothing recorded on the CPU: nothing reported"
+    list(gen.generate_iterable(texts, batch_size=4))
+    stats = backend.stats()
+    per_shape = stats["cuda_graphs_recorded_per_shape"]
+    assert set(per_shape.values()) == {1}, per_shape
+    models = {name for name in per_shape if name.startswith("model ")}
+    assert models == {"model " + capture.shape_name(shape) for shape in backend.shapes}, (
+        models,
+        backend.shapes,
+    )
+    assert len(per_shape) > len(models) >= 2 and stats["cuda_graphs_recorded"] == len(per_shape)
+    assert stats["kept_allocations"] == stats["kept_shapes"], "one recording per shape: one state per shape"
 
 
 @pytest.mark.slow  # inductor compiles 2 shapes: about a minute on a loaded 2-core box

@@ -14,7 +14,7 @@ import torch
 
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import get_backend
-from seqgen_cli.models.capture import CapturedBackend, capture, cuda_graph_recordings
+from seqgen_cli.models.capture import CapturedBackend, capture
 from seqgen_cli.search import generate
 
 from .base import Budget, encode, load_model, recycled, sync, sync_sites
@@ -49,7 +49,8 @@ def section_long(
         generate(backend, batch, config)
         sync(device)
         seconds.append(time.perf_counter() - t0)
-        recordings.append(cuda_graph_recordings(device))
+        captured = backend.stats() if isinstance(backend, CapturedBackend) else {}
+        recordings.append(captured.get("cuda_graphs_recorded"))
     edge = min(EDGE, len(seconds) // 2) or 1
     first, last = statistics.median(seconds[1 : edge + 1] or seconds), statistics.median(seconds[-edge:])
     data: dict[str, Any] = {
@@ -77,6 +78,8 @@ def section_long(
         f"{edge} {last:.3f} s (last/first {last / first:.3f})",
         f"- CUDA graphs recorded: {recordings[0]} after the first batch, {recordings[-1]} at the end",
     ]
+    per_shape = data.get("capture", {}).get("cuda_graphs_recorded_per_shape", {})
+    md += [f"  - {name}: {n}" for name, n in per_shape.items()]
     if device.type == "cuda":
         sites = sync_sites(lambda: generate(backend, inputs[0], config, sync_every=4))
         data["sync"] = {"steps": new, "host_checks": new // 4, "calls": sum(sites.values()), "sites": sites}

@@ -65,15 +65,15 @@ eager for good, with the reason in :attr:`CapturedBackend.path`; the failed call
 is idempotent: same slot, same values). An out-of-memory error stays one, so the batch is split
 (``batching.generate_split``); raised during a shape's compile or recording, that shape runs eagerly from then
 on. :meth:`CapturedBackend.stats` (``--stats``) counts shapes compiled, compile seconds, steps run captured
-and eager, the kept states (shapes, bytes, allocations, releases) and, on CUDA where torch's cudagraph trees
-tell, the graphs recorded. Everything else (CPU, ``--no-capture``, the generic backend) runs the plain backend: :func:`capture`
-says why.
+and eager, the kept states (shapes, bytes, allocations, releases), the batches run plain and, on CUDA where torch
+announces them (:func:`watch_recordings`), the graphs recorded per compiled shape. Everything else (CPU,
+``--no-capture``, the generic backend) runs the plain backend: :func:`capture` says why.
 
 The refill engine (``search/refill.py``, ``--refill``) runs through the same wrapper: ``open_lanes``, ``join`` and
 ``lane_step`` are the wrapped backend's, ``lane_step`` with the guarded compiled ``decode`` (every check and
 fallback above applies). Its shapes need no padding: the ``S * R`` rows are fixed for a window, the slots' source
 (prompt) width only widens to a :func:`~seqgen_cli.shapes.graph_width` and the attended span is a bucket
-(``shapes.span_bucket``), so a shape is (rows, width, span, generated slots) and a whole window runs on a handful
+(``shapes.span_bucket``), so a shape is (rows, width, generated slots, span) and a whole window runs on a handful
 of graphs. The slot state is marked static when opened and again when a wider joiner reallocates it (lane
 states are a window's: not kept). The slot
 step's ``decode`` is idempotent too (``begin`` derives where it writes from the slot counters, which only
@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 import time
 import weakref
 from collections import Counter
@@ -197,29 +196,37 @@ def held_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(storages.values())
 
 
-def cuda_graph_recordings(device: torch.device) -> int | None:
-    """CUDA graphs recorded so far on ``device`` by torch's cudagraph trees (every compiled function's in this
-    thread, warm-ups aside), or ``None`` where that is not known: not CUDA, no tree manager yet, or a torch whose
-    internals differ (read only, never raises)."""
-    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # a reduce-overhead compile imports it
-    if device.type != "cuda" or trees is None:
-        return None
-    try:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        manager = trees.get_manager(index, create_if_none_exists=False)
-        return None if manager is None else count_recordings(manager.roots)
-    except Exception:  # noqa: BLE001 - a statistic: torch internals that moved give none
-        return None
+_RECORDED = [0]  # CUDA graphs recorded in this process so far (counted by _on_compile_start)
 
 
-def count_recordings(roots: dict[Any, list[Any]]) -> int:
-    """Nodes (recorded graphs) in cudagraph trees: ``roots`` and each node's ``children``, function id -> nodes."""
-    count, todo = 0, [node for nodes in roots.values() for node in nodes]
-    while todo:
-        node = todo.pop()
-        count += 1
-        todo.extend(child for nodes in node.children.values() for child in nodes)
-    return count
+def _on_compile_start(args: Any) -> None:
+    if args.callback_trigger.name == "CUDAGRAPH_RECORDING":
+        _RECORDED[0] += 1
+
+
+def watch_recordings() -> bool:
+    """Count CUDA graph recordings (``graphs_recorded``): cudagraph trees run torch.compile's start callbacks with
+    the ``CUDAGRAPH_RECORDING`` trigger for each graph they record (one process-wide callback, registered again
+    after a ``torch._dynamo.reset``, which clears them). ``False`` where this torch announces no recordings."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    if not hasattr(CallbackTrigger, "CUDAGRAPH_RECORDING"):
+        return False
+    if _on_compile_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_on_compile_start)
+    return True
+
+
+def graphs_recorded() -> int:
+    """CUDA graphs recorded in this process since :func:`watch_recordings` (any thread, any compiled function):
+    read around a call for the call's."""
+    return _RECORDED[0]
+
+
+def shape_name(shape: tuple[int, ...]) -> str:
+    """A compiled shape in ``--stats``: rows x width x slots, and a model step's span bucket."""
+    rows, width, slots, *span = shape
+    return f"{rows}x{width}x{slots}" + (f" span {span[0]}" if span else "")
 
 
 def first_line(err: BaseException) -> str:
@@ -426,6 +433,7 @@ class CompiledSearch:
         self.failure: str | None = None  # why compiled calls stopped
         self.steps = Counter({"compiled": 0, "eager": 0})
         self.compile_seconds = 0.0
+        self.recorded: Counter[Any] = Counter()  # CUDA graphs recorded per slot shape (graphs_recorded)
         self._counters = counters
 
     def __call__(self, shape: Any, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
@@ -435,12 +443,15 @@ class CompiledSearch:
         call = self.calls[shape]
         self.calls[shape] += 1
         skips, t0 = self._counters["inductor"]["cudagraph_skips"], time.perf_counter()
+        recorded = graphs_recorded()
         try:
             out = call_under_limit(self.max_shapes, compiled, search, logits, settled=call >= SETTLING_CALLS)
         except Exception as err:  # noqa: BLE001 - any compile/capture failure: eager, with the reason
             if is_oom(err):
                 raise
             return self._fall_back(f"{type(err).__name__}: {first_line(err)}", step, search, logits)
+        finally:
+            self.recorded[shape] += graphs_recorded() - recorded
         if call < SETTLING_CALLS - 1:
             self.compile_seconds += time.perf_counter() - t0
         if self._counters["inductor"]["cudagraph_skips"] > skips:
@@ -511,9 +522,11 @@ class CapturedBackend:
         self.kept: dict[Key, Kept] = {}  # a static state per batch shape, for this instance's life
         self.allocations: Counter[Key] = Counter()  # kept states allocated, per shape (a release frees one)
         self.released = 0  # kept states released (room for another shape; out of memory)
+        self.plain_batches = 0  # batches run on the wrapped backend's own state (PlainRun)
         self.keep_bytes = free_memory_budget(self.device) if keep_bytes is None else keep_bytes
         self._uses = 0  # batches and compactions that took a kept state (its ``used`` stamp)
-        self._recordings: int | None = None  # cudagraph trees' recordings, read at each batch's start (CUDA)
+        self.recorded: Counter[tuple[int, ...]] = Counter()  # CUDA graphs recorded per compiled shape
+        self.watching = watch_recordings()
         self.search = (
             None
             if search_compiler is None
@@ -552,8 +565,9 @@ class CapturedBackend:
     def stats(self) -> dict[str, Any]:
         """For ``--stats``: shapes compiled (of at most ``max_shapes``; a shape is a batch shape and a span bucket),
         the span buckets they reach, compile seconds, decode steps run captured and eagerly; the kept states (batch
-        shapes held, their bytes, allocations and releases) and, on CUDA where torch tells, the CUDA graphs
-        recorded (this thread's, every compiled function's)."""
+        shapes held, their bytes, allocations and releases), the batches run on the plain backend and, on CUDA
+        where torch tells (:func:`watch_recordings`), the CUDA graphs this backend's calls recorded, in all and per
+        compiled shape (a kept state is recorded once per shape; more means new addresses)."""
         out = {
             "shapes_compiled": len(self.shapes),
             "max_shapes": self.max_shapes,
@@ -566,6 +580,7 @@ class CapturedBackend:
             "kept_bytes": sum(kept.nbytes for kept in self.kept.values()),
             "kept_allocations": sum(self.allocations.values()),
             "kept_released": self.released,
+            "plain_batches": self.plain_batches,
         }
         if self.search is not None:
             out |= {
@@ -574,9 +589,18 @@ class CapturedBackend:
                 "search_eager_steps": self.search.steps["eager"],
                 "search_compile_seconds": round(self.search.compile_seconds, 1),
             }
-        recordings = cuda_graph_recordings(self.device)
-        recordings = self._recordings if recordings is None else recordings
-        return out if recordings is None else out | {"cuda_graphs_recorded": recordings}
+        if self.watching and (self.device.type == "cuda" or self._recorded().total()):
+            recorded = self._recorded()
+            out["cuda_graphs_recorded"] = recorded.total()
+            out["cuda_graphs_recorded_per_shape"] = {name: n for name, n in sorted(recorded.items()) if n}
+        return out
+
+    def _recorded(self) -> Counter[str]:
+        """CUDA graphs recorded per compiled shape, model steps and search steps, by name."""
+        named = Counter({"model " + shape_name(shape): n for shape, n in self.recorded.items()})
+        if self.search is not None:
+            named.update({"search " + shape_name(key[0]): n for key, n in self.search.recorded.items()})
+        return named
 
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int | None:
         """The wrapped backend's cache bytes for the batch :meth:`start` builds: inputs padded to a power of two,
@@ -595,11 +619,12 @@ class CapturedBackend:
         b, s = batch.input_ids.shape
         r, slots = rows_per_input, graph_slots(max_new_tokens)
         width, inputs = graph_width(s, self.max_position_embeddings), graph_inputs(b)
-        padded = pad_batch(batch, inputs, width, left=not self.is_encoder_decoder)
         if not self._captures((inputs * r, width, slots, span_bucket(0, slots))):
             return self._start_plain(batch, PlainRun(None, r, inputs, width, slots, b), max_new_tokens)
+        padded = pad_batch(batch, inputs, width, left=not self.is_encoder_decoder)
         key = (inputs, r, width, slots)
         kept = self.kept.get(key)
+        self.watching = watch_recordings()  # registered again after a torch._dynamo.reset
         try:
             if kept is None:
                 self._make_room(key, busy=())
@@ -626,8 +651,6 @@ class CapturedBackend:
             kept=kept,
         )
         self._take(kept, state)
-        if self.shapes and self.device.type == "cuda":  # read here, on the thread that runs the graphs
-            self._recordings = cuda_graph_recordings(self.device)
         return state, None if first is None else first[:b]  # [B, V]
 
     def _captures(self, shape: tuple[int, ...]) -> bool:
@@ -643,6 +666,7 @@ class CapturedBackend:
         self, batch: Batch, run: PlainRun, max_new_tokens: int
     ) -> tuple[PlainRun, Tensor | None]:
         """The batch on the wrapped backend's own ``start`` (its caches sized to the batch)."""
+        self.plain_batches += 1
         try:
             run.inner, first = self.backend.start(batch, run.rows_per_input, max_new_tokens)
         except Exception as err:
@@ -814,7 +838,7 @@ class CapturedBackend:
         calls of a shape count as compile seconds, failed or not."""
         call = self.calls[shape]
         self.calls[shape] += 1
-        skips = self._skips()
+        skips, recorded = self._skips(), graphs_recorded()
         t0 = time.perf_counter()
         try:
             logits = self._call(state, tokens, settled=call >= SETTLING_CALLS)
@@ -828,6 +852,8 @@ class CapturedBackend:
                 raise
         else:
             failure = None
+        finally:
+            self.recorded[shape] += graphs_recorded() - recorded
         if call < SETTLING_CALLS - 1:
             self.compile_seconds += time.perf_counter() - t0
         if (
@@ -875,8 +901,8 @@ class CapturedBackend:
 
     @torch.inference_mode()
     def reorder(self, state: Any, rows: Tensor) -> None:
-        """Physical row ``state.rows[i]`` continues ``state.rows[rows[i]]``; idle rows continue themselves. A slot
-        state (the refill engine's, not a :class:`CapturedState`): its rows are physical already."""
+        """Physical row ``state.rows[i]`` continues ``state.rows[rows[i]]``; idle rows continue themselves. A
+        :class:`PlainRun`'s rows and a slot state's (the refill engine's) are the wrapped backend's own."""
         if not isinstance(state, CapturedState):
             self.backend.reorder(state.inner if isinstance(state, PlainRun) else state, rows)
             return
@@ -933,6 +959,7 @@ class CapturedBackend:
     def open_lanes(self, slots: int, rows_per_input: int, max_new_tokens: int) -> Any:
         state = self.backend.open_lanes(slots, rows_per_input, max_new_tokens)
         mark_static(state)
+        self.watching = watch_recordings()  # registered again after a torch._dynamo.reset
         return state
 
     @torch.inference_mode()
@@ -948,10 +975,10 @@ class CapturedBackend:
     @torch.inference_mode()
     def lane_step(self, state: Any, tokens: Tensor, step: int) -> Tensor:
         """The wrapped backend's refill step with ``decode`` guarded and compiled: one shape per (rows, source or
-        prompt width, span, generated slots). tokens [S * R] -> logits [S * R, V], the graph's output: read it
+        prompt width, generated slots, span). tokens [S * R] -> logits [S * R, V], the graph's output: read it
         (the engine copies each cohort's rows) before the next step overwrites it."""
         cache = state.cache
         span = span_bucket(step, cache.max_len)
-        shape = (tokens.shape[0], self.backend.lane_width(state), span, cache.max_len)
+        shape = (tokens.shape[0], self.backend.lane_width(state), cache.max_len, span)
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
         return lane_step(self._decoder(shape, step), state, tokens, step)
