@@ -122,8 +122,11 @@ class _Group(click.Group):
     """Turns ``SeqgenError`` into one line on stderr and its exit code (2; 1 for a run stopped by a failed
     write or a bug); Ctrl-C into exit code 130."""
 
+    invoked = False  # a command runs: SIGTERM raises KeyboardInterrupt (before, it ends the process at once)
+
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
+            _Group.invoked = True
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
             raise
@@ -193,7 +196,12 @@ def run(args: list[str] | None = None) -> None:
 
 
 def _terminated(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    """SIGTERM: Ctrl-C inside a command (what is done is written, exit 130); before one runs (click still parsing
+    the arguments, which would turn the interrupt into "Aborted!" and exit 1) nothing is open: exit 130 at once."""
+    if _Group.invoked:
+        raise KeyboardInterrupt
+    os.write(2, b"seqgen: interrupted\n")
+    os._exit(130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -146,6 +146,29 @@ def test_sigterm_while_the_model_loads_is_an_interrupt(tiny_models, tmp_path: Pa
     assert not out.exists() and not list(tmp_path.glob("out.txt.seqgen-*"))
 
 
+def test_sigterm_before_a_command_runs_is_an_interrupt_not_clicks_abort() -> None:
+    """SIGTERM landing while click still parses the arguments (its handler is set first thing): exit 130 and the
+    interrupt line, not click's "Aborted!" and exit 1 (a KeyboardInterrupt outside a command)."""
+    code = (
+        "import os, signal\n"
+        "from seqgen_cli import cli\n"
+        "signal.signal(signal.SIGTERM, cli._terminated)\n"
+        "parse = cli._Group.make_context\n"
+        "def parsing(self, *args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return parse(self, *args, **kwargs)\n"
+        "cli._Group.make_context = parsing\n"
+        "cli.main(['presets'])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+    )
+    assert (proc.returncode, proc.stderr) == (130, "seqgen: interrupted\n"), proc.stderr
+
+
 def test_a_run_that_fails_before_any_output_leaves_nothing_and_the_fix_runs(
     tiny_models, tmp_path: Path
 ) -> None:
