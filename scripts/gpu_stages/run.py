@@ -7,7 +7,8 @@ graph for bart-large-cnn on the H200 of docs/BENCHMARKS.md, "GPU"), so on a shor
 cost more than the captured steps save. The stream: the FastSeq sources recycled to ``inputs`` lines, in file
 order (the CLI sorts them by length into mixed-width batches), the ``cnndm-bart`` preset, batch 32, the device's
 default dtype. Per arm: wall seconds of the process, ``generate_seconds``, and from ``--stats`` the shapes compiled,
-compile seconds and steps captured; lines identical to the ``--no-capture`` run's.
+compile seconds, steps captured, batches run on the plain backend (not paid yet) and CUDA graphs recorded; lines
+identical to the ``--no-capture`` run's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from gpu_stages.base import Budget
 
 RUN_STATS = (  # the --stats device keys each arm reports
     "dtype", "step_path", "shapes_compiled", "compile_seconds", "captured_steps", "eager_steps",
-    "search_compile_seconds",
+    "search_compile_seconds", "plain_batches", "cuda_graphs_recorded",
 )  # fmt: skip
 ARMS = {  # name: (extra flags, inductor's caches emptied first)
     "--no-capture": (["--no-capture"], True),
@@ -96,12 +97,12 @@ def run_md(data: dict[str, Any]) -> list[str]:
         f"## Whole `seqgen generate` runs: {data['inputs']} CNN/DM inputs, batch 32, `--preset cnndm-bart`",
         "",
         "| arm | wall s | generate s | shapes compiled | compile s (model / search) | steps captured | "
-        "same as --no-capture |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "batches plain | graphs recorded | same as --no-capture |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in data["rows"].items():
         if "skipped" in r:
-            md.append(f"| {name} | skipped: {r['skipped']} | | | | | |")
+            md.append(f"| {name} | skipped: {r['skipped']} | | | | | | | |")
             continue
         steps = (r.get("captured_steps") or 0) + (r.get("eager_steps") or 0)
         captured = f"{r['captured_steps'] / steps:.0%}" if steps else "-"
@@ -109,10 +110,12 @@ def run_md(data: dict[str, Any]) -> list[str]:
             f"{r['compile_seconds']} / {r.get('search_compile_seconds', '-')}"
         )  # fmt: skip
         same, gen_s, shapes = r.get("same_as_no_capture"), r.get("generate_s"), r.get("shapes_compiled")
+        plain, graphs = (r.get(k) for k in ("plain_batches", "cuda_graphs_recorded"))
         md.append(
             f"| {name} | {r['wall_s']} | {'-' if gen_s is None else f'{gen_s:.2f}'} | "
-            f"{'-' if shapes is None else shapes} | {compile_s} | {captured} | {'-' if same is None else f'{same:.0%}'} |"
+            f"{'-' if shapes is None else shapes} | {compile_s} | {captured} | {'-' if plain is None else plain} | "
+            f"{'-' if graphs is None else graphs} | {'-' if same is None else f'{same:.0%}'} |"
         )
         if r.get("rc"):
-            md.append(f"|  | exit {r['rc']}: {r.get('stderr', '')[-200:]!r} | | | | | |")
+            md.append(f"|  | exit {r['rc']}: {r.get('stderr', '')[-200:]!r} | | | | | | | |")
     return md
