@@ -56,7 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.config import resolve_generation_config
-from seqgen_cli.models import capture, get_backend, linear_maps
+from seqgen_cli.models import capture, compiled_calls, get_backend, linear_maps
 from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.models.kv_cache import static_step
 from seqgen_cli.search.beam import BeamConstants, pick_topk
@@ -255,13 +255,16 @@ def count_loop(backend: Any, batch: Batch, config: Any, sync_every: int, pause: 
 
     if pause == "model":
         backend.step = paused_step
+    callers = (capture, compiled_calls)  # the model's guarded call and the search's
     if pause == "compiled":
-        capture.call_under_limit = outside
+        for module in callers:
+            module.call_under_limit = outside
     try:
         decode_loop(backend, batch, config, sync_every, around=count)
     finally:
         backend.__dict__.pop("step", None)
-        capture.call_under_limit = under_limit
+        for module in callers:
+            module.call_under_limit = under_limit
     return count.ops
 
 
@@ -271,14 +274,14 @@ def lookup_us(backend: CapturedBackend, batch: Batch, config: Any, sync_every: i
     shipped) and on every guard."""
     from torch.profiler import profile
 
-    out, shipped = {}, capture._SKIP_GUARDS
+    out, shipped = {}, compiled_calls._SKIP_GUARDS
     for name, skip in (("differentiating guards", True), ("every guard", False)):
-        capture._SKIP_GUARDS = skip
+        compiled_calls._SKIP_GUARDS = skip
         try:
             with profile() as prof:
                 decode_loop(backend, batch, config, sync_every)
         finally:
-            capture._SKIP_GUARDS = shipped
+            compiled_calls._SKIP_GUARDS = shipped
         (event,) = [e for e in prof.key_averages() if e.key == "TorchDynamo Cache Lookup"]
         out[name] = event.self_cpu_time_total / event.count
     return out

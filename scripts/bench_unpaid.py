@@ -24,7 +24,7 @@ from bench_load import hogs, stop
 
 def main() -> None:
     from seqgen_cli.generator import Generator
-    from seqgen_cli.models import capture
+    from seqgen_cli.models import amortized, capture
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -46,7 +46,7 @@ def main() -> None:
         gens["unpaid"]._engine(),
         same,
         search_compiler=same,
-        amortized=capture.Amortized(compile_seconds=1e12),
+        amortized=amortized.Amortized(compile_seconds=1e12),
     )
     gens["kept"]._model_backend = capture.CapturedBackend(gens["kept"]._engine(), same, search_compiler=same)
     for gen in gens.values():

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from seqgen_cli.batching import Item, generate_split
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import capture, get_backend, linear_maps
+from seqgen_cli.models import amortized, capture, compiled_calls, get_backend, linear_maps
 from seqgen_cli.models.capture import (
     CapturedBackend,
     Decode,
@@ -318,7 +318,7 @@ def test_stats_reach_device_stats_and_the_closing_line(tiny_models) -> None:
 
 
 def _skipping_guards() -> bool:
-    """Whether compiled calls now run only dynamo's differentiating guards (``capture.unguarded``)."""
+    """Whether compiled calls now run only dynamo's differentiating guards (``compiled_calls.unguarded``)."""
     return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
 
 
@@ -350,7 +350,7 @@ def test_a_settled_shape_runs_only_the_differentiating_guards(tiny_models) -> No
     assert backend.steps["eager"] == 0 and not _skipping_guards()
     spans = sorted({span for span, _ in decodes})
     assert spans == [64, 128], spans
-    settled = capture.SETTLING_CALLS
+    settled = compiled_calls.SETTLING_CALLS
     for span in spans:
         flags = [skipping for s, skipping in decodes if s == span]
         assert len(flags) > settled and flags == [False] * settled + [True] * (len(flags) - settled), span
@@ -385,13 +385,13 @@ def test_settled_shapes_through_the_real_compiler_stay_captured_and_exact(tiny_m
     monkeypatch.setattr(linear_maps, "ONEDNN", False)  # oneDNN's fused linear does not lower in inductor
     loaded = load(tiny_models("bart"))
     torch._dynamo.reset()
-    unguarded, entered = capture.unguarded, [0]
+    unguarded, entered = compiled_calls.unguarded, [0]
 
     def counting() -> Any:
         entered[0] += 1
         return unguarded()
 
-    monkeypatch.setattr(capture, "unguarded", counting)
+    monkeypatch.setattr(compiled_calls, "unguarded", counting)
 
     def inductor(fn: Any) -> Any:
         return torch.compile(fn, fullgraph=True, dynamic=False)
@@ -419,7 +419,7 @@ class Ticks:
 def test_a_shape_compiles_once_its_eager_steps_would_have_paid_for_it() -> None:
     """Rent, then buy: the seconds capture would have saved (``1 - 1/speedup`` of each step, timed between two
     consecutive steps of the shape) reach the compile cost: the default guess first, then this backend's mean."""
-    policy = capture.Amortized(compile_seconds=1.0, speedup=2.0, clock=Ticks(0.1))  # saves 0.05 s a step
+    policy = amortized.Amortized(compile_seconds=1.0, speedup=2.0, clock=Ticks(0.1))  # saves 0.05 s a step
     none = (0, 0.0)
     assert [policy.ready("a", t, none) for t in range(22)] == [False] * 20 + [True] * 2  # 20 intervals: 1.0 s
     assert not policy.ready("b", 0, none) and not policy.ready("b", 5, none), (
@@ -446,7 +446,9 @@ def test_amortized_capture_runs_plain_until_compiling_pays_then_captured(tiny_mo
 
         return run
 
-    policy = capture.Amortized(compile_seconds=1.0, speedup=2.0, clock=Ticks(0.1))  # pays after 20 intervals
+    policy = amortized.Amortized(
+        compile_seconds=1.0, speedup=2.0, clock=Ticks(0.1)
+    )  # pays after 20 intervals
     backend = CapturedBackend(get_backend(loaded.model), counting, search_compiler=eager, amortized=policy)
     kwargs = dict(min_new_tokens=30, max_new_tokens=30)  # one batch shape, one span bucket
     expected = run_beam(get_backend(loaded.model), loaded, **kwargs)
@@ -677,7 +679,7 @@ def test_amortized_capture_through_the_real_compiler_keeps_the_tokens(tiny_model
     def inductor(fn: Any) -> Any:
         return torch.compile(fn, fullgraph=True, dynamic=False)
 
-    policy = capture.Amortized(compile_seconds=1e-12, clock=Ticks(1e3))  # one interval pays for any compile
+    policy = amortized.Amortized(compile_seconds=1e-12, clock=Ticks(1e3))  # one interval pays for any compile
     backend = CapturedBackend(get_backend(loaded.model), inductor, search_compiler=inductor, amortized=policy)
     kwargs = dict(min_new_tokens=70, max_new_tokens=70)  # span buckets 64 and 128
     expected = run_beam(get_backend(loaded.model), loaded, **kwargs)
@@ -706,7 +708,7 @@ def test_amortized_capture_over_a_run_of_batches_gives_the_same_outputs(tiny_mod
     plain = Generator(str(tiny_models("bart")), device="cpu", **settings)
     expected = plain.generate(texts, batch_size=4)
     gen = Generator(str(tiny_models("bart")), device="cpu", **settings)
-    policy = capture.Amortized(compile_seconds=0.3, speedup=2.0, clock=Ticks(0.2))  # 0.1 s a step: 3 steps
+    policy = amortized.Amortized(compile_seconds=0.3, speedup=2.0, clock=Ticks(0.2))  # 0.1 s a step: 3 steps
     backend = CapturedBackend(gen._engine(), eager, search_compiler=eager, amortized=policy)
     gen._model_backend = backend
     assert gen.generate(texts, batch_size=4) == expected

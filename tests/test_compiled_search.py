@@ -31,7 +31,8 @@ from transformers import GenerationConfig
 import tests.equivalence  # noqa: F401  (single intra-op thread)
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import get_backend, linear_maps
-from seqgen_cli.models.capture import SKIPPED, CapturedBackend, Decode, compile_search, held_bytes, tensors_of
+from seqgen_cli.models.capture import CapturedBackend, Decode, compile_search, held_bytes, tensors_of
+from seqgen_cli.models.compiled_calls import SKIPPED
 from seqgen_cli.search import Batch, generate, ngram
 from seqgen_cli.search.beam import BeamSearch
 from seqgen_cli.search.history import TokenHistory

@@ -21,7 +21,8 @@ from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.bart import BartBackend
-from seqgen_cli.models.capture import CapturedBackend, Decode, step_tolerance
+from seqgen_cli.models.capture import CapturedBackend, Decode
+from seqgen_cli.models.compiled_calls import step_tolerance
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.verify import Agreement, default_inputs, tolerance, verify
 from tests.engine_models import beam_config, load, run_beam, text_batch

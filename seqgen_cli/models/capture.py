@@ -37,6 +37,9 @@ allocated, beside the running batch, within ``keep_bytes`` (on CUDA the same fre
 plans with): a new shape first releases the least recently used idle ones until they and the new batch's
 state and logits fit; an out-of-memory error releases every one before it is raised (the batch is split).
 
+How a compiled call is made and checked lives in ``models/compiled_calls.py`` (the search's step too:
+:class:`CompiledSearch`), when a shape is worth compiling in ``models/amortized.py``.
+
 Checked: each shape's first replay is compared with the eager step on the same state (``decode`` again:
 idempotent); logits further apart than :func:`step_tolerance` switch to eager for good, with the reason. After
 that, dynamo's guards: a shape's (key's) later calls run only the differentiating ones (:func:`call_under_limit`,
@@ -82,7 +85,6 @@ step's ``decode`` is idempotent too (``begin`` derives where it writes from the 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import time
 import weakref
@@ -97,25 +99,26 @@ from torch import Tensor
 
 from seqgen_cli.batching import free_memory_budget
 from seqgen_cli.errors import is_oom
+from seqgen_cli.models.amortized import CAPTURED_SPEEDUP, HALF_SPEEDUP, Amortized
+from seqgen_cli.models.compiled_calls import (
+    SETTLING_CALLS,
+    SKIPPED,
+    CompiledSearch,
+    SearchCompiler,
+    SearchStep,
+    call_under_limit,
+    first_line,
+    graphs_recorded,
+    step_tolerance,
+    watch_recordings,
+)
 from seqgen_cli.models.kv_cache import Decode, check_slot, lane_step, select_into, static_step
 from seqgen_cli.search.protocol import Batch, ModelBackend, SlotLayout
 from seqgen_cli.shapes import compacted, graph_inputs, graph_slots, graph_width, span_bucket
 
 Compiler = Callable[[Decode], Decode]
-# (search state, logits [P * R, V]) -> its new tensors, tokens, rows (search/slots.py)
-SearchStep = Callable[[Any, Tensor], list[Tensor]]
-SearchCompiler = Callable[[SearchStep], SearchStep]
 
 MAX_SHAPES = 48  # shapes (batch shape x span bucket) one CapturedBackend compiles at most; then eager
-SKIPPED = "inductor skipped CUDA graphs: cudagraph_skips"  # a shape's calls raised inductor's counter
-SETTLING_CALLS = 3  # a shape's first calls: compile + warm-up, CUDA graph recording, first replay
-
-
-def step_tolerance(dtype: torch.dtype) -> float:
-    """How far a compiled step's logits may be from the eager step's, relative to the largest: other kernels
-    round differently (16 units of the model dtype's last place, at least 1e-3); a stale or misplaced cache
-    write is off by the logits' own size."""
-    return max(1e-3, 16 * torch.finfo(dtype).eps)
 
 
 _COMPILE_PARAMS = frozenset(inspect.signature(torch.compile).parameters)
@@ -196,42 +199,10 @@ def held_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(storages.values())
 
 
-_RECORDED = [0]  # CUDA graphs recorded in this process so far (counted by _on_compile_start)
-
-
-def _on_compile_start(args: Any) -> None:
-    if args.callback_trigger.name == "CUDAGRAPH_RECORDING":
-        _RECORDED[0] += 1
-
-
-def watch_recordings() -> bool:
-    """Count CUDA graph recordings (``graphs_recorded``): cudagraph trees run torch.compile's start callbacks with
-    the ``CUDAGRAPH_RECORDING`` trigger for each graph they record (one process-wide callback, registered again
-    after a ``torch._dynamo.reset``, which clears them). ``False`` where this torch announces no recordings."""
-    from torch._dynamo.callback import CallbackTrigger, callback_handler
-
-    if not hasattr(CallbackTrigger, "CUDAGRAPH_RECORDING"):
-        return False
-    if _on_compile_start not in callback_handler.start_callbacks:
-        callback_handler.register_start_callback(_on_compile_start)
-    return True
-
-
-def graphs_recorded() -> int:
-    """CUDA graphs recorded in this process since :func:`watch_recordings` (any thread, any compiled function):
-    read around a call for the call's."""
-    return _RECORDED[0]
-
-
 def shape_name(shape: tuple[int, ...]) -> str:
     """A compiled shape in ``--stats``: rows x width x slots, and a model step's span bucket."""
     rows, width, slots, *span = shape
     return f"{rows}x{width}x{slots}" + (f" span {span[0]}" if span else "")
-
-
-def first_line(err: BaseException) -> str:
-    """An error's first line, at most 200 characters."""
-    return (str(err).strip().splitlines() or [""])[0][:200]
 
 
 def pad_batch(batch: Batch, inputs: int, width: int, left: bool) -> Batch:
@@ -300,183 +271,6 @@ class PlainRun:
         """The decode shape a kept state would run now: (physical rows, width, slots, span bucket)."""
         rows = compacted(self.running, self.start) * self.rows_per_input
         return (rows, self.width, self.slots, span_bucket(self.inner.t, self.slots))
-
-
-def call_under_limit(limit: int, fn: Callable[..., Any], *args: Any, settled: bool = False) -> Any:
-    """``fn(*args)`` (a compiled function) under torch's recompile limit raised to at least ``limit`` (ours
-    decides; a guard that misses on a known shape recompiles under it too) and a hit of it raising instead of
-    running eagerly unseen. Set and restored by attribute: ~6 µs a call (``config.patch``: ~100).
-
-    ``settled``: the call's shape (the caller's key: batch shape and span bucket, or slot shape and search
-    settings) has run its :data:`SETTLING_CALLS`, so a compiled entry for it exists and every host value its
-    graph depends on is in the key. Then only dynamo's *differentiating* guards run
-    (:func:`unguarded`): every tensor's metadata, and the values that told the entries apart so far, not the
-    type, id and constant checks that cannot change for a kept state (45-58 against 77-96 µs a call on the
-    CPU of docs/BENCHMARKS.md, "Compiled step on the CPU"). A new key's first calls run every guard, so a host
-    value that selects another graph (a new span bucket) recompiles and becomes a differentiating guard. The key
-    must name every such value: a settled call whose differentiating guards pass may run a graph traced for another
-    value, silently (``tests/test_capture.py``: a key without its span gives other tokens); one whose guards all
-    fail (torch refuses to compile under the stance, before running anything) is made again with every guard."""
-    cfg = torch._dynamo.config
-    old = cfg.recompile_limit, cfg.fail_on_recompile_limit_hit
-    cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = max(old[0], limit), True
-    try:
-        if settled:
-            try:
-                with unguarded():
-                    return fn(*args)
-            except RuntimeError as err:  # no entry passed them: torch refuses to compile under the stance
-                if "skip_guard_eval_unsafe" not in str(err):
-                    raise
-        return fn(*args)  # every guard (and a compile where no entry fits): nothing ran in the refused call
-    finally:
-        cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = old
-
-
-def unguarded() -> Any:
-    """A context in which compiled calls run only the differentiating guards (``torch.compiler.set_stance``'s
-    ``skip_guard_eval_unsafe``), or nothing where torch lacks it or a caller chose another stance."""
-    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
-    if _SKIP_GUARDS and stance is not None and (stance.stance, stance.backend) == ("default", None):
-        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-    return contextlib.nullcontext()
-
-
-_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
-
-
-def outputs_differ(compiled: list[Tensor], eager: list[Tensor], tolerance: float) -> str | None:
-    """Why a compiled search step's outputs are not the eager step's, or ``None``: integer and boolean ones
-    (tokens, rows, flags, lengths) must be equal, float ones (scores) within ``tolerance`` of each value (at least
-    of 1). One host sync."""
-    same = []
-    for ours, theirs in zip(compiled, eager, strict=True):
-        if ours.is_floating_point():
-            gap = torch.where(ours == theirs, 0.0, (ours - theirs).abs())  # nan stays nan: differs
-            same.append((gap <= tolerance * theirs.abs().nan_to_num(0.0, 0.0, 0.0).clamp(min=1.0)).all())
-        else:
-            same.append((ours == theirs).all())
-    flags = torch.stack(same).tolist()  # the one sync
-    for i, ok in enumerate(flags):
-        if not ok:
-            return f"compiled search step differs from eager: output {i} of {len(compiled)}"
-    return None
-
-
-# A graph's compile and recording on empty caches (bart-large-cnn on the H200 of docs/BENCHMARKS.md, "GPU").
-COMPILE_SECONDS = 14.0
-# A captured step against the eager one (the same H200: fp16 3.75x BART, 4.41x GPT-2; float32 1.33x BART).
-CAPTURED_SPEEDUP = {torch.float32: 1.33}  # half precision: HALF_SPEEDUP
-HALF_SPEEDUP = 3.0
-
-
-class Amortized:
-    """When a shape is worth compiling (``--capture`` left to its default): once the steps it ran eagerly would,
-    captured, have saved what compiling it costs. Rent, then buy: a run never pays for compiling much more than
-    capture saves it (at most about twice the better of the two choices), and a short or varied run, whose shapes
-    each see a few hundred steps, compiles little or nothing (docs/BENCHMARKS.md, "Compile time on a real
-    stream": ~14 s a graph, ~40 graphs for 2,000 CNN/DM inputs, against ~40 s that capturing them all saves).
-
-    A step's time is the clock between two consecutive eager steps of a shape (model, search and host work; a
-    batch's first step starts nothing), on the plain backend or a kept state; what capture would save of it is
-    ``1 - 1 / speedup``; what compiling costs is the mean of this backend's shapes compiled so far, else
-    ``compile_seconds``."""
-
-    def __init__(
-        self,
-        compile_seconds: float = COMPILE_SECONDS,
-        speedup: float = HALF_SPEEDUP,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        self.compile_seconds, self.saves, self.clock = compile_seconds, 1.0 - 1.0 / speedup, clock
-        self.forgone: Counter[Any] = Counter()  # per shape: seconds capture would have saved it so far
-        self._last: dict[Any, tuple[int, float]] = {}  # per shape: (step, clock) of its last eager step
-
-    def charge(self, shape: Any, step: int) -> None:
-        """``shape`` (or a batch standing in for it) is about to run step ``step`` eagerly: the interval since its
-        step ``step - 1`` counts, what capture would have saved of it."""
-        now = self.clock()
-        last = self._last.get(shape)
-        if last is not None and last[0] == step - 1:
-            self.forgone[shape] += (now - last[1]) * self.saves
-        self._last[shape] = (step, now)
-
-    def paid(self, shape: Any, compiled: tuple[int, float]) -> bool:
-        """Whether ``shape``'s forgone savings reach what compiling it costs; ``compiled``: (shapes compiled so
-        far, their compile seconds)."""
-        shapes, seconds = compiled
-        return self.forgone[shape] >= (seconds / shapes if shapes else self.compile_seconds)
-
-    def ready(self, shape: Any, step: int, compiled: tuple[int, float]) -> bool:
-        """:meth:`charge` step ``step``, then whether ``shape`` should compile now (:meth:`paid`)."""
-        self.charge(shape, step)
-        return self.paid(shape, compiled)
-
-    def waiting(self, compiled: Iterable[Any]) -> int:
-        """Shapes that ran and are not compiled yet."""
-        return len(set(self._last) - set(compiled))
-
-
-class CompiledSearch:
-    """The search's slot step (``search/slots.py``) compiled once by ``compiler`` (torch traces it once per slot
-    shape) and guarded as ``decode`` is: a compile or recording error, torch's recompile limit or inductor skipping
-    CUDA graphs falls back to the eager step for good, with the reason (the step is a pure function of its
-    tensors: the failed call reruns eagerly); an out-of-memory error is re-raised; each shape's first replay is
-    checked against the eager step."""
-
-    def __init__(self, compiler: SearchCompiler, max_shapes: int, tolerance: float) -> None:
-        from torch._dynamo.utils import counters
-
-        self.compiler, self.max_shapes, self.tolerance = compiler, max_shapes, tolerance
-        self.compiled: dict[SearchStep, SearchStep] = {}
-        self.calls: Counter[Any] = Counter()  # compiled calls per slot shape
-        self.failure: str | None = None  # why compiled calls stopped
-        self.steps = Counter({"compiled": 0, "eager": 0})
-        self.compile_seconds = 0.0
-        self.recorded: Counter[Any] = Counter()  # CUDA graphs recorded per slot shape (graphs_recorded)
-        self._counters = counters
-
-    def __call__(self, shape: Any, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
-        if self.failure is not None:
-            return self.eager(step, search, logits)
-        compiled = self.compiled.get(step) or self.compiled.setdefault(step, self.compiler(step))
-        call = self.calls[shape]
-        self.calls[shape] += 1
-        skips, t0 = self._counters["inductor"]["cudagraph_skips"], time.perf_counter()
-        recorded = graphs_recorded()
-        try:
-            out = call_under_limit(self.max_shapes, compiled, search, logits, settled=call >= SETTLING_CALLS)
-        except Exception as err:  # noqa: BLE001 - any compile/capture failure: eager, with the reason
-            if is_oom(err):
-                raise
-            return self._fall_back(f"{type(err).__name__}: {first_line(err)}", step, search, logits)
-        finally:
-            self.recorded[shape] += graphs_recorded() - recorded
-        if call < SETTLING_CALLS - 1:
-            self.compile_seconds += time.perf_counter() - t0
-        if self._counters["inductor"]["cudagraph_skips"] > skips:
-            return self._fall_back(SKIPPED, step, search, logits)
-        if call == SETTLING_CALLS - 1:  # the shape's first replay: checked once against the eager step
-            eager = step(search, logits)
-            self.failure = outputs_differ(out, eager, self.tolerance)
-            if self.failure is not None:
-                self.steps["eager"] += 1
-                return eager
-        self.steps["compiled"] += 1
-        return out
-
-    def eager(self, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
-        """The step run eagerly (counted)."""
-        self.steps["eager"] += 1
-        return step(search, logits)
-
-    def _fall_back(self, reason: str, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
-        self.failure = reason
-        return self.eager(step, search, logits)
-
-    @property
-    def path(self) -> str:
-        return "compiled" if self.failure is None else f"eager ({self.failure})"
 
 
 class CapturedBackend:
