@@ -278,8 +278,9 @@ class _SectionedCommand(click.Command):
     default=None,
     help="On CUDA, replay the fast engine's decode step as CUDA graphs (torch.compile reduce-overhead, one "
     "graph per batch shape and attended span). Default: a shape is compiled once the steps it ran eagerly "
-    "would have saved what compiling it costs (~14 s a graph), so short runs compile little; --capture "
-    "compiles every shape at once, --no-capture never. The closing line and --stats name the step path.",
+    "would have saved what compiling it costs (~14 s a graph; until then its batches run as with "
+    "--no-capture), so short runs compile little; --capture compiles every shape at once, --no-capture never. "
+    "The closing line and --stats name the step path.",
 )
 @click.option(
     "--verify",
