@@ -4,10 +4,13 @@ entries checked against their input, `seqgen merge` manifests, streams and close
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,46 @@ def test_input_that_is_the_output_under_another_name_is_refused(tmp_path: Path, 
     one_line_error(res, str(src), "input")
     assert src.read_text(encoding="utf-8") == "keep me\nand me\n"
     assert not Path(f"{src}.seqgen-index").exists()
+
+
+@contextmanager
+def written_by_another_run(path: Path) -> Iterator[None]:
+    """``path`` locked as a running seqgen holds its ``-o`` FILE (another open file: flock locks conflict
+    within one process too)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_an_output_another_run_is_writing_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """Two runs into one -o FILE would overwrite or interleave each other's outputs: the second one stops with
+    one line, before loading the model (none here), and the first one's file and side files stay as they are."""
+    src, out = write_lines(tmp_path / "in.txt", ["one"]), tmp_path / "out.txt"
+    out.write_text("the first run's output\n", encoding="utf-8")
+    with written_by_another_run(out):
+        for resume in ([], ["--resume"]):
+            res = seqgen("generate", "-m", str(tmp_path / "no-model"), str(src), "-o", str(out), *resume)
+            one_line_error(res, str(out), "being written by another seqgen run")
+    assert out.read_text(encoding="utf-8") == "the first run's output\n"
+    assert not index_path(out).exists() and not journal_path(out).exists()
+
+
+def test_two_runs_that_pass_the_early_check_together_meet_at_the_lock(tmp_path: Path) -> None:
+    """Both checked before either opened the output: the one that opens it second stops at the lock, before it
+    changes the file or writes an index; the other one runs to the end."""
+    texts = ragged(10)
+    src, out = write_lines(tmp_path / "in.txt", texts), tmp_path / "out.txt"
+    opts = JobOptions(batch_size=4)
+    first, second = check_job([str(src)], str(out), opts), check_job([str(src)], str(out), opts)
+    out.write_text("the first run's output\n", encoding="utf-8")
+    with written_by_another_run(out), pytest.raises(SeqgenError, match="being written by another seqgen run"):
+        generate_job(FakeGen(), second)
+    assert out.read_text(encoding="utf-8") == "the first run's output\n" and not index_path(out).exists()
+    generate_job(FakeGen(), first)
+    assert out.read_text(encoding="utf-8") == expected(texts)
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.records import Record, check_inputs, is_regular, read_records
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.shards import ShardRange, count_lines, select_shard
-from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
+from seqgen_cli.pipeline.sinks import FileSink, Sink, check_not_busy, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary
 
 
@@ -74,7 +74,8 @@ class Job:
 
 def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
     """Fail before the (slow) model load on what cannot work: missing files or folders, an output that
-    cannot be written, clashing options; the job, checked (with ``--shard``, its range)."""
+    cannot be written or that another run is writing, clashing options; the job, checked (with ``--shard``, its
+    range)."""
     if output == "-" and sys.stdout is None:
         raise SeqgenError("standard output is closed: give -o FILE")
     if is_stream(output):
@@ -83,6 +84,7 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
             raise SeqgenError(f"--resume needs -o FILE: {where} cannot be resumed")
     else:
         check_writable(output, "output")
+        check_not_busy(output)
     if opts.stats and opts.stats != "-":
         check_writable(opts.stats, "--stats")
     if opts.metrics and not opts.reference:
@@ -220,10 +222,14 @@ def write_records(
     start = 0
     journaled: dict[int, tuple[str, str]] = {}
     sink, state = open_sink(output, settings, opts, part=part)
-    if state is not None:
-        start = state.done
-        records = resume.skip_done(records, state, digest)
-        journaled = load_journal(output, state.done)
+    try:
+        if state is not None:
+            start = state.done
+            records = resume.skip_done(records, state, digest)  # raises where the inputs done differ
+            journaled = load_journal(output, state.done)
+    except BaseException:
+        sink.close(complete=False)  # index and journal stay; the file (and its lock) is let go
+        raise
     keep: list[str] | None = [] if opts.reference and is_stream(output) else None  # cannot be read back
     progress.start_at(start)
     with guarded(output, sink):

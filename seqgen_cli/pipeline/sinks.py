@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from seqgen_cli.errors import WriteError
+from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.pipeline.formats import (
     IndexEntry,
     IndexWriter,
@@ -27,6 +27,43 @@ from seqgen_cli.pipeline.formats import (
     write_all,
     write_manifest,
 )
+
+
+def lock(fd: int, name: str) -> None:
+    """Hold the file behind ``fd`` for this run (an advisory lock, released when ``fd`` is closed): a second seqgen
+    run writing the same ``-o`` FILE would overwrite this one's outputs or interleave with them. A file system
+    without locks (some network mounts) gives none."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SeqgenError(_busy(name)) from None
+    except OSError:  # no locks here: the run goes on unguarded
+        pass
+
+
+def check_not_busy(path: str) -> None:
+    """Refuse ``-o path`` while another seqgen run writes it (it holds :func:`lock`): checked before the model
+    loads, and again by the lock itself when the output opens."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not there yet (or unreadable: the writability check says so)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SeqgenError(_busy(path)) from None
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _busy(name: str) -> str:
+    return f"{name} is being written by another seqgen run: wait for it to finish, or give another -o"
 
 
 class Sink:
@@ -173,6 +210,11 @@ class FileSink(Sink):
             self.fd = os.open(self.name, os.O_WRONLY | os.O_CREAT, 0o666)
         except OSError as err:
             raise WriteError.of(err, self.name) from err
+        try:
+            lock(self.fd, self.name)  # before anything is changed: another run's file stays as it is
+        except BaseException:
+            os.close(self.fd)
+            raise
         logs: list[JsonLog] = []
         try:
             logs.append(IndexWriter(path, header, fresh=fresh))
