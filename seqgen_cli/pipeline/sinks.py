@@ -32,9 +32,11 @@ from seqgen_cli.pipeline.formats import (
 def lock(fd: int, name: str) -> None:
     """Hold the file behind ``fd`` for this run (an advisory lock, released when ``fd`` is closed): a second seqgen
     run writing the same ``-o`` FILE would overwrite this one's outputs or interleave with them. A file system
-    without locks (some network mounts) gives none."""
-    import fcntl
-
+    without locks (some network mounts, or a system without ``fcntl``) gives none."""
+    try:
+        import fcntl
+    except ImportError:
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -46,8 +48,10 @@ def lock(fd: int, name: str) -> None:
 def check_not_busy(path: str) -> None:
     """Refuse ``-o path`` while another seqgen run writes it (it holds :func:`lock`): checked before the model
     loads, and again by the lock itself when the output opens."""
-    import fcntl
-
+    try:
+        import fcntl
+    except ImportError:
+        return
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # not there yet (or unreadable: the writability check says so)
