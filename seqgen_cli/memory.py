@@ -22,8 +22,9 @@ compute dtype's item size; on the captured path ``B``, ``S`` and ``T`` are the p
   decode step's activations at the padded shape (a graph keeps its intermediates' memory for its replays).
 
 On CUDA the budget (:func:`~seqgen_cli.batching.free_memory_budget`) is read when the model is loaded, and again
-by :class:`BudgetReader` after the first batch of each new ``(inputs, width)`` shape has run: one
-``torch.cuda.mem_get_info`` per shape, never per step. Elsewhere there is no budget.
+by :class:`BudgetReader` after the first batch of each new ``(inputs, width)`` shape has run, and after a batch
+that compiled a shape or allocated a kept state (by default a shape's first batches run uncompiled): one
+``torch.cuda.mem_get_info`` per such batch, never per step. Elsewhere there is no budget.
 """
 
 from __future__ import annotations
@@ -194,23 +195,35 @@ def kept_bytes(engine: Any) -> int:
     return sum(kept.nbytes for kept in getattr(engine, "kept", {}).values())
 
 
+def held_mark(engine: Any) -> tuple[int, int]:
+    """What a ``CapturedBackend`` has set up that outlives a batch: kept states allocated and shapes compiled (a
+    graph pool each); ``(0, 0)`` for any other engine."""
+    allocations = getattr(engine, "allocations", None)
+    return (sum(allocations.values()) if allocations else 0, len(getattr(engine, "shapes", ())))
+
+
 class BudgetReader:
-    """Reads the free-memory budget again after the first batch of each new ``(inputs, width)`` shape has run
-    (CUDA only): what the run then holds (kept states, graph pools, compiled kernels; other processes' memory) is
-    no longer free. Kept states are counted back in: a later batch refills or releases them."""
+    """Reads the free-memory budget again after the first batch of each new ``(inputs, width)`` shape has run,
+    and after a batch that allocated a kept state or compiled a shape (CUDA only): what the run then holds (kept
+    states, graph pools, compiled kernels; other processes' memory) is no longer free. Kept states are counted
+    back in: a later batch refills or releases them."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.shapes: set[tuple[int, int]] = set()  # shapes run, the budget read after each
+        self.mark = (0, 0)  # the engine's held_mark at the last read
         self.reads = 0
 
     def after(self, items: Sequence[Item], budget: int | None, engine: Any) -> int | None:
-        """The budget after ``items`` ran as a batch: read again if its shape is new (CUDA), else ``budget``."""
+        """The budget after ``items`` ran as a batch: read again if its shape is new or the engine set up more
+        (CUDA), else ``budget``."""
         if self.device.type != "cuda" or not items:
             return budget
         shape = (len(items), input_width(max(len(it.ids or ()) for it in items)))
-        if shape in self.shapes:
+        mark = held_mark(engine)
+        if shape in self.shapes and mark == self.mark:
             return budget
         self.shapes.add(shape)
+        self.mark = mark
         self.reads += 1
         return free_memory_budget(self.device, kept_bytes(engine))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -290,6 +291,22 @@ def test_budget_reader_reads_once_per_new_shape(monkeypatch) -> None:
     assert reader.after([], 7, None) == 7 and len(calls) == 3  # nothing ran
     cpu = BudgetReader(torch.device("cpu"))
     assert cpu.after(_items(10), None, None) is None and len(calls) == 3  # no budget on the CPU
+
+
+def test_budget_reader_reads_again_after_a_batch_that_compiled_or_kept_more(monkeypatch) -> None:
+    """By default a shape's first batches run uncompiled: the batch that first compiles it (or allocates its kept
+    state) is not the shape's first, and what it set up is no longer free, so the budget is read after it too."""
+    free = [10 * GiB]
+    calls = _fake_cuda(monkeypatch, free)
+    engine = SimpleNamespace(kept={}, allocations=Counter(), shapes=set())  # a CapturedBackend's counts
+    reader = BudgetReader(torch.device("cuda", 0))
+    budget = reader.after(_items(10, 12), 5, engine)  # a new shape, run uncompiled: read
+    assert reader.after(_items(10, 12), budget, engine) == budget and len(calls) == 1  # the same: not read
+    engine.allocations[(2, 1, 64, 64)] += 1  # the next batch of the shape ran captured
+    engine.shapes.add((2, 64, 64, 64))
+    free[0] = 4 * GiB
+    assert reader.after(_items(10, 12), budget, engine) == int(4 * GiB * (1 - HEADROOM)) and len(calls) == 2
+    assert reader.after(_items(10, 12), 1, engine) == 1 and reader.reads == 2  # nothing new since
 
 
 def test_a_budget_read_again_applies_to_the_rest_of_the_window() -> None:
