@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -200,7 +201,8 @@ def _terminated(signum: int, frame: object) -> None:
     the arguments, which would turn the interrupt into "Aborted!" and exit 1) nothing is open: exit 130 at once."""
     if _Group.invoked:
         raise KeyboardInterrupt
-    os.write(2, b"seqgen: interrupted\n")
+    with contextlib.suppress(OSError):  # stderr closed: the exit status says it
+        os.write(2, b"seqgen: interrupted\n")
     os._exit(130)
 
 
