@@ -111,8 +111,10 @@ def watch_recordings() -> bool:
     """Count CUDA graph recordings (``graphs_recorded``): cudagraph trees run torch.compile's start callbacks with
     the ``CUDAGRAPH_RECORDING`` trigger for each graph they record (one process-wide callback, registered again
     after a ``torch._dynamo.reset``, which clears them). ``False`` where this torch announces no recordings."""
-    from torch._dynamo.callback import CallbackTrigger, callback_handler
-
+    try:
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
+    except ImportError:  # a torch without compile callbacks
+        return False
     if not hasattr(CallbackTrigger, "CUDAGRAPH_RECORDING"):
         return False
     if _on_compile_start not in callback_handler.start_callbacks:
