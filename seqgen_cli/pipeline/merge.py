@@ -22,7 +22,7 @@ from seqgen_cli.pipeline import paths
 from seqgen_cli.pipeline.formats import file_sha256, index_path, journal_path, manifest_path, read_manifest
 from seqgen_cli.pipeline.resume import check_fresh
 from seqgen_cli.pipeline.shards import shard_range
-from seqgen_cli.pipeline.sinks import is_stream, open_stream
+from seqgen_cli.pipeline.sinks import check_not_busy, is_stream, open_stream
 
 
 def check_part(part: str) -> dict[str, Any]:
@@ -129,6 +129,7 @@ def merge_parts(parts: Sequence[str], output: str) -> int:
     target = Path(output).resolve()
     if not target.parent.is_dir():
         raise SeqgenError(f"output folder {target.parent} does not exist")
+    check_not_busy(output)  # a seqgen generate writing it: replacing the file would lose its outputs
     check_fresh(output)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
