@@ -305,7 +305,9 @@ def test_merge_joins_the_shards_of_one_job_and_keeps_their_manifests(tmp_path: P
     assert out.read_text(encoding="utf-8") == expected(texts)
     assert all(Path(f"{p}.seqgen-part").exists() for p in parts)  # kept: the parts can be merged again
     with written_by_another_run(out):  # replacing a file a run writes would lose that run's outputs
-        one_line_error(seqgen("merge", *map(str, parts), "-o", str(out)), "being written by another seqgen run")
+        one_line_error(
+            seqgen("merge", *map(str, parts), "-o", str(out)), "being written by another seqgen run"
+        )
     assert out.read_text(encoding="utf-8") == expected(texts)
 
 
