@@ -24,7 +24,7 @@ import torch
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import capture, get_backend, linear_maps
-from seqgen_cli.models.capture import CapturedBackend, CapturedState, Decode, pad_batch
+from seqgen_cli.models.capture import CapturedBackend, CapturedState, Decode
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.shapes import graph_slots, graph_width
 from tests.engine_models import load, text_batch
@@ -161,7 +161,7 @@ def test_restart_fills_a_kept_state_as_start_fills_a_new_one(tiny_models, family
     left = not backend.is_encoder_decoder
     r, slots = 2, 64
     first_batch, second = (
-        pad_batch(b, 4, 64, left) for b in (text_batch(loaded, 3, seed=1), text_batch(loaded, 4, seed=2))
+        b.padded(4, 64, left) for b in (text_batch(loaded, 3, seed=1), text_batch(loaded, 4, seed=2))
     )
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -181,7 +181,7 @@ def test_restart_fills_a_kept_state_as_start_fills_a_new_one(tiny_models, family
         assert torch.equal(ours, theirs)
     assert (first is None) == (new_first is None) and (first is None or torch.equal(first, new_first))
     with torch.inference_mode(), pytest.raises(ValueError, match="cannot restart"):
-        backend.restart(kept, pad_batch(text_batch(loaded, 2, seed=1), 2, 64, left))
+        backend.restart(kept, text_batch(loaded, 2, seed=1).padded(2, 64, left))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -191,7 +191,7 @@ def test_compact_copies_what_drop_keeps(tiny_models, family: str) -> None:
     loaded = load(tiny_models(family))
     backend = get_backend(loaded.model)
     r, slots, steps = 2, 64, 4
-    batch = pad_batch(text_batch(loaded, 4, seed=3), 4, 64, not backend.is_encoder_decoder)
+    batch = text_batch(loaded, 4, seed=3).padded(4, 64, not backend.is_encoder_decoder)
     keep, rows = torch.tensor([0, 3]), torch.tensor([0, 1, 6, 7])
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():

@@ -34,7 +34,7 @@ from seqgen_cli.memory import (
     search_bytes,
 )
 from seqgen_cli.models import get_backend
-from seqgen_cli.models.capture import CapturedBackend, pad_batch
+from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.search.settings import rows_per_input
 from seqgen_cli.shapes import graph_inputs, graph_slots, graph_width, input_width
@@ -205,7 +205,7 @@ def test_graph_pool_approximates_a_static_step(tiny_models, family: str) -> None
     backend = get_backend(loaded.model)
     batch = text_batch(loaded, 7, seed=2)
     width, inputs, slots, r = graph_width(batch.input_ids.shape[1]), graph_inputs(7), graph_slots(10), 4
-    batch = pad_batch(batch, inputs, width, left=not backend.is_encoder_decoder)
+    batch = batch.padded(inputs, width, left=not backend.is_encoder_decoder)
     dims = Dims.of(loaded.model.config, "decoder")
     assert dims is not None
     estimate = graph_pool_bytes(dims, inputs, r, width, slots, backend.vocab_size, 4)

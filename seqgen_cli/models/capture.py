@@ -205,20 +205,6 @@ def shape_name(shape: tuple[int, ...]) -> str:
     return f"{rows}x{width}x{slots}" + (f" span {span[0]}" if span else "")
 
 
-def pad_batch(batch: Batch, inputs: int, width: int, left: bool) -> Batch:
-    """``batch`` [B, S] padded to ``inputs`` rows (copies of the last input) and ``width`` columns (masked;
-    on the left for decoder-only prompts, on the right for sources); each input keeps its own width."""
-    ids, mask = batch.input_ids, batch.attention_mask
-    b, s = ids.shape
-    widths = None if batch.widths is None else (*batch.widths, *batch.widths[-1:] * (inputs - b))
-    ids = torch.cat([ids, ids[-1:].expand(inputs - b, s)])  # [inputs, S]
-    mask = torch.cat([mask, mask[-1:].expand(inputs - b, s)])
-    pad = ids.new_zeros(inputs, width - s)  # [inputs, width - S]: token 0, masked
-    ids = torch.cat([pad, ids] if left else [ids, pad], dim=1)  # [inputs, width]
-    mask = torch.cat([pad, mask] if left else [mask, pad], dim=1)
-    return Batch(ids, mask, widths)
-
-
 Key = tuple[int, int, int, int]  # a kept state's shape: (graph inputs, rows per input, graph width, slots)
 
 
@@ -415,7 +401,7 @@ class CapturedBackend:
         width, inputs = graph_width(s, self.max_position_embeddings), graph_inputs(b)
         if not self._captures((inputs * r, width, slots, span_bucket(0, slots))):
             return self._start_plain(batch, PlainRun(None, r, inputs, width, slots, b), max_new_tokens)
-        padded = pad_batch(batch, inputs, width, left=not self.is_encoder_decoder)
+        padded = batch.padded(inputs, width, left=not self.is_encoder_decoder)
         key = (inputs, r, width, slots)
         kept = self.kept.get(key)
         self.watching = watch_recordings()  # registered again after a torch._dynamo.reset

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from seqgen_cli.models.capture import pad_batch
 from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
     DecoderOnlyLaneKVCache,
@@ -52,7 +51,7 @@ def left_width(batch: Batch, rows: Tensor, width: int) -> Batch:
     mask = batch.attention_mask.index_select(0, rows)
     if width <= ids.shape[1]:
         return Batch(ids[:, ids.shape[1] - width :], mask[:, mask.shape[1] - width :])
-    return pad_batch(Batch(ids, mask), ids.shape[0], width, left=True)
+    return Batch(ids, mask).padded(ids.shape[0], width, left=True)
 
 
 def check_batch(batch: Batch) -> None:

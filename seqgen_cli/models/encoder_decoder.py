@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.capture import pad_batch
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
     LaneKVCache,
@@ -257,7 +256,7 @@ class EncoderDecoderBackend:
         go into the slots' rows and their self-attention restarts at step 0. No first logits (``None``): the search
         then feeds the decoder start token."""
         self._widen(state, batch.input_ids.shape[1])
-        batch = pad_batch(batch, batch.input_ids.shape[0], state.cross_mask.shape[-1], left=False)
+        batch = batch.padded(batch.input_ids.shape[0], state.cross_mask.shape[-1], left=False)
         enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
         for i, (k, v) in enumerate(self._cross_kv(enc.last_hidden_state)):  # [J, H, d, W], [J, H, W, d]
             state.cross_k[i].index_copy_(0, slots, k)

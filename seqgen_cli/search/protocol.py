@@ -41,6 +41,19 @@ class Batch:
     attention_mask: torch.Tensor
     widths: tuple[int, ...] | None = None
 
+    def padded(self, inputs: int, width: int, left: bool) -> Batch:
+        """[B, S] padded to ``inputs`` rows (copies of the last input) and ``width`` columns (masked; on the left
+        for decoder-only prompts, on the right for sources); each input keeps its own width."""
+        ids, mask = self.input_ids, self.attention_mask
+        b, s = ids.shape
+        widths = None if self.widths is None else (*self.widths, *self.widths[-1:] * (inputs - b))
+        ids = torch.cat([ids, ids[-1:].expand(inputs - b, s)])  # [inputs, S]
+        mask = torch.cat([mask, mask[-1:].expand(inputs - b, s)])
+        pad = ids.new_zeros(inputs, width - s)  # [inputs, width - S]: token 0, masked
+        ids = torch.cat([pad, ids] if left else [ids, pad], dim=1)  # [inputs, width]
+        mask = torch.cat([pad, mask] if left else [mask, pad], dim=1)
+        return Batch(ids, mask, widths)
+
 
 @dataclass
 class SearchOutput:
