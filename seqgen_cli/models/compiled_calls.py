@@ -113,12 +113,13 @@ def watch_recordings() -> bool:
     after a ``torch._dynamo.reset``, which clears them). ``False`` where this torch announces no recordings."""
     try:
         from torch._dynamo.callback import CallbackTrigger, callback_handler
-    except ImportError:  # a torch without compile callbacks
+
+        if not hasattr(CallbackTrigger, "CUDAGRAPH_RECORDING"):
+            return False
+        if _on_compile_start not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(_on_compile_start)
+    except (ImportError, AttributeError):  # a torch whose compile callbacks differ: nothing counted
         return False
-    if not hasattr(CallbackTrigger, "CUDAGRAPH_RECORDING"):
-        return False
-    if _on_compile_start not in callback_handler.start_callbacks:
-        callback_handler.register_start_callback(_on_compile_start)
     return True
 
 
