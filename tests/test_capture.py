@@ -297,6 +297,22 @@ def test_the_real_compiler_on_the_cpu_skips_cuda_graphs_and_the_path_says_so(
     assert backend.stats()["compile_seconds"] > 0 and backend.steps["captured"] == 0
 
 
+def test_a_shape_compiling_is_noted_above_the_bar(tiny_models, capsys) -> None:
+    """Compiling pauses the run (~14 s a shape on a GPU): while the progress bar shows, each shape's first compiled
+    call says so above it; without the bar (``-q``, output to a file from a script) nothing is added."""
+    from seqgen_cli.pipeline.progress import Progress
+
+    loaded = load(tiny_models("bart"))
+    backend = CapturedBackend(get_backend(loaded.model), eager)
+    with Progress(True).notes():
+        run_beam(backend, loaded, min_new_tokens=70, max_new_tokens=70)  # two span buckets
+    notes = [line for line in capsys.readouterr().err.splitlines() if "compiling the decode step" in line]
+    assert len(notes) == len(backend.shapes) == 2 and notes[0].startswith("seqgen: compiling"), notes
+    with Progress(False).notes():
+        run_beam(CapturedBackend(get_backend(loaded.model), eager), loaded)
+    assert "compiling" not in capsys.readouterr().err
+
+
 def test_stats_reach_device_stats_and_the_closing_line(tiny_models) -> None:
     gen = Generator(str(tiny_models("bart")), device="cpu", num_beams=2, max_new_tokens=6)
     gen.generate(["one input"])

@@ -86,6 +86,7 @@ step's ``decode`` is idempotent too (``begin`` derives where it writes from the 
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 import weakref
 from collections import Counter
@@ -117,6 +118,7 @@ from seqgen_cli.search.protocol import Batch, ModelBackend, SlotLayout
 from seqgen_cli.shapes import compacted, graph_inputs, graph_slots, graph_width, span_bucket
 
 Compiler = Callable[[Decode], Decode]
+log = logging.getLogger(__name__)  # notes for the user: a shape compiling (pipeline: Progress.notes)
 
 MAX_SHAPES = 48  # shapes (batch shape x span bucket) one CapturedBackend compiles at most; then eager
 
@@ -618,6 +620,11 @@ class CapturedBackend:
         calls of a shape count as compile seconds, failed or not."""
         call = self.calls[shape]
         self.calls[shape] += 1
+        if call == 0:  # the run pauses while it compiles: say why
+            log.info(
+                "compiling the decode step for shape %s (once per shape; --no-capture: never)",
+                shape_name(shape),
+            )
         skips, recorded = self._skips(), graphs_recorded()
         t0 = time.perf_counter()
         try:

@@ -152,10 +152,11 @@ def generate_job(gen: Generator, job: Job) -> Summary:
     records, agreement = self_check(gen, records, opts)
     streaming = any(not is_regular(p) for p in job.paths)  # stdin or a named pipe: hand lines on at once
     progress = Progress(opts.progress, job.paths, total=job.shard.size if job.shard is not None else None)
-    summary = write_records(
-        gen, records, job.output, opts, progress=progress, streaming=streaming, settings=job.settings(gen),
-        part=job.shard is not None,
-    )  # fmt: skip
+    with progress.notes():  # a shape compiling pauses the bar: the engine says so above it
+        summary = write_records(
+            gen, records, job.output, opts, progress=progress, streaming=streaming, settings=job.settings(gen),
+            part=job.shard is not None,
+        )  # fmt: skip
     summary.verify = agreement
     if opts.stats:
         write_stats(opts.stats, summary)

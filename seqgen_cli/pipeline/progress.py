@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from tqdm import tqdm
 
@@ -95,8 +97,36 @@ class Progress:
         """A line on stderr that does not break the bar."""
         tqdm.write(message, file=sys.stderr)
 
+    @contextmanager
+    def notes(self, source: str = "seqgen_cli.models") -> Iterator[None]:
+        """While the bar shows, the engine's notes above it (``source``'s INFO records: a shape compiling, which
+        pauses the bar), as ``seqgen: <note>``."""
+        if self.bar.disable:
+            yield
+            return
+        logger, handler = logging.getLogger(source), _Lines(self.write)
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
     def close(self) -> None:
         self.bar.close()
+
+
+class _Lines(logging.Handler):
+    """Log records as ``seqgen: <message>`` lines through ``write``."""
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self.lines = write
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines(f"seqgen: {record.getMessage()}")
 
 
 class CountingProgress(Progress):
