@@ -233,6 +233,23 @@ def test_an_oom_on_a_replay_is_raised_and_the_shape_stays_captured(tiny_models) 
     assert run_beam(backend, loaded) == run_beam(get_backend(loaded.model), loaded)
 
 
+def test_an_oom_in_a_plain_batch_releases_the_kept_states_and_is_raised(tiny_models, monkeypatch) -> None:
+    """A batch on the plain backend (its shape not paid yet) that runs out of memory: the kept states of other
+    shapes are released (the split halves find their memory) and the error reaches ``generate_split``."""
+    loaded = load(tiny_models("bart"))
+    backend = CapturedBackend(get_backend(loaded.model), eager, amortized=amortized.Amortized())
+    backend.amortized.forgone[(8 * 3, 64, 64, 64)] = 1e9  # 5 inputs: paid, runs on a kept state
+    run_beam(backend, loaded)
+    kept = len(backend.kept)  # 8 slots and the shapes its compactions moved into
+    assert kept >= 1 and backend.plain_batches == 0
+    monkeypatch.setattr(
+        backend.backend, "step", failing_on(1, torch.OutOfMemoryError("CUDA OOM"))(backend.backend.step)
+    )
+    with pytest.raises(torch.OutOfMemoryError):
+        run_beam(backend, loaded, batch=text_batch(loaded, 2, seed=5))  # 2 slots: not paid, plain
+    assert backend.plain_batches == 1 and not backend.kept and backend.released == kept
+
+
 def test_inductor_skipping_cuda_graphs_is_read_from_its_counter(tiny_models) -> None:
     """Inductor may run a compiled graph without CUDA graphs (``cudagraph_skips``, on a recording or later): that
     shape runs eagerly from then on, and the step path says so."""
