@@ -291,6 +291,7 @@ class CapturedBackend:
         self.compiled: Decode | None = compiler(backend.decode)  # None after a failure: eager for good
         self.shapes: set[tuple[int, ...]] = set()  # shapes running compiled (a compiled call returned)
         self.calls: Counter[tuple[int, ...]] = Counter()  # compiled calls per shape
+        self.called_batch_shapes: set[tuple[int, ...]] = set()  # shapes of ``calls`` less their span bucket
         self.oom_shapes: set[tuple[int, ...]] = set()  # out of memory while compiling or recording: eager
         self.failure: str | None = None  # why compiled calls stopped
         self.skipped_shapes: set[tuple[int, ...]] = set()  # inductor ran them without CUDA graphs: eager
@@ -371,8 +372,8 @@ class CapturedBackend:
                 "search_eager_steps": self.search.steps["eager"],
                 "search_compile_seconds": round(self.search.compile_seconds, 1),
             }
-        if self.watching and (self.device.type == "cuda" or self._recorded().total()):
-            recorded = self._recorded()
+        recorded = self._recorded()
+        if self.watching and (self.device.type == "cuda" or recorded.total()):
             out["cuda_graphs_recorded"] = recorded.total()
             out["cuda_graphs_recorded_per_shape"] = {name: n for name, n in sorted(recorded.items()) if n}
         return out
@@ -417,8 +418,7 @@ class CapturedBackend:
                 first = self.backend.restart(kept.inner, padded)
                 kept.tokens.zero_()
         except Exception as err:
-            if is_oom(err):  # the batch is split: its halves find the memory the kept states held
-                self._release(busy=())
+            self._release_if_oom(err)
             raise
         device = batch.input_ids.device
         state = CapturedState(
@@ -452,8 +452,7 @@ class CapturedBackend:
         try:
             run.inner, first = self.backend.start(batch, run.rows_per_input, max_new_tokens)
         except Exception as err:
-            if is_oom(err):  # the batch is split: its halves find the memory the kept states held
-                self._release(busy=())
+            self._release_if_oom(err)
             raise
         return run, first
 
@@ -465,8 +464,7 @@ class CapturedBackend:
         try:
             return self.backend.step(run.inner, tokens)
         except Exception as err:
-            if is_oom(err):
-                self._release(busy=())
+            self._release_if_oom(err)
             raise
 
     def _batch_bytes(self, key: Key) -> int:
@@ -514,6 +512,11 @@ class CapturedBackend:
             self._drop_kept(kept)
             held -= kept.nbytes
 
+    def _release_if_oom(self, err: BaseException) -> None:
+        """Out of memory: release every kept state (the batch is split, its halves find the memory they held)."""
+        if is_oom(err):
+            self._release(busy=())
+
     def _release(self, busy: Iterable[Key]) -> None:
         """Release every kept state but those of ``busy`` (out of memory)."""
         busy = set(busy)
@@ -551,8 +554,7 @@ class CapturedBackend:
             decode = self._decoder((*state.shape, span), state.inner.t)
             return static_step(decode, state.inner, state.tokens)  # [P * R, V]
         except Exception as err:
-            if is_oom(err):  # the batch is split: its halves find the memory the kept states held
-                self._release(busy=())
+            self._release_if_oom(err)
             raise
 
     def slot_layout(self, state: CapturedState) -> SlotLayout:
@@ -585,7 +587,7 @@ class CapturedBackend:
         """The slot search's step, compiled and guarded (:class:`CompiledSearch`)."""
         if self.search is None:
             raise RuntimeError("no search compiler: beam search does not run over the slots")
-        if self.amortized is not None and not any(shape[:-1] == state.shape for shape in self.calls):
+        if self.amortized is not None and state.shape not in self.called_batch_shapes:
             return self.search.eager(step, search, logits)  # its model step is not compiled yet either
         return self.search((state.shape, getattr(search, "spec", None)), step, search, logits)
 
@@ -621,6 +623,7 @@ class CapturedBackend:
         call = self.calls[shape]
         self.calls[shape] += 1
         if call == 0:  # the run pauses while it compiles: say why
+            self.called_batch_shapes.add(shape[:-1])
             log.info(
                 "compiling the decode step for shape %s (once per shape; --no-capture: never)",
                 shape_name(shape),
@@ -729,8 +732,7 @@ class CapturedBackend:
             else:
                 self.backend.compact(state.inner, kept, kept_rows, into=target.inner)
         except Exception as err:
-            if is_oom(err):
-                self._release(busy=())
+            self._release_if_oom(err)
             raise
         select_into(target.tokens, state.tokens, kept_rows)
         state.kept.owner = None  # idle: the next batch of its shape takes it
