@@ -21,6 +21,8 @@ this). Sections, each written to ``--out`` as soon as it is done (``results.json
   seconds (median, min-max of 3+ interleaved runs after each one's first, compiling, run), decode steps and
   slot occupancy, output tokens per input, whether outputs are identical, the capture path's counts (CUDA);
 * ``cli``: ``Generator`` on the device (pinned, non-blocking input copies) and ``device_stats()``;
+* ``profile``: the eager step under ``torch.profiler`` per dtype (top operators by device and host time), and a
+  short whole process split (device init, ``--verify 0`` against the default);
 * ``run``: whole ``seqgen generate`` processes over ``--run-inputs`` CNN/DM lines (the sources recycled),
   ``--preset cnndm-bart``, batch 32: ``--no-capture``, the default (a shape compiled once it pays), ``--capture``
   from empty inductor caches and again on warm ones: wall and generate seconds, shapes compiled, compile seconds.
@@ -70,6 +72,7 @@ from _common import STAGED, find_shared, read_sources  # noqa: E402
 from gpu_stages.base import Budget, batch_plan  # noqa: E402
 from gpu_stages.checks import section_cli, section_env, section_equiv, section_sync  # noqa: E402
 from gpu_stages.long import section_long  # noqa: E402
+from gpu_stages.profile import section_profile  # noqa: E402
 from gpu_stages.refill import refill_md, section_refill  # noqa: E402
 from gpu_stages.run import section_run  # noqa: E402
 from gpu_stages.tables import SHAPES, section_table, table_md  # noqa: E402
@@ -77,7 +80,7 @@ from make_bench_models import build  # noqa: E402
 
 STAGE_FILES = ("tokenizers/bart-large-cnn", "tokenizers/gpt2", "data/cnndm/fastseq128/cnndm_128.txt")
 SOURCES = "data/cnndm/fastseq128/cnndm_128.txt"  # FastSeq's 128 CNN/DM test articles
-SECTIONS = ("env", "equiv", "sync", "bart", "long", "gpt2", "refill", "cli", "run")
+SECTIONS = ("env", "equiv", "sync", "bart", "long", "gpt2", "refill", "cli", "run", "profile")
 TABLES = {  # section: its heading and how its rows are shown
     "bart": ("bart-large-cnn shape", table_md),
     "gpt2": ("GPT-2 shape", table_md),
@@ -241,6 +244,10 @@ def main(argv: list[str] | None = None) -> None:
         elif stage == "run":
             inputs = args.run_inputs or (12 if quick else 512)
             report.add("run", *section_run(device, models["bart"], texts, args.out, inputs, budget, quick))
+        elif stage == "profile":
+            full, small, kwargs = SHAPES["bart"]
+            report.add("profile", *section_profile(device, models["bart"], texts, args.out, dtypes,
+                                                   small if quick else full, kwargs, quick))  # fmt: skip
         elif stage == "refill":
             refill_reps = 2 if quick else max(3, args.reps)
             report.add_table("refill", section_refill(models["bart"], texts, device, dtypes, plan, args.max_batch,

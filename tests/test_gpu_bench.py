@@ -129,7 +129,16 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
     for r in run["rows"].values():
         assert r["rc"] == 0 and r["wall_s"] > 0 and r["generate_s"] > 0 and r["same_as_no_capture"] == 1, r
         assert r["step_path"].startswith("eager (") and r["shapes_compiled"] is None, r
+    profile = results["profile"]  # the eager step profiled per dtype; whole processes with and without --verify
+    assert set(profile["eager"]) == {"float16", "bfloat16"}
+    for r in profile["eager"].values():
+        assert r["wall_s"] > 0 and len(r["top_host"]) == len(r["top_device"]) == 12, r
+        assert r["top_host"][0]["ms"] >= r["top_host"][-1]["ms"] > 0, r["top_host"]
+    for arm in ("--verify 0", "default --verify"):
+        r = profile["startup"][arm]
+        assert r["rc"] == 0 and r["wall_s"] > r["run_s"] >= r["generate_s"] > 0 and r["dtype"] == "float32", r
     md = (out / "results.md").read_text()
+    assert "## Profile: eager step, 64-token sources, 8 new tokens, on cpu" in md
     assert "## Whole `seqgen generate` runs: 12 CNN/DM inputs" in md
     assert "## bart-large-cnn shape" in md and "## GPT-2 shape" in md and "float32 equivalence" in md
     assert "## Refill vs --no-refill" in md and "| float16 | 2 | 8 |" in md
