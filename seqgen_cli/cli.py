@@ -496,6 +496,9 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         summary = generate_distributed(spec, checked, ClusterOptions(workers, **flags))
         max_source_length = (summary.distributed or {}).get("max_source_length")
     else:
+        from seqgen_cli.digests import prefetch
+
+        prefetch(model)  # the checkpoint's file digests (the run's identity), hashed while it loads
         gen = spec.build()
         if gen.fallback and not quiet:  # --backend auto runs generate(): say so, and why
             click.echo(f"seqgen: note: running transformers generate(): {gen.fallback}", err=True)

@@ -105,6 +105,8 @@ def test_each_fingerprinted_option_changes_the_fingerprint(tiny_models, tmp_path
         assert changed[FINGERPRINTED[option]] != base[FINGERPRINTED[option]], option
         covered.add(option)
     other = copy_checkpoint(model, tmp_path / "other-model")
+    assert _print(other)["model"] == base["model"], "a copy holds the same model (identity is content)"
+    resave_weights(other)
     assert _print(other)["model"] != base["model"]
     covered.add("model")
     assert covered == set(FINGERPRINTED)
@@ -117,6 +119,108 @@ def test_a_checkpoint_saved_anew_in_the_same_folder_is_another_model(tiny_models
     config["dropout"] = 0.25  # a changed config, same folder
     (model / "config.json").write_text(json.dumps(config), encoding="utf-8")
     assert _print(model)["model"] != before
+
+
+def resave_weights(folder: Path) -> None:
+    """Save ``folder``'s weights again with other values at the same shapes: the same file names and sizes."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    size = path.stat().st_size
+    weights = load_file(path)
+    save_file({k: v + 1 if v.is_floating_point() else v for k, v in weights.items()}, path, {"format": "pt"})
+    assert path.stat().st_size == size
+
+
+def test_the_model_is_identified_by_the_content_of_its_files(tiny_models, tmp_path: Path) -> None:
+    """Weights saved anew at the same sizes, a tokenizer file changed: another model; a file touched back to its
+    old modification time after a rewrite is hashed again; an unchanged folder is not hashed again."""
+    import os
+
+    from seqgen_cli import digests
+    from seqgen_cli.pipeline.job import model_identity
+
+    class Named:
+        def __init__(self, folder: Path) -> None:
+            self.config = type("Config", (), {"_name_or_path": str(folder)})()
+
+    model = copy_checkpoint(tiny_models("bart"), tmp_path / "model")
+    first = model_identity(Named(model))["files"]
+    assert {"model.safetensors", "config.json", "generation_config.json"} <= set(first)
+    assert any(name.startswith("tokenizer") or name in ("vocab.json", "merges.txt") for name in first)
+    assert len(first) == len(digests.model_files(model))
+    (model / "README.md").write_text("a model card does not decide outputs\n")
+    assert model_identity(Named(model))["files"] == first
+
+    hashed: list[str] = []
+    real = digests.hashlib.file_digest
+
+    def counting(f, name):  # noqa: ANN001, ANN202
+        hashed.append(f.name)
+        return real(f, name)
+
+    digests._memo.clear()  # this process's memo: the on-disk cache alone answers
+    digests.hashlib.file_digest = counting
+    try:
+        assert model_identity(Named(model))["files"] == first and hashed == []
+        weights = model / "model.safetensors"
+        st = weights.stat()
+        resave_weights(model)
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old size and modification time
+        second = model_identity(Named(model))["files"]
+    finally:
+        digests.hashlib.file_digest = real
+    assert hashed == [str(weights)], "only the rewritten file is hashed again"
+    assert second["model.safetensors"] != first["model.safetensors"]
+    assert {k: v for k, v in second.items() if k != "model.safetensors"} == {
+        k: v for k, v in first.items() if k != "model.safetensors"
+    }
+    tokenizer = next(p for p in sorted(model.iterdir()) if p.name.startswith("tokenizer_config"))
+    config = json.loads(tokenizer.read_text(encoding="utf-8"))
+    tokenizer.write_text(json.dumps({**config, "add_prefix_space": True}), encoding="utf-8")
+    assert model_identity(Named(model))["files"][tokenizer.name] != second[tokenizer.name]
+
+
+@pytest.mark.parametrize("change", ["weights", "tokenizer"])
+def test_resume_after_the_checkpoint_was_saved_again_is_refused(tiny_models, tmp_path: Path, change: str) -> None:
+    """Through the CLI: a run stopped by a bad line, the checkpoint saved again (weights at the same sizes, or a
+    tokenizer setting), ``--resume``: one line naming the changed file; the output is left as it was."""
+    model = copy_checkpoint(tiny_models("bart"), tmp_path / "model")
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    lines = [t.encode() for t in sample_texts(12, seed=2)]
+    src.write_bytes(b"\n".join(lines[:8] + [b"caf\xe9"] + lines[8:]) + b"\n")  # line 9 is not UTF-8
+    args = ["generate", "-m", str(model), str(src), "-o", str(out), "--max-new-tokens", "3"]
+    args += ["--sort-window", "0", "-q"]
+    res = seqgen(*args)
+    assert res.exit_code == 2 and index_path(out).exists()
+    before = out.read_bytes()
+    if change == "weights":
+        resave_weights(model)
+        changed = "model.safetensors"
+    else:
+        changed = "tokenizer_config.json"
+        config = json.loads((model / changed).read_text(encoding="utf-8"))
+        (model / changed).write_text(json.dumps({**config, "add_prefix_space": True}), encoding="utf-8")
+    res = seqgen(*args, "--resume")
+    one_line_error(res, f"different settings (model: {changed} changed)")
+    assert out.read_bytes() == before
+
+
+def test_merge_refuses_shards_made_before_and_after_the_checkpoint_was_saved_again(
+    tiny_models, tmp_path: Path
+) -> None:
+    model = copy_checkpoint(tiny_models("bart"), tmp_path / "model")
+    src = write_lines(tmp_path / "in.txt", sample_texts(6, seed=3))
+    parts = [tmp_path / "part0.txt", tmp_path / "part1.txt"]
+    for i, part in enumerate(parts):
+        if i == 1:
+            resave_weights(model)
+        res = seqgen("generate", "-m", str(model), str(src), "-o", str(part), "--shard", f"{i}/2",
+                     "--max-new-tokens", "3", "-q")  # fmt: skip
+        assert res.exit_code == 0, res.stderr
+    res = seqgen("merge", *map(str, parts), "-o", str(tmp_path / "out.txt"))
+    one_line_error(res, "different settings (model: model.safetensors changed): not parts of one job")
+    assert not (tmp_path / "out.txt").exists()
 
 
 def _interrupted(tmp_path: Path, texts: list[str], fail_at: int, resume: bool = False) -> Path:

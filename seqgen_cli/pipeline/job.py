@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -331,20 +330,18 @@ def fingerprint(gen: Generator, opts: JobOptions) -> dict[str, Any]:
 
 
 def model_identity(model: Any) -> dict[str, Any]:
-    """The checkpoint: its folder, a digest of its config and the names and sizes of its weight files (a
-    checkpoint saved anew over the same folder is another model; hashing gigabytes of weights is not done)."""
+    """The checkpoint by content: the SHA-256 of each file of its folder that decides the outputs (weights,
+    config, generation config, tokenizer files; :mod:`seqgen_cli.digests`, cached per file), so that a checkpoint
+    saved anew, even at the same sizes, is another model and a moved or copied one the same. A model without a
+    folder (built in memory) is its name."""
+    from seqgen_cli.digests import folder_digests
+    from seqgen_cli.models.int8_cache import checkpoint_folder
+
     name = str(getattr(model.config, "_name_or_path", ""))
-    if not (name and os.path.isdir(name)):
+    folder = checkpoint_folder(name) if name else None
+    if folder is None:
         return {"name": name}
-    folder = Path(name)
-    config = folder / "config.json"
-    digest = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else ""
-    weights = {
-        p.name: p.stat().st_size
-        for p in sorted(folder.iterdir())
-        if p.suffix in (".safetensors", ".bin", ".pt", ".pth") and p.is_file()
-    }
-    return {"name": os.path.realpath(name), "config_sha256": digest, "weights": weights}
+    return {"files": folder_digests(folder)}
 
 
 def write_stats(path: str, summary: Summary) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.pipeline import paths
 from seqgen_cli.pipeline.formats import file_sha256, index_path, journal_path, manifest_path, read_manifest
-from seqgen_cli.pipeline.resume import check_fresh
+from seqgen_cli.pipeline.resume import check_fresh, differences
 from seqgen_cli.pipeline.shards import shard_range
 from seqgen_cli.pipeline.sinks import check_not_busy, is_stream, open_stream
 
@@ -73,12 +73,10 @@ def check_parts(parts: Sequence[str]) -> None:
     for part, s in zip(parts, settings, strict=True):
         if s.get("input") != first.get("input"):
             raise SeqgenError(f"{part} and {ref} were made from different inputs: not parts of one job")
-        keys = sorted(
-            k for k in set(s) | set(first) if k not in ("shard", "input") and s.get(k) != first.get(k)
-        )
-        if keys:
+        differ = differences(first, s, ignore=("shard", "input"))
+        if differ:
             raise SeqgenError(
-                f"{part} and {ref} were written with different settings ({', '.join(keys)}): not parts of one job"
+                f"{part} and {ref} were written with different settings ({differ}): not parts of one job"
             )
     shards = [tuple(s["shard"]) for s in settings]
     n = shards[0][1]

@@ -45,9 +45,8 @@ def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> IndexEntry
         return None
     old, last = read_index(output)
     if old != settings:
-        keys = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
         raise SeqgenError(
-            f"--resume: {output} was written with different settings ({', '.join(keys)}); "
+            f"--resume: {output} was written with different settings ({differences(old, settings)}); "
             f"rerun with the same settings, or delete {index.name} to start over"
         )
     size = out.stat().st_size if out.exists() else 0
@@ -89,3 +88,13 @@ def skip_done(records: Iterator[Record], state: IndexEntry, digest: InputDigest)
             f"--resume: the first {seen} inputs differ from those of the interrupted run (same files, same order?)"
         )
     return records
+
+
+def differences(old: dict[str, Any], new: dict[str, Any], ignore: tuple[str, ...] = ()) -> str:
+    """The settings that differ (but ``ignore``), named; for the model, its files that changed; "" if none."""
+    keys = sorted(k for k in set(old) | set(new) if k not in ignore and old.get(k) != new.get(k))
+    was, now = (d.get("model", {}).get("files") for d in (old, new))
+    if "model" in keys and isinstance(was, dict) and isinstance(now, dict):
+        changed = sorted(n for n in set(was) | set(now) if was.get(n) != now.get(n))
+        keys[keys.index("model")] = f"model: {', '.join(changed)} changed"
+    return ", ".join(keys)
