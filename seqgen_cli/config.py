@@ -21,7 +21,8 @@ from typing import Any
 from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.search.settings import check_return_sequences
+from seqgen_cli.loading import position_table
+from seqgen_cli.search.settings import check_return_sequences, rows_per_input
 
 # The generate() settings seqgen exposes as flags, with transformers' names.
 GENERATION_KEYS = (
@@ -87,30 +88,44 @@ class Rule:
         return None
 
     def _bounds(self) -> str:
-        low = "" if self.low is None else f"{'>' if self.low_open else '>='} {self.low:g}"
-        high = "" if self.high is None else f"<= {self.high:g}"
+        low = "" if self.low is None else f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        high = "" if self.high is None else f"<= {_number(self.high)}"
         return "" if not (low or high) else " " + " and ".join(x for x in (low, high) if x)
 
+
+def _number(x: float) -> str:
+    """A bound as written: whole numbers in full (2147483647, not 2.14748e+09)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+# The most any count or token id may be, from any source. Python, click and TOML integers have no bound; torch's
+# sizes are int64: past it torch dies converting a size (c10::ValueError with a C++ frame dump), and below it the
+# engine's products of these counts (rows x positions x heads x head size x 4 bytes: one input's caches) overflow
+# the storage size. int32's largest is far past any real run (2**31 beams, or tokens of one output) and is what
+# CUDA kernels index with; one input's rows x length keeps within it too (_check_rows). Once the model is loaded,
+# beams are held to its vocabulary (_check_beams) and lengths to a learned-position table (_check_positions).
+MOST = 2**31 - 1
 
 # Every setting of GENERATION_KEYS and its rule: flags, preset files and the checkpoint's generation_config.json
 # all go through check_setting.
 RULES: dict[str, Rule] = {
-    "num_beams": Rule(int, 1),
-    "max_new_tokens": Rule(int, 1),
-    "min_new_tokens": Rule(int, 0),
-    "max_length": Rule(int, 1),
-    "min_length": Rule(int, 0),
+    "num_beams": Rule(int, 1, MOST),
+    "max_new_tokens": Rule(int, 1, MOST),
+    "min_new_tokens": Rule(int, 0, MOST),
+    "max_length": Rule(int, 1, MOST),
+    "min_length": Rule(int, 0, MOST),
     "length_penalty": Rule(float),
     "early_stopping": Rule(bool, also=("never",)),
-    "no_repeat_ngram_size": Rule(int, 0),
-    "num_return_sequences": Rule(int, 1),
+    "no_repeat_ngram_size": Rule(int, 0, MOST),
+    "num_return_sequences": Rule(int, 1, MOST),
     "do_sample": Rule(bool),
     "temperature": Rule(float, 0, low_open=True),
-    "top_k": Rule(int, 0),
+    "top_k": Rule(int, 0, MOST),
     "top_p": Rule(float, 0, 1, low_open=True),
     "repetition_penalty": Rule(float, 0, low_open=True),
-    "forced_bos_token_id": Rule(int, 0),  # the target language of mBART-50, M2M-100, NLLB (--target-lang)
-    "forced_eos_token_id": Rule(int, 0, lists=True),
+    # the target language of mBART-50, M2M-100, NLLB (--target-lang)
+    "forced_bos_token_id": Rule(int, 0, MOST),
+    "forced_eos_token_id": Rule(int, 0, MOST, lists=True),
 }
 FORCED_TOKEN_KEYS = ("forced_bos_token_id", "forced_eos_token_id")  # token ids: below the model's vocabulary
 SAMPLING_KEYS = (
@@ -224,6 +239,7 @@ def resolve_generation_config(
     flags: dict[str, Any] | None = None,
     is_encoder_decoder: bool | None = None,
     vocab_size: int | None = None,
+    positions: tuple[str, int] | None = None,
 ) -> GenerationConfig:
     """Checkpoint config, then preset, then explicit settings.
 
@@ -232,7 +248,8 @@ def resolve_generation_config(
     where ``None`` means "not given", goes through :func:`check_flags` first. A layer that gives both units
     of a limit keeps both, and ``max_new_tokens``/``min_new_tokens`` win, as in ``generate()``. Raises
     ``SeqgenError`` for settings transformers rejects, and (``vocab_size``: the model's) for a forced token id
-    of a flag or preset that is not a token of the model.
+    of a flag or preset that is not a token of the model or more beams than its tokens, and (``positions``:
+    :func:`~seqgen_cli.loading.position_table`) for a length past a learned-position model's positions.
     """
     config = copy.deepcopy(base)
     source = {k: CHECKPOINT for k in RULES if getattr(base, k, None) is not None}
@@ -257,8 +274,61 @@ def resolve_generation_config(
     _check_lengths(config, source, is_encoder_decoder)
     if vocab_size is not None:
         _check_token_ids(config, source, vocab_size)
+        _check_beams(config, source, vocab_size)
+    if positions is not None and is_encoder_decoder is not None:
+        _check_positions(config, source, is_encoder_decoder, positions)
+    _check_rows(config, source)
     _validate(config, given)
     return config
+
+
+def _check_rows(config: GenerationConfig, source: dict[str, str]) -> None:
+    """One input's rows (beams, or sampled sequences) x its length limit within :data:`MOST`: each may be within
+    it alone while their product, which sizes the input's caches (x heads x head size x 4 bytes), overflows torch's
+    storage size ("Storage size calculation overflowed")."""
+    rows_key = "num_beams" if rows_per_input(config) == (config.num_beams or 1) else "num_return_sequences"
+    length_key = "max_new_tokens" if config.max_new_tokens is not None else "max_length"
+    rows, length = getattr(config, rows_key), getattr(config, length_key)
+    if isinstance(rows, int) and isinstance(length, int) and rows * length > MOST:
+        raise SeqgenError(
+            f"{describe(rows_key, rows, source.get(rows_key, CHECKPOINT))} with "
+            f"{describe(length_key, length, source.get(length_key, CHECKPOINT))}: one input would run "
+            f"{rows * length} tokens (rows x length), more than {MOST}"
+        )
+
+
+def _check_beams(config: GenerationConfig, source: dict[str, str], vocab_size: int) -> None:
+    """At most as many beams as the model has tokens, from any source: beam search keeps ``num_beams`` different
+    continuations, and after the first step there are only ``vocab_size`` of them (the rest would run on as
+    impossible, -inf scored rows, each a full row of the model's work)."""
+    num_beams = config.num_beams
+    if isinstance(num_beams, int) and num_beams > vocab_size:
+        raise SeqgenError(
+            f"{describe('num_beams', num_beams, source.get('num_beams', CHECKPOINT))}: must be <= {vocab_size}, "
+            "the model's vocabulary (beam search keeps that many different continuations at most)"
+        )
+
+
+def _check_positions(
+    config: GenerationConfig, source: dict[str, str], is_encoder_decoder: bool, positions: tuple[str, int]
+) -> None:
+    """The length limit in force (``max_new_tokens``, else ``max_length``), from any source, within the positions
+    of a model that looks them up in a table of ``positions = (config field, size)``: past it the model dies with
+    ``IndexError: index out of range in self``. The model runs on the decoder start token (encoder-decoder) or the
+    prompt (decoder-only, at least one token: :func:`~seqgen_cli.loading.source_limit` cuts it to make room) and
+    every new token but the last, so ``size`` new tokens fit, and ``size + 1`` tokens counted as ``max_length``
+    counts them."""
+    field, size = positions
+    key = "max_new_tokens" if config.max_new_tokens is not None else "max_length"
+    value = getattr(config, key)
+    most = size if key == "max_new_tokens" else size + 1
+    if isinstance(value, int) and value > most:
+        model = f"the model has {size} {'decoder ' if is_encoder_decoder else ''}positions"
+        runs = "the start token" if is_encoder_decoder else "the prompt"
+        raise SeqgenError(
+            f"{describe(key, value, source.get(key, CHECKPOINT))}: must be <= {most}: {model} ({field} in its "
+            f"config.json) and runs on {runs} and every new token but the last"
+        )
 
 
 def _check_token_ids(config: GenerationConfig, source: dict[str, str], vocab_size: int) -> None:
@@ -310,14 +380,15 @@ def settings_for_model(
 ) -> GenerationConfig:
     """A loaded model's settings: its ``generation_config``, then ``preset``, then ``flags`` (checked by
     :func:`check_flags`), ``target_lang`` resolved through ``tokenizer`` over any ``forced_bos_token_id``; forced
-    ids checked against the rows of the model's lm head."""
+    ids and beams checked against the rows of the model's lm head, lengths against its position table (if any)."""
     if target_lang is not None:  # a flag: over the checkpoint's and the preset's forced_bos_token_id
         flags = {**flags, "forced_bos_token_id": resolve_target_lang(tokenizer, target_lang)}
     head = model.get_output_embeddings()  # the ids the model can score: its lm head's rows
     vocab_size = getattr(head, "out_features", None) or getattr(model.config, "vocab_size", None)
     return resolve_generation_config(
-        model.generation_config, preset, flags, model.config.is_encoder_decoder, vocab_size=vocab_size
-    )
+        model.generation_config, preset, flags, model.config.is_encoder_decoder, vocab_size=vocab_size,
+        positions=position_table(model.config),
+    )  # fmt: skip
 
 
 def check_flags(flags: dict[str, Any]) -> dict[str, Any]:

@@ -221,6 +221,25 @@ def weights_error(name: str, source: str, err: Exception) -> str:
     return f"model {name}: cannot load its weights{where}: {type(err).__name__}: {_first_line(err)}"
 
 
+# Model types whose decoder looks positions up in a fixed table (learned, or Marian's and Pegasus's sinusoids made
+# once), and the config field that sizes it: a position past it is ``IndexError: index out of range in self``.
+# Relative (T5), rotary (Llama, GPT-NeoX, ...), ALiBi and sinusoids that grow on demand (M2M-100, NLLB, XGLM,
+# FSMT) have no such limit, and neither has a type not listed: it runs as before.
+_LEARNED = ("bart", "mbart", "plbart", "mvp", "blenderbot", "blenderbot-small", "bigbird_pegasus")
+POSITION_TABLES: dict[str, str] = {
+    **dict.fromkeys(_LEARNED + ("opt", "biogpt", "gpt_neo", "marian", "pegasus"), "max_position_embeddings"),
+    **dict.fromkeys(("gpt2", "gpt_bigcode"), "n_positions"),
+}
+
+
+def position_table(config: Any) -> tuple[str, int] | None:
+    """``(field, size)`` of the fixed position table a model's decoder indexes (:data:`POSITION_TABLES`), from its
+    ``config`` alone; ``None`` where positions have no hard limit."""
+    field = POSITION_TABLES.get(getattr(config, "model_type", None) or "")
+    size = getattr(config, field, None) if field else None
+    return (field, size) if isinstance(size, int) and size > 0 else None
+
+
 def source_limit(config: Any, tokenizer: Any, requested: int | None, new_tokens: int = 0) -> int | None:
     """The longest input the model takes: the smaller of the request and the model's position limit, less the
     ``new_tokens`` a decoder-only model generates after it.

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import Result
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
 from seqgen_cli.errors import is_oom
@@ -252,3 +253,104 @@ def test_real_tokenizer_folders_still_load(real_tokenizer_models, family: str) -
     """Checkpoints as published (Marian without tokenizer.json, others with it only) are not refused."""
     loaded = load(str(real_tokenizer_models(family)))
     assert len(loaded.tokenizer) > 1000 and loaded.tokenizer("hello world")["input_ids"]
+
+
+# -- part 7: settings past what the model or torch can index (issue 39, item 4) -------------------------------
+HUGE = str(10**20)  # past int64: torch raised c10::ValueError with a C++ frame dump
+
+
+def _generate(model: Path, *args: str) -> Result:
+    return seqgen("generate", "-m", str(model), "-q", *args, input="hello world\nanother line\n")
+
+
+def _vocab(model: Path) -> int:
+    return json.loads((model / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+
+
+def test_a_huge_num_beams_flag_is_one_line(tiny_models) -> None:
+    res = _generate(tiny_models("bart"), "--max-new-tokens", "2", "--num-beams", HUGE)
+    _one_line_error(res, f"--num-beams {HUGE}: must be a whole number >= 1 and <= 2147483647")
+
+
+def test_more_beams_than_the_vocabulary_is_one_line(tiny_models) -> None:
+    model = tiny_models("bart")
+    vocab = _vocab(model)
+    res = _generate(model, "--max-new-tokens", "2", "--num-beams", str(vocab + 1))
+    _one_line_error(res, f"--num-beams {vocab + 1}: must be <= {vocab}, the model's vocabulary")
+
+
+def test_rows_times_length_past_what_torch_indexes_is_one_line(tiny_models) -> None:
+    """Each within 2**31 - 1, their product sized the caches past int64 ("Storage size calculation overflowed")."""
+    most = "2147483647"
+    res = _generate(
+        tiny_models("t5"), "--do-sample", "--num-return-sequences", most, "--max-new-tokens", most
+    )
+    _one_line_error(
+        res,
+        f"--num-return-sequences {most} with --max-new-tokens {most}: one input would run",
+        "(rows x length)",
+    )
+
+
+def test_a_huge_ngram_size_computes_no_huge_power() -> None:
+    """``V ** (n - 1)`` for n = 2**31 - 1 is a gigabyte-sized integer: the run hung before its first step."""
+    history = TokenHistory(torch.zeros((2, 3), dtype=torch.long), 8)
+    assert not NGramBlocker(2**31 - 1, 50_000, history).packed
+    assert NGramBlocker(4, 50_000, history).packed and not NGramBlocker(64, 2, history).packed
+
+
+@pytest.mark.parametrize("value", ["9223372036854775807", HUGE])  # int64's largest: storage size overflow
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_a_huge_max_new_tokens_from_a_preset_is_one_line(
+    tiny_models, tmp_path: Path, family: str, value: str
+) -> None:
+    preset = tmp_path / "huge.toml"
+    preset.write_text(f"[generation]\nmax_new_tokens = {value}\n", encoding="utf-8")
+    res = _generate(tiny_models(family), "--preset", str(preset))
+    _one_line_error(
+        res, f"preset {preset}: max_new_tokens = {value}: must be a whole number >= 1 and <= 2147483647"
+    )
+
+
+@pytest.mark.parametrize(
+    "family,flag,value,needle",
+    [
+        ("gpt2", "--max-new-tokens", "1025", "must be <= 1024: the model has 1024 positions (n_positions"),
+        ("bart", "--max-new-tokens", "513", "must be <= 512: the model has 512 decoder positions (max_"),
+        ("marian", "--max-new-tokens", "600", "must be <= 512: the model has 512 decoder positions"),
+        ("bart", "--max-length", "514", "must be <= 513: the model has 512 decoder positions"),
+        ("gpt2", "--max-length", "2000", "must be <= 1025: the model has 1024 positions"),
+    ],
+)
+def test_a_length_past_learned_positions_is_one_line(
+    tiny_models, family: str, flag: str, value: str, needle: str
+) -> None:
+    """Learned (or fixed sinusoid) position tables: past them the model died with ``IndexError: index out of
+    range in self``. The limit is exact: the model never runs on the last token."""
+    res = _generate(tiny_models(family), flag, value)
+    err = _one_line_error(res, f"{flag} {value}: {needle}")
+    assert "Traceback" not in res.stderr and "IndexError" not in err
+
+
+def test_a_checkpoint_max_length_past_its_positions_is_named(tiny_models, tmp_path: Path) -> None:
+    model = copy_checkpoint(tiny_models("bart"), tmp_path / "bart")
+    path = model / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text(encoding="utf-8")), "max_length": 600}))
+    _one_line_error(_generate(model), "the model's generation_config.json: max_length = 600: must be <= 513")
+    fixed = _generate(model, "--max-new-tokens", "3")  # a flag replaces it
+    assert fixed.exit_code == 0 and len(fixed.stdout.splitlines()) == 2, fixed.stderr
+
+
+@pytest.mark.parametrize(
+    "family,value",
+    [
+        ("t5", "600"),  # relative positions: no limit past n_positions (512)
+        ("llama", "1100"),  # rotary positions: none past max_position_embeddings (1024)
+        ("bart", "512"),  # at the limit: every decoder position used, none past it
+        ("gpt2", "1024"),  # at the limit, the prompt cut to one token
+    ],
+)
+def test_lengths_the_positions_allow_still_run(tiny_models, family: str, value: str) -> None:
+    res = _generate(tiny_models(family), "--max-new-tokens", value)
+    assert res.exit_code == 0, res.stderr
+    assert len(res.stdout.splitlines()) == 2

@@ -24,7 +24,8 @@ class NGramBlocker:
     def __init__(self, n: int, vocab_size: int, history: TokenHistory) -> None:
         self.n = n
         self.vocab_size = vocab_size
-        self.packed = vocab_size ** (n - 1) < _INT64_LIMIT
+        # V >= 2: V**(n-1) >= 2**(n-1), so from n = 64 on nothing packs; said first, no huge power computed.
+        self.packed = n - 1 < 63 and vocab_size ** (n - 1) < _INT64_LIMIT
         # Packed keys only: beyond packing, V**(n-2) itself overflows int64 (n >= 7 for a 50k vocabulary).
         self.powers: torch.Tensor | None = None
         self.keys: torch.Tensor | None = None
