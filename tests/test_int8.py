@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -562,3 +563,151 @@ def test_generator_uses_the_int8_cache_by_itself(
     n_quantized = len(quantize_calls)
     Generator(path, dtype="int8", backend="fast", **SETTINGS)
     assert len(quantize_calls) == n_quantized
+
+
+def _int8_cli(model: Path, src: Path, out: Path) -> str:
+    """``seqgen generate --dtype int8`` in-process; returns what it printed (stdout and stderr)."""
+    args = ["generate", "-m", str(model), str(src), "-o", str(out), "--dtype", "int8", "-q"]
+    result = seqgen(*args, "--num-beams", "2", "--max-new-tokens", "6", "--min-new-tokens", "6")
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _coarser(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` quantized on twice its per-row steps: every value within half of its own (wider) step."""
+    scales = scales * 2
+    return torch.round(weight.double() / scales[:, None]).clamp(-128, 127).to(torch.int8), scales
+
+
+@pytest.mark.parametrize("how", ["other weight", "values a step off", "coarser steps"])
+def test_int8_cache_self_consistent_other_values_are_not_used(
+    tiny_models,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    _cache_in_tmp: Path,
+    quantize_calls: list,
+    how: str,
+) -> None:
+    """A cache file rewritten with other int8 values (its CRC-32s recomputed, so it is self-consistent) is
+    caught by the check against the float32 weights: every entry is quantized again, one warning line, the
+    outputs are the fresh run's, and the file is rewritten (the next run is quiet and quantizes nothing)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from seqgen_cli.models import int8_cache
+    from seqgen_cli.models.int8_cache import META, PARTS
+    from seqgen_cli.models.linear_maps import quantize_weight
+
+    model = tiny_models("marian")
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("\n".join(sample_texts(4)) + "\n")
+    weights: dict[str, torch.Tensor] = {}  # entry name -> the float32 weight it quantizes
+    entry_name = int8_cache.entry_name
+
+    def naming(weight: torch.Tensor) -> str:
+        name = entry_name(weight)
+        weights.setdefault(name, weight.clone())
+        return name
+
+    monkeypatch.setattr(int8_cache, "entry_name", naming)
+    assert "warning" not in _int8_cli(model, src, out)  # the fresh run writes the file
+    fresh = out.read_text()
+    n_quantized = len(quantize_calls)
+    (file,) = _cache_files(_cache_in_tmp)
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+        info = json.loads(f.metadata()[META])
+    torch.manual_seed(0)
+    for name in info["entries"]:
+        values, scales, zero_points = (tensors[f"{name}.{p}"] for p in PARTS)
+        w = weights[name]
+        if how == "other weight":  # the quantization of another weight of that shape and spread
+            other = quantize_weight(torch.randn_like(w) * w.std())
+            values, scales = other.int_repr(), other.q_per_channel_scales()
+        elif how == "values a step off":
+            values = torch.where(values < 127, values + 1, values - 1)
+        else:  # within half a step of the float32 weight everywhere, but of a step twice too wide
+            values, scales = _coarser(w, scales)
+        parts = (values.contiguous(), scales.contiguous(), zero_points)
+        tensors.update({f"{name}.{p}": t for p, t in zip(PARTS, parts, strict=True)})
+        info["entries"][name] = int8_cache._payload_crc(parts)
+    save_file(tensors, str(file), metadata={META: json.dumps(info, sort_keys=True)})
+    quantize_calls.clear()
+    output = _int8_cli(model, src, out)
+    assert out.read_text() == fresh
+    assert len(quantize_calls) == n_quantized == len(info["entries"])  # every entry quantized again
+    warnings = [line for line in output.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "int8" in warnings[0] and str(file) in warnings[0], output
+    assert "warning" not in _int8_cli(model, src, out)  # the file was rewritten: quiet, nothing quantized
+    assert len(quantize_calls) == n_quantized and out.read_text() == fresh
+
+
+def test_int8_cache_check_tolerates_quantization_error_only() -> None:
+    """The check passes torch's own quantization of wide, narrow, zero and single-column rows, and fails a
+    single value two steps off among the sampled ones, or a row quantized on a twice wider step."""
+    from seqgen_cli.models.int8_cache import _agrees, _parts, _sample
+    from seqgen_cli.models.linear_maps import quantize_weight
+
+    torch.manual_seed(0)
+    for shape in [(300, 64), (7, 5), (40, 1), (3, 100)]:
+        w = torch.randn(shape) * torch.logspace(-6, 3, shape[0])[:, None]
+        w[1] = 0.0  # an all-zero row: its scale is the observer's floor
+        values, scales, zero_points = _parts(quantize_weight(w))
+        assert _agrees(w, values, scales, zero_points)
+        sampled = _sample(np.arange(w.numel()).reshape(shape))  # [rows, k] flat indices: each row's own run
+        assert sampled.shape[0] == shape[0] and (sampled // shape[1] == np.arange(shape[0])[:, None]).all()
+        assert (np.diff(sampled, axis=1) == 1).all()
+        if shape == (300, 64):  # the run moves along the row from one row to the next: all columns seen
+            assert set((sampled[:4] % 64).ravel()) == set(range(64))
+        off = values.clone().view(-1)
+        i = int(sampled[2, -1])
+        off[i] = off[i] + 2 if off[i] < 126 else off[i] - 2
+        assert not _agrees(w, off.view(shape), scales, zero_points)
+        assert not _agrees(w, *_coarser(w, scales), zero_points)
+
+
+def _temp_files(folder: Path) -> set[str]:
+    return {p.name for p in (folder / "int8").iterdir() if p.name.startswith(".") and "tmp" in p.name}
+
+
+def test_int8_cache_dead_writers_temp_files_are_removed_live_ones_kept(
+    tiny_models, tmp_path: Path, _cache_in_tmp: Path
+) -> None:
+    """A writer stopped while it writes the cache (in another process): a run beside it leaves its temporary
+    files; once it is SIGKILLed, the next run removes them."""
+    import signal
+    import subprocess
+    import sys
+
+    model = tiny_models("marian")
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("\n".join(sample_texts(2)) + "\n")
+    writer = (
+        "import sys, time, torch, safetensors.torch as st\n"
+        "from pathlib import Path\n"
+        "from seqgen_cli.models import int8_cache\n"
+        "from seqgen_cli.models.linear_maps import quantize_weight\n"
+        "def stuck(tensors, filename, metadata=None):\n"  # as safetensors' own writer, half-way
+        "    (Path(filename).parent / '.tmpAb3xYz').write_bytes(b'partial')\n"
+        "    print('writing', flush=True)\n"
+        "    time.sleep(600)\n"
+        "st.save_file = stuck\n"
+        "with int8_cache.session(sys.argv[1]) as s:\n"
+        "    s.quantized(torch.randn(8, 8), quantize_weight)\n"
+    )
+    env = {**os.environ, "SEQGEN_CACHE": str(_cache_in_tmp)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", writer, str(model)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "writing\n"
+        temps = _temp_files(_cache_in_tmp)
+        assert len(temps) == 2  # its own temporary file (empty yet) and safetensors' half-written one
+        _int8_cli(model, src, out)  # a run beside the live writer
+        assert _temp_files(_cache_in_tmp) == temps
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert _temp_files(_cache_in_tmp) == temps  # nothing removes them on its own
+    _int8_cli(model, src, out)
+    assert _temp_files(_cache_in_tmp) == set() and len(_cache_files(_cache_in_tmp)) == 1
