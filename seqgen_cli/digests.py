@@ -3,7 +3,7 @@ transformers loads, the config, the generation config, the tokenizer files), for
 ``seqgen merge`` (``pipeline/job.py: model_identity``).
 
 Hashing runs at ~1.6 GB/s on one core (a 2.4 GB checkpoint: ~1.5 s, docs/BENCHMARKS.md "Checkpoint digests"), so
-each file's digest is cached on disk (``<cache>/digests/``, the int8 cache's folder) under its real path, keyed
+each file's digest is cached on disk (``<cache>/digests/``; :func:`cache_dir`, which the int8 weight cache shares) under its real path, keyed
 by what a rewrite changes: size, modification and status-change times, inode and device. A file saved anew, copied
 or touched back to its old modification time gets a new status-change time, so it is hashed again; an
 unchanged one costs a ``stat``. :func:`prefetch` starts the hashing in a thread while the model loads (the same
@@ -35,9 +35,35 @@ _pending: dict[str, threading.Thread] = {}  # real folder -> its prefetch
 _lock = threading.Lock()
 
 
-def cache_folder() -> Path:
-    from seqgen_cli.models.int8_cache import cache_dir
+def cache_dir() -> Path:
+    """``$SEQGEN_CACHE``, else ``$XDG_CACHE_HOME/seqgen``, else ``~/.cache/seqgen`` (empty variables count as
+    unset, as the XDG specification says)."""
+    if os.environ.get("SEQGEN_CACHE"):
+        return Path(os.environ["SEQGEN_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "seqgen"
+    return Path("~/.cache/seqgen").expanduser()
 
+
+def checkpoint_folder(source: Any) -> Path | None:
+    """The folder of a checkpoint: ``source`` itself (a folder), a model's ``name_or_path``, or a hub name's
+    snapshot in the local hub cache; ``None`` when there is none (a model built in memory)."""
+    name = getattr(source, "name_or_path", source)
+    if not isinstance(name, (str, os.PathLike)) or not str(name):
+        return None
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        return folder
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        config = try_to_load_from_cache(str(name), "config.json")
+    except Exception:  # noqa: BLE001 - not a hub name (the hub's validation errors), no hub library
+        return None
+    return Path(config).parent if isinstance(config, str) else None
+
+
+def cache_folder() -> Path:
     return cache_dir() / "digests"
 
 

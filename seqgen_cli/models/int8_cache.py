@@ -80,6 +80,8 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
+from seqgen_cli.digests import cache_dir, checkpoint_folder
+
 try:
     import fcntl
 except ImportError:  # not POSIX: no locks, so no temporary file is ever removed
@@ -112,34 +114,6 @@ def _note(message: str) -> None:
     if not _noted:
         _noted = True
         log.debug("int8 cache: %s", message)
-
-
-def cache_dir() -> Path:
-    """``$SEQGEN_CACHE``, else ``$XDG_CACHE_HOME/seqgen``, else ``~/.cache/seqgen`` (empty variables count as
-    unset, as the XDG specification says)."""
-    if os.environ.get("SEQGEN_CACHE"):
-        return Path(os.environ["SEQGEN_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "seqgen"
-    return Path("~/.cache/seqgen").expanduser()
-
-
-def checkpoint_folder(source: Any) -> Path | None:
-    """The folder of a checkpoint: ``source`` itself (a folder), a model's ``name_or_path``, or a hub name's
-    snapshot in the local hub cache; ``None`` when there is none (a model built in memory)."""
-    name = getattr(source, "name_or_path", source)
-    if not isinstance(name, (str, os.PathLike)) or not str(name):
-        return None
-    folder = Path(name).expanduser()
-    if folder.is_dir():
-        return folder
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        config = try_to_load_from_cache(str(name), "config.json")
-    except Exception:  # noqa: BLE001 - not a hub name (the hub's validation errors), no hub library
-        return None
-    return Path(config).parent if isinstance(config, str) else None
 
 
 def checkpoint_key(folder: Path) -> dict[str, Any] | None:

@@ -334,8 +334,7 @@ def model_identity(model: Any) -> dict[str, Any]:
     config, generation config, tokenizer files; :mod:`seqgen_cli.digests`, cached per file), so that a checkpoint
     saved anew, even at the same sizes, is another model and a moved or copied one the same. A model without a
     folder (built in memory) is its name."""
-    from seqgen_cli.digests import folder_digests
-    from seqgen_cli.models.int8_cache import checkpoint_folder
+    from seqgen_cli.digests import checkpoint_folder, folder_digests
 
     name = str(getattr(model.config, "_name_or_path", ""))
     folder = checkpoint_folder(name) if name else None
