@@ -560,6 +560,11 @@ def eval_(hypotheses: str, references: str, metrics: str | None, as_json: bool) 
     """Score HYPOTHESES against REFERENCES (line-aligned text files; - is stdin).
 
     ROUGE-1/2/L/Lsum F1 (rouge-score, Porter stemming), BLEU and chrF (sacrebleu, with its signature).
+
+    Texts are compared as written, with no Unicode normalisation (neither library offers one): the same
+    text in NFC and in NFD (e.g. "é" as one character, or "e" plus a combining accent) scores as different,
+    under every metric. Normalise both files the same way first, e.g. with Python's
+    unicodedata.normalize("NFC", line).
     """
     from seqgen_cli import metrics as m
 

@@ -10,6 +10,9 @@ Numbers are exactly what the reference libraries compute:
   no nltk punkt) and joined with ``"\\n"``, which is the input rougeLsum expects.
 * ``bleu`` / ``chrf``: ``sacrebleu.metrics.BLEU()`` / ``CHRF()`` ``.corpus_score(hyps, [refs])``
   (one reference per line), reported with the sacrebleu signature string.
+
+No Unicode normalisation (neither library offers one): NFC and NFD forms of the same text score as different
+(rouge-score's tokenizer keeps only ``a-z0-9``, so NFC "café" is ``caf``, NFD ``cafe``).
 """
 
 from __future__ import annotations

@@ -182,3 +182,88 @@ def test_a_run_that_fails_before_any_output_leaves_nothing_and_the_fix_runs(
     res = _generate(tiny_models("bart"), str(src), "-o", str(out), "--input-field", "document")
     assert res.exit_code == 0, res.stderr
     assert out.read_text(encoding="utf-8").count("\n") == 2
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_a_duplicate_key_in_jsonl_is_a_bad_line_naming_it(tiny_models, tmp_path: Path, on_error: str) -> None:
+    """JSON keeps a repeated key's last value: a silent loss, so the line is bad (``--on-error`` rules)."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.txt"
+    src.write_text('{"text": "one"}\n{"text": "two", "text": "three"}\n{"text": "four"}\n', encoding="utf-8")
+    res = _generate(tiny_models("bart"), str(src), "-o", str(out), "--on-error", on_error)
+    lines = out.read_text(encoding="utf-8").splitlines()
+    needle = f"{src}:2: duplicate key 'text'"
+    if on_error == "fail":
+        one_line_error(res, needle)
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0], "the good line before it is written"
+    else:
+        assert res.exit_code == 0, res.stderr
+        assert needle in res.stderr and "skipped" in res.stderr
+        assert len(lines) == 3 and lines[1] == "" and lines[0] and lines[2]
+
+
+def test_an_input_holding_the_output_field_stops_before_the_model_loads(tiny_models, tmp_path: Path) -> None:
+    """JSONL output would overwrite the input's own ``output``: one line naming file, line and field, before the
+    model loads (a missing model folder is not reached), nothing written; ``--output-field`` another name runs."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"text": "one", "output": "mine"}\n{"text": "two", "output": "also"}\n', encoding="utf-8")
+    jsonl = ("-o", str(out), "--output-format", "jsonl")
+    wanted = f"{src}:1: the input already has a field 'output'"
+    for on_error in ("fail", "skip"):
+        res = _generate(tiny_models("bart"), str(src), *jsonl, "--on-error", on_error)
+        one_line_error(res, wanted, "--output-field")
+        assert res.exit_code == 2
+        assert not out.exists() and not list(tmp_path.glob("out.jsonl.seqgen-*"))
+    res = _generate(tmp_path / "no-such-model", str(src), *jsonl)
+    one_line_error(res, wanted, "--output-field")
+
+    res = _generate(tiny_models("bart"), str(src), *jsonl, "--output-field", "other")
+    assert res.exit_code == 0, res.stderr
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["output"] for r in rows] == ["mine", "also"] and all(isinstance(r["other"], str) for r in rows)
+
+
+def test_other_fields_the_output_would_overwrite(tiny_models, tmp_path: Path) -> None:
+    """``error`` under ``--on-error skip`` (JSONL output), text input's ``text``, and ``--output-field error``."""
+    model = tiny_models("bart")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "one", "error": "none"}\n', encoding="utf-8")
+    res = _generate(model, str(src), "--output-format", "jsonl", "--on-error", "skip")
+    one_line_error(res, f"{src}:1: the input already has a field 'error'", "--on-error skip")
+    res = _generate(model, str(src), "--output-format", "jsonl")  # no error field is written: no clash
+    assert res.exit_code == 0 and json.loads(res.stdout)["error"] == "none", res.stderr
+
+    text = write_lines(tmp_path / "in.txt", ["one"])
+    res = _generate(model, str(text), "--output-format", "jsonl", "--output-field", "text")
+    one_line_error(res, f"{text}:1: text input is written", "--output-field")
+    res = _generate(
+        model, str(text), "--output-format", "jsonl", "--output-field", "error", "--on-error", "skip"
+    )
+    one_line_error(res, "--output-field error", "--on-error skip")
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_a_later_line_holding_the_output_field_is_a_bad_line(
+    tiny_models, tmp_path: Path, on_error: str
+) -> None:
+    """Past the first line, a clash follows ``--on-error``; on stdin's first line it stops the run, whatever
+    ``--on-error`` says, before anything is written."""
+    model = tiny_models("bart")
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(
+        '{"text": "one"}\n{"text": "two", "output": "mine"}\n{"text": "three"}\n', encoding="utf-8"
+    )
+    res = _generate(model, str(src), "-o", str(out), "--output-format", "jsonl", "--on-error", on_error)
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    wanted = f"{src}:2: the input already has a field 'output'"
+    if on_error == "fail":
+        one_line_error(res, wanted, "--output-field")
+        assert res.exit_code == 2 and len(rows) == 1
+    else:
+        assert res.exit_code == 0 and wanted in res.stderr, res.stderr
+        assert len(rows) == 3 and rows[1]["output"] == "" and wanted in rows[1]["error"]
+        assert rows[0]["output"] and rows[2]["output"]
+
+    piped = b'{"text": "one", "output": "mine"}\n{"text": "two"}\n'
+    res = _generate(model, "--output-format", "jsonl", "--on-error", on_error, input=piped)
+    one_line_error(res, "<stdin>:1: the input already has a field 'output'", "--output-field")
+    assert res.stdout == ""

@@ -274,3 +274,20 @@ def test_read_lines_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeStdin.buffer = io.BytesIO(b"ok\n\xff\n")
     with pytest.raises(SeqgenError, match=r"<stdin>: line 2"):
         read_lines("-")
+
+
+def test_eval_help_says_nfc_and_nfd_score_differently() -> None:
+    """Neither library normalises Unicode: the same text in NFC and NFD scores below 100; the help says so."""
+    import unicodedata
+
+    from tests.helpers import seqgen
+
+    text = "Le café est fermé à Zürich."
+    nfc, nfd = unicodedata.normalize("NFC", text), unicodedata.normalize("NFD", text)
+    result = score([nfd], [nfc], list(METRICS))
+    assert result["rouge"]["rouge1"]["fmeasure"] < 100 and result["bleu"]["score"] < 100
+    assert result["chrf"]["score"] < 100
+    res = seqgen("eval", "--help")
+    assert res.exit_code == 0
+    help_text = " ".join(res.stdout.split())
+    assert "NFC" in help_text and "NFD" in help_text and "normalis" in help_text

@@ -250,7 +250,7 @@ def test_a_torn_journal_line_does_not_hide_later_entries(tmp_path: Path) -> None
     journal = formats.Journal(out, fresh=False)
     journal.add([(5, "k5", "five\n")])
     journal.close(complete=False)
-    assert sorted(formats.load_journal(out, 0)) == [3, 5]
+    assert sorted(formats.load_journal(out, 0)[0]) == [3, 5]
 
 
 # -- 3. journal entries carry their input's hash ------------------------------------------------------
@@ -267,7 +267,7 @@ def test_resume_regenerates_a_journaled_output_whose_input_changed(tmp_path: Pat
             raise KeyboardInterrupt
 
     done = _job(FakeGen(fail=interrupt_at_10th), src, out).inputs
-    journaled = sorted(formats.load_journal(out, done))
+    journaled = sorted(formats.load_journal(out, done)[0])
     assert len(journaled) > 3  # outputs waiting for an earlier input
     changed = journaled[len(journaled) // 2]
     texts[changed] = "changed " + texts[changed]
@@ -276,6 +276,144 @@ def test_resume_regenerates_a_journaled_output_whose_input_changed(tmp_path: Pat
     _job(gen, src, out, resume=True)
     assert out.read_text(encoding="utf-8") == expected(texts)  # as a fresh run on the changed input
     assert sum(map(len, gen.batches)) == len(texts) - done - len(journaled) + 1  # only that one again
+
+
+def cut_short_with_a_journal(tiny_models, tmp_path: Path, monkeypatch) -> tuple[list[str], Path, bytes, int]:
+    """A tiny BART's run into ``out.txt`` stopped by a full disk, with later outputs in its journal: the command
+    (without ``-o``), the output, the bytes an uninterrupted run writes, the inputs written."""
+    src = write_lines(tmp_path / "in.txt", sample_texts(40, seed=7))
+    args = [
+        "generate",
+        "-m",
+        str(tiny_models("bart")),
+        str(src),
+        "--max-new-tokens",
+        "4",
+        "--batch-size",
+        "2",
+    ]
+    reference = tmp_path / "reference.txt"
+    assert seqgen(*args, "-o", str(reference)).exit_code == 0
+    full, out = reference.read_bytes(), tmp_path / "out.txt"
+    with monkeypatch.context() as m:
+        disk_full(m, out, len(full) // 3)
+        assert seqgen(*args, "-o", str(out)).exit_code == 1
+    done = out.read_bytes().count(b"\n")
+    return args, out, full, done
+
+
+def journal_entries(out: Path) -> list[dict]:
+    return [json.loads(line) for line in journal_path(out).read_text(encoding="utf-8").splitlines()]
+
+
+def journal_warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "seqgen-journal" in line]
+
+
+def test_resume_discards_edited_and_garbled_journal_entries(tiny_models, tmp_path: Path, monkeypatch) -> None:
+    args, out, full, done = cut_short_with_a_journal(tiny_models, tmp_path, monkeypatch)
+    entries = journal_entries(out)
+    waiting = [n for n, e in enumerate(entries) if e["i"] >= done]
+    assert len(waiting) >= 3, entries  # outputs waiting for an earlier input
+    entries[waiting[0]]["out"] = "EDITED BY HAND\n"
+    lines = [json.dumps(e) for e in entries]
+    lines[waiting[1]] = lines[waiting[1]][: len(lines[waiting[1]]) // 2]  # garbled, later entries follow
+    journal_path(out).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    res = seqgen(*args, "-o", str(out), "--resume")
+    assert res.exit_code == 0, res.stderr
+    data = out.read_bytes()
+    assert data == full and b"EDITED" not in data  # as an uninterrupted run
+    (warning,) = journal_warnings(res.stderr)
+    assert warning.startswith("seqgen: warning: discarded 2 entries of out.txt.seqgen-journal"), warning
+    assert "1 edited or damaged" in warning and "1 unreadable" in warning and "generated anew" in warning
+
+
+def test_resume_regenerates_the_entries_of_a_journal_without_digests(
+    tiny_models, tmp_path: Path, monkeypatch
+) -> None:
+    """A journal written before entries had a digest: its entries are not trusted, their inputs generated anew."""
+    args, out, full, done = cut_short_with_a_journal(tiny_models, tmp_path, monkeypatch)
+    entries = [{k: e[k] for k in ("i", "in", "out")} for e in journal_entries(out)]  # the previous format
+    waiting = [e for e in entries if e["i"] >= done]
+    assert waiting
+    waiting[0]["out"] = "EDITED BY HAND\n"
+    journal_path(out).write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
+    res = seqgen(*args, "-o", str(out), "--resume")
+    assert res.exit_code == 0, res.stderr
+    data = out.read_bytes()
+    assert data == full and b"EDITED" not in data
+    (warning,) = journal_warnings(res.stderr)
+    assert f"discarded {len(waiting)} entr" in warning and "without a digest" in warning, warning
+
+
+# -- 3b. a --workers run completed by one process leaves no parts folder ------------------------------------
+
+
+@pytest.mark.parametrize("foreign", [False, True])
+def test_one_process_resume_of_a_workers_run_removes_its_parts_folder(
+    tiny_models, tmp_path: Path, monkeypatch, foreign: bool
+) -> None:
+    """What a killed ``--workers`` driver leaves (the output and its index; in ``OUT.seqgen-parts/`` the driver's
+    mark, a finished part and a partial one with their locks, index and journal), written here by the worker code
+    itself (:class:`ShardWorker`, without Ray), then finished by one process with ``--resume``."""
+    from seqgen_cli.generator import GeneratorSpec
+    from seqgen_cli.pipeline import worker as worker_module
+    from seqgen_cli.pipeline.shards import Cutter
+    from seqgen_cli.pipeline.worker import DRIVER_MARK, ShardTask, ShardWorker, parts_dir
+
+    args, out, full, done = cut_short_with_a_journal(tiny_models, tmp_path, monkeypatch)
+    parts = parts_dir(str(out))
+    parts.mkdir()
+    (parts / DRIVER_MARK).write_text("node-1", encoding="utf-8")  # the workers share the driver's folder
+    monkeypatch.setattr(worker_module, "node_id", lambda: "node-1")
+    spec = GeneratorSpec(model=args[2], generation={"max_new_tokens": 4})
+    worker = ShardWorker(spec, JobOptions(batch_size=2), str(parts), "node-1", None)
+    records = read_records([args[3]], "auto", None, "skip")
+    cutter = Cutter(records, 0, 8, formats.InputDigest(), ahead=8)
+    shards = []
+    while not cutter.finished:
+        shard = cutter.take()
+        if shard is not None and shard.start >= done:
+            shards.append(shard)
+    finished, partial = shards[0], shards[1]
+    assert worker.run_shard(ShardTask(finished.name, finished.records)).fatal is None
+    batches = worker.gen.generate_batches
+
+    def killed_after_one_batch(*a, **kw):
+        for n, batch in enumerate(batches(*a, **kw)):
+            if n == 1:
+                raise KeyboardInterrupt
+            yield batch
+
+    worker.gen.generate_batches = killed_after_one_batch
+    assert "interrupted" in worker.run_shard(ShardTask(partial.name, partial.records)).fatal
+    left = {p.name for p in parts.iterdir()}
+    assert {finished.name, f"{finished.name}.lock", partial.name, f"{partial.name}.lock"} <= left
+    assert {index_path(partial.name).name, journal_path(partial.name).name, DRIVER_MARK} <= left
+    if foreign:
+        (parts / "notes.txt").write_text("not seqgen's", encoding="utf-8")
+    res = seqgen(*args, "-o", str(out), "--resume")
+    assert res.exit_code == 0, res.stderr
+    assert out.read_bytes() == full and not index_path(out).exists() and not journal_path(out).exists()
+    if foreign:  # only what seqgen wrote is removed
+        assert [p.name for p in parts.iterdir()] == ["notes.txt"]
+        assert f"{parts.name} kept: it holds files seqgen did not write" in res.stderr, res.stderr
+    else:
+        assert not parts.exists(), sorted(p.name for p in parts.iterdir())
+
+
+def test_a_part_a_worker_still_holds_locked_is_not_removed(tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    parts = formats.parts_dir(out)
+    parts.mkdir()
+    part = parts / "000000000000-8-0123456789abcdef.part"
+    for path in formats.part_files(part):
+        path.write_text("x", encoding="utf-8")
+    with open(f"{part}.lock") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # a worker of a lost driver, still writing
+        assert not formats.remove_parts(out)
+        assert all(path.exists() for path in formats.part_files(part))
+    assert formats.remove_parts(out) and not parts.exists()
 
 
 # -- 9. seqgen merge checks that the parts belong together ---------------------------------------------

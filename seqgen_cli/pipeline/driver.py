@@ -26,7 +26,7 @@ from seqgen_cli.pipeline.cluster import ClusterOptions, check_resources, connect
 from seqgen_cli.pipeline.formats import IndexEntry, InputDigest
 from seqgen_cli.pipeline.job import Job, guarded, open_sink, score, write_stats
 from seqgen_cli.pipeline.progress import Progress
-from seqgen_cli.pipeline.records import read_records
+from seqgen_cli.pipeline.records import output_fields, read_records
 from seqgen_cli.pipeline.shards import Cutter, Shard, count_lines
 from seqgen_cli.pipeline.sinks import Sink, is_stream
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
@@ -326,8 +326,9 @@ class _Driver:
         opts, cl = self.opts, self.cluster
         total = self.job.shard.size if self.job.shard is not None else count_lines(self.paths)
         records = read_records(
-            self.paths, opts.input_format, opts.input_field, "skip", select=self.job.select
-        )
+            self.paths, opts.input_format, opts.input_field, "skip", select=self.job.select,
+            reserved=output_fields(opts.output_format, opts.output_field, opts.on_error),
+        )  # fmt: skip
         digest = InputDigest()
         if state is not None:
             records = resume.skip_done(records, state, digest)

@@ -3,10 +3,14 @@
 - **index** ``OUTPUT.seqgen-index``: JSON lines, a header ``{"seqgen_index": 2, "settings": ...}`` then, per
   flush, ``{"done", "offset", "sha256", "output_sha256"}``: inputs written, the output's byte length,
   :class:`InputDigest` of those inputs, SHA-256 of the output's bytes so far. Removed when the run completes.
-- **journal** ``OUTPUT.seqgen-journal``: outputs that wait for an earlier input, ``{"i", "in", "out"}`` (input
-  index, :func:`input_key`, output text). Removed when the run completes.
+- **journal** ``OUTPUT.seqgen-journal``: outputs that wait for an earlier input, ``{"i", "in", "out", "sha256"}``
+  (input index, :func:`input_key`, output text, :func:`journal_digest` of the three). Removed when the run
+  completes. An entry whose digest does not hold is not used (:func:`load_journal`).
 - **manifest** ``PART.seqgen-part``: a finished ``--shard`` part, ``{"seqgen_part": 2, "settings", "inputs",
   "bytes", "sha256"}`` (the part's SHA-256; written whole or not at all; read by ``seqgen merge``).
+- **parts folder** ``OUTPUT.seqgen-parts/``: a ``--workers`` run's part files (:mod:`~.worker`), each with its
+  index, journal and lock, and the driver's mark. Removed by the run that completes ``OUTPUT``, a one-process
+  ``--resume`` included (:func:`remove_parts`).
 
 What a resume does with them is :mod:`~.resume`; who writes them is :mod:`~.sinks`.
 """
@@ -14,9 +18,12 @@ What a resume does with them is :mod:`~.resume`; who writes them is :mod:`~.sink
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +38,10 @@ MANIFEST_SUFFIX = ".seqgen-part"  # a finished --shard part, for `seqgen merge` 
 EMPTY_SHA256 = hashlib.sha256().hexdigest()
 INDEX_VERSION = 2
 MANIFEST_VERSION = 2
+PARTS_SUFFIX = ".seqgen-parts"  # a --workers run's part files (see worker.py)
+DRIVER_MARK = ".seqgen-driver"  # in the parts folder: the driver's node id (workers that see it share it)
+PART_NAME = re.compile(r"\d{12,}-\d+-[0-9a-f]{16}\.part")  # as shards.Cutter names a shard's part file
+LOCK_SUFFIX = ".lock"  # beside a part file: held by the worker writing it
 
 
 def index_path(output: str | os.PathLike[str]) -> Path:
@@ -43,6 +54,15 @@ def journal_path(output: str | os.PathLike[str]) -> Path:
 
 def manifest_path(part: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(part)}{MANIFEST_SUFFIX}")
+
+
+def parts_dir(output: str | os.PathLike[str]) -> Path:
+    return Path(f"{os.fspath(output)}{PARTS_SUFFIX}")
+
+
+def part_files(part: str | os.PathLike[str]) -> tuple[Path, ...]:
+    """A ``--workers`` part file and what lies beside it: its index, journal and lock."""
+    return (Path(part), index_path(part), journal_path(part), Path(f"{os.fspath(part)}{LOCK_SUFFIX}"))
 
 
 # -- what the digests hash -------------------------------------------------------------------------------
@@ -211,24 +231,94 @@ def read_index(output: str | os.PathLike[str]) -> tuple[dict[str, Any], IndexEnt
 # -- the journal ------------------------------------------------------------------------------------------
 
 
+def journal_digest(index: int, key: str, out: str) -> str:
+    """SHA-256 of a journal entry's output text bound to its input index and :func:`input_key`: an entry edited,
+    moved to another input or damaged since it was written no longer matches. A check against accidents (a hand
+    edit, a torn or garbled write), not against someone who recomputes it."""
+    return hashlib.sha256(json.dumps([index, key, out]).encode("ascii")).hexdigest()
+
+
 class Journal(JsonLog):
-    """Finished outputs that wait for an earlier input: ``{"i": index, "in": input_key, "out": text}``."""
+    """Finished outputs that wait for an earlier input: ``{"i": index, "in": input_key, "out": text, "sha256":
+    journal_digest}``.
+
+    The journal has no version header: an older seqgen's entries (no ``sha256``) are still read, as untrusted
+    (:func:`load_journal` discards them and their inputs are generated anew), so that an interrupted run of the
+    previous format still resumes from its output and index; bumping :data:`INDEX_VERSION` would refuse it
+    whole, and what a journal holds can always be generated again.
+    """
 
     def __init__(self, output: str | os.PathLike[str], *, fresh: bool) -> None:
         super().__init__(journal_path(output), fresh=fresh)
 
     def add(self, entries: list[tuple[int, str, str]]) -> None:
         """``(index, input_key(record), output text)`` per entry."""
-        self.append([{"i": i, "in": key, "out": out} for i, key, out in entries])
+        self.append(
+            [
+                {"i": i, "in": key, "out": out, "sha256": journal_digest(i, key, out)}
+                for i, key, out in entries
+            ]
+        )
 
 
-def load_journal(output: str | os.PathLike[str], done: int) -> dict[int, tuple[str, str]]:
-    """The journaled outputs of inputs ``done`` and later: index -> (input key, output text)."""
+# why a journal entry is not used (load_journal's warning names each)
+EDITED = "edited or damaged since written: the output does not match its digest"
+NO_DIGEST = "without a digest: written by an older seqgen, not trusted"
+UNREADABLE = "unreadable: torn or garbled"
+
+
+def load_journal(output: str | os.PathLike[str], done: int) -> tuple[dict[int, tuple[str, str]], str | None]:
+    """The journaled outputs of inputs ``done`` and later whose digest holds: index -> (input key, output text);
+    and, when entries were discarded (their inputs are then generated anew, never written from the journal), a
+    warning that says how many and why."""
     path = journal_path(output)
     if not path.exists():
-        return {}
-    entries = (e for e in read_json_lines(path) if isinstance(e, dict) and e.get("i", -1) >= done)
-    return {int(e["i"]): (str(e.get("in", "")), str(e["out"])) for e in entries}
+        return {}, None
+    good: dict[int, tuple[str, str]] = {}
+    bad: dict[int, str] = {}  # index -> why its entry is not used
+    unreadable = 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            entry = _journal_entry(line)
+            if entry is None:
+                unreadable += 1
+                continue
+            i, key, out, digest = entry
+            if i < done:
+                continue
+            if digest is None:
+                bad[i] = NO_DIGEST
+            elif digest != journal_digest(i, key, out):
+                bad[i] = EDITED
+            else:
+                good[i] = (key, out)
+    reasons = Counter(why for i, why in bad.items() if i not in good)  # a later good entry for it: no loss
+    reasons[UNREADABLE] += unreadable
+    total = sum(reasons.values())
+    if not total:
+        return good, None
+    why = "; ".join(f"{n} {reason}" for reason, n in reasons.items() if n)
+    entries = "entry" if total == 1 else "entries"
+    return (
+        good,
+        f"discarded {total} {entries} of {path.name} ({why}); the inputs they were for are generated anew",
+    )
+
+
+def _journal_entry(line: bytes) -> tuple[int, str, str, str | None] | None:
+    """``(index, input key, output text, digest or None)`` of a journal line; None when it is not one."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(entry, dict):
+        return None
+    i, key, out, digest = entry.get("i"), entry.get("in"), entry.get("out"), entry.get("sha256")
+    if type(i) is not int or not isinstance(key, str) or not isinstance(out, str):
+        return None
+    if "sha256" not in entry:
+        return i, key, out, None  # the previous format
+    return i, key, out, digest if isinstance(digest, str) else ""  # "": matches no digest
 
 
 # -- the part manifest ------------------------------------------------------------------------------------
@@ -271,3 +361,53 @@ def read_manifest(part: str | os.PathLike[str]) -> dict[str, Any]:
     """A part's manifest as written by :func:`write_manifest` (``FileNotFoundError`` when there is none,
     ``ValueError`` when it is not JSON)."""
     return json.loads(manifest_path(part).read_text(encoding="utf-8"))
+
+
+# -- the parts folder ---------------------------------------------------------------------------------------
+
+
+def remove_parts(output: str | os.PathLike[str]) -> bool:
+    """Remove what a ``--workers`` run wrote in ``output``'s parts folder (part files with their index, journal
+    and lock; the driver's mark), then the folder if that emptied it; a part a worker still holds locked stays.
+    True when no parts folder is left."""
+    folder = parts_dir(output)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    for base in sorted({b for b in map(_part_of, names) if b is not None}):
+        part = folder / base
+        try:
+            lock = os.open(f"{part}{LOCK_SUFFIX}", os.O_RDONLY)
+        except FileNotFoundError:
+            lock = None
+        except OSError:
+            continue
+        try:
+            if lock is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a worker writes it
+            for path in part_files(part):
+                path.unlink(missing_ok=True)
+        except OSError:
+            continue
+        finally:
+            if lock is not None:
+                os.close(lock)
+    with contextlib.suppress(OSError):
+        (folder / DRIVER_MARK).unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:
+        return not folder.exists()
+    return True
+
+
+def _part_of(name: str) -> str | None:
+    """The part file ``name`` is, or lies beside (index, journal, lock); None: not one seqgen writes."""
+    for suffix in ("", INDEX_SUFFIX, JOURNAL_SUFFIX, LOCK_SUFFIX):
+        base = name[: len(name) - len(suffix)]
+        if name.endswith(suffix) and PART_NAME.fullmatch(base):
+            return base
+    return None

@@ -26,9 +26,18 @@ from seqgen_cli.pipeline.formats import (
     journal_path,
     load_journal,
     manifest_path,
+    parts_dir,
+    remove_parts,
 )
 from seqgen_cli.pipeline.progress import Progress
-from seqgen_cli.pipeline.records import Record, check_inputs, is_regular, read_records
+from seqgen_cli.pipeline.records import (
+    Record,
+    check_first_lines,
+    check_inputs,
+    is_regular,
+    output_fields,
+    read_records,
+)
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.shards import ShardRange, count_lines, select_shard
 from seqgen_cli.pipeline.sinks import FileSink, Sink, check_not_busy, is_stream, open_stream
@@ -73,8 +82,9 @@ class Job:
 
 def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
     """Fail before the (slow) model load on what cannot work: missing files or folders, an output that
-    cannot be written or that another run is writing, clashing options; the job, checked (with ``--shard``, its
-    range)."""
+    cannot be written or that another run is writing, clashing options, an input file whose first line holds a
+    field the output would overwrite (:func:`~.records.check_first_lines`); the job, checked (with ``--shard``,
+    its range)."""
     if output == "-" and sys.stdout is None:
         raise SeqgenError("standard output is closed: give -o FILE")
     if is_stream(output):
@@ -89,6 +99,8 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
     if opts.metrics and not opts.reference:
         raise SeqgenError("--metrics needs --reference FILE")
     check_inputs(inputs)
+    reserved = output_fields(opts.output_format, opts.output_field, opts.on_error)
+    check_first_lines(inputs, opts.input_format, opts.input_field, reserved)
     paths.check_distinct(job_paths(inputs, output, opts))
     shard = select_shard(list(inputs), opts.shard) if opts.shard is not None else None
     if opts.reference:
@@ -147,7 +159,10 @@ def check_writable(path: str, what: str) -> None:
 def generate_job(gen: Generator, job: Job) -> Summary:
     """Run the job; the summary says whether it was interrupted or failed (after writing what it could)."""
     opts = job.opts
-    records = read_records(job.paths, opts.input_format, opts.input_field, opts.on_error, select=job.select)
+    reserved = output_fields(opts.output_format, opts.output_field, opts.on_error)
+    records = read_records(
+        job.paths, opts.input_format, opts.input_field, opts.on_error, select=job.select, reserved=reserved
+    )
     records, agreement = self_check(gen, records, opts)
     streaming = any(not is_regular(p) for p in job.paths)  # stdin or a named pipe: hand lines on at once
     progress = Progress(opts.progress, job.paths, total=job.shard.size if job.shard is not None else None)
@@ -226,7 +241,9 @@ def write_records(
         if state is not None:
             start = state.done
             records = resume.skip_done(records, state, digest)  # raises where the inputs done differ
-            journaled = load_journal(output, state.done)
+            journaled, discarded = load_journal(output, state.done)  # entries whose digest holds
+            if discarded:
+                progress.warn(discarded)
     except BaseException:
         sink.close(complete=False)  # index and journal stay; the file (and its lock) is let go
         raise
@@ -237,7 +254,12 @@ def write_records(
             gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep,
             streaming=streaming, journaled=journaled,
         )  # fmt: skip
-    if opts.reference and summary.error is None and not summary.interrupted:
+    complete = summary.error is None and not summary.interrupted
+    if complete and not is_stream(output) and not remove_parts(output):  # a --workers run's, finished here
+        progress.warn(
+            f"{parts_dir(output)} kept: it holds files seqgen did not write (or a part still locked)"
+        )
+    if opts.reference and complete:
         summary.metrics = score(output, keep, opts, gen.num_return_sequences)
     return summary
 

@@ -6,7 +6,7 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -43,6 +43,44 @@ class BadLine(SeqgenError):
     def __init__(self, message: str, fields: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.fields = fields
+
+
+class FieldClash(BadLine):
+    """An input object that already holds a field JSONL output adds (:func:`output_fields`): writing the output
+    would overwrite it."""
+
+
+def output_fields(output_format: str, output_field: str, on_error: str) -> tuple[str, ...]:
+    """The fields the output adds to each input object: ``--output-field`` with ``--output-format jsonl``, and
+    ``error`` too under ``--on-error skip``; none with text output. Raises when the two are one field."""
+    if output_format != "jsonl":
+        return ()
+    if on_error != "skip":
+        return (output_field,)
+    if output_field == "error":
+        raise SeqgenError(
+            "--output-field error is the field --on-error skip writes a skipped input's error to (JSONL output): "
+            "choose another --output-field"
+        )
+    return (output_field, "error")
+
+
+def _clash(where: str, key: str, text_input: bool) -> FieldClash:
+    """The input at ``where`` holds ``key``, a field the output adds: one line naming the way out."""
+    if text_input:
+        return FieldClash(
+            f'{where}: text input is written to JSONL as {{"text": LINE, ...}}, so --output-field text would '
+            "overwrite the input: choose another --output-field"
+        )
+    if key == "error":
+        return FieldClash(
+            f"{where}: the input already has a field 'error', which --on-error skip writes in JSONL output (a "
+            "skipped input's error): rename it in the input, or leave out --on-error skip"
+        )
+    return FieldClash(
+        f"{where}: the input already has a field {key!r}, which JSONL output would overwrite with the output: "
+        "choose another name with --output-field"
+    )
 
 
 def _open(path: str) -> tuple[BinaryIO, str]:
@@ -100,6 +138,37 @@ JSONL_EXTENSIONS = (".jsonl", ".json", ".ndjson")
 TEXT_EXTENSIONS = (".txt", ".text", ".src", ".source", ".tgt", ".target", ".tok", ".raw")
 
 
+def check_first_lines(
+    paths: Sequence[str],
+    input_format: str = "auto",
+    input_field: str | None = None,
+    reserved: Collection[str] = (),
+) -> None:
+    """Fail before the model loads on what the first line of an input file stops the run with, whatever
+    ``--on-error`` says: ``--input-field`` for text input, a field the output would overwrite (``reserved``,
+    :func:`output_fields`). Regular files only (stdin and pipes are read once, by the run, which checks the same
+    on their first line before anything is written); a line's other problems are left to the run."""
+    for path in paths:
+        if path == "-" or not is_regular(path):
+            continue
+        stream, name = _open(path)
+        with stream:
+            raw = stream.readline()
+        if not raw:
+            continue
+        if raw.startswith(BOM):
+            raw = raw[len(BOM) :]
+        fmt = _detect(path, raw) if input_format == "auto" else input_format
+        if fmt == "text" and input_field is not None:
+            raise _text_with_field(name, input_format)
+        try:
+            _record(0, name, 1, raw, fmt, input_field, reserved)
+        except FieldClash:
+            raise
+        except SeqgenError:
+            pass  # a bad line: the run meets it, under --on-error's rules
+
+
 def _detect(path: str, first: bytes) -> str:
     """``--input-format auto``: by the file's extension; for stdin and other extensions, JSONL when the first
     line is a JSON object, else text."""
@@ -131,6 +200,7 @@ def read_records(
     input_field: str | None = None,
     on_error: str = "fail",
     select: tuple[int, int] | None = None,
+    reserved: Collection[str] = (),
 ) -> Iterator[Record]:
     """Stream records from ``paths`` (``-`` = stdin) in order, never holding a whole file.
 
@@ -138,6 +208,13 @@ def read_records(
     with ``error`` set instead, so that output alignment holds. ``select=(lo, hi)``: only the inputs
     ``lo <= index < hi`` (one shard of ``--shard I/N``), re-indexed from 0; the others are not parsed
     (a bad line outside the range is not this shard's error), only counted.
+
+    A JSON object with a key twice is a bad line (JSON would keep the last value). ``reserved``: the fields the
+    output adds (:func:`output_fields`); an input holding one (text input: ``text``) is a :class:`FieldClash`.
+    On a file's first line that stops the run whatever ``on_error`` says: the output field is a setting, every
+    line likely holds it; :func:`check_first_lines` finds it there before the model loads, for a regular file.
+    On a later line it is a bad line like any other (a skipped one is written without its object, which the
+    output would overwrite).
     """
     lo, hi = select if select is not None else (0, None)
     index = 0
@@ -156,11 +233,11 @@ def read_records(
                     return
                 if index >= lo:
                     try:
-                        yield _record(index - lo, name, number, raw, fmt, input_field)
+                        yield _record(index - lo, name, number, raw, fmt, input_field, reserved)
                     except SeqgenError as err:
-                        if on_error != "skip":
+                        if on_error != "skip" or (number == 1 and isinstance(err, FieldClash)):
                             raise
-                        fields = err.fields if isinstance(err, BadLine) else None
+                        fields = err.fields if isinstance(err, BadLine) else None  # a FieldClash: None
                         yield Record(index - lo, name, number, "", fields, error=str(err))
                 index += 1
         finally:
@@ -168,13 +245,23 @@ def read_records(
                 stream.close()
 
 
-def _record(index: int, name: str, number: int, raw: bytes, fmt: str, input_field: str | None) -> Record:
+def _record(
+    index: int,
+    name: str,
+    number: int,
+    raw: bytes,
+    fmt: str,
+    input_field: str | None,
+    reserved: Collection[str] = (),
+) -> Record:
     try:
         line = raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as err:
         raise SeqgenError(f"{name}:{number}: not valid UTF-8 (byte {err.start + 1})") from None
     if fmt == "jsonl":
-        return _json_record(index, name, number, line, input_field)
+        return _json_record(index, name, number, line, input_field, reserved)
+    if "text" in reserved:  # JSONL output of text input is {"text": line, ...}
+        raise _clash(f"{name}:{number}", "text", text_input=True)
     return Record(index, name, number, line)
 
 
@@ -182,11 +269,33 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON value (write it as a string, or as null)")
 
 
-def _json_record(index: int, name: str, number: int, line: str, input_field: str | None) -> Record:
+class _DuplicateKey(Exception):
+    """A key twice in one JSON object (raised by :func:`_unique` through ``json.loads``)."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: the object, or :class:`_DuplicateKey` naming a repeated key."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return obj
+
+
+def _json_record(
+    index: int, name: str, number: int, line: str, input_field: str | None, reserved: Collection[str] = ()
+) -> Record:
     if not line.strip():
         raise SeqgenError(f"{name}:{number}: empty line in JSONL input (expected a JSON object)")
     try:
-        obj = json.loads(line, parse_constant=_not_json)
+        obj = json.loads(line, parse_constant=_not_json, object_pairs_hook=_unique)
+    except _DuplicateKey as dup:
+        raise SeqgenError(
+            f"{name}:{number}: duplicate key {dup.args[0]!r} in a JSON object (JSON would keep only its last value)"
+        ) from None
     except ValueError as err:
         raise SeqgenError(f"{name}:{number}: invalid JSON: {err}") from None
     if not isinstance(obj, dict):
@@ -198,6 +307,8 @@ def _json_record(index: int, name: str, number: int, line: str, input_field: str
         raise SeqgenError(
             f"{name}:{number}: not valid Unicode: a lone surrogate ({char}) from a JSON escape"
         ) from None
+    if (clash := next((k for k in reserved if k in obj), None)) is not None:
+        raise _clash(f"{name}:{number}", clash, text_input=False)
     key = input_field or next((k for k in DEFAULT_FIELDS if k in obj), None)
     if key is None or key not in obj:
         wanted = repr(input_field) if input_field else " or ".join(repr(k) for k in DEFAULT_FIELDS)

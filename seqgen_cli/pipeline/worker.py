@@ -16,17 +16,11 @@ from typing import Any
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator, GeneratorSpec
 from seqgen_cli.pipeline.cluster import node_id
-from seqgen_cli.pipeline.formats import index_path, journal_path, read_index
+from seqgen_cli.pipeline.formats import DRIVER_MARK, LOCK_SUFFIX, index_path, part_files, read_index
+from seqgen_cli.pipeline.formats import parts_dir as parts_dir  # the parts folder's name (in formats.py)
 from seqgen_cli.pipeline.job import JobOptions, fingerprint, write_records
 from seqgen_cli.pipeline.progress import CountingProgress
 from seqgen_cli.pipeline.records import Record
-
-PARTS_SUFFIX = ".seqgen-parts"
-DRIVER_MARK = ".seqgen-driver"  # in the parts folder: the driver's node id (workers that see it share it)
-
-
-def parts_dir(output: str) -> Path:
-    return Path(f"{output}{PARTS_SUFFIX}")
 
 
 @dataclass
@@ -95,7 +89,7 @@ class ShardWorker:
         part = self.parts / task.name
         self._progress = CountingProgress()
         result = ShardResult(task.name, pid=self.pid)
-        lock = open(f"{part}.lock", "w")  # noqa: SIM115 - held until the part is written
+        lock = open(f"{part}{LOCK_SUFFIX}", "w")  # noqa: SIM115 - held until the part is written
         try:
             # An attempt the driver gave up on may still run (a node cut off, not dead): wait for it.
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
@@ -150,5 +144,5 @@ def _raise_bad(records: list[Record], on_error: str) -> Iterator[Record]:
 
 def remove_part(part: Path) -> None:
     """A part file and what lies beside it."""
-    for path in (part, index_path(part), journal_path(part), Path(f"{part}.lock")):
+    for path in part_files(part):
         path.unlink(missing_ok=True)
