@@ -190,9 +190,9 @@ def test_forced_id_flags_are_checked(tiny_models, tmp_path: Path, args: list[str
         ('forced_bos_token_id = "de_DE"', "forced_bos_token_id = 'de_DE': must be a whole number"),
         (
             "forced_eos_token_id = []",
-            "forced_eos_token_id = []: must be a whole number >= 0, or a list of them",
+            "forced_eos_token_id = []: must be a whole number >= 0 and <= 2147483647, or a list of them",
         ),
-        ("forced_eos_token_id = [2, -1]", "must be a whole number >= 0, or a list of them"),
+        ("forced_eos_token_id = [2, -1]", "must be a whole number >= 0 and <= 2147483647, or a list of them"),
         ("forced_eos_token_id = 99999", "forced_eos_token_id = 99999: not a token of the model"),
     ],
 )

@@ -203,7 +203,7 @@ def attention(
 class GeneratedSlots:
     """What both generated-token caches share: ``max_len`` slots, of which a step attends ``span``."""
 
-    static: bool  # attend the t+1 slots written so far; all T after make_static() (capture)
+    static: bool  # attend the t+1 slots written so far; a span bucket of T after make_static() (capture)
     max_len: int
     span: int  # slots this step attends (host int; a span bucket if static)
     ptrs: BackPointers

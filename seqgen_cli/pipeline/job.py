@@ -32,7 +32,6 @@ from seqgen_cli.pipeline.formats import (
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.records import (
     Record,
-    check_first_lines,
     check_inputs,
     is_regular,
     output_fields,
@@ -83,7 +82,7 @@ class Job:
 def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
     """Fail before the (slow) model load on what cannot work: missing files or folders, an output that
     cannot be written or that another run is writing, clashing options, an input file whose first line holds a
-    field the output would overwrite (:func:`~.records.check_first_lines`); the job, checked (with ``--shard``,
+    field the output would overwrite (:func:`~.records.check_inputs`); the job, checked (with ``--shard``,
     its range)."""
     if output == "-" and sys.stdout is None:
         raise SeqgenError("standard output is closed: give -o FILE")
@@ -98,9 +97,8 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
         check_writable(opts.stats, "--stats")
     if opts.metrics and not opts.reference:
         raise SeqgenError("--metrics needs --reference FILE")
-    check_inputs(inputs)
     reserved = output_fields(opts.output_format, opts.output_field, opts.on_error)
-    check_first_lines(inputs, opts.input_format, opts.input_field, reserved)
+    check_inputs(inputs, opts.input_format, opts.input_field, reserved)
     paths.check_distinct(job_paths(inputs, output, opts))
     shard = select_shard(list(inputs), opts.shard) if opts.shard is not None else None
     if opts.reference:

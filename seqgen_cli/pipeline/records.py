@@ -98,17 +98,28 @@ def _open(path: str) -> tuple[BinaryIO, str]:
         raise SeqgenError(f"{path}: cannot read: {err.strerror}") from None
 
 
-def check_inputs(paths: Sequence[str]) -> None:
-    """Fail early (before the model loads) on an input file that cannot be opened.
+def check_inputs(
+    paths: Sequence[str],
+    input_format: str = "auto",
+    input_field: str | None = None,
+    reserved: Collection[str] = (),
+) -> None:
+    """Fail early (before the model loads) on an input file that cannot be opened, or whose first line stops the
+    run whatever ``--on-error`` says: ``--input-field`` for text input, a field the output would overwrite
+    (``reserved``, :func:`output_fields`); a line's other problems are left to the run.
 
-    A regular file is opened and closed; anything else (a named pipe, ``/dev/stdin``, a process substitution)
-    is only looked at: it can be read once, by the run, and an open here would wait for a writer or take its
-    data."""
+    A regular file is opened, its first line read, and closed; anything else (a named pipe, ``/dev/stdin``, a
+    process substitution) is only looked at: it can be read once, by the run (which checks the same on its first
+    line before anything is written), and an open here would wait for a writer or take its data."""
     for path in paths or ["-"]:
         if path == "-" or not is_regular(path):
             _check_stream(path)
             continue
-        _open(path)[0].close()
+        stream, name = _open(path)
+        with stream:
+            raw = stream.readline()
+        if raw:
+            _check_first_line(path, name, raw, input_format, input_field, reserved)
 
 
 def _check_stream(path: str) -> None:
@@ -138,35 +149,20 @@ JSONL_EXTENSIONS = (".jsonl", ".json", ".ndjson")
 TEXT_EXTENSIONS = (".txt", ".text", ".src", ".source", ".tgt", ".target", ".tok", ".raw")
 
 
-def check_first_lines(
-    paths: Sequence[str],
-    input_format: str = "auto",
-    input_field: str | None = None,
-    reserved: Collection[str] = (),
+def _check_first_line(
+    path: str, name: str, raw: bytes, input_format: str, input_field: str | None, reserved: Collection[str]
 ) -> None:
-    """Fail before the model loads on what the first line of an input file stops the run with, whatever
-    ``--on-error`` says: ``--input-field`` for text input, a field the output would overwrite (``reserved``,
-    :func:`output_fields`). Regular files only (stdin and pipes are read once, by the run, which checks the same
-    on their first line before anything is written); a line's other problems are left to the run."""
-    for path in paths:
-        if path == "-" or not is_regular(path):
-            continue
-        stream, name = _open(path)
-        with stream:
-            raw = stream.readline()
-        if not raw:
-            continue
-        if raw.startswith(BOM):
-            raw = raw[len(BOM) :]
-        fmt = _detect(path, raw) if input_format == "auto" else input_format
-        if fmt == "text" and input_field is not None:
-            raise _text_with_field(name, input_format)
-        try:
-            _record(0, name, 1, raw, fmt, input_field, reserved)
-        except FieldClash:
-            raise
-        except SeqgenError:
-            pass  # a bad line: the run meets it, under --on-error's rules
+    if raw.startswith(BOM):
+        raw = raw[len(BOM) :]
+    fmt = _detect(path, raw) if input_format == "auto" else input_format
+    if fmt == "text" and input_field is not None:
+        raise _text_with_field(name, input_format)
+    try:
+        _record(0, name, 1, raw, fmt, input_field, reserved)
+    except FieldClash:
+        raise
+    except SeqgenError:
+        pass  # a bad line: the run meets it, under --on-error's rules
 
 
 def _detect(path: str, first: bytes) -> str:
@@ -212,7 +208,7 @@ def read_records(
     A JSON object with a key twice is a bad line (JSON would keep the last value). ``reserved``: the fields the
     output adds (:func:`output_fields`); an input holding one (text input: ``text``) is a :class:`FieldClash`.
     On a file's first line that stops the run whatever ``on_error`` says: the output field is a setting, every
-    line likely holds it; :func:`check_first_lines` finds it there before the model loads, for a regular file.
+    line likely holds it; :func:`check_inputs` finds it there before the model loads, for a regular file.
     On a later line it is a bad line like any other (a skipped one is written without its object, which the
     output would overwrite).
     """
