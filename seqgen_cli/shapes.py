@@ -11,7 +11,7 @@ Two widths, for two reasons:
 
 An encoder-decoder batch mixes input widths: each input's encoder runs at its own :func:`input_width`, and the
 batch's cross-attention keys/values span :func:`cross_width` (whole chunks of :data:`CROSS_CHUNK` positions,
-``models/kv_cache.attention``), zeros past an input's own width.
+``models/attention.attention``), zeros past an input's own width.
 
 Rows and time: a captured batch pads its inputs to a power of two (:func:`graph_inputs`, and fewer as inputs
 leave: :func:`compacted`), its new-token cache slots to a multiple of :data:`SLOTS` (:func:`graph_slots`); a

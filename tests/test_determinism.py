@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from seqgen_cli.batching import Encoded
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import linear_maps
-from seqgen_cli.models.kv_cache import attention
+from seqgen_cli.models.attention import attention
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
 from seqgen_cli.shapes import CROSS_CHUNK, input_width
@@ -81,7 +81,7 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(inputs: int
 
 
 def test_cross_attention_keeps_its_bits_at_wider_widths_and_in_any_batch() -> None:
-    """``kv_cache.attention`` with ``chunk`` (cross-attention, sources padded to whole chunks): an input's output
+    """``attention.attention`` with ``chunk`` (cross-attention, sources padded to whole chunks): an input's output
     over its own width equals its output over a wider batch's (keys past its width zero and masked) and alone,
     at 1-3 threads, for widths of 1 to 16 chunks. (One product over all keys does not keep them on this box's
     MKL: the GEMM splits its inner dimension by its length.)"""

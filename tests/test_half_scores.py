@@ -20,12 +20,8 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from seqgen_cli.models.kv_cache import (
-    DecoderOnlyKVCache,
-    DecoderOnlyLaneKVCache,
-    attention,
-    scores32,
-)
+from seqgen_cli.models.attention import attention, scores32
+from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, DecoderOnlyLaneKVCache
 from seqgen_cli.shapes import span_bucket
 
 aten = torch.ops.aten

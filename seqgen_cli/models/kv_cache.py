@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from seqgen_cli.models.attention import attention, scores32
 from seqgen_cli.shapes import span_bucket
 
 
@@ -132,72 +133,6 @@ def write_slot(cache: Tensor, dim: int, new: Tensor, slot: Tensor, at: int | Non
         cache.index_copy_(dim, slot, new.unsqueeze(dim))
     else:
         cache.select(dim, at).copy_(new)
-
-
-HALF = (torch.float16, torch.bfloat16)
-# ``torch.bmm(..., out_dtype=torch.float32)`` (torch >= 2.8): a half product written as float32, CUDA only (the
-# CPU has no kernel for it); inductor lowers it to the same cuBLAS call (``at::_bmm_out_dtype_cuda``).
-BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
-
-
-def scores32(q: Tensor, keys_t: Tensor) -> Tensor:
-    """``q @ keys_t`` as float32: ``q`` [..., Q, d], ``keys_t`` [..., d, K] (same batch dims) -> [..., Q, K].
-
-    float32 inputs: ``torch.matmul`` as it always was (the exactness contract). float16 / bfloat16 inputs: the
-    dot products are summed in float32 and come out as float32, never rounded to half in between (as in
-    transformers' SDPA kernels); a product of two halves is exact in float32, so this is ``q.float() @
-    keys_t.float()`` up to float32 summation order. On CUDA one cuBLAS GEMM reads the half keys once and writes
-    float32 scores. Elsewhere (the CPU) ``q`` and the attended keys are upcast first: per layer and step a
-    float32 copy of the ``E`` key elements attended (``4 E`` bytes written, read again by the GEMM, against the
-    ``2 E`` the half GEMM reads), where the CPU runs float32 unless asked otherwise."""
-    if q.dtype not in HALF:
-        return torch.matmul(q, keys_t)
-    if BMM_OUT_DTYPE and q.device.type == "cuda":
-        *batch, m, d = q.shape
-        k = keys_t.shape[-1]
-        q3 = q.reshape(-1, m, d)  # [..., Q, d] -> [prod(...), Q, d]; a copy only of q where not viewable
-        k3 = keys_t.reshape(-1, d, k)  # [..., d, K] -> [prod(...), d, K]: a view for every cache here
-        out = torch.bmm(q3, k3, out_dtype=torch.float32)  # [prod(...), Q, K]
-        return out.view(*batch, m, k)  # [prod(...), Q, K] -> [..., Q, K]
-    return torch.matmul(q.float(), keys_t.float())
-
-
-def attention(
-    q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None, scale: float, chunk: int | None = None
-) -> Tensor:
-    """``softmax(scale * q @ keys_t + bias) @ values`` with float32 scores: ``q`` [..., Q, d], ``keys_t``
-    [..., d, K] (keys transposed), ``values`` [..., K, d], ``bias`` additive (0 / -inf, float32),
-    broadcastable to [..., Q, K] -> [..., Q, d].
-
-    ``chunk`` (cross-attention: ``shapes.CROSS_CHUNK``; ``K`` a multiple of it): the values are summed chunk by
-    chunk (one product per chunk of ``chunk`` keys, then a sum over the chunks), so keys masked at the end (a
-    wider neighbour's source) add exact zeros and leave an input's bits as they are at its own width. One
-    product over all ``K`` keys does not: the GEMM splits its inner dimension by its length. The scores and the
-    softmax keep their bits at any width that is a multiple of 64 (measured; tests/test_determinism.py).
-
-    float32 scales ``q`` before the product (the order it always had); float16 / bfloat16 take the product in
-    float32 (:func:`scores32`) and scale the float32 scores, so neither the scores nor the scaled queries are
-    rounded to half.
-
-    Decoding attention on the CPU: two batched GEMMs beat SDPA's kernel, whose
-    per-(input, head) overhead dominates at a handful of queries (docs/BENCHMARKS.md,
-    "CPU float32: what the step does, and what each choice measured")."""
-    if q.dtype in HALF:
-        scores = scores32(q, keys_t)  # [..., Q, K] float32
-        if scale != 1.0:
-            scores.mul_(scale)
-    else:
-        scores = torch.matmul(q if scale == 1.0 else q * scale, keys_t)  # [..., Q, K]
-    if bias is not None:
-        scores += bias
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [..., Q, K]
-    if chunk is None:
-        return torch.matmul(probs, values)  # [..., Q, d]
-    *lead, q_len, k_len = probs.shape
-    c = k_len // chunk
-    probs = probs.view(*lead, q_len, c, chunk).transpose(-3, -2)  # [..., Q, C, chunk] -> [..., C, Q, chunk]
-    parts = torch.matmul(probs, values.view(*lead, c, chunk, values.shape[-1]))  # [..., C, Q, d]
-    return parts.sum(dim=-3)  # [..., Q, d]
 
 
 class GeneratedSlots:
