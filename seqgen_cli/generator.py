@@ -240,11 +240,16 @@ class Generator:
         return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device), widths)
 
     def device_stats(self) -> dict[str, Any]:
-        """Where and how the model runs (``--stats``, the closing line): device, dtype and :attr:`step_path`; under
+        """Where and how the model runs (``--stats``, the closing line): device, dtype, the engine (the family's
+        backend, or generic and why: ``models.engine_name``) and :attr:`step_path`; under
         CUDA graphs ``CapturedBackend.stats``; with refill its lanes and counts; on CUDA the GPU and its peak."""
         from seqgen_cli.models.capture import CapturedBackend
 
         out: dict[str, Any] = {**self.loaded.describe(), "step_path": self.step_path}
+        if self.backend == "fast":
+            from seqgen_cli.models import engine_name
+
+            out["engine"] = engine_name(self._engine())
         if isinstance(self._model_backend, CapturedBackend):
             out.update(self._model_backend.stats())
         if self.refill:

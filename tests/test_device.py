@@ -68,6 +68,7 @@ def _fake_generator(
         is_encoder_decoder=encoder_decoder,
         _source_limit=lambda requested: limit,  # the model's position limit
         step_path="eager (test)",
+        backend="hf",  # no engine to name
         refill=False,
         _model_backend=None,
     )

@@ -40,3 +40,30 @@ def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_m
     texts = ["the cat sat on the mat", "once upon a time", "a"]
     assert fast.generate(texts) == hf.generate(texts)
     assert isinstance(fast._model_backend, GenericBackend)
+
+
+@pytest.mark.parametrize(
+    ("family", "flags", "engine"),
+    [
+        ("bart", [], "BartBackend"),
+        ("t5", [], "T5Backend"),
+        ("t5", ["--dtype", "int8"], "generic (model_type 't5' has no int8 fast decoder)"),
+    ],
+)
+def test_stats_and_the_closing_line_name_the_engine_that_ran(
+    tiny_models, tmp_path: Path, family: str, flags: list[str], engine: str
+) -> None:
+    """``--stats`` ``device.engine`` and the closing line say whether the checkpoint got a fast decoder, and if
+    not, why."""
+    import json
+
+    from tests.helpers import seqgen
+
+    src = tmp_path / "in.txt"
+    src.write_text("one two three\nfour five\n", encoding="utf-8")
+    stats = tmp_path / "stats.json"
+    res = seqgen("generate", "-m", str(tiny_models(family)), str(src), "-o", str(tmp_path / "out.txt"),
+                 "--max-new-tokens", "3", "--stats", str(stats), *flags)  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(stats.read_text())["device"]["engine"] == engine
+    assert f"backend fast ({engine})" in res.stderr

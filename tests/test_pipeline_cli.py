@@ -155,7 +155,8 @@ def test_reference_scored_and_stats_written(job) -> None:
     assert data["inputs"] == 30 and data["samples_per_second"] > 0 and data["generate_seconds"] > 0
     assert data["interrupted"] is False and data["error"] is None and 0 <= data["padding_ratio"] < 1
     # no GPU: no peak GPU memory, no CUDA graphs
-    assert data["device"] == {"device": "cpu", "dtype": "float32", "step_path": "eager (cpu: no CUDA graphs)"}
+    step = "eager (cpu: no CUDA graphs)"
+    assert data["device"] == {"device": "cpu", "dtype": "float32", "engine": "BartBackend", "step_path": step}
 
 
 def test_resume_needs_an_output_file(bart: Path) -> None:

@@ -38,25 +38,42 @@ INT8_BACKENDS: dict[str, type] = {name: cls for name, cls in FAST_BACKENDS.items
 
 def fast_backend(model: PreTrainedModel, int8: bool = False) -> ModelBackend | None:
     """The fast backend for ``model``, or ``None`` (unlisted family or unsupported variant)."""
-    cls = (INT8_BACKENDS if int8 else FAST_BACKENDS).get(model.config.model_type)
+    return _fast_or_reason(model, int8)[0]
+
+
+def _fast_or_reason(model: PreTrainedModel, int8: bool) -> tuple[ModelBackend | None, str | None]:
+    """The fast backend for ``model``, or ``None`` and why there is none."""
+    model_type = model.config.model_type
+    cls = (INT8_BACKENDS if int8 else FAST_BACKENDS).get(model_type)
     if cls is None:
-        return None
+        kind = "int8 fast decoder" if int8 and model_type in FAST_BACKENDS else "fast decoder"
+        return None, f"model_type {model_type!r} has no {kind}"
     try:
-        return cls(model, int8=True) if int8 else cls(model)
-    except ValueError:
-        return None
+        return (cls(model, int8=True) if int8 else cls(model)), None
+    except ValueError as err:
+        return None, f"{cls.__name__} does not run this {model_type} variant: {err}"
 
 
 def get_backend(model: PreTrainedModel, *, generic: bool = False, int8: bool = False) -> ModelBackend:
-    """The fast backend for ``model`` if its family has one, else (or if ``generic``) the generic one.
+    """The fast backend for ``model`` if its family has one, else (or if ``generic``) the generic one, which
+    carries the reason (``GenericBackend.reason``; :func:`engine_name`).
 
     ``int8``: linear layers in int8 (CPU); the model is modified in place."""
-    backend = None if generic else fast_backend(model, int8)
+    backend, reason = (None, "asked for") if generic else _fast_or_reason(model, int8)
     if backend is not None:
         return backend
     if int8:
         quantize_linears(model)
-    return GenericBackend(model)
+    return GenericBackend(model, reason=reason)
 
 
-__all__ = ["FAST_BACKENDS", "INT8_BACKENDS", "GenericBackend", "fast_backend", "get_backend"]
+def engine_name(backend: ModelBackend) -> str:
+    """Which engine runs the decode steps, in words (``--stats`` ``engine``, the closing line): the family's
+    backend class, or ``generic (<why no fast one>)``."""
+    inner = getattr(backend, "backend", backend)  # the capture wrapper's wrapped backend
+    if isinstance(inner, GenericBackend):
+        return f"generic ({inner.reason})" if inner.reason else "generic"
+    return type(inner).__name__
+
+
+__all__ = ["FAST_BACKENDS", "INT8_BACKENDS", "GenericBackend", "engine_name", "fast_backend", "get_backend"]

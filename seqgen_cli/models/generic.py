@@ -33,8 +33,9 @@ class GenericState:
 class GenericBackend:
     """Reference backend: one ``model(...)`` call per step through transformers' own input preparation."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, reason: str | None = None) -> None:
         self.model = model.eval()
+        self.reason = reason  # why no fast backend runs this model (get_backend), for --stats
         self.is_encoder_decoder = bool(model.config.is_encoder_decoder)
         self.vocab_size = out_features(model.get_output_embeddings())  # float or int8 (quantized) head
         text_config = model.config.get_text_config(decoder=True)

@@ -65,6 +65,7 @@ class Summary:
             f"{self.tokens_per_second:.1f} generated tokens/s, padding {100 * self.padding_ratio:.1f}%; "
             f"time read+tokenise {self.read_seconds + self.tokenise_seconds:.1f}s, "
             f"generate {self.generate_seconds:.1f}s, write {self.write_seconds:.1f}s; backend {self.backend}"
+            + (f" ({engine})" if (engine := self.device.get("engine")) else "")
             + (f" on {self.device['device']} {self.device['dtype']}" if self.device else "")
             + (f", step {path}" if (path := self.device.get("step_path")) else "")
             + capture_note(self.device)
