@@ -100,8 +100,7 @@ class Generator:
             raise SeqgenError("--target-lang and --forced-bos-token-id contradict; give one")
         self.target_lang = target_lang
         self.loaded: Loaded = load(model, device, dtype)
-        self.tokenizer = self.loaded.tokenizer
-        self.model = self.loaded.model
+        self.tokenizer, self.model = self.loaded.tokenizer, self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
         self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, target_lang)
         self.prefix = prefix if prefix is not None else (self.preset.prefix if self.preset else None)
@@ -240,16 +239,12 @@ class Generator:
         return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device), widths)
 
     def device_stats(self) -> dict[str, Any]:
-        """Where and how the model runs (``--stats``, the closing line): device, dtype, the engine (the family's
-        backend, or generic and why: ``models.engine_name``) and :attr:`step_path`; under
-        CUDA graphs ``CapturedBackend.stats``; with refill its lanes and counts; on CUDA the GPU and its peak."""
+        """Where and how the model runs (``--stats``, closing line): device, dtype, engine, step path, capture/GPU."""
+        from seqgen_cli.models import engine_name
         from seqgen_cli.models.capture import CapturedBackend
 
-        out: dict[str, Any] = {**self.loaded.describe(), "step_path": self.step_path}
-        if self.backend == "fast":
-            from seqgen_cli.models import engine_name
-
-            out["engine"] = engine_name(self._engine())
+        engine = {"engine": engine_name(self._engine())} if self.backend == "fast" else {}  # generic: and why
+        out: dict[str, Any] = {**self.loaded.describe(), **engine, "step_path": self.step_path}
         if isinstance(self._model_backend, CapturedBackend):
             out.update(self._model_backend.stats())
         if self.refill:
