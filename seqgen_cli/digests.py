@@ -2,12 +2,12 @@
 transformers loads, the config, the generation config, the tokenizer files), for ``--resume``, the journal and
 ``seqgen merge`` (``pipeline/job.py: model_identity``).
 
-Hashing runs at ~1.6 GB/s on one core (a 2.4 GB checkpoint: ~1.5 s, docs/BENCHMARKS.md "Checkpoint digests"), so
-each file's digest is cached on disk (``<cache>/digests/``; :func:`cache_dir`, which the int8 weight cache shares) under its real path, keyed
-by what a rewrite changes: size, modification and status-change times, inode and device. A file saved anew, copied
-or touched back to its old modification time gets a new status-change time, so it is hashed again; an
-unchanged one costs a ``stat``. :func:`prefetch` starts the hashing in a thread while the model loads (the same
-bytes, read from the page cache).
+Hashing runs at ~1.8 GB/s on one core (1.63 GB in 0.90 s, docs/BENCHMARKS.md "Checkpoint digests"), so each
+file's digest is cached on disk (``<cache>/digests/``; :func:`cache_dir`, shared with the int8 weight cache) under
+its real path, keyed by what a rewrite changes: size, modification and status-change times, inode and device. A
+file saved anew, copied or touched back to its old modification time gets a new status-change time, so it is
+hashed again; an unchanged one costs a ``stat``. :func:`prefetch` starts the hashing in a thread while the model
+loads (the same bytes, read from the page cache).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ TORCH_WEIGHTS = (
     ".pth",
     ".ckpt",
 )  # not read where .safetensors files are (transformers' choice)
-CHUNK = 1 << 23
 
 _memo: dict[tuple[str, tuple[int, ...]], str] = {}  # (real path, stat key) -> SHA-256, this process's
 _pending: dict[str, threading.Thread] = {}  # real folder -> its prefetch

@@ -21,9 +21,8 @@ ray = pytest.importorskip("ray")  # the ray extra (installed by the test extra)
 from seqgen_cli.generator import GeneratorSpec  # noqa: E402
 from seqgen_cli.pipeline.cluster import ClusterOptions  # noqa: E402
 from seqgen_cli.pipeline.driver import generate_distributed  # noqa: E402
-from seqgen_cli.pipeline.formats import index_path, read_index  # noqa: E402
+from seqgen_cli.pipeline.formats import index_path, parts_dir, read_index  # noqa: E402
 from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
-from seqgen_cli.pipeline.worker import parts_dir  # noqa: E402
 from tests.helpers import seqgen, write_lines  # noqa: E402
 from tests.tiny_models import sample_texts  # noqa: E402
 

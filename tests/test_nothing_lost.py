@@ -358,8 +358,9 @@ def test_one_process_resume_of_a_workers_run_removes_its_parts_folder(
     itself (:class:`ShardWorker`, without Ray), then finished by one process with ``--resume``."""
     from seqgen_cli.generator import GeneratorSpec
     from seqgen_cli.pipeline import worker as worker_module
+    from seqgen_cli.pipeline.formats import DRIVER_MARK, parts_dir
     from seqgen_cli.pipeline.shards import Cutter
-    from seqgen_cli.pipeline.worker import DRIVER_MARK, ShardTask, ShardWorker, parts_dir
+    from seqgen_cli.pipeline.worker import ShardTask, ShardWorker
 
     args, out, full, done = cut_short_with_a_journal(tiny_models, tmp_path, monkeypatch)
     parts = parts_dir(str(out))

@@ -23,21 +23,14 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import GeneratorSpec
 from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.cluster import ClusterOptions, check_resources, connect, import_ray, node_id
-from seqgen_cli.pipeline.formats import IndexEntry, InputDigest
+from seqgen_cli.pipeline.formats import DRIVER_MARK, IndexEntry, InputDigest, parts_dir, remove_part
 from seqgen_cli.pipeline.job import Job, guarded, open_sink, score, write_stats
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.records import output_fields, read_records
 from seqgen_cli.pipeline.shards import Cutter, Shard, count_lines
 from seqgen_cli.pipeline.sinks import Sink, is_stream
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
-from seqgen_cli.pipeline.worker import (
-    DRIVER_MARK,
-    ShardResult,
-    ShardTask,
-    ShardWorker,
-    parts_dir,
-    remove_part,
-)
+from seqgen_cli.pipeline.worker import ShardResult, ShardTask, ShardWorker
 
 DEFAULT_SHARD_SIZE = 4096
 MIN_SHARD_SIZE = 16

@@ -18,7 +18,6 @@ What a resume does with them is :mod:`~.resume`; who writes them is :mod:`~.sink
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -63,6 +62,12 @@ def parts_dir(output: str | os.PathLike[str]) -> Path:
 def part_files(part: str | os.PathLike[str]) -> tuple[Path, ...]:
     """A ``--workers`` part file and what lies beside it: its index, journal and lock."""
     return (Path(part), index_path(part), journal_path(part), Path(f"{os.fspath(part)}{LOCK_SUFFIX}"))
+
+
+def remove_part(part: str | os.PathLike[str]) -> None:
+    """Remove a ``--workers`` part file and what lies beside it (:func:`part_files`)."""
+    for path in part_files(part):
+        path.unlink(missing_ok=True)
 
 
 # -- what the digests hash -------------------------------------------------------------------------------
@@ -370,6 +375,10 @@ def remove_parts(output: str | os.PathLike[str]) -> bool:
     """Remove what a ``--workers`` run wrote in ``output``'s parts folder (part files with their index, journal
     and lock; the driver's mark), then the folder if that emptied it; a part a worker still holds locked stays.
     True when no parts folder is left."""
+    try:
+        import fcntl
+    except ImportError:  # no locks here, so no --workers run (worker.py needs them) wrote a part
+        fcntl = None  # type: ignore[assignment]
     folder = parts_dir(output)
     try:
         names = os.listdir(folder)
@@ -386,10 +395,9 @@ def remove_parts(output: str | os.PathLike[str]) -> bool:
         except OSError:
             continue
         try:
-            if lock is not None:
+            if lock is not None and fcntl is not None:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a worker writes it
-            for path in part_files(part):
-                path.unlink(missing_ok=True)
+            remove_part(part)
         except OSError:
             continue
         finally:

@@ -16,8 +16,7 @@ from typing import Any
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator, GeneratorSpec
 from seqgen_cli.pipeline.cluster import node_id
-from seqgen_cli.pipeline.formats import DRIVER_MARK, LOCK_SUFFIX, index_path, part_files, read_index
-from seqgen_cli.pipeline.formats import parts_dir as parts_dir  # the parts folder's name (in formats.py)
+from seqgen_cli.pipeline.formats import DRIVER_MARK, LOCK_SUFFIX, index_path, read_index, remove_part
 from seqgen_cli.pipeline.job import JobOptions, fingerprint, write_records
 from seqgen_cli.pipeline.progress import CountingProgress
 from seqgen_cli.pipeline.records import Record
@@ -140,9 +139,3 @@ def _raise_bad(records: list[Record], on_error: str) -> Iterator[Record]:
         if record.error is not None and on_error != "skip":
             raise SeqgenError(record.error)
         yield record
-
-
-def remove_part(part: Path) -> None:
-    """A part file and what lies beside it."""
-    for path in part_files(part):
-        path.unlink(missing_ok=True)
