@@ -58,9 +58,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import capture, compiled_calls, get_backend, linear_maps
 from seqgen_cli.models.capture import CapturedBackend
-from seqgen_cli.models.kv_cache import static_step
+from seqgen_cli.models.kv_cache import run_step
 from seqgen_cli.search.beam import BeamConstants, pick_topk
-from seqgen_cli.search.cohort import Cohort, Results, make_search, run_search
+from seqgen_cli.search.cohort import Cohort, Results, make_search
+from seqgen_cli.search.engine import run_batch
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.search.rows import start_rows
 from seqgen_cli.search.sampling import Streams
@@ -175,7 +176,7 @@ def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
         out["kernels_compiled"] = sum(kernel_calls(c) for c in codes)
         state = fresh(True)
         with OpCount() as count:
-            static_step(backend.decode, state, tokens[0])
+            run_step(backend.decode, state, tokens[0])
         out["ops_eager"] = count.ops
         times: dict[str, list[float]] = {name: [] for name in arms}
         for rep in range(-1, args.reps):  # rep -1: a warm-up run of every arm, not recorded
@@ -184,7 +185,7 @@ def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
                 state = fresh(static, owner)
                 t0 = time.perf_counter()
                 for t in range(args.steps):
-                    static_step(decode, state, tokens[t])
+                    run_step(decode, state, tokens[t])
                 if rep >= 0:
                     times[name].append(1e3 * (time.perf_counter() - t0) / args.steps)
         linear_maps.ONEDNN = onednn
@@ -231,7 +232,7 @@ def decode_loop(
     cohort.advance = timed  # type: ignore[method-assign]
     with around or contextlib.nullcontext():
         t0 = time.perf_counter()
-        run_search(backend, cohort, logits, s.max_new_tokens, sync_every)
+        run_batch(backend, cohort, logits, sync_every)
         return time.perf_counter() - t0, searching[0]
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.models import get_backend
-from seqgen_cli.models.kv_cache import static_step
+from seqgen_cli.models.kv_cache import run_step
 from seqgen_cli.search.protocol import Batch
 
 
@@ -80,7 +80,7 @@ def measure(backend, batch: int, beams: int, src: int, slots: int) -> dict[str, 
         state.cache.check(0)
         _, codes = run_and_get_code(compiled, state, tokens)
         with OpCount() as count:
-            static_step(backend.decode, state, tokens)
+            run_step(backend.decode, state, tokens)
     c = state.cache
     caches = [*c.k, *c.v] if isinstance(c.k, list) else [c.k, c.v]
     return {

@@ -607,7 +607,7 @@ def test_a_refill_join_that_widens_marks_the_new_tensors_static(tiny_models) -> 
         state = backend.open_lanes(2, 1, 8)
         assert get_static_address_type(state.cache.pk[0]) == "unguarded"
         longest = batch.attention_mask.sum(dim=1).argmax().view(1)
-        backend.join(state, torch.tensor([0]), _columns(batch, longest, batch.input_ids.shape[1], left=True))
+        backend.join(state, [0], _columns(batch, longest, batch.input_ids.shape[1], left=True))
     assert backend.backend.lane_width(state) > MIN_WIDTH, "widened"
     assert get_static_address_type(state.cache.pk[0]) == "unguarded"
     assert get_static_address_type(state.cache.prompt_bias) == "unguarded"

@@ -179,8 +179,8 @@ def test_a_kept_search_state_keeps_its_addresses(tiny_models) -> None:
 
 def recording_slots(backend: CapturedBackend) -> Any:
     """``tests/host_sync.py``'s recorder, following the slot search's loop: an iteration starts with its search
-    step (``SlotBeamSearch.advance``) and continues with ``slot_step``."""
-    return recording(backend, first=(SlotBeamSearch, "advance"), step_name="slot_step")
+    step (``SlotBeamSearch.advance``) and continues with the backend's ``step``."""
+    return recording(backend, first=(SlotBeamSearch, "advance"), step_name="step")
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
@@ -197,7 +197,9 @@ def test_a_slot_step_never_syncs(tiny_models, family: str) -> None:
     assert rec.iterations > 6 and rec.checks, "too short to see two checks"
     first_replay = [e for e in rec.violations() if "outputs_differ" in e.where]
     assert first_replay and len(first_replay) <= len(backend.search.calls), first_replay  # type: ignore[union-attr]
-    others = [e for e in rec.violations() if e not in first_replay]
+    # before the first iteration the batch starts (the decoder start token's step, then the search: a kept search
+    # state's first allocation copies its processors' ids from the host, once per shape)
+    others = [e for e in rec.violations() if e not in first_replay and e.iteration >= 0]
     assert not others, "host syncs inside decode steps:\n" + "\n".join(map(str, others))
     assert all((i + 1) % 3 == 0 for i in rec.checks), rec.checks
     assert any(e.phase == "check" for e in rec.events), "the check itself was not seen: the recorder is blind"

@@ -28,7 +28,7 @@ from seqgen_cli.generator import Generator
 from seqgen_cli.models import capture as capture_mod
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend, capture
-from seqgen_cli.models.kv_cache import Decode, EncoderDecoderKVCache, static_step
+from seqgen_cli.models.kv_cache import Decode, EncoderDecoderKVCache, run_step
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import generate
 from tests.engine_models import load, text_batch
@@ -74,8 +74,8 @@ def test_decode_compiles_fullgraph_once_per_shape(tiny_models, family: str) -> N
         n = 3 * r
         for t in range(steps):
             tokens = torch.randint(4, backend.vocab_size, (n,), generator=g)
-            expected = static_step(backend.decode, eager_state, tokens)
-            got = static_step(compiled, compiled_state, tokens)
+            expected = run_step(backend.decode, eager_state, tokens)
+            got = run_step(compiled, compiled_state, tokens)
             assert torch.equal(got, expected), f"step {t}: compiled != eager static step"
             torch.testing.assert_close(backend.step(dynamic_state, tokens), expected, rtol=1e-5, atol=1e-5)
             if t == 1:  # beams continue other beams of their input
@@ -91,7 +91,7 @@ def test_decode_compiles_fullgraph_once_per_shape(tiny_models, family: str) -> N
                     "recompiled within one shape: a step-dependent value reached the graph"
                 )
         with pytest.raises(ValueError, match=f"beyond the {steps} positions"):
-            static_step(compiled, compiled_state, tokens)
+            run_step(compiled, compiled_state, tokens)
     assert len(graphs) == 2, f"{len(graphs)} graphs for 2 shapes"
 
 

@@ -48,8 +48,8 @@ that, dynamo's guards: a shape's (key's) later calls run only the differentiatin
 The beam search's step is compiled the same way (``search/slots.py``; ``search_compiler``, :func:`compile_search`,
 which :func:`capture` passes): a pure function over the search's own static state, kept with each kept state
 (``Kept.search``, :meth:`CapturedBackend.kept_search`, moved along by a compaction), that reads the logits of every
-slot row (:meth:`CapturedBackend.slot_step`: no gather of the running rows) and writes the next step's tokens into
-the kept token buffer; so a decode step is two graph replays (model, search) and a handful of launches around them.
+slot row (the search feeds :meth:`CapturedBackend.step` the kept token buffer itself: no gather of the running
+rows) and writes the next step's tokens into that buffer; so a decode step is two graph replays (model, search) and a handful of launches around them.
 :class:`CompiledSearch` guards it as ``decode`` is guarded below (the first replay of each shape checked, any
 failure or CUDA-graph skip: the eager step for good, with the reason in ``path`` and ``stats()``).
 
@@ -73,14 +73,13 @@ announces them (:func:`watch_recordings`), the graphs recorded per compiled shap
 ``--no-capture``, the generic backend) runs the plain backend: :func:`capture` says why.
 
 The refill engine (``search/refill.py``, ``--refill``) runs through the same wrapper: ``open_lanes``, ``join`` and
-``lane_step`` are the wrapped backend's, ``lane_step`` with the guarded compiled ``decode`` (every check and
-fallback above applies). Its shapes need no padding: the ``S * R`` rows are fixed for a window, the slots' source
+``leave`` are the wrapped backend's, and ``step`` on a lane state runs the guarded compiled ``decode`` (every check
+and fallback above applies). Its shapes need no padding: the ``L * R`` rows are fixed for a window, the lanes' source
 (prompt) width only widens to a :func:`~seqgen_cli.shapes.graph_width` and the attended span is a bucket
-(``shapes.span_bucket``), so a shape is (rows, width, generated slots, span) and a whole window runs on a handful
-of graphs. The slot state is marked static when opened and again when a wider joiner reallocates it (lane
-states are a window's: not kept). The slot
-step's ``decode`` is idempotent too (``begin`` derives where it writes from the slot counters, which only
-``advance`` moves, after it).
+(``shapes.span_bucket`` of the furthest live lane's step), so a shape is (rows, width, generated positions, span)
+and a whole window runs on a handful of graphs. The lane state is marked static when opened and again when a wider
+joiner reallocates it (lane states are a window's: not kept). Its ``decode`` is idempotent too (``begin`` derives
+where it writes from the lane counters, which only ``advance`` moves, after it).
 """
 
 from __future__ import annotations
@@ -113,7 +112,7 @@ from seqgen_cli.models.compiled_calls import (
     step_tolerance,
     watch_recordings,
 )
-from seqgen_cli.models.kv_cache import Decode, check_slot, lane_step, select_into, static_step
+from seqgen_cli.models.kv_cache import Decode, check_slot, run_step, select_into
 from seqgen_cli.search.protocol import Batch, ModelBackend, SlotLayout
 from seqgen_cli.shapes import compacted, graph_inputs, graph_slots, graph_width, span_bucket
 
@@ -456,7 +455,7 @@ class CapturedBackend:
             raise
         return run, first
 
-    def _plain_step(self, run: PlainRun, tokens: Tensor) -> Tensor:
+    def _plain(self, run: PlainRun, tokens: Tensor) -> Tensor:
         """A :class:`PlainRun`'s step, counted eager and, under ``amortized``, for the shape it stands for."""
         if self.amortized is not None:
             self.amortized.charge(run.shape(), run.inner.t)
@@ -529,45 +528,43 @@ class CapturedBackend:
         self.released += 1
 
     @torch.inference_mode()
-    def step(self, state: CapturedState | PlainRun, tokens: Tensor) -> Tensor:
+    def step(self, state: Any, tokens: Tensor) -> Tensor:
+        """The one decode step, whatever the state. A :class:`PlainRun`'s on the wrapped backend (counted for the
+        shape it stands for). A kept state's over its physical rows: ``tokens`` are the running rows' [N] (logits
+        [N, V], a copy), or the layout's token buffer itself, a static search's (the logits of every row [P * R, V],
+        the graph's output: read them before the next step). A lane state's (the refill engine) over every lane
+        (logits [L * R, V], the graph's output). The last two through the guarded compiled ``decode`` of their
+        shape: (rows, source or prompt width, new-token slots) and the span bucket of the step."""
         if isinstance(state, PlainRun):
-            return self._plain_step(state, tokens)
-        check_slot(state.inner.t, state.limit)
-        self._check(state)
-        state.tokens.index_copy_(0, state.rows, tokens)
-        logits = self._run(state)  # [P * R, V]
-        return logits.index_select(0, state.rows)  # [N, V], a copy: the graph's output is overwritten
-
-    # -- the slot search (search/slots.py): search/protocol.py's SlotBackend -----------------------------------
-    @torch.inference_mode()
-    def slot_step(self, state: CapturedState) -> Tensor:
-        """The step of every physical row on ``state.tokens`` (the slot search wrote them): logits [P * R, V], the
-        graph's output (read before the next step)."""
-        check_slot(state.inner.t, state.limit)
-        self._check(state)
-        return self._run(state)
-
-    def _run(self, state: CapturedState) -> Tensor:
+            return self._plain(state, tokens)
+        if isinstance(state, CapturedState):
+            check_slot(state.inner.t, state.limit)
+            self._check(state)
+            every = tokens is state.tokens
+            if not every:
+                state.tokens.index_copy_(0, state.rows, tokens)
+            inner, shape, fed = state.inner, state.shape, state.tokens
+        else:  # a lane state: shapes are fixed by the lanes, the width only widens
+            inner, fed, every = state, tokens, True
+            shape = (tokens.shape[0], self.backend.lane_width(state), state.cache.max_len)
+        step = inner.cache.now(inner.t)
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
-        span = span_bucket(state.inner.t, state.inner.cache.max_len)  # the slots this step attends
         try:
-            decode = self._decoder((*state.shape, span), state.inner.t)
-            return static_step(decode, state.inner, state.tokens)  # [P * R, V]
+            decode = self._decoder((*shape, span_bucket(step, inner.cache.max_len)), step)
+            logits = run_step(decode, inner, fed)  # [P * R, V]
         except Exception as err:
             self._release_if_oom(err)
             raise
+        if every:
+            return logits
+        return logits.index_select(0, state.rows)  # [N, V], a copy: the graph's output is overwritten
 
+    # -- the static search (search/slots.py): search/protocol.py's SlotBackend ---------------------------------
     def slot_layout(self, state: CapturedState) -> SlotLayout:
         """The running inputs' slots, the token buffer, the history's prompt width (decoder-only: the graph width)
         and new-token slots, and the last drop's move."""
         width = 1 if self.is_encoder_decoder else state.shape[1]
         return SlotLayout(state.inputs, state.tokens, width, state.shape[2], state.moved)
-
-    @torch.inference_mode()
-    def slot_reorder(self, state: CapturedState, rows: Tensor) -> None:
-        """Physical row ``i`` continues physical row ``rows[i]`` ([P * R] int64)."""
-        self._check(state)
-        self.backend.reorder(state.inner, rows)
 
     def kept_search(self, state: CapturedState, key: Any, make: Callable[[], Any]) -> Any:
         """The slot search's state kept with ``state``'s kept buffers (one per shape): ``make()``, its tensors
@@ -691,13 +688,17 @@ class CapturedBackend:
 
     @torch.inference_mode()
     def reorder(self, state: Any, rows: Tensor) -> None:
-        """Physical row ``state.rows[i]`` continues ``state.rows[rows[i]]``; idle rows continue themselves. A
-        :class:`PlainRun`'s rows and a slot state's (the refill engine's) are the wrapped backend's own."""
+        """A kept state: physical row ``state.rows[i]`` continues ``state.rows[rows[i]]`` ([N], running rows;
+        idle rows continue themselves), or, ``rows`` of every physical row ([P * R], a static search's), row ``i``
+        continues ``rows[i]``. A :class:`PlainRun`'s rows and a lane state's are the wrapped backend's own."""
         if not isinstance(state, CapturedState):
             self.backend.reorder(state.inner if isinstance(state, PlainRun) else state, rows)
             return
         self._check(state)
         n = state.tokens.shape[0]
+        if rows.shape[0] == n:  # every row (when none idles, running rows are every row: the same map)
+            self.backend.reorder(state.inner, rows)
+            return
         physical = torch.arange(n, device=rows.device).index_copy_(
             0, state.rows, state.rows.index_select(0, rows)
         )  # [P * R]
@@ -752,22 +753,15 @@ class CapturedBackend:
         return state
 
     @torch.inference_mode()
-    def join(self, state: Any, slots: Tensor, batch: Batch) -> Tensor | None:
-        """The wrapped backend's join; a join that widens the slots' sources (prompts) makes new tensors: marked
+    def join(self, state: Any, lanes: list[int], batch: Batch) -> Tensor | None:
+        """The wrapped backend's join; a join that widens the lanes' sources (prompts) makes new tensors: marked
         static (their first replay re-records, under a new shape)."""
         width = self.backend.lane_width(state)
-        first = self.backend.join(state, slots, batch)
+        first = self.backend.join(state, lanes, batch)
         if self.backend.lane_width(state) != width:
             mark_static(state)
         return first
 
-    @torch.inference_mode()
-    def lane_step(self, state: Any, tokens: Tensor, step: int) -> Tensor:
-        """The wrapped backend's refill step with ``decode`` guarded and compiled: one shape per (rows, source or
-        prompt width, generated slots, span). tokens [S * R] -> logits [S * R, V], the graph's output: read it
-        (the engine copies each cohort's rows) before the next step overwrites it."""
-        cache = state.cache
-        span = span_bucket(step, cache.max_len)
-        shape = (tokens.shape[0], self.backend.lane_width(state), cache.max_len, span)
-        torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
-        return lane_step(self._decoder(shape, step), state, tokens, step)
+    def leave(self, state: Any, lanes: list[int]) -> None:
+        """The wrapped backend's leave: those lanes idle."""
+        self.backend.leave(state, lanes)

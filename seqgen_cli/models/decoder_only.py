@@ -19,10 +19,9 @@ from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
     DecoderOnlyLaneKVCache,
     kv_bytes,
-    lane_step,
     pointer_bytes,
+    run_step,
     select_into,
-    static_step,
 )
 from seqgen_cli.models.linear_maps import dense
 from seqgen_cli.search.protocol import Batch
@@ -106,7 +105,7 @@ class DecoderOnlyBackend:
     @torch.inference_mode()
     def step(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
         """tokens [N] -> logits [N, V] (float32)."""
-        return static_step(self.decode, state, tokens)
+        return run_step(self.decode, state, tokens)
 
     @torch.inference_mode()
     def reorder(self, state: DecoderOnlyState, rows: Tensor) -> None:
@@ -171,13 +170,14 @@ class DecoderOnlyBackend:
         return state.cache.width
 
     @torch.inference_mode()
-    def join(self, state: DecoderOnlyState, slots: Tensor, batch: Batch) -> Tensor:
-        """Prompts ``batch`` ([J, P] left-padded) take slots ``slots`` ([J] int64): the prefill runs for them only,
+    def join(self, state: DecoderOnlyState, lanes: list[int], batch: Batch) -> Tensor:
+        """Prompts ``batch`` ([J, P] left-padded) take lanes ``lanes``: the prefill runs for them only,
         each at :func:`~seqgen_cli.shapes.input_width` of its length (one forward per width, and apart whether padded, so that an
         input's prefill never depends on who joins with it); their K/V go into the slots' prompt regions (widened
         first if needed), their positions start at their lengths and their generated slots restart at step 0.
         Returns their first logits [J, V] (the search's first step: no decode step feeds a token for it)."""
         check_batch(batch)
+        slots = torch.tensor(lanes, dtype=torch.long, device=state.start_pos.device)  # [J]
         cache = state.cache
         lengths = batch.attention_mask.sum(dim=1).tolist()
         widths = [input_width(n, self.max_position_embeddings) for n in lengths]
@@ -196,14 +196,12 @@ class DecoderOnlyBackend:
         rows = (slots[:, None] * r + torch.arange(r, device=slots.device)).reshape(-1)  # [J * R]
         pos = torch.tensor(lengths, dtype=torch.long, device=slots.device).repeat_interleave(r)  # [J * R]
         state.start_pos.index_copy_(0, rows, pos)
-        cache.join(slots)
+        cache.join(lanes)
         return first
 
-    @torch.inference_mode()
-    def lane_step(self, state: DecoderOnlyState, tokens: Tensor, step: int) -> Tensor:
-        """One decode step over every slot's rows, each at its own step (the most advanced writes generated slot
-        ``step``): tokens [S * R] -> logits [S * R, V]."""
-        return lane_step(self.decode, state, tokens, step)
+    def leave(self, state: DecoderOnlyState, lanes: list[int]) -> None:
+        """The inputs of ``lanes`` are done: those lanes idle until the next join."""
+        state.cache.leave(lanes)
 
     def cache_nbytes(self, state: DecoderOnlyState) -> dict[str, int]:
         """Bytes of the prompt K/V (per input) with its mask, the generated-token K/V (all layers) and the

@@ -25,10 +25,9 @@ from seqgen_cli.models.kv_cache import (
     LaneKVCache,
     attention,
     kv_bytes,
-    lane_step,
     pointer_bytes,
+    run_step,
     select_into,
-    static_step,
 )
 from seqgen_cli.models.linear_maps import linear
 from seqgen_cli.search.protocol import Batch
@@ -94,7 +93,7 @@ class EncoderDecoderBackend:
     @torch.inference_mode()
     def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> logits [N, V] (float32)."""
-        return static_step(self.decode, state, tokens)
+        return run_step(self.decode, state, tokens)
 
     def _cross_views(self, hidden: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cross-attention keys (transposed) and values in turn, as views of its K|V projection:
@@ -250,11 +249,12 @@ class EncoderDecoderBackend:
             state.cross_mask = torch.nn.functional.pad(state.cross_mask, (0, grow), value=float("-inf"))
 
     @torch.inference_mode()
-    def join(self, state: EncoderDecoderState, slots: torch.Tensor, batch: Batch) -> None:
-        """Inputs ``batch`` ([J, W'] right-padded) take slots ``slots`` ([J] int64): the encoder runs for them only,
+    def join(self, state: EncoderDecoderState, lanes: list[int], batch: Batch) -> None:
+        """Inputs ``batch`` ([J, W'] right-padded) take lanes ``lanes``: the encoder runs for them only,
         at the slots' source width (widened first if they are wider), their cross-attention keys/values and mask
         go into the slots' rows and their self-attention restarts at step 0. No first logits (``None``): the search
         then feeds the decoder start token."""
+        slots = torch.tensor(lanes, dtype=torch.long, device=self.device)  # [J]
         self._widen(state, batch.input_ids.shape[1])
         batch = batch.padded(batch.input_ids.shape[0], state.cross_mask.shape[-1], left=False)
         enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
@@ -263,13 +263,11 @@ class EncoderDecoderBackend:
             state.cross_v[i].index_copy_(0, slots, v)
         mask = torch.where(batch.attention_mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [J, 1, 1, W]
         state.cross_mask.index_copy_(0, slots, mask)
-        state.cache.join(slots)
+        state.cache.join(lanes)
 
-    @torch.inference_mode()
-    def lane_step(self, state: EncoderDecoderState, tokens: torch.Tensor, step: int) -> torch.Tensor:
-        """One decode step over every slot's rows, each at its own step (the most advanced writes slot ``step``):
-        tokens [S * R] -> logits [S * R, V]."""
-        return lane_step(self.decode, state, tokens, step)
+    def leave(self, state: EncoderDecoderState, lanes: list[int]) -> None:
+        """The inputs of ``lanes`` are done: those lanes idle until the next join."""
+        state.cache.leave(lanes)
 
     @torch.inference_mode()
     def reorder(self, state: EncoderDecoderState, rows: torch.Tensor) -> None:

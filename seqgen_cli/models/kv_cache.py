@@ -60,12 +60,12 @@ def check_slot(t: int, max_len: int) -> None:
 Decode = Callable[[Any, Tensor], Tensor]  # (backend state, tokens [N]) -> logits [N, V]
 
 
-def static_step(decode: Decode, state: Any, tokens: Tensor) -> Tensor:
-    """One step over a static cache: ``decode`` (the tensor work, eager or compiled: ``models/capture.py``)
-    between the host bookkeeping.
+def run_step(decode: Decode, state: Any, tokens: Tensor) -> Tensor:
+    """One decode step of a fast backend, a batch's or every lane's: ``decode`` (the tensor work, eager or
+    compiled: ``models/capture.py``) between the host bookkeeping.
 
-    ``state`` has ``t`` (host step counter) and ``cache`` (``check(t)``, ``advance()``); tokens [N] ->
-    logits [N, V]."""
+    ``state`` has ``t`` (host step counter) and ``cache`` (``check(t)``: bounds and the span this step attends;
+    ``advance()``); tokens [N] -> logits [N, V]."""
     state.cache.check(state.t)
     logits = decode(state, tokens)
     state.t += 1
@@ -164,6 +164,10 @@ class GeneratedSlots:
         self.ptrs.ptr.zero_()
         self.slot.zero_()
         self.span = self.max_len
+
+    def now(self, t: int) -> int:
+        """The step that sizes step ``t``'s span: ``t`` itself (every row of a batch is at one step)."""
+        return t
 
     def check(self, t: int) -> None:
         """Host: step ``t`` is about to run (``ValueError`` past the allocated slots); sets ``span``."""
@@ -273,7 +277,7 @@ class LaneSteps:
 
     A step writes every slot's keys/values at that slot's own step and attends over the first ``span`` slots
     under a mask (slot ``<=`` the slot's step, and the back-pointers). ``span`` (host int, set per step by
-    :func:`lane_step`) is a bucket, not the oldest input's step: :func:`~seqgen_cli.shapes.span_bucket`, at least ``MIN_SPAN`` slots,
+    :meth:`check` from the furthest live lane's step, ``ages``) is a bucket, not the oldest input's step: :func:`~seqgen_cli.shapes.span_bucket`, at least ``MIN_SPAN`` slots,
     so its shape changes a few times per run, and an input's sums run over the same span beside any neighbours
     wherever its own steps fit in ``MIN_SPAN`` (a sum over more masked slots can round differently).
     ``slot`` ([N]: each row's step) is what a backend reads for positions. Unwritten and stale slots hold finite
@@ -283,22 +287,38 @@ class LaneSteps:
 
     r: int
     max_len: int
+    span: int
     ptrs: BackPointers
     steps: Tensor  # [S] int64: the step each slot writes
     slot: Tensor  # [N] int64: the step each row writes
+    ages: list[int | None]  # host: each lane's step (``None``: idle), what ``steps`` holds for the live lanes
 
     def _init_steps(self, slots: int, device: torch.device) -> None:
         self.steps = torch.zeros(slots, dtype=torch.long, device=device)
         self.slot = torch.zeros(slots * self.r, dtype=torch.long, device=device)
         self._slots = torch.arange(slots, device=device)
+        self.ages = [None] * slots
+
+    def now(self, t: int) -> int:
+        """The step that sizes this step's span: the furthest live lane's (``t``, the steps run, is not it)."""
+        return max((a for a in self.ages if a is not None), default=0)
 
     def check(self, t: int) -> None:
-        """Nothing to check: slot steps stay below ``T`` (the engine stops an input at its last step)."""
+        """Host: the span this step attends, a bucket of the furthest live lane's step (lane steps stay below ``T``:
+        the engine stops an input at its last step)."""
+        self.span = span_bucket(self.now(t), self.max_len)
 
-    def join(self, slots: Tensor) -> None:
-        """Inputs join slots ``slots`` ([J] int64): their counters restart at step 0 (stale keys are masked)."""
-        self.steps.index_fill_(0, slots, 0)
+    def join(self, lanes: list[int]) -> None:
+        """Inputs join lanes ``lanes``: their counters restart at step 0 (stale keys are masked)."""
+        self.steps.index_fill_(0, torch.tensor(lanes, dtype=torch.long, device=self.steps.device), 0)
         self._row_steps()
+        for lane in lanes:
+            self.ages[lane] = 0
+
+    def leave(self, lanes: list[int]) -> None:
+        """The inputs of ``lanes`` are done: they idle (their steps no longer size the span)."""
+        for lane in lanes:
+            self.ages[lane] = None
 
     def _row_steps(self) -> None:
         s, r = self.steps.shape[0], self.r
@@ -308,6 +328,7 @@ class LaneSteps:
         """A step is done: every slot moves on (queued; an idle slot stops at the last one)."""
         self.steps.add_(1).clamp_(max=self.max_len - 1)
         self._row_steps()
+        self.ages = [None if a is None else min(a + 1, self.max_len - 1) for a in self.ages]
 
     def visible(self, span: int) -> Tensor:
         """Which of the first ``span`` slots each query row sees (its own step and before, its back-pointers;
@@ -319,16 +340,6 @@ class LaneSteps:
             return upto
         self.ptrs.ptr.scatter_(1, self.slot[:, None], self.ptrs.beams.repeat(s)[:, None])  # own beam
         return (self.ptrs.ptr[:, :span].view(s, r, span, 1) == self.ptrs.beams) & upto  # [S, Rq, span, R]
-
-
-def lane_step(decode: Decode, state: Any, tokens: Tensor, step: int) -> Tensor:
-    """One refill step (``state.cache``: a :class:`LaneSteps` cache) over every slot's rows, each at its own step,
-    the most advanced writing slot ``step``: ``decode`` (the tensor work) at that step's span; tokens [S * R] ->
-    logits [S * R, V]."""
-    state.cache.span = span_bucket(step, state.cache.max_len)
-    logits = decode(state, tokens)
-    state.cache.advance()
-    return logits
 
 
 class LaneKVCache(LaneSteps, EncoderDecoderKVCache):

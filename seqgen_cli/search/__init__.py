@@ -16,7 +16,8 @@ from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.beam import BeamConstants, pick_topk
-from seqgen_cli.search.cohort import Cohort, Results, make_search, run_search
+from seqgen_cli.search.cohort import Cohort, Results, make_search
+from seqgen_cli.search.engine import run_batch
 from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
 from seqgen_cli.search.rows import default_sync_every, start_rows
 from seqgen_cli.search.sampling import Streams
@@ -85,4 +86,4 @@ def generate(
     consts = BeamConstants.build(s, device)  # before the first step is queued
     rows, logits = start_rows(backend, batch, s, rows_per_input(config))
     cohort = Cohort(rows, make_search(rows, s, consts, pick_topk(logits), streams), Results(len(rows.inputs)))
-    return run_search(backend, cohort, logits, s.max_new_tokens, sync_every or default_sync_every(device))
+    return run_batch(backend, cohort, logits, sync_every or default_sync_every(device))

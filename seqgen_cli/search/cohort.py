@@ -1,7 +1,7 @@
-"""A cohort: inputs searched together, in lockstep. Its rows (history, processors), one search over them, and the
-results its inputs leave behind. The ordinary engine runs one cohort over ``backend.step``
-(:func:`run_search`); the refill engine runs many over ``backend.lane_step``
-(``search/refill.py``). Both build their searches with :func:`make_search`.
+"""A cohort: inputs searched together, in lockstep. Its rows (history, processors, next tokens), one search over
+them, and the results its inputs leave behind. The decode loop (``search/engine.py``) runs one cohort over a batch's
+state, or many over the refill engine's lanes (``search/refill.py``); both build their searches with
+:func:`make_search`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from typing import Protocol
 
 import torch
 
-from seqgen_cli import openmp
 from seqgen_cli.search.beam import BeamConstants, BeamSearch, TopK
 from seqgen_cli.search.greedy import TokenSearch
-from seqgen_cli.search.protocol import ModelBackend, SearchOutput, SlotBackend
+from seqgen_cli.search.protocol import SearchOutput, SlotBackend
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.sampling import Streams
 from seqgen_cli.search.settings import SearchSettings
@@ -90,6 +89,7 @@ class Cohort:
         tokens = self.search.advance(logits)
         if tokens is None:
             self.finish()
+        self.rows.tokens = tokens
         return tokens
 
     def check(self) -> Leaving | None:
@@ -111,28 +111,3 @@ class Cohort:
         if not self.finished:
             self.results.collect(self.search, *self.rows.remaining())
             self.finished = True
-
-
-def run_search(
-    backend: ModelBackend, cohort: Cohort, logits: torch.Tensor, max_new_tokens: int, sync_every: int
-) -> SearchOutput:
-    """The decode loop of one cohort: advance, every ``sync_every`` steps let done inputs leave, step the backend
-    (``logits``: the first step's [N, V]). A slot search steps the backend over all its slots (``slot_step``: it
-    wrote their tokens)."""
-    rows = cohort.rows
-    slots = isinstance(cohort.search, SlotBeamSearch)
-    for t in range(max_new_tokens):
-        tokens = cohort.advance(logits)  # [N] ([P * R]: every slot row)
-        if tokens is None:
-            break
-        if (t + 1) % sync_every == 0 and (leaving := cohort.check()) is not None:
-            if leaving.all_done:
-                break
-            tokens = tokens if slots else tokens[leaving.kept_rows]  # [N'] the rows that run on
-        if slots:
-            logits = backend.slot_step(rows.state)  # type: ignore[attr-defined]  # [P * R, V]
-        else:
-            logits = backend.step(rows.state, tokens)  # [N, V]
-        openmp.tick()  # the thread count may follow the load (the `seqgen` process)
-    cohort.finish()
-    return cohort.results.output()

@@ -11,7 +11,7 @@ Life of a call::
 
     state, first = backend.start(batch, rows_per_input=R, max_new_tokens=T)
     logits = first if first is not None else backend.step(state, start_tokens)   # [N, V]
-    loop:
+    loop (search/engine.py):
         ... choose tokens, maybe beams ...
         backend.reorder(state, rows)        # beam search only: row i continues old row rows[i]
         backend.drop(state, keep, kept)     # inputs finished: keep inputs keep [B'], i.e. rows kept [B' * R]
@@ -90,7 +90,8 @@ class ModelBackend(Protocol):
         ...
 
     def step(self, state: Any, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per running row (``tokens``: [N] int64); return next-token logits [N, V].
+        """Feed one token per row of ``state`` (``tokens``: [N] int64); return next-token logits [N, V]. The one
+        way to step: a batch's running rows, every lane of a lane state, every row of a static layout.
 
         The search owns the returned tensor (it may modify it in place).
         """
@@ -111,23 +112,24 @@ class ModelBackend(Protocol):
 
 @runtime_checkable
 class RefillBackend(ModelBackend, Protocol):
-    """A model backend the refill engine (``search/refill.py``) runs: ``L`` input lanes of ``R`` rows each, every
-    lane at its own step. Rows are lane-major (row ``l * R + k``); ``reorder`` takes a permutation of all
-    ``L * R`` rows. Implemented by the fast backends (``models/encoder_decoder.py``, ``models/decoder_only.py``)
-    and passed through by ``models/capture.py``."""
+    """A model backend whose state can be ``L`` fixed input lanes of ``R`` rows each (the refill engine,
+    ``search/refill.py``), every lane at its own step. Rows are lane-major (row ``l * R + k``); ``step`` feeds and
+    returns every row of every lane (idle lanes run on, unread), ``reorder`` takes a permutation of all ``L * R``
+    rows, and nothing is dropped: inputs ``leave`` their lanes idle. Implemented by the fast backends
+    (``models/encoder_decoder.py``, ``models/decoder_only.py``) and passed through by ``models/capture.py``."""
 
     def open_lanes(self, lanes: int, rows_per_input: int, max_new_tokens: int) -> Any:
         """The state of ``lanes`` empty lanes (caches preallocated for ``max_new_tokens`` steps)."""
         ...
 
-    def join(self, state: Any, lanes: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        """Inputs ``batch`` ([J, W]) into lanes ``lanes`` ([J] int64): run the encoder (prefill the prompts) for
-        them and restart those lanes at step 0. Decoder-only: the prefill's last logits [J, V]; else ``None``."""
+    def join(self, state: Any, lanes: list[int], batch: Batch) -> torch.Tensor | None:
+        """Inputs ``batch`` ([J, W]) into lanes ``lanes`` (J lane numbers): run the encoder (prefill the prompts)
+        for them and restart those lanes at step 0. Decoder-only: the prefill's last logits [J, V]; else ``None``."""
         ...
 
-    def lane_step(self, state: Any, tokens: torch.Tensor, step: int) -> torch.Tensor:
-        """Feed one token per row of every lane (``tokens`` [L * R]); each lane writes its own next cache slot.
-        ``step``: the furthest lane's step (sizes the attended span). Returns logits [L * R, V]."""
+    def leave(self, state: Any, lanes: list[int]) -> None:
+        """The inputs of ``lanes`` are done: those lanes idle until the next join (their rows run on, unread, and
+        no longer count for the span a step attends)."""
         ...
 
 
@@ -147,7 +149,9 @@ class SlotLayout:
 class SlotBackend(ModelBackend, Protocol):
     """A model backend with static shapes and addresses whose search step may be compiled too (beam search in
     ``search/slots.py``): the search keeps its state over all ``P * R`` rows, writes the next tokens into
-    :attr:`SlotLayout.tokens` and reads the logits of every row. ``models/capture.py``'s ``CapturedBackend``; beam
+    :attr:`SlotLayout.tokens` and feeds that buffer itself to ``step``, which then returns the logits of every
+    row ([P * R, V]; read them before the next step), and its ``reorder`` gives all ``P * R`` rows (row ``i``
+    continues row ``rows[i]``, same input slot). ``models/capture.py``'s ``CapturedBackend``; beam
     search runs over a state's slots where ``slot_search`` says so (its step is compiled), else as over any
     backend."""
 
@@ -157,14 +161,6 @@ class SlotBackend(ModelBackend, Protocol):
 
     def slot_layout(self, state: Any) -> SlotLayout:
         """The layout now (after a ``drop``, the new one)."""
-        ...
-
-    def slot_step(self, state: Any) -> torch.Tensor:
-        """One step on the layout's tokens: logits [P * R, V] of every row (read them before the next step)."""
-        ...
-
-    def slot_reorder(self, state: Any, rows: torch.Tensor) -> None:
-        """Row ``i`` of the ``P * R`` continues row ``rows[i]`` (same input slot)."""
         ...
 
     def kept_search(self, state: Any, key: Any, make: Callable[[], Any]) -> Any:

@@ -6,14 +6,15 @@ decoder-only ones (GPT-2, Llama).
 Lanes. ``L`` lanes of ``R`` rows each (beams, or samples) live in the model backend's state (``open_lanes``): per
 lane the source's cross-attention keys/values and mask (encoder-decoder) or the prompt's keys/values and mask
 (decoder-only), and a self-attention cache with a step counter per lane (``models/kv_cache.py``: ``LaneKVCache``,
-``DecoderOnlyLaneKVCache``). Every decode step runs all ``L * R`` rows (``lane_step``), each lane at its own step:
-one shape per span bucket and source width, so on CUDA the backend is a ``CapturedBackend`` whose ``lane_step``
-replays a CUDA graph (``models/capture.py``).
+``DecoderOnlyLaneKVCache``). Every decode step runs all ``L * R`` rows (the backend's ``step`` on the lane state),
+each lane at its own step: one shape per span bucket and source width, so on CUDA the backend is a
+``CapturedBackend`` whose step replays a CUDA graph (``models/capture.py``).
 
 Cohorts. Inputs that join at the same host check (decoder-only: with the same prompt width) form a
 :class:`~seqgen_cli.search.cohort.Cohort`: they run in lockstep, searched exactly as one batch of the ordinary
-engine, by the same code (:func:`~seqgen_cli.search.cohort.make_search` over a ``Rows`` of their own). Each step
-the engine hands every cohort its rows' logits; the cohorts' beam reorderings go to the backend as one permutation.
+engine, by the same code (:func:`~seqgen_cli.search.cohort.make_search` over a ``Rows`` of their own), in the same
+loop (``search/engine.py``, with :class:`~seqgen_cli.search.engine.Lanes`): each round hands every cohort its rows'
+logits; the cohorts' beam reorderings go to the backend as one permutation.
 
 Life cycle of an input: *join* (at a host check, into a free lane: the encoder, or the prompt's prefill, runs for
 the joiners only and fills the lanes' rows, their self-attention restarts at step 0, a new cohort starts with fresh
@@ -32,90 +33,34 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
-from seqgen_cli import openmp
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.beam import BeamConstants, pick_topk
 from seqgen_cli.search.cohort import Cohort, Results, make_search
+from seqgen_cli.search.engine import Engine, Lanes, Placed, RefillStats, Reorders
 from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.protocol import Batch, RefillBackend, SearchOutput
 from seqgen_cli.search.rows import Rows, default_sync_every, start_history
 from seqgen_cli.search.sampling import Streams
-from seqgen_cli.search.settings import SearchSettings, rows_per_input, settings_for
-
-
-@dataclass
-class RefillStats:
-    """What a refill run did (``--stats``): decode steps, rows run and rows of a live input, joins."""
-
-    steps: int = 0
-    row_steps: int = 0  # rows run: L * R per step
-    live_row_steps: int = 0  # rows of an input not yet seen done
-    joins: int = 0  # host checks at which inputs joined
-
-    @property
-    def occupancy(self) -> float:
-        return self.live_row_steps / self.row_steps if self.row_steps else 0.0
-
-    def report(self) -> dict[str, float]:
-        """For ``--stats`` (``device.refill``)."""
-        return {
-            "occupancy": round(self.occupancy, 4), "joins": self.joins, "steps": self.steps,
-            "row_steps": self.row_steps, "live_row_steps": self.live_row_steps,
-        }  # fmt: skip
-
-    def add(self, other: RefillStats) -> None:
-        self.steps += other.steps
-        self.row_steps += other.row_steps
-        self.live_row_steps += other.live_row_steps
-        self.joins += other.joins
-
-
-class _Reorders:
-    """The backend a cohort's :class:`Rows` sees: it records the cohort's beam reordering (cohort rows) for the
-    engine to apply with every other cohort's; inputs that leave idle in their lanes (no drop)."""
-
-    def __init__(self) -> None:
-        self.rows: torch.Tensor | None = None
-
-    def reorder(self, state: Any, rows: torch.Tensor) -> None:
-        self.rows = rows
-
-    def drop(self, state: Any, keep: torch.Tensor, rows: torch.Tensor) -> None:
-        pass
-
-
-@dataclass
-class _Running:
-    """A cohort and where it runs: ``physical`` [N_c] int64, its running rows among the ``L * R``."""
-
-    cohort: Cohort
-    reorders: _Reorders
-    physical: torch.Tensor
+from seqgen_cli.search.settings import rows_per_input, settings_for
 
 
 class Refill:
-    """One call of the refill engine: ``batch``'s inputs over ``lanes`` lanes (see the module docstring).
+    """One call of the refill engine: ``batch``'s inputs over ``lanes`` lanes (see the module docstring), run by the
+    decode loop (``search/engine.py``) with lanes; this class joins the waiting inputs as cohorts.
 
     ``widths`` (decoder-only): each prompt's padded width, as ``generate()`` would count its positions; inputs of
     one width join as one cohort. ``streams``: sampling's per-input random streams."""
 
     def __init__(
         self, backend: RefillBackend, batch: Batch, config: GenerationConfig, lanes: int, widths: list[int],
-        streams: Streams, stats: RefillStats,
+        streams: Streams, stats: RefillStats, sync_every: int,
     ) -> None:  # fmt: skip
-        self.backend, self.batch, self.widths, self.streams, self.stats = (
-            backend,
-            batch,
-            widths,
-            streams,
-            stats,
-        )
+        self.backend, self.batch, self.widths, self.streams, self.stats = backend, batch, widths, streams, stats
         num_inputs, device = batch.input_ids.shape[0], batch.input_ids.device
         self.device, self.r = device, rows_per_input(config)
         self.lengths = batch.attention_mask.sum(dim=1).tolist()
@@ -125,29 +70,22 @@ class Refill:
         self.consts = BeamConstants.build(s, device)
         self.topk = pick_topk(torch.empty(0, dtype=getattr(backend, "dtype", torch.float32), device=device))
         self.max_new_tokens = max(x.max_new_tokens for x in self.at_width.values())
-        self.num_lanes = max(1, min(lanes, num_inputs))
-        self.state = backend.open_lanes(self.num_lanes, self.r, self.max_new_tokens)
-        self.tokens = torch.zeros(
-            self.num_lanes * self.r, dtype=torch.long, device=device
-        )  # [L * R] next input
-        self.identity = torch.arange(self.num_lanes * self.r, device=device)
-        self.free = list(range(self.num_lanes))
-        self.lane_of: dict[int, int] = {}
-        self.running: list[_Running] = []
+        count = max(1, min(lanes, num_inputs))
+        state = backend.open_lanes(count, self.r, self.max_new_tokens)
+        self.lanes = Lanes(backend, state, count, self.r, device, stats)
+        self.engine = Engine(backend, state, sync_every, self.lanes)
         self.results = Results(num_inputs)
 
-    # -- joining -------------------------------------------------------------------------------------------------
     def join(self, waiting: deque[int]) -> None:
         """The next waiting inputs into the free lanes (as many as fit): the encoder (prefill) for them, then a
         cohort per prompt width."""
-        take = [waiting.popleft() for _ in range(min(len(self.free), len(waiting)))]
-        used, self.free = self.free[: len(take)], self.free[len(take) :]
+        take = [waiting.popleft() for _ in range(min(len(self.lanes.free), len(waiting)))]
+        used = self.lanes.take(take)
         lane_ids = torch.tensor(used, dtype=torch.long, device=self.device)  # [J]
         take_ids = torch.tensor(take, dtype=torch.long, device=self.device)
         encoder_decoder = self.backend.is_encoder_decoder
         joiners = _columns(self.batch, take_ids, max(self.lengths[b] for b in take), left=not encoder_decoder)
-        first = self.backend.join(self.state, lane_ids, joiners)  # [J, V] (decoder-only) or None
-        self.lane_of.update(zip(take, used, strict=True))
+        first = self.backend.join(self.lanes.state, used, joiners)  # [J, V] (decoder-only) or None
         self.stats.joins += 1
         for w in sorted({self.widths[b] for b in take}):
             members = [j for j, b in enumerate(take) if self.widths[b] == w]
@@ -162,82 +100,39 @@ class Refill:
         """A cohort: ``inputs`` in lanes ``lane_ids`` ([J] int64), prompts of width ``w``; ``first``: their first
         logits [J, V] (decoder-only)."""
         r, s = self.r, self.at_width[w]
-        physical = (lane_ids[:, None] * r + torch.arange(r, device=self.device)).reshape(-1)  # [J * R]
+        physical = self.lanes.rows(lane_ids)  # [J * R]
         ids = torch.tensor(inputs, dtype=torch.long, device=self.device)
         prompts = _columns(self.batch, ids, w, left=not self.backend.is_encoder_decoder)  # [J, w]
         history = start_history(self.backend, prompts, s, r)
-        reorders = _Reorders()
+        reorders = Reorders()
         pipeline = LogitsPipeline(s, history, self.backend.vocab_size, self.device)
         rows = Rows(reorders, None, history, pipeline, r, inputs)
-        running = _Running(Cohort(rows, self._search(rows, s), self.results), reorders, physical)
-        if first is None:  # encoder-decoder: the next lane step feeds the decoder start token
-            self.tokens.index_fill_(0, physical, s.decoder_start)
-            self.running.append(running)
+        search = make_search(rows, s, self.consts, self.topk, self.streams)
+        running = Placed(Cohort(rows, search, self.results), physical, reorders)
+        if first is None:  # encoder-decoder: the next round feeds the decoder start token
+            self.lanes.tokens.index_fill_(0, physical, s.decoder_start)
+            self.engine.add(running)
             return
         nxt = running.cohort.advance(first.repeat_interleave(r, dim=0))  # [J * R]: the prefill's step
         reorders.rows = None  # no generated slot is written yet: no back-pointer to move
         if nxt is None:  # one new token: done at once
-            self._free(inputs)
+            self.lanes.leave(inputs)
             return
-        self.tokens.index_copy_(0, physical, nxt)
-        self.running.append(running)
+        self.lanes.tokens.index_copy_(0, physical, nxt)
+        self.engine.add(running)
 
-    def _search(self, rows: Rows, s: SearchSettings) -> Any:
-        return make_search(rows, s, self.consts, self.topk, self.streams)
-
-    def _free(self, inputs: list[int]) -> None:
-        self.free = sorted(self.free + [self.lane_of.pop(b) for b in inputs])
-
-    # -- stepping ------------------------------------------------------------------------------------------------
-    def step(self) -> None:
-        """One lane step over every lane, then each cohort's search step; the cohorts' reorderings at once."""
-        fed = 0 if self.backend.is_encoder_decoder else 1  # tokens a cohort picks before its first lane step
-        self.stats.steps += 1
-        self.stats.row_steps += self.num_lanes * self.r
-        self.stats.live_row_steps += sum(run.physical.shape[0] for run in self.running)
-        step = max(run.cohort.search.t for run in self.running) - fed  # the cache slot the furthest writes
-        logits = self.backend.lane_step(self.state, self.tokens, step)  # [L * R, V]
-        openmp.tick()
-        perm: torch.Tensor | None = None
-        for run in list(self.running):
-            nxt = run.cohort.advance(logits.index_select(0, run.physical))  # [N_c]
-            if nxt is None:  # its last step: every input done
-                self._free(run.cohort.rows.inputs)
-                self.running.remove(run)
-                continue
-            if run.reorders.rows is not None:
-                perm = self.identity.clone() if perm is None else perm
-                perm.index_copy_(0, run.physical, run.physical.index_select(0, run.reorders.rows))
-                run.reorders.rows = None
-            self.tokens.index_copy_(0, run.physical, nxt)
-        if perm is not None:
-            self.backend.reorder(self.state, perm)
-
-    def check(self) -> None:
-        """The host check of every cohort: done inputs leave and free their lanes."""
-        for run in list(self.running):
-            leaving = run.cohort.check()
-            if leaving is None:
-                continue
-            self._free(leaving.inputs)
-            if leaving.all_done:
-                self.running.remove(run)
-            else:
-                run.physical = run.physical.index_select(0, leaving.kept_rows)
-
-    def run(self, order: Sequence[int], min_free: int, sync_every: int) -> SearchOutput:
+    def run(self, order: Sequence[int], min_free: int) -> SearchOutput:
         """Join, step and check until every input in ``order`` has left."""
         waiting = deque(order)
-        while True:
-            if waiting and self.free and (len(self.free) >= min_free or not self.running):
+
+        def join() -> bool:
+            free, running = self.lanes.free, self.engine.running
+            if waiting and free and (len(free) >= min_free or not running):
                 self.join(waiting)
-            if not self.running:
-                if waiting:
-                    continue  # every joiner was done at its join
-                return self.results.output()
-            self.step()
-            if self.stats.steps % sync_every == 0:
-                self.check()
+            return bool(waiting)
+
+        self.engine.run(join)
+        return self.results.output()
 
 
 @torch.inference_mode()
@@ -274,10 +169,9 @@ def generate_refill(
     device = batch.input_ids.device
     engine = Refill(
         backend, batch, config, lanes, widths, Streams(seed, device, indices),
-        stats if stats is not None else RefillStats(),
+        stats if stats is not None else RefillStats(), sync_every or default_sync_every(device),
     )  # fmt: skip
-    order = range(num_inputs) if order is None else order
-    return engine.run(order, min_free, sync_every or default_sync_every(device))
+    return engine.run(range(num_inputs) if order is None else order, min_free)
 
 
 def _view(batch: Batch, width: int) -> Batch:

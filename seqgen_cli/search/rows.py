@@ -57,6 +57,7 @@ class Rows:
     pipeline: LogitsPipeline
     rows_per_input: int
     inputs: list[int]  # original batch index of each active input
+    tokens: torch.Tensor | None = None  # [N] the next step's input tokens (the search's last choice)
 
     def row_index(self, inputs: torch.Tensor) -> torch.Tensor:
         """Rows of the given active inputs: [B'] -> [B' * R] int64."""
@@ -100,6 +101,8 @@ class Rows:
         and the backend's per-row state.
         """
         keep, rows = leaving.keep, leaving.kept_rows  # [B'], [B' * R]
+        if self.tokens is not None:
+            self.tokens = self.tokens[rows]  # [B' * R]
         self.history.select(rows)
         self.pipeline.select(rows)
         self.backend.drop(self.state, keep, rows)
@@ -126,7 +129,8 @@ def start_history(
 def start_rows(
     backend: ModelBackend, batch: Batch, settings: SearchSettings, rows_per_input: int
 ) -> tuple[Rows, torch.Tensor]:
-    """Start the backend and the history for ``B * R`` rows; returns the rows and the first logits [N, V]."""
+    """Start the backend and the history for ``B * R`` rows; returns the rows and the first logits [N, V]: the
+    prefill's (decoder-only) or the decoder start token's step (encoder-decoder)."""
     r = rows_per_input
     bsz = batch.input_ids.shape[0]
     device = batch.input_ids.device
@@ -135,7 +139,5 @@ def start_rows(
     pipeline = LogitsPipeline(settings, history, backend.vocab_size, device)
     rows = Rows(backend, state, history, pipeline, r, list(range(bsz)))
     if first is None:
-        logits = backend.step(state, history.filled[:, -1])  # [N, V]: the decoder start token
-    else:
-        logits = first.repeat_interleave(r, dim=0) if r > 1 else first  # [B, V] -> [N, V]
-    return rows, logits
+        return rows, backend.step(state, history.filled[:, -1])  # [N, V]: the decoder start token
+    return rows, first.repeat_interleave(r, dim=0) if r > 1 else first  # [B, V] -> [N, V]

@@ -240,7 +240,8 @@ def commit(targets: list[Tensor], values: list[Tensor]) -> None:
 class SlotBeamSearch:
     """Beam search over the slots of a :class:`~seqgen_cli.search.protocol.SlotBackend` (the ``Search`` of
     ``search/cohort.py``): its :meth:`advance` takes the logits of every slot row (the first step: of the running
-    rows, as ``start_rows`` gives them) and returns the backend's token buffer for ``slot_step``."""
+    rows, as ``start_rows`` gives them) and returns the layout's token buffer, which the decode loop feeds to the
+    backend's ``step`` as it is (then the logits of every slot row come back)."""
 
     def __init__(self, rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK) -> None:
         backend: SlotBackend = rows.backend  # type: ignore[assignment]
@@ -260,7 +261,7 @@ class SlotBeamSearch:
 
     def advance(self, logits: Tensor) -> Tensor | None:
         """Step ``t`` on the logits ([N, V] of the running rows at step 0, else [P * K, V] of every slot row): the
-        token buffer for the next ``slot_step``, or ``None`` after the last step."""
+        token buffer for the next step, or ``None`` after the last step."""
         st, state = self.st, self.rows.state
         if self.t == 0:  # eagerly: the first logits come from elsewhere than the model's graph
             out = slot_beam_step(st, logits.index_select(0, self.src))
@@ -270,7 +271,7 @@ class SlotBeamSearch:
         self.t += 1
         if self.t == self.s.max_new_tokens:
             return None
-        self.backend.slot_reorder(state, out[-1])  # the model's back-pointers
+        self.backend.reorder(state, out[-1])  # the model's back-pointers: [P * K], every slot row
         return self.layout.tokens
 
     def done(self) -> Tensor:
@@ -294,3 +295,4 @@ class SlotBeamSearch:
             self.st = backend.kept_search(rows.state, self.spec, lambda: old.empty(slots))
             self.st.take(old, layout.moved)
         self.layout = layout
+        rows.tokens = layout.tokens  # the next step's (a compaction's new buffer)
