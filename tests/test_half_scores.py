@@ -21,7 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.models.attention import attention, scores32
-from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, DecoderOnlyLaneKVCache
+from seqgen_cli.models.decoder_only import self_attention
+from seqgen_cli.models.kv_cache import DecoderOnlyKVCache
+from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
 from seqgen_cli.shapes import span_bucket
 
 aten = torch.ops.aten
@@ -159,7 +161,7 @@ def test_decoder_only_scores_are_float32(dtype: torch.dtype) -> None:
         q = randn(b * r, h, d, dtype=dtype, gen=gen)
         k, v = randn(b * r, hkv, d, dtype=dtype, gen=gen), randn(b * r, hkv, d, dtype=dtype, gen=gen)
         with SoftmaxInputs() as rec:
-            out = cache.attend(0, q, k, v, scale)
+            out = self_attention(cache, 0, q, k, v, scale)
         cache.advance()
         assert out.dtype == dtype and out.shape == (b * r, h * d)
     want, bound = decoder_only_reference(cache, q, scale, lane=False)
@@ -176,14 +178,14 @@ def test_decoder_only_lane_scores_are_float32(dtype: torch.dtype) -> None:
     mask[1, :3] = 0
     pk = [randn(s, hkv, w, d, dtype=dtype, gen=gen)]
     cache.put_prompt(slots, pk, [randn(s, hkv, w, d, dtype=dtype, gen=gen)], mask)
-    cache.join(slots)
+    cache.join(slots.tolist())
     for t in range(2):
         cache.span = span_bucket(t, cache.max_len)
         cache.begin()
         q = randn(s * r, h, d, dtype=dtype, gen=gen)
         k, v = randn(s * r, hkv, d, dtype=dtype, gen=gen), randn(s * r, hkv, d, dtype=dtype, gen=gen)
         with SoftmaxInputs() as rec:
-            out = cache.attend(0, q, k, v, scale)
+            out = self_attention(cache, 0, q, k, v, scale)
         cache.advance()
         assert out.dtype == dtype and out.shape == (s * r, h * d)
     want, bound = decoder_only_reference(cache, q, scale, lane=True)

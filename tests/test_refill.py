@@ -215,14 +215,14 @@ def test_refill_window_mixes_widths(tiny_models) -> None:
 
 def test_slot_cache_steps_per_slot() -> None:
     """LaneKVCache: slots at different steps write their own step and see their own history only."""
-    from seqgen_cli.models.kv_cache import LaneKVCache
+    from seqgen_cli.models.lane_cache import LaneKVCache
 
     cache = LaneKVCache(1, 2, 1, 1, 4, 2, torch.float32, torch.device("cpu"))
     cache.steps.copy_(torch.tensor([0, 2]))
     cache._row_steps()
     cache.begin()
     k = torch.tensor([[[1.0, 1.0]], [[2.0, 2.0]]])  # [N=2, H=1, d=2]
-    cache.attend(0, k, k, k, 1.0)
+    cache.update(0, k, k)
     assert cache.k[0][0, 0, 0, 0].tolist() == [1.0, 1.0] and cache.k[0][1, 0, 2, 0].tolist() == [2.0, 2.0]
     visible = cache.bias.view(2, 4) == 0
     assert visible.tolist() == [[True, False, False, False], [True, True, True, False]]
@@ -232,7 +232,8 @@ def test_decoder_only_slot_cache_prompt_region_and_steps() -> None:
     """DecoderOnlyLaneKVCache: a joiner's prefill K/V go into columns [0, w) of its slot's prompt region, the rest
     masked; widening adds masked columns on the right; slots at different steps write their own generated slot,
     and a row attends its visible generated keys and its prompt's real keys, as one softmax."""
-    from seqgen_cli.models.kv_cache import DecoderOnlyLaneKVCache
+    from seqgen_cli.models.decoder_only import self_attention
+    from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
 
     inf = float("-inf")
     # 1 layer, 2 slots of 1 row, 1 K/V head of 2 dims, 4 generated slots, prompt regions of 3 columns
@@ -255,7 +256,7 @@ def test_decoder_only_slot_cache_prompt_region_and_steps() -> None:
     q = torch.tensor([[[0.5, -1.0]], [[1.0, 0.25]]])  # [N=2, H=1, d]
     k = torch.tensor([[[1.0, 1.0]], [[2.0, -2.0]]])  # [N, Hkv, d]
     v = torch.tensor([[[3.0, 0.0]], [[0.0, 4.0]]])
-    out = cache.attend(0, q, k, v, 1.0)  # [N, H*d]
+    out = self_attention(cache, 0, q, k, v, 1.0)  # [N, H*d]
     assert cache.gk[0][0, 0, :, 0, 0].tolist() == [1.0, 1.0] and cache.gk[0][1, 0, :, 2, 0].tolist() == [
         2.0,
         -2.0,

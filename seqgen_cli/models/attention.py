@@ -71,3 +71,36 @@ def attention(
     probs = probs.view(*lead, q_len, c, chunk).transpose(-3, -2)  # [..., Q, C, chunk] -> [..., C, Q, chunk]
     parts = torch.matmul(probs, values.view(*lead, c, chunk, values.shape[-1]))  # [..., C, Q, d]
     return parts.sum(dim=-3)  # [..., Q, d]
+
+
+Block = tuple[
+    Tensor, Tensor, Tensor | None
+]  # keys [G, Hkv, d, K], values [G, Hkv, K, d], bias (below) or None
+
+
+def attend_blocks(q: Tensor, blocks: list[Block], scale: float) -> Tensor:
+    """Grouped-query attention of ``q`` [N, H, d] (rows input-major, ``R = N / G`` per input) over blocks of keys
+    under one float32 softmax, in the blocks' order (a decoder-only cache: its prompt and its generated slots).
+    A block's bias is additive float32, [G|1, 1, Rq|1, 1, K] (0 or ``-inf``), over the scores viewed as [G, Hkv, R,
+    H/Hkv, K]. Returns [N, H*d]."""
+    n, h, d = q.shape
+    b, hkv = blocks[0][0].shape[:2]
+    r, g = n // b, h // hkv
+    qg = (
+        q.view(b, r, hkv, g, d).transpose(1, 2).reshape(b, hkv, r * g, d)
+    )  # one input's beams x one head's group
+    parts = []
+    for keys_t, _, bias in blocks:
+        scores = scores32(qg, keys_t).mul_(scale)  # [B, Hkv, R*G, K] float32
+        if bias is not None:
+            scores = (scores.view(b, hkv, r, g, -1) + bias).view(b, hkv, r * g, -1)
+        parts.append(scores)
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1).to(blocks[0][1].dtype)  # [B, Hkv, R*G, sum K]
+    out, at = None, 0
+    for keys_t, values, _ in blocks:
+        k = keys_t.shape[-1]
+        part = torch.matmul(probs[..., at : at + k], values)  # [B, Hkv, R*G, d]
+        out = part if out is None else out.add_(part)
+        at += k
+    assert out is not None
+    return out.view(b, hkv, r, g, d).transpose(1, 2).reshape(n, h * d)  # [B, R, Hkv, G, d] -> [N, H*d]

@@ -15,17 +15,26 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from seqgen_cli.models.attention import attend_blocks
 from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
-    DecoderOnlyLaneKVCache,
     kv_bytes,
     pointer_bytes,
     run_step,
     select_into,
 )
+from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
 from seqgen_cli.models.linear_maps import dense
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import MIN_WIDTH, graph_width, input_width
+
+
+def self_attention(
+    cache: DecoderOnlyKVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float
+) -> Tensor:
+    """This step's ``k``/``v`` ([N, Hkv, d], after any RoPE) into ``cache`` (a batch's or the lanes'); ``q`` [N, H, d]
+    attends the prompt and the generated positions under one float32 softmax -> [N, H*d]."""
+    return attend_blocks(q, cache.update(layer, k, v), scale)
 
 
 @dataclass

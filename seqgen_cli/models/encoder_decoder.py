@@ -20,15 +20,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from seqgen_cli.models.attention import attention
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
-    LaneKVCache,
-    attention,
     kv_bytes,
     pointer_bytes,
     run_step,
     select_into,
 )
+from seqgen_cli.models.lane_cache import LaneKVCache
 from seqgen_cli.models.linear_maps import linear
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import CROSS_CHUNK, MIN_WIDTH, cross_width, graph_width
@@ -60,9 +60,15 @@ def cross_attention(
 def self_attention(
     qkv: torch.Tensor, cache: EncoderDecoderKVCache, layer: int, heads: int, scale: float
 ) -> torch.Tensor:
-    """``qkv`` [N, 3*H*d] for this step; writes k/v into ``cache``; returns the attention output [N, H*d]."""
-    q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)  # [N, 3, H, d] -> [N, H, d] each
-    return cache.attend(layer, q, k, v, scale)
+    """``qkv`` [N, 3*H*d] for this step; writes k/v into ``cache`` (a batch's or the lanes'); returns the attention
+    output over each row's history [N, H*d]."""
+    n = qkv.shape[0]
+    q, k, v = qkv.view(n, 3, heads, -1).unbind(1)  # [N, 3, H, d] -> [N, H, d] each
+    keys_t, values = cache.update(layer, k, v)  # [B, H, d, span*R], [B, H, span*R, d]
+    b, d = keys_t.shape[0], q.shape[-1]
+    qb = q.view(b, n // b, heads, d).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
+    out = attention(qb, keys_t, values, cache.bias, scale)  # [B, H, Rq, d]
+    return out.transpose(1, 2).reshape(n, heads * d)  # [B, Rq, H, d] -> [N, H*d]
 
 
 class EncoderDecoderBackend:

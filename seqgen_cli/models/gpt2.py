@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
+from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState, self_attention
 from seqgen_cli.models.linear_maps import Linear, linear
 
 
@@ -57,7 +57,9 @@ class GPT2Backend(DecoderOnlyBackend):
             h = F.layer_norm(x, (D,), block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
             q, k, v = maps.c_attn(h).split(D, dim=-1)  # 3 x [N, D]
             # [N, D] -> [N, H, d] each; attention output [N, D]
-            a = state.cache.attend(i, q.view(N, H, -1), k.view(N, H, -1), v.view(N, H, -1), attn.scaling)
+            a = self_attention(
+                state.cache, i, q.view(N, H, -1), k.view(N, H, -1), v.view(N, H, -1), attn.scaling
+            )
             x = x + maps.c_proj(a)
             h = F.layer_norm(x, (D,), block.ln_2.weight, block.ln_2.bias, block.ln_2.eps)
             x = x + maps.mlp_proj(block.mlp.act(maps.c_fc(h)))

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqgen_cli.models.attention import attention, scores32
+from seqgen_cli.models.attention import Block
 from seqgen_cli.shapes import span_bucket
 
 
@@ -224,18 +224,16 @@ class EncoderDecoderKVCache(GeneratedSlots):
         """A step is done: the next one writes the next slot (queued on the device, no sync)."""
         self.slot.add_(1)
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Store this step's ``k``/``v`` ([N, H, d]); attend ``q`` [N, H, d] over each history -> [N, H*d]."""
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this step's ``k``/``v`` ([N, H, d]) of ``layer``; returns what a query attends: the keys
+        (transposed) and values of the first ``span`` slots, [B, H, d, span*R] and [B, H, span*R, d] (views)."""
         kl, vl = self.k[layer], self.v[layer]  # [B, H, T, R, d]
         b, h, r, d, span = kl.shape[0], self.heads, self.r, self.head_dim, self.span
         at = None if self.static else span - 1
         write_slot(kl, 2, k.view(b, r, h, d).transpose(1, 2), self.slot, at)  # [N, H, d] -> [B, H, R, d]
         write_slot(vl, 2, v.view(b, r, h, d).transpose(1, 2), self.slot, at)  # [N, H, d] -> [B, H, R, d]
         keys_t = kl[:, :, :span].view(b, h, span * r, d).transpose(-1, -2)  # contiguous per (b, h): no copy
-        values = vl[:, :, :span].view(b, h, span * r, d)  # contiguous per (b, h): no copy
-        qb = q.view(b, r, h, d).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
-        out = attention(qb, keys_t, values, self.bias, scale)  # [B, H, Rq, d]
-        return out.transpose(1, 2).reshape(b * r, h * d)  # [B, Rq, H, d] -> [N, H*d]
+        return keys_t, vl[:, :, :span].view(b, h, span * r, d)  # contiguous per (b, h): no copy
 
     def reorder(self, rows: Tensor) -> None:
         """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input): only back-pointers move."""
@@ -269,124 +267,6 @@ class EncoderDecoderKVCache(GeneratedSlots):
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.k + self.v) + self.ptrs.ptr.nbytes
-
-
-class LaneSteps:
-    """What both refill caches (``search/refill.py``) share: a step counter per input slot (``steps`` [S], on the
-    device), so inputs at different steps share one decode step.
-
-    A step writes every slot's keys/values at that slot's own step and attends over the first ``span`` slots
-    under a mask (slot ``<=`` the slot's step, and the back-pointers). ``span`` (host int, set per step by
-    :meth:`check` from the furthest live lane's step, ``ages``) is a bucket, not the oldest input's step: :func:`~seqgen_cli.shapes.span_bucket`, at least ``MIN_SPAN`` slots,
-    so its shape changes a few times per run, and an input's sums run over the same span beside any neighbours
-    wherever its own steps fit in ``MIN_SPAN`` (a sum over more masked slots can round differently).
-    ``slot`` ([N]: each row's step) is what a backend reads for positions. Unwritten and stale slots hold finite
-    values (zeros at start), always masked; an idle slot (no input) keeps stepping, its counter stops at
-    ``T - 1`` and it always sees slot 0, so its rows stay finite and its writes stay in its own rows.
-    """
-
-    r: int
-    max_len: int
-    span: int
-    ptrs: BackPointers
-    steps: Tensor  # [S] int64: the step each slot writes
-    slot: Tensor  # [N] int64: the step each row writes
-    ages: list[int | None]  # host: each lane's step (``None``: idle), what ``steps`` holds for the live lanes
-
-    def _init_steps(self, slots: int, device: torch.device) -> None:
-        self.steps = torch.zeros(slots, dtype=torch.long, device=device)
-        self.slot = torch.zeros(slots * self.r, dtype=torch.long, device=device)
-        self._slots = torch.arange(slots, device=device)
-        self.ages = [None] * slots
-
-    def now(self, t: int) -> int:
-        """The step that sizes this step's span: the furthest live lane's (``t``, the steps run, is not it)."""
-        return max((a for a in self.ages if a is not None), default=0)
-
-    def check(self, t: int) -> None:
-        """Host: the span this step attends, a bucket of the furthest live lane's step (lane steps stay below ``T``:
-        the engine stops an input at its last step)."""
-        self.span = span_bucket(self.now(t), self.max_len)
-
-    def join(self, lanes: list[int]) -> None:
-        """Inputs join lanes ``lanes``: their counters restart at step 0 (stale keys are masked)."""
-        self.steps.index_fill_(0, torch.tensor(lanes, dtype=torch.long, device=self.steps.device), 0)
-        self._row_steps()
-        for lane in lanes:
-            self.ages[lane] = 0
-
-    def leave(self, lanes: list[int]) -> None:
-        """The inputs of ``lanes`` are done: they idle (their steps no longer size the span)."""
-        for lane in lanes:
-            self.ages[lane] = None
-
-    def _row_steps(self) -> None:
-        s, r = self.steps.shape[0], self.r
-        self.slot.view(s, r).copy_(self.steps[:, None])  # [S] -> [S, R]
-
-    def advance(self) -> None:
-        """A step is done: every slot moves on (queued; an idle slot stops at the last one)."""
-        self.steps.add_(1).clamp_(max=self.max_len - 1)
-        self._row_steps()
-        self.ages = [None if a is None else min(a + 1, self.max_len - 1) for a in self.ages]
-
-    def visible(self, span: int) -> Tensor:
-        """Which of the first ``span`` slots each query row sees (its own step and before, its back-pointers;
-        slot 0 always): bool [S, Rq, span, R], or [S, 1, span, 1] if R = 1."""
-        s, r = self.steps.shape[0], self.r
-        slots = self.ptrs.slots[:span]
-        upto = ((slots[None, :] <= self.steps[:, None]) | (slots == 0)).view(s, 1, span, 1)  # [S, 1, span, 1]
-        if r == 1:
-            return upto
-        self.ptrs.ptr.scatter_(1, self.slot[:, None], self.ptrs.beams.repeat(s)[:, None])  # own beam
-        return (self.ptrs.ptr[:, :span].view(s, r, span, 1) == self.ptrs.beams) & upto  # [S, Rq, span, R]
-
-
-class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
-    """:class:`EncoderDecoderKVCache` for the refill engine, each input slot at its own step (:class:`LaneSteps`)."""
-
-    def __init__(
-        self,
-        layers: int,
-        slots: int,
-        rows_per_input: int,
-        heads: int,
-        max_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__(layers, slots, rows_per_input, heads, max_len, head_dim, dtype, device)
-        self.make_static()  # zeros; a span bucket of slots attended
-        self._init_steps(slots, device)
-        # [S * H] int64: where this step's keys go in a layer's cache viewed as [S * H * T, R, d]
-        self.where = torch.zeros(slots * heads, dtype=torch.long, device=device)
-        self._heads = torch.arange(heads, device=device)
-
-    def begin(self, bias: Tensor | None = None) -> None:
-        """A step starts. ``bias``: T5's relative position bias [1, H, N, T] (row ``n``'s query step against every
-        key slot)."""
-        s, h, r, t, span = self.steps.shape[0], self.heads, self.r, self.max_len, self.span
-        self.where = ((self._slots[:, None] * h + self._heads) * t + self.steps[:, None]).view(-1)  # [S * H]
-        visible = self.visible(span).expand(s, r, span, r).reshape(s, 1, r, span * r)  # [S, 1, Rq, span*R]
-        if bias is not None:  # [1, H, N, T] -> [S, H, Rq, span] -> [S, H, Rq, span*R]
-            bias = bias[0, :, :, :span].view(h, s, r, span).transpose(0, 1).float()
-            bias = bias[..., None].expand(s, h, r, span, r).reshape(s, h, r, span * r)
-        self.bias = torch.where(visible, 0.0 if bias is None else bias, float("-inf"))  # [S, 1|H, Rq, span*R]
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Store this step's ``k``/``v`` ([N, H, d]) at each slot's step; attend ``q`` [N, H, d] -> [N, H*d]."""
-        kl, vl = self.k[layer], self.v[layer]  # [S, H, T, R, d]
-        s, h, r, d, t = kl.shape[0], self.heads, self.r, self.head_dim, self.max_len
-        for cache, new in ((kl, k), (vl, v)):  # [N, H, d] -> [S, H, R, d] -> [S * H, R, d]
-            rows = new.view(s, r, h, d).transpose(1, 2).reshape(s * h, r, d)
-            cache.view(s * h * t, r, d).index_copy_(0, self.where, rows)
-        span = self.span
-        keys_t = kl[:, :, :span].view(s, h, span * r, d).transpose(-1, -2)  # contiguous per (s, h): no copy
-        values = vl[:, :, :span].view(s, h, span * r, d)
-        qb = q.view(s, r, h, d).transpose(1, 2)  # [N, H, d] -> [S, H, Rq, d]
-        out = attention(qb, keys_t, values, self.bias, scale)  # [S, H, Rq, d]
-        return out.transpose(1, 2).reshape(s * r, h * d)  # [S, Rq, H, d] -> [N, H*d]
 
 
 class DecoderOnlyKVCache(GeneratedSlots):
@@ -456,31 +336,21 @@ class DecoderOnlyKVCache(GeneratedSlots):
         """A step is done: the next one writes the next slot (queued on the device, no sync)."""
         self.slot.add_(1)
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE); attend ``q`` [N, H, d] -> [N, H*d]."""
-        n, h, d = q.shape
-        b, r = self.prompt_bias.shape[0], self.r
+    def update(self, layer: int, k: Tensor, v: Tensor) -> list[Block]:
+        """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE) of ``layer``; returns what a query attends,
+        in score order: the prompt's keys [B, Hkv, d, P], values [B, Hkv, P, d] and bias, then the first ``span``
+        generated slots' [B, Hkv, d, span*R], [B, Hkv, span*R, d] (views) and bias (``gen_bias``)."""
+        b, r, d = self.prompt_bias.shape[0], self.r, k.shape[2]
         hkv = k.shape[1]
-        g = h // hkv
         gk, gv = self.gk[layer], self.gv[layer]
         span = self.span
         at = None if self.static else span - 1
         write_slot(gk, 3, k.view(b, r, hkv, d).permute(0, 2, 3, 1), self.slot, at)  # keys [B, Hkv, d, R]
         write_slot(gv, 2, v.view(b, r, hkv, d).transpose(1, 2), self.slot, at)  # values [B, Hkv, R, d]
-        # queries of one input's beams and one K/V head's group: [B, Hkv, R*G, d]
-        qg = q.view(b, r, hkv, g, d).transpose(1, 2).reshape(b, hkv, r * g, d)
         keys_t = gk[:, :, :, :span].view(b, hkv, d, span * r)  # slot-major: index s*R + beam
         vals = gv[:, :, :span].view(b, hkv, span * r, d)
-        sp = scores32(qg, self.pk[layer]).mul_(scale)  # [B, Hkv, R*G, P] float32
-        sg = scores32(qg, keys_t).mul_(scale)  # [B, Hkv, R*G, span*R] float32
-        p = sp.shape[-1]
-        scores = torch.cat([sp + self.prompt_bias, sg], dim=-1)  # [B, Hkv, R*G, P+span*R]
-        if self.gen_bias is not None:
-            scores.view(b, hkv, r, g, -1)[..., p:] += self.gen_bias
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out = torch.matmul(probs[..., :p], self.pv[layer])
-        out += torch.matmul(probs[..., p:], vals)  # [B, Hkv, R*G, d]
-        return out.view(b, hkv, r, g, d).transpose(1, 2).reshape(n, h * d)  # [B, R, Hkv, G, d] -> [N, H*d]
+        prompt_bias = self.prompt_bias[:, :, :, None]  # [B, 1, 1, 1, P]
+        return [(self.pk[layer], self.pv[layer], prompt_bias), (keys_t, vals, self.gen_bias)]
 
     def reorder(self, rows: Tensor) -> None:
         """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input): only back-pointers move."""
@@ -522,102 +392,3 @@ class DecoderOnlyKVCache(GeneratedSlots):
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.pk + self.pv + self.gk + self.gv) + self.ptrs.ptr.nbytes
-
-
-class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
-    """:class:`DecoderOnlyKVCache` for the refill engine: per input slot a prompt region and generated slots at
-    the slot's own step (:class:`LaneSteps`).
-
-    The prompt region (``pk`` [S, Hkv, d, W], ``pv`` [S, Hkv, W, d], ``prompt_bias`` [S, 1, 1, W]) holds a joiner's
-    prefill as it came, left-padded to its own width ``w`` (a function of its length), in columns ``[0, w)``; the
-    rest is masked (zeros, or a previous input's stale keys). ``widen`` grows every slot's region (masked, on the
-    right) when a wider joiner comes. A row's scores are ``[generated span*R | prompt W]`` under one float32
-    softmax: generated first, so the columns of an input's real keys depend on its own width and the span only,
-    and a wider region only adds masked columns at the end.
-    """
-
-    def __init__(
-        self,
-        layers: int,
-        slots: int,
-        rows_per_input: int,
-        kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        width: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        kv = [
-            torch.zeros(slots, kv_heads, width, head_dim, dtype=dtype, device=device) for _ in range(layers)
-        ]
-        mask = torch.zeros(slots, width, dtype=torch.long, device=device)  # all masked until a join
-        super().__init__(kv, [x.clone() for x in kv], mask, rows_per_input, max_len)
-        self.make_static()  # zeros; a span bucket of slots attended
-        self._init_steps(slots, device)
-        t = self.max_len
-        # where this step's keys ([S * Hkv * d] rows of [S * Hkv * d * T, R]) and values ([S * Hkv] rows of
-        # [S * Hkv * T, R, d]) go: row ``i``'s slot 0, plus the slot's step
-        self._key_base = (torch.arange(slots * kv_heads * head_dim, device=device) * t).view(slots, -1)
-        self._value_base = (torch.arange(slots * kv_heads, device=device) * t).view(slots, -1)
-        self.where_k = self._key_base.reshape(-1)
-        self.where_v = self._value_base.reshape(-1)
-
-    @property
-    def width(self) -> int:
-        return self.prompt_bias.shape[-1]
-
-    def widen(self, width: int) -> None:
-        """Room for prompts of ``width`` positions: every slot's region grows, masked, on the right."""
-        grow = width - self.width
-        if grow > 0:
-            pad = torch.nn.functional.pad
-            self.pk = [pad(k, (0, grow)) for k in self.pk]  # [S, Hkv, d, W]
-            self.pv = [pad(v, (0, 0, 0, grow)) for v in self.pv]  # [S, Hkv, W, d]
-            self.prompt_bias = pad(self.prompt_bias, (0, grow), value=float("-inf"))  # [S, 1, 1, W]
-
-    def put_prompt(self, slots: Tensor, pk: list[Tensor], pv: list[Tensor], mask: Tensor) -> None:
-        """The prefill of joiners taking slots ``slots`` ([J] int64): K/V [J, Hkv, w, d] per layer and mask [J, w]
-        (``w <= W``) go into columns ``[0, w)``; the rest of their region is masked."""
-        w = mask.shape[1]
-        for i, (k, v) in enumerate(zip(pk, pv, strict=True)):
-            self.pk[i].narrow(3, 0, w).index_copy_(0, slots, k.transpose(-1, -2))  # [J, Hkv, d, w]
-            self.pv[i].narrow(2, 0, w).index_copy_(0, slots, v)  # [J, Hkv, w, d]
-        bias = torch.full((mask.shape[0], self.width), float("-inf"), device=mask.device)  # [J, W]
-        bias[:, :w].masked_fill_(mask != 0, 0.0)
-        self.prompt_bias.index_copy_(0, slots, bias[:, None, None, :])
-
-    def begin(self) -> None:
-        """A step starts: where each slot writes, and the generated-slot bias of every row."""
-        s, r, span = self.steps.shape[0], self.r, self.span
-        self.where_k = (self._key_base + self.steps[:, None]).view(-1)  # [S * Hkv * d]
-        self.where_v = (self._value_base + self.steps[:, None]).view(-1)  # [S * Hkv]
-        visible = self.visible(span).expand(s, r, span, r)  # [S, Rq, span, R]
-        visible = visible.reshape(s, 1, r, 1, span * r)  # [S, 1, Rq, 1, span*R]
-        zeros = torch.zeros(visible.shape, device=visible.device, dtype=torch.float32)
-        self.gen_bias = zeros.masked_fill_(~visible, float("-inf"))
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE) at each slot's step; attend ``q``
-        [N, H, d] -> [N, H*d]."""
-        n, h, d = q.shape
-        s, r, hkv, t, span = self.steps.shape[0], self.r, k.shape[1], self.max_len, self.span
-        g = h // hkv
-        gk, gv = self.gk[layer], self.gv[layer]  # [S, Hkv, d, T, R], [S, Hkv, T, R, d]
-        keys = k.view(s, r, hkv, d).permute(0, 2, 3, 1).reshape(s * hkv * d, r)  # [N, Hkv, d] -> [S*Hkv*d, R]
-        gk.view(s * hkv * d * t, r).index_copy_(0, self.where_k, keys)
-        values = v.view(s, r, hkv, d).transpose(1, 2).reshape(s * hkv, r, d)  # [N, Hkv, d] -> [S*Hkv, R, d]
-        gv.view(s * hkv * t, r, d).index_copy_(0, self.where_v, values)
-        # queries of one input's beams and one K/V head's group: [S, Hkv, R*G, d]
-        qg = q.view(s, r, hkv, g, d).transpose(1, 2).reshape(s, hkv, r * g, d)
-        keys_t = gk[:, :, :, :span].view(s, hkv, d, span * r)  # slot-major: index s*R + beam
-        vals = gv[:, :, :span].view(s, hkv, span * r, d)
-        sg = scores32(qg, keys_t).mul_(scale)  # [S, Hkv, R*G, span*R] float32
-        sg = (sg.view(s, hkv, r, g, span * r) + self.gen_bias).view(s, hkv, r * g, span * r)
-        sp = scores32(qg, self.pk[layer]).mul_(scale)  # [S, Hkv, R*G, W] float32
-        scores = torch.cat([sg, sp + self.prompt_bias], dim=-1)  # [S, Hkv, R*G, span*R + W]
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        m = span * r
-        out = torch.matmul(probs[..., :m], vals)
-        out += torch.matmul(probs[..., m:], self.pv[layer])  # [S, Hkv, R*G, d]
-        return out.view(s, hkv, r, g, d).transpose(1, 2).reshape(n, h * d)  # [S, R, Hkv, G, d] -> [N, H*d]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState
+from seqgen_cli.models.decoder_only import DecoderOnlyBackend, DecoderOnlyState, self_attention
 from seqgen_cli.models.linear_maps import dense
 from seqgen_cli.models.linear_maps import linear as linear_map
 
@@ -73,7 +73,7 @@ class LlamaBackend(DecoderOnlyBackend):
             v = linear(h, at.v_proj).view(N, Hkv, d)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            x = x + linear(state.cache.attend(i, q, k, v, at.scaling), at.o_proj)
+            x = x + linear(self_attention(state.cache, i, q, k, v, at.scaling), at.o_proj)
             h = layer.post_attention_layernorm(x)
             mlp = layer.mlp
             x = x + linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)

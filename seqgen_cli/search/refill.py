@@ -5,7 +5,7 @@ decoder-only ones (GPT-2, Llama).
 
 Lanes. ``L`` lanes of ``R`` rows each (beams, or samples) live in the model backend's state (``open_lanes``): per
 lane the source's cross-attention keys/values and mask (encoder-decoder) or the prompt's keys/values and mask
-(decoder-only), and a self-attention cache with a step counter per lane (``models/kv_cache.py``: ``LaneKVCache``,
+(decoder-only), and a self-attention cache with a step counter per lane (``models/lane_cache.py``: ``LaneKVCache``,
 ``DecoderOnlyLaneKVCache``). Every decode step runs all ``L * R`` rows (the backend's ``step`` on the lane state),
 each lane at its own step: one shape per span bucket and source width, so on CUDA the backend is a
 ``CapturedBackend`` whose step replays a CUDA graph (``models/capture.py``).
