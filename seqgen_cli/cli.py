@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import os
-import signal
+import shlex
 import sys
-import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -19,6 +16,7 @@ from seqgen_cli import __version__
 from seqgen_cli.batching import DEFAULT_BATCH_SIZE
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.openmp import choose_wait
+from seqgen_cli.pipeline import process
 
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
@@ -123,11 +121,9 @@ class _Group(click.Group):
     """Turns ``SeqgenError`` into one line on stderr and its exit code (2; 1 for a run stopped by a failed
     write or a bug); Ctrl-C into exit code 130."""
 
-    invoked = False  # a command runs: SIGTERM raises KeyboardInterrupt (before, it ends the process at once)
-
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
-            _Group.invoked = True
+            process.command_started()  # SIGTERM raises KeyboardInterrupt (before, it ends the process at once)
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
             raise
@@ -155,12 +151,9 @@ class _Group(click.Group):
 
 
 def run(args: list[str] | None = None) -> None:
-    """The ``seqgen`` process: :func:`main`, then an exit that skips the interpreter's teardown.
-
-    Freeing the module graph that torch and transformers leave behind takes 0.7-1.5 s after the last output
-    is written (docs/BENCHMARKS.md, "Start-up"). By then every file is closed; this joins any non-daemon thread,
-    flushes stdout and stderr, runs the ``atexit`` handlers (Ray, logging, temporary folders) and ends the
-    process with :func:`main`'s exit status. An uncaught exception (``SEQGEN_DEBUG=1``) exits as usual.
+    """The ``seqgen`` process: :func:`main`, then an exit that skips the interpreter's teardown (its 0.7-1.5 s;
+    :func:`~.pipeline.process.exit_now`) with :func:`main`'s exit status. An uncaught exception
+    (``SEQGEN_DEBUG=1``) exits as usual.
 
     First, before torch is imported, the OpenMP setting (:func:`seqgen_cli.openmp.choose_wait`: idle threads
     that spin only briefly and a thread count that follows the cores other processes leave free, or, where
@@ -168,42 +161,13 @@ def run(args: list[str] | None = None) -> None:
     and SIGTERM becomes Ctrl-C (what is done is written, exit 130), model loading included.
     """
     choose_wait(os.environ)
-    signal.signal(signal.SIGTERM, _terminated)  # a scheduler's stop, as Ctrl-C: from the start, loading too
+    process.install()  # a scheduler's stop, as Ctrl-C: from the start, loading too
     try:
         main(args)  # standalone click: always ends in SystemExit
         code: object = 0
     except SystemExit as done:
         code = done.code
-    if code is None or isinstance(code, int):
-        status = code or 0
-    else:  # sys.exit("message"): printed, status 1, as the interpreter does
-        print(code, file=sys.stderr)
-        status = 1
-    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
-    if run_exitfuncs is None:  # not CPython: the ordinary exit
-        sys.exit(status)
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    for stream in (sys.stdout, sys.stderr):
-        if stream is None:  # started with it closed (`>&-`)
-            continue
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed, or the reader went away: nothing more can be written
-            pass
-    run_exitfuncs()
-    os._exit(status)
-
-
-def _terminated(signum: int, frame: object) -> None:
-    """SIGTERM: Ctrl-C inside a command (what is done is written, exit 130); before one runs (click still parsing
-    the arguments, which would turn the interrupt into "Aborted!" and exit 1) nothing is open: exit 130 at once."""
-    if _Group.invoked:
-        raise KeyboardInterrupt
-    with contextlib.suppress(OSError):  # stderr closed: the exit status says it
-        os.write(2, b"seqgen: interrupted\n")
-    os._exit(130)
+    process.exit_now(code)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -435,14 +399,8 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
       seqgen generate -m ckpt in.txt -o out.txt --resume          # after Ctrl-C or a crash
       seqgen generate -m ckpt in.txt -o out.txt --workers 4       # on a local Ray cluster
     """
-    import time
-
-    from seqgen_cli import STARTED
-    from seqgen_cli.generator import GeneratorSpec
-    from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, generate_job
-    from seqgen_cli.pipeline.progress import bar_wanted
-    from seqgen_cli.pipeline.shards import parse_shard
-    from seqgen_cli.pipeline.stats import describe_inputs, plural
+    from seqgen_cli.pipeline.job import check_job, generate_job, generator_spec, job_options
+    from seqgen_cli.pipeline.messages import closing_lines, closing_message
 
     quiet = opts["quiet"]
     cluster_flags = {k: opts.pop(k) for k in ("address", "gpus_per_worker", "cpus_per_worker", "shard_size")}
@@ -453,41 +411,9 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     if workers is None and any(v is not None for v in cluster_flags.values()):
         given = next(k for k, v in cluster_flags.items() if v is not None)
         raise SeqgenError(f"--{given.replace('_', '-')} needs --workers N")
-    job = JobOptions(
-        batch_size=opts["batch_size"],
-        batch_tokens=opts["batch_tokens"],
-        sort_window=opts["sort_window"],
-        output_format=opts["output_format"],
-        output_field=opts["output_field"],
-        on_error=opts["on_error"],
-        input_format=opts["input_format"],
-        input_field=opts["input_field"],
-        resume=opts["resume"],
-        progress=not quiet and bar_wanted(output),  # not over outputs written to the same terminal
-        stats=opts["stats_path"],
-        reference=opts["reference"],
-        metrics=opts["metrics"],
-        shard=parse_shard(shard_spec, os.environ) if shard_spec is not None else None,
-        verify=verify_inputs,
-        verify_strict=verify_strict,
-    )
+    job = job_options(opts, output, shard_spec=shard_spec, verify=verify_inputs, verify_strict=verify_strict)
     checked = check_job(inputs, output, job)  # before the (slow) model load
-    spec = GeneratorSpec(
-        model=model,
-        backend=opts.pop("backend"),
-        device=opts.pop("device"),
-        dtype=opts.pop("dtype"),
-        capture=opts.pop("capture"),
-        refill=opts.pop("refill"),
-        lanes=opts["batch_size"],  # with --refill the batch size is the lanes, the token budget theirs
-        lane_tokens=opts["batch_tokens"],
-        preset=opts.pop("preset"),
-        prefix=opts.pop("prefix"),
-        max_source_length=opts.pop("max_source_length"),
-        seed=opts.pop("seed"),
-        target_lang=opts.pop("target_lang"),
-        generation=_pop_generation(opts),
-    )
+    spec = generator_spec(model, opts)
     if workers is not None:  # Ray is imported only here
         from seqgen_cli.pipeline.cluster import ClusterOptions
         from seqgen_cli.pipeline.driver import generate_distributed
@@ -505,23 +431,8 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         summary = generate_job(gen, checked)
         max_source_length = gen.max_source_length
     # The closing lines on stderr; after a failure or Ctrl-C, what happened comes last (the line the user sees).
-    if summary.truncated:
-        click.echo(
-            f"seqgen: {summary.truncated} of {plural(summary.inputs, 'input')} truncated to "
-            f"{max_source_length} tokens",
-            err=True,
-        )
-    if summary.skipped:
-        click.echo(
-            f"seqgen: {plural(summary.skipped, 'input')} skipped (empty outputs; see the warnings)", err=True
-        )
-    if not quiet:
-        whole = time.perf_counter() - STARTED
-        click.echo(summary.line(describe_inputs(inputs), process_seconds=whole), err=True)
-    if summary.metrics is not None:
-        from seqgen_cli.metrics import format_table
-
-        click.echo(format_table(summary.metrics), err=True)
+    for line in closing_lines(summary, inputs, max_source_length, quiet=quiet):
+        click.echo(line, err=True)
     message = closing_message(summary, output)
     if summary.interrupted:
         click.echo(message, err=True)
@@ -672,19 +583,12 @@ def bench(input: str, model: str, **opts) -> None:
     """
     from seqgen_cli.pipeline import paths
 
-    reports = [paths.written("--out", str(Path(opts["out"]) / name)) for name in BENCH_REPORTS]
-    paths.check_distinct([paths.read("input", input), *reports])  # before the (slow) model load
+    paths.check_reports(input, opts["out"], BENCH_REPORTS)  # before the (slow) model load
     from seqgen_cli.bench import BenchSettings, run_bench
 
     generation = _pop_generation(opts, exclude=_BENCH_EXCLUDES)
     settings = BenchSettings(model=model, input=input, generation=generation, **opts)
-    command = "seqgen bench " + " ".join(_quote(a) for a in sys.argv[2:] if sys.argv[1:2] == ["bench"])
-    report = run_bench(settings, command=command if sys.argv[1:2] == ["bench"] else "")
+    command = "seqgen bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else ""
+    report = run_bench(settings, command=command)
     click.echo(report["table"])
     click.echo(f"seqgen bench: wrote {Path(settings.out) / 'bench.json'}, bench.md, bench.png", err=True)
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)

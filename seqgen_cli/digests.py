@@ -1,6 +1,6 @@
 """What a checkpoint folder *is*, by content: the SHA-256 of every file that decides the outputs (the weight files
 transformers loads, the config, the generation config, the tokenizer files), for ``--resume``, the journal and
-``seqgen merge`` (``pipeline/job.py: model_identity``).
+``seqgen merge`` (``pipeline/resume.py: model_identity``).
 
 Hashing runs at ~1.8 GB/s on one core (1.63 GB in 0.90 s, docs/BENCHMARKS.md "Checkpoint digests"), so each
 file's digest is cached on disk (``<cache>/digests/``; :func:`cache_dir`, shared with the int8 weight cache) under

@@ -11,20 +11,23 @@ difference counts as a *near-tie* when one of two things explains it:
 
 :func:`verify` is ``--verify N``: the first N inputs through the Generator's own path (backend, capture,
 device, dtype) and through ``generate()``, with tolerances scaled to the dtype (:func:`tolerance`). Sampling
-draws differ from ``generate()``'s by design, so sampling settings are not compared.
+draws differ from ``generate()``'s by design, so sampling settings are not compared. :func:`self_check` runs it
+on a job's first records before the job writes anything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from seqgen_cli.batching import free_device_memory
-from seqgen_cli.errors import is_oom
+from seqgen_cli.errors import SeqgenError, is_oom
 from seqgen_cli.models.reference import Generation, hf_generate
 from seqgen_cli.search import Batch
 from seqgen_cli.search.history import TokenHistory
@@ -257,3 +260,58 @@ def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | 
             raise
     free_device_memory()
     return Agreement(note=f"out of memory checking {len(ids)} inputs")
+
+
+class Input(Protocol):
+    """What :func:`self_check` reads of an input (a pipeline record has it): its text, or why it is bad, and
+    where it was read (``file:line``)."""
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+    @property
+    def where(self) -> str: ...
+
+
+R = TypeVar("R", bound=Input)
+
+
+def self_check(
+    gen: Generator, records: Iterator[R], inputs: int | None = None, strict: bool = False
+) -> tuple[Iterator[R], dict[str, Any] | None]:
+    """``--verify N`` (``inputs``; None: :func:`default_inputs`): the first N records through seqgen and through
+    ``generate()`` (:func:`verify`); returns the records, those read ahead put back, and the report for
+    ``--stats`` (``None``: not checked). ``strict`` (``--verify strict``) raises when they differ beyond
+    near-ties, before anything is written."""
+    n = default_inputs(gen.loaded.device) if inputs is None else inputs
+    if n <= 0:
+        return records, None
+    head: list[R] = []
+    try:
+        for record in records:
+            head.append(record)
+            if len(head) == n:
+                break
+    except Exception as err:  # noqa: BLE001 - a bad line: check what came before it; the run raises there
+        records = _replayed(head, err)
+    else:
+        records = itertools.chain(head, records)
+    usable = [r for r in head if r.error is None and r.text.strip()]
+    t0 = time.perf_counter()
+    ids = [e.ids for e in gen.encode([r.text for r in usable])] if usable else []
+    agreement = verify(gen, ids, names=[r.where for r in usable])
+    if strict and agreement.mismatches:
+        where = ", ".join(agreement.differing[:3]) + (", ..." if len(agreement.differing) > 3 else "")
+        raise SeqgenError(
+            f"--verify strict: seqgen and generate() differ beyond near-ties on {len(agreement.differing)} of "
+            f"{len(usable)} inputs ({where}); nothing written"
+        )
+    return records, {**agreement.as_dict(), "line": agreement.line(), "seconds": time.perf_counter() - t0}
+
+
+def _replayed(head: list[R], err: Exception) -> Iterator[R]:
+    yield from head
+    raise err

@@ -152,7 +152,8 @@ def test_sigterm_before_a_command_runs_is_an_interrupt_not_clicks_abort() -> Non
     code = (
         "import os, signal\n"
         "from seqgen_cli import cli\n"
-        "signal.signal(signal.SIGTERM, cli._terminated)\n"
+        "from seqgen_cli.pipeline import process\n"
+        "signal.signal(signal.SIGTERM, process.on_sigterm)\n"
         "parse = cli._Group.make_context\n"
         "def parsing(self, *args, **kwargs):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"

@@ -1,5 +1,5 @@
 """What ``--resume``, the journal and ``seqgen merge`` compare: every option of ``seqgen generate`` either reaches
-the fingerprint (``pipeline/job.py: FINGERPRINTED``) or is declared output-neutral (``OUTPUT_NEUTRAL``); the
+the fingerprint (``pipeline/resume.py: FINGERPRINTED``) or is declared output-neutral (``OUTPUT_NEUTRAL``); the
 committed output bytes are digested in the index, so an output edited in place is not resumed."""
 
 from __future__ import annotations
@@ -15,14 +15,8 @@ from seqgen_cli.config import SAMPLING_KEYS
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import GeneratorSpec
 from seqgen_cli.pipeline.formats import index_path
-from seqgen_cli.pipeline.job import (
-    FINGERPRINTED,
-    OUTPUT_NEUTRAL,
-    JobOptions,
-    check_job,
-    fingerprint,
-    generate_job,
-)
+from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
+from seqgen_cli.pipeline.resume import FINGERPRINTED, OUTPUT_NEUTRAL, fingerprint
 from tests.helpers import FakeGen, expected, one_line_error, seqgen, write_lines
 from tests.tiny_models import copy_checkpoint, sample_texts
 
@@ -138,7 +132,7 @@ def test_the_model_is_identified_by_the_content_of_its_files(tiny_models, tmp_pa
     import os
 
     from seqgen_cli import digests
-    from seqgen_cli.pipeline.job import model_identity
+    from seqgen_cli.pipeline.resume import model_identity
 
     class Named:
         def __init__(self, folder: Path) -> None:

@@ -14,7 +14,8 @@ from seqgen_cli.batching import Batcher, Chunk, Encoded, Text, tokenise
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import formats, resume
 from seqgen_cli.pipeline.formats import index_path
-from seqgen_cli.pipeline.job import JobOptions, check_job, closing_message, generate_job
+from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
+from seqgen_cli.pipeline.messages import closing_message
 from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.sinks import StreamSink

@@ -1,11 +1,14 @@
-"""No file a command writes may be a file it reads or writes otherwise.
+"""A command's paths, checked before the (slow) model load: each can be read or written, and no file a command
+writes is a file it reads or writes otherwise.
 
-Every path of a run is named with its role (``input``, ``-o``, ``--stats``, ``--reference``, the index and
-journal beside ``-o``); :func:`check_distinct` compares each written one with every other by file identity
-(device and inode after following symlinks, so hard links and symlinks count; the resolved path for a file
-not there yet), before anything is opened for writing. ``-`` is standard input when read and standard output
-when written. Devices, pipes and sockets are streams, not files, and are not compared (``-o /dev/null --stats
-/dev/null`` is fine), except standard output itself: two writers there would mix their lines.
+:func:`check_output` and :func:`check_writable` say in one line why an output cannot be written,
+:func:`check_reference` that ``--reference`` does not have one line per input. Every path of a run is named with
+its role (``input``, ``-o``, ``--stats``, ``--reference``, the index and journal beside ``-o``: :func:`job_roles`);
+:func:`check_distinct` compares each written one with every other by file identity (device and inode after
+following symlinks, so hard links and symlinks count; the resolved path for a file not there yet), before
+anything is opened for writing. ``-`` is standard input when read and standard output when written. Devices,
+pipes and sockets are streams, not files, and are not compared (``-o /dev/null --stats /dev/null`` is fine),
+except standard output itself: two writers there would mix their lines.
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ import os
 import stat
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 from seqgen_cli.errors import SeqgenError
+from seqgen_cli.pipeline.formats import index_path, journal_path, manifest_path
+from seqgen_cli.pipeline.shards import ShardRange, count_lines
+from seqgen_cli.pipeline.sinks import check_not_busy, is_stream
 
 STDOUT = ("stdout",)
 
@@ -95,3 +102,73 @@ def _clash(writes: Role, other: Role) -> str:
         f"{_label(other)} is the same file as {_label(writes)}: writing {writes.what} would destroy the "
         f"{other.what}"
     )
+
+
+def job_roles(
+    inputs: Sequence[str], output: str, *, stats: str | None, reference: str | None, part: bool
+) -> list[Role]:
+    """Every file a ``seqgen generate`` job reads or writes, with its role (for :func:`check_distinct`);
+    ``part``: a ``--shard`` part, which gets a manifest."""
+    roles = [read("input", p) for p in inputs or ["-"]]
+    roles.append(written("-o", output))
+    if not is_stream(output):
+        roles += [written("the index", str(index_path(output))),
+                  written("the journal", str(journal_path(output)))]  # fmt: skip
+        if part:
+            roles.append(written("the part manifest", str(manifest_path(output))))
+    if stats:
+        roles.append(written("--stats", stats))
+    if reference:
+        roles.append(read("--reference", reference))
+    return roles
+
+
+def check_reports(input: str, out: str, names: Sequence[str]) -> None:  # noqa: A002 - the command's word
+    """``seqgen bench``: no report ``names`` it writes into ``out`` is its ``input``."""
+    check_distinct([read("input", input), *(written("--out", str(Path(out) / name)) for name in names)])
+
+
+def check_output(output: str, resume: bool) -> None:
+    """``-o``: standard output open, a stream not resumed, a file writable and not being written by another
+    run."""
+    if output == "-" and sys.stdout is None:
+        raise SeqgenError("standard output is closed: give -o FILE")
+    if is_stream(output):
+        if resume:
+            where = "output written to stdout" if output == "-" else f"{output} is not a regular file, so it"
+            raise SeqgenError(f"--resume needs -o FILE: {where} cannot be resumed")
+    else:
+        check_writable(output, "output")
+        check_not_busy(output)
+
+
+def check_writable(path: str, what: str) -> None:
+    """One line naming the folder or file when ``path`` cannot be written (as far as can be told now)."""
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise SeqgenError(f"{what} folder {parent} does not exist")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise SeqgenError(f"cannot write {path}: permission denied")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SeqgenError(f"cannot write into {parent}: permission denied")
+
+
+def check_reference(inputs: Sequence[str], reference: str, shard: ShardRange | None) -> None:
+    """``--reference`` has one line per input (per input of the shard, with ``--shard``; one per input too with
+    ``--num-return-sequences``): checked now, when the input files and the reference are regular files, rather
+    than found by the scoring after generating. Streams (stdin, pipes) are not read here."""
+    refs = count_lines([reference])
+    if refs is None:
+        return
+    if shard is not None:
+        wanted, what = shard.size, f"shard {shard.index}/{shard.count} of the input has"
+    else:
+        counted = count_lines(list(inputs))
+        if counted is None:
+            return
+        wanted, what = counted, "the input has"
+    if refs != wanted:
+        raise SeqgenError(
+            f"--reference {reference} has {refs} {'line' if refs == 1 else 'lines'} but {what} "
+            f"{wanted} {'input' if wanted == 1 else 'inputs'}: give one reference line per input"
+        )

@@ -1,20 +1,34 @@
 """``--resume``: continue an interrupted run from its output file and side index.
 
-Resuming checks the settings the index (:mod:`~.formats`) was written with, re-reads (without regenerating)
-the inputs already done, checks their digest, and the run truncates the output to the recorded length and
-goes on from there. Journaled outputs carry their input's hash and are reused only for the same input.
+Resuming checks the settings the index (:mod:`~.formats`) was written with (the run's :func:`fingerprint`, which
+``seqgen merge`` compares too), re-reads (without regenerating) the inputs already done, checks their digest,
+and the run truncates the output to the recorded length and goes on from there. Journaled outputs carry their
+input's hash and are reused only for the same input (:class:`JournalReuse`).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from seqgen_cli.batching import Item
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.pipeline.formats import IndexEntry, InputDigest, file_sha256, index_path, read_index
+from seqgen_cli.pipeline.formats import (
+    IndexEntry,
+    InputDigest,
+    file_sha256,
+    index_path,
+    input_key,
+    read_index,
+)
 from seqgen_cli.pipeline.records import Record
+
+if TYPE_CHECKING:  # not at run time: it loads torch, and `seqgen merge` (which checks settings here) need not
+    from seqgen_cli.generator import Generator
 
 
 def check_fresh(output: str) -> None:
@@ -98,3 +112,130 @@ def differences(old: dict[str, Any], new: dict[str, Any], ignore: tuple[str, ...
         changed = sorted(n for n in set(was) | set(now) if was.get(n) != now.get(n))
         keys[keys.index("model")] = f"model: {', '.join(changed)} changed"
     return ", ".join(keys)
+
+
+# Where each option of `seqgen generate` that changes the outputs shows in the fingerprint (the flags of
+# cli.GENERATION_OPTIONS and --preset reach it through the resolved generation config; --shard through
+# ShardRange.settings): FINGERPRINTED is this table plus every generation key. Every other option is in
+# OUTPUT_NEUTRAL; tests/test_fingerprint.py holds the two to the command's options.
+_FINGERPRINTED_OPTIONS = {
+    "model": "model",
+    "preset": "generation",
+    "backend": "backend",
+    "device": "device",
+    "dtype": "dtype",
+    "prefix": "prefix",
+    "max_source_length": "max_source_length",
+    "seed": "seed",
+    "input_format": "input_format",
+    "input_field": "input_field",
+    "output_format": "output_format",
+    "output_field": "output_field",
+    "on_error": "on_error",
+    "shard_spec": "shard",
+    "target_lang": "generation",  # resolved into forced_bos_token_id
+}
+# How a run goes, not what it writes: batching and look-ahead, CUDA graphs and refill (the same outputs; on a
+# GPU they may change rounding as batch composition does), where files and reports go, Ray's resources, checks.
+OUTPUT_NEUTRAL = frozenset(
+    {
+        "inputs", "output", "batch_size", "batch_tokens", "sort_window", "capture", "refill", "resume",
+        "stats_path", "reference", "metrics", "workers", "address", "gpus_per_worker", "cpus_per_worker",
+        "shard_size", "verify_spec", "quiet",
+    }
+)  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    """``FINGERPRINTED``, built when asked for: the generation keys come from seqgen_cli.config, which loads
+    transformers (``seqgen merge`` imports this module and need not)."""
+    if name == "FINGERPRINTED":
+        from seqgen_cli.config import GENERATION_KEYS
+
+        return {**_FINGERPRINTED_OPTIONS, **dict.fromkeys(GENERATION_KEYS, "generation")}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class RecordOptions(Protocol):
+    """The job's options that shape its records and output lines (``JobOptions`` has them)."""
+
+    input_format: str
+    input_field: str | None
+    output_format: str
+    output_field: str
+    on_error: str
+
+
+def fingerprint(gen: Generator, opts: RecordOptions) -> dict[str, Any]:
+    """What decides the output bytes, in a JSON-comparable form: the resolved settings (checkpoint, preset and
+    flags merged), the model's identity, device kind, dtype and backend (``--resume``, the journal and
+    ``seqgen merge`` compare it; :data:`FINGERPRINTED`)."""
+    generation = {
+        k: v
+        for k, v in json.loads(gen.config.to_json_string(use_diff=False)).items()
+        if not k.startswith("_") and k != "transformers_version"
+    }
+    loaded = gen.loaded
+    settings = dict(
+        model=model_identity(gen.model),
+        backend=gen.backend,
+        device=loaded.device.type,
+        dtype=loaded.dtype_name,
+        generation=generation,
+        prefix=gen.prefix,
+        max_source_length=gen.max_source_length,
+        seed=gen.seed,
+        input_format=opts.input_format,
+        input_field=opts.input_field,
+        output_format=opts.output_format,
+        output_field=opts.output_field,
+        on_error=opts.on_error,
+    )
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def model_identity(model: Any) -> dict[str, Any]:
+    """The checkpoint by content: the SHA-256 of each file of its folder that decides the outputs (weights,
+    config, generation config, tokenizer files; :mod:`seqgen_cli.digests`, cached per file), so that a checkpoint
+    saved anew, even at the same sizes, is another model and a moved or copied one the same. A model without a
+    folder (built in memory) is its name."""
+    from seqgen_cli.digests import checkpoint_folder, folder_digests
+
+    name = str(getattr(model.config, "_name_or_path", ""))
+    folder = checkpoint_folder(name) if name else None
+    if folder is None:
+        return {"name": name}
+    return {"files": folder_digests(folder)}
+
+
+class JournalReuse:
+    """A resumed run's journaled outputs, reused where their input is unchanged; shared by the generate loop and
+    the writer thread (thread-safe).
+
+    The loop hands each batch's inputs to :meth:`take` before generating: those with a journaled output for the
+    same input are not generated; the writer thread collects each such output, once, with :meth:`pop`.
+    """
+
+    def __init__(self, journal: Mapping[int, tuple[str, str]] | None = None) -> None:
+        self._journal = dict(journal or {})  # input index -> (input key, output): not looked at yet
+        self._checked: dict[int, str] = {}  # input index -> output, checked against its input: for the writer
+        self._lock = threading.Lock()
+
+    def take(self, items: list[Item]) -> tuple[list[Item], list[Item]]:
+        """Split ``items`` into those whose journaled output is for the same input (reused) and the rest (to
+        generate: not journaled, or the input changed since)."""
+        reused, todo = [], []
+        with self._lock:
+            for it in items:
+                entry = self._journal.pop(it.index, None)
+                if entry is not None and entry[0] == input_key(it.record):
+                    self._checked[it.index] = entry[1]
+                    reused.append(it)
+                else:
+                    todo.append(it)
+        return reused, todo
+
+    def pop(self, index: int) -> str | None:
+        """The journaled output (its line or lines) of input ``index`` that :meth:`take` reused, or None."""
+        with self._lock:
+            return self._checked.pop(index, None)

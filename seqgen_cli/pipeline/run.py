@@ -1,9 +1,10 @@
 """The generate loop: reader thread -> batcher -> model (this thread) -> writer thread.
 
 The model runs in the calling thread (``Generator.generate_batches``, the one generate loop, with a resumed
-run's journaled outputs and ``--on-error`` on top) while the reader tokenises ahead and the writer detokenises
-and writes behind. A batch that runs out of memory is split in halves and retried, down to one input;
-no input is ever dropped silently. Ctrl-C stops reading and writes what is done, in order.
+run's journaled outputs, :class:`~.resume.JournalReuse`, and ``--on-error`` on top) while the reader tokenises
+ahead and the writer detokenises and writes behind. A batch that runs out of memory is split in halves and
+retried, down to one input; no input is ever dropped silently. Ctrl-C stops reading and writes what is done, in
+order.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from dataclasses import dataclass
 from seqgen_cli import openmp
 from seqgen_cli.batching import DEFAULT_BATCH_SIZE, Item, ItemBatch, Result
 from seqgen_cli.errors import SeqgenError, WriteError
-from seqgen_cli.generator import Generator
-from seqgen_cli.pipeline.formats import InputDigest, input_key
+from seqgen_cli.generator import BatchResults, Generator
+from seqgen_cli.pipeline.formats import InputDigest
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
+from seqgen_cli.pipeline.resume import JournalReuse
 from seqgen_cli.pipeline.sinks import Sink, StreamSink
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
 from seqgen_cli.pipeline.writer import OrderedWriter
@@ -46,115 +48,142 @@ def run(
     progress: Progress | None = None,
     keep: list[str] | None = None,
     streaming: bool = False,
-    journaled: dict[int, tuple[str, str]] | None = None,
+    reuse: JournalReuse | None = None,
 ) -> Summary:
     """Generate for every record and write the outputs to ``sink`` in input order.
 
     Returns the summary; ``summary.interrupted`` after Ctrl-C, ``summary.error`` when an input failed
     with ``on_error="fail"`` (everything before it is written either way). ``streaming``: the input is a
-    pipe, so lines are handed on as they arrive. ``journaled``: what a resumed run found in the journal,
-    input index -> (input key, output): written, not generated again, where the input is unchanged.
+    pipe, so lines are handed on as they arrive. ``reuse``: what a resumed run found in the journal, written,
+    not generated again, where the input is unchanged.
     """
-    t_start = time.perf_counter()
-    summary = Summary(
-        backend=gen.backend, resumed_from=start, output=sink.name, rss_at_start_mb=peak_rss_mb()
+    stages = _Run(
+        gen, records, sink, opts, start, digest, progress or Progress(False), keep, streaming, reuse
     )
-    progress = progress or Progress(False)
-    journaled = dict(journaled or {})
-    reuse: dict[int, str] = {}  # journaled outputs checked against their input, for the writer to take
-    reader = ReaderStage(iter(records), gen.encode, streaming=streaming).start()
-    writer = OrderedWriter(
-        sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
-        num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, journaled=reuse,
-    ).start()  # fmt: skip
+    stages.loop()
+    return stages.report()
 
-    def take_journaled(items: list[Item]) -> tuple[list[Item], list[Item]]:
-        """Split ``items`` into those whose journaled output is for the same input (to reuse) and the rest
-        (to generate: not journaled, or the input changed since)."""
-        reused, todo = [], []
-        for it in items:
-            entry = journaled.pop(it.index, None)
-            if entry is not None and entry[0] == input_key(it.record):
-                reuse[it.index] = entry[1]
-                reused.append(it)
-            else:
-                todo.append(it)
-        return reused, todo
 
-    def passthrough(items: list[Item]) -> None:
-        take_journaled(items)
+class _Run:
+    """One run's stages (reader, batcher, this thread's generate loop, writer), its summary as it goes and the
+    first input that failed (``on_error="fail"``)."""
+
+    def __init__(
+        self,
+        gen: Generator,
+        records: Iterable[Record],
+        sink: Sink,
+        opts: RunOptions,
+        start: int,
+        digest: InputDigest | None,
+        progress: Progress,
+        keep: list[str] | None,
+        streaming: bool,
+        reuse: JournalReuse | None,
+    ) -> None:
+        self.t_start = time.perf_counter()
+        self.gen, self.sink, self.opts, self.start, self.progress = gen, sink, opts, start, progress
+        self.summary = Summary(
+            backend=gen.backend, resumed_from=start, output=sink.name, rss_at_start_mb=peak_rss_mb()
+        )
+        self.reuse = reuse if reuse is not None else JournalReuse()
+        self.reader = ReaderStage(iter(records), gen.encode, streaming=streaming).start()
+        self.writer = OrderedWriter(
+            sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
+            num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, reuse=self.reuse,
+        ).start()  # fmt: skip
+        early = isinstance(sink, StreamSink)  # stdout, a pipe: someone may read the first lines as they come
+        sizes = (opts.batch_size, opts.batch_tokens, opts.sort_window)
+        self.batcher = gen.batcher(self.reader.chunks(), self.passthrough, *sizes, early)
+        self.fail: Result | None = None  # the first input that failed (on_error="fail")
+        self.fail_window = -1  # its window: the inputs before it there still run
+
+    def loop(self) -> None:
+        """The generate loop over the batches (:meth:`before_failure`), each taken by :meth:`take`; then the
+        stages are stopped and the sink closed, complete or (anything but a finished run) resumable."""
+        finished = False  # the loop ended and every output reached the sink: no exception on the way
+        try:
+            try:
+                for done in self.gen.generate_batches(self.before_failure(self.batcher), self.reuse.take):
+                    self.take(done)
+            except KeyboardInterrupt:
+                self.summary.interrupted = True
+            except WriteError:
+                raise
+            except SeqgenError as err:  # a bad input line (on_error="fail"): what came before it is written
+                self.summary.error = str(err)
+            finally:
+                self.reader.stop()
+                self.progress.close()
+                self.writer.close()  # raises the writer's error (e.g. the disk is full)
+            finished = True
+        finally:
+            # Anything but a finished run keeps index and journal (and cuts a torn tail): it can be resumed.
+            summary = self.summary
+            self.sink.close(
+                finished and not summary.interrupted and summary.error is None and self.fail is None
+            )
+
+    def passthrough(self, items: list[Item]) -> None:
+        """The batcher's inputs that need no model (empty or bad lines): straight to the writer."""
+        self.reuse.take(items)
         for it in items:
             if it.record.error is not None:
-                progress.warn(f"{it.record.error} (skipped: empty output)")
-                summary.skipped += 1
-        writer.put([Result(it, None, it.record.error) for it in items])
-        progress.update(len(items), summary.generated_tokens / max(time.perf_counter() - t_start, 1e-9))
+                self.progress.warn(f"{it.record.error} (skipped: empty output)")
+                self.summary.skipped += 1
+        self.writer.put([Result(it, None, it.record.error) for it in items])
+        self.progress.update(len(items), self.summary.generated_tokens / max(self._elapsed(), 1e-9))
 
-    early = isinstance(sink, StreamSink)  # stdout, a pipe: someone may read the first lines as they come
-    batcher = gen.batcher(
-        reader.chunks(), passthrough, opts.batch_size, opts.batch_tokens, opts.sort_window, early
-    )
-    fail: Result | None = None
-    fail_window = -1
-
-    def before_failure(batches: Iterable[ItemBatch]) -> Iterator[ItemBatch]:
+    def before_failure(self, batches: Iterable[ItemBatch]) -> Iterator[ItemBatch]:
         """``batches``; once an input failed (``on_error="fail"``), only its window's inputs before it."""
         for batch in batches:
-            if fail is not None:
-                if batch.window != fail_window:
+            if self.fail is not None:
+                if batch.window != self.fail_window:
                     return
-                batch = ItemBatch([it for it in batch.items if it.index < fail.item.index], batch.window)
+                batch = ItemBatch([it for it in batch.items if it.index < self.fail.item.index], batch.window)
                 if not batch.items:
                     continue
             yield batch
 
-    finished = False  # the loop ended and every output reached the sink: no exception on the way
-    try:
-        try:
-            for done in gen.generate_batches(before_failure(batcher), take_journaled):
-                results = done.results
-                summary.generate_seconds += done.seconds
-                bad = [r for r in results if r.error is not None]
-                if bad and opts.on_error == "fail":
-                    first = min(bad, key=lambda r: r.item.index)
-                    if fail is None or first.item.index < fail.item.index:
-                        fail, fail_window = first, done.batch.window
-                        batcher.stop()  # finish this window's inputs before the failure, read no further
-                    results = [r for r in results if r.item.index < fail.item.index]
-                for r in bad if opts.on_error == "skip" else ():
-                    progress.warn(f"{r.error} (skipped: empty output)")
-                    summary.skipped += 1
-                summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
-                results += [Result(it) for it in done.known if fail is None or it.index < fail.item.index]
-                writer.put(results)
-                elapsed = time.perf_counter() - t_start
-                progress.update(len(done.batch.items), summary.generated_tokens / elapsed)
-        except KeyboardInterrupt:
-            summary.interrupted = True
-        except WriteError:
-            raise
-        except SeqgenError as err:  # a bad input line (on_error="fail"): what came before it is written
-            summary.error = str(err)
-        finally:
-            reader.stop()
-            progress.close()
-            writer.close()  # raises the writer's error (e.g. the disk is full)
-        finished = True
-    finally:
-        # Anything but a finished run keeps index and journal (and cuts a torn tail): it can be resumed.
-        sink.close(finished and not summary.interrupted and summary.error is None and fail is None)
-    if fail is not None and summary.error is None:
-        summary.error = fail.error
-    summary.inputs = writer.next - start
-    summary.journaled = writer.waiting if sink.journals else 0
-    summary.truncated = reader.truncated
-    summary.batches = batcher.batches
-    summary.padding_ratio = batcher.padding_ratio
-    summary.read_seconds = reader.read_seconds
-    summary.tokenise_seconds = reader.tokenise_seconds
-    summary.write_seconds = writer.seconds
-    summary.seconds = time.perf_counter() - t_start
-    summary.device = gen.device_stats()
-    if (threads := openmp.governor_stats()) is not None:  # the thread count that followed the load
-        summary.device["threads"] = threads
-    return summary
+    def take(self, done: BatchResults) -> None:
+        """One batch's results (and the inputs the journal answered) to the writer; a failed input (``on_error``:
+        fail) stops reading and drops what comes after it, a skipped one is warned about."""
+        results, summary, on_error = done.results, self.summary, self.opts.on_error
+        summary.generate_seconds += done.seconds
+        bad = [r for r in results if r.error is not None]
+        if bad and on_error == "fail":
+            first = min(bad, key=lambda r: r.item.index)
+            if self.fail is None or first.item.index < self.fail.item.index:
+                self.fail, self.fail_window = first, done.batch.window
+                self.batcher.stop()  # finish this window's inputs before the failure, read no further
+            results = [r for r in results if r.item.index < self.fail.item.index]
+        for r in bad if on_error == "skip" else ():
+            self.progress.warn(f"{r.error} (skipped: empty output)")
+            summary.skipped += 1
+        summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
+        fail = self.fail
+        results += [Result(it) for it in done.known if fail is None or it.index < fail.item.index]
+        self.writer.put(results)
+        self.progress.update(len(done.batch.items), summary.generated_tokens / self._elapsed())
+
+    def report(self) -> Summary:
+        """The summary, with what each stage counted."""
+        summary, writer, reader, batcher = self.summary, self.writer, self.reader, self.batcher
+        if self.fail is not None and summary.error is None:
+            summary.error = self.fail.error
+        summary.inputs = writer.next - self.start
+        summary.journaled = writer.waiting if self.sink.journals else 0
+        summary.truncated = reader.truncated
+        summary.batches = batcher.batches
+        summary.padding_ratio = batcher.padding_ratio
+        summary.read_seconds = reader.read_seconds
+        summary.tokenise_seconds = reader.tokenise_seconds
+        summary.write_seconds = writer.seconds
+        summary.seconds = self._elapsed()
+        summary.device = self.gen.device_stats()
+        if (threads := openmp.governor_stats()) is not None:  # the thread count that followed the load
+            summary.device["threads"] = threads
+        return summary
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self.t_start

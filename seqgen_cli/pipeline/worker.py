@@ -17,9 +17,10 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator, GeneratorSpec
 from seqgen_cli.pipeline.cluster import node_id
 from seqgen_cli.pipeline.formats import DRIVER_MARK, LOCK_SUFFIX, index_path, read_index, remove_part
-from seqgen_cli.pipeline.job import JobOptions, fingerprint, write_records
+from seqgen_cli.pipeline.job import JobOptions, write_records
 from seqgen_cli.pipeline.progress import CountingProgress
 from seqgen_cli.pipeline.records import Record
+from seqgen_cli.pipeline.resume import fingerprint
 
 
 @dataclass

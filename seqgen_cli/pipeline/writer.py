@@ -17,6 +17,7 @@ from seqgen_cli.batching import InOrder, Result
 from seqgen_cli.pipeline.formats import InputDigest, input_key
 from seqgen_cli.pipeline.queues import put_unless
 from seqgen_cli.pipeline.records import Record
+from seqgen_cli.pipeline.resume import JournalReuse
 from seqgen_cli.pipeline.sinks import Sink
 
 Decode = Callable[[Sequence[Sequence[int]]], list[str]]
@@ -64,7 +65,7 @@ class OrderedWriter:
         start: int = 0,
         digest: InputDigest | None = None,
         keep: list[str] | None = None,
-        journaled: dict[int, str] | None = None,
+        reuse: JournalReuse | None = None,
     ) -> None:
         self.sink = sink
         self._decode = decode
@@ -74,8 +75,8 @@ class OrderedWriter:
         self._order: InOrder[tuple[Record, str, str]] = InOrder(start)  # (record, line(s), first output)
         self.digest = digest or InputDigest()
         self.keep = keep  # when a list: the first output of every input is appended (for scoring)
-        # outputs a resumed run found in the journal, by input index (the caller may add to it as it goes)
-        self.journaled = journaled if journaled is not None else {}
+        # a resumed run's journaled outputs, handed over as the generate loop takes them (JournalReuse.take)
+        self.reuse = reuse if reuse is not None else JournalReuse()
         self._q: queue.Queue = queue.Queue(maxsize=64)  # backpressure: a slow sink slows generation
         self.error: BaseException | None = None
         self.seconds = 0.0
@@ -124,7 +125,7 @@ class OrderedWriter:
         for r in results:
             index, record = r.item.index, r.item.record
             outs = [next(texts) for _ in r.sequences] if r.sequences is not None else [""] * self._n
-            line = self.journaled.pop(index, None)
+            line = self.reuse.pop(index)
             if line is None:
                 line = format_output(record, outs, self._format, self._field, r.error)
                 fresh.append(index)
