@@ -4,11 +4,11 @@ Inputs arrive as :class:`Item` chunks in input order. :class:`Batcher` reads a l
 sorts it by source length and cuts batches of at most ``batch_size`` inputs and ``batch_tokens`` padded
 source tokens, counted once per row the model runs (``rows`` = beams, or returned sequences when more), and at
 most a :class:`MemoryLimit` of device memory (caches and logits as the backend counts them, the encoder's and the
-search's temporaries: ``seqgen_cli/memory.py``; on CUDA by default the free memory, :func:`free_memory_budget`,
-read again after the first batch of each new shape, and read as each batch is cut); an input longer than the
-budget on its own still forms a batch of one. Windows are consecutive in input order, so every input of a later
-window comes after every input of an earlier one. :func:`generate_split` runs a batch and, when it runs out of
-memory, splits it in halves down to a single input: no input is dropped.
+search's temporaries: ``seqgen_cli/memory.py``; on CUDA by default the free memory that the one
+``memory.DeviceBudget`` holds, read again after the first batch of each new shape, and read as each batch is
+cut); an input longer than the budget on its own still forms a batch of one. Windows are consecutive in input
+order, so every input of a later window comes after every input of an earlier one. :func:`generate_split` runs a
+batch and, when it runs out of memory, splits it in halves down to a single input: no input is dropped.
 
 Batch independence. An input's arithmetic runs at :func:`~seqgen_cli.shapes.input_width` of its own length, never
 at a longer neighbour's: the fast encoder-decoder backends run each input's encoder at its own width and sum
@@ -182,14 +182,11 @@ class InOrder(Generic[T]):
             yield value
 
 
-HEADROOM = 0.25  # of the free memory: left to fragmentation, other processes, an eager step (uncounted)
-
-
 @dataclass(frozen=True)
 class MemoryLimit:
     """Bytes a batch may hold, and what a batch of ``inputs`` inputs padded to ``width`` tokens holds. ``limit``:
-    the budget, or a function that says it when each batch is cut (``Generator``'s, read again as shapes run;
-    ``None``: no limit)."""
+    the budget, or a function that says it when each batch is cut (``memory.DeviceBudget.memory_limit``: the
+    device budget, read again as shapes run; ``None``: no limit)."""
 
     limit: int | Callable[[], int | None]
     cost: Callable[[int, int], int]  # (inputs, width) -> bytes (Generator.batch_bytes)
@@ -197,19 +194,6 @@ class MemoryLimit:
     @property
     def budget(self) -> int | None:
         return self.limit() if callable(self.limit) else self.limit
-
-
-def free_memory_budget(device: Any, held: int = 0) -> int | None:
-    """The default memory budget: on CUDA the free memory (the driver's free, plus what torch's allocator
-    holds unused, plus ``held``: bytes it holds for state a later batch reuses or releases) less
-    :data:`HEADROOM`; ``None`` (no limit) elsewhere."""
-    import torch
-
-    if device.type != "cuda":
-        return None
-    free, _total = torch.cuda.mem_get_info(device)
-    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int((free + unused + held) * (1 - HEADROOM))
 
 
 def default_window(batch_size: int) -> int:

@@ -31,10 +31,8 @@ from seqgen_cli.batching import (
     InOrder,
     Item,
     ItemBatch,
-    MemoryLimit,
     Result,
     default_window,
-    free_memory_budget,
     generate_split,
     pad_ids,
     text_chunks,
@@ -42,7 +40,7 @@ from seqgen_cli.batching import (
 from seqgen_cli.config import Preset, check_flags, load_preset, settings_for_model
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load, source_limit
-from seqgen_cli.memory import BudgetReader, batch_bytes
+from seqgen_cli.memory import DeviceBudget, batch_bytes
 from seqgen_cli.search import choose_backend
 from seqgen_cli.search import settings as search_settings
 from seqgen_cli.search.protocol import Batch
@@ -115,9 +113,7 @@ class Generator:
         self.refill_stats = RefillStats()
         self._model_backend = None  # the engine's model backend, built on first use (int8: now)
         self._step_path = ""  # how the engine runs its decode step (see step_path)
-        # bytes a batch may hold (batch_bytes): on CUDA the free memory now, again as shapes run; None = no limit
-        self.memory_budget: int | None = free_memory_budget(self.loaded.device)
-        self.budget_reader = BudgetReader(self.loaded.device)
+        self.budget = DeviceBudget.read(self.loaded.device)  # what batches and the kept states are held to
         self._sizing: Any = None  # generate()'s caches as the generic backend counts them (hf backend)
         if self.loaded.int8:
             self._quantize()
@@ -174,11 +170,13 @@ class Generator:
     def _engine(self, backend: Any = None) -> Any:
         """The engine's model backend (built on first use, or ``backend``), behind the capture path."""
         from seqgen_cli.models import get_backend
-        from seqgen_cli.models.capture import capture
+        from seqgen_cli.models.capture import CapturedBackend, capture
 
         if self._model_backend is None:
             backend = get_backend(self.model) if backend is None else backend
             self._model_backend, self._step_path = capture(backend, self.loaded.device, self.capture)
+            if isinstance(self._model_backend, CapturedBackend):  # its kept states, held against this budget
+                self._model_backend.pool.budget = self.budget
         return self._model_backend
 
     @property
@@ -192,11 +190,17 @@ class Generator:
         engine = self._engine()
         return engine.path if isinstance(engine, CapturedBackend) else self._step_path  # path: may fall back
 
+    @property
+    def memory_budget(self) -> int | None:  # bytes a batch may hold (README): budget.limit; None: no limit
+        return self.budget.limit
+
+    @memory_budget.setter
+    def memory_budget(self, limit: int | None) -> None:
+        self.budget.limit = limit
+
     def batch_bytes(self, inputs: int, width: int) -> int | None:
-        """Device memory a batch of ``inputs`` inputs padded to ``width`` tokens holds while it decodes: the
-        backend's caches (``cache_bytes``, capture's padding included; ``generate()``'s as the generic backend
-        counts them), the logits rows, the encoder's peak, the search's buffers and the CUDA graphs' pool
-        (:func:`~.memory.batch_bytes`); ``None`` when the backend cannot say."""
+        """Device memory a batch of ``inputs`` inputs padded to ``width`` tokens holds while it decodes
+        (:func:`~.memory.batch_bytes`; ``generate()``'s as the generic backend counts it); ``None``: cannot say."""
         from seqgen_cli.models.generic import GenericBackend
 
         if self.backend == "fast":
@@ -205,12 +209,6 @@ class Generator:
             backend = self._sizing = GenericBackend(self.model)
         new_tokens = self.new_token_limits(width)[0]
         return batch_bytes(backend, self.model, self.config, inputs, width, self.rows_per_input, new_tokens)
-
-    def memory_limit(self) -> MemoryLimit | None:
-        """The batcher's memory budget: :attr:`memory_budget` as each batch is cut, over :meth:`batch_bytes`."""
-        if self.memory_budget is None or self.batch_bytes(1, 1) is None:
-            return None
-        return MemoryLimit(lambda: self.memory_budget, self.batch_bytes)
 
     # -- tokens -----------------------------------------------------------------------------------
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
@@ -339,7 +337,7 @@ class Generator:
             done, todo = known(batch.items) if known is not None else ([], batch.items)
             t0 = time.perf_counter()
             results = generate_split(self, todo) if todo else []
-            self.memory_budget = self.budget_reader.after(todo, self.memory_budget, self._model_backend)
+            self.budget.after(todo)  # read again after a new shape, or what it set up
             yield BatchResults(batch, results, done, time.perf_counter() - t0)
 
     def batcher(
@@ -359,7 +357,7 @@ class Generator:
             batch_size, batch_tokens = max(self.lanes, window), None
         return Batcher(
             chunks, passthrough, batch_size=batch_size, batch_tokens=batch_tokens, rows=self.rows_per_input,
-            window=sort_window, memory=self.memory_limit(), buckets=self.buckets, grow=early,
+            window=sort_window, memory=self.budget.memory_limit(self.batch_bytes), buckets=self.buckets, grow=early,
         )  # fmt: skip
 
     def generate(self, texts: Sequence[str], batch_size: int = DEFAULT_BATCH_SIZE) -> list[list[str]]:

@@ -1,5 +1,5 @@
-"""What a batch holds on the device beyond its caches and logits rows, counted from shapes alone, and the
-free-memory budget read again once each new batch shape has run.
+"""What a batch holds on the device beyond its caches and logits rows, counted from shapes alone, and the device
+memory budget that batches and the capture path's kept states are held to (:class:`DeviceBudget`).
 
 ``Generator.batch_bytes`` = the backend's ``cache_bytes`` + ``N * V * LOGIT_BYTES`` (the logits rows: logits,
 log-probs, processed scores, float32) + :func:`extra_bytes`, the sum of three upper estimates (``B`` inputs of
@@ -21,25 +21,30 @@ compute dtype's item size; on the captured path ``B``, ``S`` and ``T`` are the p
 * :func:`graph_pool_bytes` (CUDA graphs only): the private memory pool of the step's graphs, approximated as one
   decode step's activations at the padded shape (a graph keeps its intermediates' memory for its replays).
 
-On CUDA the budget (:func:`~seqgen_cli.batching.free_memory_budget`) is read when the model is loaded, and again
-by :class:`BudgetReader` after the first batch of each new ``(inputs, width)`` shape has run, and after a batch
-that compiled a shape or allocated a kept state (by default a shape's first batches run uncompiled): one
+The budget has one owner, :class:`DeviceBudget`: what a batch may hold (``limit``) and what the run holds
+against it for later batches (``held``: the capture path's kept states), asked by the batcher
+(:meth:`DeviceBudget.memory_limit`, over ``Generator.batch_bytes``) and by the kept-state pool
+(:meth:`DeviceBudget.fits`, ``models/kept.py``) alike. On CUDA ``limit`` is the free memory
+(:func:`free_memory_budget`), read when the model is loaded and again by :meth:`DeviceBudget.after` after the first
+batch of each new ``(inputs, width)`` shape has run, and after a batch that set up something that outlives it (a
+kept state allocated, a shape compiled: by default a shape's first batches run uncompiled): one
 ``torch.cuda.mem_get_info`` per such batch, never per step. Elsewhere there is no budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from seqgen_cli.batching import LOGIT_BYTES, Item, free_memory_budget
+from seqgen_cli.batching import LOGIT_BYTES, Item, MemoryLimit
 from seqgen_cli.shapes import graph_inputs, graph_slots, graph_width, input_width
 
 CHUNK = 128  # beam.wide_topk's chunk (columns); torch.topk's own temporaries are smaller
 CANDIDATE_BYTES = 64  # per top-k candidate: its score, index, beam, token, flags and running copies
+HEADROOM = 0.25  # of the free memory: left to fragmentation, other processes, an eager step (uncounted)
 
 
 def _first(config: Any, *names: str) -> int | None:
@@ -182,48 +187,72 @@ def batch_bytes(
 ) -> int | None:
     """``Generator.batch_bytes``: ``engine``'s ``cache_bytes``, the logits rows (``LOGIT_BYTES`` per row and
     vocabulary entry) and :func:`extra_bytes`; ``None`` when the engine cannot say what its caches hold."""
-    cache_bytes = getattr(engine, "cache_bytes", None)
-    caches = None if cache_bytes is None else cache_bytes(inputs, width, rows_per_input, new_tokens)
+    caches = engine.cache_bytes(inputs, width, rows_per_input, new_tokens)
     if caches is None:
         return None
     logits = inputs * rows_per_input * engine.vocab_size * LOGIT_BYTES
     return caches + logits + extra_bytes(engine, model, config, inputs, width, rows_per_input, new_tokens)
 
 
-def kept_bytes(engine: Any) -> int:
-    """Bytes of the kept states a ``CapturedBackend`` holds (refilled, or released, for later batches)."""
-    return sum(kept.nbytes for kept in getattr(engine, "kept", {}).values())
+def free_memory_budget(device: Any, held: int = 0) -> int | None:
+    """The default memory budget: on CUDA the free memory (the driver's free, plus what torch's allocator
+    holds unused, plus ``held``: bytes it holds for state a later batch reuses or releases) less
+    :data:`HEADROOM`; ``None`` (no limit) elsewhere."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int((free + unused + held) * (1 - HEADROOM))
 
 
-def held_mark(engine: Any) -> tuple[int, int]:
-    """What a ``CapturedBackend`` has set up that outlives a batch: kept states allocated and shapes compiled (a
-    graph pool each); ``(0, 0)`` for any other engine."""
-    allocations = getattr(engine, "allocations", None)
-    return (sum(allocations.values()) if allocations else 0, len(getattr(engine, "shapes", ())))
+class DeviceBudget:
+    """The device memory budget (module docstring): ``limit``, the bytes a batch may hold (``None``: no limit;
+    ``Generator.memory_budget`` reads and sets it), and ``held``, the bytes held against it for later batches (the
+    kept states', counted back in when the budget is read: a later batch refills or releases them)."""
 
-
-class BudgetReader:
-    """Reads the free-memory budget again after the first batch of each new ``(inputs, width)`` shape has run,
-    and after a batch that allocated a kept state or compiled a shape (CUDA only): what the run then holds (kept
-    states, graph pools, compiled kernels; other processes' memory) is no longer free. Kept states are counted
-    back in: a later batch refills or releases them."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.shapes: set[tuple[int, int]] = set()  # shapes run, the budget read after each
-        self.mark = (0, 0)  # the engine's held_mark at the last read
+    def __init__(self, device: torch.device, limit: int | None = None) -> None:
+        self.device, self.limit = device, limit
+        self.held = 0  # bytes held for later batches (the kept states of models/kept.py)
+        self.set_ups = 0  # things set up that outlive a batch: kept states allocated, shapes compiled
+        self.shapes: set[tuple[int, int]] = set()  # batch shapes run, the budget read after each
         self.reads = 0
+        self._read_at = 0  # set_ups at the last read
 
-    def after(self, items: Sequence[Item], budget: int | None, engine: Any) -> int | None:
-        """The budget after ``items`` ran as a batch: read again if its shape is new or the engine set up more
-        (CUDA), else ``budget``."""
+    @classmethod
+    def read(cls, device: torch.device) -> DeviceBudget:
+        """``device``'s budget now (:func:`free_memory_budget`: on CUDA the free memory; elsewhere none)."""
+        return cls(device, free_memory_budget(device))
+
+    def hold(self, nbytes: int) -> None:
+        """``nbytes`` more are held for later batches (negative: released)."""
+        self.held += nbytes
+
+    def set_up(self) -> None:
+        """Something that outlives its batch was set up (a kept state allocated, a shape compiled: a graph pool):
+        :meth:`after` reads the budget again."""
+        self.set_ups += 1
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit beside what is held (the kept-state pool asks before it keeps another)."""
+        return self.limit is None or self.held + nbytes <= self.limit
+
+    def memory_limit(self, cost: Callable[[int, int], int | None]) -> MemoryLimit | None:
+        """The batcher's limit: :attr:`limit` as each batch is cut (read again as shapes run) over ``cost``
+        (``Generator.batch_bytes``); ``None`` without a limit or where ``cost`` cannot say."""
+        if self.limit is None or cost(1, 1) is None:
+            return None
+        return MemoryLimit(lambda: self.limit, cost)  # type: ignore[arg-type]: cost is checked above
+
+    def after(self, items: Sequence[Item]) -> int | None:
+        """The limit after ``items`` ran as a batch: read again (CUDA) if its ``(inputs, width)`` shape is new or
+        something was set up since the last read."""
         if self.device.type != "cuda" or not items:
-            return budget
+            return self.limit
         shape = (len(items), input_width(max(len(it.ids or ()) for it in items)))
-        mark = held_mark(engine)
-        if shape in self.shapes and mark == self.mark:
-            return budget
+        if shape in self.shapes and self.set_ups == self._read_at:
+            return self.limit
         self.shapes.add(shape)
-        self.mark = mark
+        self._read_at = self.set_ups
         self.reads += 1
-        return free_memory_budget(self.device, kept_bytes(engine))
+        self.limit = free_memory_budget(self.device, self.held)
+        return self.limit

@@ -27,7 +27,7 @@ from seqgen_cli.batching import Batcher, Encoded
 from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
 from seqgen_cli.loading import Loaded
-from seqgen_cli.memory import BudgetReader
+from seqgen_cli.memory import DeviceBudget
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,8 +58,7 @@ class FakeGen:
         self.loaded = Loaded(None, None, True, torch.device("cpu"), torch.float32)
         self.batches: list[list[list[int]]] = []
         self.fail = fail  # called with the batch before generating; may raise
-        self.memory_budget, self._model_backend = None, None  # as a CPU Generator: no budget
-        self.budget_reader = BudgetReader(self.loaded.device)
+        self.budget = DeviceBudget(self.loaded.device)  # as a CPU Generator: no limit
 
     @property
     def num_return_sequences(self) -> int:

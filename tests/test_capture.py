@@ -164,7 +164,7 @@ def test_a_recompile_limit_hit_is_reported_not_silent(tiny_models) -> None:
     with torch._dynamo.config.patch(recompile_limit=2):
         assert run_beam(backend, loaded) == run_beam(get_backend(loaded.model), loaded)
     assert backend.path.startswith("captured, then eager (FailOnRecompileLimitHit"), backend.path
-    assert backend.compiled is None and backend.steps["eager"] > 0
+    assert backend.decoder.compiled is None and backend.steps["eager"] > 0
 
 
 @pytest.mark.parametrize("after", [False, True], ids=["before-decode", "after-decode"])
@@ -179,7 +179,7 @@ def test_a_failure_on_any_call_falls_back_to_eager(tiny_models, call: int, after
     assert run_beam(backend, loaded, min_new_tokens=10) == reference
     reason = "RuntimeError: CUDA error: operation not permitted when stream is capturing"
     assert backend.path == ("eager" if call == 1 else "captured, then eager") + f" ({reason})"
-    assert backend.compiled is None
+    assert backend.decoder.compiled is None
     assert backend.steps["captured"] == call - 1 and _steps(backend) > call
 
 
@@ -212,7 +212,7 @@ def test_out_of_memory_while_compiling_stays_an_oom(tiny_models, call: int, mess
     backend = CapturedBackend(get_backend(loaded.model), failing_on(call, RuntimeError(message)))
     with pytest.raises(RuntimeError, match="out of memory"):
         _Gen(backend, loaded).generate_ids([it.ids for it in items])
-    (oom_shape,) = backend.oom_shapes
+    (oom_shape,) = backend.decoder.oom_keys
     assert oom_shape[0] == 8 * 3, "5 inputs: 8 slots of 3 rows"
     retried = generate_split(_Gen(backend, loaded), items)
     assert [r.sequences for r in retried] == [r.sequences for r in plain]
@@ -220,7 +220,7 @@ def test_out_of_memory_while_compiling_stays_an_oom(tiny_models, call: int, mess
     two = [it.ids for it in items[:2]]  # another shape (2 slots): captured
     expected = _Gen(get_backend(loaded.model), loaded).generate_ids(two)
     assert _Gen(backend, loaded).generate_ids(two) == expected
-    assert backend.failure is None and backend.shapes and oom_shape not in backend.shapes
+    assert backend.decoder.failure is None and backend.shapes and oom_shape not in backend.shapes
     assert backend.path == "captured (1 eager: out of memory while compiling)"
 
 
@@ -229,7 +229,7 @@ def test_an_oom_on_a_replay_is_raised_and_the_shape_stays_captured(tiny_models) 
     backend = CapturedBackend(get_backend(loaded.model), failing_on(3, torch.OutOfMemoryError("CUDA OOM")))
     with pytest.raises(torch.OutOfMemoryError):
         run_beam(backend, loaded)
-    assert not backend.oom_shapes and backend.path == "captured"
+    assert not backend.decoder.oom_keys and backend.path == "captured"
     assert run_beam(backend, loaded) == run_beam(get_backend(loaded.model), loaded)
 
 
@@ -247,7 +247,7 @@ def test_an_oom_in_a_plain_batch_releases_the_kept_states_and_is_raised(tiny_mod
     )
     with pytest.raises(torch.OutOfMemoryError):
         run_beam(backend, loaded, batch=text_batch(loaded, 2, seed=5))  # 2 slots: not paid, plain
-    assert backend.plain_batches == 1 and not backend.kept and backend.released == kept
+    assert backend.plain_batches == 1 and not backend.kept and backend.pool.released == kept
 
 
 def test_inductor_skipping_cuda_graphs_is_read_from_its_counter(tiny_models) -> None:
@@ -270,7 +270,7 @@ def test_inductor_skipping_cuda_graphs_is_read_from_its_counter(tiny_models) -> 
     backend = CapturedBackend(get_backend(loaded.model), skipping)
     assert run_beam(backend, loaded) == run_beam(get_backend(loaded.model), loaded)
     assert backend.path == "captured (1 eager: inductor skipped CUDA graphs)"  # later shapes: another count
-    assert len(backend.skipped_shapes) == 1 and backend.steps["eager"] > 0
+    assert len(backend.decoder.skipped_keys) == 1 and backend.steps["eager"] > 0
 
 
 def test_a_cuda_graph_skip_turns_only_its_shape_eager(tiny_models) -> None:
@@ -292,7 +292,7 @@ def test_a_cuda_graph_skip_turns_only_its_shape_eager(tiny_models) -> None:
     assert run_beam(backend, loaded) == run_beam(plain, loaded)
     assert run_beam(backend, loaded, small) == run_beam(plain, loaded, small)
     assert run_beam(backend, loaded) == run_beam(plain, loaded)  # the first shape: still captured
-    assert len(backend.skipped_shapes) == 1 and backend.shapes and backend.compiled is not None
+    assert len(backend.decoder.skipped_keys) == 1 and backend.shapes and backend.decoder.compiled is not None
     assert backend.path == "captured (1 eager: inductor skipped CUDA graphs)"
 
 
@@ -638,7 +638,7 @@ def test_a_refill_step_that_differs_from_eager_switches_to_eager(tiny_models) ->
     out = _refill(backend, batch, config, order)
     assert out.sequences == plain.sequences and out.scores == plain.scores
     assert backend.path.startswith("captured, then eager (compiled step differs from eager: max |diff| 5")
-    assert backend.steps["captured"] == 2 and backend.compiled is None
+    assert backend.steps["captured"] == 2 and backend.decoder.compiled is None
 
 
 def test_refill_stats_count_captured_steps(tiny_models) -> None:

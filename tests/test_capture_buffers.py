@@ -7,8 +7,8 @@ the :class:`CapturedBackend`'s life, on the CPU with the stand-in "eager" compil
   plain backend's tokens, and bit for bit (tokens and scores) those of fresh buffers for every batch;
 * a later batch refills a kept state exactly as a fresh ``start`` fills a new one, a compaction copies exactly
   what ``drop`` keeps; the bytes ``cache_bytes`` promises are what a refilled or compacted state holds;
-* kept states stay within ``keep_bytes`` (least recently used released first), an out-of-memory error releases
-  them, and a batch whose buffers a later batch took cannot step on silently;
+* kept states stay within the device budget (least recently used released first), an out-of-memory error
+  releases them, and a batch whose buffers a later batch took cannot step on silently;
 * ``stats()`` reports the kept states (and, on CUDA, the CUDA graphs recorded; counted here on stand-in trees).
 """
 
@@ -23,8 +23,10 @@ import torch
 
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
+from seqgen_cli.memory import DeviceBudget
 from seqgen_cli.models import capture, get_backend, linear_maps
 from seqgen_cli.models.capture import CapturedBackend, CapturedState, Decode
+from seqgen_cli.models.kept import tensors_of
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.shapes import graph_slots, graph_width
 from tests.engine_models import load, text_batch
@@ -119,8 +121,11 @@ def test_one_state_per_shape_over_a_run_of_mixed_batches(tiny_models, family: st
         assert (out.sequences, out.scores) == (fresh.sequences, fresh.scores), f"batch {i}: not as fresh"
     moved = {key: len(seen) for key, seen in backend.addresses.items() if len(seen) > 1}
     assert not moved, f"state addresses changed within a shape (shape: addresses seen): {moved}"
-    assert backend.allocations.total() == len(backend.addresses), (backend.allocations, backend.uses)
-    assert set(backend.allocations.values()) == {1}
+    assert backend.pool.allocations.total() == len(backend.addresses), (
+        backend.pool.allocations,
+        backend.uses,
+    )
+    assert set(backend.pool.allocations.values()) == {1}
     reused = backend.uses.total() - len(backend.addresses)  # batches and compactions on a kept state
     assert reused >= 30 and backend.compactions >= 5, (backend.uses, backend.compactions)
     assert len({key[2] for key in backend.addresses}) == 2, "graph widths 64 and 128"
@@ -146,7 +151,7 @@ def test_a_generator_run_of_fifty_batches_keeps_its_buffers(tiny_models) -> None
     assert list(gen.generate_iterable(texts, batch_size=4)) == expected
     assert backend.uses.total() - backend.compactions >= 50, "batches"
     assert all(len(seen) == 1 for seen in backend.addresses.values()), backend.addresses
-    assert backend.allocations.total() == len(backend.addresses) <= 16
+    assert backend.pool.allocations.total() == len(backend.addresses) <= 16
     stats = gen.device_stats()
     assert stats["kept_shapes"] == stats["kept_allocations"] == len(backend.addresses)
     assert Summary(backend="fast", device=stats).line()  # the closing line takes the new keys
@@ -234,8 +239,8 @@ def test_cache_bytes_describe_a_refilled_and_a_compacted_state(tiny_models, fami
     assert captured.stats()["kept_bytes"] == sum(k.nbytes for k in captured.kept.values())
 
 
-def test_kept_states_stay_within_keep_bytes(tiny_models) -> None:
-    """A ``keep_bytes`` that holds about two batches' states: a new shape releases the least recently used idle
+def test_kept_states_stay_within_the_budget(tiny_models) -> None:
+    """A budget that holds about two batches' states: a new shape releases the least recently used idle
     state (never the running one), the outputs stay the plain backend's, and a released shape that comes back is
     allocated again."""
     loaded = load(tiny_models("bart"))
@@ -243,15 +248,22 @@ def test_kept_states_stay_within_keep_bytes(tiny_models) -> None:
     probe = CapturedBackend(inner, eager)
     widths = {}
     for tokens in (12, 90):
-        widths[tokens] = probe._batch_bytes((8, 3, graph_width(tokens), graph_slots(10)))
-    backend = Watched(inner, eager, keep_bytes=2 * widths[90] + widths[12])
+        widths[tokens] = probe.pool.batch_bytes((8, 3, graph_width(tokens), graph_slots(10)))
+    backend = Watched(inner, eager, budget=DeviceBudget(torch.device("cpu"), 2 * widths[90] + widths[12]))
     batches = mixed_batches(loaded, 21)
     for batch, setting in batches:
         out = run(backend, loaded, batch, setting)
         assert out.sequences == run(inner, loaded, batch, setting).sequences
-        assert sum(k.nbytes for k in backend.kept.values()) <= backend.keep_bytes
-    assert backend.released > 0 and backend.allocations.total() == len(backend.kept) + backend.released
-    assert max(backend.allocations.values()) > 1, "a released shape came back: allocated again"
+        assert (
+            sum(k.nbytes for k in backend.kept.values())
+            == backend.pool.budget.held
+            <= backend.pool.budget.limit
+        )
+    assert (
+        backend.pool.released > 0
+        and backend.pool.allocations.total() == len(backend.kept) + backend.pool.released
+    )
+    assert max(backend.pool.allocations.values()) > 1, "a released shape came back: allocated again"
 
 
 def test_out_of_memory_releases_the_kept_states(tiny_models) -> None:
@@ -279,7 +291,7 @@ def test_out_of_memory_releases_the_kept_states(tiny_models) -> None:
     with pytest.raises(torch.OutOfMemoryError):
         run(backend, loaded, batch, setting)
     failing["now"] = False
-    assert not backend.kept and backend.released >= 2
+    assert not backend.kept and backend.pool.released >= 2
     assert run(backend, loaded, batch, setting).sequences == run(inner, loaded, batch, setting).sequences
 
 
@@ -290,7 +302,7 @@ def test_a_batch_whose_state_was_taken_cannot_step_on(tiny_models) -> None:
     backend = CapturedBackend(get_backend(loaded.model), eager)
     first, _ = backend.start(text_batch(loaded, 3, seed=1), 2, 8)
     second, _ = backend.start(text_batch(loaded, 4, seed=2), 2, 8)
-    assert second.inner is first.inner and backend.allocations.total() == 1
+    assert second.inner is first.inner and backend.pool.allocations.total() == 1
     tokens = torch.zeros(6, dtype=torch.long)
     with pytest.raises(RuntimeError, match="taken by a later batch"):
         backend.step(first, tokens)
@@ -308,7 +320,7 @@ def recording(fn: Any) -> Any:
     seen: set[tuple[Any, ...]] = set()
 
     def run(state: Any, x: torch.Tensor) -> Any:
-        key = (tuple(x.shape), next(capture.tensors_of(state)).data_ptr())
+        key = (tuple(x.shape), next(tensors_of(state)).data_ptr())
         if key not in seen:
             seen.add(key)
             with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "test"):
@@ -364,5 +376,5 @@ def test_kept_states_through_the_real_compiler(tiny_models, monkeypatch) -> None
         assert run(backend, loaded, batch, setting).sequences == run(inner, loaded, batch, setting).sequences
     assert backend.path == "captured" and backend.steps["eager"] == 0
     assert all(len(seen) == 1 for seen in backend.addresses.values()), backend.addresses
-    assert backend.compactions >= 1 and backend.allocations.total() == len(backend.addresses) == 2
+    assert backend.compactions >= 1 and backend.pool.allocations.total() == len(backend.addresses) == 2
     assert graphs["unique_graphs"] - before == len(backend.shapes), "a shape compiled again"

@@ -31,21 +31,14 @@ from transformers import GenerationConfig
 import tests.equivalence  # noqa: F401  (single intra-op thread)
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import get_backend, linear_maps
-from seqgen_cli.models.capture import CapturedBackend, Decode, compile_search, held_bytes, tensors_of
+from seqgen_cli.models.capture import CapturedBackend, Decode, compile_search
 from seqgen_cli.models.compiled_calls import SKIPPED
+from seqgen_cli.models.kept import held_bytes, tensors_of
 from seqgen_cli.search import Batch, generate, ngram
 from seqgen_cli.search.beam import BeamSearch
-from seqgen_cli.search.history import TokenHistory
-from seqgen_cli.search.processors import LogitsPipeline
+from seqgen_cli.search.history import StaticHistory, StepLimits, TokenHistory
+from seqgen_cli.search.processors import LogitsPipeline, Processors, append, process, process_split
 from seqgen_cli.search.settings import resolve_settings
-from seqgen_cli.search.slot_processors import (
-    SlotHistory,
-    SlotLimits,
-    SlotProcessors,
-    append,
-    process,
-    process_split,
-)
 from seqgen_cli.search.slots import SlotBeamSearch, SlotState, slot_beam_step
 from tests.engine_models import FAMILIES as ENGINE_FAMILIES
 from tests.engine_models import load, text_batch
@@ -172,7 +165,7 @@ def test_a_kept_search_state_keeps_its_addresses(tiny_models) -> None:
             == held_bytes([*tensors_of(kept.inner), kept.tokens, *tensors_of(state)])
             > model_bytes
         )
-        assert backend.stats()["kept_bytes"] >= kept.nbytes  # what keep_bytes holds the kept states to
+        assert backend.stats()["kept_bytes"] >= kept.nbytes  # what the kept states hold against the budget
     assert states[0] is states[1] is states[2]
     assert addresses[0] == addresses[1] == addresses[2]
 
@@ -190,7 +183,7 @@ def test_a_slot_step_never_syncs(tiny_models, family: str) -> None:
     per shape, never per step). (The model's own first-replay check, one sync per shape, is skipped.)"""
     loaded = load(tiny_models(family))
     backend = slots(loaded)
-    backend._differs = lambda *args: None  # type: ignore[method-assign]
+    backend.decoder.differs = lambda *args: None
     settings = dict(SETTINGS["ngram-minlen-lp-forced"], repetition_penalty=1.2, bad_words_ids=[[5], [7, 8]])
     with recording_slots(backend) as rec:
         run(backend, loaded, text_batch(loaded, 8, seed=4), settings, sync_every=3)
@@ -307,7 +300,7 @@ VOCAB = 12  # small: n-grams repeat, bans hit forced and suppressed tokens
 
 def _pipelines(
     encoder_decoder: bool, renormalize: bool, n: int, seed: int
-) -> tuple[TokenHistory, LogitsPipeline, SlotHistory, SlotProcessors, SlotLimits, Any]:
+) -> tuple[TokenHistory, LogitsPipeline, StaticHistory, Processors, StepLimits, Any]:
     """A random starting history (decoder-only: left-padded prompts with ids beyond the vocabulary, rows in
     groups of 3 beams) and both processor pipelines over it (no-repeat ``n``-grams)."""
     g = torch.Generator().manual_seed(seed)
@@ -325,13 +318,13 @@ def _pipelines(
     pads = None if encoder_decoder else torch.tensor([0, 0, 0, 2, 2, 2])  # two inputs of 3 rows
     history = TokenHistory(prompt, s.max_length, pads)
     pipeline = LogitsPipeline(s, history, VOCAB, torch.device("cpu"))
-    slot = SlotHistory.empty(
+    slot = StaticHistory.empty(
         rows, prompt_len + new_tokens + 5, pipeline.ngram.keys is not None, torch.device("cpu")
     )
     slot.restart(history, pipeline.ngram.keys, torch.arange(rows))
-    limits = SlotLimits.zeros(torch.device("cpu"))
+    limits = StepLimits.zeros(torch.device("cpu"))
     limits.restart(s)
-    return history, pipeline, slot, SlotProcessors.build(pipeline, VOCAB, torch.device("cpu")), limits, s
+    return history, pipeline, slot, pipeline.proc.static(torch.device("cpu")), limits, s
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "columns"])

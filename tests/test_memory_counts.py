@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections import Counter
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,12 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import GenerationConfig
 
-from seqgen_cli.batching import HEADROOM, LOGIT_BYTES, Item, MemoryLimit, plan_batches
+from seqgen_cli.batching import LOGIT_BYTES, Item, MemoryLimit, plan_batches
 from seqgen_cli.generator import Generator
 from seqgen_cli.memory import (
     CANDIDATE_BYTES,
     CHUNK,
-    BudgetReader,
+    HEADROOM,
+    DeviceBudget,
     Dims,
     SearchDims,
     encoder_bytes,
@@ -276,37 +275,51 @@ def _items(*lengths: int) -> list[Item]:
     return [Item(i, [7] * n, f"input {i + 1}") for i, n in enumerate(lengths)]
 
 
-def test_budget_reader_reads_once_per_new_shape(monkeypatch) -> None:
+def test_the_budget_is_read_once_per_new_shape(monkeypatch) -> None:
     free = [10 * GiB]
     calls = _fake_cuda(monkeypatch, free, reserved=3 * GiB, allocated=2 * GiB)
-    kept = SimpleNamespace(kept={"a": SimpleNamespace(nbytes=GiB)})  # a CapturedBackend's kept states
-    reader = BudgetReader(torch.device("cuda", 0))
-    budget = reader.after(_items(10, 12), 5, kept)  # a new shape: (2 inputs, width 16)
-    assert budget == int((10 + 1 + 1) * GiB * (1 - HEADROOM)) and len(calls) == 1
+    reader = DeviceBudget(torch.device("cuda", 0), 5)
+    reader.hold(GiB)  # a kept state's bytes, held for later batches
+    budget = reader.after(_items(10, 12))  # a new shape: (2 inputs, width 16)
+    assert budget == reader.limit == int((10 + 1 + 1) * GiB * (1 - HEADROOM)) and len(calls) == 1
     free[0] = 4 * GiB
-    assert reader.after(_items(9, 16), budget, kept) == budget  # (2, 16) again: not read
-    assert reader.after(_items(9, 16, 3), budget, kept) == int(6 * GiB * (1 - HEADROOM))  # (3, 16)
-    assert reader.after(_items(20, 20), 1, None) == int(5 * GiB * (1 - HEADROOM))  # (2, 24); nothing kept
+    assert reader.after(_items(9, 16)) == budget  # (2, 16) again: not read
+    assert reader.after(_items(9, 16, 3)) == int(6 * GiB * (1 - HEADROOM))  # (3, 16)
+    reader.hold(-GiB)  # released
+    reader.limit = 1
+    assert reader.after(_items(20, 20)) == int(5 * GiB * (1 - HEADROOM))  # (2, 24); nothing kept
     assert len(calls) == reader.reads == 3
-    assert reader.after([], 7, None) == 7 and len(calls) == 3  # nothing ran
-    cpu = BudgetReader(torch.device("cpu"))
-    assert cpu.after(_items(10), None, None) is None and len(calls) == 3  # no budget on the CPU
+    reader.limit = 7
+    assert reader.after([]) == 7 and len(calls) == 3  # nothing ran
+    cpu = DeviceBudget.read(torch.device("cpu"))
+    assert cpu.after(_items(10)) is None and len(calls) == 3  # no budget on the CPU
 
 
-def test_budget_reader_reads_again_after_a_batch_that_compiled_or_kept_more(monkeypatch) -> None:
+def test_the_budget_is_read_again_after_a_batch_that_compiled_or_kept_more(monkeypatch) -> None:
     """By default a shape's first batches run uncompiled: the batch that first compiles it (or allocates its kept
     state) is not the shape's first, and what it set up is no longer free, so the budget is read after it too."""
     free = [10 * GiB]
     calls = _fake_cuda(monkeypatch, free)
-    engine = SimpleNamespace(kept={}, allocations=Counter(), shapes=set())  # a CapturedBackend's counts
-    reader = BudgetReader(torch.device("cuda", 0))
-    budget = reader.after(_items(10, 12), 5, engine)  # a new shape, run uncompiled: read
-    assert reader.after(_items(10, 12), budget, engine) == budget and len(calls) == 1  # the same: not read
-    engine.allocations[(2, 1, 64, 64)] += 1  # the next batch of the shape ran captured
-    engine.shapes.add((2, 64, 64, 64))
+    reader = DeviceBudget(torch.device("cuda", 0), 5)
+    budget = reader.after(_items(10, 12))  # a new shape, run uncompiled: read
+    assert reader.after(_items(10, 12)) == budget and len(calls) == 1  # the same: not read
+    reader.set_up()  # the next batch of the shape ran captured: its kept state allocated,
+    reader.set_up()  # its shape compiled
     free[0] = 4 * GiB
-    assert reader.after(_items(10, 12), budget, engine) == int(4 * GiB * (1 - HEADROOM)) and len(calls) == 2
-    assert reader.after(_items(10, 12), 1, engine) == 1 and reader.reads == 2  # nothing new since
+    assert reader.after(_items(10, 12)) == int(4 * GiB * (1 - HEADROOM)) and len(calls) == 2
+    reader.limit = 1
+    assert reader.after(_items(10, 12)) == 1 and reader.reads == 2  # nothing new since
+
+
+def test_the_kept_states_and_compiled_shapes_count_against_the_budget(tiny_models) -> None:
+    """What the budget is read again after comes from the capture path itself: a kept state allocated and a shape
+    compiled set something up, and the kept states' bytes are what the budget holds for them."""
+    loaded = load(tiny_models("bart"))
+    budget = DeviceBudget(torch.device("cpu"))
+    captured = CapturedBackend(get_backend(loaded.model), lambda decode: decode, budget=budget)
+    generate(captured, text_batch(loaded, 3, seed=2), _config(4, num_beams=2, min_new_tokens=4))
+    assert budget.held == sum(kept.nbytes for kept in captured.kept.values()) > 0
+    assert budget.set_ups == captured.stats()["kept_allocations"] + len(captured.shapes) >= 2
 
 
 def test_a_budget_read_again_applies_to_the_rest_of_the_window() -> None:
@@ -331,9 +344,7 @@ def test_generator_reads_its_budget_again_after_each_new_shape(tiny_models, monk
     free = [math.ceil(gen.batch_bytes(5, width) / (1 - HEADROOM)) + 1]
     assert int(free[0] * (1 - HEADROOM)) < gen.batch_bytes(6, width)
     calls = _fake_cuda(monkeypatch, free)
-    gen.budget_reader = BudgetReader(
-        torch.device("cuda", 0)
-    )  # the model runs on the CPU; the budget as on CUDA
+    gen.budget.device = torch.device("cuda", 0)  # the model runs on the CPU; the budget as on CUDA
     sizes: list[int] = []
     real = gen.generate_ids
 
@@ -344,5 +355,5 @@ def test_generator_reads_its_budget_again_after_each_new_shape(tiny_models, monk
     monkeypatch.setattr(gen, "generate_ids", spy)
     outputs = list(gen.generate_iterable(texts, batch_size=32))
     assert len(outputs) == 12 and sizes == [2, 5, 5]
-    assert len(calls) == 2 and gen.budget_reader.shapes == {(2, width), (5, width)}
+    assert len(calls) == 2 and gen.budget.shapes == {(2, width), (5, width)}
     assert gen.memory_budget == int(free[0] * (1 - HEADROOM))

@@ -230,7 +230,7 @@ def test_captured_backend_adds_no_host_sync(tiny_models) -> None:
         generate(backend, batch, config, sync_every=4)
     assert rec.iterations > 8 and rec.checks
     # A shape's first replay is checked against the eager step: one sync per shape, never per step.
-    first_replay = [e for e in rec.violations() if "_differs" in e.where]
+    first_replay = [e for e in rec.violations() if "logits_differ" in e.where]
     assert 0 < len(first_replay) <= len(backend.shapes)
     others = [e for e in rec.violations() if e not in first_replay]
     assert not others, "\n".join(map(str, others))
@@ -267,7 +267,7 @@ def test_compile_failure_falls_back_to_eager_with_the_reason(tiny_models) -> Non
 
     backend = CapturedBackend(get_backend(loaded.model), broken)
     assert _run(backend, loaded) == reference
-    assert backend.path == "eager (RuntimeError: no graph today)" and backend.compiled is None
+    assert backend.path == "eager (RuntimeError: no graph today)" and backend.decoder.compiled is None
 
 
 def test_shapes_beyond_the_limit_run_eager(tiny_models, monkeypatch: pytest.MonkeyPatch) -> None:

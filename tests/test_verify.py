@@ -164,7 +164,7 @@ def test_a_compiled_step_that_differs_switches_to_eager(tiny_models) -> None:
     reference = run_beam(get_backend(loaded.model), loaded)
     backend = CapturedBackend(get_backend(loaded.model), off_by(float("nan")))
     assert run_beam(backend, loaded) == reference
-    assert backend.compiled is None and backend.steps["captured"] == 2
+    assert backend.decoder.compiled is None and backend.steps["captured"] == 2
     assert backend.path.startswith("captured, then eager (compiled step differs from eager: max |diff| nan")
 
 

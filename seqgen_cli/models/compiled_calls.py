@@ -1,7 +1,23 @@
-"""A compiled call, made and checked: torch's recompile limit held for every call, dynamo's guards narrowed once a
-shape has settled, the first replay compared with the eager step, CUDA graph recordings counted; and the beam
-search's slot step compiled and guarded that way (:class:`CompiledSearch`). ``models/capture.py`` guards the
-model's step with the same pieces.
+"""A compiled call, made and guarded: :class:`Guarded`, the one guard of the capture path, used for the model's decode
+step (``models/capture.py``) and the beam search's slot step (``search/slots.py``) alike.
+
+Made: :func:`compile_decode` and :func:`compile_search` compile with ``torch.compile(mode="reduce-overhead",
+fullgraph=True, dynamic=False)``, a CUDA graph per key, replayed (cudagraph trees warm up on a key's first call,
+record on the second, replay from the third). Every call runs under torch's recompile limit raised to the
+caller's cap, a hit of it raising (:func:`call_under_limit`); once a key has run its :data:`SETTLING_CALLS`, only
+dynamo's differentiating guards (the key naming every host value a graph depends on: batch shape, source width,
+slots, span bucket; or slot shape and search settings).
+
+Guarded (:class:`Guarded`): each key's first replay is compared with the eager call on the same inputs (both steps
+are idempotent: the model's ``decode`` rewrites the same slot, the search step is a pure function of its tensors):
+logits further apart than :func:`step_tolerance` (:func:`logits_differ`), search outputs that differ
+(:func:`outputs_differ`) switch to eager for good, with the reason. A failure (compile error, recording error,
+torch's recompile limit) falls back to eager for good, with the reason; the failed call is rerun eagerly. An
+out-of-memory error stays one (the batch is split, ``batching.generate_split``); raised while a key settles (its
+compile or recording), that key runs eagerly from then on. Inductor skipping CUDA graphs (``cudagraph_skips``, read
+around every call) turns that key eager (the model's step) or every call (``skip_for_good``: the search's). Counted:
+calls per key, steps compiled and eager, compile seconds, and, where torch announces them
+(:func:`watch_recordings`), the CUDA graphs each key's calls recorded.
 """
 
 from __future__ import annotations
@@ -11,6 +27,7 @@ import inspect
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -81,7 +98,18 @@ def unguarded() -> Any:
 _SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
 
 
-def outputs_differ(compiled: list[Tensor], eager: list[Tensor], tolerance: float) -> str | None:
+def logits_differ(compiled: Tensor, eager: Tensor, key: Any, tolerance: float) -> str | None:
+    """Why a compiled model step's logits are not the eager step's (beyond ``tolerance`` of the largest eager
+    logit, :func:`step_tolerance`), or ``None``. One host sync."""
+    compiled, eager = compiled.float(), eager.float()
+    gap = torch.where(compiled == eager, 0.0, (compiled - eager).abs()).max()  # nan stays nan: differs
+    scale = eager.abs().nan_to_num(0.0, 0.0, 0.0).max().clamp(min=1.0)
+    if bool(gap <= tolerance * scale):
+        return None
+    return f"compiled step differs from eager: max |diff| {float(gap):.3g} of {float(scale):.3g}, shape {key}"
+
+
+def outputs_differ(compiled: list[Tensor], eager: list[Tensor], key: Any, tolerance: float) -> str | None:
     """Why a compiled search step's outputs are not the eager step's, or ``None``: integer and boolean ones
     (tokens, rows, flags, lengths) must be equal, float ones (scores) within ``tolerance`` of each value (at least
     of 1). One host sync."""
@@ -129,63 +157,156 @@ def graphs_recorded() -> int:
     return _RECORDED[0]
 
 
-class CompiledSearch:
-    """The search's slot step (``search/slots.py``) compiled once by ``compiler`` (torch traces it once per slot
-    shape) and guarded as ``decode`` is: a compile or recording error, torch's recompile limit or inductor skipping
-    CUDA graphs falls back to the eager step for good, with the reason (the step is a pure function of its
-    tensors: the failed call reruns eagerly); an out-of-memory error is re-raised; each shape's first replay is
-    checked against the eager step."""
+_COMPILE_PARAMS = frozenset(inspect.signature(torch.compile).parameters)
 
-    def __init__(self, compiler: SearchCompiler, max_shapes: int, tolerance: float) -> None:
+
+def compile_decode(decode: Any) -> Any:
+    """CUDA graphs through ``torch.compile``: one graph per shape, replayed (static caches, ``models/capture.py``).
+    Where torch offers it, the compiled entries are this call's own, so other instances' shapes do not count
+    against its recompile limit."""
+    isolate = {"isolate_recompiles": True} if "isolate_recompiles" in _COMPILE_PARAMS else {}
+    return torch.compile(decode, mode="reduce-overhead", fullgraph=True, dynamic=False, **isolate)
+
+
+def compile_search(step: SearchStep) -> SearchStep:
+    """The beam search's slot step (``search/slots.py``) as CUDA graphs, compiled as :func:`compile_decode`
+    compiles the model's: one graph per slot shape, its state's tensors static addresses (kept per shape)."""
+    return compile_decode(step)
+
+
+Differs = Callable[[Any, Any, Any], str | None]  # (compiled output, eager output, key) -> why they differ
+
+
+class Guarded:
+    """Functions compiled by ``compiler`` (each once; torch traces a graph per key) and called per key under the
+    guards of the module docstring. ``differs``: the first-replay check (:func:`logits_differ`,
+    :func:`outputs_differ`, with their tolerance). ``word``: what a compiled call counts as in ``steps``.
+    ``skip_for_good``: inductor skipping CUDA graphs turns every call eager (else only the key's). ``cap``: keys
+    beyond ``max_shapes`` run eagerly (``capped`` says one did; else torch's recompile limit, at ``max_shapes``,
+    stops compiled calls for good)."""
+
+    def __init__(
+        self, compiler: Callable[[Any], Any], max_shapes: int, differs: Differs, word: str = "compiled",
+        skip_for_good: bool = False, cap: bool = False,
+    ) -> None:  # fmt: skip
         from torch._dynamo.utils import counters
 
-        self.compiler, self.max_shapes, self.tolerance = compiler, max_shapes, tolerance
-        self.compiled: dict[SearchStep, SearchStep] = {}
-        self.calls: Counter[Any] = Counter()  # compiled calls per slot shape
+        self.compiler, self.max_shapes, self.differs = compiler, max_shapes, differs
+        self.word, self.skip_for_good, self.cap = word, skip_for_good, cap
+        self.capped = False  # a key beyond max_shapes ran eagerly (cap)
+        # each function's compiled one; None after a failure: eager for good
+        self.compiled: dict[Callable[..., Any], Callable[..., Any]] | None = {}
+        self.calls: Counter[Any] = Counter()  # compiled calls per key
+        self.keys: set[Any] = set()  # keys running compiled (a compiled call returned, checked)
+        self.oom_keys: set[Any] = set()  # out of memory while compiling or recording: eager
+        self.skipped_keys: set[Any] = set()  # inductor ran them without CUDA graphs: eager
         self.failure: str | None = None  # why compiled calls stopped
-        self.steps = Counter({"compiled": 0, "eager": 0})
-        self.compile_seconds = 0.0
-        self.recorded: Counter[Any] = Counter()  # CUDA graphs recorded per slot shape (graphs_recorded)
-        self._counters = counters
+        self.steps = Counter({word: 0, "eager": 0})
+        self.compile_seconds = 0.0  # host seconds in each key's compile + warm-up and recording calls
+        self.recorded: Counter[Any] = Counter()  # CUDA graphs recorded per key (graphs_recorded)
+        self._counters = counters  # torch's: counters["inductor"]["cudagraph_skips"]
 
-    def __call__(self, shape: Any, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
-        if self.failure is not None:
-            return self.eager(step, search, logits)
-        compiled = self.compiled.get(step) or self.compiled.setdefault(step, self.compiler(step))
-        call = self.calls[shape]
-        self.calls[shape] += 1
-        skips, t0 = self._counters["inductor"]["cudagraph_skips"], time.perf_counter()
-        recorded = graphs_recorded()
+    @classmethod
+    def for_decode(cls, compiler: Callable[[Any], Any], max_shapes: int, dtype: torch.dtype) -> Guarded:
+        """The model step's guard (``models/capture.py``): logits checked within :func:`step_tolerance`, steps
+        counted ``captured``, keys past ``max_shapes`` eager, a key inductor skipped eager."""
+        differs = partial(logits_differ, tolerance=step_tolerance(dtype))
+        return cls(compiler, max_shapes, differs, word="captured", cap=True)
+
+    @classmethod
+    def for_search(cls, compiler: Callable[[Any], Any], max_shapes: int, dtype: torch.dtype) -> Guarded:
+        """The slot search's step's guard (``search/slots.py``): outputs checked (scores within
+        :func:`step_tolerance`), steps counted ``compiled``, inductor skipping a key: every call eager."""
+        differs = partial(outputs_differ, tolerance=step_tolerance(dtype))
+        return cls(compiler, max_shapes, differs, skip_for_good=True)
+
+    def eager_for_good(self, key: Any) -> bool:
+        """Whether ``key``'s calls run eagerly whatever comes: after a failure, a key that ran out of memory while
+        compiling or recording, or that inductor skipped; under ``cap``, a new key once ``max_shapes`` run
+        compiled (noted)."""
+        if self.compiled is None or key in self.oom_keys or key in self.skipped_keys:
+            return True
+        if self.cap and key not in self.keys and len(self.keys) >= self.max_shapes:
+            self.capped = True
+            return True
+        return False
+
+    def eager(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` run eagerly (counted)."""
+        self.steps["eager"] += 1
+        return fn(*args)
+
+    def __call__(self, key: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` compiled, for ``key``, guarded: eager where it must be (the module docstring). The first
+        two calls of a key count as compile seconds, failed or not."""
+        if self.eager_for_good(key):
+            return self.eager(fn, *args)
+        table: dict[Callable[..., Any], Callable[..., Any]] = self.compiled  # type: ignore[assignment]: not None
+        compiled = table.get(fn) or table.setdefault(fn, self.compiler(fn))
+        call = self.calls[key]
+        self.calls[key] += 1
+        settling = call < SETTLING_CALLS - 1  # compile + warm-up, or recording
+        skips, recorded, t0 = self._skips(), graphs_recorded(), time.perf_counter()
+        failure: str | None = None
         try:
-            out = call_under_limit(self.max_shapes, compiled, search, logits, settled=call >= SETTLING_CALLS)
+            out = call_under_limit(self.max_shapes, compiled, *args, settled=call >= SETTLING_CALLS)
         except Exception as err:  # noqa: BLE001 - any compile/capture failure: eager, with the reason
             if is_oom(err):
+                if settling:
+                    self.oom_keys.add(key)
+                    self.keys.discard(key)
                 raise
-            return self._fall_back(f"{type(err).__name__}: {first_line(err)}", step, search, logits)
+            failure = f"{type(err).__name__}: {first_line(err)}"
         finally:
-            self.recorded[shape] += graphs_recorded() - recorded
-        if call < SETTLING_CALLS - 1:
-            self.compile_seconds += time.perf_counter() - t0
-        if self._counters["inductor"]["cudagraph_skips"] > skips:
-            return self._fall_back(SKIPPED, step, search, logits)
-        if call == SETTLING_CALLS - 1:  # the shape's first replay: checked once against the eager step
-            eager = step(search, logits)
-            self.failure = outputs_differ(out, eager, self.tolerance)
-            if self.failure is not None:
+            self.recorded[key] += graphs_recorded() - recorded
+            if settling:
+                self.compile_seconds += time.perf_counter() - t0
+        if failure is not None:
+            return self._fall_back(failure, fn, *args)
+        if self._skips() > skips:  # inductor ran this key without CUDA graphs (and goes on so)
+            if self.skip_for_good:
+                return self._fall_back(SKIPPED, fn, *args)
+            self.skipped_keys.add(key)  # this key eager from now on, the others as they were
+            self.keys.discard(key)
+            return self.eager(fn, *args)
+        if call == SETTLING_CALLS - 1:  # the key's first replay: checked once against the eager call
+            eager = fn(*args)  # idempotent: the same inputs, the same writes
+            failure = self.differs(out, eager, key)
+            if failure is not None:
+                self.compiled, self.failure = None, failure
                 self.steps["eager"] += 1
                 return eager
-        self.steps["compiled"] += 1
+        self.keys.add(key)
+        self.steps[self.word] += 1
         return out
 
-    def eager(self, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
-        """The step run eagerly (counted)."""
-        self.steps["eager"] += 1
-        return step(search, logits)
+    def _skips(self) -> int:
+        return self._counters["inductor"]["cudagraph_skips"]
 
-    def _fall_back(self, reason: str, step: SearchStep, search: Any, logits: Tensor) -> list[Tensor]:
-        self.failure = reason
-        return self.eager(step, search, logits)
+    def _fall_back(self, reason: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Eager for good from this call on, with the reason (the failed call reruns eagerly)."""
+        self.compiled, self.failure = None, reason
+        return self.eager(fn, *args)
 
     @property
     def path(self) -> str:
-        return "compiled" if self.failure is None else f"eager ({self.failure})"
+        return self.word if self.failure is None else f"eager ({self.failure})"
+
+    def notes(self) -> list[str]:
+        """What runs eagerly while the other keys run compiled: keys past the cap, keys inductor skipped, keys that
+        ran out of memory while compiling."""
+        notes = [f"{self.max_shapes} shapes; eager beyond"] if self.capped else []
+        if self.skipped_keys:
+            notes.append(f"{len(self.skipped_keys)} eager: inductor skipped CUDA graphs")
+        if self.oom_keys:
+            notes.append(f"{len(self.oom_keys)} eager: out of memory while compiling")
+        return notes
+
+    def counts(self, prefix: str = "") -> dict[str, Any]:
+        """For ``--stats``: compile seconds, steps run compiled and eagerly (``prefix`` before each name)."""
+        steps = {f"{prefix}{word}_steps": n for word, n in self.steps.items()}
+        return {f"{prefix}compile_seconds": round(self.compile_seconds, 1), **steps}
+
+    def recordings(self, prefix: str, name: Callable[[Any], str]) -> Counter[str]:
+        """CUDA graphs recorded per key, by ``prefix`` and ``name(key)``."""
+        return Counter({prefix + name(key): n for key, n in self.recorded.items()})

@@ -12,8 +12,9 @@ Packing ``key = sum_k tok_k * V**(n-2-k)`` is exact (injective) while ``V**(n-1)
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from seqgen_cli.search.history import TokenHistory
+from seqgen_cli.search.history import History, Step, TokenHistory, columns, filled, put_column, unless
 
 _INT64_LIMIT = 2**63
 
@@ -50,28 +51,56 @@ class NGramBlocker:
 
     def appended(self, history: TokenHistory) -> None:
         """The history just grew by one column: one more (n-1)-gram may be complete (O(n) per row)."""
-        start = history.length - (self.n - 1)
-        if self.keys is not None and self.n > 1 and start >= 0:
-            gram = history.tokens[:, start : history.length]  # [N, n-1]
-            self.keys[:, start] = (gram * self.powers).sum(-1)
+        if self.keys is not None and self.powers is not None and self.n > 1:
+            append_key(self.n, self.powers, history.tokens, self.keys, history.length, history.cols)
 
     def __call__(self, history: TokenHistory, scores: torch.Tensor) -> torch.Tensor:
         """``scores``: [N, V]; banned entries set to -inf in place."""
-        n, length = self.n, history.length
-        windows = length - n + 1  # complete n-grams in the history
-        if windows <= 0:
-            return scores
-        tokens = history.tokens
-        if self.keys is not None:
-            current = self.keys[:, windows : windows + 1]  # [N, 1] key of the last n-1 tokens
-            matches = self.keys[:, :windows] == current  # [N, W]
-        else:
-            prefix = tokens[:, windows:length]  # [N, n-1]
-            grams = tokens[:, : length - 1].unfold(1, n - 1, 1)[:, :windows]  # [N, W, n-1]
-            matches = (grams == prefix[:, None, :]).all(-1)  # [N, W]
-        banned = tokens[:, n - 1 : length]  # [N, W]: the token completing window j
-        in_vocab = banned < self.vocab_size
-        values = torch.full(matches.shape, float("inf"), dtype=scores.dtype, device=scores.device)
-        values.masked_fill_(matches & in_vocab, float("-inf"))
-        # amin with +inf leaves a score unchanged, with -inf bans it: order-free, so deterministic on GPU.
-        return scores.scatter_reduce_(1, banned.clamp(max=self.vocab_size - 1), values, reduce="amin")
+        return ngram_ban(self.n, self.vocab_size, history, self.keys, history.length, scores)
+
+
+def append_key(n: int, powers: Tensor, tokens: Tensor, keys: Tensor, length: Step, cols: Tensor) -> Tensor:
+    """The keys after the history grew to ``length`` columns: the key of the (n-1)-gram ending with the new token
+    (``tokens`` [N, C]) at its start column of ``keys`` [N, C + 1] (in place at a host ``length``; a new buffer at
+    a device one)."""
+    start = length - (n - 1)
+    ready = start >= 0  # [] the gram is complete
+    if ready is False:
+        return keys
+    key = (columns(tokens, start, n - 1, cols) * powers).sum(-1)  # [N]
+    return put_column(keys, start, key, cols, ready)
+
+
+def ngram_ban(
+    n: int,
+    vocab: int,
+    h: History,
+    keys: Tensor | None,
+    length: Step,
+    scores: Tensor,
+    skip: Tensor | None = None,
+) -> Tensor:
+    """Bans, in place, every token of ``scores`` [N, V] that would complete an n-gram already in the row's
+    ``length`` columns of ``h`` (none where ``skip``, a 0-d bool): by the packed ``keys`` or by comparing columns.
+
+    At a host length the windows are the complete ones; at a device length every window that fits the buffer,
+    those at or past ``length - n + 1`` masked."""
+    windows = length - n + 1  # complete n-grams in the history
+    if isinstance(windows, int) and windows <= 0:
+        return scores
+    tokens = filled(h.tokens, length)  # [N, L]
+    width = tokens.shape[1] - n + 1  # window starts read: the complete ones (host), all that fit (device)
+    if keys is not None:
+        current = columns(keys, windows, 1, h.cols)  # [N, 1] key of the last n-1 tokens
+        matches = keys[:, :width] == current  # [N, W]
+    else:
+        prefix = columns(h.tokens, windows, n - 1, h.cols)  # [N, n-1]
+        grams = tokens[:, :-1].unfold(1, n - 1, 1)[:, :width]  # [N, W, n-1]
+        matches = (grams == prefix[:, None, :]).all(-1)  # [N, W]
+    banned = tokens[:, n - 1 :]  # [N, W]: the token completing window j
+    ban = matches & (banned < vocab)
+    if not isinstance(windows, int):
+        ban = ban & (h.cols[:width] < windows)
+    values = torch.where(unless(ban, skip), float("-inf"), float("inf")).to(scores.dtype)
+    # amin with +inf leaves a score unchanged, with -inf bans it: order-free, so deterministic on GPU.
+    return scores.scatter_reduce_(1, banned.clamp(max=vocab - 1), values, reduce="amin")

@@ -1,12 +1,12 @@
-"""Beam search over fixed slots, a step with static shapes and addresses: compiled like the model's step.
+"""The static beam search over fixed lanes: a step with static shapes and addresses, compiled like the model's.
 
 After the captured model step (``models/capture.py``) what is left of a decode step is the search's ~80 small ops
 (cast, log-softmax, processors, score add, top-k over ``[B, K * V]``, the finished-set merge, reordering the
 history, n-gram keys and back-pointers), each a launch. Here the search runs over all ``P * R`` rows of a
-:class:`~seqgen_cli.search.protocol.SlotBackend` (the capture path's padded slots: inputs that left or that pad
+:class:`~seqgen_cli.search.protocol.SlotBackend` (the capture path's padded lanes: inputs that left or that pad
 the batch run idle, their rows finite and unread), with every tensor preallocated in a :class:`SlotState` kept
 with the backend's state for that shape, and the step counter and length limits as 0-d device tensors
-(``slot_processors.SlotLimits``). :func:`slot_beam_step` is a pure function of that state and the logits: it
+(``history.StepLimits``). :func:`slot_beam_step` is a pure function of that state and the logits: it
 returns the new buffers, which the search copies in (:func:`commit`: one ``_foreach_copy_`` per dtype), so the
 same function runs eagerly (the first step of a batch, a fallback) and compiled (``SlotBackend.search_call``: one
 graph, on CUDA one replay per step), and a compiled call can be checked against, or rerun as, the eager one.
@@ -16,9 +16,10 @@ commit (one copy per dtype: 3) and the back-pointers' reorder (2), against ~80-1
 plus the host check every ``sync_every`` steps. A batch's first search step runs eagerly (its logits come from
 the encoder's or prefill's path, not the model's graph).
 
-Exactness: the step is ``beam.BeamSearch.advance`` (its helpers, transformers' order), with "only at this step"
-conditions as ``torch.where`` on the device step and divisions as eager torch divides by a Python float (on CUDA a
-product by the float32 inverse, ``beam._divide``): run eagerly, tokens and scores are bit for bit those of
+Exactness: the step is ``beam.BeamSearch.advance`` (the helpers of ``beam_step.py``, the processors of
+``processors.py``, in transformers' order), with "only at this step" conditions as ``torch.where`` on the device
+step and divisions as eager torch divides by a Python float (on CUDA a product by the float32 inverse,
+``beam_step.divide``): run eagerly, tokens and scores are bit for bit those of
 ``BeamSearch`` (``tests/test_compiled_search.py``); compiled, log-softmax and sums may round differently, so
 tokens are the same where no near-tie separates them, as for the compiled model step.
 """
@@ -31,32 +32,25 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from seqgen_cli.search.beam import (
+from seqgen_cli.search.beam import BeamConstants, wide_topk
+from seqgen_cli.search.beam_step import (
     BIG,
-    BeamConstants,
     BeamState,
     TopK,
-    _candidate_rows,
-    _candidate_scores,
-    _get_running_beams_for_next_iteration,
-    _get_top_k_continuations,
-    _heuristic,
-    _merge_finished,
-    _select_finished,
-    wide_topk,
+    candidate_rows,
+    candidate_scores,
+    early_stop_heuristic,
+    get_running_beams_for_next_iteration,
+    get_top_k_continuations,
+    merge_finished,
+    scored_at_most_tokens,
+    select_finished,
 )
+from seqgen_cli.search.history import StaticHistory, StepLimits
+from seqgen_cli.search.processors import Processors, append, float32_inverse, process, process_split
 from seqgen_cli.search.protocol import SlotBackend, SlotLayout
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
-from seqgen_cli.search.slot_processors import (
-    SlotHistory,
-    SlotLimits,
-    SlotProcessors,
-    append,
-    float32_inverse,
-    process,
-    process_split,
-)
 
 
 @dataclass(frozen=True)
@@ -66,10 +60,10 @@ class SlotSpec:
 
     settings: SearchSettings  # prompt_len, max_length, min_length, begin_index zeroed
     vocab: int
-    width: int  # W: history columns (prompt positions + new-token slots)
-    slots: int  # T: new-token slots
+    width: int  # W: history columns (prompt positions + new tokens)
+    new_tokens: int  # T: the most new tokens
     wide: bool  # top-k by chunks (``beam.wide_topk``: CPU float32) instead of torch.topk
-    reciprocal: bool  # divide as CUDA does (see beam._divide)
+    reciprocal: bool  # divide as CUDA does (see beam_step.divide)
     ids_in_vocab: bool  # the repetition penalty's in-place path
     packed: bool  # n-gram keys packed into int64
 
@@ -83,7 +77,7 @@ class SlotSpec:
             settings=replace(s, prompt_len=0, max_length=0, min_length=0, begin_index=0),
             vocab=rows.backend.vocab_size,
             width=layout.width + layout.slots,
-            slots=layout.slots,
+            new_tokens=layout.slots,
             wide=topk is wide_topk,
             reciprocal=device.type == "cuda",
             ids_in_vocab=rows.pipeline.ids_in_vocab,
@@ -93,45 +87,45 @@ class SlotSpec:
 
 @dataclass(eq=False)
 class SlotState:
-    """A slot search's tensors, ``P`` input slots of ``K`` beams (``N = P * K`` rows): the beams' state, the
+    """A static search's tensors, ``P`` lanes of ``K`` beams (``N = P * K`` rows): the beams' state, the
     history, the limits, and device constants (the processors', ``divisors`` ``[T + 1]`` float32: ``i **
     length_penalty``, or its float32 inverse on CUDA; the top-K candidate mask ``[C]``; EOS ids ``[E]``)."""
 
     spec: SlotSpec
-    limits: SlotLimits
+    limits: StepLimits
     beams: BeamState  # [P, K] ...; fin_tokens [P, K, T]
-    history: SlotHistory  # [N, W]
-    proc: SlotProcessors
+    history: StaticHistory  # [N, W]
+    proc: Processors
     divisors: Tensor
     top_mask: Tensor
     eos: Tensor | None
 
     @classmethod
     def allocate(
-        cls, spec: SlotSpec, slots: int, rows: Rows, consts: BeamConstants, device: torch.device
+        cls, spec: SlotSpec, lanes: int, rows: Rows, consts: BeamConstants, device: torch.device
     ) -> SlotState:
-        """A new state for ``slots`` input slots; the constants from the batch's processors and ``consts``."""
+        """A new state for ``lanes`` lanes; the constants from the batch's processors and ``consts``."""
         s = spec.settings
-        powers = [float(i) ** s.length_penalty if i else 1.0 for i in range(spec.slots + 1)]
+        powers = [float(i) ** s.length_penalty if i else 1.0 for i in range(spec.new_tokens + 1)]
         divisors = float32_inverse(powers) if spec.reciprocal else torch.tensor(powers, dtype=torch.float32)
-        proc = SlotProcessors.build(rows.pipeline, spec.vocab, device)
+        proc = rows.pipeline.proc.static(device)
         return cls(
             spec,
-            SlotLimits.zeros(device),
-            BeamState.start(slots, s.num_beams, spec.slots, device),
-            SlotHistory.empty(slots * s.num_beams, spec.width, spec.packed, device),
+            StepLimits.zeros(device),
+            BeamState.start(lanes, s.num_beams, spec.new_tokens, device),
+            StaticHistory.empty(lanes * s.num_beams, spec.width, spec.packed, device),
             proc,
             divisors.to(device),
             consts.top_num_beam_mask,
             consts.eos,
         )
 
-    def empty(self, slots: int) -> SlotState:
-        """A state like this one for ``slots`` input slots, sharing its constants (what :meth:`take` fills)."""
+    def empty(self, lanes: int) -> SlotState:
+        """A state like this one for ``lanes`` lanes, sharing its constants (what :meth:`take` fills)."""
         device, k = self.top_mask.device, self.spec.settings.num_beams
-        beams = BeamState.start(slots, k, self.spec.slots, device)
-        history = SlotHistory.empty(slots * k, self.spec.width, self.spec.packed, device)
-        return replace(self, limits=SlotLimits.zeros(device), beams=beams, history=history)
+        beams = BeamState.start(lanes, k, self.spec.new_tokens, device)
+        history = StaticHistory.empty(lanes * k, self.spec.width, self.spec.packed, device)
+        return replace(self, limits=StepLimits.zeros(device), beams=beams, history=history)
 
     def buffers(self) -> list[Tensor]:
         """What a step replaces, in :func:`slot_beam_step`'s order."""
@@ -141,7 +135,7 @@ class SlotState:
 
     def restart(self, s: SearchSettings, rows: Rows, src: Tensor) -> None:
         """A batch's start, in place: no finished hypothesis, only each input's first beam running (as
-        ``BeamState.start``), the batch's history (slot row ``i`` from its row ``src[i]``) and limits."""
+        ``BeamState.start``), the batch's history (row ``i`` from its row ``src[i]``) and limits."""
         b = self.beams
         b.running_scores.zero_()
         b.running_scores[:, 1:] = BIG
@@ -155,9 +149,9 @@ class SlotState:
         self.limits.restart(s)
 
     def take(self, other: SlotState, moved: Tensor) -> None:
-        """Row ``i`` := ``other``'s row ``moved[i]`` ([N] int64, whole input slots), in place (a compaction)."""
+        """Row ``i`` := ``other``'s row ``moved[i]`` ([N] int64, whole lanes), in place (a compaction)."""
         k = self.spec.settings.num_beams
-        inputs = moved.view(-1, k)[:, 0] // k  # [P] the old slot of each slot
+        inputs = moved.view(-1, k)[:, 0] // k  # [P] the old lane of each lane
         for dst, src in zip(self.buffers()[:6], other.buffers()[:6], strict=True):
             dst.copy_(src.index_select(0, inputs))
         for dst, src in zip(self.history.buffers(), other.history.buffers(), strict=True):
@@ -170,20 +164,20 @@ class SlotState:
 def _finished_sequences(
     st: SlotState, chosen: Tensor, topk_beams: Tensor, topk_tokens: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """``beam._gather_finished_sequences`` over the slot history: a candidate slot's generated tokens are its
+    """``beam._gather_finished_sequences`` over the static history: a candidate place's generated tokens are its
     beam's history from ``prompt_len`` (zeros past the step), the new token at column ``t``."""
     b, lim = st.beams, st.limits
     p, k, total = b.fin_tokens.shape
     steps = st.history.cols[:total]  # [T]
-    cand, cand_rows = _candidate_rows(chosen, topk_beams)  # [P, K], [P * K]
+    cand, cand_rows = candidate_rows(chosen, topk_beams)  # [P, K], [P * K]
     generated = st.history.tokens[cand_rows[:, None], (lim.prompt_len + steps)[None, :]]  # [P * K, T]
     new = torch.gather(topk_tokens, 1, cand).reshape(-1, 1)  # [P * K, 1]
     cand_tokens = torch.where(steps == lim.t, new, generated).view(p, k, total)
-    return _select_finished(b.fin_tokens, b.fin_lengths, chosen, cand_tokens, lim.t + 1)
+    return select_finished(b.fin_tokens, b.fin_lengths, chosen, cand_tokens, lim.t + 1)
 
 
 def slot_beam_step(st: SlotState, logits: Tensor) -> list[Tensor]:
-    """``BeamSearch.advance`` over every slot, a pure function: ``logits`` [N, V] -> the new values of
+    """``BeamSearch.advance`` over every lane, a pure function: ``logits`` [N, V] -> the new values of
     ``st.buffers()``, then the next tokens [N] and the rows they continue [N]."""
     s, lim, b = st.spec.settings, st.limits, st.beams
     p, k = b.running_scores.shape
@@ -196,25 +190,25 @@ def slot_beam_step(st: SlotState, logits: Tensor) -> list[Tensor]:
         log_probs = process_split(st.proc, st.history, lim, log_probs, running)  # [N, V]
     log_probs = log_probs.reshape(p, -1)  # [P, K * V]
     topk = wide_topk if st.spec.wide else torch.topk
-    topk_log_probs, topk_beams, topk_tokens = _get_top_k_continuations(
+    topk_log_probs, topk_beams, topk_tokens = get_top_k_continuations(
         log_probs, st.top_mask.shape[0], k, topk
     )
     last = length + 1 >= lim.max_length  # [] bool
     hits = last.expand(topk_tokens.shape) if st.eos is None else torch.isin(topk_tokens, st.eos) | last
-    running, next_beams, next_tokens = _get_running_beams_for_next_iteration(
+    running, next_beams, next_tokens = get_running_beams_for_next_iteration(
         topk_log_probs, topk_beams, topk_tokens, hits, k
     )
     did_finish = hits & st.top_mask  # [P, C]: only the top K candidates may finish
     divisor = st.divisors.index_select(0, (lim.t + 1).view(1))  # [1] (t + 1) ** length_penalty
     r = st.spec.reciprocal
-    scores = _candidate_scores(
+    scores = candidate_scores(
         topk_log_probs, divisor, b.is_finished, b.heuristic_unsatisfied, did_finish, s.early_stopping, r
     )
-    chosen, beam_scores, is_finished = _merge_finished(b.beam_scores, b.is_finished, scores, did_finish)
+    chosen, beam_scores, is_finished = merge_finished(b.beam_scores, b.is_finished, scores, did_finish)
     fin_tokens, fin_lengths = _finished_sequences(st, chosen, topk_beams, topk_tokens)
-    if s.early_stopping == "never" and s.length_penalty > 0.0:  # scored at the most new tokens (best_length)
+    if scored_at_most_tokens(s):  # scored at the most new tokens (beam.best_length)
         divisor = st.divisors.index_select(0, (lim.max_length - lim.prompt_len).view(1))  # [1]
-    heuristic = _heuristic(running, is_finished, beam_scores, b.heuristic_unsatisfied, divisor, r)
+    heuristic = early_stop_heuristic(running, is_finished, beam_scores, b.heuristic_unsatisfied, divisor, r)
     rows = (torch.arange(p, device=logits.device)[:, None] * k + next_beams).reshape(-1)  # [N]
     tokens = next_tokens.reshape(-1)  # [N]
     history = append(st.proc, st.history, rows, tokens, length)
