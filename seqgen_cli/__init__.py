@@ -2,7 +2,7 @@
 
 Importing it makes idle OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``) unless the
 user chose a wait policy or torch is already imported (:mod:`seqgen_cli.openmp`): on a machine shared with
-other work, torch's spinning threads make generation many times slower (docs/BENCHMARKS.md, "Load").
+other work, torch's spinning threads make generation many times slower (docs/EXPERIMENTS.md, "Load").
 """
 
 import os

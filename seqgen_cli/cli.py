@@ -262,8 +262,8 @@ class _SectionedCommand(click.Command):
     "--refill/--no-refill",
     default=False,
     show_default=True,
-    help="Run the fast engine over fixed input slots: an input that finishes hands its slot to a waiting one "
-    "(same outputs; BART family, T5, GPT-2, Llama). --stats gives slot occupancy, joins and steps.",
+    help="Run the fast engine over fixed input lanes: an input that finishes hands its lane to a waiting one "
+    "(same outputs; BART family, T5, GPT-2, Llama). --stats gives lanes, occupancy, joins and steps.",
 )
 @generation_options()
 @click.option(

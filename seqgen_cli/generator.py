@@ -126,9 +126,7 @@ class Generator:
         from seqgen_cli.search.protocol import RefillBackend
 
         engine = None if self.loaded.int8 else self._engine()
-        return isinstance(
-            getattr(engine, "backend", engine), RefillBackend
-        )  # a CapturedBackend's: its backend
+        return isinstance(engine, RefillBackend)  # a CapturedBackend wraps only a fast backend: it has lanes
 
     def _source_limit(self, requested: int | None) -> int | None:
         """The longest input the model takes (:func:`~seqgen_cli.loading.source_limit`)."""
@@ -351,7 +349,7 @@ class Generator:
     ) -> Batcher:
         """The one batching path (``generate_iterable``, the pipeline, the benchmarks): :class:`~.batching.Batcher`
         with this generator's rows, memory budget and refill (a batch is then a whole window, run over the lanes);
-        ``early``: windows grow from one batch (docs/BENCHMARKS.md, "Time to the first lines")."""
+        ``early``: windows grow from one batch (docs/EXPERIMENTS.md, "Time to the first lines")."""
         if self.refill:
             window = default_window(self.lanes) if sort_window is None or sort_window <= 1 else sort_window
             batch_size, batch_tokens = max(self.lanes, window), None

@@ -295,7 +295,7 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
 
     By default glibc maps every block over 128 KiB-32 MiB afresh and unmaps it when freed, so each decode
     step's vocabulary-sized tensors ([N, V] logits, GEMM outputs) come back as new zero-filled pages:
-    hundreds of thousands of page faults per batch (docs/BENCHMARKS.md, "CPU float32: where a step goes").
+    hundreds of thousands of page faults per batch (docs/EXPERIMENTS.md, "CPU float32: where a step goes").
     Process-wide; skipped where the user set ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` or
     there is no glibc. Returns whether it applied.
     """
@@ -320,7 +320,7 @@ SINUSOIDAL = {
 def fast_sinusoids(model_type: str | None) -> Iterator[None]:
     """While loading a Marian or Pegasus checkpoint, build the sinusoidal position tables with one numpy
     expression instead of transformers' Python loop over every entry (0.36 s per 512 x 512 table here, two
-    per model; docs/BENCHMARKS.md, "Start-up"). Same float64 operations element by element, so the same
+    per model; docs/EXPERIMENTS.md, "Start-up"). Same float64 operations element by element, so the same
     bits (``tests/test_tiny_models.py`` compares them); checked against transformers' own on a small table
     first, so a transformers whose formula differs keeps its own. Other model types are untouched."""
     name = SINUSOIDAL.get(model_type or "")

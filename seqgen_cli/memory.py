@@ -3,7 +3,7 @@ memory budget that batches and the capture path's kept states are held to (:clas
 
 ``Generator.batch_bytes`` = the backend's ``cache_bytes`` + ``N * V * LOGIT_BYTES`` (the logits rows: logits,
 log-probs, processed scores, float32) + :func:`extra_bytes`, the sum of three upper estimates (``B`` inputs of
-``S`` tokens, ``R`` rows per input, ``N = B * R`` rows, ``T`` new-token slots, ``V`` the vocabulary, ``e`` the
+``S`` tokens, ``R`` rows per input, ``N = B * R`` rows, ``T`` new-token positions, ``V`` the vocabulary, ``e`` the
 compute dtype's item size; on the captured path ``B``, ``S`` and ``T`` are the padded shape's, as its caches):
 
 * :func:`encoder_bytes` (encoder-decoder models): the peak of the encoder over ``[B, S]``, held beside the caches
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from seqgen_cli.batching import LOGIT_BYTES, Item, MemoryLimit
-from seqgen_cli.shapes import graph_inputs, graph_slots, graph_width, input_width
+from seqgen_cli.shapes import graph_inputs, graph_positions, graph_width, input_width
 
 CHUNK = 128  # beam.wide_topk's chunk (columns); torch.topk's own temporaries are smaller
 CANDIDATE_BYTES = 64  # per top-k candidate: its score, index, beam, token, flags and running copies
@@ -127,16 +127,16 @@ class SearchDims:
         )
 
 
-def search_bytes(search: SearchDims, inputs: int, rows: int, history: int, slots: int, vocab: int) -> int:
+def search_bytes(search: SearchDims, inputs: int, rows: int, history: int, positions: int, vocab: int) -> int:
     """Bytes the search holds and makes per step beyond the ``[N, V]`` logits rows, for ``inputs`` inputs of
-    ``rows`` rows in all, ``history`` decoder positions (prompt and new tokens), ``slots`` new tokens and ``vocab``
+    ``rows`` rows in all, ``history`` decoder positions (prompt and new tokens), ``positions`` new tokens and ``vocab``
     entries: history and n-gram keys (twice, a reorder's copy), beam search's finished hypotheses (four at once)
     and top-k, sampling's draw and warpers."""
     s, n, v = search, rows, vocab
     total = 2 * n * history * 8 + (2 * n * (history + 1) * 8 if s.ngrams else 0)
     if s.mode == "beam":
         c, kv = s.candidates, s.num_beams * vocab
-        total += 4 * inputs * s.num_beams * slots * 8  # fin_tokens, the merge's candidates, gather, result
+        total += 4 * inputs * s.num_beams * positions * 8  # fin_tokens, merge candidates, gather, result
         total += inputs * (-(-kv // CHUNK) * 4 + c * CHUNK * 12 + c * CANDIDATE_BYTES)  # [B, K * V] top-k
     elif s.mode == "sample":
         total += 3 * n * v * 4  # probabilities, exponential clocks, their ratio
@@ -146,17 +146,18 @@ def search_bytes(search: SearchDims, inputs: int, rows: int, history: int, slots
 
 
 def graph_pool_bytes(
-    dims: Dims, inputs: int, rows_per_input: int, width: int, slots: int, vocab: int, itemsize: int
+    dims: Dims, inputs: int, rows_per_input: int, width: int, positions: int, vocab: int, itemsize: int
 ) -> int:
     """The CUDA graphs' private pool for ``inputs`` inputs of ``rows_per_input`` rows attending ``width`` source
-    (prompt) positions and ``slots`` new-token slots, approximated as one decode step's activations: a layer's
-    hidden states, q/k/v and the context, the feed-forward; the float32 attention scores and their softmax (and
-    its cast) over the source and over the slots of all the input's rows (a beam scores its input's ``slots * R``
-    keys under the back-pointers' mask, float32, held through the layers); the logits the graph returns."""
+    (prompt) positions and ``positions`` new-token positions, approximated as one decode step's activations: a
+    layer's hidden states, q/k/v and the context, the feed-forward; the float32 attention scores and their softmax
+    (and its cast) over the source and over the positions of all the input's rows (a beam scores its input's
+    ``positions * R`` keys under the back-pointers' mask, float32, held through the layers); the logits the graph
+    returns."""
     e, d, r = itemsize, dims, rows_per_input
     rows = inputs * r
     hidden = rows * e * (4 * d.hidden + 4 * d.inner + 3 * d.ffn + vocab)
-    return hidden + rows * d.heads * (width + slots * r) * (8 + e) + rows * slots * r * 5
+    return hidden + rows * d.heads * (width + positions * r) * (8 + e) + rows * positions * r * 5
 
 
 def extra_bytes(
@@ -170,7 +171,8 @@ def extra_bytes(
     mcfg, captured = model.config, isinstance(engine, CapturedBackend)
     if captured:
         limit = engine.max_position_embeddings
-        inputs, width, new_tokens = graph_inputs(inputs), graph_width(width, limit), graph_slots(new_tokens)
+        inputs, new_tokens = graph_inputs(inputs), graph_positions(new_tokens)
+        width = graph_width(width, limit)
     e, rows = model.dtype.itemsize, inputs * rows_per_input
     enc = Dims.of(mcfg, "encoder") if mcfg.is_encoder_decoder else None
     total = 0 if enc is None else encoder_bytes(enc, inputs, width, e)

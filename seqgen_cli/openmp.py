@@ -5,7 +5,7 @@ torch's CPU wheel runs its intra-op pool, MKL and oneDNN on GNU OpenMP (the bund
 parallel regions, and between two regions an idle thread either spins (quick to start the next region, but
 busy all the time) or sleeps (woken by a futex for the next region: ~25 % slower on a quiet box). With another
 process on one of the cores, a spinning team loses: the thread that shares a core gets no scheduler credit for
-its waits, and each region's barrier waits for it to be scheduled again (docs/BENCHMARKS.md, "Load").
+its waits, and each region's barrier waits for it to be scheduled again (docs/EXPERIMENTS.md, "Load").
 
 OpenMP reads its wait settings once, when torch first loads it, so they cannot follow the load; the thread count
 can. Two settings, then:
@@ -15,7 +15,7 @@ can. Two settings, then:
 * The ``seqgen`` process (:func:`seqgen_cli.cli.run`, :func:`choose_wait`) looks at the cores when it starts.
   Where other processes run on at least half of them, it sets the passive policy and keeps every thread: a team
   that sleeps between regions takes its share of the shared cores (on 2 cores beside one busy process, 2
-  passive threads decode 1.2× faster than 1 thread on the free core; docs/BENCHMARKS.md, "Load"). Otherwise it
+  passive threads decode 1.2× faster than 1 thread on the free core; docs/EXPERIMENTS.md, "Load"). Otherwise it
   bounds the spin (:data:`SPIN_COUNT`, ~tens of microseconds) and runs a :class:`ThreadGovernor`: every
   :data:`INTERVAL` seconds of decoding it reads how much of its cores other processes used (``/proc/stat``
   against its own CPU time) and runs torch on the cores left free, so spinning threads never share a core with

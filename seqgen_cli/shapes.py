@@ -14,15 +14,15 @@ batch's cross-attention keys/values span :func:`cross_width` (whole chunks of :d
 ``models/attention.attention``), zeros past an input's own width.
 
 Rows and time: a captured batch pads its inputs to a power of two (:func:`graph_inputs`, and fewer as inputs
-leave: :func:`compacted`), its new-token cache slots to a multiple of :data:`SLOTS` (:func:`graph_slots`); a
-static step (captured, or refill) attends a span bucket of those slots (:func:`span_bucket`).
+leave: :func:`compacted`), its new-token cache positions to a multiple of :data:`POSITIONS` (:func:`graph_positions`); a
+static step (captured, or refill) attends a span bucket of those positions (:func:`span_bucket`).
 """
 
 from __future__ import annotations
 
 WIDTH_STEP = 8  # input widths are multiples of this (and finer steps are never used)
 MIN_WIDTH = 64  # narrowest graph width; wider ones are powers of two
-SLOTS = 64  # a captured batch's new-token cache slots are allocated in multiples of this
+POSITIONS = 64  # a captured batch's new-token cache positions are allocated in multiples of this
 MIN_SPAN = 64  # a static step's narrowest self-attention span (captured and refill steps)
 CROSS_CHUNK = 64  # cross-attention sums its values over chunks of this many source positions
 
@@ -74,13 +74,13 @@ def compacted(running: int, start: int) -> int:
     return max(power_of_two(running), start // 4, 1)
 
 
-def graph_slots(new_tokens: int) -> int:
-    """The new-token cache slots a captured batch allocates: a multiple of :data:`SLOTS`."""
-    return -(-max(1, new_tokens) // SLOTS) * SLOTS
+def graph_positions(new_tokens: int) -> int:
+    """The new-token cache positions a captured batch allocates: a multiple of :data:`POSITIONS`."""
+    return -(-max(1, new_tokens) // POSITIONS) * POSITIONS
 
 
 def span_bucket(step: int, max_len: int) -> int:
-    """Cache slots a static step attends when it (or, refill, its most advanced lane) writes slot ``step``: the
+    """Cache positions a static step attends when it (or, refill, its most advanced lane) writes position ``step``: the
     smallest power of two above ``step``, at least :data:`MIN_SPAN`, at most ``max_len``. A step reads at most
-    twice the slots written (once past :data:`MIN_SPAN`), and a run compiles one graph per bucket it reaches."""
+    twice the positions written (once past :data:`MIN_SPAN`), and a run compiles one graph per bucket it reaches."""
     return min(max_len, max(MIN_SPAN, 1 << step.bit_length()))

@@ -54,7 +54,7 @@ torch.set_num_threads(1)
 
 
 # One tolerance per numerical cause, named once:
-# - a step that sums attention over padded, masked slots (the static/captured step, the refill engine's span
+# - a step that sums attention over padded, masked positions (the static/captured step, the refill engine's span
 #   bucket) adds in another order than generate()'s dynamic step: beam scores agree to ~1e-5 relative (1.3e-5
 #   seen on Marian, 1.2e-5 on Pegasus, CPU-dependent), so scores and re-scored ties are held to 1e-4;
 MASKED_SUM_RTOL = 1e-4

@@ -64,13 +64,13 @@ def test_batches_are_padded_to_the_graph_width(tiny_models, family: str) -> None
     batch = Batch(ids, mask)  # [3, 130]
     backend = CapturedBackend(get_backend(loaded.model), eager)
     state, _ = backend.start(batch, 2, 10)
-    assert state.shape == (4 * 2, 256, 64), "3 inputs -> 4 slots x 2 rows, 130 tokens -> 256, 10 -> 64 slots"
+    assert state.shape == (4 * 2, 256, 64), "3 inputs -> 4 lanes x 2 rows, 130 tokens -> 256, 10 new -> 64"
     assert run_beam(backend, loaded, batch) == run_beam(get_backend(loaded.model), loaded, batch)
 
 
 def test_compaction_stops_two_halvings_below_the_start(tiny_models) -> None:
-    """A batch runs at most 3 row shapes: 16 slots -> 8 -> 4, then finished inputs idle (a GPU step over 4
-    idle slots costs less than compiling another shape)."""
+    """A batch runs at most 3 row shapes: 16 lanes -> 8 -> 4, then finished inputs idle (a GPU step over 4
+    idle lanes costs less than compiling another shape)."""
     assert [compacted(n, 32) for n in (32, 17, 16, 9, 8, 5, 4, 1)] == [32, 32, 16, 16, 8, 8, 8, 8]
     assert [compacted(n, 2) for n in (2, 1)] == [2, 1] and compacted(1, 1) == 1
     loaded = load(tiny_models("bart"))
@@ -213,11 +213,11 @@ def test_out_of_memory_while_compiling_stays_an_oom(tiny_models, call: int, mess
     with pytest.raises(RuntimeError, match="out of memory"):
         _Gen(backend, loaded).generate_ids([it.ids for it in items])
     (oom_shape,) = backend.decoder.oom_keys
-    assert oom_shape[0] == 8 * 3, "5 inputs: 8 slots of 3 rows"
+    assert oom_shape[0] == 8 * 3, "5 inputs: 8 lanes of 3 rows"
     retried = generate_split(_Gen(backend, loaded), items)
     assert [r.sequences for r in retried] == [r.sequences for r in plain]
     assert not backend.kept and not backend.shapes, "the shape that ran out runs on the plain backend's state"
-    two = [it.ids for it in items[:2]]  # another shape (2 slots): captured
+    two = [it.ids for it in items[:2]]  # another shape (2 lanes): captured
     expected = _Gen(get_backend(loaded.model), loaded).generate_ids(two)
     assert _Gen(backend, loaded).generate_ids(two) == expected
     assert backend.decoder.failure is None and backend.shapes and oom_shape not in backend.shapes
@@ -240,13 +240,13 @@ def test_an_oom_in_a_plain_batch_releases_the_kept_states_and_is_raised(tiny_mod
     backend = CapturedBackend(get_backend(loaded.model), eager, amortized=amortized.Amortized())
     backend.amortized.forgone[(8 * 3, 64, 64, 64)] = 1e9  # 5 inputs: paid, runs on a kept state
     run_beam(backend, loaded)
-    kept = len(backend.kept)  # 8 slots and the shapes its compactions moved into
+    kept = len(backend.kept)  # 8 lanes and the shapes its compactions moved into
     assert kept >= 1 and backend.plain_batches == 0
     monkeypatch.setattr(
         backend.backend, "step", failing_on(1, torch.OutOfMemoryError("CUDA OOM"))(backend.backend.step)
     )
     with pytest.raises(torch.OutOfMemoryError):
-        run_beam(backend, loaded, batch=text_batch(loaded, 2, seed=5))  # 2 slots: not paid, plain
+        run_beam(backend, loaded, batch=text_batch(loaded, 2, seed=5))  # 2 lanes: not paid, plain
     assert backend.plain_batches == 1 and not backend.kept and backend.pool.released == kept
 
 
@@ -356,7 +356,7 @@ def _skipping_guards() -> bool:
 
 
 def test_a_settled_shape_runs_only_the_differentiating_guards(tiny_models) -> None:
-    """Per key (batch shape and span bucket for ``decode``; slot shape and search settings for the search step):
+    """Per key (batch shape and span bucket for ``decode``; kept state's shape and search settings for the search step):
     its first ``SETTLING_CALLS`` calls run every guard (a new span is a new host value: it must recompile), every
     later one only the differentiating guards; nothing outside a compiled call runs so."""
     loaded = load(tiny_models("bart"))
@@ -378,7 +378,7 @@ def test_a_settled_shape_runs_only_the_differentiating_guards(tiny_models) -> No
         return run
 
     backend = CapturedBackend(get_backend(loaded.model), spying_decode, search_compiler=spying_search)
-    kwargs = dict(min_new_tokens=70, max_new_tokens=70)  # 128 slots: spans 64, then 128
+    kwargs = dict(min_new_tokens=70, max_new_tokens=70)  # 128 positions: spans 64, then 128
     assert run_beam(backend, loaded, **kwargs) == run_beam(get_backend(loaded.model), loaded, **kwargs)
     assert backend.steps["eager"] == 0 and not _skipping_guards()
     spans = sorted({span for span, _ in decodes})
@@ -489,7 +489,7 @@ def test_amortized_capture_runs_plain_until_compiling_pays_then_captured(tiny_mo
     assert not compiled and not backend.kept and backend.steps == {"eager": 30, "captured": 0}
     assert backend.search is not None and not backend.search.calls, "beam search ran as over any backend"
     ((shape, forgone),) = policy.forgone.items()
-    assert shape == (8 * 3, 64, 64, 64), "5 inputs: 8 slots of 3 beams"
+    assert shape == (8 * 3, 64, 64, 64), "5 inputs: 8 lanes of 3 beams"
     assert forgone == pytest.approx(29 * 0.05), "steps 1-29: 0.1 s each, half of it saved"
     assert backend.path == "captured (1 eager until compiling them pays)"
     assert run_beam(backend, loaded, **kwargs) == expected
@@ -551,9 +551,9 @@ def _refill(
 @pytest.mark.parametrize("case", list(REFILL))
 def test_refill_runs_captured(tiny_models, case: str) -> None:
     """The refill engine's steps through :class:`CapturedBackend`: every step captured (each shape's first
-    replay matched the eager rerun, so the slot step is idempotent), the plain engine's tokens and scores bit for
-    bit, one shape per (rows, width, span, generated slots): two spans (64, then all 72) encoder-decoder; decoder-only
-    one span and a prompt width per join's bucket."""
+    replay matched the eager rerun, so the lane step is idempotent), the plain engine's tokens and scores bit for
+    bit, one shape per (rows, width, span, generated positions): two spans (64, then all 72) encoder-decoder;
+    decoder-only one span and a prompt width per join's bucket."""
     loaded, batch, config, order = _refill_case(tiny_models, case)
     plain = _refill(get_backend(loaded.model), batch, config, order)
     backend, stats = CapturedBackend(get_backend(loaded.model), eager), RefillStats()
@@ -561,7 +561,7 @@ def test_refill_runs_captured(tiny_models, case: str) -> None:
     assert out.sequences == plain.sequences and out.scores == plain.scores
     assert backend.path == "captured"
     assert backend.steps == {"captured": stats.steps, "eager": 0} and stats.joins >= 3
-    rows = 3 * rows_per_input(config)  # 3 slots of beams or samples
+    rows = 3 * rows_per_input(config)  # 3 lanes of beams or samples
     if loaded.model.config.is_encoder_decoder:
         assert backend.shapes == {(rows, MIN_WIDTH, 72, 64), (rows, MIN_WIDTH, 72, 72)}
     else:  # a join runs at its widest joiner's bucket: the first (the 3 shortest prompts) and the last (the longest)
@@ -575,7 +575,7 @@ def test_refill_runs_captured(tiny_models, case: str) -> None:
 @pytest.mark.parametrize("case", ["bart-beam", "gpt2-beam"])
 def test_refill_traces_one_graph_per_shape(tiny_models, case: str) -> None:
     """Through ``torch.compile(fullgraph=True, dynamic=False)``: one graph per shape, none per step, join or
-    window (no step number, slot or new slot state reaches a guard), every step captured."""
+    window (no step number, lane or new lane state reaches a guard), every step captured."""
     loaded, batch, config, order = _refill_case(tiny_models, case)
     plain = _refill(get_backend(loaded.model), batch, config, order)
     torch._dynamo.reset()
@@ -589,12 +589,12 @@ def test_refill_traces_one_graph_per_shape(tiny_models, case: str) -> None:
     assert out.sequences == plain.sequences and out.scores == plain.scores
     assert backend.path == "captured" and backend.steps == {"captured": stats.steps, "eager": 0}
     assert len(graphs) == len(backend.shapes) >= 2, (len(graphs), backend.shapes)
-    again = _refill(backend, batch, config, order)  # the next window: new slot tensors, the same shapes
+    again = _refill(backend, batch, config, order)  # the next window: new lane tensors, the same shapes
     assert again.sequences == plain.sequences and len(graphs) == len(backend.shapes)
 
 
 def test_a_refill_join_that_widens_marks_the_new_tensors_static(tiny_models) -> None:
-    """The slots' prompt regions are static addresses after ``open_lanes``; a wider joiner makes new ones,
+    """The lanes' prompt regions are static addresses after ``open_lanes``; a wider joiner makes new ones,
     marked too (CUDA graphs read them in place)."""
     from torch._dynamo.utils import get_static_address_type
 
@@ -628,7 +628,7 @@ def test_a_refill_failure_falls_back_to_eager(tiny_models, call: int) -> None:
 
 
 def test_a_refill_step_that_differs_from_eager_switches_to_eager(tiny_models) -> None:
-    """A compiled slot step off by a logit's size from its first replay (as a stale cache would be): caught by
+    """A compiled lane step off by a logit's size from its first replay (as a stale cache would be): caught by
     the first-replay check, eager from then on, the plain engine's tokens."""
     from tests.test_verify import off_by
 
@@ -642,7 +642,7 @@ def test_a_refill_step_that_differs_from_eager_switches_to_eager(tiny_models) ->
 
 
 def test_refill_stats_count_captured_steps(tiny_models) -> None:
-    """``Generator`` with ``refill`` runs its slot steps through the capture path: ``--stats`` counts them."""
+    """``Generator`` with ``refill`` runs its lane steps through the capture path: ``--stats`` counts them."""
     gen = Generator(str(tiny_models("bart")), device="cpu", refill=True, num_beams=2, max_new_tokens=6)
     backend = CapturedBackend(gen._engine(), eager)
     gen._model_backend = backend

@@ -28,7 +28,7 @@ from seqgen_cli.models import capture, get_backend, linear_maps
 from seqgen_cli.models.capture import CapturedBackend, CapturedState, Decode
 from seqgen_cli.models.kept import tensors_of
 from seqgen_cli.search import Batch, generate
-from seqgen_cli.shapes import graph_slots, graph_width
+from seqgen_cli.shapes import graph_positions, graph_width
 from tests.engine_models import load, text_batch
 
 FAMILIES = ["bart", "t5", "gpt2", "llama"]
@@ -43,7 +43,7 @@ def state_buffers(inner: Any) -> list[torch.Tensor]:
     """The tensors of a wrapped backend's state that a captured step reads as its state (what CUDA graphs read in
     place), not the step's intermediates (the attention biases ``begin`` builds)."""
     cache = inner.cache
-    common = [cache.ptrs.ptr, cache.slot]
+    common = [cache.ptrs.ptr, cache.position]
     if hasattr(inner, "cross_k"):  # encoder-decoder
         bias = [] if inner.self_bias is None else [inner.self_bias]
         return [*inner.cross_k, *inner.cross_v, inner.cross_mask, *cache.k, *cache.v, *common, *bias]
@@ -64,7 +64,7 @@ class Watched(CapturedBackend):
 
     def _saw(self, state: CapturedState) -> None:
         tensors = [*state_buffers(state.inner), state.tokens]
-        key = (state.rows_per_input, *state.shape)  # rows per input, physical rows, width, slots
+        key = (state.rows_per_input, *state.shape)  # rows per input, physical rows, width, positions
         self.addresses[key].add(tuple(t.data_ptr() for t in tensors))
         self.uses[key] += 1
         self.held.append(tensors)
@@ -164,13 +164,13 @@ def test_restart_fills_a_kept_state_as_start_fills_a_new_one(tiny_models, family
     loaded = load(tiny_models(family))
     backend = get_backend(loaded.model)
     left = not backend.is_encoder_decoder
-    r, slots = 2, 64
+    r, positions = 2, 64
     first_batch, second = (
         b.padded(4, 64, left) for b in (text_batch(loaded, 3, seed=1), text_batch(loaded, 4, seed=2))
     )
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        kept, _ = backend.start(first_batch, r, slots)
+        kept, _ = backend.start(first_batch, r, positions)
         kept.cache.make_static()
         for t in range(5):
             backend.step(kept, torch.randint(4, backend.vocab_size, (4 * r,), generator=g))
@@ -178,7 +178,7 @@ def test_restart_fills_a_kept_state_as_start_fills_a_new_one(tiny_models, family
                 backend.reorder(kept, torch.tensor([1, 1, 2, 3, 5, 4, 7, 7]))
         addresses = [x.data_ptr() for x in state_buffers(kept)]
         first = backend.restart(kept, second)
-        new, new_first = backend.start(second, r, slots)
+        new, new_first = backend.start(second, r, positions)
         new.cache.make_static()
     assert [x.data_ptr() for x in state_buffers(kept)] == addresses, "restart allocated"
     assert kept.t == new.t == 0 and kept.cache.span == new.cache.span
@@ -191,16 +191,16 @@ def test_restart_fills_a_kept_state_as_start_fills_a_new_one(tiny_models, family
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compact_copies_what_drop_keeps(tiny_models, family: str) -> None:
-    """Compaction into a kept state (stale, of an earlier batch) holds what ``drop`` keeps (written slots, zeros
+    """Compaction into a kept state (stale, of an earlier batch) holds what ``drop`` keeps (written positions, zeros
     after them, back-pointers, counters), into the same tensors; the source state is left as it was."""
     loaded = load(tiny_models(family))
     backend = get_backend(loaded.model)
-    r, slots, steps = 2, 64, 4
+    r, positions, steps = 2, 64, 4
     batch = text_batch(loaded, 4, seed=3).padded(4, 64, not backend.is_encoder_decoder)
     keep, rows = torch.tensor([0, 3]), torch.tensor([0, 1, 6, 7])
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        state, _ = backend.start(batch, r, slots)
+        state, _ = backend.start(batch, r, positions)
         state.cache.make_static()
         for t in range(steps):
             backend.step(state, torch.randint(4, backend.vocab_size, (4 * r,), generator=g))
@@ -233,7 +233,7 @@ def test_cache_bytes_describe_a_refilled_and_a_compacted_state(tiny_models, fami
         assert captured.cache_bytes(3, width, 2, 7) == sum(inner.cache_nbytes(state.inner).values())
         held, caches = state.kept.nbytes - state.tokens.nbytes, sum(inner.cache_nbytes(state.inner).values())
         assert caches <= held <= 1.05 * caches, "kept bytes: the caches (and masks, counters), not more"
-    captured.drop(state, torch.tensor([0]), torch.tensor([0, 1]))  # 4 slots -> 1
+    captured.drop(state, torch.tensor([0]), torch.tensor([0, 1]))  # 4 lanes -> 1
     assert state.shape[0] == 2
     assert sum(inner.cache_nbytes(state.inner).values()) == inner.cache_bytes(1, 64, 2, 64)
     assert captured.stats()["kept_bytes"] == sum(k.nbytes for k in captured.kept.values())
@@ -248,7 +248,7 @@ def test_kept_states_stay_within_the_budget(tiny_models) -> None:
     probe = CapturedBackend(inner, eager)
     widths = {}
     for tokens in (12, 90):
-        widths[tokens] = probe.pool.batch_bytes((8, 3, graph_width(tokens), graph_slots(10)))
+        widths[tokens] = probe.pool.batch_bytes((8, 3, graph_width(tokens), graph_positions(10)))
     backend = Watched(inner, eager, budget=DeviceBudget(torch.device("cpu"), 2 * widths[90] + widths[12]))
     batches = mixed_batches(loaded, 21)
     for batch, setting in batches:

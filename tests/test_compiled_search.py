@@ -1,14 +1,14 @@
-"""Beam search over fixed slots (``search/slots.py``): the search step with static shapes and addresses that the
+"""Beam search over fixed lanes (``search/static.py``): the search step with static shapes and addresses that the
 capture path compiles like the model's step (``models/capture.py``: ``CapturedBackend.search_call``).
 
-* run eagerly, the slot step is ``BeamSearch`` bit for bit (tokens and scores) on the same captured backend, for
+* run eagerly, the static step is ``BeamSearch`` bit for bit (tokens and scores) on the same captured backend, for
   every family and processor (n-gram blocking, min / max length, forced BOS / EOS, EOS, length penalty, early
   stopping True / False / "never", repetition penalty, bad words, suppression, renormalised logits, several
-  returned sequences), also while inputs leave and the rows move into fewer slots; the equivalence harness gives
+  returned sequences), also while inputs leave and the rows move into fewer lanes; the equivalence harness gives
   ``generate()``'s tokens through it for every family and beam setting;
-* the slot processors are the dynamic pipeline bit for bit at every step of random histories (beams reordered,
+* the static processors are the dynamic pipeline bit for bit at every step of random histories (beams reordered,
   prompts left-padded with ids beyond the vocabulary, n-gram keys packed or not), in both of their orders;
-* its state is kept per slot shape: a later batch of the shape refills it in place (the same addresses);
+* its state is kept with its shape's kept state: a later batch of the shape refills it in place (the same addresses);
 * no host sync inside a step; the loop checks every ``sync_every`` steps as before;
 * a compiled search step is guarded as the model's: a failure on any call, inductor skipping CUDA graphs or a
   first replay that differs from the eager step fall back to the eager step for good (same tokens, the reason in
@@ -39,7 +39,7 @@ from seqgen_cli.search.beam import BeamSearch
 from seqgen_cli.search.history import StaticHistory, StepLimits, TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline, Processors, append, process, process_split
 from seqgen_cli.search.settings import resolve_settings
-from seqgen_cli.search.slots import SlotBeamSearch, SlotState, slot_beam_step
+from seqgen_cli.search.static import StaticBeamSearch, StaticState, static_beam_step
 from tests.engine_models import FAMILIES as ENGINE_FAMILIES
 from tests.engine_models import load, text_batch
 from tests.equivalence import MASKED_SUM_RTOL, check_equivalence
@@ -78,8 +78,8 @@ def beam_only(loaded: Any) -> CapturedBackend:
     return CapturedBackend(get_backend(loaded.model), eager)
 
 
-def slots(loaded: Any, search_compiler: Any = eager) -> CapturedBackend:
-    """The captured backend with the slot search, its step "compiled" by ``search_compiler``."""
+def static_backend(loaded: Any, search_compiler: Any = eager) -> CapturedBackend:
+    """The captured backend with the static search, its step "compiled" by ``search_compiler``."""
     return CapturedBackend(get_backend(loaded.model), eager, search_compiler=search_compiler)
 
 
@@ -91,7 +91,7 @@ def run(backend: Any, loaded: Any, batch: Batch, settings: dict[str, Any], **kwa
 def searches(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Record every search ``make_search`` builds (which kind ran)."""
     made: list[Any] = []
-    for cls in (BeamSearch, SlotBeamSearch):
+    for cls in (BeamSearch, StaticBeamSearch):
         init = cls.__init__
 
         def record(self: Any, *args: Any, _init: Any = init, **kwargs: Any) -> None:
@@ -104,7 +104,7 @@ def searches(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_eager_slot_step_is_beam_search_bit_for_bit(
+def test_the_eager_static_step_is_beam_search_bit_for_bit(
     tiny_models, monkeypatch, family: str, setting: str
 ) -> None:
     loaded = load(tiny_models(family))
@@ -112,9 +112,9 @@ def test_the_eager_slot_step_is_beam_search_bit_for_bit(
     made = searches(monkeypatch)
     reference = run(beam_only(loaded), loaded, batch, SETTINGS[setting])
     assert [type(s) for s in made] == [BeamSearch]
-    out = run(slots(loaded), loaded, batch, SETTINGS[setting])
-    assert type(made[-1]) is SlotBeamSearch, (
-        "with a search compiler, the captured backend runs the slot search"
+    out = run(static_backend(loaded), loaded, batch, SETTINGS[setting])
+    assert type(made[-1]) is StaticBeamSearch, (
+        "with a search compiler, the captured backend runs the static search"
     )
     assert out.sequences == reference.sequences
     assert out.scores == reference.scores  # bit for bit
@@ -123,9 +123,9 @@ def test_the_eager_slot_step_is_beam_search_bit_for_bit(
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
-def test_inputs_leave_and_the_rows_move_to_fewer_slots(tiny_models, family: str) -> None:
-    """Batches of 16 inputs that end at different steps, checked every step: finished inputs idle in their slots;
-    once no more than 8 run, the rows move to 8 slots, the search state into the kept one of that shape. Which
+def test_inputs_leave_and_the_rows_move_to_fewer_lanes(tiny_models, family: str) -> None:
+    """Batches of 16 inputs that end at different steps, checked every step: finished inputs idle in their lanes;
+    once no more than 8 run, the rows move to 8 lanes, the search state into the kept one of that shape. Which
     batch gets there depends on the model's and tokenizer's outputs (real or offline tokenizers), so ten batches
     run and each must equal the reference; at least one must have moved."""
     loaded = load(tiny_models(family))
@@ -134,13 +134,13 @@ def test_inputs_leave_and_the_rows_move_to_fewer_slots(tiny_models, family: str)
     for seed in range(3, 13):
         batch = text_batch(loaded, 16, seed=seed)
         reference = run(beam_only(loaded), loaded, batch, settings, sync_every=1)
-        backend = slots(loaded)
+        backend = static_backend(loaded)
         out = run(backend, loaded, batch, settings, sync_every=1)
         assert (out.sequences, out.scores) == (reference.sequences, reference.scores), seed
         shapes = sorted(kept.key[0] for kept in backend.kept.values() if kept.search is not None)
         assert shapes[-1] == 16, shapes
         moved_batches += len(shapes) >= 2
-    assert moved_batches >= 1, "no batch moved its rows to fewer slots"
+    assert moved_batches >= 1, "no batch moved its rows to fewer lanes"
 
 
 def test_a_kept_search_state_keeps_its_addresses(tiny_models) -> None:
@@ -148,15 +148,15 @@ def test_a_kept_search_state_keeps_its_addresses(tiny_models) -> None:
     place), refilled by each batch, its bytes counted in the kept state's; the outputs are a fresh backend's."""
     loaded = load(tiny_models("bart"))
     settings = SETTINGS["ngram-minlen-lp-forced"]
-    backend = slots(loaded)
+    backend = static_backend(loaded)
     states, addresses = [], []
     for seed in (1, 2, 3):
         batch = text_batch(loaded, 7, seed=seed)
         out = run(backend, loaded, batch, settings)
-        fresh = run(slots(loaded), loaded, batch, settings)
+        fresh = run(static_backend(loaded), loaded, batch, settings)
         assert (out.sequences, out.scores) == (fresh.sequences, fresh.scores)
         kept = backend.kept[(8, 4, 64, 64)]
-        state: SlotState = kept.search[1]  # type: ignore[index]
+        state: StaticState = kept.search[1]  # type: ignore[index]
         states.append(state)
         addresses.append([t.data_ptr() for t in [*state.buffers(), *state.history.buffers()]])
         model_bytes = held_bytes([*tensors_of(kept.inner), kept.tokens])
@@ -170,22 +170,22 @@ def test_a_kept_search_state_keeps_its_addresses(tiny_models) -> None:
     assert addresses[0] == addresses[1] == addresses[2]
 
 
-def recording_slots(backend: CapturedBackend) -> Any:
-    """``tests/host_sync.py``'s recorder, following the slot search's loop: an iteration starts with its search
-    step (``SlotBeamSearch.advance``) and continues with the backend's ``step``."""
-    return recording(backend, first=(SlotBeamSearch, "advance"), step_name="step")
+def recording_static(backend: CapturedBackend) -> Any:
+    """``tests/host_sync.py``'s recorder, following the static search's loop: an iteration starts with its search
+    step (``StaticBeamSearch.advance``) and continues with the backend's ``step``."""
+    return recording(backend, first=(StaticBeamSearch, "advance"), step_name="step")
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
-def test_a_slot_step_never_syncs(tiny_models, family: str) -> None:
+def test_a_static_step_never_syncs(tiny_models, family: str) -> None:
     """Every search and model step queues work only; the loop reads the device at its checks (every 3 steps)
     and after the loop, and a search shape's first compiled call is checked against the eager step once (one sync
     per shape, never per step). (The model's own first-replay check, one sync per shape, is skipped.)"""
     loaded = load(tiny_models(family))
-    backend = slots(loaded)
+    backend = static_backend(loaded)
     backend.decoder.differs = lambda *args: None
     settings = dict(SETTINGS["ngram-minlen-lp-forced"], repetition_penalty=1.2, bad_words_ids=[[5], [7, 8]])
-    with recording_slots(backend) as rec:
+    with recording_static(backend) as rec:
         run(backend, loaded, text_batch(loaded, 8, seed=4), settings, sync_every=3)
     assert rec.iterations > 6 and rec.checks, "too short to see two checks"
     first_replay = [e for e in rec.violations() if "outputs_differ" in e.where]
@@ -205,7 +205,7 @@ def test_a_search_failure_on_any_call_falls_back_to_eager(tiny_models, call: int
     batch, settings = text_batch(loaded, 5, seed=5), SETTINGS["ngram-minlen-lp-forced"]
     reference = run(beam_only(loaded), loaded, batch, settings)
     error = RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
-    backend = slots(loaded, failing_on(call, error, after))
+    backend = static_backend(loaded, failing_on(call, error, after))
     out = run(backend, loaded, batch, settings)
     assert (out.sequences, out.scores) == (reference.sequences, reference.scores)
     reason = "RuntimeError: CUDA error: operation not permitted when stream is capturing"
@@ -219,7 +219,7 @@ def test_an_out_of_memory_in_the_search_step_is_raised(tiny_models) -> None:
     loaded = load(tiny_models("bart"))
     batch, settings = text_batch(loaded, 5, seed=5), SETTINGS["ngram-minlen-lp-forced"]
     failing = failing_on(2, torch.OutOfMemoryError("CUDA out of memory"))
-    backend = slots(loaded, failing)
+    backend = static_backend(loaded, failing)
     with pytest.raises(torch.OutOfMemoryError):
         run(backend, loaded, batch, settings)
     assert backend.search is not None and backend.search.failure is None
@@ -236,7 +236,7 @@ def test_inductor_skipping_cuda_graphs_turns_the_search_eager(tiny_models) -> No
 
         return run_step
 
-    backend = slots(loaded, skipping)
+    backend = static_backend(loaded, skipping)
     out = run(backend, loaded, batch, settings)
     assert out.sequences == run(beam_only(loaded), loaded, batch, settings).sequences
     assert backend.search is not None and backend.search.failure == SKIPPED
@@ -256,7 +256,7 @@ def test_a_compiled_step_that_differs_is_caught_on_its_first_replay(tiny_models)
 
         return run_step
 
-    backend = slots(loaded, off)
+    backend = static_backend(loaded, off)
     out = run(backend, loaded, batch, settings)
     reference = run(beam_only(loaded), loaded, batch, settings)
     assert (out.sequences, out.scores) != (reference.sequences, reference.scores), (
@@ -278,18 +278,18 @@ BEAM_SETTINGS = [name for name, kwargs in EQUIVALENCE.items() if kwargs.get("num
         for s in BEAM_SETTINGS
     ],
 )
-def test_the_slot_search_is_generate(tiny_models, family: str, setting: str) -> None:
-    """The equivalence harness through the capture path with the slot search (both steps eager): every family and
+def test_the_static_search_is_generate(tiny_models, family: str, setting: str) -> None:
+    """The equivalence harness through the capture path with the static search (both steps eager): every family and
     beam setting gives ``generate()``'s tokens (near-ties aside, at the static step's tolerance)."""
     loaded = load(tiny_models(family))
     result = check_equivalence(
-        loaded.model, slots_over, text_batch(loaded, 32), EQUIVALENCE[setting], rtol=MASKED_SUM_RTOL,
+        loaded.model, static_over, text_batch(loaded, 32), EQUIVALENCE[setting], rtol=MASKED_SUM_RTOL,
         tie_noise=MASKED_SUM_RTOL,
     )  # fmt: skip
     assert not result.mismatches, "\n".join(result.mismatches[:5])
 
 
-def slots_over(model: Any) -> CapturedBackend:
+def static_over(model: Any) -> CapturedBackend:
     return CapturedBackend(get_backend(model), eager, search_compiler=eager)
 
 
@@ -318,13 +318,13 @@ def _pipelines(
     pads = None if encoder_decoder else torch.tensor([0, 0, 0, 2, 2, 2])  # two inputs of 3 rows
     history = TokenHistory(prompt, s.max_length, pads)
     pipeline = LogitsPipeline(s, history, VOCAB, torch.device("cpu"))
-    slot = StaticHistory.empty(
+    static = StaticHistory.empty(
         rows, prompt_len + new_tokens + 5, pipeline.ngram.keys is not None, torch.device("cpu")
     )
-    slot.restart(history, pipeline.ngram.keys, torch.arange(rows))
+    static.restart(history, pipeline.ngram.keys, torch.arange(rows))
     limits = StepLimits.zeros(torch.device("cpu"))
     limits.restart(s)
-    return history, pipeline, slot, pipeline.proc.static(torch.device("cpu")), limits, s
+    return history, pipeline, static, pipeline.proc.static(torch.device("cpu")), limits, s
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "columns"])
@@ -332,22 +332,22 @@ def _pipelines(
 @pytest.mark.parametrize("encoder_decoder", [True, False], ids=["enc-dec", "dec-only"])
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_slot_processors_are_the_pipeline_at_every_step(
+def test_static_processors_are_the_pipeline_at_every_step(
     monkeypatch, encoder_decoder: bool, renormalize: bool, packed: bool, n: int, seed: int
 ) -> None:
-    """Every step of a generation (beams reordered within inputs, random tokens appended), the slot processors give
+    """Every step of a generation (beams reordered within inputs, random tokens appended), the static processors give
     the dynamic pipeline's scores bit for bit: in its order (``process``) and, with the running scores added, in
     the order that compiles into one pass (``process_split``)."""
     monkeypatch.setattr(ngram, "_INT64_LIMIT", 2**63 if packed else 1)
-    history, pipeline, slot, proc, limits, s = _pipelines(encoder_decoder, renormalize, n, seed)
+    history, pipeline, static, proc, limits, s = _pipelines(encoder_decoder, renormalize, n, seed)
     g = torch.Generator().manual_seed(100 + seed)
     for t in range(s.max_new_tokens):
         scores = torch.randn(6, VOCAB, generator=g).log_softmax(-1)  # [N, V]
         add = torch.randn(6, 1, generator=g)
         expected = pipeline(history, scores.clone())
-        torch.testing.assert_close(process(proc, slot, limits, scores.clone()), expected, rtol=0, atol=0)
+        torch.testing.assert_close(process(proc, static, limits, scores.clone()), expected, rtol=0, atol=0)
         if not renormalize:
-            split = process_split(proc, slot, limits, scores.clone(), add)
+            split = process_split(proc, static, limits, scores.clone(), add)
             torch.testing.assert_close(split, expected + add, rtol=0, atol=0)
         rows = (torch.arange(2)[:, None] * 3 + torch.randint(0, 3, (2, 3), generator=g)).view(
             -1
@@ -357,11 +357,11 @@ def test_slot_processors_are_the_pipeline_at_every_step(
         pipeline.select(rows)
         history.append(tokens)
         pipeline.appended(history)
-        slot.tokens, *keys = append(proc, slot, rows, tokens, limits.prompt_len + limits.t)
-        slot.keys = keys[0] if keys else None
+        static.tokens, *keys = append(proc, static, rows, tokens, limits.prompt_len + limits.t)
+        static.keys = keys[0] if keys else None
         limits.t.fill_(t + 1)
         width = history.tokens.shape[1]
-        assert torch.equal(slot.tokens[:, :width], history.tokens) and not slot.tokens[:, width:].any()
+        assert torch.equal(static.tokens[:, :width], history.tokens) and not static.tokens[:, width:].any()
 
 
 # -- the real compiler (inductor on the CPU) -------------------------------------------------------------------
@@ -394,19 +394,19 @@ def eager_search_ops(backend: Any, loaded: Any, batch: Batch, settings: dict[str
     return Count.ops / len(steps)
 
 
-def compiled_search_kernels(state: SlotState, logits: torch.Tensor) -> int:
-    """Kernel calls in inductor's code for the slot step (``scripts/bench_compiled_step.py``'s count)."""
+def compiled_search_kernels(state: StaticState, logits: torch.Tensor) -> int:
+    """Kernel calls in inductor's code for the static step (``scripts/experiments/bench_compiled_step.py``'s count)."""
     import importlib.util
     from pathlib import Path
 
     from torch._inductor.utils import run_and_get_code
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_compiled_step.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "bench_compiled_step.py"
     spec = importlib.util.spec_from_file_location("bench_compiled_step", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    _, codes = run_and_get_code(inductor(slot_beam_step), state, logits)
+    _, codes = run_and_get_code(inductor(static_beam_step), state, logits)
     return sum(bench.kernel_calls(code) for code in codes)
 
 
@@ -430,7 +430,7 @@ def test_model_and_search_through_the_real_compiler(tiny_models, monkeypatch, fa
     assert backend.path == "captured" and backend.search is not None and backend.search.failure is None
     assert backend.stats()["search_compiled_steps"] > 0 and backend.stats()["search_eager_steps"] == 0
     kept = next(kept for kept in backend.kept.values() if kept.search is not None)
-    state: SlotState = kept.search[1]  # type: ignore[index]
+    state: StaticState = kept.search[1]  # type: ignore[index]
     logits = torch.randn(state.history.tokens.shape[0], state.spec.vocab)
     kernels = compiled_search_kernels(state, logits)
     ops = eager_search_ops(get_backend(loaded.model), loaded, batch, settings)
@@ -463,7 +463,7 @@ def test_compile_search_on_the_cpu_skips_cuda_graphs_and_says_so(tiny_models) ->
     torch._dynamo.reset()
     loaded = load(tiny_models("bart"))
     batch, settings = text_batch(loaded, 5, seed=5), SETTINGS["ngram-minlen-lp-forced"]
-    backend = slots(loaded, compile_search)
+    backend = static_backend(loaded, compile_search)
     out = run(backend, loaded, batch, settings)
     assert out.sequences == run(beam_only(loaded), loaded, batch, settings).sequences
     assert backend.stats()["search_path"] == f"eager ({SKIPPED})"

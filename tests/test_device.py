@@ -1,6 +1,6 @@
 """GPU code paths that can be tested without a GPU: CUDA out-of-memory splitting, padding into pinned memory
 with a non-blocking copy, and ``Generator.device_stats``. (The CUDA-only checks run on a GPU machine through
-``scripts/gpu_bench.sh``.)"""
+``scripts/harness/gpu_bench.sh``.)"""
 
 from __future__ import annotations
 

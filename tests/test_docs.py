@@ -1,41 +1,80 @@
-"""The docs' cross-references hold: every section of docs/BENCHMARKS.md that code, scripts or docs quote exists."""
+"""The docs' cross-references hold: every section of docs/BENCHMARKS.md or docs/EXPERIMENTS.md that code, scripts or
+docs quote exists, and so does every such section a link names by its anchor."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
-# docs/BENCHMARKS.md ("Section"), docs/BENCHMARKS.md, "Section" or a link [..](docs/BENCHMARKS.md), "Section"; a quote may wrap
-QUOTE = re.compile(r'BENCHMARKS\.md\)?(?:,\s*|\s*\(\s*)"([^"]+)"')
+DOCS = ("BENCHMARKS", "EXPERIMENTS")
+# docs/BENCHMARKS.md ("Section"), docs/BENCHMARKS.md, "Section" or a link [..](docs/BENCHMARKS.md), "Section"
+# (EXPERIMENTS.md alike); a quote may wrap
+QUOTE = re.compile(r'\b(BENCHMARKS|EXPERIMENTS)\.md\)?(?:,\s*|\s*\(\s*)"([^"]+)"')
+# a link to a section: (docs/EXPERIMENTS.md#int8-weight-cache-start-up)
+ANCHOR = re.compile(r"\b(BENCHMARKS|EXPERIMENTS)\.md#([\w-]+)\)")
 
 
-def _headings() -> list[str]:
-    text = (REPO / "docs" / "BENCHMARKS.md").read_text(encoding="utf-8")
+def _headings(doc: str) -> list[str]:
+    text = (REPO / "docs" / f"{doc}.md").read_text(encoding="utf-8")
     return [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
 
 
-def _quotes() -> list[tuple[str, str]]:
-    files = [
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def _files() -> list[Path]:
+    return [
         *REPO.glob("seqgen_cli/**/*.py"),
         *REPO.glob("scripts/**/*.py"),
+        *REPO.glob("scripts/**/*.md"),
         *REPO.glob("docs/*.md"),
         REPO / "README.md",
     ]
+
+
+def _quotes() -> list[tuple[str, str, str]]:
     found = []
-    for path in files:
+    for path in _files():
         text = path.read_text(encoding="utf-8")
         for match in QUOTE.finditer(text):
             # a docstring's wrapped quote: its line break and indentation read as one space
-            found.append((str(path.relative_to(REPO)), re.sub(r"\s+", " ", match.group(1)).strip()))
+            name = re.sub(r"\s+", " ", match.group(2)).strip()
+            found.append((str(path.relative_to(REPO)), match.group(1), name))
     return found
 
 
 def test_the_quote_pattern_finds_the_references() -> None:
-    assert len(_quotes()) >= 10  # the pattern still matches how the code cites sections
+    quotes = _quotes()
+    for doc in DOCS:  # the pattern still matches how the code cites sections of each
+        assert len([q for q in quotes if q[1] == doc]) >= 10, doc
 
 
-def test_every_quoted_benchmarks_section_exists() -> None:
-    headings = _headings()
-    stale = [(path, name) for path, name in _quotes() if not any(h.startswith(name) for h in headings)]
-    assert not stale, f"sections quoted but not in docs/BENCHMARKS.md: {stale}"
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_quoted_section_exists(doc: str) -> None:
+    headings = _headings(doc)
+    quoted = [(path, name) for path, d, name in _quotes() if d == doc]
+    stale = [(path, name) for path, name in quoted if not any(h.startswith(name) for h in headings)]
+    assert not stale, f"sections quoted but not in docs/{doc}.md: {stale}"
+
+
+def test_every_linked_section_exists() -> None:
+    slugs = {doc: {_slug(h) for h in _headings(doc)} for doc in DOCS}
+    links = [
+        (str(path.relative_to(REPO)), m.group(1), m.group(2))
+        for path in _files()
+        for m in ANCHOR.finditer(path.read_text(encoding="utf-8"))
+    ]
+    assert links, "the anchor pattern still matches how the docs link sections"
+    stale = [link for link in links if link[2] not in slugs[link[1]]]
+    assert not stale, f"sections linked but not in the docs: {stale}"
+
+
+def test_a_section_lives_in_one_of_the_two() -> None:
+    """A title in both files would make a citation of either ambiguous to a reader."""
+    both = set(_headings("BENCHMARKS")) & set(_headings("EXPERIMENTS"))
+    assert not both, both

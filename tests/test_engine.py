@@ -89,7 +89,7 @@ def test_every_path_runs_the_one_loop(tiny_models, monkeypatch, family: str, pat
 
 @pytest.mark.parametrize("cls", [EncoderDecoderBackend, DecoderOnlyBackend, CapturedBackend, GenericBackend])
 def test_a_backend_has_one_step_method(cls: type) -> None:
-    """No second way to step (a lane step, a slot step, a plain step): ``step`` serves every state."""
+    """No second way to step (a lane step, a static-search step, a plain step): ``step`` serves every state."""
     names = [name for name, _ in inspect.getmembers(cls, inspect.isfunction)]
     steps = [n for n in names if n.endswith("step") or n.startswith("step")]
     assert steps == ["step"], steps

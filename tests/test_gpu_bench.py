@@ -1,4 +1,4 @@
-"""``scripts/gpu_bench.sh``, the one command for a GPU machine, run on the CPU with tiny shapes; what it relies
+"""``scripts/harness/gpu_bench.sh``, the one command for a GPU machine, run on the CPU with tiny shapes; what it relies
 on there (``seqgen generate`` without rouge-score, sacrebleu or ctranslate2 installed); and its table logic
 in-process, with out-of-memory errors and the capture path faked: ``--batches max``, inputs recycled to fill
 a batch, an OOM in one system keeping the others' cells, the captured arm's first run timed, ``--budget`` and
@@ -61,7 +61,7 @@ def test_stage_shared_copies_what_the_bench_needs(tmp_path: Path, monkeypatch: p
     shared = _shared()
     if shared is None:
         pytest.skip("the shared folder (../shared or $SEQGEN_SHARED) is absent")
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "harness"))
     bench = importlib.import_module("gpu_bench")
     common = importlib.import_module("_common")
     monkeypatch.setattr(bench, "STAGED", tmp_path / ".gpu-shared")
@@ -80,7 +80,7 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
         pytest.skip("the shared folder (../shared or $SEQGEN_SHARED) is absent")
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable, SEQGEN_SHARED=str(shared))
-    cmd = [str(REPO / "scripts/gpu_bench.sh"), "--device", "cpu", "--quick", "--out", str(out)]
+    cmd = [str(REPO / "scripts/harness/gpu_bench.sh"), "--device", "cpu", "--quick", "--out", str(out)]
     cmd += ["--models", str(tmp_path / "models")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -147,8 +147,8 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
 
 @pytest.fixture
 def scripts(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """``scripts/`` on the import path, as gpu_bench.py puts it: import a module of it by name."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    """``scripts/harness/`` on the import path, as gpu_bench.py puts it: import a module of it by name."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "harness"))
     return importlib.import_module
 
 
@@ -294,7 +294,7 @@ def test_calls_into_one_out_add_up(bench: Any, tmp_path: Path) -> None:
     md = (tmp_path / "results.md").read_text()
     assert (
         md.index("| float16 | 64 |") < md.index("| bfloat16 | 32 |")
-        and "`scripts/gpu_bench.sh --stages gpt2`" in md
+        and "`scripts/harness/gpu_bench.sh --stages gpt2`" in md
     )
 
 
@@ -304,7 +304,7 @@ def test_counted_steps_are_one_per_new_token(
 ) -> None:
     """One input, exactly 5 new tokens, beam 2: 5 decode steps of 2 live rows, with and without refill (an
     encoder-decoder's ``start`` runs the encoder only: not a step; a decoder-only one's prefill is the first)."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "harness"))
     common = importlib.import_module("_common")
     from seqgen_cli.generator import Generator
 

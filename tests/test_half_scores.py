@@ -173,12 +173,12 @@ def test_decoder_only_lane_scores_are_float32(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(4)
     s, r, h, hkv, d, w, scale = 2, 1, 4, 2, 32, 6, 32**-0.5
     cache = DecoderOnlyLaneKVCache(1, s, r, hkv, d, 8, w, dtype, torch.device("cpu"))
-    slots = torch.arange(s)
+    lanes = torch.arange(s)
     mask = torch.ones(s, w, dtype=torch.long)
     mask[1, :3] = 0
     pk = [randn(s, hkv, w, d, dtype=dtype, gen=gen)]
-    cache.put_prompt(slots, pk, [randn(s, hkv, w, d, dtype=dtype, gen=gen)], mask)
-    cache.join(slots.tolist())
+    cache.put_prompt(lanes, pk, [randn(s, hkv, w, d, dtype=dtype, gen=gen)], mask)
+    cache.join(lanes.tolist())
     for t in range(2):
         cache.span = span_bucket(t, cache.max_len)
         cache.begin()

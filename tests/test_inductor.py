@@ -64,7 +64,8 @@ def test_compiled_step_writes_caches_in_place(
     loaded = load(tiny_models(family))
     backend = get_backend(loaded.model)
     batch = text_batch(loaded, 3, seed=2)
-    r, slots = 2, 9  # 9 slots x head_dim 8: no multiple of the cross width (64), no size clash with a cache
+    # 9 positions x head_dim 8: no multiple of the cross width (64), no size clash with a cache
+    r, positions = 2, 9
     graphs = post_grad_recorder(monkeypatch)
     torch._dynamo.reset()
     compiled = torch.compile(backend.decode, fullgraph=True, dynamic=False)
@@ -74,8 +75,8 @@ def test_compiled_step_writes_caches_in_place(
         torch._inductor.config.patch(fx_graph_cache=False),  # lower afresh: the post-grad passes run
         torch._functorch.config.patch(enable_autograd_cache=False),
     ):
-        eager_state, _ = backend.start(batch, r, slots)
-        state, _ = backend.start(batch, r, slots)
+        eager_state, _ = backend.start(batch, r, positions)
+        state, _ = backend.start(batch, r, positions)
         for s in (eager_state, state):
             s.cache.make_static()
         codes: list[str] = []

@@ -1,7 +1,7 @@
 """Memory-aware batching: a batch's budget counts the bytes its caches and logits take.
 
 Each backend says what ``start()`` allocates (``cache_bytes``: cross and self K/V, K/V heads only under
-grouped-query attention, back-pointers; capture's padding of inputs, widths and slots), checked here against
+grouped-query attention, back-pointers; capture's padding of inputs, widths and positions), checked here against
 the tensors it really allocates; on CUDA the default budget is the free memory (``torch.cuda.mem_get_info``,
 faked here), and the batcher cuts batches to fit it.
 """
@@ -39,7 +39,7 @@ def test_cache_bytes_are_what_start_allocates(tiny_models, family: str) -> None:
 
 @pytest.mark.parametrize("family", ["bart", "llama"])
 def test_captured_cache_bytes_count_the_padding(tiny_models, family: str) -> None:
-    """3 inputs run in 4 slots, a width of 20 in 64 columns, 7 new tokens in 64 slots."""
+    """3 inputs run in 4 lanes, a width of 20 in 64 columns, 7 new tokens in 64 positions."""
     loaded = load(tiny_models(family))
     captured = CapturedBackend(get_backend(loaded.model), _eager)
     batch = text_batch(loaded, 3, seed=2)
@@ -60,7 +60,7 @@ def test_grouped_query_attention_counts_only_the_kv_heads(tiny_models) -> None:
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # K and V, float32
     one_more_prompt_token = backend.cache_bytes(1, 11, 1, 5) - backend.cache_bytes(1, 10, 1, 5)
     assert one_more_prompt_token == per_token + 4  # + its float32 mask entry
-    # a generated slot of each of 3 rows: K/V per row + its back-pointers (int64)
+    # a generated position of each of 3 rows: K/V per row + its back-pointers (int64)
     assert backend.cache_bytes(1, 10, 3, 6) - backend.cache_bytes(1, 10, 3, 5) == 3 * (per_token + 8)
 
 
@@ -116,7 +116,7 @@ def test_batches_fit_the_memory_budget() -> None:
 
 
 def test_capture_padding_shrinks_the_batch(tiny_models) -> None:
-    """A budget that holds 4 inputs: 5 would run in 8 padded slots, so the captured path cuts at 4, while the
+    """A budget that holds 4 inputs: 5 would run in 8 padded lanes, so the captured path cuts at 4, while the
     eager path (no padding) takes 6."""
     loaded = load(tiny_models("bart"))
     eager = get_backend(loaded.model)

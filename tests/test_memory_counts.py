@@ -36,7 +36,7 @@ from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.search.settings import rows_per_input
-from seqgen_cli.shapes import graph_inputs, graph_slots, graph_width, input_width
+from seqgen_cli.shapes import graph_inputs, graph_positions, graph_width, input_width
 from tests.engine_models import load, text_batch
 from tests.helpers import load_tiny
 
@@ -203,13 +203,14 @@ def test_graph_pool_approximates_a_static_step(tiny_models, family: str) -> None
     loaded = load(tiny_models(family))
     backend = get_backend(loaded.model)
     batch = text_batch(loaded, 7, seed=2)
-    width, inputs, slots, r = graph_width(batch.input_ids.shape[1]), graph_inputs(7), graph_slots(10), 4
+    width, inputs, r = graph_width(batch.input_ids.shape[1]), graph_inputs(7), 4
+    positions = graph_positions(10)
     batch = batch.padded(inputs, width, left=not backend.is_encoder_decoder)
     dims = Dims.of(loaded.model.config, "decoder")
     assert dims is not None
-    estimate = graph_pool_bytes(dims, inputs, r, width, slots, backend.vocab_size, 4)
+    estimate = graph_pool_bytes(dims, inputs, r, width, positions, backend.vocab_size, 4)
     with torch.inference_mode():
-        state, _ = backend.start(batch, r, slots)
+        state, _ = backend.start(batch, r, positions)
         state.cache.make_static()
         tokens = torch.zeros(inputs * r, dtype=torch.long)
         for _ in range(3):
@@ -242,15 +243,17 @@ def test_captured_cost_counts_the_padded_shape_and_on_cuda_the_pool(tiny_models)
     model, config = loaded.model, _config(6, num_beams=2)
     captured = CapturedBackend(get_backend(model), lambda decode: decode)
     extra = extra_bytes(captured, model, config, 3, 20, 2, 6)
-    inputs, width, slots = 4, 64, 64  # 3 inputs in 4 slots, a width of 20 in 64 columns, 6 tokens in 64 slots
+    # 3 inputs in 4 lanes, a width of 20 in 64 columns, 6 tokens in 64 positions
+    inputs, width, positions = 4, 64, 64
     enc = Dims.of(model.config, "encoder")
     assert enc is not None
-    search = search_bytes(SearchDims.of(config), inputs, inputs * 2, 1 + slots, slots, captured.vocab_size)
+    dims = SearchDims.of(config)
+    search = search_bytes(dims, inputs, inputs * 2, 1 + positions, positions, captured.vocab_size)
     assert extra == encoder_bytes(enc, inputs, width, 4) + search
     captured.device = torch.device("cuda", 0)  # sizes only: nothing runs
     dec = Dims.of(model.config, "decoder")
     assert dec is not None
-    pool = graph_pool_bytes(dec, inputs, 2, width, slots, captured.vocab_size, 4)
+    pool = graph_pool_bytes(dec, inputs, 2, width, positions, captured.vocab_size, 4)
     assert extra_bytes(captured, model, config, 3, 20, 2, 6) == extra + pool
 
 

@@ -74,10 +74,10 @@ def run_alone(backend, batch: Batch, config, i: int):
     "setting", ["beam4_ngram3_lp2_minmax_es", "beam4_nrs3", "greedy_rep1.3_ngram2_default_len"]
 )
 def test_refill_output_independent_of_neighbours(tiny_models, family: str, setting: str) -> None:
-    """Each input alone, then among the others in shuffled orders, slot counts and join thresholds (so it joins
-    at other steps, beside other inputs, in another slot): the same tokens and scores, bit for bit. Decoder-only
+    """Each input alone, then among the others in shuffled orders, lane counts and join thresholds (so it joins
+    at other steps, beside other inputs, in another lane): the same tokens and scores, bit for bit. Decoder-only
     prompts of 6 to 293 tokens: joiners are prefilled in groups of several widths and a long one widens every
-    slot's prompt region mid-run."""
+    lane's prompt region mid-run."""
     loaded = load(tiny_models(family))
     long_prompts = family in DEC_ONLY
     model, batch = loaded.model, text_batch(loaded, 12, seed=3, max_tokens=300 if long_prompts else 40)
@@ -101,7 +101,7 @@ def test_refill_output_independent_of_neighbours(tiny_models, family: str, setti
 @pytest.mark.parametrize("family", DEC_ONLY)
 def test_refill_prompt_widths(tiny_models, family: str) -> None:
     """Decoder-only ``widths``: each prompt counts its positions (``max_length``, ``min_length``) from its own width,
-    as ``generate()`` on it padded to that width alone does; inputs of several widths share the slots."""
+    as ``generate()`` on it padded to that width alone does; inputs of several widths share the lanes."""
     from seqgen_cli.shapes import input_width
     from seqgen_cli.verify import compare
 
@@ -160,7 +160,7 @@ def test_refill_occupancy_counts(tiny_models) -> None:
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
 def test_refill_cli(tiny_models, tmp_path, family: str) -> None:
-    """``--refill`` writes what ``--no-refill`` writes; ``--stats`` has slot occupancy, joins and steps. GPT-2 with
+    """``--refill`` writes what ``--no-refill`` writes; ``--stats`` has lanes, occupancy, joins and steps. GPT-2 with
     ``--max-length``: each prompt's new tokens count from its own width (8 to 32 here), as without refill."""
     from tests.helpers import seqgen
     from tests.tiny_models import sample_texts
@@ -173,7 +173,7 @@ def test_refill_cli(tiny_models, tmp_path, family: str) -> None:
 
         tok = AutoTokenizer.from_pretrained(path)
         texts = [t for t in texts if len(tok(t).input_ids) <= 24]
-        assert len(texts) > 6  # more inputs than slots: some join later
+        assert len(texts) > 6  # more inputs than lanes: some join later
     src.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
     common = ["generate", "-m", str(path), str(src), "--num-beams", "3", "-q"]
     common += ["--max-new-tokens", "6"] if family == "bart" else ["--max-length", "40"]
@@ -188,7 +188,7 @@ def test_refill_cli(tiny_models, tmp_path, family: str) -> None:
 
 
 def test_refill_window_mixes_widths(tiny_models) -> None:
-    """With refill the batcher hands a window of several width buckets to one engine call (the slots pad each
+    """With refill the batcher hands a window of several width buckets to one engine call (the lanes pad each
     input on their own); without, batches of ``batch_size`` (a fast encoder-decoder backend encodes each input
     at its own width). Same outputs either way."""
     from seqgen_cli.generator import Generator
@@ -213,8 +213,8 @@ def test_refill_window_mixes_widths(tiny_models) -> None:
     assert calls[False] == [4] * (len(texts) // 4)
 
 
-def test_slot_cache_steps_per_slot() -> None:
-    """LaneKVCache: slots at different steps write their own step and see their own history only."""
+def test_lane_cache_steps_per_lane() -> None:
+    """LaneKVCache: lanes at different steps write their own step and see their own history only."""
     from seqgen_cli.models.lane_cache import LaneKVCache
 
     cache = LaneKVCache(1, 2, 1, 1, 4, 2, torch.float32, torch.device("cpu"))
@@ -228,15 +228,15 @@ def test_slot_cache_steps_per_slot() -> None:
     assert visible.tolist() == [[True, False, False, False], [True, True, True, False]]
 
 
-def test_decoder_only_slot_cache_prompt_region_and_steps() -> None:
-    """DecoderOnlyLaneKVCache: a joiner's prefill K/V go into columns [0, w) of its slot's prompt region, the rest
-    masked; widening adds masked columns on the right; slots at different steps write their own generated slot,
+def test_decoder_only_lane_cache_prompt_region_and_steps() -> None:
+    """DecoderOnlyLaneKVCache: a joiner's prefill K/V go into columns [0, w) of its lane's prompt region, the rest
+    masked; widening adds masked columns on the right; lanes at different steps write their own generated position,
     and a row attends its visible generated keys and its prompt's real keys, as one softmax."""
     from seqgen_cli.models.decoder_only import self_attention
     from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
 
     inf = float("-inf")
-    # 1 layer, 2 slots of 1 row, 1 K/V head of 2 dims, 4 generated slots, prompt regions of 3 columns
+    # 1 layer, 2 lanes of 1 row, 1 K/V head of 2 dims, 4 generated positions, prompt regions of 3 columns
     cache = DecoderOnlyLaneKVCache(1, 2, 1, 1, 2, 4, 3, torch.float32, torch.device("cpu"))
     pk = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])  # [J=1, Hkv=1, w=2, d=2]: a pad column, then a real one
     pv = torch.tensor([[[[5.0, 6.0], [7.0, 8.0]]]])
@@ -261,20 +261,20 @@ def test_decoder_only_slot_cache_prompt_region_and_steps() -> None:
         2.0,
         -2.0,
     ]
-    # slot 1 sees generated slots 0..2 (zeros, zeros, its own) and its prompt's real column
+    # lane 1 sees generated positions 0..2 (zeros, zeros, its own) and its prompt's real column
     keys = torch.tensor([[0.0, 0.0], [0.0, 0.0], [2.0, -2.0], [3.0, 4.0]])
     values = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 4.0], [7.0, 8.0]])
     expected = torch.softmax(keys @ q[1, 0], dim=0) @ values
     torch.testing.assert_close(out[1], expected)
-    torch.testing.assert_close(out[0], v[0, 0])  # slot 0: its own key only (empty prompt region)
+    torch.testing.assert_close(out[0], v[0, 0])  # lane 0: its own key only (empty prompt region)
 
 
 @pytest.mark.slow  # inductor compiles: ~20 s of CPU, a minute on a loaded box
 @pytest.mark.parametrize("family", ["bart", "t5", *DEC_ONLY])
-def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
+def test_lane_step_compiles_whole(tiny_models, family: str) -> None:
     """The refill step has static shapes: its ``decode`` compiles as one graph (``fullgraph=True``, no dynamic
-    shapes) under the real inductor on the CPU and gives the eager step's logits, with slots at different steps,
-    a join mid-run and a beam reordering. A span bucket is a host int: one graph per (slots, width, span)."""
+    shapes) under the real inductor on the CPU and gives the eager step's logits, with lanes at different steps,
+    a join mid-run and a beam reordering. A span bucket is a host int: one graph per (lanes, width, span)."""
     from seqgen_cli.search.refill import _columns
 
     loaded = load(tiny_models(family))
@@ -283,21 +283,21 @@ def test_slot_step_compiles_whole(tiny_models, family: str) -> None:
     compiled.decode = torch.compile(compiled.decode, fullgraph=True, dynamic=False)
     batch = text_batch(loaded, 4, seed=5)
     width = batch.input_ids.shape[1]
-    slots, r = 3, 2
+    lanes, r = 3, 2
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
-        states = [b.open_lanes(slots, r, 8) for b in (eager, compiled)]
+        states = [b.open_lanes(lanes, r, 8) for b in (eager, compiled)]
 
-        def join(slot_ids: list[int], inputs: list[int]) -> None:
+        def join(lane_ids: list[int], inputs: list[int]) -> None:
             rows = _columns(batch, torch.tensor(inputs), width, left=family in DEC_ONLY)
             for b, state in zip((eager, compiled), states, strict=True):
-                b.join(state, slot_ids, rows)  # decoder-only: the prefill, eager in both
+                b.join(state, lane_ids, rows)  # decoder-only: the prefill, eager in both
 
         join([0, 1, 2], [0, 1, 2])
         for t in range(6):
             if t == 3:
-                join([1], [3])  # a joiner at step 0 beside slots at step 3
-            tokens = torch.randint(4, eager.vocab_size, (slots * r,), generator=g)
+                join([1], [3])  # a joiner at step 0 beside lanes at step 3
+            tokens = torch.randint(4, eager.vocab_size, (lanes * r,), generator=g)
             expected = eager.step(states[0], tokens)  # the furthest lane at step t
             got = compiled.step(states[1], tokens)
             torch.testing.assert_close(got, expected, rtol=COMPILED_TOL, atol=COMPILED_TOL)

@@ -7,7 +7,7 @@ path (``models/capture.py``), exercised on the CPU.
 * the engine through :class:`CapturedBackend` (static step, padded buckets, idle rows, compaction) is token-
   identical to ``generate()`` under the equivalence harness, with the step run as traced and compiled by the
   real inductor (CPU), and adds no host sync;
-* inputs leaving copy only the slots written so far; an eager step (CUDA too) attends only those;
+* inputs leaving copy only the positions written so far; an eager step (CUDA too) attends only those;
 * the fallbacks: CPU, ``--no-capture``, the generic backend, a compile failure, too many shapes; the path in
   ``Generator.device_stats``, ``--stats`` and the closing line.
 """
@@ -115,8 +115,8 @@ class NanWatch(TorchDispatchMode):
         return out
 
 
-def slot_views(cache: Any) -> list[tuple[torch.Tensor, int]]:
-    """The self-attention K/V tensors a step writes, each with its slot dimension."""
+def position_views(cache: Any) -> list[tuple[torch.Tensor, int]]:
+    """The self-attention K/V tensors a step writes, each with its position dimension."""
     if hasattr(cache, "gk"):  # decoder-only: keys [B, Hkv, d, T, R], values [B, Hkv, T, R, d]
         return [(x, 3) for x in cache.gk] + [(x, 2) for x in cache.gv]
     return [(x, 2) for x in [*cache.k, *cache.v]]  # [B, H, T, R, d]
@@ -124,37 +124,38 @@ def slot_views(cache: Any) -> list[tuple[torch.Tensor, int]]:
 
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("family", ["bart", "t5", "gpt2", "llama"])
-def test_leaving_copies_only_the_written_slots(tiny_models, family: str, static: bool) -> None:
-    """Inputs leaving (``drop``, as compaction calls it) copy the slots written so far, never the unwritten ones
-    (poisoned with NaN here: no op may see them); on the static path the new unwritten slots are zeros."""
+def test_leaving_copies_only_the_written_positions(tiny_models, family: str, static: bool) -> None:
+    """Inputs leaving (``drop``, as compaction calls it) copy the positions written so far, never the unwritten ones
+    (poisoned with NaN here: no op may see them); on the static path the new unwritten positions are zeros."""
     loaded = load(tiny_models(family))
     backend = get_backend(loaded.model)
-    r, slots, steps = 2, 7, 3
+    r, positions, steps = 2, 7, 3
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        state, _ = backend.start(text_batch(loaded, 3, seed=2), r, slots)
+        state, _ = backend.start(text_batch(loaded, 3, seed=2), r, positions)
         if static:
             state.cache.make_static()
         for _ in range(steps):
             backend.step(state, torch.randint(4, backend.vocab_size, (3 * r,), generator=g))
         written = []
-        for x, dim in slot_views(state.cache):
-            x.narrow(dim, steps, slots - steps).fill_(float("nan"))  # never read: not even when leaving
+        for x, dim in position_views(state.cache):
+            x.narrow(dim, steps, positions - steps).fill_(float("nan"))  # never read: not even when leaving
             written.append(x.narrow(dim, 0, steps)[[0, 2]])
         with NanWatch() as watch:
             backend.drop(state, torch.tensor([0, 2]), torch.tensor([0, 1, 4, 5]))
-        assert not watch.seen, f"unwritten slots read when inputs left: {watch.seen[:4]}"
-        for (x, dim), kept in zip(slot_views(state.cache), written, strict=True):
+        assert not watch.seen, f"unwritten positions read when inputs left: {watch.seen[:4]}"
+        for (x, dim), kept in zip(position_views(state.cache), written, strict=True):
             assert torch.equal(x.narrow(dim, 0, steps), kept)
             if static:
-                assert not x.narrow(dim, steps, slots - steps).any(), "static: unwritten slots must be zeros"
+                unwritten = x.narrow(dim, steps, positions - steps)
+                assert not unwritten.any(), "static: unwritten positions must be zeros"
         assert (
             backend.step(state, torch.randint(4, backend.vocab_size, (2 * r,), generator=g)).isfinite().all()
         )
 
 
 def test_eager_cuda_step_attends_the_written_span() -> None:
-    """Only capture (``make_static``) attends all preallocated slots; an eager step, CUDA too, attends the
+    """Only capture (``make_static``) attends all preallocated positions; an eager step, CUDA too, attends the
     ``t + 1`` written so far (fake CUDA tensors: no device needed)."""
     with FakeTensorMode():
         cache = EncoderDecoderKVCache(2, 3, 2, 4, 7, 8, torch.float16, torch.device("cuda"))
@@ -175,7 +176,7 @@ EQUIVALENCE = [
 
 @pytest.mark.parametrize(("family", "setting"), EQUIVALENCE)
 def test_captured_backend_matches_generate(tiny_models, family: str, setting: str) -> None:
-    """Static step, inputs padded to power-of-two slots and 64-token widths, finished inputs idle, compaction:
+    """Static step, inputs padded to power-of-two lanes and 64-token widths, finished inputs idle, compaction:
     still token for token transformers' generate() (near-ties as the harness explains them)."""
     loaded = load(tiny_models(family))
     backends: list[CapturedBackend] = []
@@ -190,7 +191,7 @@ def test_captured_backend_matches_generate(tiny_models, family: str, setting: st
     assert not result.mismatches, "\n".join(result.mismatches[:5])
     if SETTINGS[setting].get("num_beams", 1) == 1:
         assert result.identical == result.total
-    assert len(backends[0].shapes) >= 2, "inputs finished, but the slots were never compacted"
+    assert len(backends[0].shapes) >= 2, "inputs finished, but the lanes were never compacted"
 
 
 def inductor(decode: Decode) -> Decode:
@@ -215,7 +216,7 @@ def test_inductor_compiled_step_matches_generate(tiny_models, family: str, setti
     result = check_equivalence(loaded.model, factory, text_batch(loaded, 8, seed=3), SETTINGS[setting])
     print(f"{family} {setting} inductor: {result.summary()}")
     assert backends[0].path == "captured", backends[0].path
-    assert len(backends[0].shapes) >= 2, "inputs finished, but the slots were never compacted"
+    assert len(backends[0].shapes) >= 2, "inputs finished, but the lanes were never compacted"
     assert not result.mismatches, "\n".join(result.mismatches[:5])
     if SETTINGS[setting].get("num_beams", 1) == 1:
         assert result.identical == result.total
@@ -284,7 +285,7 @@ def test_shapes_beyond_the_limit_run_eager(tiny_models, monkeypatch: pytest.Monk
     monkeypatch.setattr(capture_mod, "MAX_SHAPES", 1)
     backend = CapturedBackend(get_backend(loaded.model), counted)
     assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
-    assert set(calls) == {8 * 3} and len(backend.shapes) == 1, "5 inputs: 8 slots of 3 rows, compiled once"
+    assert set(calls) == {8 * 3} and len(backend.shapes) == 1, "5 inputs: 8 lanes of 3 rows, compiled once"
     assert backend.path == "captured (1 shapes; eager beyond)"
 
 
@@ -324,7 +325,7 @@ def test_captured_backend_through_torch_compile(tiny_models) -> None:
 
 
 def _spans(max_len: int, steps: int, static: bool) -> list[int]:
-    """The self-attention slots each step attends, as the cache decides them (``GeneratedSlots.check``)."""
+    """The self-attention positions each step attends, as the cache decides them (``GeneratedPositions.check``)."""
     from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
 
     cache = EncoderDecoderKVCache(1, 1, 1, 1, max_len, 1, torch.float32, torch.device("cpu"))
@@ -347,21 +348,22 @@ CHECKPOINTS = {
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_a_captured_step_reads_at_most_twice_what_the_dynamic_step_reads(name: str) -> None:
     """Bytes a decode step reads, counted from the shapes (half precision): the decoder's weights, the
-    cross-attention K/V (once per input) and the self-attention K/V of the slots it attends. Over a whole
-    generation the captured (static) step, attending span buckets of the preallocated slots, reads at most twice
-    what the eager step (the slots written) reads; attending all slots (Marian: 512 for ~30 tokens) would not."""
-    from seqgen_cli.shapes import graph_slots
+    cross-attention K/V (once per input) and the self-attention K/V of the positions it attends. Over a whole
+    generation the captured (static) step, attending span buckets of the preallocated positions, reads at most twice
+    what the eager step (the positions written) reads; attending all positions (Marian: 512 for ~30 tokens) would
+    not."""
+    from seqgen_cli.shapes import graph_positions
 
     layers, d, ffn, vocab, inputs, beams, width, new, max_new = CHECKPOINTS[name]
     weights = layers * (8 * d * d + 2 * d * ffn) + vocab * d  # self q/k/v/o, cross q/o and k/v, ffn; lm head
     cross = inputs * width * d * 2 * layers
-    per_slot = inputs * beams * d * 2 * layers
+    per_position = inputs * beams * d * 2 * layers
 
     def read(spans: list[int]) -> int:
-        return 2 * sum(weights + cross + per_slot * span for span in spans)  # 2 bytes per half
+        return 2 * sum(weights + cross + per_position * span for span in spans)  # 2 bytes per half
 
-    slots = graph_slots(max_new)
-    dynamic, static = read(_spans(slots, new, False)), read(_spans(slots, new, True))
+    positions = graph_positions(max_new)
+    dynamic, static = read(_spans(positions, new, False)), read(_spans(positions, new, True))
     assert dynamic < static <= 2 * dynamic, (name, static / dynamic)
-    every_slot = read([slots] * new)
-    assert name != "marian wmt" or every_slot > 2 * dynamic, "the case must tell buckets from all slots"
+    every = read([positions] * new)
+    assert name != "marian wmt" or every > 2 * dynamic, "the case must tell buckets from all positions"

@@ -27,7 +27,7 @@ class Amortized:
     """When a shape is worth compiling (``--capture`` left to its default): once the steps it ran eagerly would,
     captured, have saved what compiling it costs. Rent, then buy: a run never pays for compiling much more than
     capture saves it (at most about twice the better of the two choices), and a short or varied run, whose shapes
-    each see a few hundred steps, compiles little or nothing (docs/BENCHMARKS.md, "Compile time on a real
+    each see a few hundred steps, compiles little or nothing (docs/EXPERIMENTS.md, "Compile time on a real
     stream": ~14 s a graph, ~40 graphs for 2,000 CNN/DM inputs, against ~40 s that capturing them all saves).
 
     A step's time is the clock between two consecutive eager steps of a shape (model, search and host work; a

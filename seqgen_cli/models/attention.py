@@ -53,7 +53,7 @@ def attention(
     rounded to half.
 
     Decoding attention on the CPU: two batched GEMMs beat SDPA's kernel, whose
-    per-(input, head) overhead dominates at a handful of queries (docs/BENCHMARKS.md,
+    per-(input, head) overhead dominates at a handful of queries (docs/EXPERIMENTS.md,
     "CPU float32: what the step does, and what each choice measured")."""
     if q.dtype in HALF:
         scores = scores32(q, keys_t)  # [..., Q, K] float32
@@ -80,7 +80,7 @@ Block = tuple[
 
 def attend_blocks(q: Tensor, blocks: list[Block], scale: float) -> Tensor:
     """Grouped-query attention of ``q`` [N, H, d] (rows input-major, ``R = N / G`` per input) over blocks of keys
-    under one float32 softmax, in the blocks' order (a decoder-only cache: its prompt and its generated slots).
+    under one float32 softmax, in the blocks' order (a decoder-only cache: its prompt and its generated positions).
     A block's bias is additive float32, [G|1, 1, Rq|1, 1, K] (0 or ``-inf``), over the scores viewed as [G, Hkv, R,
     H/Hkv, K]. Returns [N, H*d]."""
     n, h, d = q.shape

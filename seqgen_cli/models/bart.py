@@ -95,7 +95,7 @@ class BartBackend(EncoderDecoderBackend):
         cache = state.cache
         cache.begin()
         x = F.embedding(tokens, self.embed) * self.embed_scale  # [N, D]
-        x = x + self.positions.index_select(0, cache.slot + self.pos_offset)  # [1, D]
+        x = x + self.positions.index_select(0, cache.position + self.pos_offset)  # [1, D]
         if self.ln_embed is not None:
             x = self.ln_embed(x)
         pre = self.pre_norm

@@ -3,16 +3,16 @@
 A fast backend's step is ``cache.check(t)`` (host), ``decode(state, tokens)`` (tensors only: what is compiled and
 captured), then ``t += 1`` and ``cache.advance()``; ``decode`` never branches on the step (``models/kv_cache.py``),
 so one graph serves every step of a batch shape within a span bucket. Shapes come from a small fixed set
-(``shapes.py``): inputs padded to a power-of-two number of *slots* (copies of the last input, idle), sources
-(prompts) to a power-of-two width, new-token slots to a multiple of ``shapes.SLOTS``; finished inputs idle in their
-slot until the running ones fit a smaller power of two, at most twice per batch (``shapes.compacted``).
+(``shapes.py``): inputs padded to a power-of-two number of *lanes* (copies of the last input, idle), sources
+(prompts) to a power-of-two width, new-token positions to a multiple of ``shapes.POSITIONS``; finished inputs idle in
+their lane until the running ones fit a smaller power of two, at most twice per batch (``shapes.compacted``).
 
 :class:`CapturedBackend` (CUDA) chooses per batch. One whose first step would run eagerly (after a failure, out of
 memory while compiling, inductor skipping it, past ``max_shapes``; by default until compiling its shape pays,
 ``models/amortized.py``) runs on the wrapped backend's own state (:class:`PlainRun`), as ``--no-capture`` runs it,
 its steps counted for the shape a kept state would have run. Every other batch runs padded on its shape's kept state
 (``models/kept.py``) through the one guarded compiled call (``models/compiled_calls.py``: first replay checked, a
-failure eager with the reason, out of memory raised so the batch is split); so does beam search's slot step
+failure eager with the reason, out of memory raised so the batch is split); so does the static beam search's step
 (``search_call``, its state kept with the kept state). The refill engine's lanes pass through (``open_lanes``,
 ``join``, ``leave``), their ``step`` the same guarded ``decode``. Elsewhere (CPU, ``--no-capture``, the generic
 backend) the plain backend runs: :func:`capture` says why.
@@ -41,9 +41,9 @@ from seqgen_cli.models.compiled_calls import (
     watch_recordings,
 )
 from seqgen_cli.models.kept import CapturedState, KeptStates, mark_static
-from seqgen_cli.models.kv_cache import Decode, check_slot, run_step
-from seqgen_cli.search.protocol import Batch, ModelBackend, SlotLayout
-from seqgen_cli.shapes import compacted, graph_inputs, graph_slots, graph_width, span_bucket
+from seqgen_cli.models.kv_cache import Decode, check_position, run_step
+from seqgen_cli.search.protocol import Batch, ModelBackend, StaticLayout
+from seqgen_cli.shapes import compacted, graph_inputs, graph_positions, graph_width, span_bucket
 
 Compiler = Callable[[Decode], Decode]
 log = logging.getLogger(__name__)  # notes for the user: a shape compiling (pipeline: Progress.notes)
@@ -74,9 +74,9 @@ def capture(
 
 
 def shape_name(shape: tuple[int, ...]) -> str:
-    """A compiled shape in ``--stats``: rows x width x slots, and a model step's span bucket."""
-    rows, width, slots, *span = shape
-    return f"{rows}x{width}x{slots}" + (f" span {span[0]}" if span else "")
+    """A compiled shape in ``--stats``: rows x width x positions, and a model step's span bucket."""
+    rows, width, positions, *span = shape
+    return f"{rows}x{width}x{positions}" + (f" span {span[0]}" if span else "")
 
 
 @dataclass
@@ -88,18 +88,18 @@ class PlainRun:
     rows_per_input: int
     start: int  # graph inputs a kept state would have (the batch padded to a power of two)
     width: int  # graph width
-    slots: int  # new-token slots
+    positions: int  # new-token positions
     running: int  # inputs still running
 
     def shape(self) -> tuple[int, ...]:
-        """The decode shape a kept state would run now: (physical rows, width, slots, span bucket)."""
+        """The decode shape a kept state would run now: (physical rows, width, positions, span bucket)."""
         rows = compacted(self.running, self.start) * self.rows_per_input
-        return (rows, self.width, self.slots, span_bucket(self.inner.t, self.slots))
+        return (rows, self.width, self.positions, span_bucket(self.inner.t, self.positions))
 
 
 class CapturedBackend:
     """:class:`~seqgen_cli.search.protocol.ModelBackend` over a static-step backend, choosing per batch: plain,
-    kept state, compiled (module docstring). ``decoder``: the guarded compiled ``decode``; ``search``: the slot
+    kept state, compiled (module docstring). ``decoder``: the guarded compiled ``decode``; ``search``: the static
     search's step (``None``: beam search as over any backend); ``pool``: the kept states; ``path``: what ran."""
 
     def __init__(
@@ -118,7 +118,7 @@ class CapturedBackend:
         self.device = weight.device
         mark_static(backend)
         self.decoder = Guarded.for_decode(compiler, self.max_shapes, weight.dtype)
-        self.search = None  # the slot search's step, guarded alike (None: beam search as over any backend)
+        self.search = None  # the static search's step, guarded alike (None: beam search as over any backend)
         if search_compiler is not None:
             self.search = Guarded.for_search(search_compiler, self.max_shapes, weight.dtype)
         self.pool = KeptStates(backend, self.device, budget or DeviceBudget.read(self.device))
@@ -131,8 +131,8 @@ class CapturedBackend:
     steps = property(lambda self: self.decoder.steps)
     kept = property(lambda self: self.pool.kept)
 
-    def slot_search(self, state: Any) -> bool:
-        """Whether beam search runs over ``state``'s slots, compiled: a kept state's, given a search compiler."""
+    def static_search(self, state: Any) -> bool:
+        """Whether beam search runs over ``state``'s lanes, compiled: a kept state's, given a search compiler."""
         return self.search is not None and isinstance(state, CapturedState)
 
     @property
@@ -171,24 +171,25 @@ class CapturedBackend:
         """The wrapped backend's cache bytes for the batch :meth:`start` builds (padded as above): what the batch's
         kept state holds; kept states of other shapes are held beside it against the budget."""
         width = graph_width(width, self.max_position_embeddings)
-        return self.backend.cache_bytes(graph_inputs(inputs), width, rows_per_input, graph_slots(new_tokens))
+        positions = graph_positions(new_tokens)
+        return self.backend.cache_bytes(graph_inputs(inputs), width, rows_per_input, positions)
 
     @torch.inference_mode()
     def start(self, batch: Batch, rows_per_input: int, max_new_tokens: int) -> tuple[Any, Tensor | None]:
         """The batch padded to its shape on the shape's kept state (``KeptStates.open``), or, where its first step
         would run eagerly, on the wrapped backend's own ``start`` (a :class:`PlainRun`)."""
         b, s = batch.input_ids.shape
-        r, slots, d = rows_per_input, graph_slots(max_new_tokens), self.decoder
+        r, positions, d = rows_per_input, graph_positions(max_new_tokens), self.decoder
         width, inputs = graph_width(s, self.max_position_embeddings), graph_inputs(b)
-        shape = (inputs * r, width, slots, span_bucket(0, slots))  # its first step's
+        shape = (inputs * r, width, positions, span_bucket(0, positions))  # its first step's
         if d.eager_for_good(shape) or not (d.calls[shape] or self._pays(shape)):
             self.plain_batches += 1
-            run = PlainRun(None, r, inputs, width, slots, b)
+            run = PlainRun(None, r, inputs, width, positions, b)
             run.inner, first = self._run(self.backend.start, batch, r, max_new_tokens)
             return run, first
         self.watching = watch_recordings()  # registered again after a torch._dynamo.reset
         padded = batch.padded(inputs, width, left=not self.is_encoder_decoder)
-        return self.pool.open((inputs, r, width, slots), padded, b, max(1, max_new_tokens))
+        return self.pool.open((inputs, r, width, positions), padded, b, max(1, max_new_tokens))
 
     def _pays(self, shape: tuple[int, ...], step: int | None = None) -> bool:
         """Whether compiling ``shape`` pays (always, but under ``amortized``; ``step``: about to run, charged)."""
@@ -200,13 +201,13 @@ class CapturedBackend:
         """The one decode step: a :class:`PlainRun`'s on the wrapped backend (counted for the shape it stands for);
         a kept state's (``tokens``: the running rows' [N], logits [N, V] a copy; or its token buffer, a static
         search's, logits [P * R, V]) and a lane state's (logits [L * R, V]) through the guarded ``decode`` of their
-        (rows, width, slots, span bucket): the graph's output, read before the next step."""
+        (rows, width, positions, span bucket): the graph's output, read before the next step."""
         if isinstance(state, PlainRun):
             if self.amortized is not None:
                 self.amortized.charge(state.shape(), state.inner.t)
             return self._run(self.decoder.eager, self.backend.step, state.inner, tokens)
         if isinstance(state, CapturedState):
-            check_slot(state.inner.t, state.limit)
+            check_position(state.inner.t, state.limit)
             self.pool.check(state)
             inner, shape, fed, every = state.inner, state.shape, state.tokens, state.feed(tokens)
         else:  # a lane state: shapes are fixed by the lanes, the width only widens
@@ -240,20 +241,20 @@ class CapturedBackend:
             self.pool.budget.set_up()  # its graph pool outlives the batch
         return partial(d, shape, decode)
 
-    # -- the static search (search/slots.py): search/protocol.py's SlotBackend ---------------------------------
-    def slot_layout(self, state: CapturedState) -> SlotLayout:
-        """``CapturedState.layout``: the running inputs' slots, the token buffer and the shape's widths."""
+    # -- the static search (search/static.py): search/protocol.py's StaticBackend ---------------------------------
+    def static_layout(self, state: CapturedState) -> StaticLayout:
+        """``CapturedState.layout``: the running inputs' lanes, the token buffer and the shape's widths."""
         return state.layout(self.is_encoder_decoder)
 
     def kept_search(self, state: CapturedState, key: Any, make: Callable[[], Any]) -> Any:
-        """The slot search's state kept with ``state``'s kept state (``KeptStates.search``)."""
+        """The static search's state kept with ``state``'s kept state (``KeptStates.search``)."""
         return self.pool.search(state.kept, key, make)
 
     @torch.inference_mode()
     def search_call(self, state: CapturedState, step: SearchStep, search: Any, logits: Tensor) -> Any:
-        """The slot search's step, compiled and guarded per (slot shape, search settings)."""
+        """The static search's step, compiled and guarded per (kept state's shape, search settings)."""
         if self.search is None:
-            raise RuntimeError("no search compiler: beam search does not run over the slots")
+            raise RuntimeError("no search compiler: beam search does not run over the lanes")
         if self.amortized is not None and state.shape not in self.called_batch_shapes:
             return self.search.eager(step, search, logits)  # its model step is not compiled yet either
         return self.search((state.shape, getattr(search, "spec", None)), step, search, logits)
@@ -270,7 +271,7 @@ class CapturedBackend:
 
     @torch.inference_mode()
     def drop(self, state: CapturedState | PlainRun, keep: Tensor, rows: Tensor) -> None:
-        """Finished inputs leave: a kept state's idle in their slots until the running ones move into a smaller
+        """Finished inputs leave: a kept state's idle in their lanes until the running ones move into a smaller
         shape's (``KeptStates.drop``); a :class:`PlainRun`'s leave its state at once (the wrapped backend's)."""
         if isinstance(state, CapturedState):
             self.pool.drop(state, keep, rows)
@@ -280,8 +281,8 @@ class CapturedBackend:
 
     # -- the refill engine's lanes (search/refill.py): the wrapped backend's, with decode compiled ------------
     @torch.inference_mode()
-    def open_lanes(self, slots: int, rows_per_input: int, max_new_tokens: int) -> Any:
-        state = self.backend.open_lanes(slots, rows_per_input, max_new_tokens)
+    def open_lanes(self, lanes: int, rows_per_input: int, max_new_tokens: int) -> Any:
+        state = self.backend.open_lanes(lanes, rows_per_input, max_new_tokens)
         mark_static(state)
         self.watching = watch_recordings()  # registered again after a torch._dynamo.reset
         return state

@@ -1,15 +1,15 @@
 """A compiled call, made and guarded: :class:`Guarded`, the one guard of the capture path, used for the model's decode
-step (``models/capture.py``) and the beam search's slot step (``search/slots.py``) alike.
+step (``models/capture.py``) and the static beam search's step (``search/static.py``) alike.
 
 Made: :func:`compile_decode` and :func:`compile_search` compile with ``torch.compile(mode="reduce-overhead",
 fullgraph=True, dynamic=False)``, a CUDA graph per key, replayed (cudagraph trees warm up on a key's first call,
 record on the second, replay from the third). Every call runs under torch's recompile limit raised to the
 caller's cap, a hit of it raising (:func:`call_under_limit`); once a key has run its :data:`SETTLING_CALLS`, only
 dynamo's differentiating guards (the key naming every host value a graph depends on: batch shape, source width,
-slots, span bucket; or slot shape and search settings).
+positions, span bucket; or kept state's shape and search settings).
 
 Guarded (:class:`Guarded`): each key's first replay is compared with the eager call on the same inputs (both steps
-are idempotent: the model's ``decode`` rewrites the same slot, the search step is a pure function of its tensors):
+are idempotent: the model's ``decode`` rewrites the same position, the search step is a pure function of its tensors):
 logits further apart than :func:`step_tolerance` (:func:`logits_differ`), search outputs that differ
 (:func:`outputs_differ`) switch to eager for good, with the reason. A failure (compile error, recording error,
 torch's recompile limit) falls back to eager for good, with the reason; the failed call is rerun eagerly. An
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from seqgen_cli.errors import is_oom
 
-# (search state, logits [P * R, V]) -> its new tensors, tokens, rows (search/slots.py)
+# (search state, logits [P * R, V]) -> its new tensors, tokens, rows (search/static.py)
 SearchStep = Callable[[Any, Tensor], list[Tensor]]
 SearchCompiler = Callable[[SearchStep], SearchStep]
 
@@ -60,12 +60,12 @@ def call_under_limit(limit: int, fn: Callable[..., Any], *args: Any, settled: bo
     decides; a guard that misses on a known shape recompiles under it too) and a hit of it raising instead of
     running eagerly unseen. Set and restored by attribute: ~6 µs a call (``config.patch``: ~100).
 
-    ``settled``: the call's shape (the caller's key: batch shape and span bucket, or slot shape and search
-    settings) has run its :data:`SETTLING_CALLS`, so a compiled entry for it exists and every host value its
+    ``settled``: the call's shape (the caller's key: batch shape and span bucket, or kept state's shape and
+    search settings) has run its :data:`SETTLING_CALLS`, so a compiled entry for it exists and every host value its
     graph depends on is in the key. Then only dynamo's *differentiating* guards run
     (:func:`unguarded`): every tensor's metadata, and the values that told the entries apart so far, not the
     type, id and constant checks that cannot change for a kept state (45-58 against 77-96 µs a call on the
-    CPU of docs/BENCHMARKS.md, "Compiled step on the CPU"). A new key's first calls run every guard, so a host
+    CPU of docs/EXPERIMENTS.md, "Compiled step on the CPU"). A new key's first calls run every guard, so a host
     value that selects another graph (a new span bucket) recompiles and becomes a differentiating guard. The key
     must name every such value: a settled call whose differentiating guards pass may run a graph traced for another
     value, silently (``tests/test_capture.py``: a key without its span gives other tokens); one whose guards all
@@ -169,8 +169,8 @@ def compile_decode(decode: Any) -> Any:
 
 
 def compile_search(step: SearchStep) -> SearchStep:
-    """The beam search's slot step (``search/slots.py``) as CUDA graphs, compiled as :func:`compile_decode`
-    compiles the model's: one graph per slot shape, its state's tensors static addresses (kept per shape)."""
+    """The static beam search's step (``search/static.py``) as CUDA graphs, compiled as :func:`compile_decode`
+    compiles the model's: one graph per kept state's shape, its state's tensors static addresses (kept per shape)."""
     return compile_decode(step)
 
 
@@ -215,7 +215,7 @@ class Guarded:
 
     @classmethod
     def for_search(cls, compiler: Callable[[Any], Any], max_shapes: int, dtype: torch.dtype) -> Guarded:
-        """The slot search's step's guard (``search/slots.py``): outputs checked (scores within
+        """The static search's step's guard (``search/static.py``): outputs checked (scores within
         :func:`step_tolerance`), steps counted ``compiled``, inductor skipping a key: every call eager."""
         differs = partial(outputs_differ, tolerance=step_tolerance(dtype))
         return cls(compiler, max_shapes, differs, skip_for_good=True)

@@ -4,7 +4,7 @@ The prompt is prefilled once per *input* through the model's own base forward (l
 ``generate()`` builds them); its keys and values go into a
 :class:`~seqgen_cli.models.kv_cache.DecoderOnlyKVCache` shared by the input's ``R`` rows. Subclasses
 implement ``decode`` (the step's tensor work, see ``capture.py``): ``state.cache.begin()``, the layers (attention
-through ``state.cache.attend``) at positions ``state.start_pos + state.cache.slot``.
+through ``state.cache.attend``) at positions ``state.start_pos + state.cache.position``.
 """
 
 from __future__ import annotations
@@ -128,10 +128,10 @@ class DecoderOnlyBackend:
     # -- kept states (models/capture.py: one per captured batch shape, for the backend's life) --------------------
     @torch.inference_mode()
     def restart(self, state: DecoderOnlyState, batch: Batch) -> Tensor:
-        """The static ``state`` of an earlier batch of this shape (inputs, width; rows per input and slots are the
-        state's) takes ``batch`` ([B, P] left-padded) as :meth:`start` would, in place: the prefill's K/V and mask
-        are copied into its tensors, the generated slots restart (zeros, slot 0). Returns the last-position logits
-        [B, V]."""
+        """The static ``state`` of an earlier batch of this shape (inputs, width; rows per input and positions are
+        the state's) takes ``batch`` ([B, P] left-padded) as :meth:`start` would, in place: the prefill's K/V and
+        mask are copied into its tensors, the generated positions restart (zeros, position 0). Returns the
+        last-position logits [B, V]."""
         check_batch(batch)
         b, p = batch.input_ids.shape
         held = (state.cache.prompt_bias.shape[0], state.cache.prompt_bias.shape[-1])
@@ -150,8 +150,8 @@ class DecoderOnlyBackend:
         self, state: DecoderOnlyState, keep: Tensor, rows: Tensor, into: DecoderOnlyState | None = None
     ) -> DecoderOnlyState:
         """Inputs ``keep`` ([B'] int64), i.e. rows ``rows`` ([B' * R]), of the static ``state`` in ``into`` (a kept
-        state of B' inputs, same width and slots; a new one if ``None``): the prompts' K/V and mask, the generated
-        slots written so far, back-pointers, positions, the step. ``state`` is left as it is."""
+        state of B' inputs, same width and positions; a new one if ``None``): the prompts' K/V and mask, the generated
+        positions written so far, back-pointers, positions, the step. ``state`` is left as it is."""
         if into is None:
             positions = state.start_pos.new_zeros(rows.shape[0])
             into = DecoderOnlyState(state.cache.empty(keep.shape[0]), positions)
@@ -162,48 +162,48 @@ class DecoderOnlyBackend:
 
     # -- the refill engine's lanes (search/refill.py) ----------------------------------------------------------
     @torch.inference_mode()
-    def open_lanes(self, slots: int, rows_per_input: int, max_new_tokens: int) -> DecoderOnlyState:
-        """``slots`` empty input slots of ``rows_per_input`` rows each (prompt regions of ``MIN_WIDTH`` positions
-        until a wider prompt joins). The last new token is never fed: ``max_new_tokens - 1`` generated slots."""
+    def open_lanes(self, lanes: int, rows_per_input: int, max_new_tokens: int) -> DecoderOnlyState:
+        """``lanes`` empty lanes of ``rows_per_input`` rows each (prompt regions of ``MIN_WIDTH`` positions
+        until a wider prompt joins). The last new token is never fed: ``max_new_tokens - 1`` generated positions."""
         head = self.model.get_output_embeddings().weight
         cache = DecoderOnlyLaneKVCache(
-            self.n_layers, slots, rows_per_input, self.n_kv, self.head_dim, max(1, max_new_tokens - 1),
+            self.n_layers, lanes, rows_per_input, self.n_kv, self.head_dim, max(1, max_new_tokens - 1),
             MIN_WIDTH, head.dtype, head.device,
         )  # fmt: skip
         return DecoderOnlyState(
-            cache, torch.zeros(slots * rows_per_input, dtype=torch.long, device=head.device)
+            cache, torch.zeros(lanes * rows_per_input, dtype=torch.long, device=head.device)
         )
 
     def lane_width(self, state: DecoderOnlyState) -> int:
-        """The slots' prompt-region width (one compiled shape each, ``models/capture.py``)."""
+        """The lanes' prompt-region width (one compiled shape each, ``models/capture.py``)."""
         return state.cache.width
 
     @torch.inference_mode()
     def join(self, state: DecoderOnlyState, lanes: list[int], batch: Batch) -> Tensor:
         """Prompts ``batch`` ([J, P] left-padded) take lanes ``lanes``: the prefill runs for them only,
         each at :func:`~seqgen_cli.shapes.input_width` of its length (one forward per width, and apart whether padded, so that an
-        input's prefill never depends on who joins with it); their K/V go into the slots' prompt regions (widened
-        first if needed), their positions start at their lengths and their generated slots restart at step 0.
+        input's prefill never depends on who joins with it); their K/V go into the lanes' prompt regions (widened
+        first if needed), their positions start at their lengths and their generated positions restart at step 0.
         Returns their first logits [J, V] (the search's first step: no decode step feeds a token for it)."""
         check_batch(batch)
-        slots = torch.tensor(lanes, dtype=torch.long, device=state.start_pos.device)  # [J]
+        lane_ids = torch.tensor(lanes, dtype=torch.long, device=state.start_pos.device)  # [J]
         cache = state.cache
         lengths = batch.attention_mask.sum(dim=1).tolist()
         widths = [input_width(n, self.max_position_embeddings) for n in lengths]
         cache.widen(graph_width(max(widths), self.max_position_embeddings))
-        first = torch.empty(len(lengths), self.vocab_size, device=slots.device)  # [J, V]
+        first = torch.empty(len(lengths), self.vocab_size, device=lane_ids.device)  # [J, V]
         groups: dict[tuple[int, bool], list[int]] = {}
         for j, (n, w) in enumerate(zip(lengths, widths, strict=True)):
             groups.setdefault((w, n < w), []).append(j)
         for (w, _), members in groups.items():
-            idx = torch.tensor(members, dtype=torch.long, device=slots.device)  # [J_g]
+            idx = torch.tensor(members, dtype=torch.long, device=lane_ids.device)  # [J_g]
             prompts = left_width(batch, idx, w)  # [J_g, w]
             pk, pv, logits = self._prefill(prompts)
-            cache.put_prompt(slots.index_select(0, idx), pk, pv, prompts.attention_mask)
+            cache.put_prompt(lane_ids.index_select(0, idx), pk, pv, prompts.attention_mask)
             first.index_copy_(0, idx, logits)
         r = cache.r
-        rows = (slots[:, None] * r + torch.arange(r, device=slots.device)).reshape(-1)  # [J * R]
-        pos = torch.tensor(lengths, dtype=torch.long, device=slots.device).repeat_interleave(r)  # [J * R]
+        rows = (lane_ids[:, None] * r + torch.arange(r, device=lane_ids.device)).reshape(-1)  # [J * R]
+        pos = torch.tensor(lengths, dtype=torch.long, device=lane_ids.device).repeat_interleave(r)  # [J * R]
         state.start_pos.index_copy_(0, rows, pos)
         cache.join(lanes)
         return first
@@ -225,7 +225,7 @@ class DecoderOnlyBackend:
 
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int:
         """Bytes :meth:`start` allocates for ``inputs`` prompts of ``width`` tokens, ``rows_per_input`` rows each,
-        ``new_tokens`` slots (what :meth:`cache_nbytes` then counts): prompt K/V once per input, generated K/V
+        ``new_tokens`` positions (what :meth:`cache_nbytes` then counts): prompt K/V once per input, generated K/V
         and back-pointers per row; K/V heads only."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
         dtype = self.model.get_output_embeddings().weight.dtype

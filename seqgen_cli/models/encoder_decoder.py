@@ -173,10 +173,10 @@ class EncoderDecoderBackend:
     # -- kept states (models/capture.py: one per captured batch shape, for the backend's life) --------------------
     @torch.inference_mode()
     def restart(self, state: EncoderDecoderState, batch: Batch) -> None:
-        """The static ``state`` of an earlier batch of this shape (inputs, width; rows per input and slots are the
-        state's) takes ``batch`` as :meth:`start` would, in place: the encoder's cross-attention K/V and the mask
-        are copied into its tensors, the self-attention cache restarts (zeros, slot 0). T5's position bias depends
-        on the slots only and stays. No first logits (``None``), as :meth:`start`."""
+        """The static ``state`` of an earlier batch of this shape (inputs, width; rows per input and positions are
+        the state's) takes ``batch`` as :meth:`start` would, in place: the encoder's cross-attention K/V and the mask
+        are copied into its tensors, the self-attention cache restarts (zeros, position 0). T5's position bias depends
+        on the positions only and stays. No first logits (``None``), as :meth:`start`."""
         b, s = batch.input_ids.shape
         held = (state.cross_mask.shape[0], state.cross_mask.shape[-1])
         if (b, cross_width(s)) != held:
@@ -197,8 +197,8 @@ class EncoderDecoderBackend:
         into: EncoderDecoderState | None = None,
     ) -> EncoderDecoderState:
         """Inputs ``keep`` ([B'] int64), i.e. rows ``rows`` ([B' * R]), of the static ``state`` in ``into`` (a kept
-        state of B' inputs, same width and slots; a new one if ``None``): cross-attention K/V and mask, the
-        self-attention slots written so far, back-pointers, the step. ``state`` is left as it is."""
+        state of B' inputs, same width and positions; a new one if ``None``): cross-attention K/V and mask, the
+        self-attention positions written so far, back-pointers, the step. ``state`` is left as it is."""
         if into is None:
             b = keep.shape[0]
             into = EncoderDecoderState(
@@ -207,7 +207,7 @@ class EncoderDecoderBackend:
                 cross_mask=state.cross_mask.new_zeros((b, *state.cross_mask.shape[1:])),
                 cache=state.cache.empty(b),
                 max_len=state.max_len,
-                self_bias=state.self_bias,  # [1, H, T, T]: the slots' only, shared
+                self_bias=state.self_bias,  # [1, H, T, T]: the positions' only, shared
             )
         for dst, src in zip(into.cross_k + into.cross_v, state.cross_k + state.cross_v, strict=True):
             select_into(dst, src, keep)
@@ -218,20 +218,20 @@ class EncoderDecoderBackend:
 
     # -- the refill engine's lanes (search/refill.py) ----------------------------------------------------------
     @torch.inference_mode()
-    def open_lanes(self, slots: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
-        """``slots`` empty input slots of ``rows_per_input`` rows each (sources of ``MIN_WIDTH`` tokens until a
-        wider one joins). An empty slot attends one zero key: finite, ignored."""
+    def open_lanes(self, lanes: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
+        """``lanes`` empty lanes of ``rows_per_input`` rows each (sources of ``MIN_WIDTH`` tokens until a
+        wider one joins). An empty lane attends one zero key: finite, ignored."""
         h, d, dev, width = self.heads, self.head_dim, self.device, MIN_WIDTH
-        mask = torch.full((slots, 1, 1, width), float("-inf"), device=dev)  # [S, 1, 1, W]
+        mask = torch.full((lanes, 1, 1, width), float("-inf"), device=dev)  # [S, 1, 1, W]
         mask[..., 0] = 0.0
         max_len = max(1, max_new_tokens)
-        cache = LaneKVCache(self.layers, slots, rows_per_input, h, max_len, d, self.dtype, dev)
+        cache = LaneKVCache(self.layers, lanes, rows_per_input, h, max_len, d, self.dtype, dev)
         return EncoderDecoderState(
             cross_k=[
-                torch.zeros((slots, h, d, width), dtype=self.dtype, device=dev) for _ in range(self.layers)
+                torch.zeros((lanes, h, d, width), dtype=self.dtype, device=dev) for _ in range(self.layers)
             ],
             cross_v=[
-                torch.zeros((slots, h, width, d), dtype=self.dtype, device=dev) for _ in range(self.layers)
+                torch.zeros((lanes, h, width, d), dtype=self.dtype, device=dev) for _ in range(self.layers)
             ],
             cross_mask=mask,
             cache=cache,
@@ -239,11 +239,11 @@ class EncoderDecoderBackend:
         )
 
     def lane_width(self, state: EncoderDecoderState) -> int:
-        """The slots' source width (one compiled shape each, ``models/capture.py``)."""
+        """The lanes' source width (one compiled shape each, ``models/capture.py``)."""
         return state.cross_mask.shape[-1]
 
     def _widen(self, state: EncoderDecoderState, longest: int) -> None:
-        """Room for sources of ``longest`` tokens: every slot's source columns grow (masked) to
+        """Room for sources of ``longest`` tokens: every lane's source columns grow (masked) to
         ``shapes.graph_width(longest)``, so a run widens a few times at most."""
         width = graph_width(longest, getattr(self, "max_position_embeddings", None))
         grow = width - state.cross_mask.shape[-1]
@@ -257,18 +257,18 @@ class EncoderDecoderBackend:
     @torch.inference_mode()
     def join(self, state: EncoderDecoderState, lanes: list[int], batch: Batch) -> None:
         """Inputs ``batch`` ([J, W'] right-padded) take lanes ``lanes``: the encoder runs for them only,
-        at the slots' source width (widened first if they are wider), their cross-attention keys/values and mask
-        go into the slots' rows and their self-attention restarts at step 0. No first logits (``None``): the search
+        at the lanes' source width (widened first if they are wider), their cross-attention keys/values and mask
+        go into the lanes' rows and their self-attention restarts at step 0. No first logits (``None``): the search
         then feeds the decoder start token."""
-        slots = torch.tensor(lanes, dtype=torch.long, device=self.device)  # [J]
+        lane_ids = torch.tensor(lanes, dtype=torch.long, device=self.device)  # [J]
         self._widen(state, batch.input_ids.shape[1])
         batch = batch.padded(batch.input_ids.shape[0], state.cross_mask.shape[-1], left=False)
         enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
         for i, (k, v) in enumerate(self._cross_kv(enc.last_hidden_state)):  # [J, H, d, W], [J, H, W, d]
-            state.cross_k[i].index_copy_(0, slots, k)
-            state.cross_v[i].index_copy_(0, slots, v)
+            state.cross_k[i].index_copy_(0, lane_ids, k)
+            state.cross_v[i].index_copy_(0, lane_ids, v)
         mask = torch.where(batch.attention_mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [J, 1, 1, W]
-        state.cross_mask.index_copy_(0, slots, mask)
+        state.cross_mask.index_copy_(0, lane_ids, mask)
         state.cache.join(lanes)
 
     def leave(self, state: EncoderDecoderState, lanes: list[int]) -> None:
@@ -295,8 +295,9 @@ class EncoderDecoderBackend:
 
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int:
         """Bytes :meth:`start` allocates for ``inputs`` sources of ``width`` tokens, ``rows_per_input`` rows each,
-        ``new_tokens`` slots (what :meth:`cache_nbytes` then counts): cross K/V once per input, self K/V and
+        ``new_tokens`` positions (what :meth:`cache_nbytes` then counts): cross K/V once per input, self K/V and
         back-pointers per row."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
-        slots = inputs * cross_width(width) + rows * t
-        return kv_bytes(self.layers, self.heads, self.head_dim, self.dtype, slots) + pointer_bytes(rows, t)
+        positions = inputs * cross_width(width) + rows * t
+        kv = kv_bytes(self.layers, self.heads, self.head_dim, self.dtype, positions)
+        return kv + pointer_bytes(rows, t)

@@ -49,7 +49,7 @@ class GPT2Backend(DecoderOnlyBackend):
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""
         tr = self.base
         state.cache.begin()
-        x = tr.wte(tokens) + tr.wpe(state.start_pos + state.cache.slot)  # [N, D]
+        x = tr.wte(tokens) + tr.wpe(state.start_pos + state.cache.position)  # [N, D]
         N, D = x.shape
         H = self.n_head
         for i, (block, maps) in enumerate(zip(tr.h, self.blocks, strict=True)):

@@ -10,7 +10,7 @@ model without a checkpoint folder) nothing is read or written.
 **What is stored.** Per weight the int8 values, the per-channel scales and zero points (``int_repr``,
 ``q_per_channel_scales``, ``q_per_channel_zero_points``), never fbgemm's packed matrix: that is an in-memory
 layout whose blocking depends on the CPU's instruction set, which torch itself serialises by unpacking it. A cached
-run packs again (``linear_prepack``), which is most of what is left of the start-up cost (docs/BENCHMARKS.md,
+run packs again (``linear_prepack``), which is most of what is left of the start-up cost (docs/EXPERIMENTS.md,
 "int8 weight cache"). Biases stay float32 and come from the model as before. One safetensors file per key; its
 header metadata carries the JSON (``seqgen_int8``: format, key, and a CRC-32 of each entry's bytes), so the key and
 the tensors change together in one ``os.replace``. No pickle.
@@ -40,7 +40,7 @@ column block moving along the row from one row to the next (``_sample``: every r
 reach the end of the int8 range (the quantizer maps a row's largest magnitude there), which values consistent
 with a coarser scale do not. A weight that fails is quantized again from the float32 weight and the file
 rewritten, with one warning line on stderr per session. Cost: 34 ms of bart-base's warm 0.6 s of quantizing
-(79 weights, 138M values; docs/BENCHMARKS.md, "int8 weight cache").
+(79 weights, 138M values; docs/EXPERIMENTS.md, "int8 weight cache").
 
 **Where**: ``$SEQGEN_CACHE``, else ``$XDG_CACHE_HOME/seqgen``, else ``~/.cache/seqgen``; files in its ``int8/``
 folder. Writers save into a temporary file in that folder, ``fsync`` it and ``os.replace`` it onto the name:

@@ -3,15 +3,15 @@
 CUDA graphs read a state's tensors in place (static addresses, :func:`mark_static`), and cudagraph trees record a
 graph again for every new set of addresses, keep every recording and check them on every call. So the pool
 (:class:`KeptStates`) keeps one static state per batch shape (:class:`Kept`: graph inputs, rows per input, width,
-slots; the wrapped backend's state and the step's token buffer): the first batch of a shape allocates it (the
+positions; the wrapped backend's state and the step's token buffer): the first batch of a shape allocates it (the
 backend's ``start``), every later one refills it in place (``restart``: encoder outputs, cross K/V or prompt K/V and
 masks copied in; the self-attention cache, back-pointers and counters reset), and a compaction copies the running
 inputs into the smaller shape's kept state (``compact``, allocating it the first time). A batch's addresses are its
 shape's, so each (shape, span bucket) records once per kept state. A batch on a kept state is a
 :class:`CapturedState` (where its running rows are: :meth:`KeptStates.open` starts it, :meth:`KeptStates.drop`
 idles finished inputs and compacts). One batch at a time: a batch whose kept state a later batch took (or that was
-released) raises on its next call instead of reading another batch's caches. The beam search's slot state
-(``search/slots.py``) is kept with its shape's state (``Kept.search``), its bytes counted in the kept state's.
+released) raises on its next call instead of reading another batch's caches. The static beam search's state
+(``search/static.py``) is kept with its shape's state (``Kept.search``), its bytes counted in the kept state's.
 
 The kept states (one per batch shape seen: input counts and widths are powers of two) stay allocated beside the
 running batch, their bytes held against the run's :class:`~seqgen_cli.memory.DeviceBudget` (the budget the
@@ -36,10 +36,11 @@ from seqgen_cli.batching import LOGIT_BYTES
 from seqgen_cli.errors import is_oom
 from seqgen_cli.memory import DeviceBudget
 from seqgen_cli.models.kv_cache import select_into
-from seqgen_cli.search.protocol import Batch, SlotLayout
+from seqgen_cli.search.protocol import Batch, StaticLayout
 from seqgen_cli.shapes import compacted
 
-Key = tuple[int, int, int, int]  # a kept state's shape: (graph inputs, rows per input, graph width, slots)
+# a kept state's shape: (graph inputs, rows per input, graph width, new-token positions)
+Key = tuple[int, int, int, int]
 
 
 def tensors_of(obj: Any, seen: set[int] | None = None) -> Iterator[Tensor]:
@@ -88,7 +89,7 @@ class Kept:
     nbytes: int = 0  # device bytes held (each storage once), the kept search state's with them
     owner: weakref.ref[CapturedState] | None = None  # the batch running on it; None: idle
     used: int = 0  # when a batch last took it (least recently used is released first)
-    search: tuple[Any, Any] | None = None  # (key, state) of the slot search kept with it (search/slots.py)
+    search: tuple[Any, Any] | None = None  # (key, state) of the static search kept with it (search/static.py)
 
 
 @dataclass
@@ -96,16 +97,16 @@ class CapturedState:
     """A batch on its shape's kept state (``CapturedBackend.start``): the backend's state over the padded batch,
     and where the running rows are in it."""
 
-    inner: Any  # the wrapped backend's state (physical slots): a kept one
+    inner: Any  # the wrapped backend's state (physical lanes): a kept one
     rows_per_input: int
-    inputs: Tensor  # [B] int64: physical slot of each running input
+    inputs: Tensor  # [B] int64: physical lane of each running input
     rows: Tensor  # [B * R] int64: physical row of each running row
     tokens: Tensor  # [P * R] int64: the step's input tokens for every physical row (idle rows: stale ones)
-    limit: int  # steps the search may run (slots are rounded up)
-    shape: tuple[int, ...]  # (physical rows, padded width, slots): a compiled graph per span bucket each
-    start: int  # input slots at the start (compaction stops at a quarter of them)
+    limit: int  # steps the search may run (positions are rounded up)
+    shape: tuple[int, ...]  # (physical rows, padded width, positions): a compiled graph per span bucket each
+    start: int  # lanes at the start (compaction stops at a quarter of them)
     kept: Kept = field(repr=False)  # whose buffers ``inner`` and ``tokens`` are
-    moved: Tensor | None = None  # [P' * R] after the last drop moved the rows to P' slots: each row's old row
+    moved: Tensor | None = None  # [P' * R] after the last drop moved the rows to P' lanes: each row's old row
 
     def feed(self, tokens: Tensor) -> bool:
         """The step's ``tokens`` into the token buffer: the running rows' [N] copied into their rows (``False``), or
@@ -124,11 +125,11 @@ class CapturedState:
         physical = torch.arange(n, device=rows.device)  # [P * R]
         return physical.index_copy_(0, self.rows, self.rows.index_select(0, rows))
 
-    def layout(self, encoder_decoder: bool) -> SlotLayout:
-        """The running inputs' slots, the token buffer, the history's prompt width (decoder-only: the graph width)
-        and new-token slots, and the last drop's move (``search/slots.py``)."""
+    def layout(self, encoder_decoder: bool) -> StaticLayout:
+        """The running inputs' lanes, the token buffer, the history's prompt width (decoder-only: the graph width)
+        and new-token positions, and the last drop's move (``search/static.py``)."""
         width = 1 if encoder_decoder else self.shape[1]
-        return SlotLayout(self.inputs, self.tokens, width, self.shape[2], self.moved)
+        return StaticLayout(self.inputs, self.tokens, width, self.shape[2], self.moved)
 
 
 class KeptStates:
@@ -153,11 +154,11 @@ class KeptStates:
         backend's ``start``; its cache made static: a shape per span bucket), refilled in place by every later one
         (``restart``: nothing allocated). One batch at a time: an earlier batch of the shape that is still held
         cannot step on (its buffers are taken)."""
-        kept, (inputs, r, width, slots) = self.kept.get(key), key
+        kept, (inputs, r, width, positions) = self.kept.get(key), key
         try:
             if kept is None:
                 self.make_room(key, busy=())
-                inner, first = self.backend.start(batch, r, slots)
+                inner, first = self.backend.start(batch, r, positions)
                 inner.cache.make_static()
                 kept = self._keep(key, inner)
             else:
@@ -169,30 +170,30 @@ class KeptStates:
         arange = partial(torch.arange, device=kept.tokens.device)
         state = CapturedState(
             kept.inner, r, inputs=arange(running), rows=arange(running * r), tokens=kept.tokens, limit=limit,
-            shape=(inputs * r, width, slots), start=inputs, kept=kept,
+            shape=(inputs * r, width, positions), start=inputs, kept=kept,
         )  # fmt: skip
         self.take(kept, state)
         return state, None if first is None else first[:running]  # [B, V]
 
     def drop(self, state: CapturedState, keep: Tensor, rows: Tensor) -> None:
-        """Finished inputs idle in their slots; the slots shrink (a new shape) only to a smaller power of two, at
+        """Finished inputs idle in their lanes; the lanes shrink (a new shape) only to a smaller power of two, at
         most two halvings (``shapes.compacted``): the running inputs move into the smaller shape's kept state
         (:meth:`compact`), and the larger one waits for the next batch of its shape."""
         inputs, r = state.inputs.index_select(0, keep), state.rows_per_input  # [B']
         state.moved, b = None, inputs.shape[0]
-        slots = compacted(b, state.start)
-        if slots * r == state.tokens.shape[0]:
+        lanes = compacted(b, state.start)
+        if lanes * r == state.tokens.shape[0]:
             state.inputs, state.rows = inputs, state.rows.index_select(0, rows)
             return
         self.check(state)
-        kept = torch.cat([inputs, inputs[-1:].expand(slots - b)])  # [slots]: the last one again as padding
-        kept_rows = (kept[:, None] * r + torch.arange(r, device=kept.device)).reshape(-1)  # [slots * R]
-        target = self.compact(state.kept, (slots, *state.kept.key[1:]), kept, kept_rows)
+        kept = torch.cat([inputs, inputs[-1:].expand(lanes - b)])  # [lanes]: the last one again as padding
+        kept_rows = (kept[:, None] * r + torch.arange(r, device=kept.device)).reshape(-1)  # [lanes * R]
+        target = self.compact(state.kept, (lanes, *state.kept.key[1:]), kept, kept_rows)
         self.take(target, state)
         state.inner, state.tokens, state.kept = target.inner, target.tokens, target
         state.inputs = torch.arange(b, device=kept.device)
         state.rows = torch.arange(b * r, device=kept.device)
-        state.shape, state.moved = (slots * r, *state.shape[1:]), kept_rows
+        state.shape, state.moved = (lanes * r, *state.shape[1:]), kept_rows
 
     def compact(self, source: Kept, key: Key, inputs: Tensor, rows: Tensor) -> Kept:
         """The running ``inputs`` of ``source`` (their physical ``rows``) copied into the kept state of shape
@@ -227,7 +228,7 @@ class KeptStates:
             )
 
     def search(self, kept: Kept, key: Any, make: Callable[[], Any]) -> Any:
-        """The slot search's state kept with ``kept``: ``make()``, its tensors marked static, the first time or when
+        """The static search's state kept with ``kept``: ``make()``, its tensors marked static, the first time or when
         ``key`` changes; its bytes count in the kept state's."""
         if kept.search is None or kept.search[0] != key:
             search = make()
@@ -238,8 +239,8 @@ class KeptStates:
 
     def batch_bytes(self, key: Key) -> int:
         """Device bytes a batch of shape ``key`` holds: its state (``cache_bytes``) and its logits rows."""
-        inputs, r, width, slots = key
-        caches = self.backend.cache_bytes(inputs, width, r, slots)
+        inputs, r, width, positions = key
+        caches = self.backend.cache_bytes(inputs, width, r, positions)
         return caches + inputs * r * self.backend.vocab_size * LOGIT_BYTES
 
     def make_room(self, key: Key, busy: Iterable[Key]) -> None:

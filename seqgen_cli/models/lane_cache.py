@@ -13,32 +13,32 @@ from seqgen_cli.shapes import span_bucket
 
 
 class LaneSteps:
-    """What both refill caches (``search/refill.py``) share: a step counter per input slot (``steps`` [S], on the
+    """What both refill caches (``search/refill.py``) share: a step counter per lane (``steps`` [S], on the
     device), so inputs at different steps share one decode step.
 
-    A step writes every slot's keys/values at that slot's own step and attends over the first ``span`` slots
-    under a mask (slot ``<=`` the slot's step, and the back-pointers). ``span`` (host int, set per step by
-    :meth:`check` from the furthest live lane's step, ``ages``) is a bucket, not the oldest input's step: :func:`~seqgen_cli.shapes.span_bucket`, at least ``MIN_SPAN`` slots,
+    A step writes every lane's keys/values at that lane's own step and attends over the first ``span`` positions
+    under a mask (position ``<=`` the lane's step, and the back-pointers). ``span`` (host int, set per step by
+    :meth:`check` from the furthest live lane's step, ``ages``) is a bucket, not the oldest input's step: :func:`~seqgen_cli.shapes.span_bucket`, at least ``MIN_SPAN`` positions,
     so its shape changes a few times per run, and an input's sums run over the same span beside any neighbours
-    wherever its own steps fit in ``MIN_SPAN`` (a sum over more masked slots can round differently).
-    ``slot`` ([N]: each row's step) is what a backend reads for positions. Unwritten and stale slots hold finite
-    values (zeros at start), always masked; an idle slot (no input) keeps stepping, its counter stops at
-    ``T - 1`` and it always sees slot 0, so its rows stay finite and its writes stay in its own rows.
+    wherever its own steps fit in ``MIN_SPAN`` (a sum over more masked positions can round differently).
+    ``position`` ([N]: each row's step) is what a backend reads for positions. Unwritten and stale positions hold
+    finite values (zeros at start), always masked; an idle lane (no input) keeps stepping, its counter stops at
+    ``T - 1`` and it always sees position 0, so its rows stay finite and its writes stay in its own rows.
     """
 
     r: int
     max_len: int
     span: int
     ptrs: BackPointers
-    steps: Tensor  # [S] int64: the step each slot writes
-    slot: Tensor  # [N] int64: the step each row writes
+    steps: Tensor  # [S] int64: the step each lane writes
+    position: Tensor  # [N] int64: the step (position) each row writes
     ages: list[int | None]  # host: each lane's step (``None``: idle), what ``steps`` holds for the live lanes
 
-    def _init_steps(self, slots: int, device: torch.device) -> None:
-        self.steps = torch.zeros(slots, dtype=torch.long, device=device)
-        self.slot = torch.zeros(slots * self.r, dtype=torch.long, device=device)
-        self._slots = torch.arange(slots, device=device)
-        self.ages = [None] * slots
+    def _init_steps(self, lanes: int, device: torch.device) -> None:
+        self.steps = torch.zeros(lanes, dtype=torch.long, device=device)
+        self.position = torch.zeros(lanes * self.r, dtype=torch.long, device=device)
+        self._lanes = torch.arange(lanes, device=device)
+        self.ages = [None] * lanes
 
     def now(self, t: int) -> int:
         """The step that sizes this step's span: the furthest live lane's (``t``, the steps run, is not it)."""
@@ -63,33 +63,33 @@ class LaneSteps:
 
     def _row_steps(self) -> None:
         s, r = self.steps.shape[0], self.r
-        self.slot.view(s, r).copy_(self.steps[:, None])  # [S] -> [S, R]
+        self.position.view(s, r).copy_(self.steps[:, None])  # [S] -> [S, R]
 
     def advance(self) -> None:
-        """A step is done: every slot moves on (queued; an idle slot stops at the last one)."""
+        """A step is done: every lane moves on (queued; an idle lane stops at the last one)."""
         self.steps.add_(1).clamp_(max=self.max_len - 1)
         self._row_steps()
         self.ages = [None if a is None else min(a + 1, self.max_len - 1) for a in self.ages]
 
     def visible(self, span: int) -> Tensor:
-        """Which of the first ``span`` slots each query row sees (its own step and before, its back-pointers;
-        slot 0 always): bool [S, Rq, span, R], or [S, 1, span, 1] if R = 1."""
+        """Which of the first ``span`` positions each query row sees (its own step and before, its back-pointers;
+        position 0 always): bool [S, Rq, span, R], or [S, 1, span, 1] if R = 1."""
         s, r = self.steps.shape[0], self.r
-        slots = self.ptrs.slots[:span]
-        upto = ((slots[None, :] <= self.steps[:, None]) | (slots == 0)).view(s, 1, span, 1)  # [S, 1, span, 1]
+        pos = self.ptrs.positions[:span]
+        upto = ((pos[None, :] <= self.steps[:, None]) | (pos == 0)).view(s, 1, span, 1)  # [S, 1, span, 1]
         if r == 1:
             return upto
-        self.ptrs.ptr.scatter_(1, self.slot[:, None], self.ptrs.beams.repeat(s)[:, None])  # own beam
+        self.ptrs.ptr.scatter_(1, self.position[:, None], self.ptrs.beams.repeat(s)[:, None])  # own beam
         return (self.ptrs.ptr[:, :span].view(s, r, span, 1) == self.ptrs.beams) & upto  # [S, Rq, span, R]
 
 
 class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
-    """:class:`EncoderDecoderKVCache` for the refill engine, each input slot at its own step (:class:`LaneSteps`)."""
+    """:class:`EncoderDecoderKVCache` for the refill engine, each lane at its own step (:class:`LaneSteps`)."""
 
     def __init__(
         self,
         layers: int,
-        slots: int,
+        lanes: int,
         rows_per_input: int,
         heads: int,
         max_len: int,
@@ -97,18 +97,18 @@ class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        super().__init__(layers, slots, rows_per_input, heads, max_len, head_dim, dtype, device)
-        self.make_static()  # zeros; a span bucket of slots attended
-        self._init_steps(slots, device)
+        super().__init__(layers, lanes, rows_per_input, heads, max_len, head_dim, dtype, device)
+        self.make_static()  # zeros; a span bucket of positions attended
+        self._init_steps(lanes, device)
         # [S * H] int64: where this step's keys go in a layer's cache viewed as [S * H * T, R, d]
-        self.where = torch.zeros(slots * heads, dtype=torch.long, device=device)
+        self.where = torch.zeros(lanes * heads, dtype=torch.long, device=device)
         self._heads = torch.arange(heads, device=device)
 
     def begin(self, bias: Tensor | None = None) -> None:
         """A step starts. ``bias``: T5's relative position bias [1, H, N, T] (row ``n``'s query step against every
-        key slot)."""
+        key position)."""
         s, h, r, t, span = self.steps.shape[0], self.heads, self.r, self.max_len, self.span
-        self.where = ((self._slots[:, None] * h + self._heads) * t + self.steps[:, None]).view(-1)  # [S * H]
+        self.where = ((self._lanes[:, None] * h + self._heads) * t + self.steps[:, None]).view(-1)  # [S * H]
         visible = self.visible(span).expand(s, r, span, r).reshape(s, 1, r, span * r)  # [S, 1, Rq, span*R]
         if bias is not None:  # [1, H, N, T] -> [S, H, Rq, span] -> [S, H, Rq, span*R]
             bias = bias[0, :, :, :span].view(h, s, r, span).transpose(0, 1).float()
@@ -117,7 +117,7 @@ class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store this step's ``k``/``v`` ([N, H, d]) of ``layer`` at each lane's step; returns the keys (transposed)
-        and values of the first ``span`` slots, [S, H, d, span*R] and [S, H, span*R, d] (views)."""
+        and values of the first ``span`` positions, [S, H, d, span*R] and [S, H, span*R, d] (views)."""
         kl, vl = self.k[layer], self.v[layer]  # [S, H, T, R, d]
         s, h, r, d, t = kl.shape[0], self.heads, self.r, self.head_dim, self.max_len
         for cache, new in ((kl, k), (vl, v)):  # [N, H, d] -> [S, H, R, d] -> [S * H, R, d]
@@ -129,12 +129,12 @@ class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
 
 
 class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
-    """:class:`DecoderOnlyKVCache` for the refill engine: per input slot a prompt region and generated slots at
-    the slot's own step (:class:`LaneSteps`).
+    """:class:`DecoderOnlyKVCache` for the refill engine: per lane a prompt region and generated positions at
+    the lane's own step (:class:`LaneSteps`).
 
     The prompt region (``pk`` [S, Hkv, d, W], ``pv`` [S, Hkv, W, d], ``prompt_bias`` [S, 1, 1, W]) holds a joiner's
     prefill as it came, left-padded to its own width ``w`` (a function of its length), in columns ``[0, w)``; the
-    rest is masked (zeros, or a previous input's stale keys). ``widen`` grows every slot's region (masked, on the
+    rest is masked (zeros, or a previous input's stale keys). ``widen`` grows every lane's region (masked, on the
     right) when a wider joiner comes. A row's scores are ``[generated span*R | prompt W]`` under one float32
     softmax: generated first, so the columns of an input's real keys depend on its own width and the span only,
     and a wider region only adds masked columns at the end.
@@ -143,7 +143,7 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
     def __init__(
         self,
         layers: int,
-        slots: int,
+        lanes: int,
         rows_per_input: int,
         kv_heads: int,
         head_dim: int,
@@ -153,17 +153,17 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
         device: torch.device,
     ) -> None:
         kv = [
-            torch.zeros(slots, kv_heads, width, head_dim, dtype=dtype, device=device) for _ in range(layers)
+            torch.zeros(lanes, kv_heads, width, head_dim, dtype=dtype, device=device) for _ in range(layers)
         ]
-        mask = torch.zeros(slots, width, dtype=torch.long, device=device)  # all masked until a join
+        mask = torch.zeros(lanes, width, dtype=torch.long, device=device)  # all masked until a join
         super().__init__(kv, [x.clone() for x in kv], mask, rows_per_input, max_len)
-        self.make_static()  # zeros; a span bucket of slots attended
-        self._init_steps(slots, device)
+        self.make_static()  # zeros; a span bucket of positions attended
+        self._init_steps(lanes, device)
         t = self.max_len
         # where this step's keys ([S * Hkv * d] rows of [S * Hkv * d * T, R]) and values ([S * Hkv] rows of
-        # [S * Hkv * T, R, d]) go: row ``i``'s slot 0, plus the slot's step
-        self._key_base = (torch.arange(slots * kv_heads * head_dim, device=device) * t).view(slots, -1)
-        self._value_base = (torch.arange(slots * kv_heads, device=device) * t).view(slots, -1)
+        # [S * Hkv * T, R, d]) go: row ``i``'s position 0, plus the lane's step
+        self._key_base = (torch.arange(lanes * kv_heads * head_dim, device=device) * t).view(lanes, -1)
+        self._value_base = (torch.arange(lanes * kv_heads, device=device) * t).view(lanes, -1)
         self.where_k = self._key_base.reshape(-1)
         self.where_v = self._value_base.reshape(-1)
 
@@ -172,7 +172,7 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
         return self.prompt_bias.shape[-1]
 
     def widen(self, width: int) -> None:
-        """Room for prompts of ``width`` positions: every slot's region grows, masked, on the right."""
+        """Room for prompts of ``width`` positions: every lane's region grows, masked, on the right."""
         grow = width - self.width
         if grow > 0:
             pad = torch.nn.functional.pad
@@ -180,19 +180,19 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
             self.pv = [pad(v, (0, 0, 0, grow)) for v in self.pv]  # [S, Hkv, W, d]
             self.prompt_bias = pad(self.prompt_bias, (0, grow), value=float("-inf"))  # [S, 1, 1, W]
 
-    def put_prompt(self, slots: Tensor, pk: list[Tensor], pv: list[Tensor], mask: Tensor) -> None:
-        """The prefill of joiners taking slots ``slots`` ([J] int64): K/V [J, Hkv, w, d] per layer and mask [J, w]
+    def put_prompt(self, lanes: Tensor, pk: list[Tensor], pv: list[Tensor], mask: Tensor) -> None:
+        """The prefill of joiners taking lanes ``lanes`` ([J] int64): K/V [J, Hkv, w, d] per layer and mask [J, w]
         (``w <= W``) go into columns ``[0, w)``; the rest of their region is masked."""
         w = mask.shape[1]
         for i, (k, v) in enumerate(zip(pk, pv, strict=True)):
-            self.pk[i].narrow(3, 0, w).index_copy_(0, slots, k.transpose(-1, -2))  # [J, Hkv, d, w]
-            self.pv[i].narrow(2, 0, w).index_copy_(0, slots, v)  # [J, Hkv, w, d]
+            self.pk[i].narrow(3, 0, w).index_copy_(0, lanes, k.transpose(-1, -2))  # [J, Hkv, d, w]
+            self.pv[i].narrow(2, 0, w).index_copy_(0, lanes, v)  # [J, Hkv, w, d]
         bias = torch.full((mask.shape[0], self.width), float("-inf"), device=mask.device)  # [J, W]
         bias[:, :w].masked_fill_(mask != 0, 0.0)
-        self.prompt_bias.index_copy_(0, slots, bias[:, None, None, :])
+        self.prompt_bias.index_copy_(0, lanes, bias[:, None, None, :])
 
     def begin(self) -> None:
-        """A step starts: where each slot writes, and the generated-slot bias of every row."""
+        """A step starts: where each lane writes, and the generated-position bias of every row."""
         s, r, span = self.steps.shape[0], self.r, self.span
         self.where_k = (self._key_base + self.steps[:, None]).view(-1)  # [S * Hkv * d]
         self.where_v = (self._value_base + self.steps[:, None]).view(-1)  # [S * Hkv]
@@ -203,7 +203,7 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> list[Block]:
         """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE) of ``layer`` at each lane's step; returns
-        what a query attends, in score order: the first ``span`` generated slots' keys [S, Hkv, d, span*R], values
+        what a query attends, in score order: the first ``span`` generated positions' keys [S, Hkv, d, span*R], values
         [S, Hkv, span*R, d] and bias, then the prompt region's [S, Hkv, d, W], [S, Hkv, W, d] and bias."""
         s, r, hkv, d, t, span = self.steps.shape[0], self.r, k.shape[1], k.shape[2], self.max_len, self.span
         gk, gv = self.gk[layer], self.gv[layer]  # [S, Hkv, d, T, R], [S, Hkv, T, R, d]

@@ -21,10 +21,10 @@ CTranslate2 takes one per row), the product runs in int8 (fbgemm under torch's `
 as float32. So an int8 row's result depends on the other rows of its product, and an input's int8 output on the
 rest of its batch (tests/test_determinism.py, an expected failure). Everything that is not a linear layer (embeddings, norms, attention, the search) stays
 float32. torch's ``torch.ao.quantization`` namespace is deprecated in favour of torchao, but torchao has no
-fast eager CPU kernel for int8 dynamic activations (see docs/BENCHMARKS.md, "CPU int8"), so this uses the
+fast eager CPU kernel for int8 dynamic activations (see docs/EXPERIMENTS.md, "CPU int8"), so this uses the
 torch one and silences its deprecation warnings.
 
-Quantizing is a start-up cost (a Marian-sized model: ~1 s of a ~4.4 s process, docs/BENCHMARKS.md, "int8 weight
+Quantizing is a start-up cost (a Marian-sized model: ~1 s of a ~4.4 s process, docs/EXPERIMENTS.md, "int8 weight
 cache"): :func:`int8_linear` takes each weight's quantized values from the disk cache of
 :mod:`seqgen_cli.models.int8_cache` when a session of it is open, and packs them (fbgemm's packed layout is not
 saved). Cached or not, a layer gets the same int8 values, scales and packed weight, so the same outputs.
@@ -73,7 +73,7 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; float32 [N, D] on the CPU through :func:`onednn`.
 
-    On the 2-core CPU of docs/BENCHMARKS.md ("CPU float32: where a step goes") oneDNN runs the decode step's
+    On the 2-core CPU of docs/EXPERIMENTS.md ("CPU float32: where a step goes") oneDNN runs the decode step's
     products 10-40 % faster than the MKL GEMM behind ``F.linear``, and the LM head about 2x faster (MKL
     re-packs the whole [V, D] matrix for every few-row product). Same product, another summation order
     (float32 rounding, about 1e-6 relative). Under ``torch.compile`` always ``F.linear``: inductor cannot lower
@@ -90,7 +90,7 @@ class PackedLinear:
     ``weight`` that oneDNN has reordered once into its own blocked layout (``mkldnn._reorder_linear_weight``,
     as torch's inductor does for frozen CPU models), so no product repacks the weight.
 
-    On the 2-core CPU of docs/BENCHMARKS.md ("CPU float32: weights packed for oneDNN") this is 3-40 % faster
+    On the 2-core CPU of docs/EXPERIMENTS.md ("CPU float32: weights packed for oneDNN") this is 3-40 % faster
     than oneDNN on the dense weight at 8-32 rows (LM heads 18-38 %) and about even at 128. Packing costs time
     (~0.1 s for a 50k-word LM head) and a second copy of the weight (the model keeps its own, which stays in
     use), so the first calls run :func:`dense`: a run of a few steps (start-up, one short input) never packs.

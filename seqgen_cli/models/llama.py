@@ -63,7 +63,7 @@ class LlamaBackend(DecoderOnlyBackend):
         x = m.embed_tokens(tokens)  # [N, D]
         N = x.shape[0]
         H, Hkv, d = self.n_head, self.n_kv, self.head_dim
-        cos, sin = m.rotary_emb(x, (state.start_pos + state.cache.slot)[None])  # [1, N, d]
+        cos, sin = m.rotary_emb(x, (state.start_pos + state.cache.position)[None])  # [1, N, d]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, d]
         for i, layer in enumerate(m.layers):
             at = layer.self_attn

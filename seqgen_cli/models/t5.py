@@ -2,7 +2,7 @@
 
 Quirks, each as transformers does them: unscaled attention (scale 1) with a learned relative-position bias
 from the first block's self-attention, shared by all blocks; for an incremental query at position ``t`` the
-bias row ``t`` (picked by the cache's device slot) of a ``[T, T]`` table (unidirectional buckets) built once per
+bias row ``t`` (picked by the cache's device position) of a ``[T, T]`` table (unidirectional buckets) built once per
 call; RMSNorm (``T5LayerNorm``);
 ReLU (v1.0) or gated-GELU (v1.1/Flan) feed-forward (the module's activation and its dtype cast before ``wo``);
 fp16 clamping after each sub-layer; v1.0's tied-embedding rescale ``d_model ** -0.5`` before the LM head. Every
@@ -93,8 +93,8 @@ class T5Backend(EncoderDecoderBackend):
         return super().cache_bytes(inputs, width, rows_per_input, new_tokens) + bias
 
     @torch.inference_mode()
-    def open_lanes(self, slots: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
-        state = super().open_lanes(slots, rows_per_input, max_new_tokens)
+    def open_lanes(self, lanes: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
+        state = super().open_lanes(lanes, rows_per_input, max_new_tokens)
         t = state.max_len
         state.self_bias = self.rel_attn.compute_bias(t, t, device=self.device).to(self.dtype)  # [1, H, T, T]
         return state
@@ -102,7 +102,7 @@ class T5Backend(EncoderDecoderBackend):
     def decode(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V]."""
         cache = state.cache
-        cache.begin(state.self_bias.index_select(2, cache.slot))  # bias [1, H, 1, T], shared by all blocks
+        cache.begin(state.self_bias.index_select(2, cache.position))  # [1, H, 1, T], shared by all blocks
         x = F.embedding(tokens, self.embed)  # [N, D]
         for i, blk in enumerate(self.dec_layers):
             a = self_attention(blk.qkv(blk.ln_self(x)), cache, i, self.heads, 1.0)  # [N, I]

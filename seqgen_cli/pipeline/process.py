@@ -65,7 +65,7 @@ def exit_now(code: object) -> NoReturn:
     """End the process with the status of ``SystemExit(code)``, skipping the interpreter's teardown.
 
     Freeing the module graph that torch and transformers leave behind takes 0.7-1.5 s after the last output is
-    written (docs/BENCHMARKS.md, "Start-up"). By then every file is closed; this joins any non-daemon thread,
+    written (docs/EXPERIMENTS.md, "Start-up"). By then every file is closed; this joins any non-daemon thread,
     flushes stdout and stderr, runs the ``atexit`` handlers (Ray, logging, temporary folders) and ends the
     process with ``os._exit``. Not on CPython: the ordinary exit.
     """

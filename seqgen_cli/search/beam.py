@@ -46,7 +46,7 @@ def wide_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
     Same values as ``torch.topk``: an element of any other chunk is at most the k-th largest chunk maximum,
     itself at most the k-th largest element, so only equal values can trade places (torch leaves the order of
-    ties unspecified too). ~4x cheaper than ``torch.topk`` over [32, 4 x 55k] on the CPU (docs/BENCHMARKS.md,
+    ties unspecified too). ~4x cheaper than ``torch.topk`` over [32, 4 x 55k] on the CPU (docs/EXPERIMENTS.md,
     "CPU float32: what the step does, and what each choice measured").
     """
     b, m = scores.shape

@@ -1,5 +1,5 @@
 """The arithmetic of one beam-search step, shared by both searches: ``beam.BeamSearch`` (the dynamic one, rows that
-leave) and ``slots.slot_beam_step`` (the static one, fixed lanes, step and limits as device values).
+leave) and ``static.static_beam_step`` (the static one, fixed lanes, step and limits as device values).
 
 Each function is one of transformers' helpers of ``GenerationMixin._beam_search`` (the name without its leading
 underscore where transformers has one: ``get_top_k_continuations``, ``get_running_beams_for_next_iteration``) or a

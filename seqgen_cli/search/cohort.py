@@ -12,11 +12,11 @@ import torch
 
 from seqgen_cli.search.beam import BeamConstants, BeamSearch, TopK
 from seqgen_cli.search.greedy import TokenSearch
-from seqgen_cli.search.protocol import SearchOutput, SlotBackend
+from seqgen_cli.search.protocol import SearchOutput, StaticBackend
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.sampling import Streams
 from seqgen_cli.search.settings import SearchSettings
-from seqgen_cli.search.slots import SlotBeamSearch
+from seqgen_cli.search.static import StaticBeamSearch
 
 
 class Search(Protocol):
@@ -40,13 +40,17 @@ class Search(Protocol):
 def make_search(
     rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK, streams: Streams
 ) -> Search:
-    """The search of ``settings.mode`` over ``rows``: beam search (over a slot backend's fixed slots, a step that
-    compiles: ``search/slots.py``), or one token per row, the arg-max or a draw from each input's random stream.
+    """The search of ``settings.mode`` over ``rows``: beam search (over a static backend's fixed lanes, a step that
+    compiles: ``search/static.py``), or one token per row, the arg-max or a draw from each input's random stream.
     ``consts``: the device constants, built once per call before its first step is queued (host data copied later
     would wait for that step)."""
     s = settings
-    if s.mode == "beam" and isinstance(rows.backend, SlotBackend) and rows.backend.slot_search(rows.state):
-        return SlotBeamSearch(rows, s, consts, topk)
+    if (
+        s.mode == "beam"
+        and isinstance(rows.backend, StaticBackend)
+        and rows.backend.static_search(rows.state)
+    ):
+        return StaticBeamSearch(rows, s, consts, topk)
     if s.mode == "beam":
         return BeamSearch(rows, s, consts, topk)
     if s.mode == "sample":

@@ -9,7 +9,7 @@ cohort runs is its placement:
 - **the whole state** (a batch: one cohort, ``physical`` ``None``): the cohort's rows are the state's rows. Its
   search reorders the backend itself (``Rows.reorder``); inputs that leave leave the state (``backend.drop``: it
   shrinks, or under capture idles them), and the search feeds the backend what it chose (``Rows.tokens``: the
-  running rows' tokens, or a static layout's whole token buffer, ``search/slots.py``).
+  running rows' tokens, or a static layout's whole token buffer, ``search/static.py``).
 - **lanes** (:class:`Lanes`, the refill engine): the state's rows are ``L`` fixed lanes of ``R`` rows; a cohort's
   rows are some of them (``physical``). Its tokens go into the lanes' token buffer, its beam reordering into one
   permutation of all rows for the backend, and inputs that leave free their lanes (``backend.leave``) for joiners.

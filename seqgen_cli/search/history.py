@@ -4,7 +4,7 @@ layouts, and how the processors read and write it at a step.
 * dynamic (:class:`TokenHistory`): columns ``[0, length)`` filled, ``length`` a host int. A processor reads the
   filled columns by slicing, and a condition on the step (``cur_len < min_length``) is a host branch: no pass over
   what a step does not need, no device->host sync;
-* static (:class:`StaticHistory`, the static beam search of ``slots.py``): a fixed ``[N, W]`` buffer (the columns
+* static (:class:`StaticHistory`, the static beam search of ``static.py``): a fixed ``[N, W]`` buffer (the columns
   from ``length`` on zeros), the step and the batch's limits 0-d device tensors (:class:`StepLimits`). A processor
   reads every column and masks those it must not count, and a condition on the step is a ``torch.where``: one
   compiled graph serves every step of a shape.

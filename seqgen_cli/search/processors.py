@@ -5,7 +5,7 @@ over both layouts of the token history (``history.py``).
   step condition is a host branch and a ban writes only its columns (``index_fill_``); the pipeline owns the scores
   it is given and modifies them in place where it can. No device->host sync.
 * :func:`process` / :func:`process_split` / :func:`append`: the static layout (the static beam search of
-  ``slots.py``): the history a fixed ``[N, W]`` buffer, the step and limits 0-d device tensors
+  ``static.py``): the history a fixed ``[N, W]`` buffer, the step and limits 0-d device tensors
   (``history.StepLimits``), every step condition a ``torch.where``; one compiled graph serves every step of a shape.
 
 Both run the same functions (:func:`repetition_penalty`, ``ngram.ngram_ban``, :func:`bad_sequences`,
@@ -343,7 +343,7 @@ class LogitsPipeline:
         return renormalize(scores, length) if p.renormalize else scores
 
 
-# -- the static layout's pipeline (slots.slot_beam_step: beam search, no warpers) ---------------------------------
+# -- the static layout's pipeline (static.static_beam_step: beam search, no warpers) ---------------------------------
 
 
 def process(p: Processors, h: StaticHistory, lim: StepLimits, scores: Tensor) -> Tensor:

@@ -134,32 +134,32 @@ class RefillBackend(ModelBackend, Protocol):
 
 
 @dataclass
-class SlotLayout:
-    """Where a :class:`SlotBackend`'s running rows lie among its fixed ``P * R`` rows (``P`` input slots of ``R``
-    rows; slots of inputs that left, or that pad the batch, run idle)."""
+class StaticLayout:
+    """Where a :class:`StaticBackend`'s running rows lie among its fixed ``P * R`` rows (``P`` lanes of ``R``
+    rows; lanes of inputs that left, or that pad the batch, run idle)."""
 
-    inputs: torch.Tensor  # [B] int64: the slot of each running input
+    inputs: torch.Tensor  # [B] int64: the lane of each running input
     tokens: torch.Tensor  # [P * R] int64: the next step's input tokens, a buffer whose address stays
     width: int  # decoder positions a row's history may start with: the prompts' graph width, or 1
-    slots: int  # new-token positions
-    moved: torch.Tensor | None  # [P' * R] int64 after a drop that moved the rows to P' slots: row i's old row
+    positions: int  # new-token positions
+    moved: torch.Tensor | None  # [P' * R] int64 after a drop that moved the rows to P' lanes: row i's old row
 
 
 @runtime_checkable
-class SlotBackend(ModelBackend, Protocol):
+class StaticBackend(ModelBackend, Protocol):
     """A model backend with static shapes and addresses whose search step may be compiled too (beam search in
-    ``search/slots.py``): the search keeps its state over all ``P * R`` rows, writes the next tokens into
-    :attr:`SlotLayout.tokens` and feeds that buffer itself to ``step``, which then returns the logits of every
+    ``search/static.py``): the search keeps its state over all ``P * R`` rows, writes the next tokens into
+    :attr:`StaticLayout.tokens` and feeds that buffer itself to ``step``, which then returns the logits of every
     row ([P * R, V]; read them before the next step), and its ``reorder`` gives all ``P * R`` rows (row ``i``
-    continues row ``rows[i]``, same input slot). ``models/capture.py``'s ``CapturedBackend``; beam
-    search runs over a state's slots where ``slot_search`` says so (its step is compiled), else as over any
+    continues row ``rows[i]``, same input lane). ``models/capture.py``'s ``CapturedBackend``; beam
+    search runs over a state's lanes where ``static_search`` says so (its step is compiled), else as over any
     backend."""
 
-    def slot_search(self, state: Any) -> bool:
-        """Whether beam search runs over ``state``'s slots (a state from this backend's ``start``)."""
+    def static_search(self, state: Any) -> bool:
+        """Whether beam search runs over ``state``'s lanes (a state from this backend's ``start``)."""
         ...
 
-    def slot_layout(self, state: Any) -> SlotLayout:
+    def static_layout(self, state: Any) -> StaticLayout:
         """The layout now (after a ``drop``, the new one)."""
         ...
 

@@ -24,7 +24,7 @@ idle until the next join). Joiners are taken from the waiting inputs in the orde
 length, so neighbours share a width bucket); a wider joiner widens every lane's source (prompt) columns, masked.
 
 Exactness: an input's search is the ordinary one, and its decoder arithmetic does not depend on its neighbours'
-steps (a span bucket of cache slots attended under a mask) nor, decoder-only, on who joins with it (each prompt
+steps (a span bucket of cache positions attended under a mask) nor, decoder-only, on who joins with it (each prompt
 is prefilled at a width of its own length), so outputs are token-identical to ``generate()`` (tests/test_refill.py
 runs the equivalence harness with joins at many different steps) and equal to the input's own run.
 """
@@ -114,7 +114,7 @@ class Refill:
             self.engine.add(running)
             return
         nxt = running.cohort.advance(first.repeat_interleave(r, dim=0))  # [J * R]: the prefill's step
-        reorders.rows = None  # no generated slot is written yet: no back-pointer to move
+        reorders.rows = None  # no generated position is written yet: no back-pointer to move
         if nxt is None:  # one new token: done at once
             self.lanes.leave(inputs)
             return

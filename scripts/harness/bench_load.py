@@ -7,9 +7,9 @@ Arms, each an environment: "-" runs with none of ``OMP_VARS`` set (seqgen as shi
 when no wait policy is set (seqgen before the fix: a user's setting is kept), ``OMP_NUM_THREADS=1`` one thread.
 Besides wall time: the decode time (seqgen's ``--stats`` ``generate_seconds``; CTranslate2's ``translate_batch``) and every run's CPU time (user +
 system, from ``getrusage``; idle OpenMP threads that spin show up there). From the repository root
-(``scripts/make_bench_models.py marian-base`` builds the model)::
+(``scripts/harness/make_bench_models.py marian-base`` builds the model)::
 
-    python scripts/bench_load.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \
+    python scripts/harness/bench_load.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \
         --n 32 --beams 4 --new-tokens 48
 
 Variable lengths: ``--eos-bias 1.8`` on ``bart-base`` (no ``--new-tokens``: the checkpoint's 56-142 tokens).
@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Arms: environment settings, "VAR=VALUE[,VAR=VALUE]"; "-" runs with none of OMP_VARS set.
 SEQGEN_ARMS = ["-", "GOMP_SPINCOUNT=300000", "OMP_NUM_THREADS=1"]
 CT2_ARMS = ["-"]
@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument(
         "--eos-bias", type=float,
         help="run the model with this EOS logit bias (final_logits_bias, BART family; built once next to it by "
-        "scripts/_common.spread_checkpoint): outputs stop at their own, spread lengths",
+        "scripts/harness/_common.spread_checkpoint): outputs stop at their own, spread lengths",
     )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
@@ -227,7 +227,7 @@ def print_table(runs: list[Run], outputs: dict[str, list[str]], args: argparse.N
     first = outputs[names[0]]
     loads = {s: [r.loadavg[0] for r in runs if r.state == s] for s in STATES}
     size = f"{args.new_tokens} new tokens" if args.new_tokens else "the model's length settings"
-    print(f"`python scripts/bench_load.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ")
+    print(f"`python scripts/harness/bench_load.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ")
     print(
         f"{args.n} inputs, beam {args.beams}, {size}, batch {args.batch_size}, {args.rounds} rounds, "
         f"{args.hogs} competing busy loop(s) when loaded, {len(os.sched_getaffinity(0))} cores; 1-min load "

@@ -6,7 +6,7 @@ cache reordering and everything else (search + logits processors) per step, for 
 two produce the same tokens. Needs no shared data (synthetic inputs). See docs/BENCHMARKS.md ("Decoding
 engine profile"). From the repository root, with the package installed (``pip install -e .``):
 
-    python scripts/profile_engine.py [--batch 8] [--beams 4] [--steps 40] [--threads 1] [--device cpu]
+    python scripts/harness/profile_engine.py [--batch 8] [--beams 4] [--steps 40] [--threads 1] [--device cpu]
 """
 
 from __future__ import annotations

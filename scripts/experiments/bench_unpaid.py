@@ -3,11 +3,11 @@
 Three arms in one process, models loaded and warmed up, interleaved: ``plain`` (the fast backend, as
 ``--no-capture`` runs it), ``unpaid`` (``CapturedBackend`` under the amortized default with a compile cost no run
 reaches: every batch routed to the plain backend) and ``kept`` (every batch on a kept state, padded to a power of two,
-finished inputs idle until a halving, the span bucket attended, the slot search; decode and search "compiled" by an
+finished inputs idle until a halving, the span bucket attended, the static search; decode and search "compiled" by an
 identity, i.e. eager): what an unpaid batch would cost if it ran on capture's static state. ``--loaded``: the same
-beside one busy loop. See docs/BENCHMARKS.md ("Compile time on a real stream"). From the repository root::
+beside one busy loop. See docs/EXPERIMENTS.md ("Unpaid batches"). From the repository root::
 
-    python scripts/bench_unpaid.py ~/.cache/seqgen-bench/bart-base-eos90 ../shared/data/cnndm/summeval.source \\
+    python scripts/experiments/bench_unpaid.py ~/.cache/seqgen-bench/bart-base-eos90 ../shared/data/cnndm/summeval.source \\
         --preset cnndm-bart --max-source-length 128 --n 48 --batch 16
 """
 
@@ -16,10 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
-from _common import interleaved, print_medians
-from bench_load import hogs, stop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "harness"))  # _common and bench_load live there
+
+from _common import interleaved, print_medians  # noqa: E402
+from bench_load import hogs, stop  # noqa: E402
 
 
 def main() -> None:
@@ -60,7 +64,7 @@ def main() -> None:
     finally:
         stop(busy)
     print(
-        f"`python scripts/bench_unpaid.py {' '.join(sys.argv[1:])}`, 1-min load {os.getloadavg()[0]:.2f} after"
+        f"`python scripts/experiments/bench_unpaid.py {' '.join(sys.argv[1:])}`, 1-min load {os.getloadavg()[0]:.2f} after"
     )
     print_medians(times, {name: runs[-1] for name, runs in results.items()})
 

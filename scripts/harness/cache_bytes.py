@@ -6,7 +6,7 @@ are linear in both): ``generate()``'s returned ``past_key_values`` vs the fast b
 after ``start()``. Needs the bart-large-cnn config in the shared data folder. See docs/BENCHMARKS.md
 ("KV-cache memory"). From the repository root, with the package installed (``pip install -e .``):
 
-    python scripts/cache_bytes.py
+    python scripts/harness/cache_bytes.py
 """
 
 from __future__ import annotations

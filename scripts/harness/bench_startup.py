@@ -3,7 +3,7 @@
 process, interleaved, wall-clock medians and spread. The bar: seqgen within 1.1x of the bare load.
 See docs/BENCHMARKS.md ("Start-up")::
 
-    python scripts/bench_startup.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en
+    python scripts/harness/bench_startup.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ cuts them (its sort window and, where a checkout has them, width buckets). It re
 busy machine when ``--threads 1``), wall time and minor page faults, and a hash of the outputs so that a change
 that alters any token shows. Make the checkouts with ``git worktree add --detach DIR COMMIT``::
 
-    python scripts/ab_checkouts.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \\
+    python scripts/harness/ab_checkouts.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \\
         --n 16 --batch 16 --rounds 3 --threads 1 /work/base /work/main
 """
 

@@ -2,9 +2,10 @@
 
 Each round runs every checkout once (``PYTHONPATH=<checkout>``, interleaved), reading stdout as it comes: the
 seconds from the process start to its first output line, to line ``--line`` (100: every input before it done; the
-first line alone is early whenever input 1 is short) and to its exit. Medians and spread over rounds::
+first line alone is early whenever input 1 is short) and to its exit. Medians and spread over rounds. See
+docs/EXPERIMENTS.md ("Time to the first lines")::
 
-    python scripts/bench_first_line.py MODEL INPUT --rounds 3 /work/base /work/main -- --max-new-tokens 16
+    python scripts/experiments/bench_first_line.py MODEL INPUT --rounds 3 /work/base /work/main -- --max-new-tokens 16
 """
 
 from __future__ import annotations

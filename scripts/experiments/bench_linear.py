@@ -3,10 +3,10 @@
 what the fast backends use), per shape and row count, interleaved, medians in ms.
 
 The shapes are marian-base's and bart-base's decoder linears and LM heads; 32 and 128 rows are a decode step
-at 8 x 4 and 32 x 4, 3200 rows an encoder-sized product. See docs/BENCHMARKS.md ("CPU float32: weights packed
+at 8 x 4 and 32 x 4, 3200 rows an encoder-sized product. See docs/EXPERIMENTS.md ("CPU float32: weights packed
 for oneDNN")::
 
-    python scripts/bench_linear.py --threads 2
+    python scripts/experiments/bench_linear.py --threads 2
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ``refill`` stage: ``Generator(refill=True)`` against ``refill=False`` in process, on the ``bart`` stage's
 model with an EOS bias bisected into ``final_logits_bias`` (outputs spread over lengths), the ``cnndm-bart``
-preset with its natural stop, ``INPUTS_PER_SLOT`` x batch inputs, per dtype and batch size. The workload
-(``spread_checkpoint``, ``generate_ids``, ``counted_steps``) is ``scripts/bench_refill.py``'s, from
+preset with its natural stop, ``INPUTS_PER_LANE`` x batch inputs, per dtype and batch size. The workload
+(``spread_checkpoint``, ``generate_ids``, ``counted_steps``) is ``scripts/experiments/bench_refill.py``'s, from
 ``_common``."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .base import (
 )
 
 REFILL_SYSTEMS = ("refill", "no_refill")
-INPUTS_PER_SLOT = 4  # a refill cell runs 4 x its batch of inputs (sources recycled): slots get refilled
+INPUTS_PER_LANE = 4  # a refill cell runs 4 x its batch of inputs (sources recycled): lanes get refilled
 # 8 bisection runs over 16 sources of 1024 tokens took a whole 190 s device call on an H200; 4 sources suffice for
 # a spread of lengths
 BISECT_INPUTS = 4
@@ -66,7 +66,7 @@ def refill_cell(
     path: Path, texts: list[str], device: torch.device, dtype: str, batch: int, settings: dict, reps: int
 ) -> dict[str, Any]:
     """One cell: ``Generator(refill=True)`` and ``Generator(refill=False)`` on ``texts`` with ``batch_size=batch``
-    (refill: ``batch`` slots). Each first runs once on its own (compiles where captured; timed as ``_first_s``),
+    (refill: ``batch`` lanes). Each first runs once on its own (compiles where captured; timed as ``_first_s``),
     its decode steps and occupancy counted (``_common.counted_steps``), the memory it adds over what was
     allocated before it (``_run_peak_mb``); then ``reps`` interleaved timed runs each. Out of memory:
     ``error``."""
@@ -132,7 +132,7 @@ def section_refill(
     budget: Budget,
 ) -> dict[str, Any]:
     """Refill vs ``--no-refill`` per dtype and batch size on the spread workload (:func:`spread_model`):
-    ``INPUTS_PER_SLOT`` x batch inputs per cell; cells that would overrun the budget are skipped, listed with
+    ``INPUTS_PER_LANE`` x batch inputs per cell; cells that would overrun the budget are skipped, listed with
     the command that runs them, and sizes stop at the first out-of-memory cell."""
     path, bias = spread_model(base, texts, device, quick)
     settings = refill_settings(quick)
@@ -141,7 +141,7 @@ def section_refill(
     for dtype_name in dtypes:
 
         def cell(batch_size: int, dtype_name: str = dtype_name) -> dict:
-            inputs = INPUTS_PER_SLOT * batch_size
+            inputs = INPUTS_PER_LANE * batch_size
             row = {"dtype": dtype_name, "batch": batch_size, "inputs": inputs}
             row |= refill_cell(path, recycled(texts, inputs), device, dtype_name, batch_size, settings, reps)
             reset_peak(device)
@@ -153,7 +153,7 @@ def section_refill(
     return {
         "title": f"cnndm-bart preset (beam 4, no-repeat 3, length penalty 2, {limits}, early stopping), natural "
         f"stop, EOS bias {bias:.2f} in final_logits_bias (greedy mean {MEAN_LENGTH[quick]:g} tokens), "
-        f"{settings['max_source_length']}-token sources, {INPUTS_PER_SLOT} x batch inputs, on {device}",
+        f"{settings['max_source_length']}-token sources, {INPUTS_PER_LANE} x batch inputs, on {device}",
         "settings": {k: str(v) for k, v in settings.items()} | {"eos_bias": f"{bias:.4f}", "reps": str(reps)},
         "rows": rows,
         "skipped": skipped,
@@ -198,7 +198,7 @@ def refill_md(name: str, data: dict) -> list[str]:
         *map(refill_row, sorted_rows(data["rows"])),
         "",
         "in-process `Generator(refill=True/False).generate(inputs, batch_size=batch)`'s batching (refill: `batch` "
-        "slots over each look-ahead window); seconds: median (min-max) of the interleaved timed runs after each "
+        "lanes over each look-ahead window); seconds: median (min-max) of the interleaved timed runs after each "
         "system's first run (which compiles where the step is captured); speed-up: no-refill s / refill s; "
         "steps: decode steps of the first run, occupancy: live rows / (steps x batch x beams); = no-refill: "
         "inputs whose outputs are token-identical; output tokens: per input, best sequence; run peak: the "

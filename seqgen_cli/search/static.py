@@ -3,15 +3,15 @@
 After the captured model step (``models/capture.py``) what is left of a decode step is the search's ~80 small ops
 (cast, log-softmax, processors, score add, top-k over ``[B, K * V]``, the finished-set merge, reordering the
 history, n-gram keys and back-pointers), each a launch. Here the search runs over all ``P * R`` rows of a
-:class:`~seqgen_cli.search.protocol.SlotBackend` (the capture path's padded lanes: inputs that left or that pad
-the batch run idle, their rows finite and unread), with every tensor preallocated in a :class:`SlotState` kept
+:class:`~seqgen_cli.search.protocol.StaticBackend` (the capture path's padded lanes: inputs that left or that pad
+the batch run idle, their rows finite and unread), with every tensor preallocated in a :class:`StaticState` kept
 with the backend's state for that shape, and the step counter and length limits as 0-d device tensors
-(``history.StepLimits``). :func:`slot_beam_step` is a pure function of that state and the logits: it
+(``history.StepLimits``). :func:`static_beam_step` is a pure function of that state and the logits: it
 returns the new buffers, which the search copies in (:func:`commit`: one ``_foreach_copy_`` per dtype), so the
-same function runs eagerly (the first step of a batch, a fallback) and compiled (``SlotBackend.search_call``: one
+same function runs eagerly (the first step of a batch, a fallback) and compiled (``StaticBackend.search_call``: one
 graph, on CUDA one replay per step), and a compiled call can be checked against, or rerun as, the eager one.
 
-Launches per decode step on the capture path: the model's graph and its slot counter, the search's graph, the
+Launches per decode step on the capture path: the model's graph and its position counter, the search's graph, the
 commit (one copy per dtype: 3) and the back-pointers' reorder (2), against ~80-100 eager ops for the search alone;
 plus the host check every ``sync_every`` steps. A batch's first search step runs eagerly (its logits come from
 the encoder's or prefill's path, not the model's graph).
@@ -48,14 +48,14 @@ from seqgen_cli.search.beam_step import (
 )
 from seqgen_cli.search.history import StaticHistory, StepLimits
 from seqgen_cli.search.processors import Processors, append, float32_inverse, process, process_split
-from seqgen_cli.search.protocol import SlotBackend, SlotLayout
+from seqgen_cli.search.protocol import StaticBackend, StaticLayout
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
 
 @dataclass(frozen=True)
-class SlotSpec:
-    """What a kept :class:`SlotState` and its compiled step are built for: the settings (less the batch's lengths,
+class StaticSpec:
+    """What a kept :class:`StaticState` and its compiled step are built for: the settings (less the batch's lengths,
     which are device values) and the shape of the history."""
 
     settings: SearchSettings  # prompt_len, max_length, min_length, begin_index zeroed
@@ -69,15 +69,15 @@ class SlotSpec:
 
     @classmethod
     def of(
-        cls, s: SearchSettings, layout: SlotLayout, rows: Rows, topk: TopK, device: torch.device
-    ) -> SlotSpec:
+        cls, s: SearchSettings, layout: StaticLayout, rows: Rows, topk: TopK, device: torch.device
+    ) -> StaticSpec:
         """The spec of a batch with settings ``s`` on ``layout`` (``rows``: its history and processors)."""
         ngram = rows.pipeline.ngram
         return cls(
             settings=replace(s, prompt_len=0, max_length=0, min_length=0, begin_index=0),
             vocab=rows.backend.vocab_size,
-            width=layout.width + layout.slots,
-            new_tokens=layout.slots,
+            width=layout.width + layout.positions,
+            new_tokens=layout.positions,
             wide=topk is wide_topk,
             reciprocal=device.type == "cuda",
             ids_in_vocab=rows.pipeline.ids_in_vocab,
@@ -86,12 +86,12 @@ class SlotSpec:
 
 
 @dataclass(eq=False)
-class SlotState:
+class StaticState:
     """A static search's tensors, ``P`` lanes of ``K`` beams (``N = P * K`` rows): the beams' state, the
     history, the limits, and device constants (the processors', ``divisors`` ``[T + 1]`` float32: ``i **
     length_penalty``, or its float32 inverse on CUDA; the top-K candidate mask ``[C]``; EOS ids ``[E]``)."""
 
-    spec: SlotSpec
+    spec: StaticSpec
     limits: StepLimits
     beams: BeamState  # [P, K] ...; fin_tokens [P, K, T]
     history: StaticHistory  # [N, W]
@@ -102,8 +102,8 @@ class SlotState:
 
     @classmethod
     def allocate(
-        cls, spec: SlotSpec, lanes: int, rows: Rows, consts: BeamConstants, device: torch.device
-    ) -> SlotState:
+        cls, spec: StaticSpec, lanes: int, rows: Rows, consts: BeamConstants, device: torch.device
+    ) -> StaticState:
         """A new state for ``lanes`` lanes; the constants from the batch's processors and ``consts``."""
         s = spec.settings
         powers = [float(i) ** s.length_penalty if i else 1.0 for i in range(spec.new_tokens + 1)]
@@ -120,7 +120,7 @@ class SlotState:
             consts.eos,
         )
 
-    def empty(self, lanes: int) -> SlotState:
+    def empty(self, lanes: int) -> StaticState:
         """A state like this one for ``lanes`` lanes, sharing its constants (what :meth:`take` fills)."""
         device, k = self.top_mask.device, self.spec.settings.num_beams
         beams = BeamState.start(lanes, k, self.spec.new_tokens, device)
@@ -128,7 +128,7 @@ class SlotState:
         return replace(self, limits=StepLimits.zeros(device), beams=beams, history=history)
 
     def buffers(self) -> list[Tensor]:
-        """What a step replaces, in :func:`slot_beam_step`'s order."""
+        """What a step replaces, in :func:`static_beam_step`'s order."""
         b = self.beams
         beams = [b.running_scores, b.beam_scores, b.is_finished, b.heuristic_unsatisfied, b.fin_tokens]
         return [*beams, b.fin_lengths, *self.history.buffers(), self.limits.t]
@@ -148,7 +148,7 @@ class SlotState:
         self.history.restart(rows.history, None if ngram is None else ngram.keys, src)
         self.limits.restart(s)
 
-    def take(self, other: SlotState, moved: Tensor) -> None:
+    def take(self, other: StaticState, moved: Tensor) -> None:
         """Row ``i`` := ``other``'s row ``moved[i]`` ([N] int64, whole lanes), in place (a compaction)."""
         k = self.spec.settings.num_beams
         inputs = moved.view(-1, k)[:, 0] // k  # [P] the old lane of each lane
@@ -162,7 +162,7 @@ class SlotState:
 
 
 def _finished_sequences(
-    st: SlotState, chosen: Tensor, topk_beams: Tensor, topk_tokens: Tensor
+    st: StaticState, chosen: Tensor, topk_beams: Tensor, topk_tokens: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``beam._gather_finished_sequences`` over the static history: a candidate place's generated tokens are its
     beam's history from ``prompt_len`` (zeros past the step), the new token at column ``t``."""
@@ -176,7 +176,7 @@ def _finished_sequences(
     return select_finished(b.fin_tokens, b.fin_lengths, chosen, cand_tokens, lim.t + 1)
 
 
-def slot_beam_step(st: SlotState, logits: Tensor) -> list[Tensor]:
+def static_beam_step(st: StaticState, logits: Tensor) -> list[Tensor]:
     """``BeamSearch.advance`` over every lane, a pure function: ``logits`` [N, V] -> the new values of
     ``st.buffers()``, then the next tokens [N] and the rows they continue [N]."""
     s, lim, b = st.spec.settings, st.limits, st.beams
@@ -216,7 +216,7 @@ def slot_beam_step(st: SlotState, logits: Tensor) -> list[Tensor]:
     return [*beams, *history, lim.t + 1, tokens, rows]
 
 
-SearchStep = Callable[[SlotState, Tensor], list[Tensor]]
+SearchStep = Callable[[StaticState, Tensor], list[Tensor]]
 
 
 def commit(targets: list[Tensor], values: list[Tensor]) -> None:
@@ -231,41 +231,41 @@ def commit(targets: list[Tensor], values: list[Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
-class SlotBeamSearch:
-    """Beam search over the slots of a :class:`~seqgen_cli.search.protocol.SlotBackend` (the ``Search`` of
-    ``search/cohort.py``): its :meth:`advance` takes the logits of every slot row (the first step: of the running
+class StaticBeamSearch:
+    """Beam search over the lanes of a :class:`~seqgen_cli.search.protocol.StaticBackend` (the ``Search`` of
+    ``search/cohort.py``): its :meth:`advance` takes the logits of every lane row (the first step: of the running
     rows, as ``start_rows`` gives them) and returns the layout's token buffer, which the decode loop feeds to the
-    backend's ``step`` as it is (then the logits of every slot row come back)."""
+    backend's ``step`` as it is (then the logits of every lane row come back)."""
 
     def __init__(self, rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK) -> None:
-        backend: SlotBackend = rows.backend  # type: ignore[assignment]
+        backend: StaticBackend = rows.backend  # type: ignore[assignment]
         self.rows, self.s, self.backend = rows, settings, backend
-        self.layout = backend.slot_layout(rows.state)
+        self.layout = backend.static_layout(rows.state)
         device, k = consts.top_num_beam_mask.device, settings.num_beams
-        self.spec = SlotSpec.of(settings, self.layout, rows, topk, device)
-        slots = self.layout.tokens.shape[0] // k
-        self.st: SlotState = backend.kept_search(
-            rows.state, self.spec, lambda: SlotState.allocate(self.spec, slots, rows, consts, device)
+        self.spec = StaticSpec.of(settings, self.layout, rows, topk, device)
+        lanes = self.layout.tokens.shape[0] // k
+        self.st: StaticState = backend.kept_search(
+            rows.state, self.spec, lambda: StaticState.allocate(self.spec, lanes, rows, consts, device)
         )
         running = len(rows.inputs)
-        first = torch.arange(slots, device=device).clamp(max=running - 1)  # idle slots repeat the last input
+        first = torch.arange(lanes, device=device).clamp(max=running - 1)  # idle lanes repeat the last input
         self.src = (first[:, None] * k + torch.arange(k, device=device)).reshape(-1)  # [P * K] row of each
         self.st.restart(settings, rows, self.src)
         self.t = 0  # steps done (host int)
 
     def advance(self, logits: Tensor) -> Tensor | None:
-        """Step ``t`` on the logits ([N, V] of the running rows at step 0, else [P * K, V] of every slot row): the
+        """Step ``t`` on the logits ([N, V] of the running rows at step 0, else [P * K, V] of every lane row): the
         token buffer for the next step, or ``None`` after the last step."""
         st, state = self.st, self.rows.state
         if self.t == 0:  # eagerly: the first logits come from elsewhere than the model's graph
-            out = slot_beam_step(st, logits.index_select(0, self.src))
+            out = static_beam_step(st, logits.index_select(0, self.src))
         else:
-            out = self.backend.search_call(state, slot_beam_step, st, logits)
+            out = self.backend.search_call(state, static_beam_step, st, logits)
         commit([*st.buffers(), self.layout.tokens], out[:-1])
         self.t += 1
         if self.t == self.s.max_new_tokens:
             return None
-        self.backend.reorder(state, out[-1])  # the model's back-pointers: [P * K], every slot row
+        self.backend.reorder(state, out[-1])  # the model's back-pointers: [P * K], every lane row
         return self.layout.tokens
 
     def done(self) -> Tensor:
@@ -277,16 +277,16 @@ class SlotBeamSearch:
         return self.st.beams.best(self.layout.inputs.index_select(0, idx), self.s.num_return_sequences)
 
     def keep(self, leaving: Leaving) -> None:
-        """Done inputs leave: the backend idles their slots, or moves the rows to fewer slots (then the search
+        """Done inputs leave: the backend idles their lanes, or moves the rows to fewer lanes (then the search
         state moves into the kept one of that shape)."""
         rows, backend = self.rows, self.backend
         backend.drop(rows.state, leaving.keep, leaving.kept_rows)
         gone = set(leaving.inputs)
         rows.inputs = [b for b in rows.inputs if b not in gone]
-        layout = backend.slot_layout(rows.state)
+        layout = backend.static_layout(rows.state)
         if layout.moved is not None:
-            old, slots = self.st, layout.tokens.shape[0] // self.s.num_beams
-            self.st = backend.kept_search(rows.state, self.spec, lambda: old.empty(slots))
+            old, lanes = self.st, layout.tokens.shape[0] // self.s.num_beams
+            self.st = backend.kept_search(rows.state, self.spec, lambda: old.empty(lanes))
             self.st.take(old, layout.moved)
         self.layout = layout
         rows.tokens = layout.tokens  # the next step's (a compaction's new buffer)

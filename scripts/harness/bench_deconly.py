@@ -6,8 +6,8 @@ gpt2``) with random weights (speed only, never quality); prompts are CNN/DM arti
 summeval.source``) cut to 200..400 tokens, left-padded. See docs/BENCHMARKS.md ("Fast decoder-only
 decoders"). From the repository root, with the package installed (``pip install -e .``):
 
-    python scripts/bench_deconly.py --batch 8 --beams 4 --new-tokens 60 --reps 3
-    python scripts/bench_deconly.py --arms generic,fast      # the engine over transformers' forward vs fast
+    python scripts/harness/bench_deconly.py --batch 8 --beams 4 --new-tokens 60 --reps 3
+    python scripts/harness/bench_deconly.py --arms generic,fast      # the engine over transformers' forward vs fast
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Build randomly initialised benchmark checkpoints with real configs and tokenizers.
 
-    python scripts/make_bench_models.py                      # all models into ~/.cache/seqgen-bench/
-    python scripts/make_bench_models.py bart-base marian-base --out /tmp/bench-models
+    python scripts/harness/make_bench_models.py                      # all models into ~/.cache/seqgen-bench/
+    python scripts/harness/make_bench_models.py bart-base marian-base --out /tmp/bench-models
 
 Each model is ``from_config`` under a fixed seed, saved with ``save_pretrained`` (safetensors) next to
 its tokenizer and generation config. The weights are random: the outputs are meaningless text, but the
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = Path("~/.cache/seqgen-bench").expanduser()
 
 # name -> (tokenizer/config folder in shared/tokenizers, config overrides)

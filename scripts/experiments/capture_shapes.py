@@ -5,16 +5,17 @@ No model runs: the CNN/DM sources in the shared folder (FastSeq's 128, SummEval'
 are recycled to ``--inputs`` lines, tokenised with bart-large-cnn's tokenizer (truncated to its 1,024
 positions) and batched as ``seqgen generate`` batches them (``batching.plan_batches`` over windows of
 ``default_window(batch_size)`` inputs, beams as rows). Each batch's shape is ``(rows bucket, width bucket,
-slots)`` as ``models/capture.py`` pads it; as inputs finish, the running ones are compacted to fewer slots
+positions)`` as ``models/capture.py`` pads it; as inputs finish, the running ones are compacted to fewer lanes
 (``shapes.compacted``; checked every 4 steps, the GPU cadence). When an input finishes is taken from bart-large-cnn's
 real output lengths for FastSeq's 128 articles (``expected_bart_output.hypo``, cycled; clipped to the
 preset's 56..142 tokens): a proxy, since beam search may run past the best hypothesis's length.
 
-    python scripts/capture_shapes.py [--inputs 2000] [--batch-size 32] [--caps 8,16,32]
+    python scripts/experiments/capture_shapes.py [--inputs 2000] [--batch-size 32] [--caps 8,16,32]
 
-Printed per bucketing: distinct shapes at batch start and with compaction, input slots run per running input
+Printed per bucketing: distinct shapes at batch start and with compaction, input lanes run per running input
 (what idle rows cost), and the share of decode steps that a first-come cap of K compiled shapes captures
-(``CapturedBackend`` compiles shapes in the order they come, up to its cap).
+(``CapturedBackend`` compiles shapes in the order they come, up to its cap). See docs/EXPERIMENTS.md ("Compiled
+step on the CPU").
 """
 
 from __future__ import annotations
@@ -25,20 +26,20 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "harness"), str(Path(__file__).resolve().parents[2])]
 
 from _common import SHARED  # noqa: E402
 
 from seqgen_cli.batching import default_window, plan_batches  # noqa: E402
-from seqgen_cli.shapes import compacted, graph_slots, graph_width, power_of_two  # noqa: E402
+from seqgen_cli.shapes import compacted, graph_positions, graph_width, power_of_two  # noqa: E402
 
 SOURCES = ("data/cnndm/fastseq128/cnndm_128.txt", "data/cnndm/summeval.source", "data/cnndm/realsumm.source")
 OUTPUTS = "data/cnndm/fastseq128/expected_bart_output.hypo"
 LIMIT, BEAMS, MIN_NEW, MAX_NEW, SYNC_EVERY = 1024, 4, 56, 141, 4  # bart-large-cnn's preset (max_length 142)
 
-Shape = tuple[int, int, int]  # (physical rows, padded width, slots)
+Shape = tuple[int, int, int]  # (physical rows, padded width, new-token positions)
 Width = Callable[[int], int]  # widest source -> padded width
-Compact = Callable[[int, int], int]  # (running inputs, start slots) -> slots
+Compact = Callable[[int, int], int]  # (running inputs, start lanes) -> lanes
 BUCKETINGS: dict[str, tuple[Width, Compact]] = {
     "old (widths: multiples of 64; compaction: every power of two)": (
         lambda n: -(-n // 64) * 64,
@@ -56,13 +57,13 @@ def token_lengths(tokenizer: object, lines: list[str], limit: int | None) -> lis
     return [len(x) for x in ids]
 
 
-Run = tuple[Shape, int, int]  # a shape, the decode steps run at it, and its input-slot steps (slots x steps)
+Run = tuple[Shape, int, int]  # a shape, the decode steps run at it, and its input-lane steps (lanes x steps)
 
 
 def batch_steps(width: int, out_lengths: list[int], compact: Compact) -> tuple[list[Run], int]:
-    """The shapes one batch runs through (steps and input-slot steps at each), compacting as
+    """The shapes one batch runs through (steps and input-lane steps at each), compacting as
     ``CapturedBackend`` does; and the input steps of the inputs still running (the work that is not idle)."""
-    slots = graph_slots(MAX_NEW)
+    positions = graph_positions(MAX_NEW)
     start = phys = power_of_two(len(out_lengths))
     runs: list[Run] = []
     steps = busy = 0
@@ -75,9 +76,9 @@ def batch_steps(width: int, out_lengths: list[int], compact: Compact) -> tuple[l
         if running == 0:
             break
         if compact(running, start) < phys:
-            runs.append(((phys * BEAMS, width, slots), steps, steps * phys))
+            runs.append(((phys * BEAMS, width, positions), steps, steps * phys))
             phys, steps = compact(running, start), 0
-    runs.append(((phys * BEAMS, width, slots), steps, steps * phys))
+    runs.append(((phys * BEAMS, width, positions), steps, steps * phys))
     return runs, busy
 
 
@@ -105,19 +106,19 @@ def report(runs: list[list[Run]], busy: int, caps: list[int]) -> None:
     starts = {batch[0][0] for batch in runs}
     steps: Counter[Shape] = Counter()
     order: list[Shape] = []
-    slot_steps = 0
+    lane_steps = 0
     for batch in runs:
-        for shape, n, slots in batch:
+        for shape, n, lanes in batch:
             if shape not in steps:
                 order.append(shape)
             steps[shape] += n
-            slot_steps += slots
+            lane_steps += lanes
     total = sum(steps.values())
     widths = sorted({s[1] for s in order})
     print(f"  {len(runs)} batches, {total} decode steps")
     print(f"  distinct shapes at batch start: {len(starts)}; with compaction: {len(order)}")
     print(f"  widths ({len(widths)}): {widths}")
-    print(f"  input slots run per running input (idle rows): {slot_steps / busy:.2f}")
+    print(f"  input lanes run per running input (idle rows): {lane_steps / busy:.2f}")
     for cap in caps:
         captured = sum(steps[s] for s in order[:cap])
         print(f"  first-come cap {cap:>2}: {100 * captured / total:5.1f} % of steps captured")

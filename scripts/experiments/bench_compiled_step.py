@@ -2,11 +2,11 @@
 
 Small random models built from configs (no shared files): BART, T5, GPT-2 and Llama at ``--d-model``
 width and ``--layers`` decoder layers, ``--batch`` inputs x ``--beams`` rows, a ``--src``-token source or
-prompt and ``--slots`` new-token slots. Arms, interleaved in every repetition, each from a fresh ``start()``
+prompt and ``--positions`` new-token positions. Arms, interleaved in every repetition, each from a fresh ``start()``
 (not timed) through ``--steps`` steps, after one untimed warm-up run each:
 
-* ``eager dynamic``: the CPU's default eager step (attends the slots written so far);
-* ``eager static``: the eager step over all slots (``make_static()``, what capture compiles);
+* ``eager dynamic``: the CPU's default eager step (attends the positions written so far);
+* ``eager static``: the eager step over all positions (``make_static()``, what capture compiles);
 * ``eager static F.linear``: the same with ``F.linear`` instead of the CPU's oneDNN linear (as compiled);
 * ``inductor static``: that step through ``torch.compile(fullgraph=True, dynamic=False)``, default backend
   (compiled before the first repetition; the first call's seconds reported, torch's on-disk caches on).
@@ -20,11 +20,11 @@ encoder or prefill), arms interleaved in every repetition as above, each on its 
 repetitions (the capture path's kept states):
 
 * ``loop eager``: the CPU's default, the eager dynamic step and ``BeamSearch``;
-* ``loop static``: ``CapturedBackend`` with stand-in compilers that compile nothing: the static step and the slot
-  search (``search/slots.py``), both eager;
+* ``loop static``: ``CapturedBackend`` with stand-in compilers that compile nothing: the static step and the static
+  search (``search/static.py``), both eager;
 * ``loop inductor model``: the static step compiled, ``BeamSearch`` eager (the capture path without a search
   compiler);
-* ``loop inductor model+search``: both compiled, the slot search's step too, as ``--capture`` runs them on CUDA
+* ``loop inductor model+search``: both compiled, the static search's step too, as ``--capture`` runs them on CUDA
   (default mode here: no CUDA graphs on the CPU).
 
 Counted per step: the eager loop's ATen ops (the model step's, the search's and the loop's own), and for the
@@ -33,10 +33,11 @@ cache lookup per compiled call (its guards), a settled key's calls on the differ
 against every guard.
 
 ``--checkouts A B``: run the same in a fresh process per checkout (``PYTHONPATH``), alternating, ``--reps``
-rounds (before/after a change). From the repository root::
+rounds (before/after a change). See docs/EXPERIMENTS.md ("Compiled step on the CPU", "One stacked cache"). From
+the repository root::
 
-    python scripts/bench_compiled_step.py --families bart,t5,gpt2,llama --reps 3
-    python scripts/bench_compiled_step.py --families bart --reps 3 --checkouts /tmp/before .
+    python scripts/experiments/bench_compiled_step.py --families bart,t5,gpt2,llama --reps 3
+    python scripts/experiments/bench_compiled_step.py --families bart --reps 3 --checkouts /tmp/before .
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.config import resolve_generation_config
-from seqgen_cli.models import capture, compiled_calls, get_backend, linear_maps
+from seqgen_cli.models import compiled_calls, get_backend, linear_maps
 from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.models.kv_cache import run_step
 from seqgen_cli.search.beam import BeamConstants, pick_topk
@@ -66,7 +67,7 @@ from seqgen_cli.search.protocol import Batch
 from seqgen_cli.search.rows import start_rows
 from seqgen_cli.search.sampling import Streams
 from seqgen_cli.search.settings import rows_per_input, settings_for
-from seqgen_cli.search.slots import slot_beam_step
+from seqgen_cli.search.static import static_beam_step
 
 VOCAB = 8192
 onednn = linear_maps.ONEDNN
@@ -161,7 +162,7 @@ def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
     def fresh(static: bool, backend: Any = backend) -> Any:
-        state, _ = backend.start(batch, args.beams, args.slots)
+        state, _ = backend.start(batch, args.beams, args.positions)
         if static:
             state.cache.make_static()
         return state
@@ -239,7 +240,7 @@ def decode_loop(
 def count_loop(backend: Any, batch: Batch, config: Any, sync_every: int, pause: str) -> int:
     """ATen ops of one decode loop (the loop only), none inside what ``pause`` names: ``"model"`` (the backend's
     step), ``"compiled"`` (every compiled call of a ``CapturedBackend``) or ``""``."""
-    count, step, under_limit = OpCount(), backend.step, capture.call_under_limit
+    count, step, under_limit = OpCount(), backend.step, compiled_calls.call_under_limit
 
     def paused_step(*args: Any) -> Any:
         count.paused = True
@@ -256,16 +257,13 @@ def count_loop(backend: Any, batch: Batch, config: Any, sync_every: int, pause: 
 
     if pause == "model":
         backend.step = paused_step
-    callers = (capture, compiled_calls)  # the model's guarded call and the search's
-    if pause == "compiled":
-        for module in callers:
-            module.call_under_limit = outside
+    if pause == "compiled":  # the model's guarded call and the search's both go through compiled_calls
+        compiled_calls.call_under_limit = outside
     try:
         decode_loop(backend, batch, config, sync_every, around=count)
     finally:
         backend.__dict__.pop("step", None)
-        for module in callers:
-            module.call_under_limit = under_limit
+        compiled_calls.call_under_limit = under_limit
     return count.ops
 
 
@@ -289,13 +287,13 @@ def lookup_us(backend: CapturedBackend, batch: Batch, config: Any, sync_every: i
 
 
 def search_kernels(backend: CapturedBackend) -> int:
-    """Kernel calls in the compiled slot search step of ``backend``'s (first) kept state (a pure function: run on
+    """Kernel calls in the compiled static search step of ``backend``'s (first) kept state (a pure function: run on
     random logits, it changes nothing)."""
     from torch._inductor.utils import run_and_get_code
 
     st = next(iter(backend.kept.values())).search[1]  # type: ignore[index]
     logits = torch.randn(st.history.tokens.shape[0], st.spec.vocab)
-    _, codes = run_and_get_code(inductor(slot_beam_step), st, logits)
+    _, codes = run_and_get_code(inductor(static_beam_step), st, logits)
     return sum(kernel_calls(c) for c in codes)
 
 
@@ -389,7 +387,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--beams", type=int, default=4)
     ap.add_argument("--src", type=int, default=128, help="source / prompt tokens")
-    ap.add_argument("--slots", type=int, default=64, help="new-token slots (capture rounds to 64)")
+    ap.add_argument("--positions", type=int, default=64, help="new-token positions (capture rounds to 64)")
     ap.add_argument("--steps", type=int, default=32, help="timed steps per run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared box)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Everything the GPU tables need, in one command (``scripts/gpu_bench.sh`` installs seqgen, then calls
+"""Everything the GPU tables need, in one command (``scripts/harness/gpu_bench.sh`` installs seqgen, then calls
 this). Sections, each written to ``--out`` as soon as it is done (``results.json``, ``results.md``):
 
 * ``env``: versions and the device;
@@ -19,7 +19,7 @@ this). Sections, each written to ``--out`` as soon as it is done (``results.json
   bias bisected into ``final_logits_bias`` (greedy mean 90 tokens: outputs spread over lengths), the
   ``cnndm-bart`` preset with its natural stop, 4 x batch inputs (the sources recycled), per dtype and batch size:
   seconds (median, min-max of 3+ interleaved runs after each one's first, compiling, run), decode steps and
-  slot occupancy, output tokens per input, whether outputs are identical, the capture path's counts (CUDA);
+  lane occupancy, output tokens per input, whether outputs are identical, the capture path's counts (CUDA);
 * ``cli``: ``Generator`` on the device (pinned, non-blocking input copies) and ``device_stats()``;
 * ``profile``: the eager step under ``torch.profiler`` per dtype (top operators by device and host time), and a
   short whole process split (device init, ``--verify 0`` against the default);
@@ -34,17 +34,17 @@ command that runs it. Calls into the same ``--out`` add up (a table keeps the ce
 bench runs as one call per stage, each within a 10-minute limit (on a lent machine, give ``--out`` an ignored
 folder such as ``bench-results/gpu``, which stays between calls, and copy it to ``$OUT`` after each):
 
-    scripts/gpu_bench.sh --out DIR                                  # on a GPU machine: everything, one call
-    scripts/gpu_bench.sh --out DIR --budget 540 --stages equiv,sync,cli              # in 10-minute calls
-    scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16
-    scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes bfloat16
-    scripts/gpu_bench.sh --out DIR --budget 540 --stages gpt2
-    scripts/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16 --batches 256,max
-    scripts/gpu_bench.sh --out DIR --budget 540 --stages refill --dtypes float16
-    scripts/gpu_bench.sh --out DIR --budget 540 --stages refill --dtypes bfloat16
-    scripts/gpu_bench.sh --out DIR --budget 540 --stages run                       # 512 inputs
-    scripts/gpu_bench.sh --device cpu --quick --out DIR             # tiny shapes on the CPU (CI)
-    python scripts/gpu_bench.py --stage-shared                      # copy the needed shared files to .gpu-shared/
+    scripts/harness/gpu_bench.sh --out DIR                                  # on a GPU machine: everything, one call
+    scripts/harness/gpu_bench.sh --out DIR --budget 540 --stages equiv,sync,cli              # in 10-minute calls
+    scripts/harness/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16
+    scripts/harness/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes bfloat16
+    scripts/harness/gpu_bench.sh --out DIR --budget 540 --stages gpt2
+    scripts/harness/gpu_bench.sh --out DIR --budget 540 --stages bart --dtypes float16 --batches 256,max
+    scripts/harness/gpu_bench.sh --out DIR --budget 540 --stages refill --dtypes float16
+    scripts/harness/gpu_bench.sh --out DIR --budget 540 --stages refill --dtypes bfloat16
+    scripts/harness/gpu_bench.sh --out DIR --budget 540 --stages run                       # 512 inputs
+    scripts/harness/gpu_bench.sh --device cpu --quick --out DIR             # tiny shapes on the CPU (CI)
+    python scripts/harness/gpu_bench.py --stage-shared                      # copy the needed shared files to .gpu-shared/
 
 The shared folder (tokenizers, configs, sources): ``--shared DIR``, else ``$SEQGEN_SHARED``, else ``../shared``,
 else ``.gpu-shared`` in the checkout (``../shared`` does not travel to a GPU machine: stage it, then carry
@@ -64,9 +64,9 @@ from typing import Any
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
 
-# The stages live in scripts/gpu_stages/: checks (env, equiv, sync, cli), tables (bart, gpt2), refill; base
+# The stages live in scripts/harness/gpu_stages/: checks (env, equiv, sync, cli), tables (bart, gpt2), refill; base
 # holds what they share (device syncs, models and inputs, --batches, --budget, the table loop).
 from _common import STAGED, find_shared, read_sources  # noqa: E402
 from gpu_stages.base import Budget, batch_plan  # noqa: E402
@@ -149,7 +149,7 @@ class Report:
     def not_run(self, command: str) -> None:
         """A stage left out for the budget: listed with the command that runs it; earlier results stay."""
         self.data["not_run"].append(command)
-        md = ["## Not run within --budget", *(f"- `scripts/gpu_bench.sh {c}`" for c in self.data["not_run"])]
+        md = ["## Not run within --budget", *(f"- `scripts/harness/gpu_bench.sh {c}`" for c in self.data["not_run"])]
         self.add("not_run", self.data["not_run"], md)
 
 

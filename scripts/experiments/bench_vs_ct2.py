@@ -1,9 +1,9 @@
 """seqgen's engine and CTranslate2 in one process, alternating per round on the same batches of token ids
 (Marian: WMT14 en-de sources; bart-base: CNN/DM cut to 400 tokens), beam 4, 60 forced new tokens,
 no-repeat 3, 2 threads; medians over rounds. ``--profile`` instead prints a torch.profiler table of one seqgen
-pass. See docs/BENCHMARKS.md ("CPU float32: what the step does, and what each choice measured"). From the repository root::
+pass. See docs/EXPERIMENTS.md ("CPU float32: what the step does, and what each choice measured"). From the repository root::
 
-    python scripts/bench_vs_ct2.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \\
+    python scripts/experiments/bench_vs_ct2.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \\
         --batch 32 --rounds 5
 """
 

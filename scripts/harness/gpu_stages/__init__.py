@@ -1,4 +1,4 @@
-"""The stages of ``scripts/gpu_bench.py`` (its docstring says what each measures; it parses the options, runs
+"""The stages of ``scripts/harness/gpu_bench.py`` (its docstring says what each measures; it parses the options, runs
 the stages in order and writes the report):
 
 * :mod:`.base`: what the stages share: device syncs and peak memory, models and inputs on the device, the
@@ -9,5 +9,5 @@ the stages in order and writes the report):
 * :mod:`.refill`: ``Generator(refill=True)`` against ``refill=False``.
 
 The refill workload (EOS-biased checkpoint, batching as the CLI does, step counts) and interleaved timing come
-from ``scripts/_common.py``; imported with ``scripts/`` on the import path, as ``gpu_bench.py`` sets it.
+from ``scripts/harness/_common.py``; imported with ``scripts/harness/`` on the import path, as ``gpu_bench.py`` sets it.
 """

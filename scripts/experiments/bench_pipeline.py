@@ -3,22 +3,25 @@ length sorting + a token budget on padding and throughput.
 
 Measures samples per second, padding and per-stage seconds of whole files-to-file runs: one model load,
 variants interleaved per repeat, medians reported; checks the sync loop and the pipeline write the same
-bytes. See docs/BENCHMARKS.md ("I/O pipeline"). From the repository root, with the package installed
+bytes. See docs/EXPERIMENTS.md ("I/O pipeline"). From the repository root, with the package installed
 (``pip install -e .``):
 
-    python scripts/bench_pipeline.py -m MODEL INPUT [--limit N] [--repeats 3] [--max-new-tokens 16]
+    python scripts/experiments/bench_pipeline.py -m MODEL INPUT [--limit N] [--repeats 3] [--max-new-tokens 16]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from itertools import islice
 from pathlib import Path
 
-from _common import interleaved
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "harness"))  # _common lives there
+
+from _common import interleaved  # noqa: E402
 
 from seqgen_cli.batching import plan_batches
 from seqgen_cli.generator import Generator

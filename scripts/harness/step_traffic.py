@@ -2,7 +2,7 @@
 
 The decoder of bart-large-cnn (12 layers, d 1024, 16 heads, vocab 50264; random weights, a 1-layer encoder:
 only its output's shape matters to the step) in ``--dtype``, ``--beams`` rows per input, a ``--src``-token
-source and ``--slots`` new-token slots, static step (``make_static()``, what capture compiles). For each
+source and ``--positions`` new-token positions, static step (``make_static()``, what capture compiles). For each
 ``--batch`` it reports, for one step:
 
 * ``bytes``: inductor's own estimate of the bytes its kernels read and write (``graph.count_bytes()``, logged
@@ -14,7 +14,7 @@ source and ``--slots`` new-token slots, static step (``make_static()``, what cap
 Bytes are linear in the batch, so small batches extrapolate to large ones (``--extrapolate 32,128``). Run it
 in two checkouts (``PYTHONPATH``) to compare a change::
 
-    python scripts/step_traffic.py --batch 1,2 --extrapolate 32,128
+    python scripts/harness/step_traffic.py --batch 1,2 --extrapolate 32,128
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def model(dtype: torch.dtype) -> torch.nn.Module:
     return BartForConditionalGeneration(cfg).to(dtype).eval()
 
 
-def measure(backend, batch: int, beams: int, src: int, slots: int) -> dict[str, int]:  # noqa: ANN001
+def measure(backend, batch: int, beams: int, src: int, positions: int) -> dict[str, int]:  # noqa: ANN001
     from torch._inductor import metrics
     from torch._inductor.utils import run_and_get_code
 
@@ -75,7 +75,7 @@ def measure(backend, batch: int, beams: int, src: int, slots: int) -> dict[str, 
         torch._inductor.config.patch(fx_graph_cache=False),  # count_bytes runs only when inductor lowers
         torch._functorch.config.patch(enable_autograd_cache=False),
     ):
-        state, _ = backend.start(Batch(ids, torch.ones_like(ids)), beams, slots)
+        state, _ = backend.start(Batch(ids, torch.ones_like(ids)), beams, positions)
         state.cache.make_static()
         state.cache.check(0)
         _, codes = run_and_get_code(compiled, state, tokens)
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--extrapolate", default="32,128", help="batches to extrapolate bytes to (linear)")
     ap.add_argument("--beams", type=int, default=4)
     ap.add_argument("--src", type=int, default=1024)
-    ap.add_argument("--slots", type=int, default=142)
+    ap.add_argument("--positions", type=int, default=142)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -110,7 +110,7 @@ def main() -> None:
     log.propagate = False
     log.addHandler(logging.NullHandler())
     backend = get_backend(model(getattr(torch, args.dtype)))
-    rows = [measure(backend, int(b), args.beams, args.src, args.slots) for b in args.batch.split(",")]
+    rows = [measure(backend, int(b), args.beams, args.src, args.positions) for b in args.batch.split(",")]
     out = {"measured": rows}
     if len(rows) >= 2:
         (b0, y0), (b1, y1) = (rows[0]["batch"], rows[0]["bytes"]), (rows[-1]["batch"], rows[-1]["bytes"])

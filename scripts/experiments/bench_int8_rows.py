@@ -1,10 +1,10 @@
 """int8 linear maps on the CPU: seqgen's (fbgemm dynamic quantization, one activation scale per tensor: a row's
 output depends on the other rows of its batch) against per-row symmetric activation quantization over
 ``torch._int_mm`` (int8 x int8 -> int32; a row's output is its own), per decoder shape and row count, interleaved,
-medians in ms; and whether a row's output is the same alone and in the batch. See docs/BENCHMARKS.md
-("CPU int8 (`--dtype int8`)")::
+medians in ms; and whether a row's output is the same alone and in the batch. See docs/EXPERIMENTS.md
+("CPU int8: per-row scales and torchao")::
 
-    python scripts/bench_int8_rows.py --threads 2
+    python scripts/experiments/bench_int8_rows.py --threads 2
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """What the benchmark and profiling scripts share: the shared data folder, random-weight models at real
 shapes, source texts, common options and interleaved timing with medians, and the variable-length refill
 workload (an EOS-biased checkpoint, a ``Generator``'s token ids as ``seqgen generate`` batches them, decode steps
-and slot occupancy counted).
+and lane occupancy counted).
 
 The scripts import the installed package (``pip install -e .`` from the repository root) and this module
-(``python scripts/NAME.py`` puts ``scripts/`` on the import path). Tokenizers, configs and sources come from
-the shared data folder: ``$SEQGEN_SHARED``, else ``../shared`` next to the repository root, else ``.gpu-shared``
-(see :func:`find_shared`).
+(``python scripts/harness/NAME.py`` puts ``scripts/harness/`` on the import path; the scripts of
+``scripts/experiments/`` put it there themselves). Tokenizers, configs and sources come from the shared data
+folder: ``$SEQGEN_SHARED``, else ``../shared`` next to the repository root, else ``.gpu-shared`` (see
+:func:`find_shared`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from seqgen_cli.search import Batch
 if TYPE_CHECKING:
     from seqgen_cli.generator import Generator
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STAGED = REPO / ".gpu-shared"  # the few shared files copied into the checkout for a GPU machine (ignored)
 
 
@@ -143,7 +144,7 @@ def print_medians(times: dict[str, list[float]], outputs: dict[str, list[list[in
         print(f"| {name} | {med:.2f} | {runs} | {base / med:.2f}x | {same} |")
 
 
-# -- the refill workload (scripts/bench_refill.py, the refill stage of scripts/gpu_bench.py) -------------------
+# -- the refill workload (scripts/experiments/bench_refill.py, the refill stage of gpu_bench.py) -------------------
 def spread_checkpoint(
     base: str,
     texts: list[str],

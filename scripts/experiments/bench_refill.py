@@ -4,12 +4,12 @@ The workload: a checkpoint (a random-weight shape of ``make_bench_models.py``) w
 ``final_logits_bias``, bisected so that greedy outputs average ``--mean-length`` new tokens: random weights then
 stop at a roughly geometric spread of lengths (reported: the output tokens per input of the ``--no-refill`` run).
 Decode steps and lane occupancy (live rows / rows a full batch runs) of both engines come from one extra
-in-process run each (``--no-refill``: its backend's steps counted). See docs/BENCHMARKS.md ("Refill: lanes that
+in-process run each (``--no-refill``: its backend's steps counted). See docs/EXPERIMENTS.md ("Refill: lanes that
 stay full"). From the repository root::
 
-    python scripts/bench_refill.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \\
+    python scripts/experiments/bench_refill.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \\
         --n 256 --batch 16 --repeats 3
-    python scripts/bench_refill.py ~/.cache/seqgen-bench/bart-base ../shared/data/cnndm/summeval.source \\
+    python scripts/experiments/bench_refill.py ~/.cache/seqgen-bench/bart-base ../shared/data/cnndm/summeval.source \\
         --preset cnndm-bart --max-source-length 128 --mean-length 90 --n 64 --batch 16 --repeats 3
 """
 
@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import counted_steps, distribution, generate_ids, interleaved, print_medians, spread_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "harness"))  # _common lives there
+
+from _common import counted_steps, distribution, generate_ids, interleaved, print_medians, spread_checkpoint  # noqa: E402
 
 
 def count_steps(

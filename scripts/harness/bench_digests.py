@@ -3,7 +3,7 @@ digest cache against a warm one, in process and as whole ``seqgen generate`` pro
 the hashing runs in a thread while the model loads), interleaved, medians and spread. ``--loaded``: the same
 beside one busy process. See docs/BENCHMARKS.md ("Checkpoint digests")::
 
-    python scripts/bench_digests.py ~/.cache/seqgen-bench/bart-large-cnn ../shared/data/cnndm/summeval.source
+    python scripts/harness/bench_digests.py ~/.cache/seqgen-bench/bart-large-cnn ../shared/data/cnndm/summeval.source
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """What checking cached int8 weights against the float32 ones costs (``int8_cache._agrees``): a warm start's
 ``Generator._quantize`` with the check (timed) and with every cached weight passed unchecked. See
-docs/BENCHMARKS.md ("int8 weight cache")::
+docs/EXPERIMENTS.md ("int8 weight cache")::
 
     export SEQGEN_CACHE=/tmp/check-cache; rm -rf $SEQGEN_CACHE
-    python scripts/bench_int8_check.py /tmp/bench-models/bart-base check    # cold: quantizes and fills the cache
-    for r in 1 2 3; do for arm in check none; do python scripts/bench_int8_check.py /tmp/bench-models/bart-base $arm; done; done
+    python scripts/experiments/bench_int8_check.py /tmp/bench-models/bart-base check    # cold: quantizes and fills the cache
+    for r in 1 2 3; do for arm in check none; do python scripts/experiments/bench_int8_check.py /tmp/bench-models/bart-base $arm; done; done
 """
 
 from __future__ import annotations
