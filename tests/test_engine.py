@@ -93,3 +93,19 @@ def test_a_backend_has_one_step_method(cls: type) -> None:
     names = [name for name, _ in inspect.getmembers(cls, inspect.isfunction)]
     steps = [n for n in names if n.endswith("step") or n.startswith("step")]
     assert steps == ["step"], steps
+
+
+def test_search_modules_import_no_private_names() -> None:
+    """The dynamic and the static search share their helpers through public names (``search/beam_step.py``,
+    ``search/processors.py``, ``search/history.py``): no module of ``search/`` imports another's ``_private`` name."""
+    import ast
+    from pathlib import Path
+
+    import seqgen_cli.search
+
+    private = []
+    for path in Path(seqgen_cli.search.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("seqgen_cli"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert not private, private
