@@ -22,6 +22,7 @@ from seqgen_cli.generator import Generator
 from seqgen_cli.models.bart import BartBackend
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.linear_maps import is_quantized, linear
+from seqgen_cli.models.t5 import T5Backend
 from tests.helpers import seqgen
 from tests.tiny_models import sample_texts
 
@@ -125,7 +126,22 @@ def test_int8_step_runs_quantized_kernels() -> None:
     assert similarity.min() > 0.99
 
 
-@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_t5_int8_backend(tiny_models, texts: list[str], record_property) -> None:
+    """T5's fast backend in int8: every decoder map and the LM head int8 copies, the encoder quantized in place."""
+    path = str(tiny_models("t5"))
+    fp32 = _check_valid(Generator(path, dtype="float32", backend="fast", **SETTINGS), texts)
+    gen = Generator(path, dtype="int8", backend="fast", **SETTINGS)
+    backend = gen._model_backend
+    assert isinstance(backend, T5Backend) and backend.int8
+    assert is_quantized(backend.lm)
+    block = backend.dec_layers[0]
+    assert all(is_quantized(f) for f in (block.qkv, block.o, block.cq, block.ckv, block.co))
+    floats, quantized = _linears(gen.model.get_encoder())
+    assert floats == 0 and quantized > 0
+    _agreement("t5", _check_valid(gen, texts), fp32, record_property)
+
+
+@pytest.mark.parametrize("family", ["gpt2"])
 def test_generic_fallback_int8(tiny_models, texts: list[str], family: str, record_property) -> None:
     path = str(tiny_models(family))
     fp32 = _check_valid(Generator(path, dtype="float32", backend="fast", **SETTINGS), texts)

@@ -24,36 +24,37 @@ from seqgen_cli.models.encoder_decoder import (
     self_attention,
 )
 from seqgen_cli.models.fuse import fuse_linears
-from seqgen_cli.models.linear_maps import Linear, linear
+from seqgen_cli.models.linear_maps import Linear, linear, quantize_linears
 from seqgen_cli.search.protocol import Batch
 
 
-def _feed_forward(ff: nn.Module) -> Linear:
+def _feed_forward(ff: nn.Module, int8: bool) -> Linear:
     """``T5DenseActDense`` / ``T5DenseGatedActDense`` (no dropout at inference) over :func:`linear` maps."""
-    wo = linear(ff.wo.weight, None)
+    wo = linear(ff.wo.weight, None, int8)
     if hasattr(ff, "wi_0"):  # gated: act(wi_0 x) * wi_1 x
-        wi_0, wi_1 = linear(ff.wi_0.weight, None), linear(ff.wi_1.weight, None)
+        wi_0, wi_1 = linear(ff.wi_0.weight, None, int8), linear(ff.wi_1.weight, None, int8)
         return lambda x: wo((ff.act(wi_0(x)) * wi_1(x)).to(ff.wo.weight.dtype))
-    wi = linear(ff.wi.weight, None)
+    wi = linear(ff.wi.weight, None, int8)
     return lambda x: wo(ff.act(wi(x)).to(ff.wo.weight.dtype))
 
 
 class _Block:
-    """One decoder block's weights (views of the model's parameters)."""
+    """One decoder block's weights (views of the model's parameters) and its linear maps (over those views, or
+    int8 copies)."""
 
-    def __init__(self, block: nn.Module) -> None:
+    def __init__(self, block: nn.Module, int8: bool = False) -> None:
         sa, ca, ff = block.layer[0], block.layer[1], block.layer[2]
         self.ln_self = sa.layer_norm
         self.qkv_w, _ = fuse_linears([sa.SelfAttention.q, sa.SelfAttention.k, sa.SelfAttention.v])  # [3I, D]
-        self.qkv = linear(self.qkv_w, None)
-        self.o = linear(sa.SelfAttention.o.weight, None)
+        self.qkv = linear(self.qkv_w, None, int8)
+        self.o = linear(sa.SelfAttention.o.weight, None, int8)
         self.ln_cross = ca.layer_norm
-        self.cq = linear(ca.EncDecAttention.q.weight, None)
+        self.cq = linear(ca.EncDecAttention.q.weight, None, int8)
         self.ckv_w, self.ckv_b = fuse_linears([ca.EncDecAttention.k, ca.EncDecAttention.v])  # [2I, D], None
-        self.ckv = linear(self.ckv_w, self.ckv_b)
-        self.co = linear(ca.EncDecAttention.o.weight, None)
+        self.ckv = linear(self.ckv_w, self.ckv_b, int8)
+        self.co = linear(ca.EncDecAttention.o.weight, None, int8)
         self.ln_ff = ff.layer_norm
-        self.ff = _feed_forward(ff.DenseReluDense)
+        self.ff = _feed_forward(ff.DenseReluDense, int8)
 
 
 def _clamp_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -68,14 +69,20 @@ def _clamp_fp16(x: torch.Tensor) -> torch.Tensor:
 class T5Backend(EncoderDecoderBackend):
     """:class:`~seqgen_cli.search.protocol.ModelBackend` for t5 / mt5 checkpoints (incl. Flan-T5)."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, int8: bool = False) -> None:
+        """``int8`` (``--dtype int8``, CPU): the decoder's linear maps and the LM head as int8 copies of the float32
+        weights, the model's own encoder quantized in place (as the BART family's)."""
         cfg = model.config
         dec = model.get_decoder()
-        blocks = [_Block(b) for b in dec.block]
+        blocks = [_Block(b, int8) for b in dec.block]
         super().__init__(model, dec.embed_tokens.weight, blocks, int(cfg.num_heads), int(cfg.d_kv))
         self.rel_attn = dec.block[0].layer[0].SelfAttention  # owns relative_attention_bias
         self.ln_final = dec.final_layer_norm
         self.out_scale = float(cfg.d_model) ** -0.5 if getattr(cfg, "scale_decoder_outputs", False) else None
+        self.int8 = int8
+        if int8:
+            self.lm = linear(self.lm_w, self.lm_head.bias, int8)
+            quantize_linears(self.encoder)
 
     @torch.inference_mode()
     def start(
