@@ -21,6 +21,7 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
 from seqgen_cli.models.bart import BartBackend
 from seqgen_cli.models.generic import GenericBackend
+from seqgen_cli.models.gpt2 import GPT2Backend
 from seqgen_cli.models.linear_maps import is_quantized, linear
 from seqgen_cli.models.t5 import T5Backend
 from tests.helpers import seqgen
@@ -141,7 +142,20 @@ def test_t5_int8_backend(tiny_models, texts: list[str], record_property) -> None
     _agreement("t5", _check_valid(gen, texts), fp32, record_property)
 
 
-@pytest.mark.parametrize("family", ["gpt2"])
+def test_gpt2_int8_backend(tiny_models, texts: list[str], record_property) -> None:
+    """GPT-2's fast backend in int8: every block map and the LM head int8 copies (the prefill: the model's own
+    float32 forward)."""
+    path = str(tiny_models("gpt2"))
+    fp32 = _check_valid(Generator(path, dtype="float32", backend="fast", **SETTINGS), texts)
+    gen = Generator(path, dtype="int8", backend="fast", **SETTINGS)
+    backend = gen._model_backend
+    assert isinstance(backend, GPT2Backend) and backend.int8
+    block = backend.blocks[0]
+    assert all(is_quantized(f) for f in (backend.lm, block.c_attn, block.c_proj, block.c_fc, block.mlp_proj))
+    _agreement("gpt2", _check_valid(gen, texts), fp32, record_property)
+
+
+@pytest.mark.parametrize("family", ["llama"])
 def test_generic_fallback_int8(tiny_models, texts: list[str], family: str, record_property) -> None:
     path = str(tiny_models(family))
     fp32 = _check_valid(Generator(path, dtype="float32", backend="fast", **SETTINGS), texts)
@@ -321,10 +335,9 @@ def _int8_weights(gen: Generator) -> list[tuple[torch.Tensor, torch.Tensor, torc
     backend's own maps."""
     maps = [m for m in gen.model.modules() if is_quantized(m)]
     backend = gen._model_backend
-    if isinstance(backend, BartBackend):
-        maps += [backend.lm] + [
-            m for lay in backend.dec_layers for m in vars(lay).values() if is_quantized(m)
-        ]
+    if backend is not None and not isinstance(backend, GenericBackend):  # a fast backend's own maps: per layer (block), then the head
+        layers = getattr(backend, "dec_layers", None) or backend.blocks
+        maps += [backend.lm] + [m for lay in layers for m in vars(lay).values() if is_quantized(m)]
     out = []
     for m in maps:
         w = m.weight()

@@ -48,7 +48,8 @@ def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_m
         ("bart", [], "BartBackend"),
         ("t5", [], "T5Backend"),
         ("t5", ["--dtype", "int8"], "T5Backend"),
-        ("gpt2", ["--dtype", "int8"], "generic (model_type 'gpt2' has no int8 fast decoder)"),
+        ("gpt2", ["--dtype", "int8"], "GPT2Backend"),
+        ("llama", ["--dtype", "int8"], "generic (model_type 'llama' has no int8 fast decoder)"),
     ],
 )
 def test_stats_and_the_closing_line_name_the_engine_that_ran(

@@ -4,7 +4,7 @@
 weights. A class raises ``ValueError`` for a variant it does not reproduce exactly (e.g. sliding-window
 attention); such models, and every unlisted family, get the :class:`GenericBackend` reference backend.
 
-``int8=True`` (``--dtype int8``, CPU): the BART family and T5 get their fast backend's int8 variant
+``int8=True`` (``--dtype int8``, CPU): the BART family, T5 and GPT-2 get their fast backend's int8 variant
 (``INT8_BACKENDS``); every other model is quantized in place (its ``nn.Linear`` layers, :func:`~seqgen_cli.models.linear_maps.quantize_linears`)
 and runs the generic backend.
 """
@@ -34,8 +34,8 @@ FAST_BACKENDS: dict[str, type] = {
     "qwen2": LlamaBackend,  # use_sliding_window false only
 }
 INT8_BACKENDS: dict[str, type] = {
-    name: cls for name, cls in FAST_BACKENDS.items() if cls in (BartBackend, T5Backend)
-}  # GPT-2, Llama: not yet
+    name: cls for name, cls in FAST_BACKENDS.items() if cls in (BartBackend, T5Backend, GPT2Backend)
+}  # Llama: not yet
 
 
 def fast_backend(model: PreTrainedModel, int8: bool = False) -> ModelBackend | None:

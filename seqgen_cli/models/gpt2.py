@@ -17,11 +17,11 @@ from seqgen_cli.models.linear_maps import Linear, linear
 
 
 class _Block:
-    """One block's Conv1D maps ([N, in] -> [N, out])."""
+    """One block's Conv1D maps ([N, in] -> [N, out]): over the weights, or int8 copies."""
 
-    def __init__(self, block: torch.nn.Module) -> None:
+    def __init__(self, block: torch.nn.Module, int8: bool = False) -> None:
         def conv1d(conv: torch.nn.Module) -> Linear:
-            return linear(conv.weight.t(), conv.bias)  # weight [in, out] -> [out, in] view
+            return linear(conv.weight.t(), conv.bias, int8)  # weight [in, out] -> [out, in] view
 
         self.c_attn, self.c_proj = conv1d(block.attn.c_attn), conv1d(block.attn.c_proj)
         self.c_fc, self.mlp_proj = conv1d(block.mlp.c_fc), conv1d(block.mlp.c_proj)
@@ -31,7 +31,9 @@ class GPT2Backend(DecoderOnlyBackend):
     """``ModelBackend`` for GPT-2 over the model's own modules and weights (the linear maps pack a copy, see
     ``models/linear_maps.py``)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, int8: bool = False) -> None:
+        """``int8`` (``--dtype int8``, CPU): the blocks' maps and the LM head as int8 copies; the prompt's prefill
+        stays the model's own forward in float32."""
         cfg = model.config
         if getattr(cfg, "add_cross_attention", False):
             raise ValueError("GPT-2 with cross-attention is not a decoder-only LM")
@@ -41,9 +43,10 @@ class GPT2Backend(DecoderOnlyBackend):
         self.max_position_embeddings = model.config.n_positions
         self.n_head = cfg.n_head
         self.n_layers, self.n_kv, self.head_dim = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
-        self.blocks = [_Block(block) for block in self.base.h]
+        self.blocks = [_Block(block, int8) for block in self.base.h]
         head = model.get_output_embeddings()
-        self.lm = linear(head.weight, head.bias)
+        self.lm = linear(head.weight, head.bias, int8)
+        self.int8 = int8
 
     def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""

@@ -155,8 +155,9 @@ def dynamic_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Modul
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """A dynamic-quantized copy of ``x -> x @ weight.T + bias`` (per-channel qint8 weight, float32 ``bias``),
     the quantized weight taken from the disk cache (:mod:`~seqgen_cli.models.int8_cache`) when a session is
-    open and holds it."""
-    qweight = quantized(weight, quantize_weight)
+    open and holds it. A strided view (GPT-2's transposed Conv1D weight) is made contiguous first: the cache
+    names and stores a weight by its row-major values."""
+    qweight = quantized(weight.detach().contiguous(), quantize_weight)
     return dynamic_linear(qweight, None if bias is None else bias.detach().float())
 
 
