@@ -23,6 +23,7 @@ from seqgen_cli.models.bart import BartBackend
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.gpt2 import GPT2Backend
 from seqgen_cli.models.linear_maps import is_quantized, linear
+from seqgen_cli.models.llama import LlamaBackend
 from seqgen_cli.models.t5 import T5Backend
 from tests.helpers import seqgen
 from tests.tiny_models import sample_texts
@@ -155,15 +156,30 @@ def test_gpt2_int8_backend(tiny_models, texts: list[str], record_property) -> No
     _agreement("gpt2", _check_valid(gen, texts), fp32, record_property)
 
 
-@pytest.mark.parametrize("family", ["llama"])
-def test_generic_fallback_int8(tiny_models, texts: list[str], family: str, record_property) -> None:
-    path = str(tiny_models(family))
+def test_llama_int8_backend(tiny_models, texts: list[str], record_property) -> None:
+    """The Llama-style fast backend in int8: every layer's maps and the LM head int8 copies (the prefill: the
+    model's own float32 forward)."""
+    path = str(tiny_models("llama"))
     fp32 = _check_valid(Generator(path, dtype="float32", backend="fast", **SETTINGS), texts)
     gen = Generator(path, dtype="int8", backend="fast", **SETTINGS)
-    assert isinstance(gen._model_backend, GenericBackend)
-    floats, quantized = _linears(gen.model)
-    assert floats == 0 and quantized > 0 and is_quantized(gen.model.get_output_embeddings())
-    _agreement(family, _check_valid(gen, texts), fp32, record_property)
+    backend = gen._model_backend
+    assert isinstance(backend, LlamaBackend) and backend.int8
+    maps = backend.maps[0]
+    assert all(is_quantized(f) for f in (backend.lm, maps.q, maps.k, maps.v, maps.o, maps.gate, maps.up, maps.down))
+    _agreement("llama", _check_valid(gen, texts), fp32, record_property)
+
+
+def test_generic_int8_quantizes_the_model_in_place(tiny_models) -> None:
+    """A model without a fast backend (here: asked for the generic one) runs int8 over its own modules, every
+    linear layer quantized in place."""
+    from seqgen_cli.loading import load
+    from seqgen_cli.models import get_backend
+
+    model = load(str(tiny_models("llama")), device="cpu", dtype="float32").model
+    backend = get_backend(model, generic=True, int8=True)
+    assert isinstance(backend, GenericBackend)
+    floats, quantized = _linears(model)
+    assert floats == 0 and quantized > 0 and is_quantized(model.get_output_embeddings())
 
 
 def test_hf_backend_int8_runs_generate_over_the_quantized_model(tiny_models, texts: list[str]) -> None:

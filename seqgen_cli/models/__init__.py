@@ -4,8 +4,8 @@
 weights. A class raises ``ValueError`` for a variant it does not reproduce exactly (e.g. sliding-window
 attention); such models, and every unlisted family, get the :class:`GenericBackend` reference backend.
 
-``int8=True`` (``--dtype int8``, CPU): the BART family, T5 and GPT-2 get their fast backend's int8 variant
-(``INT8_BACKENDS``); every other model is quantized in place (its ``nn.Linear`` layers, :func:`~seqgen_cli.models.linear_maps.quantize_linears`)
+``int8=True`` (``--dtype int8``, CPU): every fast backend has an int8 variant (its decoder maps and LM head as int8
+copies); every other model is quantized in place (its ``nn.Linear`` layers, :func:`~seqgen_cli.models.linear_maps.quantize_linears`)
 and runs the generic backend.
 """
 
@@ -33,9 +33,6 @@ FAST_BACKENDS: dict[str, type] = {
     "mistral": LlamaBackend,  # full-attention configs only (sliding_window null)
     "qwen2": LlamaBackend,  # use_sliding_window false only
 }
-INT8_BACKENDS: dict[str, type] = {
-    name: cls for name, cls in FAST_BACKENDS.items() if cls in (BartBackend, T5Backend, GPT2Backend)
-}  # Llama: not yet
 
 
 def fast_backend(model: PreTrainedModel, int8: bool = False) -> ModelBackend | None:
@@ -46,10 +43,9 @@ def fast_backend(model: PreTrainedModel, int8: bool = False) -> ModelBackend | N
 def _fast_or_reason(model: PreTrainedModel, int8: bool) -> tuple[ModelBackend | None, str | None]:
     """The fast backend for ``model``, or ``None`` and why there is none."""
     model_type = model.config.model_type
-    cls = (INT8_BACKENDS if int8 else FAST_BACKENDS).get(model_type)
+    cls = FAST_BACKENDS.get(model_type)
     if cls is None:
-        kind = "int8 fast decoder" if int8 and model_type in FAST_BACKENDS else "fast decoder"
-        return None, f"model_type {model_type!r} has no {kind}"
+        return None, f"model_type {model_type!r} has no fast decoder"
     try:
         return (cls(model, int8=True) if int8 else cls(model)), None
     except ValueError as err:
@@ -78,4 +74,4 @@ def engine_name(backend: ModelBackend) -> str:
     return type(inner).__name__
 
 
-__all__ = ["FAST_BACKENDS", "INT8_BACKENDS", "GenericBackend", "engine_name", "fast_backend", "get_backend"]
+__all__ = ["FAST_BACKENDS", "GenericBackend", "engine_name", "fast_backend", "get_backend"]
