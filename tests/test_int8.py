@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -128,45 +129,30 @@ def test_int8_step_runs_quantized_kernels() -> None:
     assert similarity.min() > 0.99
 
 
-def test_t5_int8_backend(tiny_models, texts: list[str], record_property) -> None:
-    """T5's fast backend in int8: every decoder map and the LM head int8 copies, the encoder quantized in place."""
-    path = str(tiny_models("t5"))
+# the fast backends beside the BART family's: (class, the attributes of a layer's maps that must be int8)
+INT8_FAMILIES = {
+    "t5": (T5Backend, ("qkv", "o", "cq", "ckv", "co")),
+    "gpt2": (GPT2Backend, ("c_attn", "c_proj", "c_fc", "mlp_proj")),
+    "llama": (LlamaBackend, ("q", "k", "v", "o", "gate", "up", "down")),
+}
+
+
+@pytest.mark.parametrize("family", list(INT8_FAMILIES))
+def test_fast_int8_backend(tiny_models, texts: list[str], family: str, record_property) -> None:
+    """Every fast backend has its int8 variant: each layer's maps and the LM head int8 copies; an encoder is
+    quantized in place (T5), a decoder-only prefill stays the model's own float32 forward."""
+    cls, names = INT8_FAMILIES[family]
+    path = str(tiny_models(family))
     fp32 = _check_valid(Generator(path, dtype="float32", backend="fast", **SETTINGS), texts)
     gen = Generator(path, dtype="int8", backend="fast", **SETTINGS)
     backend = gen._model_backend
-    assert isinstance(backend, T5Backend) and backend.int8
-    assert is_quantized(backend.lm)
-    block = backend.dec_layers[0]
-    assert all(is_quantized(f) for f in (block.qkv, block.o, block.cq, block.ckv, block.co))
-    floats, quantized = _linears(gen.model.get_encoder())
-    assert floats == 0 and quantized > 0
-    _agreement("t5", _check_valid(gen, texts), fp32, record_property)
-
-
-def test_gpt2_int8_backend(tiny_models, texts: list[str], record_property) -> None:
-    """GPT-2's fast backend in int8: every block map and the LM head int8 copies (the prefill: the model's own
-    float32 forward)."""
-    path = str(tiny_models("gpt2"))
-    fp32 = _check_valid(Generator(path, dtype="float32", backend="fast", **SETTINGS), texts)
-    gen = Generator(path, dtype="int8", backend="fast", **SETTINGS)
-    backend = gen._model_backend
-    assert isinstance(backend, GPT2Backend) and backend.int8
-    block = backend.blocks[0]
-    assert all(is_quantized(f) for f in (backend.lm, block.c_attn, block.c_proj, block.c_fc, block.mlp_proj))
-    _agreement("gpt2", _check_valid(gen, texts), fp32, record_property)
-
-
-def test_llama_int8_backend(tiny_models, texts: list[str], record_property) -> None:
-    """The Llama-style fast backend in int8: every layer's maps and the LM head int8 copies (the prefill: the
-    model's own float32 forward)."""
-    path = str(tiny_models("llama"))
-    fp32 = _check_valid(Generator(path, dtype="float32", backend="fast", **SETTINGS), texts)
-    gen = Generator(path, dtype="int8", backend="fast", **SETTINGS)
-    backend = gen._model_backend
-    assert isinstance(backend, LlamaBackend) and backend.int8
-    maps = backend.maps[0]
-    assert all(is_quantized(f) for f in (backend.lm, maps.q, maps.k, maps.v, maps.o, maps.gate, maps.up, maps.down))
-    _agreement("llama", _check_valid(gen, texts), fp32, record_property)
+    assert isinstance(backend, cls) and backend.int8 and is_quantized(backend.lm)
+    for layer in _layers(backend):
+        assert all(is_quantized(getattr(layer, name)) for name in names)
+    if gen.is_encoder_decoder:
+        floats, quantized = _linears(gen.model.get_encoder())
+        assert floats == 0 and quantized > 0
+    _agreement(family, _check_valid(gen, texts), fp32, record_property)
 
 
 def test_generic_int8_quantizes_the_model_in_place(tiny_models) -> None:
@@ -346,14 +332,18 @@ def _cached_generator(path: Path, backend: str = "fast") -> Generator:
         return Generator(str(path), dtype="int8", backend=backend, **SETTINGS)
 
 
+def _layers(backend: Any) -> list[Any]:
+    """A fast backend's per-layer maps: the encoder-decoders' ``dec_layers``, the decoder-only ``blocks``."""
+    return backend.dec_layers if backend.is_encoder_decoder else backend.blocks
+
+
 def _int8_weights(gen: Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """(int8 values, scales, bias) of every quantized map of the generator: model modules, then the fast
     backend's own maps."""
     maps = [m for m in gen.model.modules() if is_quantized(m)]
     backend = gen._model_backend
     if backend is not None and not isinstance(backend, GenericBackend):  # a fast backend's own maps: per layer (block), then the head
-        layers = getattr(backend, "dec_layers", None) or backend.blocks
-        maps += [backend.lm] + [m for lay in layers for m in vars(lay).values() if is_quantized(m)]
+        maps += [backend.lm] + [m for lay in _layers(backend) for m in vars(lay).values() if is_quantized(m)]
     out = []
     for m in maps:
         w = m.weight()

@@ -27,7 +27,7 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class _Maps:
+class _Block:
     """One layer's linear maps ([N, in] -> [N, out]): :func:`dense` over the model's own weights, or int8 copies."""
 
     def __init__(self, layer: torch.nn.Module, int8: bool) -> None:
@@ -67,7 +67,7 @@ class LlamaBackend(DecoderOnlyBackend):
         self.n_layers = len(self.base.layers)
         head = model.get_output_embeddings()
         self.lm = linear_map(head.weight, head.bias, int8)
-        self.maps = [_Maps(layer, int8) for layer in self.base.layers]
+        self.blocks = [_Block(layer, int8) for layer in self.base.layers]
         self.int8 = int8
 
     def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
@@ -79,7 +79,7 @@ class LlamaBackend(DecoderOnlyBackend):
         H, Hkv, d = self.n_head, self.n_kv, self.head_dim
         cos, sin = m.rotary_emb(x, (state.start_pos + state.cache.position)[None])  # [1, N, d]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, d]
-        for i, (layer, maps) in enumerate(zip(m.layers, self.maps, strict=True)):
+        for i, (layer, maps) in enumerate(zip(m.layers, self.blocks, strict=True)):
             h = layer.input_layernorm(x)
             q = maps.q(h).view(N, H, d)
             k = maps.k(h).view(N, Hkv, d)
