@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 from seqgen_cli.models import fast_backend, get_backend
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend, prompt_positions
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.models.llama import LlamaBackend
 from seqgen_cli.search.protocol import Batch
 
 V = 97
@@ -195,7 +194,7 @@ def test_refused_variants() -> None:
         fast_backend(tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
         is None
     )
-    assert isinstance(fast_backend(tiny_llama()), LlamaBackend)
+    assert isinstance(fast_backend(tiny_llama()), DecoderOnlyBackend)
     refused = tiny_llama(MistralConfig, sliding_window=4)
     assert isinstance(get_backend(refused), GenericBackend)  # get_backend falls back
 

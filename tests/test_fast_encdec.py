@@ -1,4 +1,4 @@
-"""Fast encoder-decoder backends (``seqgen_cli.models.bart`` / ``t5``) against transformers' own forward.
+"""Fast encoder-decoder backends (``seqgen_cli.models.encoder_decoder``) against transformers' own forward.
 
 Every step's logits must equal the HF model's teacher-forced full forward over the same (reordered,
 dropped) histories, for every family.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seqgen_cli.models import FAST_BACKENDS
+from seqgen_cli.models import fast_backend
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import cross_width
 from tests.helpers import load_tiny
@@ -44,7 +44,7 @@ def _reference(model, batch: Batch, inputs: list[int], r: int, hist: torch.Tenso
 @pytest.mark.parametrize("family", ENCDEC)
 def test_step_logits_match_hf_with_reorder_and_drop(tiny_models, family: str) -> None:
     model = load_tiny(tiny_models(family))[0]
-    dec = FAST_BACKENDS[model.config.model_type](model)
+    dec = fast_backend(model)
     r, steps = 3, 7
     batch = _batch(model, [5, 9, 2], seed=1)
     g = torch.Generator().manual_seed(2)
@@ -86,7 +86,7 @@ def test_step_logits_match_hf_with_reorder_and_drop(tiny_models, family: str) ->
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
     model = load_tiny(tiny_models(family))[0]
-    dec = FAST_BACKENDS[model.config.model_type](model)
+    dec = fast_backend(model)
     bsz, r, s = 2, 4, 6
     batch = _batch(model, [s, 3], seed=3)
     state, _ = dec.start(batch, rows_per_input=r, max_new_tokens=5)
@@ -109,14 +109,14 @@ def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
 def test_fused_qkv_shares_the_model_weights(tiny_models) -> None:
     model = load_tiny(tiny_models("bart"))[0]
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    dec = FAST_BACKENDS["bart"](model)
+    dec = fast_backend(model)
     lay = model.get_decoder().layers[0].self_attn
     fused = dec.dec_layers[0].qkv_w
     assert fused.untyped_storage().data_ptr() == lay.q_proj.weight.untyped_storage().data_ptr()
     assert lay.v_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    again = FAST_BACKENDS["bart"](model)  # a second backend reuses the fused storage
+    again = fast_backend(model)  # a second backend reuses the fused storage
     assert again.dec_layers[0].qkv_w.data_ptr() == fused.data_ptr()
 
 
@@ -124,7 +124,7 @@ def test_fused_qkv_shares_the_model_weights(tiny_models) -> None:
 @pytest.mark.parametrize("family", ["mbart", "t5"])
 def test_half_precision_runs_and_tracks_hf(tiny_models, family: str, dtype: torch.dtype) -> None:
     model = load_tiny(tiny_models(family), dtype)[0]
-    dec = FAST_BACKENDS[model.config.model_type](model)
+    dec = fast_backend(model)
     r = 2
     batch = _batch(model, [4, 6], seed=5)
     state, _ = dec.start(batch, rows_per_input=r, max_new_tokens=3)

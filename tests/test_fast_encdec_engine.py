@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from seqgen_cli.config import resolve_generation_config
-from seqgen_cli.models import FAST_BACKENDS
+from seqgen_cli.models import fast_backend
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.search import Batch, generate
 from tests.helpers import load_tiny
@@ -40,6 +40,6 @@ def test_sampling_fast_equals_generic(loaded, family: str) -> None:
         "num_return_sequences": 2,
     }
     config = resolve_generation_config(model.generation_config, None, kwargs)
-    fast = generate(FAST_BACKENDS[model.config.model_type](model), batch, config, seed=11)
+    fast = generate(fast_backend(model), batch, config, seed=11)
     slow = generate(GenericBackend(model), batch, config, seed=11)
     assert fast.sequences == slow.sequences

@@ -30,8 +30,7 @@ import torch
 
 import tests.equivalence  # noqa: F401  (single intra-op thread)
 from seqgen_cli.config import resolve_generation_config
-from seqgen_cli.models import get_backend
-from seqgen_cli.models.bart import BartBackend
+from seqgen_cli.models import EncoderDecoderBackend, get_backend
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.search.ngram import NGramBlocker
 from seqgen_cli.search.rows import default_sync_every
@@ -177,13 +176,13 @@ def test_recorder_catches_an_inserted_sync(tiny_models, inject: Callable[[torch.
 
 
 def test_recorder_catches_a_sync_in_the_model_step(tiny_models) -> None:
-    step = BartBackend.step
+    step = EncoderDecoderBackend.step
 
-    def inj_step(self: BartBackend, state: Any, tokens: torch.Tensor) -> torch.Tensor:
+    def inj_step(self: EncoderDecoderBackend, state: Any, tokens: torch.Tensor) -> torch.Tensor:
         if state.t > 2:
             int(tokens.max())
         return step(self, state, tokens)
 
-    with mock.patch.object(BartBackend, "step", inj_step):
+    with mock.patch.object(EncoderDecoderBackend, "step", inj_step):
         rec, _ = run_recorded("bart", tiny_models, dict(max_new_tokens=24), 4)
     assert rec.violations() and all("inj_step" in e.where for e in rec.violations())

@@ -20,12 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
-from seqgen_cli.models.bart import BartBackend
+from seqgen_cli.models import DecoderOnlyBackend, EncoderDecoderBackend, fast_backend
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.models.gpt2 import GPT2Backend
 from seqgen_cli.models.linear_maps import is_quantized, linear
-from seqgen_cli.models.llama import LlamaBackend
-from seqgen_cli.models.t5 import T5Backend
 from tests.helpers import seqgen
 from tests.tiny_models import sample_texts
 
@@ -80,11 +77,12 @@ def test_bart_family_int8_backend(tiny_models, texts: list[str], family: str, re
     fp32 = _check_valid(Generator(path, dtype="float32", backend="fast", **SETTINGS), texts)
     gen = Generator(path, dtype="int8", backend="fast", **SETTINGS)
     backend = gen._model_backend
-    assert isinstance(backend, BartBackend) and backend.int8
+    assert isinstance(backend, EncoderDecoderBackend) and backend.int8
     assert gen.device_stats()["dtype"] == "int8" and gen.loaded.device.type == "cpu"
     assert is_quantized(backend.lm)  # LM head (final_logits_bias folded into its bias)
     lay = backend.dec_layers[0]
-    assert all(is_quantized(f) for f in (lay.qkv, lay.o, lay.cq, lay.ckv, lay.co, lay.fc1, lay.fc2))
+    assert sorted(lay.maps) == ["ckv", "co", "cq", "fc1", "fc2", "o", "qkv"]
+    assert all(is_quantized(f) for f in lay.maps.values())
     encoder = gen.model.get_encoder()
     assert _linears(encoder) == (0, 6 * len(encoder.layers))  # q, k, v, out, fc1, fc2: quantized in place
     _agreement(family, _check_valid(gen, texts), fp32, record_property)
@@ -114,8 +112,8 @@ def test_int8_step_runs_quantized_kernels() -> None:
     mask = torch.ones_like(input_ids)
     counts, logits_of = {}, {}
     for dtype, backend in (
-        ("float32", BartBackend(model)),
-        ("int8", BartBackend(copy.deepcopy(model), int8=True)),
+        ("float32", fast_backend(model)),
+        ("int8", fast_backend(copy.deepcopy(model), int8=True)),
     ):
         state, _ = backend.start(Batch(input_ids, mask), 1, 2)
         with _Ops() as ops:
@@ -129,11 +127,11 @@ def test_int8_step_runs_quantized_kernels() -> None:
     assert similarity.min() > 0.99
 
 
-# the fast backends beside the BART family's: (class, the attributes of a layer's maps that must be int8)
+# the fast families beside the BART family: (shared decoder, a layer's linear maps, all int8)
 INT8_FAMILIES = {
-    "t5": (T5Backend, ("qkv", "o", "cq", "ckv", "co")),
-    "gpt2": (GPT2Backend, ("c_attn", "c_proj", "c_fc", "mlp_proj")),
-    "llama": (LlamaBackend, ("q", "k", "v", "o", "gate", "up", "down")),
+    "t5": (EncoderDecoderBackend, ("ckv", "co", "cq", "o", "qkv", "wi", "wo")),
+    "gpt2": (DecoderOnlyBackend, ("c_attn", "c_fc", "c_proj", "mlp_proj")),
+    "llama": (DecoderOnlyBackend, ("down", "gate", "k", "o", "q", "up", "v")),
 }
 
 
@@ -148,7 +146,7 @@ def test_fast_int8_backend(tiny_models, texts: list[str], family: str, record_pr
     backend = gen._model_backend
     assert isinstance(backend, cls) and backend.int8 and is_quantized(backend.lm)
     for layer in _layers(backend):
-        assert all(is_quantized(getattr(layer, name)) for name in names)
+        assert tuple(sorted(layer.maps)) == names and all(is_quantized(m) for m in layer.maps.values())
     if gen.is_encoder_decoder:
         floats, quantized = _linears(gen.model.get_encoder())
         assert floats == 0 and quantized > 0
@@ -343,7 +341,7 @@ def _int8_weights(gen: Generator) -> list[tuple[torch.Tensor, torch.Tensor, torc
     maps = [m for m in gen.model.modules() if is_quantized(m)]
     backend = gen._model_backend
     if backend is not None and not isinstance(backend, GenericBackend):  # a fast backend's own maps: per layer (block), then the head
-        maps += [backend.lm] + [m for lay in _layers(backend) for m in vars(lay).values() if is_quantized(m)]
+        maps += [backend.lm] + [m for lay in _layers(backend) for m in lay.maps.values()]
     out = []
     for m in maps:
         w = m.weight()

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import FAST_BACKENDS, GenericBackend, get_backend
+from seqgen_cli.models import DecoderOnlyBackend, EncoderDecoderBackend, GenericBackend, get_backend
+from seqgen_cli.models.families import FAMILIES as FAST_FAMILIES
 from tests.helpers import load_tiny
 from tests.tiny_models import FAMILIES
 
@@ -19,7 +20,8 @@ def test_auto_picks_the_fast_backend_for_each_family(tiny_models, family: str) -
     path = tiny_models(family)
     model = load_tiny(path)[0]
     backend = get_backend(model)
-    assert type(backend) is FAST_BACKENDS[model.config.model_type]
+    shared = EncoderDecoderBackend if model.config.is_encoder_decoder else DecoderOnlyBackend
+    assert type(backend) is shared and backend.family is FAST_FAMILIES[model.config.model_type]
     assert isinstance(get_backend(model, generic=True), GenericBackend)
 
 
@@ -35,7 +37,7 @@ def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_m
     OPTForCausalLM(config).save_pretrained(tmp_path)
     gpt2_tok.save_pretrained(tmp_path)
     fast = Generator(str(tmp_path), backend="auto", max_new_tokens=6, num_beams=3)
-    assert fast.backend == "fast" and fast.model.config.model_type not in FAST_BACKENDS
+    assert fast.backend == "fast" and fast.model.config.model_type not in FAST_FAMILIES
     hf = Generator(str(tmp_path), backend="hf", max_new_tokens=6, num_beams=3)
     texts = ["the cat sat on the mat", "once upon a time", "a"]
     assert fast.generate(texts) == hf.generate(texts)
@@ -45,12 +47,12 @@ def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_m
 @pytest.mark.parametrize(
     ("family", "flags", "engine"),
     [
-        ("bart", [], "BartBackend"),
-        ("t5", [], "T5Backend"),
-        ("t5", ["--dtype", "int8"], "T5Backend"),
-        ("gpt2", ["--dtype", "int8"], "GPT2Backend"),
-        ("llama", ["--dtype", "int8"], "LlamaBackend"),
-        ("llama-sliding", [], "generic (LlamaBackend does not run this llama variant: sliding-window attention"),
+        ("bart", [], "bart decoder"),
+        ("t5", [], "t5 decoder"),
+        ("t5", ["--dtype", "int8"], "t5 decoder"),
+        ("gpt2", ["--dtype", "int8"], "gpt2 decoder"),
+        ("llama", ["--dtype", "int8"], "llama decoder"),
+        ("llama-sliding", [], "generic (the fast decoder does not run this llama variant: sliding-window attention"),
     ],
 )
 def test_stats_and_the_closing_line_name_the_engine_that_ran(

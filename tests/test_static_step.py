@@ -299,7 +299,7 @@ def test_generator_and_cli_report_the_step_path(tiny_models, tmp_path: Path) -> 
     res = seqgen(*args, "-o", str(tmp_path / "out.txt"), "--stats", str(stats))
     assert res.exit_code == 0, res.output
     assert json.loads(stats.read_text())["device"]["step_path"] == "eager (--no-capture)"
-    assert res.stderr.rstrip().endswith("backend fast (BartBackend) on cpu float32, step eager (--no-capture)"), res.stderr
+    assert res.stderr.rstrip().endswith("backend fast (bart decoder) on cpu float32, step eager (--no-capture)"), res.stderr
     line = Summary(
         backend="fast", device={"device": "cuda", "dtype": "bfloat16", "step_path": "captured"}
     ).line()

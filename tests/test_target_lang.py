@@ -15,8 +15,7 @@ from transformers import AutoTokenizer
 from seqgen_cli.config import language_codes, resolve_target_lang
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import get_backend
-from seqgen_cli.models.bart import BartBackend
+from seqgen_cli.models import EncoderDecoderBackend, get_backend
 from tests.engine_models import load, text_batch
 from tests.equivalence import check_equivalence
 from tests.helpers import one_line_error, seqgen, write_lines
@@ -52,7 +51,7 @@ def test_mbart50_target_lang_forces_its_code_exactly_as_generate(mbart50: Path, 
     assert type(gen.tokenizer).__name__ == "MBart50Tokenizer"
     assert gen.model.generation_config.forced_bos_token_id is None  # the checkpoint leaves the language open
     assert gen.config.forced_bos_token_id == de and gen.backend == "fast"
-    assert isinstance(gen._engine(), BartBackend)  # the fast backend, not the generic one
+    assert isinstance(gen._engine(), EncoderDecoderBackend)  # the fast backend, not the generic one
     batch = [e.ids for e in gen.encode(TEXTS)]
     assert all(ids[0] == gen.tokenizer.lang_code_to_id["en_XX"] for ids in batch)  # source: [en_XX] X </s>
     fast = gen.generate_ids(batch)
@@ -266,12 +265,11 @@ def test_nllb_codes() -> None:
 @pytest.mark.parametrize(
     "kwargs", [dict(max_new_tokens=10), dict(num_beams=4, max_new_tokens=10, forced_eos_token_id=2)]
 )
-def test_m2m100_architecture_forces_the_language_on_the_generic_backend(kwargs: dict) -> None:
-    """M2M-100 and NLLB (``model_type`` m2m_100) run the engine over transformers' forward: same tokens."""
+def test_m2m100_architecture_forces_the_language_on_the_fast_decoder(kwargs: dict) -> None:
+    """M2M-100 and NLLB (``model_type`` m2m_100) run the fast encoder-decoder decoder: same tokens."""
     import torch
     from transformers import GenerationConfig, M2M100Config, M2M100ForConditionalGeneration
 
-    from seqgen_cli.models.generic import GenericBackend
     from seqgen_cli.search import Batch
 
     torch.manual_seed(0)
@@ -283,7 +281,7 @@ def test_m2m100_architecture_forces_the_language_on_the_generic_backend(kwargs: 
     )  # fmt: skip
     model = M2M100ForConditionalGeneration(config).eval()
     model.generation_config = GenerationConfig(**ids)
-    assert isinstance(get_backend(model), GenericBackend)
+    assert isinstance(get_backend(model), EncoderDecoderBackend)
     source = torch.randint(4, 280, (6, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(source)
     source[:, -1] = 2

@@ -19,8 +19,7 @@ from click.testing import CliRunner
 
 from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import get_backend
-from seqgen_cli.models.bart import BartBackend
+from seqgen_cli.models import EncoderDecoderBackend, get_backend
 from seqgen_cli.models.capture import CapturedBackend, Decode
 from seqgen_cli.models.compiled_calls import step_tolerance
 from seqgen_cli.search import Batch, generate
@@ -37,7 +36,7 @@ TEXTS = [
 
 def perturb_one_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """The BART backend's logits make its most likely first token win by a mile in row 0: a real bug's size."""
-    step = BartBackend.step
+    step = EncoderDecoderBackend.step
 
     def wrong(self: Any, state: Any, tokens: torch.Tensor) -> torch.Tensor:
         logits = step(self, state, tokens)
@@ -45,7 +44,7 @@ def perturb_one_token(monkeypatch: pytest.MonkeyPatch) -> None:
             logits[0, logits[0].argmin()] = 1e4
         return logits
 
-    monkeypatch.setattr(BartBackend, "step", wrong)
+    monkeypatch.setattr(EncoderDecoderBackend, "step", wrong)
 
 
 def _gen(tiny_models: Any) -> Generator:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from _common import random_model
 
-from seqgen_cli.models import FAST_BACKENDS
+from seqgen_cli.models import fast_backend
 from seqgen_cli.search.protocol import Batch
 
 
@@ -61,7 +61,7 @@ def measure(layers: int, batch: int, beams: int, src: int, new: int) -> tuple[in
             use_cache=True,
         )
     hf = cache_tensor_bytes(out.past_key_values)
-    backend = FAST_BACKENDS["bart"](model)
+    backend = fast_backend(model)
     state, _ = backend.start(Batch(ids, mask), rows_per_input=beams, max_new_tokens=new)
     ours = sum(backend.cache_nbytes(state).values())
     return hf, ours

@@ -58,7 +58,39 @@ MODELS: dict[str, tuple[str, dict]] = {
             "max_position_embeddings": 512,
         },
     ),
+    # nllb-200-distilled-600M's shape (12+12 layers, ffn 4096; d_model 1024, 256,206-word vocabulary) over the
+    # nllb-200-1.3B config, with a tokenizer built here (a BPE trained on the WMT text, the 202 language codes)
+    "nllb-600m": (
+        "nllb-200-1.3B-config",
+        {
+            "encoder_layers": 12,
+            "decoder_layers": 12,
+            "num_hidden_layers": 12,
+            "encoder_ffn_dim": 4096,
+            "decoder_ffn_dim": 4096,
+        },
+    ),
 }
+BPE_WORDS = 32000  # the built NLLB tokenizer's vocabulary (the codes and special tokens aside)
+
+
+def nllb_tokenizer(source: Path, shared: Path) -> object:
+    """An ``NllbTokenizer`` for a config folder without a tokenizer model: a Metaspace BPE of ``BPE_WORDS`` words
+    trained on the WMT en-de text of the shared folder, ``<s> <pad> </s> <unk>`` at ids 0-3 as NLLB has them, and
+    the language codes of ``special_tokens_map.json`` after the words."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import NllbTokenizer
+
+    codes = json.loads((source / "special_tokens_map.json").read_text(encoding="utf-8"))["additional_special_tokens"]
+    files = sorted(str(p) for p in (shared / "data" / "wmt").rglob("*") if p.is_file() and p.suffix in (".en", ".de"))
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    bpe.train(files, trainers.BpeTrainer(vocab_size=BPE_WORDS, special_tokens=["<s>", "<pad>", "</s>", "<unk>"]))
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    return NllbTokenizer(vocab=model["vocab"], merges=merges, additional_special_tokens=codes)
 
 
 def shared_dir() -> Path:
@@ -106,7 +138,9 @@ def build(
     torch.manual_seed(seed)
     model = auto.from_config(config)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    shared = shared or shared_dir()
+    has_model = any((source / f).is_file() for f in ("tokenizer.json", "sentencepiece.bpe.model", "vocab.json"))
+    tokenizer = AutoTokenizer.from_pretrained(source) if has_model else nllb_tokenizer(source, shared)
     if (source / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(source)
     target.mkdir(parents=True, exist_ok=True)

@@ -1,38 +1,25 @@
 """Model backends: ``get_backend(model)`` picks the fastest :class:`ModelBackend` for a transformers model.
 
-``FAST_BACKENDS`` maps ``config.model_type`` to a fast per-family backend class over the checkpoint's own
-weights. A class raises ``ValueError`` for a variant it does not reproduce exactly (e.g. sliding-window
-attention); such models, and every unlisted family, get the :class:`GenericBackend` reference backend.
+Every family of :data:`~seqgen_cli.models.families.FAMILIES` (``config.model_type`` -> its description) runs on one
+of the two shared decoders, :class:`EncoderDecoderBackend` or :class:`DecoderOnlyBackend`, over the checkpoint's own
+weights. A variant a decoder does not reproduce exactly (``families.refusal``, e.g. a reachable sliding window), and
+every unlisted family, gets the :class:`GenericBackend` reference backend, which carries the reason.
 
-``int8=True`` (``--dtype int8``, CPU): every fast backend has an int8 variant (its decoder maps and LM head as int8
-copies); every other model is quantized in place (its ``nn.Linear`` layers, :func:`~seqgen_cli.models.linear_maps.quantize_linears`)
-and runs the generic backend.
+``int8=True`` (``--dtype int8``, CPU): every fast family runs its decoder with int8 copies of its maps and LM head;
+every other model is quantized in place (its ``nn.Linear`` layers,
+:func:`~seqgen_cli.models.linear_maps.quantize_linears`) and runs the generic backend.
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from seqgen_cli.models.bart import BartBackend
+from seqgen_cli.models.decoder_only import DecoderOnlyBackend
+from seqgen_cli.models.encoder_decoder import EncoderDecoderBackend
+from seqgen_cli.models.families import FAMILIES, Seq2Seq, refusal
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.models.gpt2 import GPT2Backend
 from seqgen_cli.models.linear_maps import quantize_linears
-from seqgen_cli.models.llama import LlamaBackend
-from seqgen_cli.models.t5 import T5Backend
 from seqgen_cli.search.protocol import ModelBackend
-
-FAST_BACKENDS: dict[str, type] = {
-    "bart": BartBackend,  # also DistilBART
-    "mbart": BartBackend,
-    "marian": BartBackend,
-    "pegasus": BartBackend,
-    "t5": T5Backend,  # v1.0, v1.1 and Flan-T5
-    "mt5": T5Backend,
-    "gpt2": GPT2Backend,
-    "llama": LlamaBackend,
-    "mistral": LlamaBackend,  # full-attention configs only (sliding_window null)
-    "qwen2": LlamaBackend,  # use_sliding_window false only
-}
 
 
 def fast_backend(model: PreTrainedModel, int8: bool = False) -> ModelBackend | None:
@@ -43,13 +30,14 @@ def fast_backend(model: PreTrainedModel, int8: bool = False) -> ModelBackend | N
 def _fast_or_reason(model: PreTrainedModel, int8: bool) -> tuple[ModelBackend | None, str | None]:
     """The fast backend for ``model``, or ``None`` and why there is none."""
     model_type = model.config.model_type
-    cls = FAST_BACKENDS.get(model_type)
-    if cls is None:
+    family = FAMILIES.get(model_type)
+    if family is None:
         return None, f"model_type {model_type!r} has no fast decoder"
-    try:
-        return (cls(model, int8=True) if int8 else cls(model)), None
-    except ValueError as err:
-        return None, f"{cls.__name__} does not run this {model_type} variant: {err}"
+    reason = refusal(model)
+    if reason is not None:
+        return None, f"the fast decoder does not run this {model_type} variant: {reason}"
+    cls = EncoderDecoderBackend if isinstance(family, Seq2Seq) else DecoderOnlyBackend
+    return cls(model, family, int8=int8), None
 
 
 def get_backend(model: PreTrainedModel, *, generic: bool = False, int8: bool = False) -> ModelBackend:
@@ -66,12 +54,12 @@ def get_backend(model: PreTrainedModel, *, generic: bool = False, int8: bool = F
 
 
 def engine_name(backend: ModelBackend) -> str:
-    """Which engine runs the decode steps, in words (``--stats`` ``engine``, the closing line): the family's
-    backend class, or ``generic (<why no fast one>)``."""
+    """Which engine runs the decode steps, in words (``--stats`` ``engine``, the closing line): the family whose
+    description the shared decoder runs (``m2m_100 decoder``), or ``generic (<why no fast one>)``."""
     inner = getattr(backend, "backend", backend)  # the capture wrapper's wrapped backend
     if isinstance(inner, GenericBackend):
         return f"generic ({inner.reason})" if inner.reason else "generic"
-    return type(inner).__name__
+    return f"{inner.model.config.model_type} decoder"
 
 
-__all__ = ["FAST_BACKENDS", "GenericBackend", "engine_name", "fast_backend", "get_backend"]
+__all__ = ["DecoderOnlyBackend", "EncoderDecoderBackend", "GenericBackend", "engine_name", "fast_backend", "get_backend"]

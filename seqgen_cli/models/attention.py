@@ -78,11 +78,12 @@ Block = tuple[
 ]  # keys [G, Hkv, d, K], values [G, Hkv, K, d], bias (below) or None
 
 
-def attend_blocks(q: Tensor, blocks: list[Block], scale: float) -> Tensor:
+def attend_blocks(q: Tensor, blocks: list[Block], scale: float, softcap: float | None = None) -> Tensor:
     """Grouped-query attention of ``q`` [N, H, d] (rows input-major, ``R = N / G`` per input) over blocks of keys
     under one float32 softmax, in the blocks' order (a decoder-only cache: its prompt and its generated positions).
     A block's bias is additive float32, [G|1, 1, Rq|1, 1, K] (0 or ``-inf``), over the scores viewed as [G, Hkv, R,
-    H/Hkv, K]. Returns [N, H*d]."""
+    H/Hkv, K]. ``softcap`` (Gemma2): scaled scores become ``tanh(s / softcap) * softcap`` before the bias. Returns
+    [N, H*d]."""
     n, h, d = q.shape
     b, hkv = blocks[0][0].shape[:2]
     r, g = n // b, h // hkv
@@ -92,6 +93,8 @@ def attend_blocks(q: Tensor, blocks: list[Block], scale: float) -> Tensor:
     parts = []
     for keys_t, _, bias in blocks:
         scores = scores32(qg, keys_t).mul_(scale)  # [B, Hkv, R*G, K] float32
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if bias is not None:
             scores = (scores.view(b, hkv, r, g, -1) + bias).view(b, hkv, r * g, -1)
         parts.append(scores)

@@ -1,21 +1,29 @@
-"""What the fast decoder-only backends (GPT-2, Llama) share: the prefill, positions, and the protocol glue.
+"""The one decoder-only decoder: every decoder-only family's decode step, written once over its description
+(``families.py``: GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma2/3), the prefill, and the protocol glue.
 
 The prompt is prefilled once per *input* through the model's own base forward (left-padded, positions as
 ``generate()`` builds them); its keys and values go into a
-:class:`~seqgen_cli.models.kv_cache.DecoderOnlyKVCache` shared by the input's ``R`` rows. Subclasses
-implement ``decode`` (the step's tensor work, see ``capture.py``): ``state.cache.begin()``, the layers (attention
-through ``state.cache.attend``) at positions ``state.start_pos + state.cache.position``.
+:class:`~seqgen_cli.models.kv_cache.DecoderOnlyKVCache` shared by the input's ``R`` rows. ``decode`` (the step's
+tensor work, see ``capture.py``): ``state.cache.begin()``, the layers (attention through the cache) at positions
+``state.start_pos + state.cache.position``. Only the ``num_key_value_heads`` K/V heads are cached; query groups
+broadcast against them (``attention.attend_blocks``). RoPE's cos/sin come from the model's own rotary module, so
+its rope type and scaling are honoured exactly.
+
+``int8=True`` (``--dtype int8``, CPU): every layer's maps and the LM head as int8 copies; the prompt's prefill stays
+the model's own forward in float32.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 
 from seqgen_cli.models.attention import attend_blocks
+from seqgen_cli.models.families import Causal
 from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
     kv_bytes,
@@ -24,17 +32,43 @@ from seqgen_cli.models.kv_cache import (
     select_into,
 )
 from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
-from seqgen_cli.models.linear_maps import dense
+from seqgen_cli.models.linear_maps import dense, linear
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import MIN_WIDTH, graph_width, input_width
 
 
 def self_attention(
-    cache: DecoderOnlyKVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float
+    cache: DecoderOnlyKVCache,
+    layer: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    softcap: float | None = None,
 ) -> Tensor:
     """This step's ``k``/``v`` ([N, Hkv, d], after any RoPE) into ``cache`` (a batch's or the lanes'); ``q`` [N, H, d]
     attends the prompt and the generated positions under one float32 softmax -> [N, H*d]."""
-    return attend_blocks(q, cache.update(layer, k, v), scale)
+    return attend_blocks(q, cache.update(layer, k, v), scale, softcap)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE over the first ``cos.shape[-1]`` features of each head (all of them but where the rotary factor is
+    partial, Phi-3): ``x`` [N, H, d], ``cos``/``sin`` [N, 1, r]."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
+def soft_cap(x: Tensor, cap: float | None) -> Tensor:
+    """Gemma's soft-capping: ``tanh(x / cap) * cap`` (``None``: ``x``)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 @dataclass
@@ -69,22 +103,64 @@ def check_batch(batch: Batch) -> None:
 
 
 class DecoderOnlyBackend:
-    """Protocol glue shared by the families: prefill through the model's own base forward, then cached steps.
-
-    Subclasses set ``self.model``, ``self.base`` (the transformer without LM head) and implement ``decode``.
-    """
+    """:class:`~seqgen_cli.search.protocol.ModelBackend` for every decoder-only family of ``families.py``: prefill
+    through the model's own base forward, then cached steps."""
 
     is_encoder_decoder = False
-    vocab_size: int
-    max_position_embeddings: int
-    model: torch.nn.Module
-    base: torch.nn.Module
-    n_layers: int
-    n_kv: int  # K/V heads (grouped-query attention: fewer than the query heads)
-    head_dim: int
-    decode: Callable[
-        [DecoderOnlyState, Tensor], Tensor
-    ]  # the step's tensor work: tokens [N] -> logits [N, V]
+
+    def __init__(self, model: torch.nn.Module, family: Causal, int8: bool = False) -> None:
+        cfg = model.config
+        self.model, self.family = model, family
+        self.base = model.base_model  # the transformer without its LM head
+        self.blocks = [family.reader(layer, int8) for layer in getattr(self.base, family.layers)]
+        self.n_layers = len(self.blocks)
+        self.n_head = int(getattr(cfg, "num_attention_heads", None) or cfg.n_head)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_head)
+        attn = getattr(self.base, family.layers)[0]
+        attn = getattr(attn, "self_attn", None) or attn.attn
+        self.head_dim = int(getattr(attn, "head_dim", None) or cfg.hidden_size // self.n_head)
+        self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", None) or cfg.n_positions)
+        self.embed = getattr(self.base, family.embed)  # the module (it scales where the family does: Gemma)
+        self.ln_final = getattr(self.base, family.final_norm)
+        self.layer_types = sorted({b.layer_type for b in self.blocks})
+        head = model.get_output_embeddings()
+        self.vocab_size = int(head.weight.shape[0])
+        self.lm = linear(head.weight, head.bias, int8)
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.int8 = int8
+        # the cache argument of the base forward: ``cache`` (transformers >= 5.24), before ``past_key_values``
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
+
+    def decode(self, state: DecoderOnlyState, tokens: Tensor) -> Tensor:
+        """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""
+        state.cache.begin()
+        x = self.embed(tokens)  # [N, D]
+        n = x.shape[0]
+        h, hkv, d = self.n_head, self.n_kv, self.head_dim
+        at = state.start_pos + state.cache.position  # [N] position ids
+        kind = self.family.positions
+        if kind == "learned":
+            x = x + self.base.wpe(at)
+        else:  # the model's rotary tables, one per layer type where it has several: [1, N, r] -> [N, 1, r]
+            rotary = self.base.rotary_emb
+            tables = {
+                t: rotary(x, at[None], t) if kind == "rotary per layer type" else rotary(x, at[None])
+                for t in (self.layer_types if kind == "rotary per layer type" else ["full_attention"])
+            }
+            tables = {t: (cos[0, :, None], sin[0, :, None]) for t, (cos, sin) in tables.items()}
+        for i, lay in enumerate(self.blocks):
+            q, k, v = lay.qkv(lay.ln_in(x))  # [N, H*d], [N, Hkv*d], [N, Hkv*d]
+            q, k, v = q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d)
+            if lay.q_norm is not None:
+                q, k = lay.q_norm(q), lay.k_norm(k)
+            if kind != "learned":
+                cos, sin = tables[lay.layer_type if kind == "rotary per layer type" else "full_attention"]
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
+            a = lay.o(self_attention(state.cache, i, q, k, v, lay.scale, lay.softcap))  # [N, D]
+            x = x + (a if lay.ln_attn_out is None else lay.ln_attn_out(a))
+            m = lay.mlp(lay.ln_mlp(x))
+            x = x + (m if lay.ln_mlp_out is None else lay.ln_mlp_out(m))
+        return soft_cap(self.lm(self.ln_final(x)).float(), self.final_softcap)  # [N, V]
 
     def _prefill(self, batch: Batch) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """The model's own base forward over left-padded prompts [B, P] (positions as ``generate()`` builds them):
@@ -92,12 +168,13 @@ class DecoderOnlyBackend:
         ids, mask = batch.input_ids, batch.attention_mask
         hf_mask = mask if not bool(mask.all()) else None  # as generate(): no mask without padding
         out = self.base(
-            input_ids=ids, attention_mask=hf_mask, position_ids=prompt_positions(mask), use_cache=True
-        )
+            input_ids=ids, attention_mask=hf_mask, position_ids=prompt_positions(mask),
+            use_cache=True, **{self.cache_kwarg: DynamicCache()},
+        )  # fmt: skip  (a cache without the config's layer kinds: every layer keeps every position, windowed or not)
         layers = out.past_key_values.layers
         head = self.model.get_output_embeddings()  # oneDNN on the CPU: an input's row whatever the batch
         logits = dense(out.last_hidden_state[:, -1], head.weight, head.bias).float()  # [B, V]
-        return [layer.keys for layer in layers], [layer.values for layer in layers], logits
+        return [layer.keys for layer in layers], [layer.values for layer in layers], soft_cap(logits, self.final_softcap)
 
     @torch.inference_mode()
     def start(

@@ -1,4 +1,5 @@
-"""What the fast encoder-decoder backends (BART family, T5) share: encoder, cross-attention, reorder, drop.
+"""The one encoder-decoder decoder: every encoder-decoder family's decode step, written once over its description
+(``families.py``: BART family, M2M-100 / NLLB, LED, Pegasus-X, T5, LongT5, UMT5), and the protocol glue.
 
 The model's own encoder runs once per input. Cross-attention keys/values are projected once per *input*
 (``[B, H, S, d]``), never per beam: a step's ``N = B * R`` queries are viewed as ``[B, H, R, d]``, so the
@@ -6,21 +7,22 @@ The model's own encoder runs once per input. Cross-attention keys/values are pro
 reordered (beams stay within their input) and only shrink when inputs finish. Self-attention goes through
 :class:`~seqgen_cli.models.kv_cache.EncoderDecoderKVCache`.
 
-Subclasses build their per-layer weight views (with ``ckv``: the fused cross-attention K|V linear map) and
-implement ``step``; ``lm`` is the LM head as a linear map (:func:`~seqgen_cli.models.linear_maps.linear`; the
-BART backend rebuilds it with ``final_logits_bias`` folded in).
+``lm`` is the LM head as a linear map (:func:`~seqgen_cli.models.linear_maps.linear`, with ``final_logits_bias``
+folded into its bias where the model has one). ``int8=True`` (``--dtype int8``, CPU): the decoder's linear maps and
+the LM head as int8 copies of the float32 weights, the model's own encoder quantized in place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from seqgen_cli.models.attention import attention
+from seqgen_cli.models.families import Seq2Seq
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
     kv_bytes,
@@ -29,7 +31,7 @@ from seqgen_cli.models.kv_cache import (
     select_into,
 )
 from seqgen_cli.models.lane_cache import LaneKVCache
-from seqgen_cli.models.linear_maps import linear
+from seqgen_cli.models.linear_maps import linear, quantize_linears
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import CROSS_CHUNK, MIN_WIDTH, cross_width, graph_width
 
@@ -42,7 +44,7 @@ class EncoderDecoderState:
     cache: EncoderDecoderKVCache  # self-attention, preallocated for max_len positions
     max_len: int  # positions the self-attention cache holds
     t: int = 0  # decoder positions fed so far (host counter)
-    self_bias: torch.Tensor | None = None  # T5: relative position bias [1, H, T, T] (query, key)
+    self_bias: torch.Tensor | None = None  # relative position bias [L', H, T, T] (query, key): L' = 1 or per layer
 
 
 def cross_attention(
@@ -67,34 +69,118 @@ def self_attention(
     keys_t, values = cache.update(layer, k, v)  # [B, H, d, span*R], [B, H, span*R, d]
     b, d = keys_t.shape[0], q.shape[-1]
     qb = q.view(b, n // b, heads, d).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
-    out = attention(qb, keys_t, values, cache.bias, scale)  # [B, H, Rq, d]
+    out = attention(qb, keys_t, values, cache.layer_bias(layer), scale)  # [B, H, Rq, d]
     return out.transpose(1, 2).reshape(n, heads * d)  # [B, Rq, H, d] -> [N, H*d]
 
 
+def clamp_fp16(x: torch.Tensor) -> torch.Tensor:
+    """T5's float16 overflow guard after a sub-layer, sync-free (as transformers writes it)."""
+    if x.dtype != torch.float16:
+        return x
+    top = torch.finfo(x.dtype).max
+    limit = torch.where(torch.isinf(x).any(), top - 1000, top)
+    return torch.clamp(x, min=-limit, max=limit)
+
+
 class EncoderDecoderBackend:
-    """Protocol glue shared by the BART-family and T5 backends; subclasses implement ``decode``."""
+    """:class:`~seqgen_cli.search.protocol.ModelBackend` for every encoder-decoder family of ``families.py``."""
 
     is_encoder_decoder = True
-    # the step's tensor work, static shapes (models/capture.py): tokens [N] -> logits [N, V]
-    decode: Callable[[EncoderDecoderState, torch.Tensor], torch.Tensor]
 
-    def __init__(
-        self, model: PreTrainedModel, embed: torch.Tensor, dec_layers: list[Any], heads: int, head_dim: int
-    ) -> None:
-        """``embed``: decoder input embeddings [V_in, D]; ``dec_layers``: per-layer weight views."""
+    def __init__(self, model: PreTrainedModel, family: Seq2Seq, int8: bool = False) -> None:
+        cfg, dec = model.config, model.get_decoder()
         self.model = model.eval()
+        self.family = family
         self.encoder = model.get_encoder()
-        self.embed = embed
-        self.dec_layers = dec_layers
-        self.layers = len(dec_layers)
-        self.heads = heads
-        self.head_dim = head_dim
+        self.embed = dec.embed_tokens.weight  # [V_in, D]
+        self.embed_scale = getattr(dec.embed_tokens, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)
+        self.dec_layers = [family.reader(layer, int8) for layer in getattr(dec, family.layers)]
+        self.layers = len(self.dec_layers)
+        self.heads = int(getattr(cfg, "decoder_attention_heads", None) or cfg.num_heads)
+        self.head_dim = int(self.dec_layers[0].qkv_w.shape[0] // 3 // self.heads)
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.ln_embed = getattr(dec, family.embedding_norm) if family.embedding_norm else None
+        self.ln_final = getattr(dec, family.final_norm) if family.final_norm else None
+        self.pre_norm, self.clamp = family.pre_norm, family.clamp_fp16
+        self.relative = [lay.relative for lay in self.dec_layers if lay.relative is not None]  # bias owners
+        self.max_position_embeddings = None if self.relative else getattr(cfg, "max_position_embeddings", None)
+        pos = getattr(dec, "embed_positions", None)
+        self.pad_position = pos.padding_idx if family.positions == "padded table" else None
+        self.pos_offset = self.pad_position + 1 if self.pad_position is not None else int(getattr(pos, "offset", 0))
+        self.positions = self._position_table(MIN_WIDTH)  # [P (+ offset), D] or None (relative bias)
+        # the LM head: [N, D] -> [N, V], final_logits_bias folded in; T5 v1.0 rescales its tied head's input
         self.lm_head = model.get_output_embeddings()
         self.lm_w = self.lm_head.weight  # [V, D]
-        self.lm = linear(self.lm_w, self.lm_head.bias)  # [N, D] -> [N, V]
+        bias, extra = self.lm_head.bias, getattr(model, "final_logits_bias", None)
+        if extra is not None:
+            bias = extra.view(-1) if bias is None else bias + extra.view(-1)
+        self.lm = linear(self.lm_w, bias, int8)
         self.vocab_size = int(self.lm_w.shape[0])
-        self.dtype = embed.dtype
-        self.device = embed.device
+        self.out_scale = float(cfg.d_model) ** -0.5 if getattr(cfg, "scale_decoder_outputs", False) else None
+        self.int8 = int8
+        if int8:
+            quantize_linears(self.encoder)
+
+    def _position_table(self, rows: int) -> torch.Tensor | None:
+        """The decoder's absolute position embeddings, ``rows`` at least (a computed sinusoid is tabled once per
+        growth; its rows are what the model's module computes for those positions): [P, D], or ``None``."""
+        kind, module = self.family.positions, getattr(self.model.get_decoder(), "embed_positions", None)
+        if kind.startswith("relative"):
+            return None
+        if kind == "computed":  # Pegasus-X: reads only the shape, dtype and device of what it is given
+            held = getattr(self, "positions", None)
+            if held is None or held.shape[0] < rows:
+                held = module(torch.zeros((1, rows, 1), dtype=self.dtype, device=self.device))[0]  # [rows, D]
+            return held
+        return module.weights if kind == "padded table" else module.weight
+
+    def _relative_bias(self, t: int) -> torch.Tensor | None:
+        """The relative position bias of ``t`` query against ``t`` key positions: [L', H, T, T] (L' = 1: the first
+        block's, shared; UMT5: every block's own), or ``None``."""
+        if not self.relative:
+            return None
+        return torch.cat([r.compute_bias(t, t, device=self.device) for r in self.relative]).to(self.dtype)
+
+    def decode(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
+        """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V]."""
+        cache = state.cache
+        if state.self_bias is not None:
+            cache.begin(state.self_bias.index_select(2, cache.position))  # [L', H, 1 | N, T]
+        else:
+            cache.begin()
+        x = F.embedding(tokens, self.embed)  # [N, D]
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        if self.positions is not None:
+            at = cache.position + self.pos_offset  # [1] (a batch) or [N] (lanes)
+            if self.pad_position is not None:  # M2M-100: a pad token takes the padding row (zeros)
+                at = torch.where(tokens == self.pad_position, self.pad_position, at)  # [N]
+            x = x + self.positions.index_select(0, at)  # [1 | N, D]
+        if self.ln_embed is not None:
+            x = self.ln_embed(x)
+        pre, clamp = self.pre_norm, (clamp_fp16 if self.clamp else lambda y: y)
+        for i, lay in enumerate(self.dec_layers):
+            # self-attention over this row's history
+            h = lay.ln_self(x) if pre else x
+            x = clamp(x + lay.o(self_attention(lay.qkv(h), cache, i, self.heads, lay.scale)))  # [N, D]
+            if not pre:
+                x = lay.ln_self(x)
+            # cross-attention: the R beams of an input share its keys/values
+            h = lay.ln_cross(x) if pre else x
+            a = cross_attention(lay.cq(h), state.cross_k[i], state.cross_v[i], state.cross_mask, lay.scale)
+            x = clamp(x + lay.co(a))
+            if not pre:
+                x = lay.ln_cross(x)
+            # feed-forward
+            h = lay.ln_ff(x) if pre else x
+            x = clamp(x + lay.ff(h))
+            if not pre:
+                x = lay.ln_ff(x)
+        if self.ln_final is not None:
+            x = self.ln_final(x)
+        if self.out_scale is not None:
+            x = x * self.out_scale
+        return self.lm(x)  # [N, V]
 
     @torch.inference_mode()
     def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
@@ -151,6 +237,7 @@ class EncoderDecoderBackend:
     ) -> tuple[EncoderDecoderState, None]:
         keys, values, mask = self._encode(batch, cross_width(batch.input_ids.shape[1]))
         max_len = max(1, max_new_tokens)  # step() is called at most max_new_tokens times
+        self.positions = self._position_table(max_len + self.pos_offset)
         cache = EncoderDecoderKVCache(
             self.layers,
             batch.input_ids.shape[0],
@@ -167,6 +254,7 @@ class EncoderDecoderBackend:
             cross_mask=mask,
             cache=cache,
             max_len=max_len,
+            self_bias=self._relative_bias(max_len),
         )
         return state, None
 
@@ -207,7 +295,7 @@ class EncoderDecoderBackend:
                 cross_mask=state.cross_mask.new_zeros((b, *state.cross_mask.shape[1:])),
                 cache=state.cache.empty(b),
                 max_len=state.max_len,
-                self_bias=state.self_bias,  # [1, H, T, T]: the positions' only, shared
+                self_bias=state.self_bias,  # [L', H, T, T]: the positions' only, shared
             )
         for dst, src in zip(into.cross_k + into.cross_v, state.cross_k + state.cross_v, strict=True):
             select_into(dst, src, keep)
@@ -225,6 +313,7 @@ class EncoderDecoderBackend:
         mask = torch.full((lanes, 1, 1, width), float("-inf"), device=dev)  # [S, 1, 1, W]
         mask[..., 0] = 0.0
         max_len = max(1, max_new_tokens)
+        self.positions = self._position_table(max_len + self.pos_offset)
         cache = LaneKVCache(self.layers, lanes, rows_per_input, h, max_len, d, self.dtype, dev)
         return EncoderDecoderState(
             cross_k=[
@@ -236,6 +325,7 @@ class EncoderDecoderBackend:
             cross_mask=mask,
             cache=cache,
             max_len=max_len,
+            self_bias=self._relative_bias(max_len),
         )
 
     def lane_width(self, state: EncoderDecoderState) -> int:
@@ -288,7 +378,7 @@ class EncoderDecoderBackend:
 
     def cache_nbytes(self, state: EncoderDecoderState) -> dict[str, int]:
         """Bytes held for the search: cross-attention K/V (per input), the self-attention cache (with its
-        back-pointers) and T5's relative position bias."""
+        back-pointers) and the relative position bias."""
         cross = sum(k.nbytes + v.nbytes for k, v in zip(state.cross_k, state.cross_v, strict=True))
         bias = 0 if state.self_bias is None else state.self_bias.nbytes
         return {"cross": cross, "self": state.cache.nbytes, "bias": bias}
@@ -296,8 +386,9 @@ class EncoderDecoderBackend:
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int:
         """Bytes :meth:`start` allocates for ``inputs`` sources of ``width`` tokens, ``rows_per_input`` rows each,
         ``new_tokens`` positions (what :meth:`cache_nbytes` then counts): cross K/V once per input, self K/V and
-        back-pointers per row."""
+        back-pointers per row, the relative position bias [L', H, T, T]."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
         positions = inputs * cross_width(width) + rows * t
         kv = kv_bytes(self.layers, self.heads, self.head_dim, self.dtype, positions)
-        return kv + pointer_bytes(rows, t)
+        bias = len(self.relative) * self.heads * t * t * self.dtype.itemsize
+        return kv + pointer_bytes(rows, t) + bias

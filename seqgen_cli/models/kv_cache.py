@@ -203,23 +203,31 @@ class EncoderDecoderKVCache(GeneratedPositions):
         self.ptrs = BackPointers(inputs, rows_per_input, max_len, device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]: the position this step writes
         self.span = max_len  # positions this step attends (host int; a span bucket if static)
-        self.bias: Tensor | None = None  # additive float32, [B or 1, 1 or H, Rq, span*R]; None = all
+        self.bias: Tensor | None = None  # additive float32 (layer_bias), [[L',] B|1, 1|H, Rq, span*R]; None = all
 
     def buffers(self) -> list[Tensor]:
         return self.k + self.v
 
     def begin(self, bias: Tensor | None = None) -> None:
-        """A step starts (before the layers); ``bias`` [1, H, 1, T]: additive attention bias over positions (T5)."""
+        """A step starts (before the layers); ``bias`` [L', H, 1, T]: additive attention bias over positions (the
+        relative bias: L' = 1, shared by the layers, or one per layer)."""
         h, r, span = self.heads, self.r, self.span
-        if bias is not None:
-            bias = bias[..., :span, None].float().expand(1, h, 1, span, r).reshape(1, h, 1, span * r)
+        if bias is not None:  # [L', H, 1, T] -> [L', 1, H, 1, span*R]
+            bias = bias[..., :span, None].float().expand(-1, h, 1, span, r).reshape(-1, 1, h, 1, span * r)
         if self.static or r > 1:
             visible = self.ptrs.visible(self.position, span)  # [B, Rq, span, R] or [1, 1, span, 1]
             visible = visible.expand(-1, r, span, r).reshape(-1, 1, r, span * r)  # [B|1, 1, Rq, span*R]
             bias = torch.where(
                 visible, 0.0 if bias is None else bias, float("-inf")
-            )  # [B|1, 1|H, Rq, span*R]
-        self.bias = bias  # None: a row sees all of the first t+1 positions (dynamic, R = 1, no T5 bias)
+            )  # [B|1, 1, Rq, span*R], or with a bias [L', B|1, H, Rq, span*R]
+        self.bias = bias  # None: a row sees all of the first t+1 positions (dynamic, R = 1, no relative bias)
+
+    def layer_bias(self, layer: int) -> Tensor | None:
+        """The additive bias ``layer``'s self-attention adds to its scores (:meth:`begin`): [B|1, 1|H, Rq, span*R]."""
+        bias = self.bias
+        if bias is None or bias.dim() == 4:
+            return bias
+        return bias[layer if bias.shape[0] > 1 else 0]
 
     def advance(self) -> None:
         """A step is done: the next one writes the next position (queued on the device, no sync)."""

@@ -105,15 +105,16 @@ class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
         self._heads = torch.arange(heads, device=device)
 
     def begin(self, bias: Tensor | None = None) -> None:
-        """A step starts. ``bias``: T5's relative position bias [1, H, N, T] (row ``n``'s query step against every
-        key position)."""
+        """A step starts. ``bias``: the relative position bias [L', H, N, T] (row ``n``'s query step against every
+        key position; L' = 1, shared by the layers, or one per layer)."""
         s, h, r, t, span = self.steps.shape[0], self.heads, self.r, self.max_len, self.span
         self.where = ((self._lanes[:, None] * h + self._heads) * t + self.steps[:, None]).view(-1)  # [S * H]
         visible = self.visible(span).expand(s, r, span, r).reshape(s, 1, r, span * r)  # [S, 1, Rq, span*R]
-        if bias is not None:  # [1, H, N, T] -> [S, H, Rq, span] -> [S, H, Rq, span*R]
-            bias = bias[0, :, :, :span].view(h, s, r, span).transpose(0, 1).float()
-            bias = bias[..., None].expand(s, h, r, span, r).reshape(s, h, r, span * r)
-        self.bias = torch.where(visible, 0.0 if bias is None else bias, float("-inf"))  # [S, 1|H, Rq, span*R]
+        if bias is not None:  # [L', H, N, T] -> [L', S, H, Rq, span] -> [L', S, H, Rq, span*R]
+            layers = bias.shape[0]
+            bias = bias[..., :span].view(layers, h, s, r, span).transpose(1, 2).float()
+            bias = bias[..., None].expand(layers, s, h, r, span, r).reshape(layers, s, h, r, span * r)
+        self.bias = torch.where(visible, 0.0 if bias is None else bias, float("-inf"))  # [[L',] S, 1|H, Rq, span*R]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store this step's ``k``/``v`` ([N, H, d]) of ``layer`` at each lane's step; returns the keys (transposed)

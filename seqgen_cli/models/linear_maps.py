@@ -57,6 +57,7 @@ def _quiet() -> Iterator[None]:
 
 PACK_ROWS = 128  # the row count oneDNN picks the packed layout for (any row count runs on it)
 PACK_AFTER = 8  # calls a PackedLinear runs on the dense weight before it packs
+PACK_LIMIT = 256 * 2**20  # bytes: a larger weight is not packed (no second copy of NLLB's 1 GB LM head)
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -117,10 +118,12 @@ class PackedLinear:
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) -> Linear:
-    """``x -> x @ weight.T + bias``: float32 on the CPU a :class:`PackedLinear`, else :func:`dense` over the
-    given tensors (no copy); with ``int8`` a dynamic-quantized copy of ``weight`` (:func:`int8_linear`)."""
+    """``x -> x @ weight.T + bias``: float32 on the CPU a :class:`PackedLinear` (up to :data:`PACK_LIMIT` bytes),
+    else :func:`dense` over the given tensors (no copy); with ``int8`` a dynamic-quantized copy of ``weight``
+    (:func:`int8_linear`)."""
     if not int8:
-        if ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        if ONEDNN and cpu_fp32 and weight.nbytes <= PACK_LIMIT:
             return PackedLinear(weight, bias)
         return partial(dense, weight=weight, bias=bias)
     return int8_linear(weight, bias)

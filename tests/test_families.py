@@ -1,0 +1,235 @@
+"""The families described in ``models/families.py`` beyond the first ten fixtures (tests/tiny_models.py): each a
+tiny random checkpoint built from its transformers config, run on its fast decoder (a test fails if it falls back to
+the generic backend) and token-identical to ``generate()`` in float32: a batch, the refill engine's lanes, the
+captured (static) step, and its int8 variant on the fast decoder."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+import transformers as tf
+
+from seqgen_cli.config import resolve_generation_config
+from seqgen_cli.models import DecoderOnlyBackend, EncoderDecoderBackend, engine_name, get_backend
+from seqgen_cli.models.capture import CapturedBackend
+from seqgen_cli.models.families import FAMILIES
+from seqgen_cli.models.generic import GenericBackend
+from seqgen_cli.models.linear_maps import is_quantized
+from seqgen_cli.search import Batch, generate
+from tests.equivalence import MASKED_SUM_RTOL, SETTINGS, check_equivalence, tune_eos
+from tests.test_refill import refill
+
+V = 97
+SEQ2SEQ_IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+T5_IDS = dict(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+CAUSAL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+BART_SHAPE = dict(
+    vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0,
+    activation_dropout=0.0, **SEQ2SEQ_IDS,
+)  # fmt: skip
+T5_SHAPE = dict(
+    vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+    **T5_IDS,
+)  # fmt: skip
+LLAMA_SHAPE = dict(
+    vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+    num_hidden_layers=2, max_position_embeddings=64, **CAUSAL_IDS,
+)  # fmt: skip
+
+CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
+    "m2m_100": lambda: tf.M2M100Config(max_position_embeddings=64, scale_embedding=True, **BART_SHAPE),
+    "led": lambda: tf.LEDConfig(
+        max_encoder_position_embeddings=128, max_decoder_position_embeddings=64, attention_window=8, **BART_SHAPE
+    ),
+    "pegasus_x": lambda: tf.PegasusXConfig(
+        max_position_embeddings=64, num_global_tokens=4, block_size=8, stagger_local_blocks=True,
+        scale_embedding=True, **{**BART_SHAPE, "encoder_attention_heads": 4},
+    ),  # fmt: skip
+    "longt5": lambda: tf.LongT5Config(
+        local_radius=4, global_block_size=4, encoder_attention_type="transient-global",
+        feed_forward_proj="gated-gelu", **T5_SHAPE,
+    ),  # fmt: skip
+    "umt5": lambda: tf.UMT5Config(feed_forward_proj="gated-gelu", **T5_SHAPE),
+    "qwen3": lambda: tf.Qwen3Config(**LLAMA_SHAPE),
+    "phi3": lambda: tf.Phi3Config(
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        **LLAMA_SHAPE,
+    ),
+    # soft-capping low enough to bite on these weights; windows no sequence reaches (64 positions)
+    "gemma2": lambda: tf.Gemma2Config(
+        sliding_window=64, attn_logit_softcapping=3.0, final_logit_softcapping=5.0, query_pre_attn_scalar=8,
+        **LLAMA_SHAPE,
+    ),  # fmt: skip
+    "gemma3_text": lambda: tf.Gemma3TextConfig(
+        sliding_window=64, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8,
+        **LLAMA_SHAPE,
+    ),  # fmt: skip
+}
+NAMES = list(CONFIGS)
+QUICK = ("greedy", "beam4_ngram3_lp2_minmax_es")
+
+
+def _sharpen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random weights large enough that attention is far from uniform (so a wrong position, norm or bias shows)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0)
+    return model.eval()
+
+
+def sources(config: tf.PretrainedConfig, n: int = 12, seed: int = 0) -> Batch:
+    """``n`` random inputs of 3-20 tokens: encoder-decoder sources right-padded ending in EOS, decoder-only
+    prompts left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 21, (n,), generator=g).tolist()
+    width = max(lengths)
+    ids = torch.full((n, width), config.pad_token_id)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, length in enumerate(lengths):
+        tokens = torch.randint(4, V, (length,), generator=g)
+        if config.is_encoder_decoder:
+            tokens[-1] = config.eos_token_id
+            ids[i, :length], mask[i, :length] = tokens, 1
+        else:
+            ids[i, width - length :], mask[i, width - length :] = tokens, 1
+    return Batch(ids, mask)
+
+
+@functools.cache
+def model(name: str) -> torch.nn.Module:
+    """The tiny checkpoint of ``name`` (float32, EOS tuned so outputs end at varied lengths; cached)."""
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    config.tie_word_embeddings = False
+    auto = tf.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tf.AutoModelForCausalLM
+    m = _sharpen(auto.from_config(config), seed=len(name))
+    ids = {k: getattr(config, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    start = getattr(config, "decoder_start_token_id", None)
+    m.generation_config = tf.GenerationConfig(decoder_start_token_id=start, **ids)
+    return tune_eos(m, sources(config, 8, seed=99))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_family_runs_its_fast_decoder(name: str) -> None:
+    m = model(name)
+    backend = get_backend(m)
+    shared = EncoderDecoderBackend if m.config.is_encoder_decoder else DecoderOnlyBackend
+    assert type(backend) is shared and backend.family is FAMILIES[name]
+    assert engine_name(backend) == f"{name} decoder"
+
+
+@pytest.mark.parametrize("setting", QUICK)
+@pytest.mark.parametrize("name", NAMES)
+def test_equivalence(name: str, setting: str) -> None:
+    m = model(name)
+    result = check_equivalence(m, get_backend, sources(m.config), SETTINGS[setting])
+    print(f"{name} {setting}: {result.summary()}")
+    assert not result.mismatches, "\n".join(result.mismatches[:5])
+    assert result.identical == result.total or SETTINGS[setting].get("num_beams", 1) > 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_refill_equivalence(name: str) -> None:
+    """Inputs joining the lanes at many steps: the lane caches (per-lane positions, relative bias per layer,
+    rotary per layer type) as exact as a batch."""
+    m = model(name)
+    kwargs = SETTINGS["beam4_ngram3_lp2_minmax_es"]
+    result = check_equivalence(
+        m, get_backend, sources(m.config, seed=1), kwargs, engine=refill(lanes=3, seed=2), rtol=MASKED_SUM_RTOL
+    )
+    assert not result.mismatches, "\n".join(result.mismatches[:5])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_static_step_equivalence(name: str) -> None:
+    """The captured path's static step (eager here: padded lanes and widths, span buckets, compaction)."""
+    m = model(name)
+
+    def factory(model: torch.nn.Module) -> CapturedBackend:
+        return CapturedBackend(get_backend(model), lambda decode: decode)
+
+    result = check_equivalence(m, factory, sources(m.config, seed=3), SETTINGS["greedy"], rtol=MASKED_SUM_RTOL)
+    assert not result.mismatches and result.identical == result.total, "\n".join(result.mismatches[:5])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_int8_runs_the_fast_decoder(name: str) -> None:
+    """``--dtype int8`` keeps the family on its fast decoder: every layer map and the LM head int8 copies."""
+    import copy
+
+    m = copy.deepcopy(model(name))
+    backend = get_backend(m, int8=True)
+    assert not isinstance(backend, GenericBackend) and backend.int8 and is_quantized(backend.lm)
+    layers = backend.dec_layers if m.config.is_encoder_decoder else backend.blocks
+    assert all(is_quantized(f) for lay in layers for f in lay.maps.values())
+    batch = sources(m.config, 4)
+    state, first = backend.start(batch, 2, 3)
+    tokens = torch.full((8,), getattr(m.config, "decoder_start_token_id", None) or 5)
+    assert torch.isfinite(backend.step(state, tokens)).all()
+
+
+def test_refused_variants_name_their_reason() -> None:
+    """A reachable sliding window (Gemma3's default 512 of 64k positions) and a family without a description
+    (T5Gemma) run the generic backend, which says why."""
+    cfg = tf.Gemma3TextConfig(**{**LLAMA_SHAPE, "max_position_embeddings": 1024}, sliding_window=512)
+    gemma3 = get_backend(tf.AutoModelForCausalLM.from_config(cfg))
+    assert isinstance(gemma3, GenericBackend) and "sliding-window" in gemma3.reason
+    qwen3 = tf.Qwen3Config(**LLAMA_SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert isinstance(get_backend(tf.AutoModelForCausalLM.from_config(qwen3)), GenericBackend)
+    phi3 = tf.Phi3Config(**LLAMA_SHAPE, sliding_window=None, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+        "original_max_position_embeddings": 32})  # fmt: skip
+    reason = get_backend(tf.AutoModelForCausalLM.from_config(phi3)).reason
+    assert "length-dependent RoPE" in reason
+
+
+def test_m2m100_a_generated_pad_token_takes_the_padding_position() -> None:
+    """M2M-100 / NLLB number positions from the tokens: a pad token fed to the decoder takes the padding row of
+    the sinusoid table (zeros), not its step's. A model biased towards pad generates it mid-sequence."""
+    import copy
+
+    m = copy.deepcopy(model("m2m_100"))
+    pad = m.config.pad_token_id
+    with torch.no_grad():
+        m.get_output_embeddings().bias[pad] += 6.5  # pads among other tokens (7.5: nearly only pads)
+    batch = sources(m.config)
+    config = resolve_generation_config(m.generation_config, None, SETTINGS["greedy"])
+    ours = generate(get_backend(m), batch, config).sequences
+    assert any(pad in list(seq[0][:-1]) for seq in ours)  # fed back to the decoder mid-sequence
+    result = check_equivalence(m, get_backend, batch, SETTINGS["greedy"])
+    assert not result.mismatches and result.identical == result.total, "\n".join(result.mismatches[:5])
+
+
+@pytest.mark.slow  # inductor compiles: a few seconds of CPU per family
+@pytest.mark.parametrize("name", ["m2m_100", "pegasus_x", "umt5", "phi3", "gemma2", "gemma3_text"])
+def test_static_step_compiles_whole(name: str) -> None:
+    """What the captured path compiles on CUDA, under the real inductor on the CPU: one graph per shape
+    (``fullgraph=True``, no dynamic shapes), the eager static step's logits (inductor reassociates sums:
+    :data:`~tests.equivalence.COMPILED_TOL`), through a beam reordering."""
+    from seqgen_cli.models.kv_cache import run_step
+    from tests.equivalence import COMPILED_TOL
+
+    m = model(name)
+    backend = get_backend(m)
+    torch._dynamo.reset()
+    compiled = torch.compile(backend.decode, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    batch = sources(m.config, 3, seed=4)
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+        states = [backend.start(batch, 2, 6)[0] for _ in range(2)]
+        for state in states:
+            state.cache.make_static()
+        for t in range(5):
+            tokens = torch.randint(4, V, (6,), generator=g)
+            expected = run_step(backend.decode, states[0], tokens)
+            got = run_step(compiled, states[1], tokens)
+            torch.testing.assert_close(got, expected, rtol=COMPILED_TOL, atol=COMPILED_TOL)
+            if t == 1:
+                for state in states:
+                    backend.reorder(state, torch.tensor([1, 1, 2, 3, 5, 4]))
