@@ -248,7 +248,11 @@ def source_limit(config: Any, tokenizer: Any, requested: int | None, new_tokens:
     tokenizer's ``model_max_length`` where that is a real number (not transformers' ``int(1e30)`` for "no
     limit"), so one huge line is truncated (and counted) instead of asking for any amount of memory.
     """
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    limit = next(
+        (v for k in ("max_position_embeddings", "max_encoder_position_embeddings", "n_positions")
+         if (v := getattr(config, k, None))),
+        None,
+    )  # fmt: skip  (LED: its encoder's 16,384 positions)
     if getattr(config, "model_type", "").startswith(("t5", "mt5")):
         limit = None  # relative positions: no hard limit
     if limit is None:

@@ -60,13 +60,13 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         **LLAMA_SHAPE,
     ),
-    # soft-capping low enough to bite on these weights; windows no sequence reaches (64 positions)
+    # soft-capping low enough to bite on these weights; sliding windows every prompt and output reaches
     "gemma2": lambda: tf.Gemma2Config(
-        sliding_window=64, attn_logit_softcapping=3.0, final_logit_softcapping=5.0, query_pre_attn_scalar=8,
+        sliding_window=6, attn_logit_softcapping=3.0, final_logit_softcapping=5.0, query_pre_attn_scalar=8,
         **LLAMA_SHAPE,
     ),  # fmt: skip
     "gemma3_text": lambda: tf.Gemma3TextConfig(
-        sliding_window=64, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8,
         **LLAMA_SHAPE,
     ),  # fmt: skip
 }
@@ -175,18 +175,20 @@ def test_int8_runs_the_fast_decoder(name: str) -> None:
 
 
 def test_refused_variants_name_their_reason() -> None:
-    """A reachable sliding window (Gemma3's default 512 of 64k positions) and a family without a description
-    (T5Gemma) run the generic backend, which says why."""
-    cfg = tf.Gemma3TextConfig(**{**LLAMA_SHAPE, "max_position_embeddings": 1024}, sliding_window=512)
-    gemma3 = get_backend(tf.AutoModelForCausalLM.from_config(cfg))
-    assert isinstance(gemma3, GenericBackend) and "sliding-window" in gemma3.reason
-    qwen3 = tf.Qwen3Config(**LLAMA_SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=0)
-    assert isinstance(get_backend(tf.AutoModelForCausalLM.from_config(qwen3)), GenericBackend)
+    """A length-dependent RoPE (Phi-3.5's longrope) runs the generic backend, which says why; so would an
+    attention kind no decoder writes (Llama 4's chunked attention)."""
+    from types import SimpleNamespace
+
+    from seqgen_cli.models.families import refusal
+
     phi3 = tf.Phi3Config(**LLAMA_SHAPE, sliding_window=None, rope_parameters={
         "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
         "original_max_position_embeddings": 32})  # fmt: skip
-    reason = get_backend(tf.AutoModelForCausalLM.from_config(phi3)).reason
-    assert "length-dependent RoPE" in reason
+    backend = get_backend(tf.AutoModelForCausalLM.from_config(phi3))
+    assert isinstance(backend, GenericBackend) and "length-dependent RoPE" in backend.reason
+    chunked = tf.Qwen3Config(**LLAMA_SHAPE).to_dict() | {"layer_types": ["chunked_attention", "full_attention"]}
+    assert "chunked_attention" in refusal(SimpleNamespace(config=SimpleNamespace(**chunked)))
+    assert refusal(SimpleNamespace(config=tf.Qwen3Config(**LLAMA_SHAPE))) is None
 
 
 def test_m2m100_a_generated_pad_token_takes_the_padding_position() -> None:
@@ -233,3 +235,15 @@ def test_static_step_compiles_whole(name: str) -> None:
             if t == 1:
                 for state in states:
                     backend.reorder(state, torch.tensor([1, 1, 2, 3, 5, 4]))
+
+
+def test_led_takes_sources_as_long_as_its_encoder() -> None:
+    """LED's config names its encoder's positions (16,384 in led-large-16384) apart from its decoder's (1,024):
+    the source limit is the encoder's, not the tokenizer's default."""
+    from types import SimpleNamespace
+
+    from seqgen_cli.loading import source_limit
+
+    config = tf.LEDConfig(max_encoder_position_embeddings=16384, max_decoder_position_embeddings=1024)
+    assert source_limit(config, SimpleNamespace(model_max_length=1024), None) == 16384
+    assert source_limit(config, SimpleNamespace(model_max_length=1024), 4096) == 4096

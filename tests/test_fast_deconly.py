@@ -58,6 +58,11 @@ MODELS = {
     "llama-mqa": lambda: tiny_llama(num_key_value_heads=1, tie_word_embeddings=True),
     "mistral": lambda: tiny_llama(MistralConfig, sliding_window=None, head_dim=12),
     "qwen2": lambda: tiny_llama(Qwen2Config),  # q/k/v biases
+    # sliding windows the prompts and steps reach: every layer (Mistral), the second layer only (Qwen2)
+    "mistral-window4": lambda: tiny_llama(MistralConfig, sliding_window=4, head_dim=12),
+    "qwen2-window3": lambda: tiny_llama(
+        Qwen2Config, use_sliding_window=True, sliding_window=3, max_window_layers=1
+    ),
 }
 
 
@@ -185,17 +190,11 @@ def test_cache_accounting(name: str) -> None:
 
 
 def test_refused_variants() -> None:
-    assert fast_backend(tiny_llama(MistralConfig, sliding_window=4)) is None
-    assert (
-        fast_backend(tiny_llama(Qwen2Config, use_sliding_window=True, sliding_window=4, max_window_layers=0))
-        is None
-    )
-    assert (
-        fast_backend(tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
-        is None
-    )
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    assert fast_backend(tiny_llama(rope_parameters=dynamic)) is None
     assert isinstance(fast_backend(tiny_llama()), DecoderOnlyBackend)
-    refused = tiny_llama(MistralConfig, sliding_window=4)
+    assert isinstance(fast_backend(tiny_llama(MistralConfig, sliding_window=4)), DecoderOnlyBackend)
+    refused = tiny_llama(rope_parameters=dynamic)
     assert isinstance(get_backend(refused), GenericBackend)  # get_backend falls back
 
 

@@ -52,7 +52,7 @@ def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_m
         ("t5", ["--dtype", "int8"], "t5 decoder"),
         ("gpt2", ["--dtype", "int8"], "gpt2 decoder"),
         ("llama", ["--dtype", "int8"], "llama decoder"),
-        ("llama-sliding", [], "generic (the fast decoder does not run this llama variant: sliding-window attention"),
+        ("llama-dynamic", [], "generic (the fast decoder does not run this llama variant: rope_type 'dynamic'"),
     ],
 )
 def test_stats_and_the_closing_line_name_the_engine_that_ran(
@@ -67,13 +67,14 @@ def test_stats_and_the_closing_line_name_the_engine_that_ran(
     src = tmp_path / "in.txt"
     src.write_text("one two three\nfour five\n", encoding="utf-8")
     stats = tmp_path / "stats.json"
-    model = tiny_models(family.removesuffix("-sliding"))
-    if family.endswith("-sliding"):  # a variant the fast backend refuses: a sliding window a sequence can reach
+    model = tiny_models(family.removesuffix("-dynamic"))
+    if family.endswith("-dynamic"):  # a variant the fast backend refuses: a length-dependent RoPE
         import shutil
 
         model = Path(shutil.copytree(model, tmp_path / "model"))
         config = json.loads((model / "config.json").read_text())
-        (model / "config.json").write_text(json.dumps(config | {"sliding_window": 4}), encoding="utf-8")
+        rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        (model / "config.json").write_text(json.dumps(config | {"rope_parameters": rope}), encoding="utf-8")
     res = seqgen("generate", "-m", str(model), str(src), "-o", str(tmp_path / "out.txt"),
                  "--max-new-tokens", "3", "--stats", str(stats), *flags)  # fmt: skip
     assert res.exit_code == 0, res.stderr

@@ -12,6 +12,8 @@ system, from ``getrusage``; idle OpenMP threads that spin show up there). From t
     python scripts/harness/bench_load.py ~/.cache/seqgen-bench/marian-base ../shared/data/wmt/en-de/newstest2014.en \
         --n 32 --beams 4 --new-tokens 48
 
+NLLB (``make_bench_models.py nllb-600m``): ``--target-lang fra_Latn --hf`` (``generate()`` as a third system).
+
 Variable lengths: ``--eos-bias 1.8`` on ``bart-base`` (no ``--new-tokens``: the checkpoint's 56-142 tokens).
 
 Every run is logged on stderr with the load average (1, 5, 15 min) just before it; on a shared box the
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shlex
 import statistics
 import subprocess
@@ -69,6 +70,7 @@ class Run:
     decode_seconds: float | None
     cpu_seconds: float
     loadavg: tuple[float, float, float]
+    peak_mib: float = 0.0  # the process's peak resident memory
 
 
 def hogs(n: int) -> list[subprocess.Popen]:
@@ -86,12 +88,6 @@ def stop(procs: list[subprocess.Popen]) -> None:
 def arm_env(base: dict[str, str], arm: str) -> dict[str, str]:
     """``base`` with the arm's settings ("VAR=VALUE[,VAR=VALUE]"; "-": none)."""
     return dict(base, **dict(kv.split("=", 1) for kv in arm.split(",") if arm != "-"))
-
-
-def children_cpu() -> float:
-    """User + system seconds of this process's reaped children so far."""
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
 
 
 def main() -> None:
@@ -115,6 +111,10 @@ def main() -> None:
         help="run the model with this EOS logit bias (final_logits_bias, BART family; built once next to it by "
         "scripts/harness/_common.spread_checkpoint): outputs stop at their own, spread lengths",
     )  # fmt: skip
+    ap.add_argument("--target-lang", help="both systems: the target language code (NLLB fra_Latn)")
+    ap.add_argument(
+        "--hf", action="store_true", help="also generate() as a whole process (seqgen generate --backend hf)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--arms", nargs="*", default=SEQGEN_ARMS, help="seqgen's: VAR=VALUE[,VAR=VALUE], - for none"
@@ -151,6 +151,7 @@ def seqgen_arms(args: argparse.Namespace, env: dict[str, str], src: Path, tmp: s
     flags = ["--num-beams", str(args.beams), "--batch-size", str(args.batch_size), "-q"]
     flags += ["--dtype", args.dtype]
     flags += ["--max-source-length", str(args.max_source_length)] if args.max_source_length else []
+    flags += ["--target-lang", args.target_lang] if args.target_lang else []
     if args.new_tokens:
         flags += ["--max-new-tokens", str(args.new_tokens), "--min-new-tokens", str(args.new_tokens)]
     arms = {}
@@ -159,6 +160,11 @@ def seqgen_arms(args: argparse.Namespace, env: dict[str, str], src: Path, tmp: s
         cmd = [sys.executable, "-m", "seqgen_cli", "generate", "-m", args.model, str(src), "-o", str(out)]
         name = "seqgen" + ("" if arm == "-" else f" {arm}")
         arms[name] = Arm([*cmd, *flags, "--stats", str(stats)], arm_env(env, arm), out, stats)
+    if args.hf:
+        out, stats = Path(tmp, "hf.txt"), Path(tmp, "hf.json")
+        cmd = [sys.executable, "-m", "seqgen_cli", "generate", "-m", args.model, str(src), "-o", str(out)]
+        cmd += [*flags, "--backend", "hf", "--stats", str(stats)]
+        arms["generate() (--backend hf)"] = Arm(cmd, arm_env(env, "-"), out, stats)
     return arms
 
 
@@ -171,7 +177,7 @@ def ct2_arms(args: argparse.Namespace, env: dict[str, str], src: Path, tmp: str)
     fixed = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens} if args.new_tokens else {}
     if args.max_source_length:
         fixed["max_source_length"] = args.max_source_length
-    gen = Generator(args.model, device="cpu", num_beams=args.beams, **fixed)
+    gen = Generator(args.model, device="cpu", num_beams=args.beams, target_lang=args.target_lang, **fixed)
     path = ct2.convert(args.model)
     out, stats = Path(tmp, "ct2.txt"), Path(tmp, "ct2.json")
     cmd = [sys.executable, "-m", "seqgen_cli.bench.baselines", "ct2", "--model", args.model]
@@ -208,15 +214,21 @@ def measure(arms: dict[str, Arm], args: argparse.Namespace) -> tuple[list[Run], 
 
 
 def run_once(arm: Arm, name: str, state: str, rnd: int) -> Run:
-    load, cpu = os.getloadavg(), children_cpu()
+    """One run of ``arm``: its wall, decode and CPU seconds and its peak resident memory (the process's own
+    rusage, ``os.wait4``)."""
+    load = os.getloadavg()
     start = time.perf_counter()
-    proc = subprocess.run(arm.cmd, env=arm.env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        raise SystemExit(f"bench_load: {name} exited with {proc.returncode}: {tail}")
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(arm.cmd, env=arm.env, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+        if (code := os.waitstatus_to_exitcode(status)) != 0:
+            err.seek(0)
+            tail = " | ".join(err.read().decode(errors="replace").strip().splitlines()[-3:])
+            raise SystemExit(f"bench_load: {name} exited with {code}: {tail}")
     decode = json.loads(arm.stats.read_text())["generate_seconds"] if arm.stats else None
-    return Run(name, state, rnd, seconds, decode, children_cpu() - cpu, load)
+    cpu = usage.ru_utime + usage.ru_stime
+    return Run(name, state, rnd, seconds, decode, cpu, load, usage.ru_maxrss / 1024)
 
 
 def print_table(runs: list[Run], outputs: dict[str, list[str]], args: argparse.Namespace) -> None:
@@ -235,8 +247,8 @@ def print_table(runs: list[Run], outputs: dict[str, list[str]], args: argparse.N
         f"loaded {min(loads['loaded']):.1f}-{max(loads['loaded']):.1f}. Seconds: median (min-max).\n"
     )
     print("| system | whole process, quiet | loaded | loaded / quiet | decode, quiet | loaded "
-          "| loaded / quiet | CPU s, quiet | loaded | outputs = first row's | output tokens per input |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| loaded / quiet | CPU s, quiet | loaded | peak MiB | outputs = first row's | output tokens per input |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     for name in names:
         mine = {s: [r for r in runs if r.arm == name and r.state == s] for s in STATES}
@@ -249,6 +261,7 @@ def print_table(runs: list[Run], outputs: dict[str, list[str]], args: argparse.N
             cells += [_spread(t["quiet"]), _spread(t["loaded"])]
             if field != "cpu_seconds":
                 cells.append(f"{statistics.median(t['loaded']) / statistics.median(t['quiet']):.2f}")
+        cells.append(f"{statistics.median(r.peak_mib for r in mine['quiet'] + mine['loaded']):.0f}")
         same = sum(a == b for a, b in zip(first, outputs[name], strict=True))
         tokens = statistics.mean(len(tokenizer(line)["input_ids"]) for line in outputs[name])
         print(f"| {name} | {' | '.join(cells)} | {same}/{len(first)} | {tokens:.1f} |")

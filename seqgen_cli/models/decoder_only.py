@@ -45,10 +45,12 @@ def self_attention(
     v: Tensor,
     scale: float,
     softcap: float | None = None,
+    sliding: bool = False,
 ) -> Tensor:
     """This step's ``k``/``v`` ([N, Hkv, d], after any RoPE) into ``cache`` (a batch's or the lanes'); ``q`` [N, H, d]
-    attends the prompt and the generated positions under one float32 softmax -> [N, H*d]."""
-    return attend_blocks(q, cache.update(layer, k, v), scale, softcap)
+    attends the prompt and the generated positions (``sliding``: those within the cache's window) under one float32
+    softmax -> [N, H*d]."""
+    return attend_blocks(q, cache.update(layer, k, v, sliding), scale, softcap)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -123,6 +125,13 @@ class DecoderOnlyBackend:
         self.embed = getattr(self.base, family.embed)  # the module (it scales where the family does: Gemma)
         self.ln_final = getattr(self.base, family.final_norm)
         self.layer_types = sorted({b.layer_type for b in self.blocks})
+        # sliding-window layers: the config's layer kinds, or every layer where it has a window and no kinds
+        window = getattr(cfg, "sliding_window", None)
+        kinds = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * len(
+            self.blocks
+        )
+        self.sliding = [kind == "sliding_attention" for kind in kinds]
+        self.window = int(window) if any(self.sliding) else None
         head = model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0])
         self.lm = linear(head.weight, head.bias, int8)
@@ -156,7 +165,7 @@ class DecoderOnlyBackend:
             if kind != "learned":
                 cos, sin = tables[lay.layer_type if kind == "rotary per layer type" else "full_attention"]
                 q, k = rope(q, cos, sin), rope(k, cos, sin)
-            a = lay.o(self_attention(state.cache, i, q, k, v, lay.scale, lay.softcap))  # [N, D]
+            a = lay.o(self_attention(state.cache, i, q, k, v, lay.scale, lay.softcap, self.sliding[i]))  # [N, D]
             x = x + (a if lay.ln_attn_out is None else lay.ln_attn_out(a))
             m = lay.mlp(lay.ln_mlp(x))
             x = x + (m if lay.ln_mlp_out is None else lay.ln_mlp_out(m))
@@ -184,7 +193,7 @@ class DecoderOnlyBackend:
         check_batch(batch)
         pk, pv, logits = self._prefill(batch)
         mask = batch.attention_mask
-        cache = DecoderOnlyKVCache(pk, pv, mask, rows_per_input, max_new_tokens)
+        cache = DecoderOnlyKVCache(pk, pv, mask, rows_per_input, max_new_tokens, self.window)
         pos = mask.long().sum(-1).repeat_interleave(rows_per_input)  # [B] -> [N], own storage (refilled)
         return DecoderOnlyState(cache, pos), logits
 
@@ -245,7 +254,7 @@ class DecoderOnlyBackend:
         head = self.model.get_output_embeddings().weight
         cache = DecoderOnlyLaneKVCache(
             self.n_layers, lanes, rows_per_input, self.n_kv, self.head_dim, max(1, max_new_tokens - 1),
-            MIN_WIDTH, head.dtype, head.device,
+            MIN_WIDTH, head.dtype, head.device, self.window,
         )  # fmt: skip
         return DecoderOnlyState(
             cache, torch.zeros(lanes * rows_per_input, dtype=torch.long, device=head.device)

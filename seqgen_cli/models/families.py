@@ -37,8 +37,9 @@ gemma3_text    llama    rotary per layer  + q/k norms, norms after attention and
                         type
 =============  =======  ================  =======================================================================
 
-A variant a decoder does not reproduce exactly (a sliding window a sequence can reach, a length-dependent RoPE, an
-attention kind not written) has its reason in :func:`refusal`; such a model runs the generic backend, which names
+Sliding-window layers (Mistral, Qwen2's windowed layers, Phi-3, Gemma2/3) mask the keys ``sliding_window`` or more
+positions back (the decoder-only caches' ``windowed`` biases). A variant a decoder does not reproduce exactly (a
+length-dependent RoPE, an attention kind not written) has its reason in :func:`refusal`; such a model runs the generic backend, which names
 the reason.
 """
 
@@ -292,11 +293,7 @@ def refusal(model: Any) -> str | None:
             return f"rope_type {kind!r} (length-dependent RoPE) is not supported by the fast backend"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1 is not supported by the fast backend"
-    window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None) or ()
-    slides = any(t == "sliding_attention" for t in types) if types else window is not None
-    if slides and (window is None or window < cfg.max_position_embeddings):
-        return "sliding-window attention that a sequence can reach is not supported by the fast backend"
     if any(t not in ("full_attention", "sliding_attention") for t in types):
         return f"attention kinds {sorted(set(types))} are not supported by the fast backend"
     return None

@@ -288,9 +288,17 @@ class DecoderOnlyKVCache(GeneratedPositions):
     """
 
     def __init__(
-        self, pk: list[Tensor], pv: list[Tensor], mask: Tensor, rows_per_input: int, max_len: int
+        self,
+        pk: list[Tensor],
+        pv: list[Tensor],
+        mask: Tensor,
+        rows_per_input: int,
+        max_len: int,
+        window: int | None = None,
     ) -> None:
-        """Take the prefill's K/V ([B, Hkv, P, d] per layer) and mask [B, P]; allocate ``max_len`` positions."""
+        """Take the prefill's K/V ([B, Hkv, P, d] per layer) and mask [B, P]; allocate ``max_len`` positions.
+        ``window``: the sliding window of the layers that slide (a query sees the keys less than ``window``
+        positions before it; ``update(..., sliding=True)``)."""
         b, hkv, _, d = pk[0].shape
         r, max_len = rows_per_input, max(max_len, 1)
         dev, dt = pk[0].device, pk[0].dtype
@@ -311,6 +319,8 @@ class DecoderOnlyKVCache(GeneratedPositions):
         self.position = torch.zeros(1, dtype=torch.long, device=dev)  # [1]: the position this step writes
         self.span = max_len  # positions this step attends (host int; a span bucket if static)
         self.gen_bias: Tensor | None = None  # [B|1, 1, Rq, 1, span*R] float32, 0 or -inf; None = all
+        self.window = window
+        self.windowed: tuple[Tensor, Tensor] | None = None  # the sliding layers' (prompt, generated) biases
 
     def buffers(self) -> list[Tensor]:
         return self.gk + self.gv
@@ -334,22 +344,40 @@ class DecoderOnlyKVCache(GeneratedPositions):
     def begin(self) -> None:
         """A step starts: build the generated-position bias once for all layers."""
         r, span = self.r, self.span
-        if not self.static and r == 1:  # a row sees all of the first t+1 positions
-            self.gen_bias = None
-            return
-        visible = self.ptrs.visible(self.position, span)  # [B, Rq, span, R] or [1, 1, span, 1]
-        visible = visible.expand(-1, r, span, r).reshape(-1, 1, r, 1, span * r)  # [B|1, 1, Rq, 1, span*R]
-        zeros = torch.zeros(visible.shape, device=visible.device, dtype=torch.float32)
-        self.gen_bias = zeros.masked_fill_(~visible, float("-inf"))
+        self.gen_bias = None  # dynamic, R = 1: a row sees all of the first t+1 positions
+        if self.static or r > 1:
+            visible = self.ptrs.visible(self.position, span)  # [B, Rq, span, R] or [1, 1, span, 1]
+            visible = visible.expand(-1, r, span, r).reshape(-1, 1, r, 1, span * r)  # [B|1, 1, Rq, 1, span*R]
+            zeros = torch.zeros(visible.shape, device=visible.device, dtype=torch.float32)
+            self.gen_bias = zeros.masked_fill_(~visible, float("-inf"))
+        if self.window is not None:
+            self._window(self.position, self.prompt_bias.shape[-1])
+
+    def _window(self, step: Tensor, width: Tensor | int) -> None:
+        """The sliding layers' biases for queries at ``step`` ([1], or [S] per lane) over prompts of ``width``
+        columns ([S] per lane, or one int): a key ``window`` or more positions back is masked. Positions are the
+        caches' columns (a prompt left-padded, generated keys after it), as transformers' masks count them; the
+        distance between two real tokens is the same at any padding. Sets ``windowed``: (prompt [B|S, 1, 1, 1, P],
+        generated [B|S, 1, Rq|1, 1, span*R])."""
+        w, r, span = self.window, self.r, self.span
+        step = step[:, None]  # [1|S, 1]
+        cols = torch.arange(self.prompt_bias.shape[-1], device=step.device)  # [P]
+        width = width[:, None] if isinstance(width, Tensor) else width
+        near = cols > width + step - w  # [1|S, P]: prompt column j is less than `window` back
+        prompt = self.prompt_bias.masked_fill(~near[:, None, None, :], float("-inf"))[:, :, :, None]
+        near = (self.ptrs.positions[:span] > step - w)[:, :, None].expand(-1, span, r).reshape(-1, 1, 1, 1, span * r)
+        gen = torch.zeros(near.shape, device=near.device).masked_fill_(~near, float("-inf"))  # [1|S, 1, 1, 1, span*R]
+        self.windowed = (prompt, gen if self.gen_bias is None else gen + self.gen_bias)
 
     def advance(self) -> None:
         """A step is done: the next one writes the next position (queued on the device, no sync)."""
         self.position.add_(1)
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> list[Block]:
+    def update(self, layer: int, k: Tensor, v: Tensor, sliding: bool = False) -> list[Block]:
         """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE) of ``layer``; returns what a query attends,
         in score order: the prompt's keys [B, Hkv, d, P], values [B, Hkv, P, d] and bias, then the first ``span``
-        generated positions' [B, Hkv, d, span*R], [B, Hkv, span*R, d] (views) and bias (``gen_bias``)."""
+        generated positions' [B, Hkv, d, span*R], [B, Hkv, span*R, d] (views) and bias (``gen_bias``); ``sliding``:
+        the biases of the sliding window (``windowed``)."""
         b, r, d = self.prompt_bias.shape[0], self.r, k.shape[2]
         hkv = k.shape[1]
         gk, gv = self.gk[layer], self.gv[layer]
@@ -359,8 +387,10 @@ class DecoderOnlyKVCache(GeneratedPositions):
         write_position(gv, 2, v.view(b, r, hkv, d).transpose(1, 2), pos, at)  # values [B, Hkv, R, d]
         keys_t = gk[:, :, :, :span].view(b, hkv, d, span * r)  # position-major: index s*R + beam
         vals = gv[:, :, :span].view(b, hkv, span * r, d)
-        prompt_bias = self.prompt_bias[:, :, :, None]  # [B, 1, 1, 1, P]
-        return [(self.pk[layer], self.pv[layer], prompt_bias), (keys_t, vals, self.gen_bias)]
+        prompt_bias, gen_bias = (self.prompt_bias[:, :, :, None], self.gen_bias)
+        if sliding and self.windowed is not None:
+            prompt_bias, gen_bias = self.windowed
+        return [(self.pk[layer], self.pv[layer], prompt_bias), (keys_t, vals, gen_bias)]
 
     def reorder(self, rows: Tensor) -> None:
         """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input): only back-pointers move."""
@@ -395,7 +425,7 @@ class DecoderOnlyKVCache(GeneratedPositions):
         _, hkv, d, width = self.pk[0].shape
         kv = [self.pv[0].new_zeros(inputs, hkv, width, d) for _ in self.pk]
         mask = torch.zeros(inputs, width, dtype=torch.long, device=self.pv[0].device)
-        cache = DecoderOnlyKVCache(kv, [x.clone() for x in kv], mask, self.r, self.max_len)
+        cache = DecoderOnlyKVCache(kv, [x.clone() for x in kv], mask, self.r, self.max_len, self.window)
         cache.make_static()
         return cache
 

@@ -152,13 +152,15 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
         width: int,
         dtype: torch.dtype,
         device: torch.device,
+        window: int | None = None,
     ) -> None:
         kv = [
             torch.zeros(lanes, kv_heads, width, head_dim, dtype=dtype, device=device) for _ in range(layers)
         ]
         mask = torch.zeros(lanes, width, dtype=torch.long, device=device)  # all masked until a join
-        super().__init__(kv, [x.clone() for x in kv], mask, rows_per_input, max_len)
+        super().__init__(kv, [x.clone() for x in kv], mask, rows_per_input, max_len, window)
         self.make_static()  # zeros; a span bucket of positions attended
+        self.widths = torch.zeros(lanes, dtype=torch.long, device=device)  # [S]: each joiner's own prompt width
         self._init_steps(lanes, device)
         t = self.max_len
         # where this step's keys ([S * Hkv * d] rows of [S * Hkv * d * T, R]) and values ([S * Hkv] rows of
@@ -191,6 +193,7 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
         bias = torch.full((mask.shape[0], self.width), float("-inf"), device=mask.device)  # [J, W]
         bias[:, :w].masked_fill_(mask != 0, 0.0)
         self.prompt_bias.index_copy_(0, lanes, bias[:, None, None, :])
+        self.widths.index_fill_(0, lanes, w)
 
     def begin(self) -> None:
         """A step starts: where each lane writes, and the generated-position bias of every row."""
@@ -201,8 +204,10 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
         visible = visible.reshape(s, 1, r, 1, span * r)  # [S, 1, Rq, 1, span*R]
         zeros = torch.zeros(visible.shape, device=visible.device, dtype=torch.float32)
         self.gen_bias = zeros.masked_fill_(~visible, float("-inf"))
+        if self.window is not None:
+            self._window(self.steps, self.widths)
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> list[Block]:
+    def update(self, layer: int, k: Tensor, v: Tensor, sliding: bool = False) -> list[Block]:
         """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE) of ``layer`` at each lane's step; returns
         what a query attends, in score order: the first ``span`` generated positions' keys [S, Hkv, d, span*R], values
         [S, Hkv, span*R, d] and bias, then the prompt region's [S, Hkv, d, W], [S, Hkv, W, d] and bias."""
@@ -214,5 +219,7 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
         gv.view(s * hkv * t, r, d).index_copy_(0, self.where_v, values)
         keys_t = gk[:, :, :, :span].view(s, hkv, d, span * r)  # lane-major: index s*R + beam
         vals = gv[:, :, :span].view(s, hkv, span * r, d)
-        prompt_bias = self.prompt_bias[:, :, :, None]  # [S, 1, 1, 1, W]
-        return [(keys_t, vals, self.gen_bias), (self.pk[layer], self.pv[layer], prompt_bias)]
+        prompt_bias, gen_bias = (self.prompt_bias[:, :, :, None], self.gen_bias)
+        if sliding and self.windowed is not None:
+            prompt_bias, gen_bias = self.windowed
+        return [(keys_t, vals, gen_bias), (self.pk[layer], self.pv[layer], prompt_bias)]
