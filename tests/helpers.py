@@ -152,3 +152,13 @@ def failing_on(call: int, error: Exception, after: bool = False) -> Callable[[An
         return run
 
     return compiler
+
+
+def sharpen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random weights large enough that attention is far from uniform (so a wrong cache, position, norm or bias
+    shows): matrices N(0, 0.3), vectors 1 + N(0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0)
+    return model.eval()

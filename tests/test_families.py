@@ -20,6 +20,7 @@ from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.linear_maps import is_quantized
 from seqgen_cli.search import Batch, generate
 from tests.equivalence import MASKED_SUM_RTOL, SETTINGS, check_equivalence, tune_eos
+from tests.helpers import sharpen
 from tests.test_refill import refill
 
 V = 97
@@ -74,15 +75,6 @@ NAMES = list(CONFIGS)
 QUICK = ("greedy", "beam4_ngram3_lp2_minmax_es")
 
 
-def _sharpen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Random weights large enough that attention is far from uniform (so a wrong position, norm or bias shows)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0)
-    return model.eval()
-
-
 def sources(config: tf.PretrainedConfig, n: int = 12, seed: int = 0) -> Batch:
     """``n`` random inputs of 3-20 tokens: encoder-decoder sources right-padded ending in EOS, decoder-only
     prompts left-padded."""
@@ -108,7 +100,7 @@ def model(name: str) -> torch.nn.Module:
     config = CONFIGS[name]()
     config.tie_word_embeddings = False
     auto = tf.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tf.AutoModelForCausalLM
-    m = _sharpen(auto.from_config(config), seed=len(name))
+    m = sharpen(auto.from_config(config), seed=len(name))
     ids = {k: getattr(config, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
     start = getattr(config, "decoder_start_token_id", None)
     m.generation_config = tf.GenerationConfig(decoder_start_token_id=start, **ids)

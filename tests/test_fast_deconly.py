@@ -14,23 +14,15 @@ from seqgen_cli.models import fast_backend, get_backend
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend, prompt_positions
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.search.protocol import Batch
+from tests.helpers import sharpen
 
 V = 97
 PAD = 0
 
 
-def _sharpen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Random weights large enough that attention is far from uniform (so wrong caches show)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0)
-    return model.eval()
-
-
 def tiny_gpt2(**kw) -> torch.nn.Module:
     cfg = GPT2Config(vocab_size=V, n_embd=32, n_head=4, n_layer=2, n_positions=64, **kw)
-    return _sharpen(AutoModelForCausalLM.from_config(cfg), 0)
+    return sharpen(AutoModelForCausalLM.from_config(cfg), 0)
 
 
 def tiny_llama(config_class=LlamaConfig, **kw) -> torch.nn.Module:
@@ -44,7 +36,7 @@ def tiny_llama(config_class=LlamaConfig, **kw) -> torch.nn.Module:
         max_position_embeddings=64,
         **kw,
     )
-    return _sharpen(AutoModelForCausalLM.from_config(cfg), 1)
+    return sharpen(AutoModelForCausalLM.from_config(cfg), 1)
 
 
 MODELS = {

@@ -89,7 +89,7 @@ def main() -> None:
     config = resolve_generation_config(model.generation_config, None, settings)
 
     def seqgen() -> list[list[int]]:
-        return [s[0].tolist() for s in generate(backend, batch, config).sequences]
+        return [list(s[0]) for s in generate(backend, batch, config).sequences]
 
     def hf() -> list[list[int]]:
         with torch.inference_mode():
