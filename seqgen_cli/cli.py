@@ -99,11 +99,11 @@ def generation_options(exclude: Collection[str] = ()) -> Callable[[F], F]:
 
 def _parse_verify(value: str | None) -> tuple[int | None, bool]:
     """``--verify``: (inputs, strict); ``(None, False)``: the device's default."""
-    from seqgen_cli.verify import VERIFY_INPUTS
-
     if value is None:
         return None, False
     if value == "strict":
+        from seqgen_cli.verify import VERIFY_INPUTS  # (torch, transformers: only when asked)
+
         return VERIFY_INPUTS, True
     if not value.isdigit():
         raise click.BadParameter(f"{value!r}: give a number of inputs or strict", param_hint="'--verify'")
@@ -399,8 +399,13 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
       seqgen generate -m ckpt in.txt -o out.txt --resume          # after Ctrl-C or a crash
       seqgen generate -m ckpt in.txt -o out.txt --workers 4       # on a local Ray cluster
     """
-    from seqgen_cli.pipeline.job import check_job, generate_job, generator_spec, job_options
-    from seqgen_cli.pipeline.messages import closing_lines, closing_message
+    from seqgen_cli import startup
+
+    startup.reset()
+    startup.mark("generate command")
+    with startup.stage("import the pipeline (torch, transformers)"):
+        from seqgen_cli.pipeline.job import check_job, generate_job, generator_spec, job_options
+        from seqgen_cli.pipeline.messages import closing_lines, closing_message
 
     quiet = opts["quiet"]
     cluster_flags = {k: opts.pop(k) for k in ("address", "gpus_per_worker", "cpus_per_worker", "shard_size")}

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from seqgen_cli import startup
 from seqgen_cli.batching import (
     DEFAULT_BATCH_SIZE,
     Batcher,
@@ -159,7 +160,7 @@ class Generator:
         from seqgen_cli.models.int8_cache import session
         from seqgen_cli.models.linear_maps import quantize_linears
 
-        with session(self.model):  # quantized weights from, or into, the disk cache
+        with session(self.model), startup.stage("int8 weights"):  # quantized weights from, or into, the disk cache
             if self.backend == "fast":
                 self._engine(get_backend(self.model, int8=True))
             else:
@@ -171,7 +172,8 @@ class Generator:
         from seqgen_cli.models.capture import CapturedBackend, capture
 
         if self._model_backend is None:
-            backend = get_backend(self.model) if backend is None else backend
+            with startup.stage("fast backend"):
+                backend = get_backend(self.model) if backend is None else backend
             self._model_backend, self._step_path = capture(backend, self.loaded.device, self.capture)
             if isinstance(self._model_backend, CapturedBackend):  # its kept states, held against this budget
                 self._model_backend.pool.budget = self.budget
@@ -333,6 +335,7 @@ class Generator:
         has, not generated: a resumed run's journal; the rest). The next batch is read only when one is taken."""
         for batch in batches:
             done, todo = known(batch.items) if known is not None else ([], batch.items)
+            startup.mark("first batch")  # the first decode step follows (--stats startup)
             t0 = time.perf_counter()
             results = generate_split(self, todo) if todo else []
             self.budget.after(todo)  # read again after a new shape, or what it set up

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from seqgen_cli import startup
 from seqgen_cli.errors import SeqgenError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -153,12 +154,15 @@ def resolve_model_path(name: str) -> str:
 
 
 def load(name: str, device: str | None = None, dtype: str | None = None) -> Loaded:
-    """Load tokenizer and model (``AutoModelForSeq2SeqLM`` or ``AutoModelForCausalLM``), eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-    )
+    """Load tokenizer and model (``AutoModelForSeq2SeqLM`` or ``AutoModelForCausalLM``), eval mode; each part a
+    start-up stage (``--stats`` ``startup``)."""
+    with startup.stage("import transformers"):
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        )
 
     quiet_transformers()
     source = resolve_model_path(name)
@@ -186,13 +190,17 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
             "copy them from the checkpoint the model comes from"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        with startup.stage("tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, KeyError, TypeError) as err:
         missing = [f for f in expected if f not in present]
         absent = f" (missing {', '.join(missing)})" if missing else ""
         raise SeqgenError(f"model {name}: cannot load its tokenizer{absent}: {_first_line(err)}") from None
+    names = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if is_encoder_decoder else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    with startup.stage("model class import"):  # transformers imports a model's module on first use
+        getattr(transformers, names[model_type], None)
     try:
-        with fast_sinusoids(model_type):
+        with fast_sinusoids(model_type), startup.stage("weights"):
             model = auto.from_pretrained(source, dtype=torch_dtype)
     except Exception as err:  # noqa: BLE001 - safetensors, pickle and torch each raise their own
         raise SeqgenError(weights_error(name, source, err)) from None

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from seqgen_cli import startup
+
 
 @dataclass
 class Summary:
@@ -78,6 +80,7 @@ class Summary:
         d["samples_per_second"] = self.samples_per_second
         d["generated_tokens_per_second"] = self.tokens_per_second
         d["peak_rss_mb"] = peak_rss_mb()
+        d["startup"] = startup.report()  # this process's seconds before its first decode step
         return d
 
 
