@@ -155,13 +155,53 @@ def dynamic_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Modul
     return module
 
 
+BLOCK_ABOVE, BLOCK_ROWS = 65536, 8192  # an int8 weight of more rows is packed and run in blocks of rows
+
+
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """A dynamic-quantized copy of ``x -> x @ weight.T + bias`` (per-channel qint8 weight, float32 ``bias``),
     the quantized weight taken from the disk cache (:mod:`~seqgen_cli.models.int8_cache`) when a session is
     open and holds it. A strided view (GPT-2's transposed Conv1D weight) is made contiguous first: the cache
-    names and stores a weight by its row-major values."""
+    names and stores a weight by its row-major values. A weight of more than ``BLOCK_ABOVE`` rows (a 128k-256k word
+    LM head) is a :class:`BlockedInt8Linear`."""
     qweight = quantized(weight.detach().contiguous(), quantize_weight)
-    return dynamic_linear(qweight, None if bias is None else bias.detach().float())
+    bias = None if bias is None else bias.detach().float()
+    if qweight.shape[0] > BLOCK_ABOVE:
+        return BlockedInt8Linear(qweight, bias)
+    return dynamic_linear(qweight, bias)
+
+
+def _dynamic_linear_class() -> type:
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    return DynamicLinear
+
+
+class BlockedInt8Linear(_dynamic_linear_class()):
+    """A dynamic-quantized linear map run as blocks of ``BLOCK_ROWS`` output rows, each its own fbgemm product,
+    the outputs concatenated. The same bits as one product: every block quantizes the same input with the same
+    scale (per tensor, from its minimum and maximum) and an output column depends only on its weight row. fbgemm
+    packs a 256k x 1024 weight in ~3 s as one and ~0.7 s as 8,192-row blocks (NLLB's LM head, the 2-core EPYC of
+    docs/BENCHMARKS.md)."""
+
+    def __init__(self, qweight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        with torch.no_grad(), _quiet():
+            super().__init__(1, 1, bias_=False)
+        self.blocks = nn.ModuleList(
+            dynamic_linear(qweight[i : i + BLOCK_ROWS], None if bias is None else bias[i : i + BLOCK_ROWS])
+            for i in range(0, qweight.shape[0], BLOCK_ROWS)
+        )
+        self.qweight, self.full_bias = qweight, bias
+        self.out_features, self.in_features = (int(n) for n in qweight.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((*x.shape[:-1], self.out_features))  # [..., O]; one block's product alive at a time
+        for i, block in enumerate(self.blocks):
+            out[..., i * BLOCK_ROWS : (i + 1) * BLOCK_ROWS] = block(x)
+        return out
+
+    def _weight_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.qweight, self.full_bias
 
 
 class _Int8Linear:
