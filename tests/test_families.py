@@ -44,7 +44,7 @@ LLAMA_SHAPE = dict(
 CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "m2m_100": lambda: tf.M2M100Config(max_position_embeddings=64, scale_embedding=True, **BART_SHAPE),
     "led": lambda: tf.LEDConfig(
-        max_encoder_position_embeddings=128, max_decoder_position_embeddings=64, attention_window=8, **BART_SHAPE
+        max_encoder_position_embeddings=1024, max_decoder_position_embeddings=64, attention_window=8, **BART_SHAPE
     ),
     "pegasus_x": lambda: tf.PegasusXConfig(
         max_position_embeddings=64, num_global_tokens=4, block_size=8, stagger_local_blocks=True,
@@ -239,3 +239,39 @@ def test_led_takes_sources_as_long_as_its_encoder() -> None:
     config = tf.LEDConfig(max_encoder_position_embeddings=16384, max_decoder_position_embeddings=1024)
     assert source_limit(config, SimpleNamespace(model_max_length=1024), None) == 16384
     assert source_limit(config, SimpleNamespace(model_max_length=1024), 4096) == 4096
+
+
+TOKENIZER_OF = {"bart": ("m2m_100", "led", "pegasus_x"), "t5": ("longt5", "umt5")}  # else the llama fixture's
+
+
+NOT_BATCH_INDEPENDENT = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a decode step's attention output differs in its last bits with the batch's row count (1e-6); cause not "
+    "found yet",
+)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=NOT_BATCH_INDEPENDENT) if n in ("qwen3", "gemma2", "gemma3_text") else n
+             for n in NAMES],
+)  # fmt: skip
+def test_an_inputs_logits_do_not_depend_on_its_neighbours(name: str, tiny_models, tmp_path) -> None:
+    """Batch independence on the CPU in float32, as tests/test_determinism.py holds it for the first families: an
+    input's logits, alone or among neighbours of its own and other widths that stay or leave, are the same bits.
+    The family's checkpoint is saved with a fixture tokenizer whose special ids it shares (vocabulary 601)."""
+    import shutil
+
+    from seqgen_cli.generator import Generator
+    from tests.test_determinism import _check_neighbours
+
+    fixture = next((f for f, names in TOKENIZER_OF.items() if name in names), "llama")
+    config = CONFIGS[name]()
+    config.vocab_size = 601
+    auto = tf.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tf.AutoModelForCausalLM
+    torch.manual_seed(0)
+    sharpen(auto.from_config(config), seed=1).save_pretrained(tmp_path)
+    for f in tiny_models(fixture).glob("*"):
+        if f.name.startswith(("tokenizer", "special_tokens", "spiece", "vocab", "merges")):
+            shutil.copy(f, tmp_path / f.name)
+    _check_neighbours(Generator(str(tmp_path), max_new_tokens=8))

@@ -180,7 +180,7 @@ class DecoderOnlyBackend:
             input_ids=ids, attention_mask=hf_mask, position_ids=prompt_positions(mask),
             use_cache=True, **{self.cache_kwarg: DynamicCache()},
         )  # fmt: skip  (a cache without the config's layer kinds: every layer keeps every position, windowed or not)
-        layers = out.past_key_values.layers
+        layers = getattr(out, self.cache_kwarg).layers  # the output names it as the forward's argument
         head = self.model.get_output_embeddings()  # oneDNN on the CPU: an input's row whatever the batch
         logits = dense(out.last_hidden_state[:, -1], head.weight, head.bias).float()  # [B, V]
         return [layer.keys for layer in layers], [layer.values for layer in layers], soft_cap(logits, self.final_softcap)
