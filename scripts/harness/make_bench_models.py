@@ -70,6 +70,24 @@ MODELS: dict[str, tuple[str, dict]] = {
             "decoder_ffn_dim": 4096,
         },
     ),
+    # a Llama-style decoder of SmolLM-135M's published shape (30 layers, hidden 576, 9 heads over 3 K/V heads, MLP
+    # 1536) over the GPT-2 tokenizer: no Llama config or tokenizer is in the shared folder, so the config is built
+    "llama-135m": (
+        "gpt2",
+        {
+            "config_class": "LlamaConfig",
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "max_position_embeddings": 2048,
+            "tie_word_embeddings": True,
+            "vocab_size": 50257,
+            "bos_token_id": 50256,
+            "eos_token_id": 50256,
+        },
+    ),
 }
 BPE_WORDS = 32000  # the built NLLB tokenizer's vocabulary (the codes and special tokens aside)
 
@@ -130,9 +148,15 @@ def build(
     if (target / "model.safetensors").is_file() and not force:
         print(f"{name}: exists at {target} (use --force to rebuild)")
         return target
-    config = AutoConfig.from_pretrained(source)
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    built = overrides.pop("config_class", None)  # a config of this class from the overrides, not the folder's
+    if built is not None:
+        import transformers
+
+        config = getattr(transformers, built)(**overrides)
+    else:
+        config = AutoConfig.from_pretrained(source)
+        for key, value in overrides.items():
+            setattr(config, key, value)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     start = time.perf_counter()
     torch.manual_seed(seed)
@@ -141,7 +165,7 @@ def build(
     shared = shared or shared_dir()
     has_model = any((source / f).is_file() for f in ("tokenizer.json", "sentencepiece.bpe.model", "vocab.json"))
     tokenizer = AutoTokenizer.from_pretrained(source) if has_model else nllb_tokenizer(source, shared)
-    if (source / "generation_config.json").is_file():
+    if built is None and (source / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(source)
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
