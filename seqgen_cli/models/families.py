@@ -4,7 +4,7 @@ A family is a row of :data:`FAMILIES` (``config.model_type`` -> description) and
 shaped differently, a *reader*: a function that takes one decoder layer of the transformers model and returns its
 weights as the shared decoder's layer (:class:`Seq2SeqLayer`, :class:`CausalLayer`: the model's own parameters, or
 views of them, or int8 copies). Everything else is a switch the decoder reads. Adding a family is a row, a reader
-only if none of the four fits, and a fixture (tests/test_families.py).
+only if none of the five fits, and a fixture (tests/test_families.py).
 
 Encoder-decoders (:class:`Seq2Seq`; the encoder is always the model's own):
 
@@ -39,8 +39,8 @@ gemma3_text    llama    rotary per layer  + q/k norms, norms after attention and
 
 Sliding-window layers (Mistral, Qwen2's windowed layers, Phi-3, Gemma2/3) mask the keys ``sliding_window`` or more
 positions back (the decoder-only caches' ``windowed`` biases). A variant a decoder does not reproduce exactly (a
-length-dependent RoPE, an attention kind not written) has its reason in :func:`refusal`; such a model runs the generic backend, which names
-the reason.
+length-dependent RoPE, an attention kind not written) has its reason in :func:`refusal`; such a model runs the
+generic backend, which names the reason.
 """
 
 from __future__ import annotations
