@@ -43,6 +43,10 @@ from torch import nn
 
 from seqgen_cli.models.int8_cache import quantized
 
+with warnings.catch_warnings():  # torch imports it with itself; its deprecation notice aside
+    warnings.simplefilter("ignore")
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -171,18 +175,12 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     return dynamic_linear(qweight, bias)
 
 
-def _dynamic_linear_class() -> type:
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-    return DynamicLinear
-
-
-class BlockedInt8Linear(_dynamic_linear_class()):
+class BlockedInt8Linear(DynamicLinear):
     """A dynamic-quantized linear map run as blocks of ``BLOCK_ROWS`` output rows, each its own fbgemm product,
     the outputs concatenated. The same bits as one product: every block quantizes the same input with the same
     scale (per tensor, from its minimum and maximum) and an output column depends only on its weight row. fbgemm
     packs a 256k x 1024 weight in ~3 s as one and ~0.7 s as 8,192-row blocks (NLLB's LM head, the 2-core EPYC of
-    docs/BENCHMARKS.md)."""
+    docs/EXPERIMENTS.md, "CPU int8: a large head in blocks")."""
 
     def __init__(self, qweight: torch.Tensor, bias: torch.Tensor | None) -> None:
         with torch.no_grad(), _quiet():
