@@ -32,6 +32,7 @@ from seqgen_cli.models.kv_cache import (
 )
 from seqgen_cli.models.lane_cache import LaneKVCache
 from seqgen_cli.models.linear_maps import linear, quantize_linears
+from seqgen_cli.models.resident import release
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import CROSS_CHUNK, MIN_WIDTH, cross_width, graph_width
 
@@ -94,10 +95,14 @@ class EncoderDecoderBackend:
         self.encoder = model.get_encoder()
         self.embed = dec.embed_tokens.weight  # [V_in, D]
         self.embed_scale = getattr(dec.embed_tokens, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)
-        self.dec_layers = [family.reader(layer, int8) for layer in getattr(dec, family.layers)]
+        self.dec_layers = []
+        for layer in getattr(dec, family.layers):
+            self.dec_layers.append(family.reader(layer, int8))
+            if int8:  # its float32 weights have int8 copies now: their pages go back (resident.py)
+                release(p for p in layer.parameters() if p.dim() == 2)
         self.layers = len(self.dec_layers)
         self.heads = int(getattr(cfg, "decoder_attention_heads", None) or cfg.num_heads)
-        self.head_dim = int(self.dec_layers[0].qkv_w.shape[0] // 3 // self.heads)
+        self.head_dim = int(getattr(cfg, "d_kv", None) or cfg.d_model // self.heads)  # T5 family: its own d_kv
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.ln_embed = getattr(dec, family.embedding_norm) if family.embedding_norm else None
         self.ln_final = getattr(dec, family.final_norm) if family.final_norm else None

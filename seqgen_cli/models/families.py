@@ -52,7 +52,7 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
-from seqgen_cli.models.fuse import fuse_linears
+from seqgen_cli.models.fuse import concat_linears, fuse_linears
 from seqgen_cli.models.linear_maps import Linear, dense, linear
 
 # -- encoder-decoders -------------------------------------------------------------------------------------------
@@ -63,13 +63,13 @@ class Seq2SeqLayer:
     """One decoder layer of an encoder-decoder: norms (the model's modules) and linear maps over its weights."""
 
     ln_self: nn.Module
-    qkv_w: Tensor  # [3I, D]: q|k|v fused, the model's parameters re-pointed at slices of it (fuse.py)
+    qkv_w: Tensor | None  # [3I, D]: q|k|v fused, the model's parameters re-pointed at slices of it (fuse.py); int8: None
     qkv: Linear
     o: Linear
     scale: float  # attention scale (T5: 1, unscaled)
     ln_cross: nn.Module
     cq: Linear
-    ckv_w: Tensor  # [2I, D]: cross-attention k|v fused
+    ckv_w: Tensor | None  # [2I, D]: cross-attention k|v fused; int8: None
     ckv: Linear
     co: Linear
     ln_ff: nn.Module
@@ -86,16 +86,18 @@ def bart_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
     def lin(module: nn.Module) -> Linear:
         return linear(module.weight, module.bias, int8)
 
-    qkv_w, qkv_b = fuse_linears([sa.q_proj, sa.k_proj, sa.v_proj])  # [3D, D], [3D]
-    ckv_w, ckv_b = fuse_linears([ca.k_proj, ca.v_proj])  # [2D, D], [2D]
+    fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
+    qkv_w, qkv_b = fuse([sa.q_proj, sa.k_proj, sa.v_proj])  # [3D, D], [3D]
+    ckv_w, ckv_b = fuse([ca.k_proj, ca.v_proj])  # [2D, D], [2D]
     maps = dict(
         qkv=linear(qkv_w, qkv_b, int8), o=lin(sa.out_proj), cq=lin(ca.q_proj), ckv=linear(ckv_w, ckv_b, int8),
         co=lin(ca.out_proj), fc1=lin(layer.fc1), fc2=lin(layer.fc2),
     )  # fmt: skip
     fc1, fc2, act = maps["fc1"], maps["fc2"], layer.activation_fn
     return Seq2SeqLayer(
-        ln_self=layer.self_attn_layer_norm, qkv_w=qkv_w, qkv=maps["qkv"], o=maps["o"], scale=float(sa.scaling),
-        ln_cross=layer.encoder_attn_layer_norm, cq=maps["cq"], ckv_w=ckv_w, ckv=maps["ckv"], co=maps["co"],
+        ln_self=layer.self_attn_layer_norm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"],
+        scale=float(sa.scaling), ln_cross=layer.encoder_attn_layer_norm, cq=maps["cq"],
+        ckv_w=None if int8 else ckv_w, ckv=maps["ckv"], co=maps["co"],
         ln_ff=layer.final_layer_norm, ff=lambda x: fc2(act(fc1(x))), maps=maps,
     )  # fmt: skip
 
@@ -117,15 +119,17 @@ def t5_block(block: nn.Module, int8: bool) -> Seq2SeqLayer:
     T5, mT5, LongT5, UMT5): unscaled attention."""
     sa, ca, ff = block.layer[0], block.layer[1], block.layer[2]
     att, cross = sa.SelfAttention, ca.EncDecAttention
-    qkv_w, _ = fuse_linears([att.q, att.k, att.v])  # [3I, D]
-    ckv_w, ckv_b = fuse_linears([cross.k, cross.v])  # [2I, D], None
+    fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
+    qkv_w, _ = fuse([att.q, att.k, att.v])  # [3I, D]
+    ckv_w, ckv_b = fuse([cross.k, cross.v])  # [2I, D], None
     maps = dict(
         qkv=linear(qkv_w, None, int8), o=linear(att.o.weight, None, int8), cq=linear(cross.q.weight, None, int8),
         ckv=linear(ckv_w, ckv_b, int8), co=linear(cross.o.weight, None, int8),
     )  # fmt: skip
     return Seq2SeqLayer(
-        ln_self=sa.layer_norm, qkv_w=qkv_w, qkv=maps["qkv"], o=maps["o"], scale=1.0, ln_cross=ca.layer_norm,
-        cq=maps["cq"], ckv_w=ckv_w, ckv=maps["ckv"], co=maps["co"], ln_ff=ff.layer_norm,
+        ln_self=sa.layer_norm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"], scale=1.0,
+        ln_cross=ca.layer_norm, cq=maps["cq"], ckv_w=None if int8 else ckv_w, ckv=maps["ckv"], co=maps["co"],
+        ln_ff=ff.layer_norm,
         ff=_t5_feed_forward(ff.DenseReluDense, maps, int8), maps=maps,
         relative=att if getattr(att, "has_relative_attention_bias", False) else None,
     )  # fmt: skip

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from seqgen_cli.models.resident import release
+
 
 @torch.no_grad()
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -32,10 +34,22 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return fused_w, fused_b
 
 
+@torch.no_grad()
+def concat_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``linears``' weights (and biases) concatenated, the modules left as they are: a temporary to make one
+    int8 copy of (``--dtype int8``), after which the backend releases the modules' pages (``resident.py``)."""
+    weight = torch.cat([lin.weight.data for lin in linears], dim=0)  # [sum(out), in]
+    biases = [lin.bias for lin in linears]
+    return weight, None if any(b is None for b in biases) else torch.cat([b.data for b in biases], dim=0)
+
+
 def _repoint(params: list[nn.Parameter], fused: torch.Tensor) -> None:
+    """Point ``params`` at consecutive slices of ``fused``; the pages of the checkpoint's copies they held are
+    given back (``resident.py``)."""
     start = 0
     for p in params:
-        p.data = fused[start : start + p.shape[0]]
+        old, p.data = p.data, fused[start : start + p.shape[0]]
+        release([old])
         start += p.shape[0]
 
 

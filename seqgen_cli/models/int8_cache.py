@@ -81,6 +81,7 @@ import torch
 from numpy.lib.stride_tricks import as_strided
 
 from seqgen_cli.digests import cache_dir, checkpoint_folder
+from seqgen_cli.models.resident import release
 
 try:
     import fcntl
@@ -364,7 +365,9 @@ class Session:
         if cached is not None and _agrees(w, *cached[:3]):
             self.hits += 1
             self._entries[name] = cached
-            return _qweight(*cached[:3])
+            qweight = _qweight(*cached[:3])  # a copy: the file's pages go back (resident.py)
+            release(cached[:3])
+            return qweight
         qweight = quantize(weight)
         self.misses += 1
         parts = _parts(qweight)

@@ -35,13 +35,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import cache, partial
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from seqgen_cli.models.int8_cache import quantized
+from seqgen_cli.models.resident import release
 
 with warnings.catch_warnings():  # torch imports it with itself; its deprecation notice aside
     warnings.simplefilter("ignore")
@@ -133,7 +134,6 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) 
     return int8_linear(weight, bias)
 
 
-@cache
 def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [O, I] as a per-channel qint8 tensor (one scale per output row), exactly as torch's
     ``DynamicLinear.from_float`` quantizes it under ``per_channel_dynamic_qconfig``."""
@@ -167,12 +167,14 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     the quantized weight taken from the disk cache (:mod:`~seqgen_cli.models.int8_cache`) when a session is
     open and holds it. A strided view (GPT-2's transposed Conv1D weight) is made contiguous first: the cache
     names and stores a weight by its row-major values. A weight of more than ``BLOCK_ABOVE`` rows (a 128k-256k word
-    LM head) is a :class:`BlockedInt8Linear`."""
+    LM head) is a :class:`BlockedInt8Linear`. Once packed, the resident pages of ``weight`` and of the cached int8
+    values (both read from mapped files; fbgemm keeps the latter beside its packed copy, to unpack) are given back
+    (:mod:`~seqgen_cli.models.resident`)."""
     qweight = quantized(weight.detach().contiguous(), quantize_weight)
     bias = None if bias is None else bias.detach().float()
-    if qweight.shape[0] > BLOCK_ABOVE:
-        return BlockedInt8Linear(qweight, bias)
-    return dynamic_linear(qweight, bias)
+    module = BlockedInt8Linear(qweight, bias) if qweight.shape[0] > BLOCK_ABOVE else dynamic_linear(qweight, bias)
+    release([weight, qweight])
+    return module
 
 
 class BlockedInt8Linear(DynamicLinear):
