@@ -98,8 +98,9 @@ class PackedLinear:
 
     On the 2-core CPU of docs/EXPERIMENTS.md ("CPU float32: weights packed for oneDNN") this is 3-40 % faster
     than oneDNN on the dense weight at 8-32 rows (LM heads 18-38 %) and about even at 128. Packing costs time
-    (~0.1 s for a 50k-word LM head) and a second copy of the weight (the model keeps its own, which stays in
-    use), so the first calls run :func:`dense`: a run of a few steps (start-up, one short input) never packs.
+    (~0.1 s for a 50k-word LM head) and a second copy of the weight, so the first calls run :func:`dense`: a run
+    of a few steps (start-up, one short input) never packs. Once packed, the dense weight's pages go back where
+    they were read from the checkpoint's file (:mod:`~seqgen_cli.models.resident`; a later read faults them in).
     Packed or not, oneDNN gives every row the same bits (module docstring). Products over whole sources ([B, S,
     D]) run ``F.linear`` on the dense weight.
     """
@@ -119,6 +120,7 @@ class PackedLinear:
             if self.calls <= PACK_AFTER:
                 return dense(x, self.weight, self.bias)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+            release([self.weight])  # pages read from the checkpoint's file go back until read again (resident.py)
         return onednn(x, self.packed, self.bias)
 
 
