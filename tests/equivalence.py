@@ -9,6 +9,7 @@ a sequence transformers itself returns under log-prob noise of ``tie_noise``.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +19,12 @@ from transformers import PreTrainedModel
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models.reference import hf_generate
 from seqgen_cli.search import Batch, ModelBackend, generate
+from seqgen_cli.search.refill import RefillStats, generate_refill
 from seqgen_cli.verify import Agreement, compare, rescore
 
-__all__ = ["SETTINGS", "check_equivalence", "hf_generate", "rescore", "tune_eos"]
+Engine = Callable[[ModelBackend, Batch, Any], Any]  # seqgen's entry point: (backend, batch, config) -> outputs
+
+__all__ = ["SETTINGS", "check_equivalence", "hf_generate", "refill", "rescore", "tune_eos"]
 
 # Settings of the equivalence suite (name -> generate() kwargs). max_new_tokens stays small for CPU.
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -71,17 +75,29 @@ def check_equivalence(
     rtol: float = 1e-5,
     tie_noise: float = 1e-5,
     keep_dtype: bool = False,
-    engine: Callable[[ModelBackend, Batch, Any], Any] = generate,
+    engine: Engine = generate,
 ) -> Agreement:
     """Run seqgen (via ``backend_factory(model)``) and ``model.generate()`` on ``batch``; compare tokens.
 
     The model runs in float32 unless ``keep_dtype``. ``engine(backend, batch, config)``: seqgen's entry point
-    (default :func:`seqgen_cli.search.generate`; the refill engine in tests/test_refill.py).
+    (default :func:`seqgen_cli.search.generate`; the refill engine: :func:`refill`).
     """
     model = (model if keep_dtype else model.float()).eval()
     config = resolve_generation_config(model.generation_config, None, kwargs)
     ours = engine(backend_factory(model), batch, config)
     return compare(model, batch, kwargs, ours.sequences, ours.scores, rtol=rtol, tie_noise=tie_noise)
+
+
+def refill(lanes: int, seed: int, min_free: int = 1, stats: RefillStats | None = None) -> Engine:
+    """The refill engine (``search/refill.py``) as :func:`check_equivalence` calls an engine: inputs join in a
+    shuffled order."""
+
+    def engine(backend: ModelBackend, batch: Batch, config: Any) -> Any:
+        order = list(range(batch.input_ids.shape[0]))
+        random.Random(seed).shuffle(order)
+        return generate_refill(backend, batch, config, lanes=lanes, order=order, min_free=min_free, stats=stats)
+
+    return engine
 
 
 def tune_eos(

@@ -10,7 +10,6 @@ in near-identical pairs, so that every step is a near-tie and any change of arit
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
 from seqgen_cli.shapes import CROSS_CHUNK, input_width
 from tests.helpers import seqgen
+from tests.neighbours import check_neighbours
 from tests.tiny_models import copy_checkpoint, sample_texts
 
 FAST_FAMILIES = ("bart", "marian", "pegasus", "t5", "gpt2", "llama")
@@ -112,64 +112,9 @@ def test_cross_attention_keeps_its_bits_at_wider_widths_and_in_any_batch() -> No
 # -- model backends -------------------------------------------------------------------------------------------
 
 
-def _logits(
-    gen: Generator, batch: list[list[int]], at: int, steps: list[int], rows: int, leave_at: int | None
-):
-    """Input ``at``'s logits [steps, rows, V] from start() and teacher-forced step()s (the same token for every
-    row); ``leave_at``: every other input leaves after that step."""
-    backend = gen._engine()
-    state, first = backend.start(gen.pad(batch), rows, len(steps) + 1)
-    out = [] if first is None else [first[at : at + 1].expand(rows, -1)]
-    inputs = len(batch)
-    token = gen.config.decoder_start_token_id if backend.is_encoder_decoder else steps[0]
-    for t, nxt in enumerate(steps):
-        logits = backend.step(state, torch.full((inputs * rows,), token))  # [inputs * rows, V]
-        out.append(logits[at * rows : (at + 1) * rows].clone())
-        if t == leave_at and inputs > 1:
-            backend.drop(state, torch.tensor([at]), torch.arange(at * rows, (at + 1) * rows))
-            inputs, at = 1, 0
-        token = nxt
-    return torch.stack(out)
-
-
-def _check_neighbours(gen: Generator) -> None:
-    """One input's logits alone, and first or last among 1-4 inputs of its width bucket (of other lengths), with
-    them throughout or leaving after step 2: the same bits, for 1 and 3 rows per input. Encoder-decoder models,
-    whose batches mix widths (``Batch.widths``), also among inputs of other widths: narrower, and wider by
-    several cross-attention chunks (``shapes.CROSS_CHUNK``), and both."""
-    ids = [e.ids for e in gen.encode(sample_texts(100, seed=11))]
-    widths = [input_width(len(s)) for s in ids]
-    bucket = max((w for w in widths if w > 8), key=widths.count)  # narrower buckets exist
-    x, *same_bucket = [s for s, w in zip(ids, widths, strict=True) if w == bucket]
-    assert len(same_bucket) >= 4 and len({len(s) for s in same_bucket}) > 1, "neighbours of other lengths"
-    groups = [same_bucket]
-    if gen.is_encoder_decoder:
-        narrow = [s[: 1 + i % (bucket - 8)] for i, s in enumerate(ids[:8])]  # narrower buckets
-        wide = [
-            (a + b + c)[: 200 + 37 * i]
-            for i, (a, b, c) in enumerate(zip(ids[:20], ids[10:], ids[20:], strict=False))
-        ]
-        wide = [s for s in wide if input_width(len(s)) > 128]  # other chunks than x's
-        assert len(narrow) >= 4 and len(wide) >= 4 and input_width(len(x)) <= 64
-        groups += [narrow, wide, [narrow[0], wide[0], narrow[1], wide[1]]]
-    rng = random.Random(0)
-    steps = [rng.randrange(4, gen._engine().vocab_size) for _ in range(6)]
-    for rows in (1, 3):
-        alone = _logits(gen, [x], 0, steps, rows, None)
-        for g, neighbours in enumerate(groups):
-            for k in (1, 2, 4):
-                for at in (0, k):
-                    batch = [*neighbours[:at], x, *neighbours[at:k]]
-                    for leave_at in (None, 2):
-                        got = _logits(gen, batch, at, steps, rows, leave_at)
-                        assert torch.equal(got, alone), (
-                            f"group {g}: {k} neighbours, at {at}, leave {leave_at}, R={rows}"
-                        )
-
-
 @pytest.mark.parametrize("family", FAST_FAMILIES)
 def test_an_inputs_logits_do_not_depend_on_its_neighbours(tiny_models, family: str) -> None:
-    _check_neighbours(Generator(str(tiny_models(family)), max_new_tokens=8))
+    check_neighbours(Generator(str(tiny_models(family)), max_new_tokens=8))
 
 
 @pytest.mark.xfail(
@@ -178,7 +123,7 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(tiny_models, family: s
     reason="int8 activations are quantized per tensor: a row's scale is the batch's",
 )
 def test_int8_logits_do_not_depend_on_its_neighbours(tiny_models) -> None:
-    _check_neighbours(Generator(str(tiny_models("bart")), dtype="int8", max_new_tokens=8))
+    check_neighbours(Generator(str(tiny_models("bart")), dtype="int8", max_new_tokens=8))
 
 
 # -- reader timing --------------------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ from seqgen_cli.models.families import FAMILIES
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.linear_maps import is_quantized
 from seqgen_cli.search import Batch, generate
-from tests.equivalence import MASKED_SUM_RTOL, SETTINGS, check_equivalence, tune_eos
+from tests.equivalence import MASKED_SUM_RTOL, SETTINGS, check_equivalence, refill, tune_eos
 from tests.helpers import sharpen
-from tests.test_refill import refill
+from tests.neighbours import check_neighbours
 
 V = 97
 SEQ2SEQ_IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
@@ -253,7 +253,6 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(name: str, tiny_models
     import shutil
 
     from seqgen_cli.generator import Generator
-    from tests.test_determinism import _check_neighbours
 
     fixture = next((f for f, names in TOKENIZER_OF.items() if name in names), "llama")
     config = CONFIGS[name]()
@@ -264,4 +263,4 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(name: str, tiny_models
     for f in tiny_models(fixture).glob("*"):
         if f.name.startswith(("tokenizer", "special_tokens", "spiece", "vocab", "merges")):
             shutil.copy(f, tmp_path / f.name)
-    _check_neighbours(Generator(str(tmp_path), max_new_tokens=8))
+    check_neighbours(Generator(str(tmp_path), max_new_tokens=8))

@@ -16,26 +16,13 @@ from seqgen_cli.search import Batch
 from seqgen_cli.search.refill import RefillStats, generate_refill
 from seqgen_cli.shapes import MIN_WIDTH
 from tests.engine_models import load, text_batch
-from tests.equivalence import COMPILED_TOL, MASKED_SUM_RTOL, SETTINGS, check_equivalence
+from tests.equivalence import COMPILED_TOL, MASKED_SUM_RTOL, SETTINGS, check_equivalence, refill
 
 ENC_DEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
 DEC_ONLY = ["gpt2", "llama"]
 EVERY_SETTING = ["bart", "t5", "gpt2"]  # every setting; the other families a few
 FEW = ["greedy", "beam4_ngram3_lp2_minmax_es", "beam4_nrs3"]
 BATCH = 16
-
-
-def refill(lanes: int, seed: int, min_free: int = 1, stats: RefillStats | None = None):
-    """The refill engine as the harness calls an engine: inputs join in a shuffled order."""
-
-    def engine(backend, batch: Batch, config):
-        order = list(range(batch.input_ids.shape[0]))
-        random.Random(seed).shuffle(order)
-        return generate_refill(
-            backend, batch, config, lanes=lanes, order=order, min_free=min_free, stats=stats
-        )
-
-    return engine
 
 
 def cases() -> list[tuple[str, str]]:
@@ -197,8 +184,8 @@ def test_refill_window_mixes_widths(tiny_models) -> None:
 
     texts = sample_texts(24, seed=5)
     outputs, calls = {}, {}
-    for refill in (False, True):
-        gen = Generator(str(tiny_models("bart")), device="cpu", refill=refill, num_beams=2, max_new_tokens=5)
+    for on in (False, True):
+        gen = Generator(str(tiny_models("bart")), device="cpu", refill=on, num_beams=2, max_new_tokens=5)
         widths = {input_width(len(e.ids)) for e in gen.encode(texts)}
         assert len(widths) >= 3
         batches: list[int] = []
@@ -206,8 +193,8 @@ def test_refill_window_mixes_widths(tiny_models) -> None:
         gen.generate_ids = lambda batch, idx=None, f=generate_ids, seen=batches: (
             seen.append(len(batch)) or f(batch, idx)
         )
-        outputs[refill] = list(gen.generate_iterable(texts, batch_size=4))
-        calls[refill] = batches
+        outputs[on] = list(gen.generate_iterable(texts, batch_size=4))
+        calls[on] = batches
     assert outputs[True] == outputs[False]
     assert calls[True] == [len(texts)]  # one window, one call over 4 lanes
     assert calls[False] == [4] * (len(texts) // 4)
