@@ -124,7 +124,8 @@ class DecoderOnlyBackend:
         self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", None) or cfg.n_positions)
         self.embed = getattr(self.base, family.embed)  # the module (it scales where the family does: Gemma)
         self.ln_final = getattr(self.base, family.final_norm)
-        self.layer_types = sorted({b.layer_type for b in self.blocks})
+        self.per_type = family.positions == "rotary per layer type"  # a rotary table per layer type (Gemma3)
+        self.rotary_table = [b.layer_type if self.per_type else "full_attention" for b in self.blocks]  # each layer's
         # sliding-window layers: the config's layer kinds, or every layer where it has a window and no kinds
         window = getattr(cfg, "sliding_window", None)
         kinds = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * len(
@@ -147,29 +148,32 @@ class DecoderOnlyBackend:
         n = x.shape[0]
         h, hkv, d = self.n_head, self.n_kv, self.head_dim
         at = state.start_pos + state.cache.position  # [N] position ids
-        kind = self.family.positions
-        if kind == "learned":
+        learned = self.family.positions == "learned"
+        if learned:
             x = x + self.base.wpe(at)
-        else:  # the model's rotary tables, one per layer type where it has several: [1, N, r] -> [N, 1, r]
-            rotary = self.base.rotary_emb
-            tables = {
-                t: rotary(x, at[None], t) if kind == "rotary per layer type" else rotary(x, at[None])
-                for t in (self.layer_types if kind == "rotary per layer type" else ["full_attention"])
-            }
-            tables = {t: (cos[0, :, None], sin[0, :, None]) for t, (cos, sin) in tables.items()}
+        tables = None if learned else self._rotary_tables(x, at)
         for i, lay in enumerate(self.blocks):
             q, k, v = lay.qkv(lay.ln_in(x))  # [N, H*d], [N, Hkv*d], [N, Hkv*d]
             q, k, v = q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d)
             if lay.q_norm is not None:
                 q, k = lay.q_norm(q), lay.k_norm(k)
-            if kind != "learned":
-                cos, sin = tables[lay.layer_type if kind == "rotary per layer type" else "full_attention"]
+            if tables is not None:
+                cos, sin = tables[self.rotary_table[i]]
                 q, k = rope(q, cos, sin), rope(k, cos, sin)
             a = lay.o(self_attention(state.cache, i, q, k, v, lay.scale, lay.softcap, self.sliding[i]))  # [N, D]
             x = x + (a if lay.ln_attn_out is None else lay.ln_attn_out(a))
             m = lay.mlp(lay.ln_mlp(x))
             x = x + (m if lay.ln_mlp_out is None else lay.ln_mlp_out(m))
         return soft_cap(self.lm(self.ln_final(x)).float(), self.final_softcap)  # [N, V]
+
+    def _rotary_tables(self, x: Tensor, at: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        """RoPE's cos and sin at positions ``at`` [N] from the model's own rotary module, [N, 1, r] each: one table
+        (``full_attention``), or one per layer type where the family has several (Gemma3)."""
+        rotary, tables = self.base.rotary_emb, {}
+        for kind in dict.fromkeys(self.rotary_table):  # in order, once each
+            cos, sin = rotary(x, at[None], kind) if self.per_type else rotary(x, at[None])
+            tables[kind] = cos[0, :, None], sin[0, :, None]  # [1, N, r] -> [N, 1, r]
+        return tables
 
     def _prefill(self, batch: Batch) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """The model's own base forward over left-padded prompts [B, P] (positions as ``generate()`` builds them):
