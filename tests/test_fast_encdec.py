@@ -137,3 +137,26 @@ def test_half_precision_runs_and_tracks_hf(tiny_models, family: str, dtype: torc
         assert (logits.float() - ref.float()).abs().max().item() <= 0.05 * max(scale, 1.0)
         dec.reorder(state, torch.tensor([1, 1, 2, 3]))
         hist = torch.cat([hist[torch.tensor([1, 1, 2, 3])], hist[:, -1:] + 5], dim=1)
+
+
+def test_encoder_runs_on_onednn_and_leaves_the_model_as_it_was(tiny_models) -> None:
+    """Float32 on the CPU: the backend's encoder is a copy of the model's whose linears run oneDNN
+    (``linear_maps.SourceLinear``), sharing every weight; the model's own encoder, which ``generate()`` runs,
+    keeps its ``nn.Linear`` layers. Its output agrees with the model's encoder up to the products' summation
+    order (float32 rounding, accumulated over the layers)."""
+    from seqgen_cli.models.linear_maps import ONEDNN, SourceLinear
+
+    if not ONEDNN:
+        pytest.skip("torch without oneDNN")
+    model = load_tiny(tiny_models("bart"))[0]
+    dec = fast_backend(model)
+    own = model.get_encoder()
+    assert any(isinstance(m, SourceLinear) for m in dec.encoder.modules())
+    assert not any(isinstance(m, SourceLinear) for m in own.modules())
+    assert {p.data_ptr() for p in dec.encoder.parameters()} == {p.data_ptr() for p in own.parameters()}
+    ids = torch.randint(4, model.config.vocab_size, (3, 24))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        ours = dec._encoder(ids, mask)
+        theirs = own(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -31,7 +31,7 @@ from seqgen_cli.models.kv_cache import (
     select_into,
 )
 from seqgen_cli.models.lane_cache import LaneKVCache
-from seqgen_cli.models.linear_maps import linear, quantize_linears
+from seqgen_cli.models.linear_maps import linear, onednn_copy, quantize_linears
 from seqgen_cli.models.resident import release
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import CROSS_CHUNK, MIN_WIDTH, cross_width, graph_width
@@ -92,7 +92,7 @@ class EncoderDecoderBackend:
         cfg, dec = model.config, model.get_decoder()
         self.model = model.eval()
         self.family = family
-        self.encoder = model.get_encoder()
+        self.encoder = model.get_encoder() if int8 else onednn_copy(model.get_encoder())  # float32 CPU: oneDNN
         self.embed = dec.embed_tokens.weight  # [V_in, D]
         self.embed_scale = getattr(dec.embed_tokens, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)
         self.dec_layers = []

@@ -35,6 +35,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from copy import deepcopy
 from functools import partial
 
 import torch
@@ -113,8 +114,10 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile: the dense weight, no state change (it would retrace), no oneDNN op (see dense).
-        if x.dim() != 2 or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
+        if x.dim() != 2:  # [..., I] -> [rows, I] -> [..., O]
+            return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         if self.packed is None:
             self.calls += 1
             if self.calls <= PACK_AFTER:
@@ -122,6 +125,38 @@ class PackedLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
             release([self.weight])  # pages read from the checkpoint's file go back until read again (resident.py)
         return onednn(x, self.packed, self.bias)
+
+
+class SourceLinear(nn.Module):
+    """An encoder's ``nn.Linear`` run as a :class:`PackedLinear` (oneDNN, float32 on the CPU), the same parameters
+    under the same names: the encoder's layers run unchanged but for the products' summation order. On the 2-core EPYC oneDNN runs encoder-sized products ([12k, 768] x [768,
+    3072]) 1.7x as fast as the MKL GEMM behind ``nn.Linear``, 2x once packed (docs/EXPERIMENTS.md, "The encoder on
+    oneDNN")."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = module.in_features, module.out_features
+        self.weight, self.bias = module.weight, module.bias
+        self.map = PackedLinear(module.weight, module.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.map(x)
+
+
+def onednn_copy(module: nn.Module) -> nn.Module:
+    """``module`` again, its float32 CPU ``nn.Linear`` layers as :class:`SourceLinear`: a copy of its module tree
+    that shares every parameter and buffer (no weight is copied), so ``module`` itself, which ``generate()`` runs,
+    stays as it was. ``module`` unchanged where there is nothing to run on oneDNN (GPU, half precision)."""
+    linears = [m for m in module.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"]
+    if not ONEDNN or not linears or any(m.weight.dtype != torch.float32 for m in linears):
+        return module
+    shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    copy = deepcopy(module, memo=shared)
+    for parent in list(copy.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, SourceLinear(child))
+    return copy
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) -> Linear:
