@@ -3,7 +3,7 @@
 what the fast backends use), per shape and row count, interleaved, medians in ms.
 
 The shapes are marian-base's and bart-base's decoder linears and LM heads; 32 and 128 rows are a decode step
-at 8 x 4 and 32 x 4, 3200 rows an encoder-sized product. See docs/EXPERIMENTS.md ("CPU float32: weights packed
+at 8 x 4 and 32 x 4, 3200 and 12336 rows encoder-sized products (32 CNN/DM sources of ~400 tokens: 12336). See docs/EXPERIMENTS.md ("CPU float32: weights packed
 for oneDNN")::
 
     python scripts/experiments/bench_linear.py --threads 2
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from seqgen_cli.models.linear_maps import PackedLinear
+from seqgen_cli.models.linear_maps import PACK_AFTER, PackedLinear
 
 SHAPES = [  # (out, in)
     (1536, 512),
@@ -38,6 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="8,32,64,128,3200")
+    ap.add_argument("--no-heads", action="store_true", help="leave out the LM heads (for encoder-sized rows)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -45,8 +46,12 @@ def main() -> None:
     print(f"|---|{'---|' * len(rows)}")
     with torch.inference_mode():
         for out_f, in_f in SHAPES:
+            if args.no_heads and out_f > 10000:
+                continue
             w, b = torch.randn(out_f, in_f), torch.randn(out_f)
-            packed_linear = PackedLinear(w, b)  # beyond 1024 rows it runs F.linear (MKL)
+            packed_linear = PackedLinear(w, b)
+            for _ in range(PACK_AFTER + 1):  # packed before it is timed
+                packed_linear(torch.randn(2, in_f))
             cells = []
             for n in rows:
                 x = torch.randn(n, in_f)

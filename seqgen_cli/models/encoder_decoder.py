@@ -1,7 +1,9 @@
 """The one encoder-decoder decoder: every encoder-decoder family's decode step, written once over its description
 (``families.py``: BART family, M2M-100 / NLLB, LED, Pegasus-X, T5, LongT5, UMT5), and the protocol glue.
 
-The model's own encoder runs once per input. Cross-attention keys/values are projected once per *input*
+The model's own encoder layers run once per input (float32 on the CPU: a copy of its module tree that shares its
+weights, its ``nn.Linear`` layers on oneDNN, ``linear_maps.onednn_copy``; ``generate()`` keeps the model's own).
+Cross-attention keys/values are projected once per *input*
 (``[B, H, S, d]``), never per beam: a step's ``N = B * R`` queries are viewed as ``[B, H, R, d]``, so the
 ``R`` beams of an input act as query positions against that input's keys (FastSeq's trick). They are never
 reordered (beams stay within their input) and only shrink when inputs finish. Self-attention goes through

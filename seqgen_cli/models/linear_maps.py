@@ -2,17 +2,18 @@
 
 :func:`dense` is ``F.linear``, except for float32 on the CPU: there decode-step products ([N, D]) run through
 oneDNN's matmul, faster than the MKL GEMM behind ``F.linear``. The backends' own maps (:func:`linear`) go one step
-further on the CPU: :class:`PackedLinear` runs oneDNN on a weight packed once into its blocked layout. Products
-over whole sources ([B, S, D]: cross-attention keys/values) run ``F.linear``, as the model's own encoder does.
+further on the CPU: :class:`PackedLinear` runs oneDNN on a weight packed once into its blocked layout, products over
+whole sources ([B, S, D]: cross-attention keys/values) as one [B * S, D] product, and the encoder-decoders' encoder
+runs its own layers with :class:`SourceLinear` (a PackedLinear) in place of ``nn.Linear`` (:func:`onednn_copy`).
 
 Batch invariance (tests/test_determinism.py). oneDNN computes each row of a product the same way whatever the
 number of rows, the row's position among them, the number of threads and whether the weight is packed, except
 a product of a single row (a matrix-vector kernel with another summation order): :func:`onednn` runs one row as
 two. MKL's GEMM does so only when the row count is a multiple of 8 (rows of products of fewer than 12 rows
 change with the row count and the thread count), which the sources' width buckets guarantee
-(``shapes.input_width``: ``B x S`` rows). The choice between the two depends on the input's rank, never on
-its row count: a row's result does not depend on the rows beside it, so an output does not depend on which
-inputs share its batch or leave it.
+(``shapes.input_width``: ``B x S`` rows; the generic backend and ``generate()`` run the model's own encoder on MKL).
+A row's result does not depend on the rows beside it, so an output does not depend on which inputs share its batch
+or leave it.
 
 ``--dtype int8`` on the CPU: torch's dynamic quantization (``torch.ao.nn.quantized.dynamic.Linear``).
 Weights are stored as int8 with one scale per output row (per-channel, as CTranslate2's int8); activations
@@ -102,12 +103,12 @@ class PackedLinear:
     (~0.1 s for a 50k-word LM head) and a second copy of the weight, so the first calls run :func:`dense`: a run
     of a few steps (start-up, one short input) never packs. Once packed, the dense weight's pages go back where
     they were read from the checkpoint's file (:mod:`~seqgen_cli.models.resident`; a later read faults them in).
-    Packed or not, oneDNN gives every row the same bits (module docstring). Products over whole sources ([B, S,
-    D]) run ``F.linear`` on the dense weight.
+    Packed or not, oneDNN gives every row the same bits (module docstring). An input of more dimensions ([B, S, D]:
+    whole sources) runs as one [B * S, D] product.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight  # [O, I] dense, for the first calls and [B, S, D] inputs
+        self.weight = weight  # [O, I] dense, for the first calls (and under torch.compile)
         self.bias = bias
         self.packed: torch.Tensor | None = None  # opaque oneDNN tensor, built on call PACK_AFTER + 1
         self.calls = 0
