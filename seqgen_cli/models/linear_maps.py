@@ -130,9 +130,9 @@ class PackedLinear:
 
 class SourceLinear(nn.Module):
     """An encoder's ``nn.Linear`` run as a :class:`PackedLinear` (oneDNN, float32 on the CPU), the same parameters
-    under the same names: the encoder's layers run unchanged but for the products' summation order. On the 2-core EPYC oneDNN runs encoder-sized products ([12k, 768] x [768,
-    3072]) 1.7x as fast as the MKL GEMM behind ``nn.Linear``, 2x once packed (docs/EXPERIMENTS.md, "The encoder on
-    oneDNN")."""
+    under the same names: the encoder's layers run unchanged but for the products' summation order. On the 2-core
+    EPYC of docs/EXPERIMENTS.md ("The encoder on oneDNN") oneDNN runs encoder-sized products (12k rows) 1.7-2.3x as
+    fast as the MKL GEMM behind ``nn.Linear``, 1.9-2.4x once packed."""
 
     def __init__(self, module: nn.Linear) -> None:
         super().__init__()
@@ -205,13 +205,12 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     the quantized weight taken from the disk cache (:mod:`~seqgen_cli.models.int8_cache`) when a session is
     open and holds it. A strided view (GPT-2's transposed Conv1D weight) is made contiguous first: the cache
     names and stores a weight by its row-major values. A weight of more than ``BLOCK_ABOVE`` rows (a 128k-256k word
-    LM head) is a :class:`BlockedInt8Linear`. Once packed, the resident pages of ``weight`` and of the cached int8
-    values (both read from mapped files; fbgemm keeps the latter beside its packed copy, to unpack) are given back
-    (:mod:`~seqgen_cli.models.resident`)."""
+    LM head) is a :class:`BlockedInt8Linear`. Once packed, the pages of ``weight`` read from the checkpoint's mapped
+    file are given back (:mod:`~seqgen_cli.models.resident`; the cache gives back its own)."""
     qweight = quantized(weight.detach().contiguous(), quantize_weight)
     bias = None if bias is None else bias.detach().float()
     module = BlockedInt8Linear(qweight, bias) if qweight.shape[0] > BLOCK_ABOVE else dynamic_linear(qweight, bias)
-    release([weight, qweight])
+    release([weight])
     return module
 
 
