@@ -5,6 +5,9 @@ outputs are identical. From the repository root::
 
     python scripts/harness/bench_long.py --inputs 2 --new-tokens 64 --rounds 3
 
+``--encoder`` times the encoders instead, quiet: the model's own module against the fast backend's (its products on
+oneDNN, ``linear_maps.onednn_copy``) on the same sources, alternating, and their largest difference.
+
 The checkpoint (random weights, seed 0; led-large-16384's published config: d_model 1024, 12 + 12 layers, 16 heads,
 ffn 4096, 16,384 encoder positions, attention window 1024; the BART tokenizer of ``../shared/tokenizers/
 bart-large-cnn``) is built once into ``~/.cache/seqgen-bench/led-large-16384``.
@@ -69,6 +72,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=64, help="exactly this many (min = max)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--encoder", action="store_true", help="time the two encoders instead (see above)")
     args = ap.parse_args()
     from transformers import AutoTokenizer, LEDForConditionalGeneration
     from transformers.modeling_outputs import BaseModelOutput
@@ -80,6 +84,9 @@ def main() -> None:
     settings = dict(
         num_beams=4, no_repeat_ngram_size=3, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens
     )
+    if args.encoder:
+        encoders(model, batch, args.rounds)
+        return
     start = time.perf_counter()
     with torch.inference_mode():
         hidden = model.get_encoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
@@ -133,6 +140,25 @@ def main() -> None:
     ratio = {s: statistics.median(times["generate()", s]) / statistics.median(times["seqgen (fast led decoder)", s])
              for s in ("quiet", "loaded")}  # fmt: skip
     print(f"\ngenerate() / seqgen: {ratio['quiet']:.2f}x quiet, {ratio['loaded']:.2f}x beside a busy process")
+
+
+def encoders(model: torch.nn.Module, batch: Batch, rounds: int) -> None:
+    """``--encoder``: the model's encoder against the fast backend's, alternating, medians of ``rounds``."""
+    runs = {"the model's own (MKL)": model.get_encoder(), "seqgen's (oneDNN)": get_backend(model).encoder}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    out = {}
+    with torch.inference_mode():
+        for r in range(rounds):
+            for name in list(runs)[r % 2 :] + list(runs)[: r % 2]:
+                start = time.perf_counter()
+                out[name] = runs[name](input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+                times[name].append(time.perf_counter() - start)
+                print(f"round {r + 1}: {name} {times[name][-1]:.2f} s", file=sys.stderr)
+    a, b = out.values()
+    print(f"`python scripts/harness/bench_long.py {' '.join(sys.argv[1:])}`  ")
+    for name, t in times.items():
+        print(f"- {name} encoder: {statistics.median(t):.2f} s ({min(t):.2f}-{max(t):.2f})")
+    print(f"- largest difference {float((a - b).abs().max()):.2e} (outputs' largest magnitude {float(a.abs().max()):.2f})")
 
 
 if __name__ == "__main__":
