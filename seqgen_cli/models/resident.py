@@ -59,8 +59,13 @@ def _only_file_pages(pagemap: int, start: int, stop: int) -> bool:
 def release(tensors: Iterable[torch.Tensor | None]) -> int:
     """Drop the file pages of ``tensors`` (CPU) from this process's resident memory (module docstring); the
     tensors stay valid. Returns the bytes dropped."""
-    spans = [_span(t) for t in tensors if t is not None and t.device.type == "cpu"]
-    spans = [(a, b) for a, b in spans if b > a]
+    spans = []
+    for t in tensors:
+        if t is None or t.device.type != "cpu" or t.layout != torch.strided:
+            continue  # another device, a sparse or other layout: no plain range of memory
+        start, stop = _span(t)
+        if stop > start:
+            spans.append((start, stop))
     if not spans or not os.path.exists("/proc/self/pagemap"):
         return 0
     dropped = 0
