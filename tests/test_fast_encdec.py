@@ -12,6 +12,7 @@ import torch
 from seqgen_cli.models import fast_backend
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import cross_width
+from tests.equivalence import SUMMATION_ATOL, SUMMATION_RTOL
 from tests.helpers import load_tiny
 
 ENCDEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
@@ -143,7 +144,7 @@ def test_encoder_runs_on_onednn_and_leaves_the_model_as_it_was(tiny_models) -> N
     """Float32 on the CPU: the backend's encoder is a copy of the model's whose linears run oneDNN
     (``linear_maps.SourceLinear``), sharing every weight; the model's own encoder, which ``generate()`` runs,
     keeps its ``nn.Linear`` layers. Its output agrees with the model's encoder up to the products' summation
-    order (float32 rounding, accumulated over the layers)."""
+    order (``SUMMATION_RTOL``)."""
     from seqgen_cli.models.linear_maps import ONEDNN, SourceLinear
 
     if not ONEDNN:
@@ -159,4 +160,4 @@ def test_encoder_runs_on_onednn_and_leaves_the_model_as_it_was(tiny_models) -> N
     with torch.inference_mode():
         ours = dec._encoder(ids, mask)
         theirs = own(input_ids=ids, attention_mask=mask).last_hidden_state
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=SUMMATION_RTOL, atol=SUMMATION_ATOL)
