@@ -98,7 +98,7 @@ class Generator:
         if target_lang is not None and "forced_bos_token_id" in flags:
             raise SeqgenError("--target-lang and --forced-bos-token-id contradict; give one")
         self.target_lang = target_lang
-        self.loaded: Loaded = load(model, device, dtype)
+        self.loaded: Loaded = load(model, device, dtype, own=backend != "hf")  # own: the fast engine's tree
         self.tokenizer, self.model = self.loaded.tokenizer, self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
         self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, target_lang)
@@ -109,8 +109,9 @@ class Generator:
         if seed is not None:
             torch.manual_seed(seed)
         self.backend, self.fallback = choose_backend(backend, self.config)  # fallback: why auto picks hf
-        self.capture = capture
-        self.lanes, self.lane_tokens = lanes, lane_tokens  # refill: input lanes, padded tokens x rows
+        if self.backend != "fast":  # generate() runs transformers' model
+            self.model = self.loaded.model = self.loaded.reference
+        self.capture, self.lanes, self.lane_tokens = capture, lanes, lane_tokens  # refill: lanes, tokens x rows
         self.refill_stats = RefillStats()
         self._model_backend = None  # the engine's model backend, built on first use (int8: now)
         self._step_path = ""  # how the engine runs its decode step (see step_path)
@@ -122,8 +123,7 @@ class Generator:
 
     # -- settings ---------------------------------------------------------------------------------
     def _refills(self) -> bool:
-        """Whether ``--refill`` runs here: not int8, and the engine's backend has lanes (a ``RefillBackend``: a fast
-        family's, not the generic one a refused variant gets). Builds the engine."""
+        """Whether ``--refill`` runs here: not int8, and the engine has lanes (a fast family's ``RefillBackend``)."""
         from seqgen_cli.search.protocol import RefillBackend
 
         engine = None if self.loaded.int8 else self._engine()

@@ -41,6 +41,29 @@ class Loaded:
     device: torch.device
     dtype: torch.dtype  # of the loaded weights (float32 for int8)
     int8: bool = False  # --dtype int8: the Generator quantizes the linear layers before the first batch
+    name: str = ""  # as given
+    source: str = ""  # the folder or hub name it was read from
+    _reference: torch.nn.Module | None = None
+
+    @property
+    def own(self) -> bool:
+        """Whether ``model`` is seqgen's own module tree (``models/own_model.py``), not transformers' model."""
+        from seqgen_cli.models.own_model import OwnSeq2Seq
+
+        return isinstance(self.model, OwnSeq2Seq)
+
+    @property
+    def reference(self) -> torch.nn.Module:
+        """transformers' model of the checkpoint, which ``generate()`` runs: ``model``, or where that is seqgen's
+        own tree, transformers' loaded now (once), in float32 on the CPU."""
+        if not self.own:
+            return self.model
+        if self._reference is None:
+            model_type = self.model.config.model_type
+            with fast_sinusoids(model_type):
+                model = transformers_model(self.name, self.source, model_type, True, torch.float32)
+            self._reference = model.eval()
+        return self._reference
 
     @property
     def dtype_name(self) -> str:
@@ -153,12 +176,13 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def load(name: str, device: str | None = None, dtype: str | None = None) -> Loaded:
+def load(name: str, device: str | None = None, dtype: str | None = None, own: bool = False) -> Loaded:
     """Load tokenizer and model (``AutoModelForSeq2SeqLM`` or ``AutoModelForCausalLM``), eval mode; each part a
-    start-up stage (``--stats`` ``startup``)."""
+    start-up stage (``--stats`` ``startup``). ``own``: for the fast engine on the CPU in float32 or int8, a BART-family
+    checkpoint as seqgen's own module tree where it reads it exactly (``models/own_model.py``; no transformers model
+    class is imported), transformers' model otherwise."""
     with startup.stage("import transformers"):
-        import transformers
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
         from transformers.models.auto.modeling_auto import (
             MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
             MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
@@ -174,9 +198,9 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
         raise SeqgenError(f"model {name}: cannot read its config: {_first_line(err)}") from None
     model_type = getattr(config, "model_type", None)
     if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
-        auto, is_encoder_decoder = AutoModelForSeq2SeqLM, True
+        is_encoder_decoder = True
     elif model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        auto, is_encoder_decoder = AutoModelForCausalLM, False
+        is_encoder_decoder = False
     else:
         raise SeqgenError(
             f"model {name}: architecture {model_type!r} is not a text-generation model transformers can load "
@@ -196,14 +220,15 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
         missing = [f for f in expected if f not in present]
         absent = f" (missing {', '.join(missing)})" if missing else ""
         raise SeqgenError(f"model {name}: cannot load its tokenizer{absent}: {_first_line(err)}") from None
-    names = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if is_encoder_decoder else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    with startup.stage("model class import"):  # transformers imports a model's module on first use
-        getattr(transformers, names[model_type], None)
-    try:
-        with fast_sinusoids(model_type), startup.stage("weights"):
-            model = auto.from_pretrained(source, dtype=torch_dtype)
-    except Exception as err:  # noqa: BLE001 - safetensors, pickle and torch each raise their own
-        raise SeqgenError(weights_error(name, source, err)) from None
+    model, own = None, own and dev.type == "cpu" and torch_dtype == torch.float32 and is_encoder_decoder
+    if own:
+        from seqgen_cli.models import own_model
+
+        with startup.stage("weights"):
+            model = own_model.load(source, config)[0]
+    if model is None:
+        with fast_sinusoids(model_type):
+            model = transformers_model(name, source, model_type, is_encoder_decoder, torch_dtype)
     model.to(dev).eval()
     if dev.type == "cpu":
         keep_freed_memory()
@@ -212,7 +237,29 @@ def load(name: str, device: str | None = None, dtype: str | None = None) -> Load
     if tokenizer.pad_token_id is None:
         eos = model.generation_config.eos_token_id
         tokenizer.pad_token_id = eos[0] if isinstance(eos, list) else eos
-    return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype, int8=dtype == INT8)
+    return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype, int8=dtype == INT8, name=name, source=source)
+
+
+def transformers_model(
+    name: str, source: str, model_type: str, is_encoder_decoder: bool, dtype: torch.dtype
+) -> torch.nn.Module:
+    """transformers' model of the checkpoint (``AutoModelForSeq2SeqLM`` / ``AutoModelForCausalLM``), on the CPU."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    auto = AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM
+    names = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if is_encoder_decoder else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    with startup.stage("model class import"):  # transformers imports a model's module on first use
+        getattr(transformers, names[model_type], None)
+    try:
+        with startup.stage("weights"):
+            return auto.from_pretrained(source, dtype=dtype)
+    except Exception as err:  # noqa: BLE001 - safetensors, pickle and torch each raise their own
+        raise SeqgenError(weights_error(name, source, err)) from None
 
 
 def weights_error(name: str, source: str, err: Exception) -> str:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from seqgen_cli.batching import free_device_memory
 from seqgen_cli.errors import SeqgenError, is_oom
@@ -35,6 +35,8 @@ from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.settings import SearchSettings, settings_for
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from seqgen_cli.generator import Generator
 
 VERIFY_INPUTS = 8  # --verify's default on CUDA
@@ -254,7 +256,7 @@ def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | 
     try:
         ours = gen.generate_ids(ids)
         with torch.inference_mode():
-            return compare(gen.model, batch, gen.config, ours, rtol=tol, tie_noise=tol, names=names)
+            return compare(gen.loaded.reference, batch, gen.config, ours, rtol=tol, tie_noise=tol, names=names)
     except Exception as err:  # noqa: BLE001 - out of memory: reported, the run goes on (and splits batches)
         if not is_oom(err):
             raise

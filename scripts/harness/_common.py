@@ -178,7 +178,9 @@ def spread_checkpoint(
         print(f"bias {mid:.2f}: mean greedy length {mean:.1f}", file=sys.stderr)
         lo, hi = (lo, mid) if mean < mean_length else (mid, hi)
     logit_bias[eos] = (lo + hi) / 2
-    model.save_pretrained(dest)
+    reference = gen.loaded.reference  # transformers' model (the same one where the fast engine runs it)
+    reference.final_logits_bias[0, eos] = logit_bias[eos]
+    reference.save_pretrained(dest)
     gen.tokenizer.save_pretrained(dest)
     return dest
 

@@ -59,7 +59,7 @@ class HFSystem(System):
     backend = "transformers"
 
     def __init__(self, gen: Generator, reference: torch.nn.Module | None = None) -> None:
-        self.model = reference if reference is not None else gen.model
+        self.model = reference if reference is not None else gen.loaded.reference
         self.tokenizer = gen.tokenizer
         if reference is not None:
             self.backend, self.notes = "transformers float32", [INT8_REFERENCE_NOTE]

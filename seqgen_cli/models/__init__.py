@@ -12,7 +12,7 @@ every other model is quantized in place (its ``nn.Linear`` layers,
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel
+from typing import TYPE_CHECKING
 
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend
 from seqgen_cli.models.encoder_decoder import EncoderDecoderBackend
@@ -20,6 +20,9 @@ from seqgen_cli.models.families import FAMILIES, Seq2Seq, refusal
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.linear_maps import quantize_linears
 from seqgen_cli.search.protocol import ModelBackend
+
+if TYPE_CHECKING:  # transformers' model classes: imported by whoever built the model, not here (start-up)
+    from transformers import PreTrainedModel
 
 
 def fast_backend(model: PreTrainedModel, int8: bool = False) -> ModelBackend | None:

@@ -19,8 +19,8 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import transformers
 from torch import Tensor
-from transformers import DynamicCache
 
 from seqgen_cli.models.attention import attend_blocks
 from seqgen_cli.models.families import Causal
@@ -182,7 +182,7 @@ class DecoderOnlyBackend:
         hf_mask = mask if not bool(mask.all()) else None  # as generate(): no mask without padding
         out = self.base(
             input_ids=ids, attention_mask=hf_mask, position_ids=prompt_positions(mask),
-            use_cache=True, **{self.cache_kwarg: DynamicCache()},
+            use_cache=True, **{self.cache_kwarg: transformers.DynamicCache()},
         )  # fmt: skip  (a cache without the config's layer kinds: every layer keeps every position, windowed or not)
         layers = getattr(out, self.cache_kwarg).layers  # the output names it as the forward's argument
         head = self.model.get_output_embeddings()  # oneDNN on the CPU: an input's row whatever the batch

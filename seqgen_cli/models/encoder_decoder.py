@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
 
 from seqgen_cli.models.attention import attention
 from seqgen_cli.models.families import Seq2Seq
@@ -37,6 +37,9 @@ from seqgen_cli.models.linear_maps import linear, onednn_copy, quantize_linears
 from seqgen_cli.models.resident import release
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import CROSS_CHUNK, MIN_WIDTH, cross_width, graph_width
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass

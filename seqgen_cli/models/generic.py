@@ -11,15 +11,25 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutput
+import transformers
 
 from seqgen_cli.models.kv_cache import kv_bytes
 from seqgen_cli.models.linear_maps import out_features
 from seqgen_cli.search.protocol import Batch
+
+if TYPE_CHECKING:  # transformers' model classes and outputs: imported with the model (start-up)
+    from transformers import PreTrainedModel
+    from transformers.modeling_outputs import BaseModelOutput
+
+
+def outputs(last_hidden_state: torch.Tensor) -> BaseModelOutput:
+    """transformers' encoder output for ``generate()``'s inputs."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    return BaseModelOutput(last_hidden_state=last_hidden_state)
 
 
 @dataclass
@@ -68,9 +78,9 @@ class GenericBackend:
         return self.model.device
 
     def _new_cache(self) -> Any:
-        cache = DynamicCache(config=self._cache_config)
+        cache = transformers.DynamicCache(config=self._cache_config)
         if self.is_encoder_decoder:
-            cache = EncoderDecoderCache(cache, DynamicCache(config=self._cache_config))
+            cache = transformers.EncoderDecoderCache(cache, transformers.DynamicCache(config=self._cache_config))
         return cache
 
     def _forward(self, input_ids: torch.Tensor, state: GenericState, first: bool) -> torch.Tensor:
@@ -103,7 +113,7 @@ class GenericBackend:
             hidden = enc.last_hidden_state.repeat_interleave(r, dim=0)  # [N, S, d]
             state = GenericState(
                 cache=self._new_cache(),
-                encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
+                encoder_outputs=outputs(last_hidden_state=hidden),
                 attention_mask=mask.repeat_interleave(r, dim=0),  # [N, S]
             )
             return state, None
@@ -141,7 +151,7 @@ class GenericBackend:
     def reorder(self, state: GenericState, rows: torch.Tensor) -> None:
         # Rows only move within an input, so masks, positions and the cross-attention cache are unchanged.
         cache = state.cache
-        if isinstance(cache, EncoderDecoderCache):
+        if isinstance(cache, transformers.EncoderDecoderCache):
             cache = cache.self_attention_cache
         cache.reorder_cache(rows)
 
@@ -149,7 +159,7 @@ class GenericBackend:
         state.cache.batch_select_indices(rows)
         if state.encoder_outputs is not None:
             hidden = state.encoder_outputs.last_hidden_state.index_select(0, rows)
-            state.encoder_outputs = BaseModelOutput(last_hidden_state=hidden)
+            state.encoder_outputs = outputs(last_hidden_state=hidden)
         if state.attention_mask is not None:
             state.attention_mask = state.attention_mask.index_select(0, rows)
         if state.position_ids is not None:

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig
 
 from seqgen_cli.search.protocol import Batch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Generation = GenerationConfig | dict[str, Any]  # a resolved config, or generate() keyword arguments
 

@@ -1,0 +1,148 @@
+"""seqgen's own module tree for the BART family (``models/own_model.py``): the checkpoint's weights exactly where
+transformers puts them (ties too), an encoder bit-identical to transformers', the same generation settings, outputs
+identical to the fast path over transformers' model in float32 and int8, and a fallback to transformers for a
+checkpoint it does not read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file, save_file
+
+from seqgen_cli.generator import Generator
+from seqgen_cli.models import engine_name, own_model
+from tests.helpers import sharpen
+
+V = 97
+IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+SHAPE = dict(
+    vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+    attention_dropout=0.0, activation_dropout=0.0, **IDS,
+)  # fmt: skip
+
+CASES: dict[str, Callable[[], tf.PretrainedConfig]] = {
+    "bart": lambda: tf.BartConfig(**SHAPE),
+    "bart untied": lambda: tf.BartConfig(tie_word_embeddings=False, **SHAPE),
+    "mbart": lambda: tf.MBartConfig(scale_embedding=True, **SHAPE),
+    "marian": lambda: tf.MarianConfig(**SHAPE),
+    "marian own decoder vocabulary": lambda: tf.MarianConfig(
+        share_encoder_decoder_embeddings=False, decoder_vocab_size=V + 6, **SHAPE
+    ),
+    "pegasus": lambda: tf.PegasusConfig(scale_embedding=True, **SHAPE),
+    "m2m_100": lambda: tf.M2M100Config(scale_embedding=True, **SHAPE),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``checkpoint(case) -> folder``: a random checkpoint saved by transformers (safetensors)."""
+    made: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in made:
+            torch.manual_seed(0)
+            model = sharpen(tf.AutoModelForSeq2SeqLM.from_config(CASES[case]()), seed=1)
+            folder = tmp_path_factory.mktemp(case.replace(" ", "-"))
+            model.save_pretrained(folder)
+            made[case] = folder
+        return made[case]
+
+    return get
+
+
+def both(folder: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(seqgen's own tree, transformers' model) of ``folder``."""
+    config = tf.AutoConfig.from_pretrained(folder)
+    own, why = own_model.load(str(folder), config)
+    assert own is not None, why
+    return own, tf.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_own_tree_holds_transformers_weights_and_settings(case: str, checkpoint: Callable[[str], Path]) -> None:
+    own, ref = both(checkpoint(case))
+    mine, theirs = own.state_dict(), ref.state_dict()
+    assert mine.keys() == theirs.keys()
+    for key, tensor in theirs.items():
+        assert torch.equal(mine[key], tensor), key
+    ptr = {name: p.data_ptr() for name, p in ref.named_parameters(remove_duplicate=False)}
+    own_ptr = {name: p.data_ptr() for name, p in own.named_parameters(remove_duplicate=False)}
+    shares = {(a, b) for a in ptr for b in ptr if a < b and ptr[a] == ptr[b]}
+    assert shares == {(a, b) for a in own_ptr for b in own_ptr if a < b and own_ptr[a] == own_ptr[b]}  # the ties
+    for side in ("encoder", "decoder"):  # M2M-100's sinusoids are no weights: made by each, the same
+        pos, their_pos = own.model.get_submodule(f"{side}.embed_positions"), getattr(ref.model, side).embed_positions
+        if hasattr(their_pos, "weights"):
+            assert torch.equal(pos.weights, their_pos.weights)
+    assert own.generation_config.to_dict() == ref.generation_config.to_dict()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_own_encoder_is_bit_identical_to_transformers(case: str, checkpoint: Callable[[str], Path]) -> None:
+    own, ref = both(checkpoint(case))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, V, (3, 9), generator=g)
+    lengths = torch.tensor([9, 6, 2])
+    mask = (torch.arange(9)[None, :] < lengths[:, None]).long()  # [3, 9]
+    ids = ids.masked_fill(mask == 0, IDS["pad_token_id"])
+    with torch.inference_mode():
+        for i, m in ((ids, mask), (ids[:1], mask[:1])):  # padded, and a batch without padding (no mask)
+            mine = own.get_encoder()(i, m).last_hidden_state
+            theirs = ref.get_encoder()(input_ids=i, attention_mask=m).last_hidden_state
+            assert torch.equal(mine, theirs)
+        if case == "m2m_100":  # past its table (64 + 2 rows): the sinusoids grow, as transformers' do
+            long = torch.randint(3, V, (2, 80), generator=g)
+            mine = own.get_encoder()(long, torch.ones_like(long)).last_hidden_state
+            assert torch.equal(mine, ref.get_encoder()(input_ids=long).last_hidden_state)
+
+
+TEXTS = ["the committee approved the plan", "a dog ran", "researchers found a new way to read old letters"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("family", ["bart", "marian", "mbart", "pegasus"])
+def test_generator_runs_own_tree_with_transformers_outputs(
+    family: str, dtype: str, tiny_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast engine over the own tree gives the tokens it gives over transformers' model (own tree refused)."""
+    settings = dict(num_beams=4, no_repeat_ngram_size=3, max_new_tokens=12)
+    gen = Generator(str(tiny_models(family)), backend="fast", dtype=dtype, **settings)
+    assert gen.loaded.own and isinstance(gen.model, own_model.OwnSeq2Seq)
+    assert engine_name(gen._engine()) == f"{gen.model.config.model_type} decoder"
+    ours = gen.generate(TEXTS)
+    monkeypatch.setattr(own_model, "refusal", lambda config: "refused by the test")
+    theirs = Generator(str(tiny_models(family)), backend="fast", dtype=dtype, **settings)
+    assert not theirs.loaded.own
+    assert ours == theirs.generate(TEXTS)
+    if dtype == "float32":  # and generate() itself, on transformers' model loaded on first use
+        assert isinstance(gen.loaded.reference, tf.PreTrainedModel)
+        assert ours == Generator(str(tiny_models(family)), backend="hf", **settings).generate(TEXTS)
+
+
+def test_hf_backend_gets_transformers_model(tiny_models: Callable[[str], Path]) -> None:
+    gen = Generator(str(tiny_models("marian")), backend="hf", max_new_tokens=4)
+    assert not gen.loaded.own and isinstance(gen.model, tf.PreTrainedModel)
+
+
+def test_checkpoint_it_does_not_read_goes_to_transformers(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """An unexpected weight, or no safetensors: the reason, and transformers loads the checkpoint."""
+    src = checkpoint("marian")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    for f in src.iterdir():
+        (odd / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({**tensors, "model.extra.weight": torch.zeros(2)}, str(odd / "model.safetensors"), {"format": "pt"})
+    config = tf.AutoConfig.from_pretrained(odd)
+    assert own_model.load(str(odd), config) == (None, "unexpected weights (model.extra.weight, ...)")
+    (odd / "model.safetensors").unlink()
+    torch.save(tensors, odd / "pytorch_model.bin")
+    assert own_model.load(str(odd), config) == (None, "no safetensors in the folder")
+    gelu_new = tf.AutoConfig.from_pretrained(src, activation_function="gelu_new")
+    assert own_model.load(str(src), gelu_new)[1] == "activation 'gelu_new' is not written here"
