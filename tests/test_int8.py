@@ -747,22 +747,24 @@ def test_int8_cache_dead_writers_temp_files_are_removed_live_ones_kept(
 
 
 def test_a_long_int8_weight_runs_in_blocks_with_the_same_bits() -> None:
-    """An int8 weight of more than ``BLOCK_ABOVE`` rows (a large vocabulary's LM head) is packed and run as
-    blocks of rows: the very bits of one product (the input is quantized once per block with the same scale), its
+    """An int8 weight of more than ``BLOCK_BYTES`` (an LM head) is packed and run as blocks of ``block_rows``
+    rows: the very bits of one product (the input is quantized once per block with the same scale), its
     weight and bias whole as before (the int8 cache and the tests read them)."""
     from seqgen_cli.models.linear_maps import (
-        BLOCK_ABOVE,
-        BLOCK_ROWS,
+        BLOCK_BYTES,
+        block_rows,
         dynamic_linear,
         int8_linear,
         quantize_weight,
     )
 
     g = torch.Generator().manual_seed(0)
-    w, b = torch.randn(BLOCK_ABOVE + 1000, 16, generator=g), torch.randn(BLOCK_ABOVE + 1000, generator=g)
+    cols = 64
+    rows = BLOCK_BYTES // cols + 1000
+    w, b = torch.randn(rows, cols, generator=g), torch.randn(rows, generator=g)
     blocked, whole = int8_linear(w, b), dynamic_linear(quantize_weight(w), b)
-    assert is_quantized(blocked) and len(blocked.blocks) == -(-w.shape[0] // BLOCK_ROWS)
-    for x in (torch.randn(1, 16, generator=g), torch.randn(7, 16, generator=g), torch.randn(2, 3, 16, generator=g)):
+    assert is_quantized(blocked) and len(blocked.blocks) == -(-rows // block_rows(cols))
+    for x in (torch.randn(1, cols, generator=g), torch.randn(7, cols, generator=g), torch.randn(2, 3, cols, generator=g)):
         assert torch.equal(blocked(x), whole(x))
     assert torch.equal(blocked.weight().int_repr(), whole.weight().int_repr()) and torch.equal(blocked.bias(), b)
-    assert not hasattr(int8_linear(w[:BLOCK_ABOVE], None), "blocks")  # up to the limit: one product
+    assert not hasattr(int8_linear(w[: BLOCK_BYTES // cols], None), "blocks")  # up to the limit: one product

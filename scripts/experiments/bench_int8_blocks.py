@@ -1,4 +1,4 @@
-"""A large int8 weight (a big vocabulary's LM head) as one fbgemm product or as ``BLOCK_ROWS``-row blocks
+"""A large int8 weight (a big vocabulary's LM head) as one fbgemm product or as ``block_rows``-row blocks
 (``linear_maps.BlockedInt8Linear``): packing it, and a product at 8 and 128 rows, the two interleaved, medians
 (min-max), and whether the outputs are the same bits. From the repository root::
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from seqgen_cli.models.linear_maps import BLOCK_ROWS, BlockedInt8Linear, dynamic_linear, quantize_weight
+from seqgen_cli.models.linear_maps import BlockedInt8Linear, block_rows, dynamic_linear, quantize_weight
 
 
 def seconds(fn) -> float:
@@ -53,7 +53,7 @@ def main() -> None:
             p.kill()
             p.wait()
     print(f"`python scripts/experiments/bench_int8_blocks.py {' '.join(sys.argv[1:])}`  ")
-    print(f"{args.rows} x {args.cols} int8, blocks of {BLOCK_ROWS} rows, {torch.get_num_threads()} threads, "
+    print(f"{args.rows} x {args.cols} int8, blocks of {block_rows(args.cols)} rows, {torch.get_num_threads()} threads, "
           f"{'beside a busy process' if busy else 'quiet'}; same bits: {same}\n")  # fmt: skip
     print("| what | seconds, median (min-max) |\n| --- | ---: |")
     for name, t in times.items():

@@ -197,36 +197,43 @@ def dynamic_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Modul
     return module
 
 
-BLOCK_ABOVE, BLOCK_ROWS = 65536, 8192  # an int8 weight of more rows is packed and run in blocks of rows
+BLOCK_BYTES = 8 * 2**20  # an int8 weight of more bytes is packed and run in blocks of rows of at most this many
+
+
+def block_rows(cols: int) -> int:
+    """Rows of a :class:`BlockedInt8Linear` block over ``cols`` input features (``BLOCK_BYTES`` of int8)."""
+    return max(1, BLOCK_BYTES // cols)
 
 
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """A dynamic-quantized copy of ``x -> x @ weight.T + bias`` (per-channel qint8 weight, float32 ``bias``),
     the quantized weight taken from the disk cache (:mod:`~seqgen_cli.models.int8_cache`) when a session is
     open and holds it. A strided view (GPT-2's transposed Conv1D weight) is made contiguous first: the cache
-    names and stores a weight by its row-major values. A weight of more than ``BLOCK_ABOVE`` rows (a 128k-256k word
-    LM head) is a :class:`BlockedInt8Linear`. Once packed, the pages of ``weight`` read from the checkpoint's mapped
+    names and stores a weight by its row-major values. A weight of more than ``BLOCK_BYTES`` (an LM head) is a
+    :class:`BlockedInt8Linear`. Once packed, the pages of ``weight`` read from the checkpoint's mapped
     file are given back (:mod:`~seqgen_cli.models.resident`; the cache gives back its own)."""
     qweight = quantized(weight.detach().contiguous(), quantize_weight)
     bias = None if bias is None else bias.detach().float()
-    module = BlockedInt8Linear(qweight, bias) if qweight.shape[0] > BLOCK_ABOVE else dynamic_linear(qweight, bias)
+    module = BlockedInt8Linear(qweight, bias) if qweight.numel() > BLOCK_BYTES else dynamic_linear(qweight, bias)
     release([weight])
     return module
 
 
 class BlockedInt8Linear(DynamicLinear):
-    """A dynamic-quantized linear map run as blocks of ``BLOCK_ROWS`` output rows, each its own fbgemm product,
-    the outputs concatenated. The same bits as one product: every block quantizes the same input with the same
-    scale (per tensor, from its minimum and maximum) and an output column depends only on its weight row. fbgemm
-    packs a 256k x 1024 weight in ~3 s as one and ~0.7 s as 8,192-row blocks (NLLB's LM head, the 2-core EPYC of
-    docs/EXPERIMENTS.md, "CPU int8: a large head in blocks")."""
+    """A dynamic-quantized linear map run as blocks of output rows (``block_rows``: ``BLOCK_BYTES`` of int8 each),
+    each its own fbgemm product, the outputs concatenated. The same bits as one product: every block quantizes the
+    same input with the same scale (per tensor, from its minimum and maximum) and an output column depends only on
+    its weight row. fbgemm's packing slows down past a few MiB a weight: it packs a 256k x 1024 weight in ~3 s as
+    one and ~0.7 s as 8,192-row blocks (NLLB's LM head), Marian's 58k x 512 head in 0.28 s as one and 0.10 s as
+    blocks (the 2-core EPYC of docs/EXPERIMENTS.md, "CPU int8: a large head in blocks")."""
 
     def __init__(self, qweight: torch.Tensor, bias: torch.Tensor | None) -> None:
         with torch.no_grad(), _quiet():
             super().__init__(1, 1, bias_=False)
+        self.rows = rows = block_rows(qweight.shape[1])
         self.blocks = nn.ModuleList(
-            dynamic_linear(qweight[i : i + BLOCK_ROWS], None if bias is None else bias[i : i + BLOCK_ROWS])
-            for i in range(0, qweight.shape[0], BLOCK_ROWS)
+            dynamic_linear(qweight[i : i + rows], None if bias is None else bias[i : i + rows])
+            for i in range(0, qweight.shape[0], rows)
         )
         self.qweight, self.full_bias = qweight, bias
         self.out_features, self.in_features = (int(n) for n in qweight.shape)
@@ -234,7 +241,7 @@ class BlockedInt8Linear(DynamicLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty((*x.shape[:-1], self.out_features))  # [..., O]; one block's product alive at a time
         for i, block in enumerate(self.blocks):
-            out[..., i * BLOCK_ROWS : (i + 1) * BLOCK_ROWS] = block(x)
+            out[..., i * self.rows : (i + 1) * self.rows] = block(x)
         return out
 
     def _weight_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
