@@ -110,7 +110,7 @@ class Generator:
             torch.manual_seed(seed)
         self.backend, self.fallback = choose_backend(backend, self.config)  # fallback: why auto picks hf
         if self.backend != "fast":  # generate() runs transformers' model
-            self.model = self.loaded.model = self.loaded.reference
+            self.model = self.loaded.use_reference()
         self.capture, self.lanes, self.lane_tokens = capture, lanes, lane_tokens  # refill: lanes, tokens x rows
         self.refill_stats = RefillStats()
         self._model_backend = None  # the engine's model backend, built on first use (int8: now)

@@ -43,6 +43,7 @@ class Loaded:
     int8: bool = False  # --dtype int8: the Generator quantizes the linear layers before the first batch
     name: str = ""  # as given
     source: str = ""  # the folder or hub name it was read from
+    loader: str = "transformers"  # what built ``model``: "seqgen" (models/own_model.py) or "transformers (<why>)"
     _reference: torch.nn.Module | None = None
 
     @property
@@ -51,6 +52,12 @@ class Loaded:
         from seqgen_cli.models.own_model import OwnSeq2Seq
 
         return isinstance(self.model, OwnSeq2Seq)
+
+    def use_reference(self) -> torch.nn.Module:
+        """From now on ``model`` is transformers' (``--backend hf``, or ``auto`` picking ``generate()``)."""
+        if self.own:
+            self.model, self.loader = self.reference, "transformers (generate() runs it)"
+        return self.model
 
     @property
     def reference(self) -> torch.nn.Module:
@@ -71,7 +78,7 @@ class Loaded:
         return "int8" if self.int8 else str(self.dtype).removeprefix("torch.")
 
     def describe(self) -> dict[str, str]:
-        return {"device": str(self.device), "dtype": self.dtype_name}
+        return {"device": str(self.device), "dtype": self.dtype_name, "loader": self.loader}
 
     def gpu_memory(self) -> dict[str, Any]:
         """On CUDA: the GPU's name and peak memory (``torch.cuda.max_memory_allocated`` since the start or the last
@@ -220,12 +227,15 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
         missing = [f for f in expected if f not in present]
         absent = f" (missing {', '.join(missing)})" if missing else ""
         raise SeqgenError(f"model {name}: cannot load its tokenizer{absent}: {_first_line(err)}") from None
-    model, own = None, own and dev.type == "cpu" and torch_dtype == torch.float32 and is_encoder_decoder
-    if own:
+    model, loader = None, "transformers"
+    if own and not (dev.type == "cpu" and torch_dtype == torch.float32 and is_encoder_decoder):
+        loader = "transformers (seqgen's own trees: encoder-decoders on the CPU in float32 and int8)"
+    elif own:
         from seqgen_cli.models import own_model
 
         with startup.stage("weights"):
-            model = own_model.load(source, config)[0]
+            model, why = own_model.load(source, config)
+        loader = "seqgen" if model is not None else f"transformers ({why})"
     if model is None:
         with fast_sinusoids(model_type):
             model = transformers_model(name, source, model_type, is_encoder_decoder, torch_dtype)
@@ -237,7 +247,8 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
     if tokenizer.pad_token_id is None:
         eos = model.generation_config.eos_token_id
         tokenizer.pad_token_id = eos[0] if isinstance(eos, list) else eos
-    return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype, int8=dtype == INT8, name=name, source=source)
+    int8 = dtype == INT8
+    return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype, int8, name=name, source=source, loader=loader)
 
 
 def transformers_model(

@@ -133,6 +133,7 @@ def test_device_stats_cpu_and_cuda() -> None:
     assert Generator.device_stats(_fake_generator("cpu", True)) == {
         "device": "cpu",
         "dtype": "float32",
+        "loader": "transformers",
         "step_path": "eager (test)",
     }
     with (
@@ -143,6 +144,7 @@ def test_device_stats_cpu_and_cuda() -> None:
     assert stats == {
         "device": "cuda",
         "dtype": "bfloat16",
+        "loader": "transformers",
         "step_path": "eager (test)",
         "device_name": "NVIDIA H100",
         "peak_gpu_memory_mb": 3072.0,

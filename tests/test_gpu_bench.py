@@ -123,7 +123,7 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
         assert r["generated_tokens"] >= lengths["max"]
     assert results["cli"]["api_ok"] and results["cli"]["cli_ok"], results["cli"]
     step = "eager (cpu: no CUDA graphs)"
-    stats = {"device": "cpu", "dtype": "float32", "engine": "bart decoder", "step_path": step}
+    stats = {"device": "cpu", "dtype": "float32", "loader": "seqgen", "engine": "bart decoder", "step_path": step}
     assert results["cli"]["device_stats"] == stats
     run = results["run"]  # whole processes over 12 lines: on the CPU every arm runs the eager step
     assert run["inputs"] == 12 and len(run["rows"]) == 4 and "--capture, warm caches" in run["rows"]

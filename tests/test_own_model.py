@@ -118,11 +118,12 @@ def test_generator_runs_own_tree_with_transformers_outputs(
     settings = dict(num_beams=4, no_repeat_ngram_size=3, max_new_tokens=12)
     gen = Generator(str(tiny_models(family)), backend="fast", dtype=dtype, **settings)
     assert gen.loaded.own and isinstance(gen.model, own_model.OwnSeq2Seq)
+    assert gen.device_stats()["loader"] == "seqgen"
     assert engine_name(gen._engine()) == f"{gen.model.config.model_type} decoder"
     ours = gen.generate(TEXTS)
     monkeypatch.setattr(own_model, "refusal", lambda config: "refused by the test")
     theirs = Generator(str(tiny_models(family)), backend="fast", dtype=dtype, **settings)
-    assert not theirs.loaded.own
+    assert not theirs.loaded.own and theirs.device_stats()["loader"] == "transformers (refused by the test)"
     assert ours == theirs.generate(TEXTS)
     if dtype == "float32":  # and generate() itself, on transformers' model loaded on first use
         assert isinstance(gen.loaded.reference, tf.PreTrainedModel)

@@ -156,7 +156,9 @@ def test_reference_scored_and_stats_written(job) -> None:
     assert data["interrupted"] is False and data["error"] is None and 0 <= data["padding_ratio"] < 1
     # no GPU: no peak GPU memory, no CUDA graphs
     step = "eager (cpu: no CUDA graphs)"
-    assert data["device"] == {"device": "cpu", "dtype": "float32", "engine": "bart decoder", "step_path": step}
+    assert data["device"] == {
+        "device": "cpu", "dtype": "float32", "loader": "seqgen", "engine": "bart decoder", "step_path": step
+    }
 
 
 def test_resume_needs_an_output_file(bart: Path) -> None:
