@@ -153,3 +153,22 @@ def test_checkpoint_it_does_not_read_goes_to_transformers(
     assert own_model.load(str(odd), config) == (None, "no safetensors in the folder")
     quick = tf.AutoConfig.from_pretrained(src, activation_function="quick_gelu")
     assert own_model.load(str(src), quick)[1] == "activation 'quick_gelu' is not written here"
+
+
+@pytest.mark.parametrize("how", ["sharded", "float16"])
+def test_shards_and_half_precision_files_read_as_transformers_reads_them(how: str, tmp_path: Path) -> None:
+    """A checkpoint in several safetensors files (an index), or saved in float16: the same float32 weights as
+    transformers loads from it."""
+    torch.manual_seed(0)
+    model = sharpen(tf.AutoModelForSeq2SeqLM.from_config(CASES["marian"]()), seed=3)
+    if how == "float16":
+        model = model.half()
+    model.save_pretrained(tmp_path, max_shard_size="100KB" if how == "sharded" else "5GB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (how == "sharded")
+    config = tf.AutoConfig.from_pretrained(tmp_path)
+    own, why = own_model.load(str(tmp_path), config)
+    assert own is not None, why
+    ref = tf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, dtype=torch.float32)
+    theirs = ref.state_dict()
+    assert own.state_dict().keys() == theirs.keys()
+    assert all(t.dtype == torch.float32 and torch.equal(own.state_dict()[k], t) for k, t in theirs.items())
