@@ -43,6 +43,7 @@ CASES: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "t5": lambda: tf.T5Config(**T5_SHAPE),  # v1.0: ReLU, tied head (its input rescaled)
     "t5 v1.1": lambda: tf.T5Config(feed_forward_proj="gated-gelu", tie_word_embeddings=False, **T5_SHAPE),
     "mt5": lambda: tf.MT5Config(**T5_SHAPE),
+    "umt5": lambda: tf.UMT5Config(feed_forward_proj="gated-gelu", **T5_SHAPE),  # a relative bias in every block
 }
 
 
@@ -172,3 +173,22 @@ def test_shards_and_half_precision_files_read_as_transformers_reads_them(how: st
     theirs = ref.state_dict()
     assert own.state_dict().keys() == theirs.keys()
     assert all(t.dtype == torch.float32 and torch.equal(own.state_dict()[k], t) for k, t in theirs.items())
+
+
+def test_umt5_runs_own_tree_with_transformers_outputs(
+    tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """UMT5 (a relative bias in every block): a random checkpoint with the tiny T5's tokenizer, the fast engine over
+    the own tree and over transformers' model give the same tokens."""
+    t5 = tiny_models("t5")
+    config = tf.AutoConfig.from_pretrained(t5)
+    torch.manual_seed(0)
+    umt5 = tf.UMT5Config(**{**T5_SHAPE, "vocab_size": config.vocab_size, "feed_forward_proj": "gated-gelu"})
+    sharpen(tf.AutoModelForSeq2SeqLM.from_config(umt5), seed=4).save_pretrained(tmp_path)
+    tf.AutoTokenizer.from_pretrained(t5).save_pretrained(tmp_path)
+    settings = dict(num_beams=4, no_repeat_ngram_size=3, max_new_tokens=12)
+    gen = Generator(str(tmp_path), backend="fast", **settings)
+    assert gen.loaded.loader == "seqgen" and engine_name(gen._engine()) == "umt5 decoder"
+    ours = gen.generate(TEXTS)
+    monkeypatch.setattr(own_model, "refusal", lambda config: "refused by the test")
+    assert ours == Generator(str(tmp_path), backend="fast", **settings).generate(TEXTS)

@@ -2,7 +2,7 @@
 ``generation_config.json`` and safetensors read straight into a module tree named as transformers names it, so that
 :class:`~seqgen_cli.models.encoder_decoder.EncoderDecoderBackend` reads it as it reads transformers' model; its
 encoder runs here. The trees: the BART family (BART, mBART, Marian, Pegasus, M2M-100 / NLLB; ``own_bart.py``) and
-T5 / mT5 (``own_t5.py``).
+T5 / mT5 / UMT5 (``own_t5.py``).
 
 Why: importing a transformers model class costs 1.0-1.4 s of a CPU process (``torch.distributed.tensor``,
 ``torch._dynamo``, the loss functions; docs/BENCHMARKS.md, "Start-up and small jobs against CTranslate2"), more than
@@ -31,7 +31,7 @@ from torch import nn
 
 TREES = {  # model_type -> the module of its tree (``Tree``)
     **dict.fromkeys(("bart", "mbart", "marian", "pegasus", "m2m_100"), "own_bart"),
-    **dict.fromkeys(("t5", "mt5"), "own_t5"),
+    **dict.fromkeys(("t5", "mt5", "umt5"), "own_t5"),
 }
 
 

@@ -1,6 +1,7 @@
-"""T5's and mT5's module tree for ``own_model.load``: transformers' names (``encoder.block.0.layer.0.SelfAttention.q``),
-the encoder's forward as transformers' (unscaled sdpa over the first block's relative position bias, padding masked
-with the dtype's minimum, RMS norms in float32)."""
+"""T5's, mT5's and UMT5's module tree for ``own_model.load``: transformers' names
+(``encoder.block.0.layer.0.SelfAttention.q``), the encoder's forward as transformers' (unscaled sdpa over the relative
+position bias, the first block's or, UMT5, each block's own; padding masked with the dtype's minimum; RMS norms in
+float32)."""
 
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ class Stack(nn.Module):
         super().__init__()
         self.embed_tokens = embedding(cfg.vocab_size, cfg.d_model)
         layers = cfg.num_decoder_layers if decoder else cfg.num_layers
-        self.block = nn.ModuleList(Block(cfg, i == 0, decoder) for i in range(layers))
+        every = cfg.model_type == "umt5"  # a relative position bias in every block, not only the first
+        self.block = nn.ModuleList(Block(cfg, every or i == 0, decoder) for i in range(layers))
         self.final_layer_norm = Norm(cfg.d_model, cfg.layer_norm_epsilon)
 
     def forward(
@@ -143,18 +145,21 @@ class Stack(nn.Module):
         """The encoder: [B, S] ids and mask -> ``last_hidden_state`` [B, S, D]."""
         b, s = input_ids.shape
         x = self.embed_tokens(input_ids)  # [B, S, D]
-        bias = self.block[0].layer[0].SelfAttention.compute_bias(s, s, device=x.device)  # [1, H, S, S]
-        if attention_mask is not None and not bool(attention_mask.all()):  # sdpa's bias mask, as transformers'
+        keep = None  # sdpa's bias mask, as transformers builds it: the bias, the dtype's minimum at padding
+        if attention_mask is not None and not bool(attention_mask.all()):
             keep = attention_mask.bool()[:, None, None, :].expand(b, 1, s, s)
-            bias = torch.where(keep, bias, torch.finfo(x.dtype).min)  # [B, H, S, S]
-        bias = bias.contiguous()
+        bias = None
         for block in self.block:
+            attn = block.layer[0].SelfAttention
+            if attn.has_relative_attention_bias:  # the first block's, kept for the rest (UMT5: each block's)
+                bias = attn.compute_bias(s, s, device=x.device)  # [1, H, S, S]
+                bias = (bias if keep is None else torch.where(keep, bias, torch.finfo(x.dtype).min)).contiguous()
             x = block(x, bias)
         return EncoderOutput(self.final_layer_norm(x))
 
 
 class Tree(OwnSeq2Seq):
-    """A T5 / mT5 checkpoint: ``shared``, ``encoder`` / ``decoder``, ``lm_head``."""
+    """A T5 / mT5 / UMT5 checkpoint: ``shared``, ``encoder`` / ``decoder``, ``lm_head``."""
 
     ENCODER, DECODER = "encoder", "decoder"
 
