@@ -397,6 +397,8 @@ def fast_sinusoids(model_type: str | None) -> Iterator[None]:
     if name is None:
         yield
         return
+    from seqgen_cli.models.own_bart import sinusoid_table
+
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     cls = getattr(module, name, None)
     original = getattr(cls, "create_weight", None)
@@ -409,21 +411,6 @@ def fast_sinusoids(model_type: str | None) -> Iterator[None]:
         yield
     finally:
         cls.create_weight = original
-
-
-def sinusoid_table(embedding: torch.nn.Embedding) -> torch.Tensor:
-    """transformers' Marian/Pegasus ``create_weight``, vectorised: sin of even features in the first half,
-    cos of odd ones in the second; [n_pos, dim] in the embedding's dtype."""
-    import numpy as np
-
-    n_pos, dim = embedding.weight.shape
-    j = np.arange(dim)
-    position_enc = np.arange(n_pos)[:, None] / np.power(10000, 2 * (j // 2) / dim)  # [n_pos, dim] float64
-    out = torch.empty(n_pos, dim, dtype=embedding.weight.dtype, requires_grad=False)
-    sentinel = dim // 2 if dim % 2 == 0 else (dim // 2) + 1
-    out[:, 0:sentinel] = torch.FloatTensor(np.sin(position_enc[:, 0::2]))
-    out[:, sentinel:] = torch.FloatTensor(np.cos(position_enc[:, 1::2]))
-    return out
 
 
 def quiet_transformers() -> None:

@@ -136,17 +136,18 @@ def test_load_builds_the_same_sinusoid_tables(family: str, tiny_models: Callable
     """seqgen's vectorised sinusoid tables (loading.fast_sinusoids) are transformers' own, bit for bit, and
     transformers' class is left as it was."""
     from seqgen_cli import loading
+    from seqgen_cli.models import own_bart
 
     ours = loading.load(str(tiny_models(family)), "cpu").model
     theirs, _ = load_tiny(tiny_models(family))
     cls = type(theirs.model.encoder.embed_positions)
-    assert cls.create_weight is not loading.sinusoid_table
+    assert cls.create_weight is not own_bart.sinusoid_table
     for part in ("encoder", "decoder"):
         mine = getattr(ours.model, part).embed_positions.weight
         assert torch.equal(mine, getattr(theirs.model, part).embed_positions.weight)
     for n_pos, dim in [(512, 512), (1024, 1024), (37, 15), (9, 1)]:
         emb = cls(n_pos, dim)
-        assert torch.equal(loading.sinusoid_table(emb), emb.create_weight()), (n_pos, dim)
+        assert torch.equal(own_bart.sinusoid_table(emb), emb.create_weight()), (n_pos, dim)
 
 
 def test_fast_sinusoids_keeps_a_different_formula() -> None:
@@ -154,6 +155,7 @@ def test_fast_sinusoids_keeps_a_different_formula() -> None:
     from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding as cls
 
     from seqgen_cli import loading
+    from seqgen_cli.models import own_bart
 
     original = cls.create_weight
 
@@ -167,5 +169,5 @@ def test_fast_sinusoids_keeps_a_different_formula() -> None:
     finally:
         cls.create_weight = original
     with loading.fast_sinusoids("marian"):
-        assert cls.create_weight is loading.sinusoid_table
+        assert cls.create_weight is own_bart.sinusoid_table
     assert cls.create_weight is original

@@ -195,9 +195,23 @@ def sharing(config: Any) -> bool:
 
 
 def sinusoids(rows: int, dim: int) -> torch.Tensor:
-    """Marian's and Pegasus's position table (transformers' ``create_weight``, vectorised: loading.sinusoid_table)."""
-    from seqgen_cli.loading import sinusoid_table
-
+    """Marian's and Pegasus's position table, [rows, dim] float32."""
     with torch.device("meta"):
         shape = embedding(rows, dim)  # sinusoid_table reads its shape and dtype
     return sinusoid_table(shape)
+
+
+def sinusoid_table(embedding: torch.nn.Embedding) -> torch.Tensor:
+    """transformers' Marian/Pegasus ``create_weight``, vectorised (also put in its place while transformers loads a
+    model: ``loading.fast_sinusoids``): sin of even features in the first half, cos of odd ones in the second;
+    [n_pos, dim] in the embedding's dtype."""
+    import numpy as np
+
+    n_pos, dim = embedding.weight.shape
+    j = np.arange(dim)
+    position_enc = np.arange(n_pos)[:, None] / np.power(10000, 2 * (j // 2) / dim)  # [n_pos, dim] float64
+    out = torch.empty(n_pos, dim, dtype=embedding.weight.dtype, requires_grad=False)
+    sentinel = dim // 2 if dim % 2 == 0 else (dim // 2) + 1
+    out[:, 0:sentinel] = torch.FloatTensor(np.sin(position_enc[:, 0::2]))
+    out[:, sentinel:] = torch.FloatTensor(np.cos(position_enc[:, 1::2]))
+    return out
