@@ -67,9 +67,7 @@ class Loaded:
             return self.model
         if self._reference is None:
             model_type = self.model.config.model_type
-            with fast_sinusoids(model_type):
-                model = transformers_model(self.name, self.source, model_type, True, torch.float32)
-            self._reference = model.eval()
+            self._reference = transformers_model(self.name, self.source, model_type, True, torch.float32).eval()
         return self._reference
 
     @property
@@ -185,9 +183,10 @@ def resolve_model_path(name: str) -> str:
 
 def load(name: str, device: str | None = None, dtype: str | None = None, own: bool = False) -> Loaded:
     """Load tokenizer and model (``AutoModelForSeq2SeqLM`` or ``AutoModelForCausalLM``), eval mode; each part a
-    start-up stage (``--stats`` ``startup``). ``own``: for the fast engine on the CPU in float32 or int8, a BART-family
-    checkpoint as seqgen's own module tree where it reads it exactly (``models/own_model.py``; no transformers model
-    class is imported), transformers' model otherwise."""
+    start-up stage (``--stats`` ``startup``). ``own``: for the fast engine on the CPU in float32 or int8, an
+    encoder-decoder checkpoint of a family with a tree of its own (BART family, T5, mT5, UMT5) as that tree where it
+    reads it exactly (``models/own_model.py``; no transformers model class is imported), transformers' model
+    otherwise."""
     with startup.stage("import transformers"):
         from transformers import AutoConfig, AutoTokenizer
         from transformers.models.auto.modeling_auto import (
@@ -237,8 +236,7 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
             model, why = own_model.load(source, config)
         loader = "seqgen" if model is not None else f"transformers ({why})"
     if model is None:
-        with fast_sinusoids(model_type):
-            model = transformers_model(name, source, model_type, is_encoder_decoder, torch_dtype)
+        model = transformers_model(name, source, model_type, is_encoder_decoder, torch_dtype)
     model.to(dev).eval()
     if dev.type == "cpu":
         keep_freed_memory()
@@ -254,7 +252,8 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
 def transformers_model(
     name: str, source: str, model_type: str, is_encoder_decoder: bool, dtype: torch.dtype
 ) -> torch.nn.Module:
-    """transformers' model of the checkpoint (``AutoModelForSeq2SeqLM`` / ``AutoModelForCausalLM``), on the CPU."""
+    """transformers' model of the checkpoint (``AutoModelForSeq2SeqLM`` / ``AutoModelForCausalLM``), on the CPU, or
+    the one-line error of weights it cannot load."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
     from transformers.models.auto.modeling_auto import (
@@ -267,7 +266,7 @@ def transformers_model(
     with startup.stage("model class import"):  # transformers imports a model's module on first use
         getattr(transformers, names[model_type], None)
     try:
-        with startup.stage("weights"):
+        with fast_sinusoids(model_type), startup.stage("weights"):
             return auto.from_pretrained(source, dtype=dtype)
     except Exception as err:  # noqa: BLE001 - safetensors, pickle and torch each raise their own
         raise SeqgenError(weights_error(name, source, err)) from None
