@@ -67,7 +67,10 @@ class Dims:
 
     @classmethod
     def of(cls, config: Any, part: str) -> Dims | None:
-        """The ``part`` (``encoder`` or ``decoder``) stack of ``config``; ``None`` where it does not say."""
+        """The ``part`` (``encoder`` or ``decoder``) stack of ``config`` (T5Gemma: its config of that part);
+        ``None`` where it does not say."""
+        sub = getattr(config, part, None)
+        config = sub if hasattr(sub, "to_dict") else config
         hidden = _first(config, "d_model", "hidden_size", "n_embd")
         heads = _first(config, f"{part}_attention_heads", "num_heads", "num_attention_heads", "n_head")
         if hidden is None or heads is None:

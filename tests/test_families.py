@@ -40,6 +40,11 @@ LLAMA_SHAPE = dict(
     vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
     num_hidden_layers=2, max_position_embeddings=64, **CAUSAL_IDS,
 )  # fmt: skip
+T5GEMMA_IDS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)
+GEMMA_MODULE = dict(
+    {k: v for k, v in LLAMA_SHAPE.items() if k not in CAUSAL_IDS}, **T5GEMMA_IDS, query_pre_attn_scalar=8,
+    sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=5.0, dropout_rate=0.0,
+)  # fmt: skip
 
 CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "m2m_100": lambda: tf.M2M100Config(max_position_embeddings=64, scale_embedding=True, **BART_SHAPE),
@@ -55,6 +60,10 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
         feed_forward_proj="gated-gelu", **T5_SHAPE,
     ),  # fmt: skip
     "umt5": lambda: tf.UMT5Config(feed_forward_proj="gated-gelu", **T5_SHAPE),
+    # a sliding window every output reaches; soft-capping low enough to bite
+    "t5gemma": lambda: tf.T5GemmaConfig(
+        encoder=GEMMA_MODULE, decoder=GEMMA_MODULE, vocab_size=V, **T5GEMMA_IDS, decoder_start_token_id=2
+    ),
     "qwen3": lambda: tf.Qwen3Config(**LLAMA_SHAPE),
     "phi3": lambda: tf.Phi3Config(
         sliding_window=None,
@@ -201,7 +210,7 @@ def test_m2m100_a_generated_pad_token_takes_the_padding_position() -> None:
 
 
 @pytest.mark.slow  # inductor compiles: a few seconds of CPU per family
-@pytest.mark.parametrize("name", ["m2m_100", "pegasus_x", "umt5", "phi3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("name", ["m2m_100", "pegasus_x", "umt5", "t5gemma", "phi3", "gemma2", "gemma3_text"])
 def test_static_step_compiles_whole(name: str) -> None:
     """What the captured path compiles on CUDA, under the real inductor on the CPU: one graph per shape
     (``fullgraph=True``, no dynamic shapes), the eager static step's logits (inductor reassociates sums:
@@ -241,7 +250,7 @@ def test_led_takes_sources_as_long_as_its_encoder() -> None:
     assert source_limit(config, SimpleNamespace(model_max_length=1024), 4096) == 4096
 
 
-TOKENIZER_OF = {"bart": ("m2m_100", "led", "pegasus_x"), "t5": ("longt5", "umt5")}  # else the llama fixture's
+TOKENIZER_OF = {"bart": ("m2m_100", "led", "pegasus_x"), "t5": ("longt5", "umt5", "t5gemma")}  # else the llama fixture's
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -256,7 +265,9 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(name: str, tiny_models
 
     fixture = next((f for f, names in TOKENIZER_OF.items() if name in names), "llama")
     config = CONFIGS[name]()
-    config.vocab_size = 601
+    for part in (config, getattr(config, "encoder", None), getattr(config, "decoder", None)):  # T5Gemma: its parts'
+        if part is not None:
+            part.vocab_size = 601
     auto = tf.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tf.AutoModelForCausalLM
     torch.manual_seed(0)
     sharpen(auto.from_config(config), seed=1).save_pretrained(tmp_path)

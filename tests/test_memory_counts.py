@@ -118,6 +118,21 @@ def test_encoder_bytes_bound_the_encoders_peak(tiny_models, family: str, inputs:
             assert estimate <= (2 if width < 64 else 1.4) * peak.peak, (peak.peak, estimate)
 
 
+def test_t5gemma_encoder_bytes_from_its_encoders_config() -> None:
+    """T5Gemma names its stacks' sizes in a config per stack: the estimate reads the encoder's and bounds its eager
+    attention's peak (grouped-query K/V heads: fewer bytes than counted)."""
+    from tests.test_families import model, sources
+
+    m = model("t5gemma")
+    dims = Dims.of(m.config, "encoder")
+    assert dims == Dims(hidden=32, heads=4, inner=4 * 8, ffn=64, position_bias=False)
+    batch = sources(m.config, 8)
+    estimate = encoder_bytes(dims, *batch.input_ids.shape, 4)
+    with torch.inference_mode(), PeakBytes() as peak:
+        m.get_encoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
+    assert peak.peak <= estimate <= 2 * peak.peak, (peak.peak, estimate)
+
+
 # -- the search ----------------------------------------------------------------------------------------------------
 class FakeLogits:
     """A backend whose steps make random logits (EOS favoured, so beams finish): only the search's tensors."""

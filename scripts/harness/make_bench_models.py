@@ -22,6 +22,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = Path("~/.cache/seqgen-bench").expanduser()
 
+T5GEMMA_MODULE = dict(
+    vocab_size=32128, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+    num_key_value_heads=4, head_dim=64, query_pre_attn_scalar=64, sliding_window=4096, max_position_embeddings=8192,
+    pad_token_id=0, eos_token_id=1, bos_token_id=0,
+)  # fmt: skip
+
 # name -> (tokenizer/config folder in shared/tokenizers, config overrides)
 MODELS: dict[str, tuple[str, dict]] = {
     "bart-large-cnn": ("bart-large-cnn", {}),
@@ -86,6 +92,21 @@ MODELS: dict[str, tuple[str, dict]] = {
             "vocab_size": 50257,
             "bos_token_id": 50256,
             "eos_token_id": 50256,
+        },
+    ),
+    # a T5Gemma built here (no T5Gemma config or tokenizer is in the shared folder): t5-base-like widths (12 + 12
+    # layers, hidden 768, MLP 2048, head_dim 64) with the Gemma 2 decoder's grouped-query heads (12 over 4 K/V),
+    # soft-capping (attention 50, logits 30) and a 4,096-position window on every other layer, over t5-small's
+    # tokenizer (vocabulary 32,128; decoding starts at its pad token, as T5's does)
+    "t5gemma-b": (
+        "t5-small",
+        {
+            "config_class": "T5GemmaConfig",
+            **{part: dict(T5GEMMA_MODULE) for part in ("encoder", "decoder")},
+            "vocab_size": 32128,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+            "bos_token_id": 0,
         },
     ),
 }

@@ -1,6 +1,6 @@
 """Attention over the caches' keys and values: scores accumulated in float32 (:func:`scores32`), softmax, and
-the values summed chunk by chunk where batch-independence needs it (:func:`attention`). The caches
-(``models/kv_cache.py``) store; this attends."""
+the values summed chunk by chunk where batch-independence needs it (:func:`attention`), with the arithmetic
+around it that the decoders share (RoPE, soft-capping). The caches (``models/kv_cache.py``) store; this attends."""
 
 from __future__ import annotations
 
@@ -36,11 +36,22 @@ def scores32(q: Tensor, keys_t: Tensor) -> Tensor:
 
 
 def attention(
-    q: Tensor, keys_t: Tensor, values: Tensor, bias: Tensor | None, scale: float, chunk: int | None = None
+    q: Tensor,
+    keys_t: Tensor,
+    values: Tensor,
+    bias: Tensor | None,
+    scale: float,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    scale_scores: bool = False,
 ) -> Tensor:
-    """``softmax(scale * q @ keys_t + bias) @ values`` with float32 scores: ``q`` [..., Q, d], ``keys_t``
-    [..., d, K] (keys transposed), ``values`` [..., K, d], ``bias`` additive (0 / -inf, float32),
-    broadcastable to [..., Q, K] -> [..., Q, d].
+    """``softmax(cap(scale * q @ keys_t) + bias) @ values`` with float32 scores: ``q`` [..., H, Q, d], ``keys_t``
+    [..., Hkv, d, K] (keys transposed), ``values`` [..., Hkv, K, d], ``bias`` additive (0 / -inf, float32),
+    broadcastable to [..., 1|H, Q, K] -> [..., H, Q, d].
+
+    Grouped-query attention (``H`` a multiple of ``Hkv``): query head ``h`` attends K/V head ``h // (H / Hkv)``,
+    as transformers' ``repeat_kv`` pairs them, without repeating the keys: a K/V head's query heads are rows of one
+    product ([..., Hkv, G*Q, d]). ``bias`` then has one head ([..., 1, Q|1, K]).
 
     ``chunk`` (cross-attention: ``shapes.CROSS_CHUNK``; ``K`` a multiple of it): the values are summed chunk by
     chunk (one product per chunk of ``chunk`` keys, then a sum over the chunks), so keys masked at the end (a
@@ -48,29 +59,61 @@ def attention(
     product over all ``K`` keys does not: the GEMM splits its inner dimension by its length. The scores and the
     softmax keep their bits at any width that is a multiple of 64 (measured; tests/test_determinism.py).
 
-    float32 scales ``q`` before the product (the order it always had); float16 / bfloat16 take the product in
-    float32 (:func:`scores32`) and scale the float32 scores, so neither the scores nor the scaled queries are
-    rounded to half.
+    Where the scale goes: float32 scales ``q`` before the product (the order transformers' SDPA path takes);
+    ``scale_scores`` (T5Gemma: transformers' eager attention, the only one it has) scales the product, as do
+    float16 / bfloat16, which take the product in float32 (:func:`scores32`), so neither the scores nor the
+    scaled queries are rounded to half. ``softcap`` (Gemma): scaled scores become ``tanh(s / softcap) * softcap``
+    before the bias (:func:`soft_cap`).
 
     Decoding attention on the CPU: two batched GEMMs beat SDPA's kernel, whose
     per-(input, head) overhead dominates at a handful of queries (docs/EXPERIMENTS.md,
     "CPU float32: what the step does, and what each choice measured")."""
-    if q.dtype in HALF:
-        scores = scores32(q, keys_t)  # [..., Q, K] float32
+    *lead, h, q_len, d = q.shape
+    hkv = keys_t.shape[-3]
+    g = h // hkv
+    if g > 1:
+        q = q.reshape(*lead, hkv, g * q_len, d)  # [..., H, Q, d] -> [..., Hkv, G*Q, d]: a K/V head's queries
+    if q.dtype in HALF or scale_scores:
+        scores = scores32(q, keys_t)  # [..., Hkv, G*Q, K] float32
         if scale != 1.0:
             scores.mul_(scale)
     else:
-        scores = torch.matmul(q if scale == 1.0 else q * scale, keys_t)  # [..., Q, K]
-    if bias is not None:
+        scores = torch.matmul(q if scale == 1.0 else q * scale, keys_t)  # [..., Hkv, G*Q, K]
+    scores = soft_cap(scores, softcap)
+    if bias is not None and g > 1:  # [..., Hkv, G, Q, K] + [..., 1, 1, Q|1, K]
+        scores = (scores.view(*lead, hkv, g, q_len, -1) + bias.unsqueeze(-3)).view(*lead, hkv, g * q_len, -1)
+    elif bias is not None:
         scores += bias
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [..., Q, K]
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [..., Hkv, G*Q, K]
     if chunk is None:
-        return torch.matmul(probs, values)  # [..., Q, d]
-    *lead, q_len, k_len = probs.shape
-    c = k_len // chunk
-    probs = probs.view(*lead, q_len, c, chunk).transpose(-3, -2)  # [..., Q, C, chunk] -> [..., C, Q, chunk]
-    parts = torch.matmul(probs, values.view(*lead, c, chunk, values.shape[-1]))  # [..., C, Q, d]
-    return parts.sum(dim=-3)  # [..., Q, d]
+        out = torch.matmul(probs, values)  # [..., Hkv, G*Q, d]
+    else:
+        rows, k_len = probs.shape[-2:]
+        c = k_len // chunk
+        probs = probs.view(*lead, hkv, rows, c, chunk).transpose(-3, -2)  # [..., Hkv, C, G*Q, chunk]
+        parts = torch.matmul(probs, values.view(*lead, hkv, c, chunk, d))  # [..., Hkv, C, G*Q, d]
+        out = parts.sum(dim=-3)  # [..., Hkv, G*Q, d]
+    return out.view(*lead, h, q_len, d)  # [..., Hkv, G*Q, d] -> [..., H, Q, d]
+
+
+def soft_cap(x: Tensor, cap: float | None) -> Tensor:
+    """Gemma's soft-capping: ``tanh(x / cap) * cap`` (``None``: ``x``), in transformers' order."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE over the first ``cos.shape[-1]`` features of each head (all of them but where the rotary factor is
+    partial, Phi-3): ``x`` [N, H, d], ``cos``/``sin`` [N|1, 1, r]."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
 
 Block = tuple[
@@ -93,8 +136,7 @@ def attend_blocks(q: Tensor, blocks: list[Block], scale: float, softcap: float |
     parts = []
     for keys_t, _, bias in blocks:
         scores = scores32(qg, keys_t).mul_(scale)  # [B, Hkv, R*G, K] float32
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
+        scores = soft_cap(scores, softcap)
         if bias is not None:
             scores = (scores.view(b, hkv, r, g, -1) + bias).view(b, hkv, r * g, -1)
         parts.append(scores)

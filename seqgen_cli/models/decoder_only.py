@@ -22,7 +22,7 @@ import torch
 import transformers
 from torch import Tensor
 
-from seqgen_cli.models.attention import attend_blocks
+from seqgen_cli.models.attention import attend_blocks, rope, soft_cap
 from seqgen_cli.models.families import Causal
 from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
@@ -51,26 +51,6 @@ def self_attention(
     attends the prompt and the generated positions (``sliding``: those within the cache's window) under one float32
     softmax -> [N, H*d]."""
     return attend_blocks(q, cache.update(layer, k, v, sliding), scale, softcap)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE over the first ``cos.shape[-1]`` features of each head (all of them but where the rotary factor is
-    partial, Phi-3): ``x`` [N, H, d], ``cos``/``sin`` [N, 1, r]."""
-    r = cos.shape[-1]
-    if r == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    rot, rest = x[..., :r], x[..., r:]
-    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
-
-
-def soft_cap(x: Tensor, cap: float | None) -> Tensor:
-    """Gemma's soft-capping: ``tanh(x / cap) * cap`` (``None``: ``x``)."""
-    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The one encoder-decoder decoder: every encoder-decoder family's decode step, written once over its description
-(``families.py``: BART family, M2M-100 / NLLB, LED, Pegasus-X, T5, LongT5, UMT5), and the protocol glue.
+(``families.py``: BART family, M2M-100 / NLLB, LED, Pegasus-X, T5, LongT5, UMT5, T5Gemma), and the protocol glue.
 
 The model's own encoder layers run once per input (float32 on the CPU: a copy of its module tree that shares its
 weights, its ``nn.Linear`` layers on oneDNN, ``linear_maps.onednn_copy``; ``generate()`` keeps the model's own).
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from seqgen_cli.models.attention import attention
-from seqgen_cli.models.families import Seq2Seq
+from seqgen_cli.models.attention import attention, rope, soft_cap
+from seqgen_cli.models.families import Seq2Seq, Seq2SeqLayer
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
     kv_bytes,
@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class EncoderDecoderState:
-    cross_k: list[torch.Tensor]  # per decoder layer [B, H, d, S]: keys transposed
-    cross_v: list[torch.Tensor]  # per decoder layer [B, H, S, d]
+    cross_k: list[torch.Tensor]  # per decoder layer [B, Hkv, d, S]: keys transposed
+    cross_v: list[torch.Tensor]  # per decoder layer [B, Hkv, S, d]
     cross_mask: torch.Tensor  # [B, 1, 1, S] float32 additive: 0 = attend, -inf = padding
     cache: EncoderDecoderKVCache  # self-attention, preallocated for max_len positions
     max_len: int  # positions the self-attention cache holds
@@ -54,29 +54,42 @@ class EncoderDecoderState:
 
 
 def cross_attention(
-    q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, lay: Seq2SeqLayer, scale_scores: bool
 ) -> torch.Tensor:
-    """``q`` [N, H*d] (N = B*R, input-major), ``k_t`` [B, H, d, S], ``v`` [B, H, S, d], ``mask`` additive
+    """``q`` [N, H*d] (N = B*R, input-major), ``k_t`` [B, Hkv, d, S], ``v`` [B, Hkv, S, d], ``mask`` additive
     [B, 1, 1, S] -> [N, H*d]; ``S`` whole chunks (``shapes.cross_width``), summed chunk by chunk."""
-    b, h, d, _ = k_t.shape
+    b, _, d, _ = k_t.shape
     n = q.shape[0]
+    h = q.shape[1] // d
     q = q.view(b, n // b, h, d).transpose(1, 2)  # [N, H*d] -> [B, H, R, d]: beams as query positions
-    out = attention(q, k_t, v, mask, scale, chunk=CROSS_CHUNK)  # [B, H, R, d]
+    out = attention(q, k_t, v, mask, lay.scale, CROSS_CHUNK, lay.softcap, scale_scores)  # [B, H, R, d]
     return out.transpose(1, 2).reshape(n, h * d)  # [B, R, H, d] -> [N, H*d]
 
 
 def self_attention(
-    qkv: torch.Tensor, cache: EncoderDecoderKVCache, layer: int, heads: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: EncoderDecoderKVCache,
+    layer: int,
+    lay: Seq2SeqLayer,
+    scale_scores: bool,
+    sliding: bool = False,
 ) -> torch.Tensor:
-    """``qkv`` [N, 3*H*d] for this step; writes k/v into ``cache`` (a batch's or the lanes'); returns the attention
-    output over each row's history [N, H*d]."""
-    n = qkv.shape[0]
-    q, k, v = qkv.view(n, 3, heads, -1).unbind(1)  # [N, 3, H, d] -> [N, H, d] each
-    keys_t, values = cache.update(layer, k, v)  # [B, H, d, span*R], [B, H, span*R, d]
-    b, d = keys_t.shape[0], q.shape[-1]
-    qb = q.view(b, n // b, heads, d).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
-    out = attention(qb, keys_t, values, cache.layer_bias(layer), scale)  # [B, H, Rq, d]
-    return out.transpose(1, 2).reshape(n, heads * d)  # [B, Rq, H, d] -> [N, H*d]
+    """This step's ``q`` [N, H, d], ``k``/``v`` [N, Hkv, d]: k/v into ``cache`` (a batch's or the lanes'); returns the
+    attention output over each row's history (``sliding``: the keys within the cache's window) [N, H*d]."""
+    n, h, d = q.shape
+    keys_t, values = cache.update(layer, k, v)  # [B, Hkv, d, span*R], [B, Hkv, span*R, d]
+    b = keys_t.shape[0]
+    qb = q.view(b, n // b, h, d).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
+    bias = cache.layer_bias(layer, sliding)
+    out = attention(qb, keys_t, values, bias, lay.scale, None, lay.softcap, scale_scores)  # [B, H, Rq, d]
+    return out.transpose(1, 2).reshape(n, h * d)  # [B, Rq, H, d] -> [N, H*d]
+
+
+def _out(norm: torch.nn.Module | None, y: torch.Tensor) -> torch.Tensor:
+    """A sub-layer's output as it joins the residual: normed where the family norms it (T5Gemma)."""
+    return y if norm is None else norm(y)
 
 
 def clamp_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -99,19 +112,32 @@ class EncoderDecoderBackend:
         self.family = family
         self.encoder = model.get_encoder() if int8 else onednn_copy(model.get_encoder())  # float32 CPU: oneDNN
         self.embed = dec.embed_tokens.weight  # [V_in, D]
-        self.embed_scale = getattr(dec.embed_tokens, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)
+        hidden = self.embed.shape[1]
+        self.embed_scale: float | torch.Tensor | None = None  # None: unscaled
+        if family.scaled_embedding:  # as transformers writes it: a tensor of the model's dtype
+            self.embed_scale = torch.tensor(hidden**0.5, dtype=self.embed.dtype, device=self.embed.device)
+        elif (scale := getattr(dec.embed_tokens, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)) != 1.0:
+            self.embed_scale = scale
         self.dec_layers = []
         for layer in getattr(dec, family.layers):
             self.dec_layers.append(family.reader(layer, int8))
             if int8:  # its float32 weights have int8 copies now: their pages go back (resident.py)
                 release(p for p in layer.parameters() if p.dim() == 2)
         self.layers = len(self.dec_layers)
-        self.heads = int(getattr(cfg, "decoder_attention_heads", None) or cfg.num_heads)
-        self.head_dim = int(getattr(cfg, "d_kv", None) or cfg.d_model // self.heads)  # T5 family: its own d_kv
+        dcfg = getattr(dec, "config", None) or cfg  # T5: the decoder's copy; T5Gemma: its own; own trees: the model's
+        heads = getattr(dcfg, "decoder_attention_heads", None) or getattr(dcfg, "num_heads", None)
+        self.heads = int(heads or dcfg.num_attention_heads)
+        self.kv_heads = int(getattr(dcfg, "num_key_value_heads", None) or self.heads)  # cached: K/V heads only
+        self.head_dim = int(getattr(dcfg, "d_kv", None) or getattr(dcfg, "head_dim", None) or hidden // self.heads)
+        kinds = getattr(dcfg, "layer_types", None) or ["full_attention"] * self.layers
+        self.sliding = [kind == "sliding_attention" for kind in kinds]
+        self.window = int(dcfg.sliding_window) if any(self.sliding) and dcfg.sliding_window else None
+        self.rotary = dec.rotary_emb if family.positions == "rotary" else None
+        self.final_softcap = getattr(dcfg, "final_logit_softcapping", None)
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.ln_embed = getattr(dec, family.embedding_norm) if family.embedding_norm else None
         self.ln_final = getattr(dec, family.final_norm) if family.final_norm else None
-        self.pre_norm, self.clamp = family.pre_norm, family.clamp_fp16
+        self.pre_norm, self.clamp, self.scale_scores = family.pre_norm, family.clamp_fp16, family.scale_scores
         self.relative = [lay.relative for lay in self.dec_layers if lay.relative is not None]  # bias owners
         self.max_position_embeddings = None if self.relative else getattr(cfg, "max_position_embeddings", None)
         pos = getattr(dec, "embed_positions", None)
@@ -135,7 +161,7 @@ class EncoderDecoderBackend:
         """The decoder's absolute position embeddings, ``rows`` at least (a computed sinusoid is tabled once per
         growth; its rows are what the model's module computes for those positions): [P, D], or ``None``."""
         kind, module = self.family.positions, getattr(self.model.get_decoder(), "embed_positions", None)
-        if kind.startswith("relative"):
+        if kind.startswith(("relative", "rotary")):
             return None
         if kind == "computed":  # Pegasus-X: reads only the shape, dtype and device of what it is given
             held = getattr(self, "positions", None)
@@ -159,7 +185,7 @@ class EncoderDecoderBackend:
         else:
             cache.begin()
         x = F.embedding(tokens, self.embed)  # [N, D]
-        if self.embed_scale != 1.0:
+        if self.embed_scale is not None:
             x = x * self.embed_scale
         if self.positions is not None:
             at = cache.position + self.pos_offset  # [1] (a batch) or [N] (lanes)
@@ -168,29 +194,43 @@ class EncoderDecoderBackend:
             x = x + self.positions.index_select(0, at)  # [1 | N, D]
         if self.ln_embed is not None:
             x = self.ln_embed(x)
+        rotary = None if self.rotary is None else self._rotary(x, cache.position)
         pre, clamp = self.pre_norm, (clamp_fp16 if self.clamp else lambda y: y)
+        h_d, kv_d = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        n = x.shape[0]
         for i, lay in enumerate(self.dec_layers):
             # self-attention over this row's history
             h = lay.ln_self(x) if pre else x
-            x = clamp(x + lay.o(self_attention(lay.qkv(h), cache, i, self.heads, lay.scale)))  # [N, D]
+            q, k, v = lay.qkv(h).split((h_d, kv_d, kv_d), dim=-1)  # [N, H*d], [N, Hkv*d], [N, Hkv*d]
+            q, k, v = q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim), v.view(n, -1, self.head_dim)
+            if rotary is not None:
+                q, k = rope(q, *rotary), rope(k, *rotary)
+            a = self_attention(q, k, v, cache, i, lay, self.scale_scores, self.sliding[i])
+            x = clamp(x + _out(lay.ln_self_out, lay.o(a)))  # [N, D]
             if not pre:
                 x = lay.ln_self(x)
             # cross-attention: the R beams of an input share its keys/values
             h = lay.ln_cross(x) if pre else x
-            a = cross_attention(lay.cq(h), state.cross_k[i], state.cross_v[i], state.cross_mask, lay.scale)
-            x = clamp(x + lay.co(a))
+            a = cross_attention(lay.cq(h), state.cross_k[i], state.cross_v[i], state.cross_mask, lay, self.scale_scores)
+            x = clamp(x + _out(lay.ln_cross_out, lay.co(a)))
             if not pre:
                 x = lay.ln_cross(x)
             # feed-forward
             h = lay.ln_ff(x) if pre else x
-            x = clamp(x + lay.ff(h))
+            x = clamp(x + _out(lay.ln_ff_out, lay.ff(h)))
             if not pre:
                 x = lay.ln_ff(x)
         if self.ln_final is not None:
             x = self.ln_final(x)
         if self.out_scale is not None:
             x = x * self.out_scale
-        return self.lm(x)  # [N, V]
+        return soft_cap(self.lm(x), self.final_softcap)  # [N, V]
+
+    def _rotary(self, x: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin at positions ``at`` ([1]: a batch's step, or [N]: each lane's) from the model's own
+        rotary module: [1|N, 1, d] each."""
+        cos, sin = self.rotary(x, at[None])  # [1, 1|N, d]
+        return cos[0, :, None], sin[0, :, None]
 
     @torch.inference_mode()
     def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
@@ -199,14 +239,15 @@ class EncoderDecoderBackend:
 
     def _cross_views(self, hidden: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cross-attention keys (transposed) and values in turn, as views of its K|V projection:
-        [B, S, D] -> ([B, H, d, S], [B, H, S, d])."""
+        [B, S, D] -> ([B, Hkv, d, S], [B, Hkv, S, d])."""
         b, s, _ = hidden.shape
         for lay in self.dec_layers:
-            kv = lay.ckv(hidden).view(b, s, 2, self.heads, self.head_dim)  # [B, S, 2, H, d]
+            kv = lay.ckv(hidden).view(b, s, 2, self.kv_heads, self.head_dim)  # [B, S, 2, Hkv, d]
             yield kv[:, :, 0].permute(0, 2, 3, 1), kv[:, :, 1].transpose(1, 2)
 
     def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, H, d, S], [B, H, S, d])."""
+        """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, Hkv, d, S],
+        [B, Hkv, S, d])."""
         return [(k.contiguous(), v.contiguous()) for k, v in self._cross_views(hidden)]
 
     def _encode(
@@ -223,7 +264,7 @@ class EncoderDecoderBackend:
         if len(set(widths)) == 1 and widths[0] == width == s:  # one group at the batch's width: no copies
             cross = self._cross_kv(self._encoder(batch.input_ids, batch.attention_mask))
             return [k for k, _ in cross], [v for _, v in cross], mask
-        hd = (self.heads, self.head_dim)
+        hd = (self.kv_heads, self.head_dim)
         keys = [
             torch.zeros((b, *hd, width), dtype=self.dtype, device=self.device) for _ in range(self.layers)
         ]
@@ -232,8 +273,8 @@ class EncoderDecoderBackend:
             rows = torch.tensor([i for i, x in enumerate(widths) if x == w], device=self.device)  # [G]
             hidden = self._encoder(batch.input_ids[rows, :w], batch.attention_mask[rows, :w])  # [G, w, D]
             for key, value, (k, v) in zip(keys, values, self._cross_views(hidden), strict=True):
-                key[rows, :, :, :w] = k  # [G, H, d, w]
-                value[rows, :, :w] = v  # [G, H, w, d]
+                key[rows, :, :, :w] = k  # [G, Hkv, d, w]
+                value[rows, :, :w] = v  # [G, Hkv, w, d]
         return keys, values, mask
 
     def _encoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -252,11 +293,12 @@ class EncoderDecoderBackend:
             self.layers,
             batch.input_ids.shape[0],
             rows_per_input,
-            self.heads,
+            self.kv_heads,
             max_len,
             self.head_dim,
             self.dtype,
             self.device,
+            self.window,
         )
         state = EncoderDecoderState(
             cross_k=keys,
@@ -319,12 +361,12 @@ class EncoderDecoderBackend:
     def open_lanes(self, lanes: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
         """``lanes`` empty lanes of ``rows_per_input`` rows each (sources of ``MIN_WIDTH`` tokens until a
         wider one joins). An empty lane attends one zero key: finite, ignored."""
-        h, d, dev, width = self.heads, self.head_dim, self.device, MIN_WIDTH
+        h, d, dev, width = self.kv_heads, self.head_dim, self.device, MIN_WIDTH
         mask = torch.full((lanes, 1, 1, width), float("-inf"), device=dev)  # [S, 1, 1, W]
         mask[..., 0] = 0.0
         max_len = max(1, max_new_tokens)
         self.positions = self._position_table(max_len + self.pos_offset)
-        cache = LaneKVCache(self.layers, lanes, rows_per_input, h, max_len, d, self.dtype, dev)
+        cache = LaneKVCache(self.layers, lanes, rows_per_input, h, max_len, d, self.dtype, dev, self.window)
         return EncoderDecoderState(
             cross_k=[
                 torch.zeros((lanes, h, d, width), dtype=self.dtype, device=dev) for _ in range(self.layers)
@@ -399,6 +441,6 @@ class EncoderDecoderBackend:
         back-pointers per row, the relative position bias [L', H, T, T]."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
         positions = inputs * cross_width(width) + rows * t
-        kv = kv_bytes(self.layers, self.heads, self.head_dim, self.dtype, positions)
+        kv = kv_bytes(self.layers, self.kv_heads, self.head_dim, self.dtype, positions)
         bias = len(self.relative) * self.heads * t * t * self.dtype.itemsize
         return kv + pointer_bytes(rows, t) + bias

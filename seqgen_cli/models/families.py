@@ -8,19 +8,23 @@ only if none of the five fits, and a fixture (tests/test_families.py).
 
 Encoder-decoders (:class:`Seq2Seq`; the encoder is always the model's own):
 
-=========  ======  ====  ==============================================  =====================  ===========
-family     reader  norm  positions                                       embedding norm         final norm
-=========  ======  ====  ==============================================  =====================  ===========
-bart, led  bart    post  table (learned; BART's offset 2)                layernorm_embedding    -
-mbart      bart    pre   table (learned, offset 2)                       layernorm_embedding    layer_norm
-marian     bart    post  table (sinusoidal)                              -                      -
-pegasus    bart    pre   table (sinusoidal)                              -                      layer_norm
-m2m_100    bart    pre   table (sinusoidal; a pad token takes row pad)   -                      layer_norm
-pegasus_x  bart    pre   computed sinusoid (tabled once)                 -                      layer_norm
-t5, mt5,   t5      pre   relative bias of the first block                -                      final_layer_norm
+=========  =======  ====  ==============================================  =====================  ===========
+family     reader   norm  positions                                       embedding norm         final norm
+=========  =======  ====  ==============================================  =====================  ===========
+bart, led  bart     post  table (learned; BART's offset 2)                layernorm_embedding    -
+mbart      bart     pre   table (learned, offset 2)                       layernorm_embedding    layer_norm
+marian     bart     post  table (sinusoidal)                              -                      -
+pegasus    bart     pre   table (sinusoidal)                              -                      layer_norm
+m2m_100    bart     pre   table (sinusoidal; a pad token takes row pad)   -                      layer_norm
+pegasus_x  bart     pre   computed sinusoid (tabled once)                 -                      layer_norm
+t5, mt5,   t5       pre   relative bias of the first block                -                      final_layer_norm
 longt5
-umt5       t5      pre   relative bias of every block                    -                      final_layer_norm
-=========  ======  ====  ==============================================  =====================  ===========
+umt5       t5       pre   relative bias of every block                    -                      final_layer_norm
+t5gemma    t5gemma  pre   rotary                                          (times sqrt(hidden))   norm
+=========  =======  ====  ==============================================  =====================  ===========
+
+T5Gemma's decoder is Gemma 2's with cross-attention: an RMSNorm after each sub-layer too, grouped-query K/V heads
+in both attentions (cached as K/V heads only), soft-capped attention and final logits, sliding-window layers.
 
 Decoder-only (:class:`Causal`; the prompt's prefill is always the model's own forward):
 
@@ -37,8 +41,8 @@ gemma3_text    llama    rotary per layer  + q/k norms, norms after attention and
                         type
 =============  =======  ================  =======================================================================
 
-Sliding-window layers (Mistral, Qwen2's windowed layers, Phi-3, Gemma2/3) mask the keys ``sliding_window`` or more
-positions back (the decoder-only caches' ``windowed`` biases). A variant a decoder does not reproduce exactly (a
+Sliding-window layers (Mistral, Qwen2's windowed layers, Phi-3, Gemma2/3, T5Gemma) mask the keys ``sliding_window``
+or more positions back (the caches' ``windowed`` biases). A variant a decoder does not reproduce exactly (a
 length-dependent RoPE, an attention kind not written) has its reason in :func:`refusal`; such a model runs the
 generic backend, which names the reason.
 """
@@ -63,19 +67,24 @@ class Seq2SeqLayer:
     """One decoder layer of an encoder-decoder: norms (the model's modules) and linear maps over its weights."""
 
     ln_self: nn.Module
-    qkv_w: Tensor | None  # [3I, D]: q|k|v fused, the model's parameters re-pointed at slices of it (fuse.py); int8: None
+    qkv_w: Tensor | None  # [(H + 2 Hkv) d, D]: q|k|v fused, the model's parameters re-pointed at slices of it
+    # (fuse.py); int8: None
     qkv: Linear
     o: Linear
     scale: float  # attention scale (T5: 1, unscaled)
     ln_cross: nn.Module
     cq: Linear
-    ckv_w: Tensor | None  # [2I, D]: cross-attention k|v fused; int8: None
+    ckv_w: Tensor | None  # [2 Hkv d, D_enc]: cross-attention k|v fused; int8: None
     ckv: Linear
     co: Linear
     ln_ff: nn.Module
     ff: Linear  # the whole feed-forward: [N, D] -> [N, D]
     maps: dict[str, Linear]  # every linear map of the layer by name (int8 checks, tests)
     relative: nn.Module | None = None  # the self-attention module that owns this layer's relative bias (UMT5)
+    ln_self_out: nn.Module | None = None  # on each sub-layer's output, before the residual (T5Gemma)
+    ln_cross_out: nn.Module | None = None
+    ln_ff_out: nn.Module | None = None
+    softcap: float | None = None  # attention logit soft-capping, self and cross (T5Gemma)
 
 
 def bart_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
@@ -135,7 +144,33 @@ def t5_block(block: nn.Module, int8: bool) -> Seq2SeqLayer:
     )  # fmt: skip
 
 
-Positions = Literal["table", "padded table", "computed", "relative", "relative per layer"]
+def t5gemma_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
+    """A T5Gemma decoder layer (Gemma 2's with cross-attention: ``self_attn``, ``cross_attn``, ``mlp``; an RMSNorm
+    before and after each): grouped-query K/V heads in both attentions, soft-capped scores, a gated MLP."""
+    sa, ca, mlp = layer.self_attn, layer.cross_attn, layer.mlp
+
+    def lin(module: nn.Module) -> Linear:
+        return linear(module.weight, module.bias, int8)
+
+    fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
+    qkv_w, qkv_b = fuse([sa.q_proj, sa.k_proj, sa.v_proj])  # [(H + 2 Hkv) d, D]
+    ckv_w, ckv_b = fuse([ca.k_proj, ca.v_proj])  # [2 Hkv d, D_enc]
+    maps = dict(
+        qkv=linear(qkv_w, qkv_b, int8), o=lin(sa.o_proj), cq=lin(ca.q_proj), ckv=linear(ckv_w, ckv_b, int8),
+        co=lin(ca.o_proj), gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
+    )  # fmt: skip
+    gate, up, down, act = maps["gate"], maps["up"], maps["down"], mlp.act_fn
+    return Seq2SeqLayer(
+        ln_self=layer.pre_self_attn_layernorm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"],
+        scale=float(sa.scaling), ln_cross=layer.pre_cross_attn_layernorm, cq=maps["cq"],
+        ckv_w=None if int8 else ckv_w, ckv=maps["ckv"], co=maps["co"], ln_ff=layer.pre_feedforward_layernorm,
+        ff=lambda x: down(act(gate(x)) * up(x)), maps=maps,
+        ln_self_out=layer.post_self_attn_layernorm, ln_cross_out=layer.post_cross_attn_layernorm,
+        ln_ff_out=layer.post_feedforward_layernorm, softcap=sa.attn_logit_softcapping,
+    )  # fmt: skip
+
+
+Positions = Literal["table", "padded table", "computed", "relative", "relative per layer", "rotary"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +184,8 @@ class Seq2Seq:
     final_norm: str | None = None  # the decoder's norm after the last layer, by attribute name
     clamp_fp16: bool = False  # T5's overflow guard after each sub-layer in float16
     layers: str = "layers"  # the decoder's list of layers
+    scaled_embedding: bool = False  # embeddings times sqrt(hidden size), rounded to the model's dtype (Gemma)
+    scale_scores: bool = False  # the attention scale multiplies q.k, not q (transformers' eager attention)
 
 
 _T5 = dict(reader=t5_block, pre_norm=True, final_norm="final_layer_norm", clamp_fp16=True, layers="block")
@@ -269,6 +306,10 @@ FAMILIES: dict[str, Seq2Seq | Causal] = {
     "mt5": Seq2Seq(positions="relative", **_T5),
     "longt5": Seq2Seq(positions="relative", **_T5),  # the encoder's local / transient-global attention: its own
     "umt5": Seq2Seq(positions="relative per layer", **_T5),
+    "t5gemma": Seq2Seq(
+        t5gemma_layer, pre_norm=True, positions="rotary", final_norm="norm", scaled_embedding=True,
+        scale_scores=True,
+    ),  # fmt: skip
     "gpt2": Causal(reader=gpt2_block, positions="learned", final_norm="ln_f", embed="wte", layers="h"),
     "llama": _LLAMA,
     "mistral": _LLAMA,
@@ -285,10 +326,12 @@ STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies that do not
 def refusal(model: Any) -> str | None:
     """Why the family's decoder would not reproduce this variant exactly, or ``None``."""
     cfg = model.config
+    family = FAMILIES.get(cfg.model_type)
     if cfg.model_type == "gpt2" and getattr(cfg, "add_cross_attention", False):
         return "GPT-2 with cross-attention is not a decoder-only LM"
-    if not isinstance(FAMILIES.get(cfg.model_type), Causal) or cfg.model_type == "gpt2":
+    if family is None or not family.positions.startswith("rotary"):
         return None
+    cfg = getattr(cfg, "decoder", None) or cfg  # T5Gemma: the decoder's own config
     ropes = getattr(cfg, "rope_parameters", None) or {}
     per_type = [v for v in ropes.values() if isinstance(v, dict)] or [ropes]  # Gemma3: one per layer type
     for rope in per_type:

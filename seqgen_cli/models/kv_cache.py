@@ -191,7 +191,11 @@ class EncoderDecoderKVCache(GeneratedPositions):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        window: int | None = None,
     ) -> None:
+        """``heads``: the K/V heads (grouped-query attention: fewer than the queries'). ``window``: the sliding
+        window of the layers that slide (a query sees the keys less than ``window`` positions before it;
+        ``layer_bias(..., sliding=True)``); only where ``max_len`` positions reach past it."""
         self.static = (
             False  # attend the t+1 positions written so far; a span bucket after make_static() (capture)
         )
@@ -204,6 +208,8 @@ class EncoderDecoderKVCache(GeneratedPositions):
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]: the position this step writes
         self.span = max_len  # positions this step attends (host int; a span bucket if static)
         self.bias: Tensor | None = None  # additive float32 (layer_bias), [[L',] B|1, 1|H, Rq, span*R]; None = all
+        self.window = window if window is not None and max_len > window else None
+        self.windowed: Tensor | None = None  # the sliding layers' bias (``bias`` and the window)
 
     def buffers(self) -> list[Tensor]:
         return self.k + self.v
@@ -221,10 +227,22 @@ class EncoderDecoderKVCache(GeneratedPositions):
                 visible, 0.0 if bias is None else bias, float("-inf")
             )  # [B|1, 1, Rq, span*R], or with a bias [L', B|1, H, Rq, span*R]
         self.bias = bias  # None: a row sees all of the first t+1 positions (dynamic, R = 1, no relative bias)
+        if self.window is not None:
+            self.windowed = self._slide(self.position)
 
-    def layer_bias(self, layer: int) -> Tensor | None:
-        """The additive bias ``layer``'s self-attention adds to its scores (:meth:`begin`): [B|1, 1|H, Rq, span*R]."""
-        bias = self.bias
+    def _slide(self, step: Tensor) -> Tensor:
+        """The sliding layers' bias: :attr:`bias` with the keys ``window`` or more positions before ``step`` ([1],
+        or [S]: each lane's) masked too, [[L',] B|S|1, 1|H, Rq|1, span*R]."""
+        r, span = self.r, self.span
+        near = self.ptrs.positions[:span] > step[:, None] - self.window  # [1|S, span]
+        near = near[:, :, None].expand(-1, span, r).reshape(-1, 1, 1, span * r)  # [1|S, 1, 1, span*R]
+        bias = self.bias if self.bias is not None else torch.zeros(near.shape, device=near.device)
+        return bias.masked_fill(~near, float("-inf"))
+
+    def layer_bias(self, layer: int, sliding: bool = False) -> Tensor | None:
+        """The additive bias ``layer``'s self-attention adds to its scores (:meth:`begin`): [B|1, 1|H, Rq, span*R];
+        ``sliding``: with its window (a layer that slides)."""
+        bias = self.windowed if sliding and self.windowed is not None else self.bias
         if bias is None or bias.dim() == 4:
             return bias
         return bias[layer if bias.shape[0] > 1 else 0]
@@ -269,7 +287,7 @@ class EncoderDecoderKVCache(GeneratedPositions):
         """A static cache like this one for ``inputs`` inputs: zeros (what :meth:`keep_into` fills)."""
         k = self.k[0]
         cache = EncoderDecoderKVCache(
-            len(self.k), inputs, self.r, self.heads, self.max_len, self.head_dim, k.dtype, k.device
+            len(self.k), inputs, self.r, self.heads, self.max_len, self.head_dim, k.dtype, k.device, self.window
         )
         cache.make_static()
         return cache

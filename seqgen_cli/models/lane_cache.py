@@ -96,8 +96,9 @@ class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        window: int | None = None,
     ) -> None:
-        super().__init__(layers, lanes, rows_per_input, heads, max_len, head_dim, dtype, device)
+        super().__init__(layers, lanes, rows_per_input, heads, max_len, head_dim, dtype, device, window)
         self.make_static()  # zeros; a span bucket of positions attended
         self._init_steps(lanes, device)
         # [S * H] int64: where this step's keys go in a layer's cache viewed as [S * H * T, R, d]
@@ -115,6 +116,8 @@ class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
             bias = bias[..., :span].view(layers, h, s, r, span).transpose(1, 2).float()
             bias = bias[..., None].expand(layers, s, h, r, span, r).reshape(layers, s, h, r, span * r)
         self.bias = torch.where(visible, 0.0 if bias is None else bias, float("-inf"))  # [[L',] S, 1|H, Rq, span*R]
+        if self.window is not None:
+            self.windowed = self._slide(self.steps)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store this step's ``k``/``v`` ([N, H, d]) of ``layer`` at each lane's step; returns the keys (transposed)
