@@ -184,7 +184,7 @@ def resolve_model_path(name: str) -> str:
 def load(name: str, device: str | None = None, dtype: str | None = None, own: bool = False) -> Loaded:
     """Load tokenizer and model (``AutoModelForSeq2SeqLM`` or ``AutoModelForCausalLM``), eval mode; each part a
     start-up stage (``--stats`` ``startup``). ``own``: for the fast engine on the CPU in float32 or int8, an
-    encoder-decoder checkpoint of a family with a tree of its own (BART family, T5, mT5, UMT5) as that tree where it
+    encoder-decoder checkpoint of a family with a tree of its own (BART family, T5, mT5, UMT5, T5Gemma) as that tree where it
     reads it exactly (``models/own_model.py``; no transformers model class is imported), transformers' model
     otherwise."""
     with startup.stage("import transformers"):

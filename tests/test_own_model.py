@@ -1,4 +1,4 @@
-"""seqgen's own module trees (``models/own_model.py``: the BART family, T5 / mT5): the checkpoint's weights exactly where
+"""seqgen's own module trees (``models/own_model.py``: the BART family, T5 / mT5 / UMT5, T5Gemma): the checkpoint's weights exactly where
 transformers puts them (ties too), an encoder bit-identical to transformers', the same generation settings, outputs
 identical to the fast path over transformers' model in float32 and int8, and a fallback to transformers for a
 checkpoint it does not read."""
@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import engine_name, own_model
 from tests.helpers import sharpen
+from tests.test_families import CONFIGS as FAMILY_CONFIGS
 
 V = 97
 IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
@@ -29,6 +30,12 @@ T5_SHAPE = dict(
     vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
     pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
 )  # fmt: skip
+
+
+def untied(config: tf.PretrainedConfig) -> tf.PretrainedConfig:
+    config.tie_word_embeddings = False
+    return config
+
 
 CASES: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "bart": lambda: tf.BartConfig(**SHAPE),
@@ -44,6 +51,9 @@ CASES: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "t5 v1.1": lambda: tf.T5Config(feed_forward_proj="gated-gelu", tie_word_embeddings=False, **T5_SHAPE),
     "mt5": lambda: tf.MT5Config(**T5_SHAPE),
     "umt5": lambda: tf.UMT5Config(feed_forward_proj="gated-gelu", **T5_SHAPE),  # a relative bias in every block
+    # grouped-query heads, soft-capping, a window of 4 the sources pass (sliding layers' masks), a tied head
+    "t5gemma": FAMILY_CONFIGS["t5gemma"],
+    "t5gemma untied": lambda: untied(FAMILY_CONFIGS["t5gemma"]()),
 }
 
 
@@ -175,20 +185,35 @@ def test_shards_and_half_precision_files_read_as_transformers_reads_them(how: st
     assert all(t.dtype == torch.float32 and torch.equal(own.state_dict()[k], t) for k, t in theirs.items())
 
 
-def test_umt5_runs_own_tree_with_transformers_outputs(
-    tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+
+def t5_vocabulary(name: str, vocab: int) -> tf.PretrainedConfig:
+    """The fixture config of ``name`` (UMT5, T5Gemma) over the tiny T5's vocabulary and special ids."""
+    if name == "umt5":
+        return tf.UMT5Config(**{**T5_SHAPE, "vocab_size": vocab, "feed_forward_proj": "gated-gelu"})
+    config = FAMILY_CONFIGS[name]()
+    for part in (config, config.encoder, config.decoder):
+        part.vocab_size, part.bos_token_id = vocab, 0  # decoding starts at T5's pad, as T5's does
+    config.decoder_start_token_id = 0
+    return config
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("umt5", "float32"), ("t5gemma", "float32"), ("t5gemma", "int8")])
+def test_t5_vocabulary_families_run_own_tree_with_transformers_outputs(
+    name: str, dtype: str, tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """UMT5 (a relative bias in every block): a random checkpoint with the tiny T5's tokenizer, the fast engine over
-    the own tree and over transformers' model give the same tokens."""
+    """UMT5 (a relative bias in every block) and T5Gemma (its own stacks' configs, eager attention): a random
+    checkpoint with the tiny T5's tokenizer, the fast engine over the own tree and over transformers' model give
+    the same tokens; in float32 generate()'s too."""
     t5 = tiny_models("t5")
-    config = tf.AutoConfig.from_pretrained(t5)
     torch.manual_seed(0)
-    umt5 = tf.UMT5Config(**{**T5_SHAPE, "vocab_size": config.vocab_size, "feed_forward_proj": "gated-gelu"})
-    sharpen(tf.AutoModelForSeq2SeqLM.from_config(umt5), seed=4).save_pretrained(tmp_path)
+    config = t5_vocabulary(name, tf.AutoConfig.from_pretrained(t5).vocab_size)
+    sharpen(tf.AutoModelForSeq2SeqLM.from_config(config), seed=4).save_pretrained(tmp_path)
     tf.AutoTokenizer.from_pretrained(t5).save_pretrained(tmp_path)
     settings = dict(num_beams=4, no_repeat_ngram_size=3, max_new_tokens=12)
-    gen = Generator(str(tmp_path), backend="fast", **settings)
-    assert gen.loaded.loader == "seqgen" and engine_name(gen._engine()) == "umt5 decoder"
+    gen = Generator(str(tmp_path), backend="fast", dtype=dtype, **settings)
+    assert gen.loaded.loader == "seqgen" and engine_name(gen._engine()) == f"{name} decoder"
     ours = gen.generate(TEXTS)
+    if dtype == "float32":
+        assert ours == Generator(str(tmp_path), backend="hf", **settings).generate(TEXTS)
     monkeypatch.setattr(own_model, "refusal", lambda config: "refused by the test")
-    assert ours == Generator(str(tmp_path), backend="fast", **settings).generate(TEXTS)
+    assert ours == Generator(str(tmp_path), backend="fast", dtype=dtype, **settings).generate(TEXTS)

@@ -54,3 +54,23 @@ def test_fast_cpu_run_imports_no_model_class(dtype: str, tiny_models: Callable[[
     argv = ["generate", "-m", str(tiny_models("marian")), str(src), "-o", str(out), "--max-new-tokens", "3"]
     assert imported_after([*argv, "--dtype", dtype, "--device", "cpu"], watch=MODEL_CLASS) == set()
     assert len(out.read_text(encoding="utf-8").splitlines()) == 2
+
+
+def test_fast_cpu_run_of_t5gemma_imports_no_model_class(tiny_models: Callable[[str], Path], tmp_path: Path) -> None:
+    """T5Gemma (a config per stack, eager attention): its own module tree too (``models/own_t5gemma.py``)."""
+    import torch
+    import transformers as tf
+
+    from tests.helpers import sharpen
+    from tests.test_own_model import t5_vocabulary
+
+    t5, folder = tiny_models("t5"), tmp_path / "t5gemma"
+    torch.manual_seed(0)
+    config = t5_vocabulary("t5gemma", tf.AutoConfig.from_pretrained(t5).vocab_size)
+    sharpen(tf.AutoModelForSeq2SeqLM.from_config(config), seed=4).save_pretrained(folder)
+    tf.AutoTokenizer.from_pretrained(t5).save_pretrained(folder)
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("a dog ran\nthe committee approved the plan\n", encoding="utf-8")
+    argv = ["generate", "-m", str(folder), str(src), "-o", str(out), "--max-new-tokens", "3", "--device", "cpu"]
+    assert imported_after(argv, watch=MODEL_CLASS) == set()
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 2

@@ -1,8 +1,8 @@
 """Encoder-decoder checkpoints without transformers' model classes: a checkpoint's ``config.json``,
 ``generation_config.json`` and safetensors read straight into a module tree named as transformers names it, so that
 :class:`~seqgen_cli.models.encoder_decoder.EncoderDecoderBackend` reads it as it reads transformers' model; its
-encoder runs here. The trees: the BART family (BART, mBART, Marian, Pegasus, M2M-100 / NLLB; ``own_bart.py``) and
-T5 / mT5 / UMT5 (``own_t5.py``).
+encoder runs here. The trees: the BART family (BART, mBART, Marian, Pegasus, M2M-100 / NLLB; ``own_bart.py``),
+T5 / mT5 / UMT5 (``own_t5.py``) and T5Gemma (``own_t5gemma.py``).
 
 Why: importing a transformers model class costs 1.0-1.4 s of a CPU process (``torch.distributed.tensor``,
 ``torch._dynamo``, the loss functions; docs/BENCHMARKS.md, "Start-up and small jobs against CTranslate2"), more than
@@ -10,7 +10,7 @@ a small job decodes. :func:`load` is used for the fast engine on the CPU in floa
 (``--backend hf``, ``--verify``, the benchmarks' reference) gets transformers' model (``Loaded.reference``).
 
 Exactness: an encoder runs transformers' operations in transformers' order (``scaled_dot_product_attention`` with
-its mask, the same additions and norms), so its output is bit-identical, and every weight is the checkpoint's
+its mask, or T5Gemma's eager attention, the same additions and norms), so its output is bit-identical, and every weight is the checkpoint's
 tensor, tied as transformers ties it (tests/test_own_model.py). A checkpoint it does not read the same way returns
 ``None`` from :func:`load`, with the reason, and transformers loads it: a key it does not expect or lacks, no
 safetensors, an activation or attention implementation it does not have.
@@ -22,6 +22,7 @@ import importlib
 import json
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,9 @@ from torch import nn
 TREES = {  # model_type -> the module of its tree (``Tree``)
     **dict.fromkeys(("bart", "mbart", "marian", "pegasus", "m2m_100"), "own_bart"),
     **dict.fromkeys(("t5", "mt5", "umt5"), "own_t5"),
+    "t5gemma": "own_t5gemma",
 }
+ATTENTION = {"t5gemma": "eager"}  # the attention implementation a tree's encoder writes, where not sdpa
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +43,10 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
-ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "swish": F.silu, "silu": F.silu, "gelu_new": gelu_new}  # ACT2FN's
+ACTIVATIONS = {  # ACT2FN's
+    "gelu": F.gelu, "relu": F.relu, "swish": F.silu, "silu": F.silu, "gelu_new": gelu_new,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}  # fmt: skip
 
 
 @dataclass
@@ -114,14 +120,22 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor] | None:
 
 def refusal(config: Any) -> str | None:
     """Why :func:`load` does not build this model (transformers loads it), or ``None``."""
+    from types import SimpleNamespace
+
+    from seqgen_cli.models.families import refusal as decoder_refusal
+
     if config.model_type not in TREES:
         return f"model_type {config.model_type!r} has no own module tree"
-    act = getattr(config, "dense_act_fn", None) or getattr(config, "activation_function", None)
-    if act not in ACTIVATIONS:
-        return f"activation {act!r} is not written here"
-    if getattr(config, "_attn_implementation_internal", None) not in (None, "sdpa"):
-        return "an attention implementation other than sdpa"
-    return None
+    parts = [p for p in (getattr(config, "encoder", None), getattr(config, "decoder", None)) if hasattr(p, "to_dict")]
+    for part in parts or [config]:  # T5Gemma: a config per stack
+        names = ("dense_act_fn", "activation_function", "hidden_activation")
+        act = next((getattr(part, n) for n in names if getattr(part, n, None)), None)
+        if act not in ACTIVATIONS:
+            return f"activation {act!r} is not written here"
+    attention = ATTENTION.get(config.model_type, "sdpa")
+    if getattr(config, "_attn_implementation_internal", None) not in (None, attention):
+        return f"an attention implementation other than {attention}"
+    return decoder_refusal(SimpleNamespace(config=config))  # a variant the fast decoder does not run: transformers'
 
 
 def load(source: str, config: Any) -> tuple[OwnSeq2Seq | None, str | None]:
