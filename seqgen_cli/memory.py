@@ -67,9 +67,10 @@ class Dims:
 
     @classmethod
     def of(cls, config: Any, part: str) -> Dims | None:
-        """The ``part`` (``encoder`` or ``decoder``) stack of ``config`` (T5Gemma: its config of that part);
+        """The ``part`` (``encoder`` or ``decoder``) stack of ``config`` (T5Gemma / T5Gemma 2: its config of that part);
         ``None`` where it does not say."""
         sub = getattr(config, part, None)
+        sub = getattr(sub, "text_config", None) or sub  # T5Gemma 2's encoder: its text stack's
         config = sub if hasattr(sub, "to_dict") else config
         hidden = _first(config, "d_model", "hidden_size", "n_embd")
         heads = _first(config, f"{part}_attention_heads", "num_heads", "num_attention_heads", "n_head")

@@ -45,6 +45,11 @@ GEMMA_MODULE = dict(
     {k: v for k, v in LLAMA_SHAPE.items() if k not in CAUSAL_IDS}, **T5GEMMA_IDS, query_pre_attn_scalar=8,
     sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=5.0, dropout_rate=0.0,
 )  # fmt: skip
+GEMMA3_TEXT = dict(
+    {k: v for k, v in GEMMA_MODULE.items() if "softcapping" not in k},
+    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+)  # fmt: skip
+TINY_SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8)
 
 CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "m2m_100": lambda: tf.M2M100Config(max_position_embeddings=64, scale_embedding=True, **BART_SHAPE),
@@ -64,6 +69,15 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "t5gemma": lambda: tf.T5GemmaConfig(
         encoder=GEMMA_MODULE, decoder=GEMMA_MODULE, vocab_size=V, **T5GEMMA_IDS, decoder_start_token_id=2
     ),
+    # merged self+cross attention, q/k norms, RoPE per layer type, a window outputs reach; its encoder's vision tower
+    # tiny; the end-of-image token inside the vocabulary (it embeds as its own vector)
+    "t5gemma2": lambda: tf.T5Gemma2Config(
+        encoder=dict(
+            text_config=GEMMA3_TEXT, vision_config=TINY_SIGLIP, mm_tokens_per_image=4, boi_token_index=V - 3,
+            eoi_token_index=V - 2, image_token_index=V - 1,
+        ),
+        decoder=dict(GEMMA3_TEXT, eoi_token_index=V - 2), image_token_index=V - 1, decoder_start_token_id=2,
+    ),  # fmt: skip
     "qwen3": lambda: tf.Qwen3Config(**LLAMA_SHAPE),
     "phi3": lambda: tf.Phi3Config(
         sliding_window=None,
@@ -210,7 +224,9 @@ def test_m2m100_a_generated_pad_token_takes_the_padding_position() -> None:
 
 
 @pytest.mark.slow  # inductor compiles: a few seconds of CPU per family
-@pytest.mark.parametrize("name", ["m2m_100", "pegasus_x", "umt5", "t5gemma", "phi3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize(
+    "name", ["m2m_100", "pegasus_x", "umt5", "t5gemma", "t5gemma2", "phi3", "gemma2", "gemma3_text"]
+)
 def test_static_step_compiles_whole(name: str) -> None:
     """What the captured path compiles on CUDA, under the real inductor on the CPU: one graph per shape
     (``fullgraph=True``, no dynamic shapes), the eager static step's logits (inductor reassociates sums:
@@ -250,7 +266,7 @@ def test_led_takes_sources_as_long_as_its_encoder() -> None:
     assert source_limit(config, SimpleNamespace(model_max_length=1024), 4096) == 4096
 
 
-TOKENIZER_OF = {"bart": ("m2m_100", "led", "pegasus_x"), "t5": ("longt5", "umt5", "t5gemma")}  # else the llama fixture's
+TOKENIZER_OF = {"bart": ("m2m_100", "led", "pegasus_x"), "t5": ("longt5", "umt5", "t5gemma", "t5gemma2")}  # else the llama fixture's
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -265,8 +281,9 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(name: str, tiny_models
 
     fixture = next((f for f, names in TOKENIZER_OF.items() if name in names), "llama")
     config = CONFIGS[name]()
-    for part in (config, getattr(config, "encoder", None), getattr(config, "decoder", None)):  # T5Gemma: its parts'
-        if part is not None:
+    encoder = getattr(config, "encoder", None)
+    for part in (config, encoder, getattr(encoder, "text_config", None), getattr(config, "decoder", None)):
+        if part is not None:  # T5Gemma: its stacks' configs too
             part.vocab_size = 601
     auto = tf.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tf.AutoModelForCausalLM
     torch.manual_seed(0)

@@ -118,12 +118,13 @@ def test_encoder_bytes_bound_the_encoders_peak(tiny_models, family: str, inputs:
             assert estimate <= (2 if width < 64 else 1.4) * peak.peak, (peak.peak, estimate)
 
 
-def test_t5gemma_encoder_bytes_from_its_encoders_config() -> None:
-    """T5Gemma names its stacks' sizes in a config per stack: the estimate reads the encoder's and bounds its eager
-    attention's peak (grouped-query K/V heads: fewer bytes than counted)."""
+@pytest.mark.parametrize("name", ["t5gemma", "t5gemma2"])
+def test_t5gemma_encoder_bytes_from_its_encoders_config(name: str) -> None:
+    """T5Gemma names its stacks' sizes in a config per stack (T5Gemma 2: its encoder's text stack): the estimate
+    reads the encoder's and bounds its attention's peak (grouped-query K/V heads: fewer bytes than counted)."""
     from tests.test_families import model, sources
 
-    m = model("t5gemma")
+    m = model(name)
     dims = Dims.of(m.config, "encoder")
     assert dims == Dims(hidden=32, heads=4, inner=4 * 8, ffn=64, position_bias=False)
     batch = sources(m.config, 8)

@@ -35,6 +35,9 @@ def scores32(q: Tensor, keys_t: Tensor) -> Tensor:
     return torch.matmul(q.float(), keys_t.float())
 
 
+Keys = tuple[Tensor, Tensor, "Tensor | None", "int | None"]  # keys_t, values, bias, chunk: one block of keys
+
+
 def attention(
     q: Tensor,
     keys_t: Tensor,
@@ -44,6 +47,7 @@ def attention(
     chunk: int | None = None,
     softcap: float | None = None,
     scale_scores: bool = False,
+    then: Keys | None = None,
 ) -> Tensor:
     """``softmax(cap(scale * q @ keys_t) + bias) @ values`` with float32 scores: ``q`` [..., H, Q, d], ``keys_t``
     [..., Hkv, d, K] (keys transposed), ``values`` [..., Hkv, K, d], ``bias`` additive (0 / -inf, float32),
@@ -59,6 +63,10 @@ def attention(
     product over all ``K`` keys does not: the GEMM splits its inner dimension by its length. The scores and the
     softmax keep their bits at any width that is a multiple of 64 (measured; tests/test_determinism.py).
 
+    ``then`` (T5Gemma 2's merged attention: the source's keys after the decoder's own): a second block of keys
+    ``(keys_t, values, bias, chunk)`` under the same softmax, its scores after the first block's, its values summed
+    apart (by its own chunks) and added.
+
     Where the scale goes: float32 scales ``q`` before the product (the order transformers' SDPA path takes);
     ``scale_scores`` (T5Gemma: transformers' eager attention, the only one it has) scales the product, as do
     float16 / bfloat16, which take the product in float32 (:func:`scores32`), so neither the scores nor the
@@ -73,27 +81,56 @@ def attention(
     g = h // hkv
     if g > 1:
         q = q.reshape(*lead, hkv, g * q_len, d)  # [..., H, Q, d] -> [..., Hkv, G*Q, d]: a K/V head's queries
-    if q.dtype in HALF or scale_scores:
-        scores = scores32(q, keys_t)  # [..., Hkv, G*Q, K] float32
-        if scale != 1.0:
+    scaled = q.dtype in HALF or scale_scores
+    if not scaled and scale != 1.0:
+        q = q * scale
+
+    def scores_of(keys: Tensor, mask: Tensor | None) -> Tensor:
+        scores = scores32(q, keys) if scaled else torch.matmul(q, keys)  # [..., Hkv, G*Q, K]
+        if scaled and scale != 1.0:
             scores.mul_(scale)
+        scores = soft_cap(scores, softcap)
+        if mask is not None and g > 1:  # [..., Hkv, G, Q, K] + [..., 1, 1, Q|1, K]
+            return (scores.view(*lead, hkv, g, q_len, -1) + mask.unsqueeze(-3)).view(*lead, hkv, g * q_len, -1)
+        if mask is not None:
+            scores += mask
+        return scores
+
+    scores = scores_of(keys_t, bias)
+    if then is not None:
+        scores = torch.cat((scores, scores_of(then[0], then[2])), dim=-1)  # [..., Hkv, G*Q, K + K']
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [..., Hkv, G*Q, K (+ K')]
+    if then is None:
+        out = value_sum(probs, values, chunk)
     else:
-        scores = torch.matmul(q if scale == 1.0 else q * scale, keys_t)  # [..., Hkv, G*Q, K]
-    scores = soft_cap(scores, softcap)
-    if bias is not None and g > 1:  # [..., Hkv, G, Q, K] + [..., 1, 1, Q|1, K]
-        scores = (scores.view(*lead, hkv, g, q_len, -1) + bias.unsqueeze(-3)).view(*lead, hkv, g * q_len, -1)
-    elif bias is not None:
-        scores += bias
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [..., Hkv, G*Q, K]
-    if chunk is None:
-        out = torch.matmul(probs, values)  # [..., Hkv, G*Q, d]
-    else:
-        rows, k_len = probs.shape[-2:]
-        c = k_len // chunk
-        probs = probs.view(*lead, hkv, rows, c, chunk).transpose(-3, -2)  # [..., Hkv, C, G*Q, chunk]
-        parts = torch.matmul(probs, values.view(*lead, hkv, c, chunk, d))  # [..., Hkv, C, G*Q, d]
-        out = parts.sum(dim=-3)  # [..., Hkv, G*Q, d]
+        k = keys_t.shape[-1]
+        out = value_sum(probs[..., :k], values, chunk) + value_sum(probs[..., k:], then[1], then[3])
     return out.view(*lead, h, q_len, d)  # [..., Hkv, G*Q, d] -> [..., H, Q, d]
+
+
+def value_sum(probs: Tensor, values: Tensor, chunk: int | None) -> Tensor:
+    """``probs @ values``: [..., Hkv, Q', K] x [..., Hkv, K, d] -> [..., Hkv, Q', d]; by chunks of ``chunk`` keys
+    summed (:func:`attention`)."""
+    if chunk is None:
+        return torch.matmul(probs, values)
+    *lead, rows, k_len = probs.shape
+    c = k_len // chunk
+    probs = probs.view(*lead, rows, c, chunk).transpose(-3, -2)  # [..., C, Q', chunk]
+    parts = torch.matmul(probs, values.view(*lead, c, chunk, values.shape[-1]))  # [..., C, Q', d]
+    return parts.sum(dim=-3)  # [..., Q', d]
+
+
+def rotary_tables(
+    rotary: torch.nn.Module, x: Tensor, at: Tensor, kinds: list[str], per_type: bool
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """RoPE's cos and sin at positions ``at`` ([1]: a batch's step, or [N]: a row's each) from the model's own
+    rotary module, [1|N, 1, r] each: for each of ``kinds`` (layer types) once; ``per_type``: the module has a table
+    per layer type (Gemma3, T5Gemma 2), else one."""
+    tables = {}
+    for kind in dict.fromkeys(kinds):  # in order, once each
+        cos, sin = rotary(x, at[None], kind) if per_type else rotary(x, at[None])
+        tables[kind] = cos[0, :, None], sin[0, :, None]  # [1, N, r] -> [N, 1, r]
+    return tables
 
 
 def soft_cap(x: Tensor, cap: float | None) -> Tensor:

@@ -22,7 +22,7 @@ import torch
 import transformers
 from torch import Tensor
 
-from seqgen_cli.models.attention import attend_blocks, rope, soft_cap
+from seqgen_cli.models.attention import attend_blocks, rope, rotary_tables, soft_cap
 from seqgen_cli.models.families import Causal
 from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
@@ -131,7 +131,7 @@ class DecoderOnlyBackend:
         learned = self.family.positions == "learned"
         if learned:
             x = x + self.base.wpe(at)
-        tables = None if learned else self._rotary_tables(x, at)
+        tables = None if learned else rotary_tables(self.base.rotary_emb, x, at, self.rotary_table, self.per_type)
         for i, lay in enumerate(self.blocks):
             q, k, v = lay.qkv(lay.ln_in(x))  # [N, H*d], [N, Hkv*d], [N, Hkv*d]
             q, k, v = q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d)
@@ -145,15 +145,6 @@ class DecoderOnlyBackend:
             m = lay.mlp(lay.ln_mlp(x))
             x = x + (m if lay.ln_mlp_out is None else lay.ln_mlp_out(m))
         return soft_cap(self.lm(self.ln_final(x)).float(), self.final_softcap)  # [N, V]
-
-    def _rotary_tables(self, x: Tensor, at: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
-        """RoPE's cos and sin at positions ``at`` [N] from the model's own rotary module, [N, 1, r] each: one table
-        (``full_attention``), or one per layer type where the family has several (Gemma3)."""
-        rotary, tables = self.base.rotary_emb, {}
-        for kind in dict.fromkeys(self.rotary_table):  # in order, once each
-            cos, sin = rotary(x, at[None], kind) if self.per_type else rotary(x, at[None])
-            tables[kind] = cos[0, :, None], sin[0, :, None]  # [1, N, r] -> [N, 1, r]
-        return tables
 
     def _prefill(self, batch: Batch) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """The model's own base forward over left-padded prompts [B, P] (positions as ``generate()`` builds them):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from seqgen_cli.models.attention import attention, rope, soft_cap
+from seqgen_cli.models.attention import attention, rope, rotary_tables, soft_cap
 from seqgen_cli.models.families import Seq2Seq, Seq2SeqLayer
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
@@ -75,15 +75,19 @@ def self_attention(
     lay: Seq2SeqLayer,
     scale_scores: bool,
     sliding: bool = False,
+    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """This step's ``q`` [N, H, d], ``k``/``v`` [N, Hkv, d]: k/v into ``cache`` (a batch's or the lanes'); returns the
-    attention output over each row's history (``sliding``: the keys within the cache's window) [N, H*d]."""
+    attention output over each row's history (``sliding``: the keys within the cache's window) [N, H*d].
+    ``source`` (merged attention, T5Gemma 2): the source's keys [B, Hkv, d, S], values and mask [B, 1, 1, S], after
+    the history under the same softmax."""
     n, h, d = q.shape
     keys_t, values = cache.update(layer, k, v)  # [B, Hkv, d, span*R], [B, Hkv, span*R, d]
     b = keys_t.shape[0]
     qb = q.view(b, n // b, h, d).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
     bias = cache.layer_bias(layer, sliding)
-    out = attention(qb, keys_t, values, bias, lay.scale, None, lay.softcap, scale_scores)  # [B, H, Rq, d]
+    then = None if source is None else (*source[:2], source[2], CROSS_CHUNK)
+    out = attention(qb, keys_t, values, bias, lay.scale, None, lay.softcap, scale_scores, then)  # [B, H, Rq, d]
     return out.transpose(1, 2).reshape(n, h * d)  # [B, Rq, H, d] -> [N, H*d]
 
 
@@ -117,7 +121,10 @@ class EncoderDecoderBackend:
         if family.scaled_embedding:  # as transformers writes it: a tensor of the model's dtype
             self.embed_scale = torch.tensor(hidden**0.5, dtype=self.embed.dtype, device=self.embed.device)
         elif (scale := getattr(dec.embed_tokens, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)) != 1.0:
-            self.embed_scale = scale
+            self.embed_scale = scale.to(self.embed.dtype) if isinstance(scale, torch.Tensor) else scale  # as the module
+        # T5Gemma 2: the end-of-image token embeds as its own vector, not its row
+        self.eoi = getattr(dec.embed_tokens, "eoi_token_index", None)
+        self.eoi_embedding = getattr(dec.embed_tokens, "eoi_embedding", None)
         self.dec_layers = []
         for layer in getattr(dec, family.layers):
             self.dec_layers.append(family.reader(layer, int8))
@@ -132,7 +139,8 @@ class EncoderDecoderBackend:
         kinds = getattr(dcfg, "layer_types", None) or ["full_attention"] * self.layers
         self.sliding = [kind == "sliding_attention" for kind in kinds]
         self.window = int(dcfg.sliding_window) if any(self.sliding) and dcfg.sliding_window else None
-        self.rotary = dec.rotary_emb if family.positions == "rotary" else None
+        self.rotary = dec.rotary_emb if family.positions.startswith("rotary") else None
+        self.rotary_table = [lay.layer_type if family.positions == "rotary per layer type" else "" for lay in self.dec_layers]
         self.final_softcap = getattr(dcfg, "final_logit_softcapping", None)
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.ln_embed = getattr(dec, family.embedding_norm) if family.embedding_norm else None
@@ -187,6 +195,8 @@ class EncoderDecoderBackend:
         x = F.embedding(tokens, self.embed)  # [N, D]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.eoi_embedding is not None:
+            x = torch.where((tokens == self.eoi)[:, None], self.eoi_embedding.to(x.dtype), x)  # [N, D]
         if self.positions is not None:
             at = cache.position + self.pos_offset  # [1] (a batch) or [N] (lanes)
             if self.pad_position is not None:  # M2M-100: a pad token takes the padding row (zeros)
@@ -194,7 +204,8 @@ class EncoderDecoderBackend:
             x = x + self.positions.index_select(0, at)  # [1 | N, D]
         if self.ln_embed is not None:
             x = self.ln_embed(x)
-        rotary = None if self.rotary is None else self._rotary(x, cache.position)
+        per_type = self.family.positions == "rotary per layer type"
+        tables = None if self.rotary is None else rotary_tables(self.rotary, x, cache.position, self.rotary_table, per_type)
         pre, clamp = self.pre_norm, (clamp_fp16 if self.clamp else lambda y: y)
         h_d, kv_d = self.heads * self.head_dim, self.kv_heads * self.head_dim
         n = x.shape[0]
@@ -203,18 +214,24 @@ class EncoderDecoderBackend:
             h = lay.ln_self(x) if pre else x
             q, k, v = lay.qkv(h).split((h_d, kv_d, kv_d), dim=-1)  # [N, H*d], [N, Hkv*d], [N, Hkv*d]
             q, k, v = q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim), v.view(n, -1, self.head_dim)
-            if rotary is not None:
-                q, k = rope(q, *rotary), rope(k, *rotary)
-            a = self_attention(q, k, v, cache, i, lay, self.scale_scores, self.sliding[i])
+            if lay.q_norm is not None:
+                q, k = lay.q_norm(q), lay.k_norm(k)
+            if tables is not None:
+                cos, sin = tables[self.rotary_table[i]]
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
+            source = (state.cross_k[i], state.cross_v[i], state.cross_mask) if lay.merged else None
+            a = self_attention(q, k, v, cache, i, lay, self.scale_scores, self.sliding[i], source)
             x = clamp(x + _out(lay.ln_self_out, lay.o(a)))  # [N, D]
             if not pre:
                 x = lay.ln_self(x)
-            # cross-attention: the R beams of an input share its keys/values
-            h = lay.ln_cross(x) if pre else x
-            a = cross_attention(lay.cq(h), state.cross_k[i], state.cross_v[i], state.cross_mask, lay, self.scale_scores)
-            x = clamp(x + _out(lay.ln_cross_out, lay.co(a)))
-            if not pre:
-                x = lay.ln_cross(x)
+            if not lay.merged:  # cross-attention: the R beams of an input share its keys/values
+                h = lay.ln_cross(x) if pre else x
+                a = cross_attention(
+                    lay.cq(h), state.cross_k[i], state.cross_v[i], state.cross_mask, lay, self.scale_scores
+                )
+                x = clamp(x + _out(lay.ln_cross_out, lay.co(a)))
+                if not pre:
+                    x = lay.ln_cross(x)
             # feed-forward
             h = lay.ln_ff(x) if pre else x
             x = clamp(x + _out(lay.ln_ff_out, lay.ff(h)))
@@ -225,12 +242,6 @@ class EncoderDecoderBackend:
         if self.out_scale is not None:
             x = x * self.out_scale
         return soft_cap(self.lm(x), self.final_softcap)  # [N, V]
-
-    def _rotary(self, x: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos and sin at positions ``at`` ([1]: a batch's step, or [N]: each lane's) from the model's own
-        rotary module: [1|N, 1, d] each."""
-        cos, sin = self.rotary(x, at[None])  # [1, 1|N, d]
-        return cos[0, :, None], sin[0, :, None]
 
     @torch.inference_mode()
     def step(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
@@ -243,7 +254,8 @@ class EncoderDecoderBackend:
         b, s, _ = hidden.shape
         for lay in self.dec_layers:
             kv = lay.ckv(hidden).view(b, s, 2, self.kv_heads, self.head_dim)  # [B, S, 2, Hkv, d]
-            yield kv[:, :, 0].permute(0, 2, 3, 1), kv[:, :, 1].transpose(1, 2)
+            k = kv[:, :, 0] if lay.k_norm is None or not lay.merged else lay.k_norm(kv[:, :, 0])  # T5Gemma 2: normed
+            yield k.permute(0, 2, 3, 1), kv[:, :, 1].transpose(1, 2)
 
     def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, Hkv, d, S],

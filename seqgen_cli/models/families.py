@@ -8,23 +8,26 @@ only if none of the five fits, and a fixture (tests/test_families.py).
 
 Encoder-decoders (:class:`Seq2Seq`; the encoder is always the model's own):
 
-=========  =======  ====  ==============================================  =====================  ===========
-family     reader   norm  positions                                       embedding norm         final norm
-=========  =======  ====  ==============================================  =====================  ===========
-bart, led  bart     post  table (learned; BART's offset 2)                layernorm_embedding    -
-mbart      bart     pre   table (learned, offset 2)                       layernorm_embedding    layer_norm
-marian     bart     post  table (sinusoidal)                              -                      -
-pegasus    bart     pre   table (sinusoidal)                              -                      layer_norm
-m2m_100    bart     pre   table (sinusoidal; a pad token takes row pad)   -                      layer_norm
-pegasus_x  bart     pre   computed sinusoid (tabled once)                 -                      layer_norm
-t5, mt5,   t5       pre   relative bias of the first block                -                      final_layer_norm
+=========  ========  ====  ==============================================  =====================  ===========
+family     reader    norm  positions                                       embedding norm         final norm
+=========  ========  ====  ==============================================  =====================  ===========
+bart, led  bart      post  table (learned; BART's offset 2)                layernorm_embedding    -
+mbart      bart      pre   table (learned, offset 2)                       layernorm_embedding    layer_norm
+marian     bart      post  table (sinusoidal)                              -                      -
+pegasus    bart      pre   table (sinusoidal)                              -                      layer_norm
+m2m_100    bart      pre   table (sinusoidal; a pad token takes row pad)   -                      layer_norm
+pegasus_x  bart      pre   computed sinusoid (tabled once)                 -                      layer_norm
+t5, mt5,   t5        pre   relative bias of the first block                -                      final_layer_norm
 longt5
-umt5       t5       pre   relative bias of every block                    -                      final_layer_norm
-t5gemma    t5gemma  pre   rotary                                          (times sqrt(hidden))   norm
-=========  =======  ====  ==============================================  =====================  ===========
+umt5       t5        pre   relative bias of every block                    -                      final_layer_norm
+t5gemma    t5gemma   pre   rotary                                          (times sqrt(hidden))   norm
+t5gemma2   t5gemma2  pre   rotary per layer type                           (the module's scale)   norm
+=========  ========  ====  ==============================================  =====================  ===========
 
 T5Gemma's decoder is Gemma 2's with cross-attention: an RMSNorm after each sub-layer too, grouped-query K/V heads
 in both attentions (cached as K/V heads only), soft-capped attention and final logits, sliding-window layers.
+T5Gemma 2's is Gemma 3's with its cross-attention merged into self-attention: the source's keys (through the same
+projections and ``k_norm``) join the decoder's own under one softmax.
 
 Decoder-only (:class:`Causal`; the prompt's prefill is always the model's own forward):
 
@@ -72,11 +75,11 @@ class Seq2SeqLayer:
     qkv: Linear
     o: Linear
     scale: float  # attention scale (T5: 1, unscaled)
-    ln_cross: nn.Module
-    cq: Linear
+    ln_cross: nn.Module | None  # None: no cross-attention sub-layer (merged attention)
+    cq: Linear | None
     ckv_w: Tensor | None  # [2 Hkv d, D_enc]: cross-attention k|v fused; int8: None
-    ckv: Linear
-    co: Linear
+    ckv: Linear  # the source's keys and values: [B, S, D_enc] -> [B, S, 2 Hkv d]
+    co: Linear | None
     ln_ff: nn.Module
     ff: Linear  # the whole feed-forward: [N, D] -> [N, D]
     maps: dict[str, Linear]  # every linear map of the layer by name (int8 checks, tests)
@@ -85,6 +88,10 @@ class Seq2SeqLayer:
     ln_cross_out: nn.Module | None = None
     ln_ff_out: nn.Module | None = None
     softcap: float | None = None  # attention logit soft-capping, self and cross (T5Gemma)
+    merged: bool = False  # the source's keys under the self-attention's softmax, no cross sub-layer (T5Gemma 2)
+    q_norm: nn.Module | None = None  # per head, before RoPE; ``k_norm`` on the source's keys too (T5Gemma 2)
+    k_norm: nn.Module | None = None
+    layer_type: str = "full_attention"  # its rotary table, where the model has one per layer type (T5Gemma 2)
 
 
 def bart_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
@@ -170,7 +177,37 @@ def t5gemma_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
     )  # fmt: skip
 
 
-Positions = Literal["table", "padded table", "computed", "relative", "relative per layer", "rotary"]
+def t5gemma2_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
+    """A T5Gemma 2 decoder layer (Gemma 3's, its self-attention *merged* with cross-attention: the source's keys and
+    values come from the same ``k_proj`` / ``v_proj``, its keys through ``k_norm`` too, and join the decoder's own
+    under one softmax); q/k norms, an RMSNorm before and after each sub-layer."""
+    sa, mlp = layer.self_attn, layer.mlp
+
+    def lin(module: nn.Module) -> Linear:
+        return linear(module.weight, module.bias, int8)
+
+    fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
+    qkv_w, qkv_b = fuse([sa.q_proj, sa.k_proj, sa.v_proj])  # [(H + 2 Hkv) d, D]
+    q_rows = sa.q_proj.out_features
+    kv_b = None if qkv_b is None else qkv_b[q_rows:]
+    maps = dict(
+        qkv=linear(qkv_w, qkv_b, int8), o=lin(sa.o_proj), ckv=linear(qkv_w[q_rows:], kv_b, int8),
+        gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
+    )  # fmt: skip
+    gate, up, down, act = maps["gate"], maps["up"], maps["down"], mlp.act_fn
+    return Seq2SeqLayer(
+        ln_self=layer.pre_self_attn_layernorm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"],
+        scale=float(sa.scaling), ln_cross=None, cq=None, ckv_w=None, ckv=maps["ckv"], co=None,
+        ln_ff=layer.pre_feedforward_layernorm, ff=lambda x: down(act(gate(x)) * up(x)), maps=maps,
+        ln_self_out=layer.post_self_attn_layernorm, ln_ff_out=layer.post_feedforward_layernorm,
+        softcap=sa.attn_logit_softcapping, merged=True, q_norm=sa.q_norm, k_norm=sa.k_norm,
+        layer_type=sa.layer_type or "full_attention",
+    )  # fmt: skip
+
+
+Positions = Literal[
+    "table", "padded table", "computed", "relative", "relative per layer", "rotary", "rotary per layer type"
+]
 
 
 @dataclass(frozen=True)
@@ -310,6 +347,7 @@ FAMILIES: dict[str, Seq2Seq | Causal] = {
         t5gemma_layer, pre_norm=True, positions="rotary", final_norm="norm", scaled_embedding=True,
         scale_scores=True,
     ),  # fmt: skip
+    "t5gemma2": Seq2Seq(t5gemma2_layer, pre_norm=True, positions="rotary per layer type", final_norm="norm"),
     "gpt2": Causal(reader=gpt2_block, positions="learned", final_norm="ln_f", embed="wte", layers="h"),
     "llama": _LLAMA,
     "mistral": _LLAMA,
