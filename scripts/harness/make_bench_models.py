@@ -27,6 +27,12 @@ T5GEMMA_MODULE = dict(
     num_key_value_heads=4, head_dim=64, query_pre_attn_scalar=64, sliding_window=4096, max_position_embeddings=8192,
     pad_token_id=0, eos_token_id=1, bos_token_id=0,
 )  # fmt: skip
+GEMMA3_270M = dict(
+    vocab_size=32128, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+    pad_token_id=0, eos_token_id=1, bos_token_id=0,
+)  # fmt: skip
 
 # name -> (tokenizer/config folder in shared/tokenizers, config overrides)
 MODELS: dict[str, tuple[str, dict]] = {
@@ -107,6 +113,26 @@ MODELS: dict[str, tuple[str, dict]] = {
             "pad_token_id": 0,
             "eos_token_id": 1,
             "bos_token_id": 0,
+        },
+    ),
+    # a T5Gemma 2 of t5gemma-2-270m-270m's text shape built here (Gemma 3 270M's decoder layers on both sides: 18 + 18
+    # layers, hidden 640, 4 heads over 1 K/V head of 256, MLP 2048, five 512-position sliding layers to one full,
+    # merged attention in the decoder) over t5-small's tokenizer (vocabulary 32,128; its last three extra ids as the
+    # image tokens); the vision tower tiny: only text goes in
+    "t5gemma2-270m": (
+        "t5-small",
+        {
+            "config_class": "T5Gemma2Config",
+            "encoder": {
+                "text_config": dict(GEMMA3_270M),
+                "vision_config": dict(
+                    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                    patch_size=8,
+                ),
+                "mm_tokens_per_image": 4, "boi_token_index": 32125, "eoi_token_index": 32126, "image_token_index": 32127,
+            },
+            "decoder": dict(GEMMA3_270M, eoi_token_index=32126),
+            "image_token_index": 32127,
         },
     ),
 }
