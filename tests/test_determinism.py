@@ -109,6 +109,30 @@ def test_cross_attention_keeps_its_bits_at_wider_widths_and_in_any_batch() -> No
         torch.set_num_threads(threads)
 
 
+def test_merged_attention_is_one_softmax_and_keeps_its_bits_at_wider_source_widths() -> None:
+    """``attention(..., then=...)`` (T5Gemma 2's merged attention, grouped-query): the decoder's keys and the
+    source's under one softmax, as the concatenated keys give it (float32 summation order apart: within 1e-6 of
+    outputs of magnitude ~1), and an input's output keeps its bits when the source block is wider (keys past its
+    width zero and masked), its values summed by chunk."""
+    g = torch.Generator().manual_seed(1)
+    b, h, hkv, r, d, span = 3, 4, 2, 2, 16, 8
+    q = torch.randn(b, h, r, d, generator=g)  # [B, H, R, d]
+    k, v = torch.randn(b, hkv, d, span, generator=g), torch.randn(b, hkv, span, d, generator=g)
+    bias = torch.zeros(b, 1, r, span)
+    bias[:, :, 0, -2:] = float("-inf")  # a beam that does not see the last positions
+    for chunks, wider in [(1, 2), (2, 16), (5, 9)]:  # one product over all keys differs at the last two
+        w, pad = chunks * CROSS_CHUNK, (wider - chunks) * CROSS_CHUNK
+        sk, sv = torch.randn(b, hkv, d, w, generator=g), torch.randn(b, hkv, w, d, generator=g)
+        smask = torch.zeros(b, 1, 1, w)
+        smask[1, ..., w - 7 :] = float("-inf")
+        got = attention(q, k, v, bias, 0.25, then=(sk, sv, smask, CROSS_CHUNK))
+        keys, values = torch.cat((k, sk), -1), torch.cat((v, sv), -2)
+        whole = attention(q, keys, values, torch.cat((bias, smask.expand(b, 1, r, w)), -1), 0.25)
+        torch.testing.assert_close(got, whole, rtol=0, atol=1e-6)
+        wide = (F.pad(sk, (0, pad)), F.pad(sv, (0, 0, 0, pad)), F.pad(smask, (0, pad), value=float("-inf")))
+        assert torch.equal(attention(q, k, v, bias, 0.25, then=(*wide, CROSS_CHUNK)), got), f"{w} -> {w + pad}"
+
+
 # -- model backends -------------------------------------------------------------------------------------------
 
 
