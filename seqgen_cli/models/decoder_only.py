@@ -23,7 +23,7 @@ import transformers
 from torch import Tensor
 
 from seqgen_cli.models.attention import attend_blocks, rope, rotary_tables, soft_cap
-from seqgen_cli.models.families import Causal
+from seqgen_cli.models.families import Causal, sliding_layers
 from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
     kv_bytes,
@@ -106,13 +106,7 @@ class DecoderOnlyBackend:
         self.ln_final = getattr(self.base, family.final_norm)
         self.per_type = family.positions == "rotary per layer type"  # a rotary table per layer type (Gemma3)
         self.rotary_table = [b.layer_type if self.per_type else "full_attention" for b in self.blocks]  # each layer's
-        # sliding-window layers: the config's layer kinds, or every layer where it has a window and no kinds
-        window = getattr(cfg, "sliding_window", None)
-        kinds = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * len(
-            self.blocks
-        )
-        self.sliding = [kind == "sliding_attention" for kind in kinds]
-        self.window = int(window) if any(self.sliding) else None
+        self.sliding, self.window = sliding_layers(cfg, self.n_layers)  # which layers slide, and how far
         head = model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0])
         self.lm = linear(head.weight, head.bias, int8)

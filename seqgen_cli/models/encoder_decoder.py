@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from seqgen_cli.models.attention import attention, rope, rotary_tables, soft_cap
-from seqgen_cli.models.families import Seq2Seq, Seq2SeqLayer
+from seqgen_cli.models.families import Seq2Seq, Seq2SeqLayer, sliding_layers
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
     kv_bytes,
@@ -86,7 +86,7 @@ def self_attention(
     b = keys_t.shape[0]
     qb = q.view(b, n // b, h, d).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
     bias = cache.layer_bias(layer, sliding)
-    then = None if source is None else (*source[:2], source[2], CROSS_CHUNK)
+    then = None if source is None else (*source, CROSS_CHUNK)
     out = attention(qb, keys_t, values, bias, lay.scale, None, lay.softcap, scale_scores, then)  # [B, H, Rq, d]
     return out.transpose(1, 2).reshape(n, h * d)  # [B, Rq, H, d] -> [N, H*d]
 
@@ -136,11 +136,10 @@ class EncoderDecoderBackend:
         self.heads = int(heads or dcfg.num_attention_heads)
         self.kv_heads = int(getattr(dcfg, "num_key_value_heads", None) or self.heads)  # cached: K/V heads only
         self.head_dim = int(getattr(dcfg, "d_kv", None) or getattr(dcfg, "head_dim", None) or hidden // self.heads)
-        kinds = getattr(dcfg, "layer_types", None) or ["full_attention"] * self.layers
-        self.sliding = [kind == "sliding_attention" for kind in kinds]
-        self.window = int(dcfg.sliding_window) if any(self.sliding) and dcfg.sliding_window else None
+        self.sliding, self.window = sliding_layers(dcfg, self.layers)  # which layers slide, and how far
         self.rotary = dec.rotary_emb if family.positions.startswith("rotary") else None
-        self.rotary_table = [lay.layer_type if family.positions == "rotary per layer type" else "" for lay in self.dec_layers]
+        self.per_type = family.positions == "rotary per layer type"  # a rotary table per layer type (T5Gemma 2)
+        self.rotary_table = [lay.layer_type if self.per_type else "full_attention" for lay in self.dec_layers]
         self.final_softcap = getattr(dcfg, "final_logit_softcapping", None)
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.ln_embed = getattr(dec, family.embedding_norm) if family.embedding_norm else None
@@ -204,8 +203,9 @@ class EncoderDecoderBackend:
             x = x + self.positions.index_select(0, at)  # [1 | N, D]
         if self.ln_embed is not None:
             x = self.ln_embed(x)
-        per_type = self.family.positions == "rotary per layer type"
-        tables = None if self.rotary is None else rotary_tables(self.rotary, x, cache.position, self.rotary_table, per_type)
+        tables = None
+        if self.rotary is not None:
+            tables = rotary_tables(self.rotary, x, cache.position, self.rotary_table, self.per_type)
         pre, clamp = self.pre_norm, (clamp_fp16 if self.clamp else lambda y: y)
         h_d, kv_d = self.heads * self.head_dim, self.kv_heads * self.head_dim
         n = x.shape[0]
@@ -254,7 +254,7 @@ class EncoderDecoderBackend:
         b, s, _ = hidden.shape
         for lay in self.dec_layers:
             kv = lay.ckv(hidden).view(b, s, 2, self.kv_heads, self.head_dim)  # [B, S, 2, Hkv, d]
-            k = kv[:, :, 0] if lay.k_norm is None or not lay.merged else lay.k_norm(kv[:, :, 0])  # T5Gemma 2: normed
+            k = lay.k_norm(kv[:, :, 0]) if lay.merged and lay.k_norm is not None else kv[:, :, 0]  # T5Gemma 2: normed
             yield k.permute(0, 2, 3, 1), kv[:, :, 1].transpose(1, 2)
 
     def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

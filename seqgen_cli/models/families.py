@@ -358,6 +358,15 @@ FAMILIES: dict[str, Seq2Seq | Causal] = {
     "phi3": Causal(reader=phi3_layer, positions="rotary", final_norm="norm"),
 }
 
+def sliding_layers(cfg: Any, layers: int) -> tuple[list[bool], int | None]:
+    """Which of the ``layers`` decoder layers slide, and their window: the config's layer kinds, or every layer
+    where it has a window and no kinds (Mistral, Phi-3); window ``None`` where none slides."""
+    window = getattr(cfg, "sliding_window", None)
+    kinds = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * layers
+    sliding = [kind == "sliding_attention" for kind in kinds]
+    return sliding, int(window) if any(sliding) and window else None
+
+
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies that do not depend on the sequence length
 
 
