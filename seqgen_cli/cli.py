@@ -417,7 +417,7 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         given = next(k for k, v in cluster_flags.items() if v is not None)
         raise SeqgenError(f"--{given.replace('_', '-')} needs --workers N")
     job = job_options(opts, output, shard_spec=shard_spec, verify=verify_inputs, verify_strict=verify_strict)
-    checked = check_job(inputs, output, job)  # before the (slow) model load
+    checked = check_job(inputs, output, job, model)  # before the (slow) model load and any input read
     spec = generator_spec(model, opts)
     if workers is not None:  # Ray is imported only here
         from seqgen_cli.pipeline.cluster import ClusterOptions
@@ -589,6 +589,7 @@ def bench(input: str, model: str, **opts) -> None:
     from seqgen_cli.pipeline import paths
 
     paths.check_reports(input, opts["out"], BENCH_REPORTS)  # before the (slow) model load
+    paths.model_files(model)  # a checkpoint that needs its own code: refused before any baseline loads it
     from seqgen_cli.bench import BenchSettings, run_bench
 
     generation = _pop_generation(opts, exclude=_BENCH_EXCLUDES)

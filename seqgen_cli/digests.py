@@ -1,13 +1,15 @@
-"""What a checkpoint folder *is*, by content: the SHA-256 of every file that decides the outputs (the weight files
-transformers loads, the config, the generation config, the tokenizer files), for ``--resume``, the journal and
-``seqgen merge`` (``pipeline/resume.py: model_identity``).
+"""What a checkpoint folder *is*, by content: the SHA-256 of every file that decides the outputs
+(``checkpoint.read_files``: the weight files transformers loads, shards in subfolders too, the config, the generation
+config, the tokenizer files), for ``--resume``, the journal and ``seqgen merge`` (``pipeline/resume.py:
+model_identity``).
 
 Hashing runs at ~1.8 GB/s on one core (1.63 GB in 0.90 s, docs/BENCHMARKS.md "Checkpoint digests"), so each
 file's digest is cached on disk (``<cache>/digests/``; :func:`cache_dir`, shared with the int8 weight cache) under
 its real path, keyed by what a rewrite changes: size, modification and status-change times, inode and device. A
 file saved anew, copied or touched back to its old modification time gets a new status-change time, so it is
-hashed again; an unchanged one costs a ``stat``. :func:`prefetch` starts the hashing in a thread while the model
-loads (the same bytes, read from the page cache).
+hashed again; an unchanged one costs a ``stat``. An entry carries a check of its own fields: a damaged one (a
+flipped digit, a torn write) is hashed again, never trusted. :func:`prefetch` starts the hashing in a thread while
+the model loads (the same bytes, read from the page cache).
 """
 
 from __future__ import annotations
@@ -19,15 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-# Files of a checkpoint folder that transformers does not read for a PyTorch model: other frameworks' weights
-# and the model card. Everything else at the top level is hashed (tokenizer and config files are small).
-NOT_READ = (".h5", ".msgpack", ".onnx", ".onnx_data", ".tflite", ".ot", ".gguf", ".mlmodel", ".md")
-TORCH_WEIGHTS = (
-    ".bin",
-    ".pt",
-    ".pth",
-    ".ckpt",
-)  # not read where .safetensors files are (transformers' choice)
+from seqgen_cli import checkpoint
+from seqgen_cli.errors import SeqgenError
 
 _memo: dict[tuple[str, tuple[int, ...]], str] = {}  # (real path, stat key) -> SHA-256, this process's
 _pending: dict[str, threading.Thread] = {}  # real folder -> its prefetch
@@ -66,70 +61,81 @@ def cache_folder() -> Path:
     return cache_dir() / "digests"
 
 
-def model_files(folder: Path) -> list[Path]:
-    """The files of ``folder`` (top level, sorted) whose bytes decide a run's outputs."""
-    files = [p for p in sorted(folder.iterdir()) if not p.name.startswith(".") and p.is_file()]
-    files = [p for p in files if not p.name.lower().endswith(NOT_READ)]
-    if any(p.name.endswith(".safetensors") for p in files):
-        files = [p for p in files if not p.name.endswith(TORCH_WEIGHTS)]
-    return files
-
-
-def _key(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
-
-
 def _entry_path(real: str) -> Path:
     return cache_folder() / f"{hashlib.sha256(real.encode()).hexdigest()}.json"
 
 
-def file_sha256(path: Path) -> str:
-    """SHA-256 of ``path``'s bytes: from the cache when its stat key is unchanged, else hashed (and cached)."""
+def file_sha256(path: Path, expected: checkpoint.StatKey | None = None) -> str:
+    """SHA-256 of ``path``'s bytes: from the cache when its stat key is unchanged, else hashed (and cached).
+    ``expected``: the stat key the file had when the model loaded; another one is an error (the digest would be of
+    other bytes than the weights in use)."""
     real = os.path.realpath(path)
-    key = _key(os.stat(real))
+    key = checkpoint.stat_key(Path(real))
+    if expected is not None and key != tuple(expected):
+        raise SeqgenError(f"{path} changed since the model loaded from it: run again once the checkpoint is saved")
     with _lock:
         known = _memo.get((real, key))
     if known is not None:
         return known
     entry = _entry_path(real)
-    try:
-        cached = json.loads(entry.read_text())
-        if cached.get("path") == real and tuple(cached.get("key", ())) == key:
-            digest = str(cached["sha256"])
-            with _lock:
-                _memo[(real, key)] = digest
-            return digest
-    except (OSError, ValueError, AttributeError, KeyError):
-        pass  # no entry, or not one of ours: hash
-    with open(real, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    if _key(os.stat(real)) == key:  # not changed while hashing: worth keeping
-        with _lock:
-            _memo[(real, key)] = digest
+    digest = _cached(entry, real, key)
+    if digest is None:
+        with open(real, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if checkpoint.stat_key(Path(real)) != key:  # changed while hashing: neither kept nor the loaded bytes
+            raise SeqgenError(f"{path} changed while its digest was made: run again once the checkpoint is saved")
         _store(entry, {"path": real, "key": list(key), "sha256": digest})
+    with _lock:
+        _memo[(real, key)] = digest
     return digest
 
 
+def _check(record: dict[str, Any]) -> str:
+    """The entry's own check: a digest of its other fields, so a damaged entry is told from a stale one."""
+    fields = json.dumps([record.get("path"), record.get("key"), record.get("sha256")])
+    return hashlib.sha256(fields.encode()).hexdigest()[:16]
+
+
+def _cached(entry: Path, real: str, key: tuple[int, ...]) -> str | None:
+    """The cached digest of ``real`` at ``key``, or ``None``: no entry, another file's or key's, or damaged."""
+    try:
+        record = json.loads(entry.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or record.get("check") != _check(record):
+        return None
+    if record.get("path") != real or tuple(record.get("key") or ()) != key:
+        return None
+    return str(record["sha256"])
+
+
 def _store(entry: Path, record: dict[str, Any]) -> None:
-    """Write ``entry`` whole or not at all (a temporary file renamed over it); a cache that cannot be written
-    (read-only, full) is skipped: the digest is right either way, only the next run hashes again."""
-    tmp = entry.with_name(f"{entry.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
+    """Write ``entry`` in place (a torn or partial entry fails its check and is hashed again: no temporary
+    files to leave behind); a cache that cannot be written (read-only, full, a file where its folder goes) is
+    skipped: the digest is right either way, only the next run hashes again."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, entry)
+        entry.write_text(json.dumps({**record, "check": _check(record)}), encoding="utf-8")
     except OSError:
-        tmp.unlink(missing_ok=True)
+        try:
+            entry.unlink(missing_ok=True)  # what a full disk left of it
+        except OSError:
+            pass
 
 
-def folder_digests(folder: str | os.PathLike[str]) -> dict[str, str]:
-    """``{file name: SHA-256}`` of :func:`model_files` (a :func:`prefetch` under way is waited for first)."""
+def folder_digests(folder: str | os.PathLike[str], loaded: dict[str, checkpoint.StatKey] | None = None) -> dict[str, str]:
+    """``{name in the folder: SHA-256}`` of ``checkpoint.read_files`` (a :func:`prefetch` under way is waited for
+    first). ``loaded``: the stat keys the files had when the model loaded (``checkpoint.snapshot``); the digests are
+    of exactly those files, as they were then, or an error."""
     real = os.path.realpath(folder)
     with _lock:
         thread = _pending.pop(real, None)
     if thread is not None:
         thread.join()
-    return {p.name: file_sha256(p) for p in model_files(Path(real))}
+    base = Path(real)
+    if loaded is not None:
+        return {name: file_sha256(base / name, key) for name, key in loaded.items()}
+    return {checkpoint.relative(base, p): file_sha256(p) for p in checkpoint.read_files(base)}
 
 
 def prefetch(folder: str | os.PathLike[str]) -> None:
@@ -141,9 +147,9 @@ def prefetch(folder: str | os.PathLike[str]) -> None:
 
     def work() -> None:
         try:
-            for p in model_files(Path(real)):
+            for p in checkpoint.read_files(Path(real)):
                 file_sha256(p)
-        except OSError:
+        except (OSError, SeqgenError):  # left for folder_digests to meet
             pass
 
     with _lock:

@@ -21,7 +21,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from seqgen_cli import startup
+from seqgen_cli import checkpoint, startup
+from seqgen_cli.digests import checkpoint_folder
 from seqgen_cli.errors import SeqgenError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -44,6 +45,7 @@ class Loaded:
     name: str = ""  # as given
     source: str = ""  # the folder or hub name it was read from
     loader: str = "transformers"  # what built ``model``: "seqgen" (models/own_model.py) or "transformers (<why>)"
+    files: dict[str, checkpoint.StatKey] | None = None  # the checkpoint's files as they loaded (``--resume``'s digests)
     _reference: torch.nn.Module | None = None
 
     @property
@@ -169,7 +171,7 @@ def resolve_model_path(name: str) -> str:
     from transformers import AutoConfig
 
     try:
-        AutoConfig.from_pretrained(name, local_files_only=True)
+        AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=False)
         return name  # in the local hub cache
     except (OSError, ValueError):
         pass
@@ -198,8 +200,12 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
     source = resolve_model_path(name)
     dev = _int8_device(device) if dtype == INT8 else resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    folder = checkpoint_folder(source)
+    if folder is not None:  # before transformers reads a file of it
+        checkpoint.refuse_code(folder, name)
+        files = checkpoint.snapshot(folder, name)  # refuses a weight file outside the folder
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as err:
         raise SeqgenError(f"model {name}: cannot read its config: {_first_line(err)}") from None
     model_type = getattr(config, "model_type", None)
@@ -221,7 +227,7 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
         )
     try:
         with startup.stage("tokenizer"):
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as err:
         missing = [f for f in expected if f not in present]
         absent = f" (missing {', '.join(missing)})" if missing else ""
@@ -237,6 +243,8 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
         loader = "seqgen" if model is not None else f"transformers ({why})"
     if model is None:
         model = transformers_model(name, source, model_type, is_encoder_decoder, torch_dtype)
+    if folder is not None:  # the bytes that loaded are the bytes the digests will be of
+        checkpoint.check_unchanged(folder, files, name)
     model.to(dev).eval()
     if dev.type == "cpu":
         keep_freed_memory()
@@ -246,7 +254,10 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
         eos = model.generation_config.eos_token_id
         tokenizer.pad_token_id = eos[0] if isinstance(eos, list) else eos
     int8 = dtype == INT8
-    return Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype, int8, name=name, source=source, loader=loader)
+    loaded = Loaded(model, tokenizer, is_encoder_decoder, dev, torch_dtype, int8, name=name, source=source, loader=loader)
+    loaded.files = files if folder is not None else None
+    return loaded
+
 
 
 def transformers_model(
@@ -267,15 +278,31 @@ def transformers_model(
         getattr(transformers, names[model_type], None)
     try:
         with fast_sinusoids(model_type), startup.stage("weights"):
-            return auto.from_pretrained(source, dtype=dtype)
+            model, info = auto.from_pretrained(source, dtype=dtype, trust_remote_code=False, output_loading_info=True)
     except Exception as err:  # noqa: BLE001 - safetensors, pickle and torch each raise their own
         raise SeqgenError(weights_error(name, source, err)) from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers would fill them with random values: two runs would differ
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise SeqgenError(
+            f"model {name}: its weights{weight_names(source)} lack {missing[0]}{more}; seqgen does not invent "
+            "weights: use a complete checkpoint"
+        )
+    return model
+
+
+def weight_names(source: str) -> str:
+    """`` (model.safetensors)``: the weight files ``from_pretrained`` reads from the folder, or nothing."""
+    try:
+        files = [checkpoint.relative(Path(source), p) for p in checkpoint.weight_files(Path(source))]
+    except (SeqgenError, OSError):
+        files = []
+    return f" ({', '.join(files)})" if files and Path(source).is_dir() else ""
 
 
 def weights_error(name: str, source: str, err: Exception) -> str:
     """One line for weights that cannot be loaded, naming the file where the folder shows which."""
-    files = sorted(p.name for p in Path(source).glob("*") if p.suffix in (".safetensors", ".bin"))
-    where = f" ({', '.join(files)})" if files and Path(source).is_dir() else ""
+    where = weight_names(source)
     if isinstance(err, pickle.UnpicklingError):
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         what = f" ({refused.group(1)})" if refused else ""

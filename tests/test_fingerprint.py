@@ -131,7 +131,7 @@ def test_the_model_is_identified_by_the_content_of_its_files(tiny_models, tmp_pa
     old modification time after a rewrite is hashed again; an unchanged folder is not hashed again."""
     import os
 
-    from seqgen_cli import digests
+    from seqgen_cli import checkpoint, digests
     from seqgen_cli.pipeline.resume import model_identity
 
     class Named:
@@ -142,7 +142,7 @@ def test_the_model_is_identified_by_the_content_of_its_files(tiny_models, tmp_pa
     first = model_identity(Named(model))["files"]
     assert {"model.safetensors", "config.json", "generation_config.json"} <= set(first)
     assert any(name.startswith("tokenizer") or name in ("vocab.json", "merges.txt") for name in first)
-    assert len(first) == len(digests.model_files(model))
+    assert len(first) == len(checkpoint.read_files(model))
     (model / "README.md").write_text("a model card does not decide outputs\n")
     assert model_identity(Named(model))["files"] == first
 

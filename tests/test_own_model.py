@@ -5,6 +5,7 @@ checkpoint it does not read."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,6 +56,29 @@ CASES: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "t5gemma": FAMILY_CONFIGS["t5gemma"],
     "t5gemma untied": lambda: untied(FAMILY_CONFIGS["t5gemma"]()),
 }
+# Cases saved with a head of their own beside a config that ties it (transformers keeps the checkpoint's head):
+# T5 v1.1 / mT5 / UMT5 as flan-t5-base, mt5 and umt5 checkpoints are (``tie_word_embeddings: false`` in
+# config.json, which transformers 5 reads as tied), and a BART saved so: case -> (its config, the tied source).
+OWN_HEAD = {
+    "t5 v1.1 own head": ("t5 v1.1", "shared.weight"),
+    "mt5 own head": ("mt5", "shared.weight"),
+    "umt5 own head": ("umt5", "shared.weight"),
+    "bart own head": ("bart", "model.shared.weight"),
+}
+CASES.update({case: CASES[base] for case, (base, _) in OWN_HEAD.items()})
+
+
+def own_head(folder: Path, source: str, seed: int) -> None:
+    """Give the saved checkpoint in ``folder`` an ``lm_head.weight`` of its own (``source``'s rows permuted) and,
+    for T5's kinds, ``tie_word_embeddings: false`` in config.json, as their real checkpoints have."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    rows = torch.randperm(tensors[source].shape[0], generator=torch.Generator().manual_seed(seed))
+    tensors["lm_head.weight"] = tensors[source][rows].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), {"format": "pt"})
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if "t5" in config["model_type"]:
+        config["tie_word_embeddings"] = False
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +92,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
             model = sharpen(tf.AutoModelForSeq2SeqLM.from_config(CASES[case]()), seed=1)
             folder = tmp_path_factory.mktemp(case.replace(" ", "-"))
             model.save_pretrained(folder)
+            if case in OWN_HEAD:
+                own_head(folder, OWN_HEAD[case][1], seed=5)
             made[case] = folder
         return made[case]
 

@@ -559,6 +559,25 @@ def _save_model(config: Any, gen_ids: dict[str, Any], causal: bool, dest: Path) 
     model.eval()
     model.generation_config = GenerationConfig(**gen_ids)
     model.save_pretrained(dest)
+    if config.model_type == "t5" and not config.scale_decoder_outputs:  # v1.1: saved as flan-t5's checkpoints are
+        _own_head(dest)
+
+
+def _own_head(dest: Path) -> None:
+    """Give a saved T5 v1.1 checkpoint the head flan-t5-base, mT5 and UMT5 checkpoints have: its own
+    ``lm_head.weight`` (here the embedding's rows permuted, so outputs stay as varied) and ``tie_word_embeddings:
+    false`` in config.json, which transformers 5 reads as tied while keeping the distinct head."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(dest / "model.safetensors"))
+    shared = tensors["shared.weight"]
+    rows = torch.randperm(shared.shape[0], generator=torch.Generator().manual_seed(SEED))
+    tensors["lm_head.weight"] = shared[rows].contiguous()
+    save_file(tensors, str(dest / "model.safetensors"), {"format": "pt"})
+    config = json.loads((dest / "config.json").read_text(encoding="utf-8"))
+    config["tie_word_embeddings"] = False
+    (dest / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
 def build(family: str, dest: Path) -> Path:

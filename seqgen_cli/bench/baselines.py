@@ -28,8 +28,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, bool, list[list[int]]]:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    seq2seq = AutoConfig.from_pretrained(args.model).is_encoder_decoder
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    seq2seq = AutoConfig.from_pretrained(args.model, trust_remote_code=False).is_encoder_decoder
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     with open(args.input, encoding="utf-8") as f:
         texts = [(args.prefix or "") + line.rstrip("\n") for line in f]
     limit = {"truncation": True, "max_length": args.max_source_length} if args.max_source_length else {}
@@ -50,7 +50,7 @@ def run_hf(args: argparse.Namespace) -> None:
     tokenizer, seq2seq, ids = _inputs(args)
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-    model = auto.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    model = auto.from_pretrained(args.model, dtype=dtype, trust_remote_code=False).to(args.device).eval()
     if not seq2seq:
         tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:

@@ -19,7 +19,6 @@ safetensors, an activation or attention implementation it does not have.
 from __future__ import annotations
 
 import importlib
-import json
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from seqgen_cli.checkpoint import weight_files
 
 TREES = {  # model_type -> the module of its tree (``Tree``)
     **dict.fromkeys(("bart", "mbart", "marian", "pegasus", "m2m_100"), "own_bart"),
@@ -101,21 +102,42 @@ def embedding(rows: int, dim: int) -> nn.Embedding:
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor] | None:
-    """Every tensor of the folder's safetensors (one file or an index of shards), as views of the mapped files;
-    ``None`` where there are none."""
+    """Every tensor of the safetensors files transformers reads from the folder (``checkpoint.weight_files``: one
+    file, an index of shards, ``transformers_weights``), as views of the mapped files; ``None`` where those are not
+    safetensors."""
     from safetensors.torch import load_file
 
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+    files = [p for p in weight_files(folder) if not p.name.endswith(".index.json")]
+    if not files or not all(p.name.endswith(".safetensors") for p in files):
         return None
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(folder / name)))
+    for path in files:
+        tensors.update(load_file(str(path)))
     return tensors
+
+
+def tie(tensors: dict[str, torch.Tensor], ties: dict[str, str]) -> dict[str, str]:
+    """transformers' ties on loading (``PreTrainedModel.tie_weights``), into ``tensors``; returns those made
+    (target -> source). A pair the checkpoint holds both of, with other values, stays untied (flan-t5's own
+    ``lm_head.weight``); where it holds only the target, the source takes the target's tensor; where neither, a
+    later pair of the same source that is held gives it."""
+    made: dict[str, str] = {}
+    pairs = list(ties.items())
+    for i, (target, source) in enumerate(pairs):
+        if source in tensors and target in tensors:
+            a, b = tensors[source], tensors[target]
+            if a is not b and not (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):
+                continue
+        elif target in tensors:
+            target, source = source, target
+        elif source not in tensors:
+            held = next((t for t, s in pairs[i + 1 :] if s == source and t in tensors), None)
+            if held is None:
+                continue  # missing: reported as missing
+            source = held
+        tensors[target] = tensors[source]
+        made[target] = source
+    return made
 
 
 def refusal(config: Any) -> str | None:
@@ -154,11 +176,8 @@ def load(source: str, config: Any) -> tuple[OwnSeq2Seq | None, str | None]:
         model = tree(config)
     model.generation_config, model.name_or_path = generation_config(source), source
     expected = model.state_dict().keys()
-    ties = model.ties()
-    for target, src in ties.items():  # transformers' tie: the source's tensor, whatever the target holds
-        if src in tensors:
-            tensors[target] = tensors[src]
     model.complete(tensors)
+    ties = tie(tensors, model.ties())
     missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
     if missing or unexpected:
         names = sorted(missing) or sorted(unexpected)

@@ -110,11 +110,12 @@ class Job:
         return {**resume.fingerprint(gen, self.opts), **shard}
 
 
-def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
+def check_job(inputs: Sequence[str], output: str, opts: JobOptions, model: str | None = None) -> Job:
     """Fail before the (slow) model load on what cannot work: missing files or folders, an output that
     cannot be written or that another run is writing, clashing options, an input file whose first line holds a
     field the output would overwrite (:func:`~.records.check_inputs`); the job, checked (with ``--shard``,
-    its range)."""
+    its range). ``model``: the checkpoint, refused first where it needs its own code (``paths.model_files``)."""
+    model_files = paths.model_files(model)
     paths.check_output(output, opts.resume)
     if opts.stats and opts.stats != "-":
         paths.check_writable(opts.stats, "--stats")
@@ -124,7 +125,7 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions) -> Job:
     check_inputs(inputs, opts.input_format, opts.input_field, reserved)
     part = opts.shard is not None
     paths.check_distinct(
-        paths.job_roles(inputs, output, stats=opts.stats, reference=opts.reference, part=part)
+        paths.job_roles(inputs, output, stats=opts.stats, reference=opts.reference, part=part, model=model_files)
     )
     shard = select_shard(list(inputs), opts.shard) if opts.shard is not None else None
     if opts.reference:

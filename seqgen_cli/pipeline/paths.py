@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from seqgen_cli import checkpoint
+from seqgen_cli.digests import checkpoint_folder
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline.formats import index_path, journal_path, manifest_path
 from seqgen_cli.pipeline.shards import ShardRange, count_lines
@@ -105,11 +107,13 @@ def _clash(writes: Role, other: Role) -> str:
 
 
 def job_roles(
-    inputs: Sequence[str], output: str, *, stats: str | None, reference: str | None, part: bool
+    inputs: Sequence[str], output: str, *, stats: str | None, reference: str | None, part: bool,
+    model: Sequence[tuple[Path, Path]] = (),
 ) -> list[Role]:
     """Every file a ``seqgen generate`` job reads or writes, with its role (for :func:`check_distinct`);
-    ``part``: a ``--shard`` part, which gets a manifest."""
+    ``part``: a ``--shard`` part, which gets a manifest; ``model``: the checkpoint's files (:func:`model_files`)."""
     roles = [read("input", p) for p in inputs or ["-"]]
+    roles += [read(f"the model's {checkpoint.relative(folder, p)}", str(p)) for folder, p in model]
     roles.append(written("-o", output))
     if not is_stream(output):
         roles += [written("the index", str(index_path(output))),
@@ -121,6 +125,16 @@ def job_roles(
     if reference:
         roles.append(read("--reference", reference))
     return roles
+
+
+def model_files(model: str | None) -> list[tuple[Path, Path]]:
+    """``(folder, file)`` of each file the checkpoint ``model`` is read from (none for a name without a local
+    folder), after refusing one that needs its own code or names weights outside its folder (one line each)."""
+    folder = checkpoint_folder(model) if model else None
+    if folder is None or not (folder / "config.json").is_file():
+        return []  # the model load names what is wrong
+    checkpoint.refuse_code(folder, str(model))
+    return [(folder, p) for p in checkpoint.read_files(folder, str(model))]
 
 
 def check_reports(input: str, out: str, names: Sequence[str]) -> None:  # noqa: A002 - the command's word

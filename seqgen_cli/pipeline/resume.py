@@ -177,7 +177,7 @@ def fingerprint(gen: Generator, opts: RecordOptions) -> dict[str, Any]:
     }
     loaded = gen.loaded
     settings = dict(
-        model=model_identity(gen.model),
+        model=model_identity(gen.model, gen.loaded.files),
         backend=gen.backend,
         device=loaded.device.type,
         dtype=loaded.dtype_name,
@@ -194,7 +194,7 @@ def fingerprint(gen: Generator, opts: RecordOptions) -> dict[str, Any]:
     return json.loads(json.dumps(settings, sort_keys=True, default=str))
 
 
-def model_identity(model: Any) -> dict[str, Any]:
+def model_identity(model: Any, files: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The checkpoint by content: the SHA-256 of each file of its folder that decides the outputs (weights,
     config, generation config, tokenizer files; :mod:`seqgen_cli.digests`, cached per file), so that a checkpoint
     saved anew, even at the same sizes, is another model and a moved or copied one the same. A model without a
@@ -205,7 +205,7 @@ def model_identity(model: Any) -> dict[str, Any]:
     folder = checkpoint_folder(name) if name else None
     if folder is None:
         return {"name": name}
-    return {"files": folder_digests(folder)}
+    return {"files": folder_digests(folder, dict(files) if files is not None else None)}
 
 
 class JournalReuse:
