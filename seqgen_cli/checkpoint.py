@@ -77,6 +77,30 @@ def weight_files(folder: Path, what: str = "") -> list[Path]:
     return [chosen, *shards]
 
 
+def file_of(folder: Path, key: str) -> str:
+    """The weight file of ``folder`` that holds the tensor ``key`` (an index's entry, else the one file)."""
+    files = weight_files(folder)
+    if files and files[0].name.endswith(".index.json"):
+        name = (read_json(files[0], str(folder)).get("weight_map") or {}).get(key)
+        return str(name) if name else files[0].name
+    return relative(folder, files[0]) if files else "the weights"
+
+
+JSON_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "added_tokens.json", "vocab.json")  # fmt: skip  (read by transformers, some silently skipped if bad)
+
+
+def check_json_files(folder: Path, what: str) -> None:
+    """One line naming the file where a JSON file transformers reads is not JSON (a bad ``generation_config.json``
+    would silently give the library's defaults; a bad tokenizer file an error about another file), or where
+    ``tokenizer.json`` has no tokenizer model."""
+    for name in JSON_FILES:
+        if (folder / name).is_file():
+            data = read_json(folder / name, what)
+            if name == "tokenizer.json" and not (isinstance(data, dict) and isinstance(data.get("model"), dict)):
+                raise SeqgenError(f"model {what}: tokenizer.json holds no tokenizer model (its \"model\" is not an object)")
+
+
 def read_files(folder: Path, what: str = "") -> list[Path]:
     """Every file of ``folder`` whose bytes decide a run's outputs: the top-level files but the model card,
     other frameworks' weights and weight files transformers does not choose, and :func:`weight_files` (shards in

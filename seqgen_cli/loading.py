@@ -203,6 +203,7 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
     folder = checkpoint_folder(source)
     if folder is not None:  # before transformers reads a file of it
         checkpoint.refuse_code(folder, name)
+        checkpoint.check_json_files(folder, name)
         files = checkpoint.snapshot(folder, name)  # refuses a weight file outside the folder
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
@@ -228,7 +229,7 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
     try:
         with startup.stage("tokenizer"):
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         missing = [f for f in expected if f not in present]
         absent = f" (missing {', '.join(missing)})" if missing else ""
         raise SeqgenError(f"model {name}: cannot load its tokenizer{absent}: {_first_line(err)}") from None
@@ -278,9 +279,17 @@ def transformers_model(
         getattr(transformers, names[model_type], None)
     try:
         with fast_sinusoids(model_type), startup.stage("weights"):
-            model, info = auto.from_pretrained(source, dtype=dtype, trust_remote_code=False, output_loading_info=True)
+            model, info = auto.from_pretrained(
+                source, dtype=dtype, trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True
+            )  # a mismatch is reported here, naming the weight, rather than by transformers' table
     except Exception as err:  # noqa: BLE001 - safetensors, pickle and torch each raise their own
         raise SeqgenError(weights_error(name, source, err)) from None
+    for key, *shapes in info.get("mismatched_keys") or ():
+        held, wanted = (list(shape) for shape in shapes[:2]) if len(shapes) >= 2 else ("?", "?")
+        raise SeqgenError(
+            f"model {name}: {checkpoint.file_of(Path(source), key)} holds {key} as {held} where config.json gives "
+            f"{wanted}: the weights do not fit the config"
+        )
     missing = sorted(info.get("missing_keys") or ())
     if missing:  # transformers would fill them with random values: two runs would differ
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""

@@ -338,3 +338,46 @@ def test_a_full_disk_leaves_no_file_in_the_cache(small_folder: Path, tmp_path: P
     assert digests.folder_digests(small_folder)["model.safetensors"] == digests.hashlib.sha256(b"weights").hexdigest()
     monkeypatch.undo()
     assert list((tmp_path / "cache" / "digests").iterdir()) == []
+
+
+# -- item 10: errors that name the file at fault ------------------------------------------------------------
+
+
+def transpose_fc1(folder: Path) -> None:
+    tensors = load_file(str(folder / "model.safetensors"))
+    key = "model.decoder.layers.0.fc1.weight"
+    tensors[key] = tensors[key].t().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), {"format": "pt"})
+
+
+@pytest.mark.parametrize("fault", ["transposed weight", "d_model"])
+def test_weights_that_do_not_fit_the_config_name_the_file_and_weight(tiny_models, tmp_path: Path, fault: str) -> None:
+    folder = copy(tiny_models("bart"), tmp_path / "ckpt")
+    if fault == "transposed weight":
+        transpose_fc1(folder)
+    else:
+        edit_config(folder, d_model=48)
+    src = write_lines(tmp_path / "in.txt", ["a line"])
+    line = one_line_error(seqgen("generate", "-m", str(folder), str(src)), "model.safetensors holds", "config.json")
+    if fault == "transposed weight":
+        assert "model.decoder.layers.0.fc1.weight as [32, 64]" in line
+
+
+@pytest.mark.parametrize("name", ["generation_config.json", "tokenizer.json", "tokenizer_config.json", "index"])
+def test_a_json_file_that_is_not_json_is_named(tiny_models, tmp_path: Path, name: str) -> None:
+    """A bad generation_config.json is not skipped (the run would use the library's defaults)."""
+    folder = copy(tiny_models("bart"), tmp_path / "ckpt")
+    if name == "index":
+        name = "model.safetensors.index.json"
+        os.replace(folder / "model.safetensors", folder / "shard.safetensors")
+    (folder / name).write_text("{not json", encoding="utf-8")
+    src = write_lines(tmp_path / "in.txt", ["a line"])
+    one_line_error(seqgen("generate", "-m", str(folder), str(src)), f"{name} is not valid JSON")
+
+
+def test_a_tokenizer_json_without_a_model_is_named(tiny_models, tmp_path: Path) -> None:
+    folder = copy(tiny_models("bart"), tmp_path / "ckpt")
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    (folder / "tokenizer.json").write_text(json.dumps({**data, "model": None}), encoding="utf-8")
+    src = write_lines(tmp_path / "in.txt", ["a line"])
+    one_line_error(seqgen("generate", "-m", str(folder), str(src)), "tokenizer.json holds no tokenizer model")
