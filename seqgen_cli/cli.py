@@ -14,7 +14,7 @@ import click
 
 from seqgen_cli import __version__
 from seqgen_cli.batching import DEFAULT_BATCH_SIZE
-from seqgen_cli.errors import SeqgenError
+from seqgen_cli.errors import SeqgenError, one_line
 from seqgen_cli.openmp import choose_wait
 from seqgen_cli.pipeline import process
 
@@ -132,7 +132,7 @@ class _Group(click.Group):
                 import traceback
 
                 traceback.print_exception(err.__cause__)
-            click.echo(f"seqgen: error: {err}", err=True)
+            click.echo(f"seqgen: error: {one_line(str(err))}", err=True)
             sys.exit(err.exit_code)
         except KeyboardInterrupt:
             click.echo("seqgen: interrupted", err=True)
@@ -144,7 +144,7 @@ class _Group(click.Group):
             if os.environ.get("SEQGEN_DEBUG"):
                 raise
             click.echo(
-                f"seqgen: internal error: {type(err).__name__}: {err} (SEQGEN_DEBUG=1 shows the traceback)",
+                f"seqgen: internal error: {type(err).__name__}: {one_line(str(err))} (SEQGEN_DEBUG=1 shows the traceback)",
                 err=True,
             )
             sys.exit(1)
@@ -437,10 +437,10 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         max_source_length = gen.max_source_length
     # The closing lines on stderr; after a failure or Ctrl-C, what happened comes last (the line the user sees).
     for line in closing_lines(summary, inputs, max_source_length, quiet=quiet):
-        click.echo(line, err=True)
+        click.echo(one_line(line), err=True)
     message = closing_message(summary, output)
     if summary.interrupted:
-        click.echo(message, err=True)
+        click.echo(one_line(message), err=True)
         sys.exit(130)
     if message is not None:
         raise SeqgenError(message)

@@ -52,3 +52,11 @@ def is_oom(err: BaseException) -> bool:
         pass
     message = str(err).lower()
     return isinstance(err, RuntimeError) and any(m in message for m in OOM_MESSAGES)
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line of a terminal: a newline, tab or other control character inside it (a file name can
+    hold one) written as its escape (``\\n``), so a message stays the one line it is meant to be."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
+from seqgen_cli.errors import one_line
 from seqgen_cli.pipeline.shards import count_lines
 
 MAX_WARNINGS = 20  # shown per run; the rest are counted in the summary
@@ -89,7 +90,7 @@ class Progress:
         shown)."""
         self.warned += 1
         if self.warned <= MAX_WARNINGS:
-            self.write(f"seqgen: warning: {message}")
+            self.write(f"seqgen: warning: {one_line(message)}")
         elif self.warned == MAX_WARNINGS + 1:
             self.write("seqgen: warning: further warnings not shown (see the counts at the end)")
 
