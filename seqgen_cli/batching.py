@@ -359,6 +359,8 @@ def generate_split(gen: GeneratesIds, items: list[Item]) -> list[Result]:
     if len(items) == 1:
         it = items[0]
         n = len(it.ids or ())
+        if failure == "out of memory" and hasattr(gen, "out_of_memory"):  # a Generator says what it needed
+            failure = gen.out_of_memory(n)
         return [Result(it, None, f"{it.where}: {failure} (input of {n} tokens, run alone)")]
     half = len(items) // 2
     return generate_split(gen, items[:half]) + generate_split(gen, items[half:])

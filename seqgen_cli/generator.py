@@ -210,6 +210,20 @@ class Generator:
         new_tokens = self.new_token_limits(width)[0]
         return batch_bytes(backend, self.model, self.config, inputs, width, self.rows_per_input, new_tokens)
 
+    def out_of_memory(self, tokens: int) -> str:
+        """Why one input of ``tokens`` tokens ran out of memory alone: what its caches and logits take at the
+        new-token limit, so that a limit set past what any machine holds (T5's relative positions set none) is
+        named rather than the input."""
+        width = input_width(tokens, self._source_limit(None))
+        need = self.batch_bytes(1, width)
+        new_tokens = self.new_token_limits(width)[0]
+        if need is None:
+            return "out of memory"
+        return (
+            f"out of memory: one input's caches for up to {new_tokens} new tokens (--max-new-tokens / "
+            f"--max-length) take {need / 2**30:,.1f} GiB"
+        )
+
     # -- tokens -----------------------------------------------------------------------------------
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
         """Tokenise (with the prefix), truncating to ``max_source_length``."""
