@@ -268,3 +268,49 @@ def test_a_later_line_holding_the_output_field_is_a_bad_line(
     res = _generate(model, "--output-format", "jsonl", "--on-error", on_error, input=piped)
     one_line_error(res, "<stdin>:1: the input already has a field 'output'", "--output-field")
     assert res.stdout == ""
+
+
+def test_a_file_name_with_a_newline_keeps_the_error_one_line(tiny_models, tmp_path: Path) -> None:
+    """The closing line and the error name the file with its newline escaped: each stays one line."""
+    src = tmp_path / "two\nlines.jsonl"
+    src.write_text("not json\n", encoding="utf-8")
+    res = seqgen("generate", "-m", str(tiny_models("t5")), str(src), "--max-new-tokens", "2")
+    assert res.exit_code != 0
+    lines = res.stderr.strip().splitlines()
+    assert all(line.startswith("seqgen: ") for line in lines), res.stderr
+    assert "two\\nlines.jsonl:1: invalid JSON" in lines[-1]
+
+
+def test_a_new_token_limit_past_any_memory_names_the_limit(tiny_models, tmp_path: Path) -> None:
+    """T5's relative positions set no limit, so --max-new-tokens 2147483647 runs out of memory: the line names
+    the limit and what one input's caches take at it, not the input."""
+    src = write_lines(tmp_path / "in.txt", ["a short line"])
+    res = seqgen("generate", "-m", str(tiny_models("t5")), str(src), "--max-new-tokens", "2147483647", "-q")
+    one_line_error(res, "in.txt:1: out of memory: one input's caches for up to 2147483647 new tokens", "GiB")
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_a_line_past_the_line_limit_is_a_bad_line(
+    tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_error: str
+) -> None:
+    """A line longer than MAX_LINE_BYTES (here 64 bytes) is a bad line naming it: the run stops there, or skips it
+    and goes on at the next line; an input linked to /dev/zero (one endless line) stops at once."""
+    from seqgen_cli.pipeline import records
+
+    monkeypatch.setattr(records, "MAX_LINE_BYTES", 64)
+    src = tmp_path / "in.txt"
+    src.write_text("a first line\n" + "x" * 200 + "\na last line\n", encoding="utf-8")
+    out = tmp_path / "out.txt"
+    args = ["generate", "-m", str(tiny_models("t5")), str(src), "-o", str(out), "--max-new-tokens", "3", "-q"]
+    res = seqgen(*args, "--on-error", on_error)
+    if on_error == "fail":
+        one_line_error(res, "in.txt:2: a line of more than")
+        assert len(out.read_text(encoding="utf-8").splitlines()) == 1  # the output before it is kept
+    else:
+        assert res.exit_code == 0, res.stderr
+        assert "in.txt:2" in res.stderr
+        got = out.read_text(encoding="utf-8").splitlines()
+        assert len(got) == 3 and got[1] == "" and got[0] and got[2]
+    zero = tmp_path / "zero.txt"
+    zero.symlink_to("/dev/zero")
+    one_line_error(seqgen("generate", "-m", str(tiny_models("t5")), str(zero), "-q"), "zero.txt:1: a line of more than")

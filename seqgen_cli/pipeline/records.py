@@ -14,6 +14,10 @@ from seqgen_cli.errors import SeqgenError
 
 DEFAULT_FIELDS = ("text", "src", "source", "input")
 BOM = b"\xef\xbb\xbf"
+# The longest input line read (bytes): far past any model's inputs (a line of it is ~16M tokens), and what keeps a
+# file without newlines (``/dev/zero``, a binary file) from filling the memory line by line.
+MAX_LINE_BYTES = 64 << 20
+TOO_LONG = object()  # what :func:`lines` yields for a line past MAX_LINE_BYTES (the rest of it skipped)
 
 
 @dataclass
@@ -117,8 +121,8 @@ def check_inputs(
             continue
         stream, name = _open(path)
         with stream:
-            raw = stream.readline()
-        if raw:
+            raw = stream.readline(MAX_LINE_BYTES)
+        if raw and len(raw) < MAX_LINE_BYTES:
             _check_first_line(path, name, raw, input_format, input_field, reserved)
 
 
@@ -218,7 +222,15 @@ def read_records(
         stream, name = _open(path)
         try:
             fmt = input_format
-            for number, raw in enumerate(stream, start=1):
+            for number, raw in enumerate(lines(stream), start=1):
+                if raw is TOO_LONG:
+                    err = BadLine(f"{name}:{number}: a line of more than {MAX_LINE_BYTES >> 20} MiB: not an input")
+                    if on_error != "skip":
+                        raise err
+                    if lo <= index and (hi is None or index < hi):
+                        yield Record(index - lo, name, number, "", None, error=str(err))
+                    index += 1
+                    continue
                 if number == 1 and raw.startswith(BOM):  # a UTF-8 byte-order mark is not text
                     raw = raw[len(BOM) :]
                 if fmt == "auto":
@@ -239,6 +251,19 @@ def read_records(
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()
+
+
+def lines(stream: BinaryIO) -> Iterator[Any]:
+    """``stream``'s lines (bytes, with their newline), each at most :data:`MAX_LINE_BYTES`: a longer one is
+    :data:`TOO_LONG`, the rest of it read past when the next line is asked for (a run that stops there does not
+    read an endless one to its end)."""
+    while raw := stream.readline(MAX_LINE_BYTES):
+        if len(raw) < MAX_LINE_BYTES or raw.endswith(b"\n"):
+            yield raw
+            continue
+        yield TOO_LONG
+        while (rest := stream.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+            pass
 
 
 def _record(
