@@ -16,6 +16,7 @@ decoding engine over the model (per-family fast decoders where they exist, a gen
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,16 @@ class BatchResults:
     results: list[Result]  # of the inputs generated, in the batch's order (an error: failed alone)
     known: list[Item]  # the inputs ``known`` answered: not generated
     seconds: float  # spent generating
+
+
+def device_memory(device: torch.device) -> int | None:
+    """The memory of ``device`` in bytes: the GPU's, or the machine's for the CPU; ``None`` where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class Generator:
@@ -217,11 +228,12 @@ class Generator:
         width = input_width(tokens, self._source_limit(None))
         need = self.batch_bytes(1, width)
         new_tokens = self.new_token_limits(width)[0]
-        if need is None:
+        total = device_memory(self.loaded.device)
+        if need is None or total is None or need <= total:
             return "out of memory"
         return (
             f"out of memory: one input's caches for up to {new_tokens} new tokens (--max-new-tokens / "
-            f"--max-length) take {need / 2**30:,.1f} GiB"
+            f"--max-length) take {need / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB of {self.loaded.device}"
         )
 
     # -- tokens -----------------------------------------------------------------------------------
