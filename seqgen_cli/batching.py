@@ -43,6 +43,7 @@ class Encoded:
 
     ids: list[int]
     truncated: bool
+    error: str | None = None  # why the model cannot take these ids (a token past its embedding): a bad input
 
 
 Encode = Callable[[Sequence[str]], list[Encoded]]  # texts -> their tokens (``Generator.encode``)
@@ -82,6 +83,7 @@ class Item:
     where: str  # e.g. "data.txt:17", for messages
     truncated: bool = False
     record: Any = None  # the caller's own object, handed back in the Result (the pipeline's Record)
+    error: str | None = None  # why its tokens cannot run, naming it (``ids`` is then ``None``): a bad input
 
 
 @dataclass
@@ -112,12 +114,16 @@ class Result:
 
 def tokenise(inputs: Sequence[Input], encode: Encode) -> list[Item]:
     """Items for ``inputs`` in order (each input the item's ``record``), tokenised by one ``encode`` call; a
-    blank text's item has no ``ids`` (nothing to generate)."""
+    blank text's item has no ``ids`` (nothing to generate), nor has an input whose tokens the model cannot take
+    (``Encoded.error``): its ``error`` names it, for the caller's ``--on-error`` (a bad line, not a crash)."""
     items = [Item(x.index, None, x.where, record=x) for x in inputs]
     todo = [it for it in items if it.record.text.strip()]
     if todo:
         for it, enc in zip(todo, encode([it.record.text for it in todo]), strict=True):
-            it.ids, it.truncated = enc.ids, enc.truncated
+            if enc.error is not None:
+                it.error = f"{it.where}: {enc.error}"
+            else:
+                it.ids, it.truncated = enc.ids, enc.truncated
     return items
 
 
@@ -209,27 +215,29 @@ def plan_batches(
     sort: bool = True,
     memory: MemoryLimit | None = None,
     buckets: bool = True,
+    width: Callable[[int], int] = input_width,
 ) -> Iterator[list[int]]:
     """Positions grouped into batches of one :func:`~seqgen_cli.shapes.input_width` each: shortest first when
     ``sort``, else bucket by bucket, in the given order within each. ``buckets=False`` (backends that run each
     input at its own width, and the refill engine): batches mix widths, cut by size and budget (at the batch's
-    widest) only. One batch at a time: the memory budget is read as each batch is cut, so a budget read again
-    after a batch ran applies to the rest of its window."""
-    widths = [input_width(n) for n in lengths]
+    widest) only. ``width``: an input's padded width for its length (``Generator.width``: its own length, no
+    padding, for a model whose outputs depend on it). One batch at a time: the memory budget is read as each batch
+    is cut, so a budget read again after a batch ran applies to the rest of its window."""
+    widths = [width(n) for n in lengths]
     order = sorted(range(len(lengths)), key=(lengths if sort else widths).__getitem__)
     batch: list[int] = []
     widest = 0  # the batch's width: its widest input's
     for i in order:
-        width = max(widest, widths[i])
+        padded = max(widest, widths[i])
         budget = None if memory is None else memory.budget
-        over = (batch_tokens is not None and width * (len(batch) + 1) * rows > batch_tokens) or (
-            memory is not None and budget is not None and memory.cost(len(batch) + 1, width) > budget
+        over = (batch_tokens is not None and padded * (len(batch) + 1) * rows > batch_tokens) or (
+            memory is not None and budget is not None and memory.cost(len(batch) + 1, padded) > budget
         )
         if batch and ((buckets and widths[batch[0]] != widths[i]) or len(batch) >= batch_size or over):
             yield batch
-            batch, width = [], widths[i]
+            batch, padded = [], widths[i]
         batch.append(i)
-        widest = width
+        widest = padded
     if batch:
         yield batch
 
@@ -258,10 +266,12 @@ class Batcher:
         memory: MemoryLimit | None = None,
         buckets: bool = True,
         grow: bool = False,
+        width: Callable[[int], int] = input_width,
     ) -> None:
         self._chunks = chunks
         self.grow = grow
         self.buckets = buckets  # batches of one width bucket each (plan_batches)
+        self.width = width  # an input's padded width for its length (plan_batches)
         self._passthrough = passthrough
         self.batch_size = batch_size
         self.batch_tokens = batch_tokens
@@ -295,11 +305,12 @@ class Batcher:
         lengths = [len(it.ids or ()) for it in pending]
         window = self._windows
         self._windows += 1
-        for idx in plan_batches(
-            lengths, self.batch_size, self.batch_tokens, self.rows, self.sort, self.memory, self.buckets
-        ):
+        plan = plan_batches(
+            lengths, self.batch_size, self.batch_tokens, self.rows, self.sort, self.memory, self.buckets, self.width
+        )  # fmt: skip
+        for idx in plan:
             self.source_tokens += sum(lengths[i] for i in idx)
-            self.padded_tokens += sum(input_width(lengths[i]) for i in idx)
+            self.padded_tokens += sum(self.width(lengths[i]) for i in idx)
             self.batches += 1
             yield ItemBatch([pending[i] for i in idx], window)
 

@@ -387,8 +387,21 @@ def settings_for_model(
     vocab_size = getattr(head, "out_features", None) or getattr(model.config, "vocab_size", None)
     return resolve_generation_config(
         model.generation_config, preset, flags, model.config.is_encoder_decoder, vocab_size=vocab_size,
-        positions=position_table(model.config),
+        positions=decoder_positions(model.config),
     )  # fmt: skip
+
+
+# Decoders whose fixed position table a field of their own sizes, apart from the encoder's: past it
+# ``IndexError: index out of range in self``, generate()'s too (loading.POSITION_TABLES holds one field per type).
+DECODER_POSITION_TABLES: dict[str, str] = {"led": "max_decoder_position_embeddings"}
+
+
+def decoder_positions(config: Any) -> tuple[str, int] | None:
+    """``(field, size)`` of the position table the decoder indexes: :func:`~seqgen_cli.loading.position_table`,
+    or LED's decoder table (:data:`DECODER_POSITION_TABLES`); ``None`` where positions have no hard limit."""
+    field = DECODER_POSITION_TABLES.get(getattr(config, "model_type", None) or "")
+    size = getattr(config, field, None) if field else None
+    return (field, size) if field and isinstance(size, int) and size > 0 else position_table(config)
 
 
 def check_flags(flags: dict[str, Any]) -> dict[str, Any]:

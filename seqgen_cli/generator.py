@@ -16,7 +16,6 @@ decoding engine over the model (per-family fast decoders where they exist, a gen
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,12 +41,12 @@ from seqgen_cli.batching import (
 from seqgen_cli.config import Preset, check_flags, load_preset, settings_for_model
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load, source_limit
-from seqgen_cli.memory import DeviceBudget, batch_bytes
+from seqgen_cli.memory import DeviceBudget, batch_bytes, out_of_memory
 from seqgen_cli.search import choose_backend
 from seqgen_cli.search import settings as search_settings
-from seqgen_cli.search.protocol import Batch
+from seqgen_cli.search.protocol import Batch, RefillBackend
 from seqgen_cli.search.refill import RefillStats
-from seqgen_cli.shapes import graph_width, input_width
+from seqgen_cli.shapes import input_width
 
 BACKENDS = ("auto", "fast", "hf")
 
@@ -63,16 +62,6 @@ class BatchResults:
     results: list[Result]  # of the inputs generated, in the batch's order (an error: failed alone)
     known: list[Item]  # the inputs ``known`` answered: not generated
     seconds: float  # spent generating
-
-
-def device_memory(device: torch.device) -> int | None:
-    """The memory of ``device`` in bytes: the GPU's, or the machine's for the CPU; ``None`` where unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 class Generator:
@@ -119,7 +108,12 @@ class Generator:
         self.seed = seed
         if seed is not None:
             torch.manual_seed(seed)
-        self.backend, self.fallback = choose_backend(backend, self.config)  # fallback: why auto picks hf
+        from seqgen_cli.models import engine_refusal, length_dependent_rope
+
+        refused = engine_refusal(self.model.config)  # a model no engine of seqgen's runs (generate() does)
+        self.backend, self.fallback = choose_backend(backend, self.config, refused)  # fallback: why auto: hf
+        # outputs that depend on the padding and the neighbours' lengths (generate()'s too): run unpadded (width)
+        self.exact_widths = length_dependent_rope(self.model.config)
         if self.backend != "fast":  # generate() runs transformers' model
             self.model = self.loaded.use_reference()
         self.capture, self.lanes, self.lane_tokens = capture, lanes, lane_tokens  # refill: lanes, tokens x rows
@@ -128,17 +122,17 @@ class Generator:
         self._step_path = ""  # how the engine runs its decode step (see step_path)
         self.budget = DeviceBudget.read(self.loaded.device)  # what batches and the kept states are held to
         self._sizing: Any = None  # generate()'s caches as the generic backend counts them (hf backend)
-        if self.loaded.int8:
-            self._quantize()
-        self.refill = refill and self.backend == "fast" and self._refills()
+        if self.loaded.int8:  # --dtype int8: the int8 fast backend, or transformers' model quantized in place
+            from seqgen_cli.models import to_int8
+
+            if (int8_backend := to_int8(self.model, fast=self.backend == "fast")) is not None:
+                self._engine(int8_backend)
+        # --refill where the engine has lanes (a fast family's RefillBackend; a CapturedBackend wraps only those)
+        fast = self.backend == "fast" and not self.loaded.int8
+        self.refill = refill and fast and isinstance(self._engine(), RefillBackend)
+        self.input_rows = input_rows(self.model)  # an input id past them is a bad input (encode)
 
     # -- settings ---------------------------------------------------------------------------------
-    def _refills(self) -> bool:
-        """Whether ``--refill`` runs here: not int8, and the engine has lanes (a fast family's ``RefillBackend``)."""
-        from seqgen_cli.search.protocol import RefillBackend
-
-        engine = None if self.loaded.int8 else self._engine()
-        return isinstance(engine, RefillBackend)  # a CapturedBackend wraps only a fast backend: it has lanes
 
     def _source_limit(self, requested: int | None) -> int | None:
         """The longest input the model takes (:func:`~seqgen_cli.loading.source_limit`)."""
@@ -152,8 +146,18 @@ class Generator:
 
     @property
     def buckets(self) -> bool:
-        """One width bucket per batch, unless inputs run at their own widths (fast encoder-decoder, refill)."""
-        return not (self.refill or (self.backend == "fast" and self.is_encoder_decoder))
+        """One width bucket per batch (:meth:`width`), unless inputs run at their own widths: refill and the fast
+        encoder-decoder decoders (``models.own_widths``; the generic backend pads to the widest, as generate())."""
+        from seqgen_cli.models import own_widths
+
+        if self.exact_widths or self.refill:
+            return bool(self.exact_widths)
+        return not (self.backend == "fast" and own_widths(self._engine()))
+
+    def width(self, length: int) -> int:
+        """An input's batching width: its bucket's (:func:`~seqgen_cli.shapes.input_width`), or its own length where
+        outputs depend on the padding and the neighbours' lengths (``exact_widths``): each one ``generate()``'s alone."""
+        return length if self.exact_widths else input_width(length)
 
     @property
     def rows_per_input(self) -> int:
@@ -163,19 +167,6 @@ class Generator:
     def new_token_limits(self, prompt_len: int = 0) -> tuple[int, int]:
         """Most and fewest new tokens for a prompt of ``prompt_len`` tokens (ignored for encoder-decoder models)."""
         return search_settings.new_token_limits(self.config, self.is_encoder_decoder, prompt_len)
-
-    def _quantize(self) -> None:
-        """``--dtype int8``: linear layers in int8 (in place): the int8 fast backend, or the whole model for
-        the generic backend and ``generate()`` (``models/linear_maps.py``)."""
-        from seqgen_cli.models import get_backend
-        from seqgen_cli.models.int8_cache import session
-        from seqgen_cli.models.linear_maps import quantize_linears
-
-        with session(self.model), startup.stage("int8 weights"):  # quantized weights from, or into, the disk cache
-            if self.backend == "fast":
-                self._engine(get_backend(self.model, int8=True))
-            else:
-                quantize_linears(self.model)
 
     def _engine(self, backend: Any = None) -> Any:
         """The engine's model backend (built on first use, or ``backend``), behind the capture path."""
@@ -222,19 +213,9 @@ class Generator:
         return batch_bytes(backend, self.model, self.config, inputs, width, self.rows_per_input, new_tokens)
 
     def out_of_memory(self, tokens: int) -> str:
-        """Why one input of ``tokens`` tokens ran out of memory alone: what its caches and logits take at the
-        new-token limit, so that a limit set past what any machine holds (T5's relative positions set none) is
-        named rather than the input."""
+        """Why one input of ``tokens`` tokens ran out of memory alone (:func:`~.memory.out_of_memory`)."""
         width = input_width(tokens, self._source_limit(None))
-        need = self.batch_bytes(1, width)
-        new_tokens = self.new_token_limits(width)[0]
-        total = device_memory(self.loaded.device)
-        if need is None or total is None or need <= total:
-            return "out of memory"
-        return (
-            f"out of memory: one input's caches for up to {new_tokens} new tokens (--max-new-tokens / "
-            f"--max-length) take {need / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB of {self.loaded.device}"
-        )
+        return out_of_memory(self.batch_bytes(1, width), self.new_token_limits(width)[0], self.loaded.device)
 
     # -- tokens -----------------------------------------------------------------------------------
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
@@ -245,11 +226,11 @@ class Generator:
         full = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
         out = []
         for text, ids in zip(texts, full, strict=True):
-            if limit is not None and len(ids) > limit:
+            cut = limit is not None and len(ids) > limit
+            if cut:
                 ids = self.tokenizer(text, truncation=True, max_length=limit)["input_ids"]
-                out.append(Encoded(ids, True))
-            else:
-                out.append(Encoded(ids, False))
+            unknown = unknown_token(self.tokenizer, self.model.config, self.input_rows, ids)
+            out.append(Encoded(ids, cut, unknown))
         return out
 
     def decode(self, sequences: Sequence[Sequence[int]]) -> list[str]:
@@ -258,7 +239,8 @@ class Generator:
 
     def pad(self, batch: Sequence[Sequence[int]]) -> Batch:
         """[B, S] ids and mask (:func:`~.batching.pad_ids`) at the widest input's width; ``widths``: each one's."""
-        widths = tuple(input_width(len(ids), self._source_limit(None)) for ids in batch)
+        limit = self._source_limit(None)
+        widths = tuple(len(ids) if self.exact_widths else input_width(len(ids), limit) for ids in batch)
         left, device = not self.is_encoder_decoder, self.loaded.device
         return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device), widths)
 
@@ -282,8 +264,7 @@ class Generator:
     ) -> list[list[list[int]]]:
         """Per input of one batch of token ids, ``num_return_sequences`` lists of generated ids (no prompt, no
         decoder start token, no padding), best first. ``indices``: each input's index in the run, which with
-        ``seed`` seeds its sampling stream (default: its position), so a sampled output does not depend on its batch.
-        """
+        ``seed`` seeds its sampling stream (default: its position), so a sampled output does not depend on its batch."""
         if not batch:
             return []
         if any(len(ids) == 0 for ids in batch):
@@ -292,30 +273,22 @@ class Generator:
         from seqgen_cli.search import generate
 
         padded = self.pad(batch)
-        if self.backend != "fast":
+        if self.backend != "fast":  # generate()'s ValueError for a max_length the prompt fills, as one line
+            search_settings.check_room(self.config, self.is_encoder_decoder, padded.input_ids.shape[1])
             return hf_generate(self.model, padded, self.config, scores=False)[0]
         if self.refill:
             return self._generate_refill(padded, indices)
         return generate(self._engine(), padded, self.config, seed=self.seed, indices=indices).sequences
 
-    def _generate_refill(self, batch: Any, indices: Sequence[int] | None) -> list[list[list[int]]]:
+    def _generate_refill(self, batch: Batch, indices: Sequence[int] | None) -> list[list[list[int]]]:
         """The refill engine over ``self.lanes`` lanes (fewer where ``lane_tokens`` cannot hold them at the
-        batch's widest source), inputs joining in batch order."""
+        batch's widest source), inputs joining in batch order; a prompt's limits count from its own width."""
         from seqgen_cli.search.refill import generate_refill
 
-        engine = self._engine()  # under a CapturedBackend: its lane steps replay compiled graphs
-        lanes = self.lanes
-        if self.lane_tokens is not None:  # as many lanes as hold the window's widest source (graph width)
-            width = graph_width(batch.input_ids.shape[1], getattr(engine, "max_position_embeddings", None))
-            lanes = max(1, min(lanes, self.lane_tokens // (width * self.rows_per_input)))
-        widths = None  # decoder-only: each prompt's length limits count from its own width, as without refill
-        if not self.is_encoder_decoder:
-            limit = self._source_limit(None)
-            widths = [input_width(int(n), limit) for n in batch.attention_mask.sum(dim=1).tolist()]
         out = generate_refill(
-            engine, batch, self.config, lanes=lanes, seed=self.seed, indices=indices, stats=self.refill_stats,
-            widths=widths,
-        )  # fmt: skip
+            self._engine(), batch, self.config, lanes=self.lanes, seed=self.seed, indices=indices,
+            stats=self.refill_stats, widths=batch.widths, lane_tokens=self.lane_tokens,
+        )  # fmt: skip  # under a CapturedBackend, its lane steps replay compiled graphs
         return out.sequences
 
     def generate_iterable(
@@ -328,17 +301,17 @@ class Generator:
         early: bool = True,
     ) -> Iterator[list[str]]:
         """Per input, ``num_return_sequences`` strings (best first), in input order, streaming (``early``: the
-        first after one batch, see :meth:`batcher`).
-
-        Reads ``sort_window`` texts ahead (default :func:`~seqgen_cli.batching.default_window`), sorts them
-        by length and cuts batches of ``batch_size`` inputs and ``batch_tokens`` padded tokens x rows; a
-        batch that runs out of memory is split. An empty text gives empty strings. Raises ``SeqgenError``
-        for an input that cannot run even alone.
-        """
+        first after one batch, see :meth:`batcher`): ``sort_window`` texts read ahead (default
+        :func:`~seqgen_cli.batching.default_window`), sorted by length, cut into batches of ``batch_size`` inputs and
+        ``batch_tokens`` padded tokens x rows; a batch out of memory is split. An empty text gives empty strings; an
+        input that cannot run even alone raises ``SeqgenError``."""
         order: InOrder[list[str]] = InOrder()
         empty = [""] * self.num_return_sequences
 
         def passthrough(items: list[Item]) -> None:
+            bad = next((it for it in items if it.error is not None), None)
+            if bad is not None:  # tokens the model cannot take (encode): an input that cannot run
+                raise SeqgenError(bad.error)
             order.add_all((it.index, empty) for it in items)
 
         chunks = text_chunks(texts, self.encode)
@@ -368,14 +341,9 @@ class Generator:
             yield BatchResults(batch, results, done, time.perf_counter() - t0)
 
     def batcher(
-        self,
-        chunks: Iterable[Chunk],
-        passthrough: Callable[[list[Item]], None],
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        batch_tokens: int | None = None,
-        sort_window: int | None = None,
-        early: bool = False,
-    ) -> Batcher:
+        self, chunks: Iterable[Chunk], passthrough: Callable[[list[Item]], None], batch_size: int = DEFAULT_BATCH_SIZE,
+        batch_tokens: int | None = None, sort_window: int | None = None, early: bool = False,
+    ) -> Batcher:  # fmt: skip
         """The one batching path (``generate_iterable``, the pipeline, the benchmarks): :class:`~.batching.Batcher`
         with this generator's rows, memory budget and refill (a batch is then a whole window, run over the lanes);
         ``early``: windows grow from one batch (docs/EXPERIMENTS.md, "Time to the first lines")."""
@@ -385,11 +353,38 @@ class Generator:
         return Batcher(
             chunks, passthrough, batch_size=batch_size, batch_tokens=batch_tokens, rows=self.rows_per_input,
             window=sort_window, memory=self.budget.memory_limit(self.batch_bytes), buckets=self.buckets, grow=early,
+            width=self.width,
         )  # fmt: skip
 
     def generate(self, texts: Sequence[str], batch_size: int = DEFAULT_BATCH_SIZE) -> list[list[str]]:
         """Generate for texts: per input, ``num_return_sequences`` strings, best first."""
         return list(self.generate_iterable(texts, batch_size=batch_size, early=False))
+
+
+def unknown_token(tokenizer: Any, config: Any, rows: int | None, ids: Sequence[int]) -> str | None:
+    """Why the model cannot take ``ids``, or ``None``: a token the tokenizer has and the model's embedding has no
+    row for (bart-large-cnn's ``<mask>``, 50264, past its ``vocab_size`` of 50264), which every backend would index
+    past its table."""
+    if rows is None or not ids or max(ids) < rows:
+        return None
+    bad = next(i for i in ids if i >= rows)
+    vocab = getattr(config, "vocab_size", None)
+    field = f" (vocab_size {vocab} in its config.json)" if vocab is not None else ""
+    return (
+        f"token {tokenizer.convert_ids_to_tokens(bad)!r} (id {bad}) is not in the model's vocabulary: its embedding "
+        f"has {rows} rows{field}; remove it from the input"
+    )
+
+
+def input_rows(model: Any) -> int | None:
+    """The rows of the embedding input ids index (the encoder's, for an encoder-decoder; the own trees have no
+    ``get_input_embeddings``), or ``None`` where the model shows none: an id past them is an IndexError there."""
+    encoder = model.get_encoder() if model.config.is_encoder_decoder else None
+    embedding = getattr(encoder, "embed_tokens", None)
+    if embedding is None and hasattr(model, "get_input_embeddings"):
+        embedding = model.get_input_embeddings()
+    weight = getattr(embedding, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ kept state allocated, a shape compiled: by default a shape's first batches run u
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -198,6 +199,29 @@ def batch_bytes(
         return None
     logits = inputs * rows_per_input * engine.vocab_size * LOGIT_BYTES
     return caches + logits + extra_bytes(engine, model, config, inputs, width, rows_per_input, new_tokens)
+
+
+def device_memory(device: torch.device) -> int | None:
+    """The memory of ``device`` in bytes: the GPU's, or the machine's for the CPU; ``None`` where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def out_of_memory(need: int | None, new_tokens: int, device: torch.device) -> str:
+    """Why one input ran out of memory alone: where its caches and logits at the new-token limit (``need``
+    bytes) take more than ``device`` has, that limit is named (T5's relative positions set none, so
+    ``--max-new-tokens 2147483647`` passes every check), else plain "out of memory"."""
+    total = device_memory(device)
+    if need is None or total is None or need <= total:
+        return "out of memory"
+    return (
+        f"out of memory: one input's caches for up to {new_tokens} new tokens (--max-new-tokens / --max-length) "
+        f"take {need / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB of {device}"
+    )
 
 
 def free_memory_budget(device: Any, held: int = 0) -> int | None:

@@ -82,6 +82,14 @@ class Agreement:
         """For ``--stats``."""
         return {**asdict(self), "share": round(self.agreement, 2)}
 
+    def add(self, other: Agreement) -> None:
+        """``other``'s comparisons (another batch of the same check) counted in this one."""
+        self.total, self.identical = self.total + other.total, self.identical + other.identical
+        self.near_ties += other.near_ties
+        self.mismatches += other.mismatches
+        self.differing = list(dict.fromkeys(self.differing + other.differing))
+        self.lengths += other.lengths
+
 
 def tolerance(dtype: torch.dtype) -> float:
     """Relative score difference (and log-prob noise) taken for a near-tie: 1e-5 in float32 (rounding across a
@@ -240,9 +248,22 @@ def default_inputs(device: torch.device) -> int:
     return VERIFY_INPUTS if device.type == "cuda" else 0
 
 
+def batches_as_run(gen: Generator, ids: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Positions of ``ids`` in the batches :func:`verify` compares: one batch, or, where the model's outputs
+    depend on the padding and the lengths beside them (``Generator.exact_widths``), one per length, as the run
+    batches them (an input among inputs of other lengths would get other tokens than it gets in the run)."""
+    if not gen.exact_widths:
+        return [list(range(len(ids)))]
+    by_length: dict[int, list[int]] = {}
+    for i, x in enumerate(ids):
+        by_length.setdefault(len(x), []).append(i)
+    return list(by_length.values())
+
+
 def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | None = None) -> Agreement:
-    """``ids`` (one batch of token ids) through the Generator's own path and through ``generate()`` on the same
-    device and dtype; near-ties within the dtype's :func:`tolerance`."""
+    """``ids`` (a batch of token ids, or its batches as the run cuts them: :func:`batches_as_run`) through the
+    Generator's own path and through ``generate()`` on the same device and dtype; near-ties within the dtype's
+    :func:`tolerance`."""
     if gen.backend != "fast":
         return Agreement(note="the backend is generate() itself")
     if gen.loaded.int8:
@@ -253,10 +274,20 @@ def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | 
     if settings_for(gen.model.config, batch, gen.config).mode == "sample":
         return Agreement(note="sampling draws differ from generate()'s")
     tol = tolerance(gen.loaded.dtype)
+    names = [f"input {i}" for i in range(len(ids))] if names is None else names
     try:
-        ours = gen.generate_ids(ids)
-        with torch.inference_mode():
-            return compare(gen.loaded.reference, batch, gen.config, ours, rtol=tol, tie_noise=tol, names=names)
+        agreement = Agreement()
+        for group in batches_as_run(gen, ids):
+            part = [ids[i] for i in group]
+            ours = gen.generate_ids(part)
+            with torch.inference_mode():
+                agreement.add(
+                    compare(
+                        gen.loaded.reference, gen.pad(part), gen.config, ours, rtol=tol, tie_noise=tol,
+                        names=[names[i] for i in group],
+                    )
+                )  # fmt: skip
+        return agreement
     except Exception as err:  # noqa: BLE001 - out of memory: reported, the run goes on (and splits batches)
         if not is_oom(err):
             raise

@@ -162,3 +162,17 @@ def sharpen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0)
     return model.eval()
+
+
+TOKENIZER_FILES = ("tokenizer", "special_tokens", "spiece", "vocab", "merges")  # a fixture's tokenizer's files
+
+
+def with_fixture_tokenizer(dest: Path, fixture: Path) -> Path:
+    """``dest`` with the tokenizer files of the fixture checkpoint ``fixture`` (tests/tiny_models.py: vocabulary
+    601, its special ids)."""
+    import shutil
+
+    for f in fixture.glob("*"):
+        if f.name.startswith(TOKENIZER_FILES):
+            shutil.copy(f, dest / f.name)
+    return dest

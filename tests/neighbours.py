@@ -45,10 +45,10 @@ def check_neighbours(gen: Generator) -> None:
     groups = [same_bucket]
     if gen.is_encoder_decoder:
         narrow = [s[: 1 + i % (bucket - 8)] for i, s in enumerate(ids[:8])]  # narrower buckets
-        wide = [
-            (a + b + c)[: 200 + 37 * i]
-            for i, (a, b, c) in enumerate(zip(ids[:20], ids[10:], ids[20:], strict=False))
-        ]
+        # cut from all the inputs end to end: wide whatever the texts (../shared's or the built-in ones) and
+        # however short the model's source limit truncates each of them
+        stream = [t for s in ids for t in s]
+        wide = [stream[101 * i : 101 * i + 200 + 37 * i] for i in range(8)]
         wide = [s for s in wide if input_width(len(s)) > 128]  # other chunks than x's
         assert len(narrow) >= 4 and len(wide) >= 4 and input_width(len(x)) <= 64
         groups += [narrow, wide, [narrow[0], wide[0], narrow[1], wide[1]]]

@@ -17,7 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import REPO, one_line_error, run_seqgen, seqgen, write_lines
+from tests.helpers import (
+    REPO,
+    one_line_error,
+    run_seqgen,
+    seqgen,
+    sharpen,
+    with_fixture_tokenizer,
+    write_lines,
+)
 from tests.tiny_models import copy_checkpoint
 
 ARGS = ("--max-new-tokens", "3", "-q")
@@ -314,3 +322,135 @@ def test_a_line_past_the_line_limit_is_a_bad_line(
     zero = tmp_path / "zero.txt"
     zero.symlink_to("/dev/zero")
     one_line_error(seqgen("generate", "-m", str(tiny_models("t5")), str(zero), "-q"), "zero.txt:1: a line of more than")
+
+
+# -- user mistakes that ended in an internal error: each one line naming the line or the setting ---------------
+
+SEQ2SEQ = dict(
+    vocab_size=601, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=1, bos_token_id=0,
+    eos_token_id=2, decoder_start_token_id=2,
+)  # fmt: skip  # the BART fixture's special ids
+
+
+def _checkpoint(config, dest: Path, fixture: Path) -> Path:
+    """A tiny random checkpoint of ``config`` in ``dest``, with ``fixture``'s tokenizer."""
+    import transformers as tf
+
+    auto = tf.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tf.AutoModelForCausalLM
+    torch.manual_seed(0)
+    sharpen(auto.from_config(config), seed=1).save_pretrained(dest)
+    return with_fixture_tokenizer(dest, fixture)
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_a_token_past_the_models_vocabulary_is_a_bad_line(tiny_models, tmp_path: Path, on_error: str) -> None:
+    """bart-large-cnn's tokenizer maps ``<mask>`` to 50264, its config has 50264 rows: a token the tokenizer has
+    and the embedding has not (here one added to the tokenizer) is a bad line naming it, not an IndexError that
+    ends the run under ``--on-error skip`` too; the ``--resume`` the error suggests goes on past it."""
+    from transformers import AutoTokenizer
+
+    model = copy_checkpoint(tiny_models("bart"), tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_tokens(["<past>"], special_tokens=True)
+    tok.save_pretrained(model)
+    src = write_lines(tmp_path / "in.txt", ["good one", "a <past> b", "good two"])
+    out = tmp_path / "out.txt"
+    res = _generate(model, str(src), "-o", str(out), "--on-error", on_error)
+    if on_error == "fail":
+        one_line_error(res, "in.txt:2: token '<past>' (id 601) is not in the model's vocabulary", "601 rows")
+        assert len(out.read_text(encoding="utf-8").splitlines()) == 1, "the line before it is written"
+        again = _generate(model, str(src), "-o", str(out), "--resume", "--on-error", on_error)
+        one_line_error(again, "in.txt:2: token '<past>'")  # the advice's rerun stops at it the same way
+        return
+    assert res.exit_code == 0, res.stderr
+    assert "in.txt:2: token '<past>'" in res.stderr
+    got = out.read_text(encoding="utf-8").splitlines()
+    assert len(got) == 3 and got[1] == "" and got[0] and got[2]
+
+
+def test_a_new_token_limit_past_leds_decoder_positions_names_its_field(tiny_models, tmp_path: Path) -> None:
+    """LED's decoder has a table of its own (``max_decoder_position_embeddings``, 1,024 in led-large-16384 beside
+    16,384 encoder positions): a limit past it is refused before any input, as for BART's one table."""
+    import transformers as tf
+
+    config = tf.LEDConfig(
+        max_encoder_position_embeddings=256, max_decoder_position_embeddings=16, attention_window=8, **SEQ2SEQ
+    )
+    model = _checkpoint(config, tmp_path / "led", tiny_models("bart"))
+    src = write_lines(tmp_path / "in.txt", ["a short line"])
+    res = seqgen("generate", "-m", str(model), str(src), "--max-new-tokens", "40", "-q")
+    one_line_error(res, "max_decoder_position_embeddings", "16")
+    res = seqgen("generate", "-m", str(model), str(src), "--max-new-tokens", "8", "-q")
+    assert res.exit_code == 0, res.stderr
+
+
+def test_m2m100_outputs_past_its_sinusoid_table_run_as_in_generate(tiny_models, tmp_path: Path) -> None:
+    """M2M-100 / NLLB make their sinusoidal positions on demand past ``max_position_embeddings`` (generate() goes
+    on): the fast decoder extends its table as transformers does and gives generate()'s tokens."""
+    import transformers as tf
+
+    config = tf.M2M100Config(max_position_embeddings=8, scale_embedding=True, **SEQ2SEQ)
+    model = _checkpoint(config, tmp_path / "m2m", tiny_models("bart"))
+    src = write_lines(tmp_path / "in.txt", ["a short line", "another short line here"])
+    lines = {}
+    for backend in ("fast", "hf"):
+        out = tmp_path / f"{backend}.txt"
+        args = ("--min-new-tokens", "20", "--max-new-tokens", "20", "--backend", backend, "-o", str(out))
+        res = seqgen("generate", "-m", str(model), str(src), *args, "-q")
+        assert res.exit_code == 0, res.stderr
+        lines[backend] = out.read_text(encoding="utf-8")
+    assert lines["fast"] == lines["hf"] and lines["fast"].strip()
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+def test_a_max_length_below_the_prompt_says_what_it_counts(tiny_models, tmp_path: Path, backend: str) -> None:
+    """GPT-2 ``--max-length`` counts the prompt: one below it is one line saying so, on either backend (before:
+    generate()'s ValueError as an internal error with --backend hf)."""
+    src = write_lines(tmp_path / "in.txt", ["a prompt of quite a few words for this model"])
+    res = seqgen("generate", "-m", str(tiny_models("gpt2")), str(src), "--max-length", "3", "--backend", backend, "-q")
+    one_line_error(res, "in.txt:1: max_length (3) leaves no room", "--max-new-tokens counts new tokens only")
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_json_nested_too_deep_or_a_number_past_float_is_a_bad_line(
+    tiny_models, tmp_path: Path, on_error: str
+) -> None:
+    """A JSONL line nested past Python's recursion limit (a RecursionError before) and a number such as ``1e400``
+    (read as infinity and written back as ``Infinity``, not JSON) are bad lines naming the line."""
+    deep = '{"text": "x", "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "fine"}\n' + deep + '\n{"text": "y", "n": 1e400}\n{"text": "last"}\n', encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    res = _generate(tiny_models("bart"), str(src), "-o", str(out), "--on-error", on_error, "--output-format", "jsonl")
+    if on_error == "fail":
+        one_line_error(res, "in.jsonl:2: invalid JSON: nested too deep")
+        return
+    assert res.exit_code == 0, res.stderr
+    assert "in.jsonl:3: invalid JSON: 1e400 is past a float's range" in res.stderr
+
+    def strict(constant: str) -> None:
+        raise ValueError(constant)
+
+    rows = [json.loads(line, parse_constant=strict) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 4 and "error" in rows[1] and "error" in rows[2] and rows[3]["output"]
+
+
+def test_nllb_moe_runs_on_generate_and_fast_is_refused_up_front(tiny_models, tmp_path: Path) -> None:
+    """NLLB-MoE's decoder reads the encoder's router logits, which the generic backend does not keep (before: an
+    AttributeError, with advice to --resume): ``--backend auto`` runs generate(), ``--backend fast`` is refused
+    before any input, naming the model type."""
+    import transformers as tf
+
+    config = tf.NllbMoeConfig(
+        num_experts=2, expert_capacity=4, encoder_sparse_step=2, decoder_sparse_step=2, max_position_embeddings=64,
+        **SEQ2SEQ,
+    )  # fmt: skip
+    model = _checkpoint(config, tmp_path / "moe", tiny_models("bart"))
+    src = write_lines(tmp_path / "in.txt", ["a short line", "another line"])
+    out = tmp_path / "out.txt"
+    res = seqgen("generate", "-m", str(model), str(src), "-o", str(out), "--max-new-tokens", "4", "-q")
+    assert res.exit_code == 0, res.stderr
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 2
+    res = seqgen("generate", "-m", str(model), str(src), "--backend", "fast", "--max-new-tokens", "4", "-q")
+    one_line_error(res, "--backend fast cannot run this model: model_type 'nllb-moe'", "--backend hf")

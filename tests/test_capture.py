@@ -237,7 +237,11 @@ def test_an_oom_in_a_plain_batch_releases_the_kept_states_and_is_raised(tiny_mod
     """A batch on the plain backend (its shape not paid yet) that runs out of memory: the kept states of other
     shapes are released (the split halves find their memory) and the error reaches ``generate_split``."""
     loaded = load(tiny_models("bart"))
-    backend = CapturedBackend(get_backend(loaded.model), eager, amortized=amortized.Amortized())
+    # fake clocks: eager steps take no time and each compiling call a second, so only the shape paid below pays,
+    # however busy the machine (on the real clock a slow step could pay for the 2-lane shape, which then ran kept)
+    policy = amortized.Amortized(clock=lambda: 0.0)
+    backend = CapturedBackend(get_backend(loaded.model), eager, amortized=policy)
+    backend.decoder.clock = Ticks(1.0)
     backend.amortized.forgone[(8 * 3, 64, 64, 64)] = 1e9  # 5 inputs: paid, runs on a kept state
     run_beam(backend, loaded)
     kept = len(backend.kept)  # 8 lanes and the shapes its compactions moved into
@@ -449,6 +453,16 @@ class Ticks:
         return self.now
 
 
+def test_compile_seconds_are_read_from_the_guards_clock() -> None:
+    """``Guarded.compile_seconds``, which :class:`Amortized` weighs against a shape's forgone savings, come from
+    its ``clock``: a test's fake one fixes them (each settling call one tick), whatever the machine's load."""
+    guard = compiled_calls.Guarded(eager, 4, lambda *args: None, clock=Ticks(0.5))
+    for _ in range(compiled_calls.SETTLING_CALLS + 2):
+        assert torch.equal(guard("key", torch.neg, torch.ones(2)), -torch.ones(2))
+    assert guard.compile_seconds == (compiled_calls.SETTLING_CALLS - 1) * 0.5, "compile + recording calls"
+    assert guard.steps["compiled"] == compiled_calls.SETTLING_CALLS + 2
+
+
 def test_a_shape_compiles_once_its_eager_steps_would_have_paid_for_it() -> None:
     """Rent, then buy: the seconds capture would have saved (``1 - 1/speedup`` of each step, timed between two
     consecutive steps of the shape) reach the compile cost: the default guess first, then this backend's mean."""
@@ -483,6 +497,7 @@ def test_amortized_capture_runs_plain_until_compiling_pays_then_captured(tiny_mo
         compile_seconds=1.0, speedup=2.0, clock=Ticks(0.1)
     )  # pays after 20 intervals
     backend = CapturedBackend(get_backend(loaded.model), counting, search_compiler=eager, amortized=policy)
+    backend.decoder.clock = Ticks(0.1)  # compile seconds too, not the loaded machine's
     kwargs = dict(min_new_tokens=30, max_new_tokens=30)  # one batch shape, one span bucket
     expected = run_beam(get_backend(loaded.model), loaded, **kwargs)
     assert run_beam(backend, loaded, **kwargs) == expected
@@ -714,6 +729,7 @@ def test_amortized_capture_through_the_real_compiler_keeps_the_tokens(tiny_model
 
     policy = amortized.Amortized(compile_seconds=1e-12, clock=Ticks(1e3))  # one interval pays for any compile
     backend = CapturedBackend(get_backend(loaded.model), inductor, search_compiler=inductor, amortized=policy)
+    backend.decoder.clock = Ticks(1e-3)  # inductor's compile seconds, fixed: not the loaded machine's
     kwargs = dict(min_new_tokens=70, max_new_tokens=70)  # span buckets 64 and 128
     expected = run_beam(get_backend(loaded.model), loaded, **kwargs)
     assert run_beam(backend, loaded, **kwargs) == expected
@@ -743,6 +759,7 @@ def test_amortized_capture_over_a_run_of_batches_gives_the_same_outputs(tiny_mod
     gen = Generator(str(tiny_models("bart")), device="cpu", **settings)
     policy = amortized.Amortized(compile_seconds=0.3, speedup=2.0, clock=Ticks(0.2))  # 0.1 s a step: 3 steps
     backend = CapturedBackend(gen._engine(), eager, search_compiler=eager, amortized=policy)
+    backend.decoder.clock = Ticks(0.15)  # a shape's compile + recording calls: 0.3 s, whatever the load
     gen._model_backend = backend
     assert gen.generate(texts, batch_size=4) == expected
     stats = gen.device_stats()

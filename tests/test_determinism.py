@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,17 +160,41 @@ def _slow_records(n: int, pause: float) -> Iterator[Record]:
         yield Record(index=i, source="in.txt", line=i + 1, text=f"input {i}")
 
 
+def _encode(texts: list[str]) -> list[Encoded]:
+    return [Encoded([1, 2], False) for _ in texts]
+
+
 def _chunks(streaming: bool) -> list:
-    encode = lambda texts: [Encoded([1, 2], False) for _ in texts]  # noqa: E731
-    stage = ReaderStage(_slow_records(12, 0.01), encode, chunk_size=4, streaming=streaming).start()
+    stage = ReaderStage(_slow_records(12, 0.01), _encode, chunk_size=4, streaming=streaming).start()
     return list(stage.chunks())
+
+
+def _pipe_chunks() -> list:
+    """A pipe whose next line arrives only once the consumer has the chunk before it: the tokeniser finds
+    nothing more after the first line, however late the box's load lets its threads run (sleeps would not)."""
+    handed = threading.Semaphore(0)
+
+    def lines() -> Iterator[Record]:
+        for i in range(12):
+            if i:
+                assert handed.acquire(timeout=60), "the consumer never took the chunk before"
+            yield Record(index=i, source="in.txt", line=i + 1, text=f"input {i}")
+
+    stage = ReaderStage(lines(), _encode, chunk_size=4, streaming=True).start()
+    chunks = []
+    for chunk in stage.chunks():
+        chunks.append(chunk)
+        handed.release()
+    return chunks
 
 
 def test_a_files_windows_never_depend_on_the_readers_timing() -> None:
     """A lagging reader never cuts a regular file's window early; only a pipe's (its outputs still do not
     depend on where the cut falls)."""
     assert not any(c.starved for c in _chunks(streaming=False))
-    assert any(c.starved for c in _chunks(streaming=True))
+    chunks = _pipe_chunks()
+    assert [r.index for c in chunks for r in c.items] == list(range(12))
+    assert all(c.starved for c in chunks[:-1]), "every line alone: nothing more had arrived"
 
 
 # -- the CLI: many batchings, shards, each input alone ---------------------------------------------------------

@@ -67,6 +67,7 @@ def _fake_generator(
         tokenizer=SimpleNamespace(pad_token_id=9),
         is_encoder_decoder=encoder_decoder,
         _source_limit=lambda requested: limit,  # the model's position limit
+        exact_widths=None,  # inputs padded to their width buckets
         step_path="eager (test)",
         backend="hf",  # no engine to name
         refill=False,

@@ -20,7 +20,7 @@ from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.linear_maps import is_quantized
 from seqgen_cli.search import Batch, generate
 from tests.equivalence import MASKED_SUM_RTOL, SETTINGS, check_equivalence, refill, tune_eos
-from tests.helpers import sharpen
+from tests.helpers import sharpen, with_fixture_tokenizer
 from tests.neighbours import check_neighbours
 
 V = 97
@@ -275,7 +275,6 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(name: str, tiny_models
     input's logits, alone or among neighbours of its own and other widths that stay or leave, are the same bits.
     The family's checkpoint is saved with a fixture tokenizer whose special ids it shares (vocabulary 601). (With
     an MLP 48 wide this fails for the SiLU / GELU families: see ARCHITECTURE, "Batch-independent outputs".)"""
-    import shutil
 
     from seqgen_cli.generator import Generator
 
@@ -288,7 +287,5 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(name: str, tiny_models
     auto = tf.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tf.AutoModelForCausalLM
     torch.manual_seed(0)
     sharpen(auto.from_config(config), seed=1).save_pretrained(tmp_path)
-    for f in tiny_models(fixture).glob("*"):
-        if f.name.startswith(("tokenizer", "special_tokens", "spiece", "vocab", "merges")):
-            shutil.copy(f, tmp_path / f.name)
+    with_fixture_tokenizer(tmp_path, tiny_models(fixture))
     check_neighbours(Generator(str(tmp_path), max_new_tokens=8))

@@ -219,6 +219,14 @@ def test_resume_state_ignores_a_torn_index_line(tmp_path: Path) -> None:
     assert (state.done, state.offset) == (2, 4)
 
 
+def _saved(out: Path) -> int:
+    """Inputs whose outputs a resume of ``out`` finds: written (the index's last entry) or journaled after them."""
+    if not index_path(out).exists():
+        return 0
+    done = formats.read_index(out)[1].done
+    return done + len(formats.load_journal(out, done)[0])
+
+
 def _killed_run(src: Path, out: Path, kill_at_batch: int) -> list[int]:
     """Run a job in a forked child that SIGKILLs itself when batch ``kill_at_batch`` starts.
 
@@ -238,7 +246,11 @@ def _killed_run(src: Path, out: Path, kill_at_batch: int) -> list[int]:
         def kill(batch):
             if len(sizes) == kill_at_batch:
                 writer.send(sizes)
-                time.sleep(0.5)  # the writer thread takes the batches already handed to it
+                # the writer thread takes the batches already handed to it: waited for, not slept on (on a busy
+                # box it may take longer than any fixed pause); the deadline only bounds a writer that hangs
+                deadline = time.monotonic() + 60
+                while _saved(out) < sum(sizes) and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
             sizes.append(len(batch))
 

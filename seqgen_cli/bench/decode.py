@@ -55,7 +55,7 @@ def bench_decode(
         def cell(bs: int, n: int) -> Cell:
             ids = encoded[:n]
             # batches as `seqgen generate` cuts them
-            plan = plan_batches([len(x) for x in ids], bs, None, buckets=gen.buckets)
+            plan = plan_batches([len(x) for x in ids], bs, None, buckets=gen.buckets, width=gen.width)
             batches = [[ids[i] for i in b] for b in plan]
             return {
                 x.name: Entrant(

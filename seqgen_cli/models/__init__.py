@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend
 from seqgen_cli.models.encoder_decoder import EncoderDecoderBackend
-from seqgen_cli.models.families import FAMILIES, Seq2Seq, refusal
+from seqgen_cli.models.families import FAMILIES, Seq2Seq, length_dependent_rope, refusal
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.linear_maps import quantize_linears
 from seqgen_cli.search.protocol import ModelBackend
@@ -43,6 +43,41 @@ def _fast_or_reason(model: PreTrainedModel, int8: bool) -> tuple[ModelBackend | 
     return cls(model, family, int8=int8), None
 
 
+# Model types no engine of seqgen's runs: no fast decoder, and the generic backend hands the decoder the encoder's
+# output as a plain ``BaseModelOutput``, while these models' own forward reads the encoder's router logits from it.
+NO_ENGINE: dict[str, str] = dict.fromkeys(
+    ("nllb-moe", "switch_transformers"),
+    "its mixture-of-experts decoder reads the encoder's router logits, which seqgen's generic backend does not keep",
+)
+
+
+def engine_refusal(config: object) -> str | None:
+    """Why neither a fast decoder nor the generic backend runs a model of this ``config`` (``generate()`` does:
+    ``--backend auto`` picks it, ``--backend fast`` is refused up front), or ``None``."""
+    model_type = str(getattr(config, "model_type", "") or "")
+    why = NO_ENGINE.get(model_type)
+    return f"model_type {model_type!r}: {why}" if why is not None else None
+
+
+def own_widths(engine: ModelBackend) -> bool:
+    """Whether ``engine`` (under a ``CapturedBackend`` or not) runs each input of a batch at its own width
+    (``Batch.widths``): a fast encoder-decoder decoder; the generic backend pads to the widest input."""
+    return isinstance(getattr(engine, "backend", engine), EncoderDecoderBackend)
+
+
+def to_int8(model: PreTrainedModel, fast: bool) -> ModelBackend | None:
+    """``--dtype int8``: the int8 fast backend (``fast``), or ``None`` with every linear layer of ``model`` in int8
+    in place (the generic backend and ``generate()``), the quantized weights from, or into, the disk cache."""
+    from seqgen_cli import startup
+    from seqgen_cli.models.int8_cache import session
+
+    with session(model), startup.stage("int8 weights"):
+        if fast:
+            return get_backend(model, int8=True)
+        quantize_linears(model)
+        return None
+
+
 def get_backend(model: PreTrainedModel, *, generic: bool = False, int8: bool = False) -> ModelBackend:
     """The fast backend for ``model`` if its family has one, else (or if ``generic``) the generic one, which
     carries the reason (``GenericBackend.reason``; :func:`engine_name`).
@@ -65,4 +100,7 @@ def engine_name(backend: ModelBackend) -> str:
     return f"{inner.model.config.model_type} decoder"
 
 
-__all__ = ["DecoderOnlyBackend", "EncoderDecoderBackend", "GenericBackend", "engine_name", "fast_backend", "get_backend"]
+__all__ = [
+    "DecoderOnlyBackend", "EncoderDecoderBackend", "GenericBackend", "engine_name", "engine_refusal", "fast_backend",
+    "get_backend", "length_dependent_rope", "own_widths", "to_int8",
+]  # fmt: skip

@@ -183,15 +183,16 @@ class Guarded:
     :func:`outputs_differ`, with their tolerance). ``word``: what a compiled call counts as in ``steps``.
     ``skip_for_good``: inductor skipping CUDA graphs turns every call eager (else only the key's). ``cap``: keys
     beyond ``max_shapes`` run eagerly (``capped`` says one did; else torch's recompile limit, at ``max_shapes``,
-    stops compiled calls for good)."""
+    stops compiled calls for good). ``clock``: what times ``compile_seconds`` (which ``Amortized`` weighs; the
+    tests pass a fake one, so that no decision of theirs depends on the machine's load)."""
 
     def __init__(
         self, compiler: Callable[[Any], Any], max_shapes: int, differs: Differs, word: str = "compiled",
-        skip_for_good: bool = False, cap: bool = False,
+        skip_for_good: bool = False, cap: bool = False, clock: Callable[[], float] = time.perf_counter,
     ) -> None:  # fmt: skip
         from torch._dynamo.utils import counters
 
-        self.compiler, self.max_shapes, self.differs = compiler, max_shapes, differs
+        self.compiler, self.max_shapes, self.differs, self.clock = compiler, max_shapes, differs, clock
         self.word, self.skip_for_good, self.cap = word, skip_for_good, cap
         self.capped = False  # a key beyond max_shapes ran eagerly (cap)
         # each function's compiled one; None after a failure: eager for good
@@ -246,7 +247,7 @@ class Guarded:
         call = self.calls[key]
         self.calls[key] += 1
         settling = call < SETTLING_CALLS - 1  # compile + warm-up, or recording
-        skips, recorded, t0 = self._skips(), graphs_recorded(), time.perf_counter()
+        skips, recorded, t0 = self._skips(), graphs_recorded(), self.clock()
         failure: str | None = None
         try:
             out = call_under_limit(self.max_shapes, compiled, *args, settled=call >= SETTLING_CALLS)
@@ -260,7 +261,7 @@ class Guarded:
         finally:
             self.recorded[key] += graphs_recorded() - recorded
             if settling:
-                self.compile_seconds += time.perf_counter() - t0
+                self.compile_seconds += self.clock() - t0
         if failure is not None:
             return self._fall_back(failure, fn, *args)
         if self._skips() > skips:  # inductor ran this key without CUDA graphs (and goes on so)

@@ -175,7 +175,13 @@ class EncoderDecoderBackend:
             if held is None or held.shape[0] < rows:
                 held = module(torch.zeros((1, rows, 1), dtype=self.dtype, device=self.device))[0]  # [rows, D]
             return held
-        return module.weights if kind == "padded table" else module.weight
+        if kind == "padded table":  # M2M-100, NLLB: sinusoids the module grows on demand, as in generate()
+            if module.weights.shape[0] < rows:  # ask it for the rows up to ``rows - 1``: it makes them itself
+                pad = module.padding_idx
+                ids = torch.full((1, rows - pad - 1), pad + 1, device=self.device)  # [1, rows - pad - 1]
+                module(ids)
+            return module.weights
+        return module.weight
 
     def _relative_bias(self, t: int) -> torch.Tensor | None:
         """The relative position bias of ``t`` query against ``t`` key positions: [L', H, T, T] (L' = 1: the first

@@ -370,6 +370,23 @@ def sliding_layers(cfg: Any, layers: int) -> tuple[list[bool], int | None]:
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies that do not depend on the sequence length
 
 
+def length_dependent_rope(config: Any) -> str | None:
+    """The ``rope_type`` of ``config`` (a decoder's own, each layer type's) whose frequencies transformers picks
+    by the sequence length in each call, or ``None``: ``longrope`` (the long or the short factors by the batch's
+    furthest position; Phi-3 also runs the whole sequence again once its *padded* length passes
+    ``original_max_position_embeddings``) and the ``dynamic`` kinds (NTK scaling to the furthest position). Such a
+    model's outputs, ``generate()``'s too, depend on the padding and on the lengths of the inputs beside it, so
+    seqgen runs it unpadded, in batches of one length (``Generator.width``)."""
+    cfg = getattr(config, "decoder", None) or config  # T5Gemma: the decoder's own config
+    ropes = getattr(cfg, "rope_parameters", None) or {}
+    per_type = [v for v in ropes.values() if isinstance(v, dict)] or [ropes]  # Gemma3: one per layer type
+    for rope in per_type:
+        kind = str(rope.get("rope_type", "default"))
+        if kind == "longrope" or "dynamic" in kind:  # transformers' dynamic_rope_update: these two
+            return kind
+    return None
+
+
 def refusal(model: Any) -> str | None:
     """Why the family's decoder would not reproduce this variant exactly, or ``None``."""
     cfg = model.config

@@ -1,10 +1,13 @@
 """A :class:`~seqgen_cli.search.protocol.ModelBackend` over any transformers causal-LM or seq2seq model.
 
 It feeds the model exactly what ``generate()`` feeds it: inputs built by the model's own
-``prepare_inputs_for_generation``, transformers' cache objects (``DynamicCache`` / ``EncoderDecoderCache``),
-position ids from the cumulative attention mask (decoder-only, left padding), a mask dropped when it has no
-padding, ``logits_to_keep=1`` where supported. So its logits match ``generate()``'s bit for bit on the same
-rows. Speed comes from the per-family backends; this one is the reference and the fallback.
+``prepare_inputs_for_generation`` from every row's whole sequence so far (ids, position ids from the cumulative
+attention mask, the mask), transformers' cache objects (``DynamicCache`` / ``EncoderDecoderCache``), a mask
+dropped when it has no padding, ``logits_to_keep=1`` where supported. So its logits match ``generate()``'s bit for
+bit on the same rows, also where a model's own preparation reads the whole sequence: Phi-3's drops the cache and
+runs the whole sequence again once its padded length passes ``original_max_position_embeddings`` (``longrope``
+switches to its long factors there). Speed comes from the per-family backends; this one is the reference and the
+fallback.
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ def outputs(last_hidden_state: torch.Tensor) -> BaseModelOutput:
 @dataclass
 class GenericState:
     cache: Any  # DynamicCache | EncoderDecoderCache, rows = N
+    input_ids: (
+        torch.Tensor
+    )  # every row's sequence so far [N, L]: dec-only prompt + generated, enc-dec generated
     encoder_outputs: BaseModelOutput | None = None  # last_hidden_state [N, S, d] (encoder-decoder)
     attention_mask: torch.Tensor | None = None  # enc-dec: encoder mask [N, S]; dec-only: [N, L] or None
-    position_ids: torch.Tensor | None = None  # decoder-only: [N, 1] position of the last fed token
+    position_ids: torch.Tensor | None = None  # decoder-only: [N, L], each fed token's position
 
 
 class GenericBackend:
@@ -83,7 +89,9 @@ class GenericBackend:
             cache = transformers.EncoderDecoderCache(cache, transformers.DynamicCache(config=self._cache_config))
         return cache
 
-    def _forward(self, input_ids: torch.Tensor, state: GenericState, first: bool) -> torch.Tensor:
+    def _forward(self, state: GenericState, first: bool) -> torch.Tensor:
+        """One ``model(...)`` call on the inputs the model's own ``prepare_inputs_for_generation`` makes of
+        ``state``'s whole sequences (the last token of each, unless it decides otherwise), as ``generate()``'s."""
         kwargs: dict[str, Any] = {self._cache_name: state.cache, "use_cache": True}
         if state.attention_mask is not None:
             kwargs["attention_mask"] = state.attention_mask
@@ -95,7 +103,7 @@ class GenericBackend:
             if self._logits_to_keep:
                 kwargs["logits_to_keep"] = 1
         inputs = self.model.prepare_inputs_for_generation(
-            input_ids, next_sequence_length=None if first else 1, is_first_iteration=first, **kwargs
+            state.input_ids, next_sequence_length=None if first else 1, is_first_iteration=first, **kwargs
         )
         out = self.model(**inputs, return_dict=True)
         state.cache = out.past_key_values
@@ -113,6 +121,7 @@ class GenericBackend:
             hidden = enc.last_hidden_state.repeat_interleave(r, dim=0)  # [N, S, d]
             state = GenericState(
                 cache=self._new_cache(),
+                input_ids=input_ids.new_empty((hidden.shape[0], 0)),  # the decoder's tokens, none yet
                 encoder_outputs=outputs(last_hidden_state=hidden),
                 attention_mask=mask.repeat_interleave(r, dim=0),  # [N, S]
             )
@@ -124,39 +133,43 @@ class GenericBackend:
         has_padding = not bool((mask == 1).all())
         state = GenericState(
             cache=self._new_cache(),
+            input_ids=input_ids,
             attention_mask=mask if has_padding else None,  # generate() drops an all-ones mask
             position_ids=position_ids,
         )
-        logits = self._forward(input_ids, state, first=True)  # [B, V]
+        logits = self._forward(state, first=True)  # [B, V]
         if r > 1:
             state.cache.batch_repeat_interleave(r)
+            state.input_ids = input_ids.repeat_interleave(r, dim=0)
             if state.attention_mask is not None:
                 state.attention_mask = state.attention_mask.repeat_interleave(r, dim=0)
             if position_ids is not None:
                 state.position_ids = position_ids.repeat_interleave(r, dim=0)
-        if state.position_ids is not None:
-            state.position_ids = state.position_ids[:, -1:]
         return state, logits
 
     @torch.inference_mode()
     def step(self, state: GenericState, tokens: torch.Tensor) -> torch.Tensor:
+        state.input_ids = torch.cat([state.input_ids, tokens[:, None].to(state.input_ids.dtype)], dim=-1)
         if not self.is_encoder_decoder:
             if state.attention_mask is not None:
                 ones = state.attention_mask.new_ones((state.attention_mask.shape[0], 1))
                 state.attention_mask = torch.cat([state.attention_mask, ones], dim=-1)  # [N, L + 1]
             if state.position_ids is not None:
-                state.position_ids = state.position_ids + 1  # [N, 1]
-        return self._forward(tokens[:, None], state, first=False)
+                state.position_ids = torch.cat([state.position_ids, state.position_ids[:, -1:] + 1], dim=-1)
+        return self._forward(state, first=False)
 
     def reorder(self, state: GenericState, rows: torch.Tensor) -> None:
-        # Rows only move within an input, so masks, positions and the cross-attention cache are unchanged.
+        # Rows only move within an input, so masks, positions and the cross-attention cache are unchanged; the
+        # generated tokens move with their rows.
         cache = state.cache
         if isinstance(cache, transformers.EncoderDecoderCache):
             cache = cache.self_attention_cache
         cache.reorder_cache(rows)
+        state.input_ids = state.input_ids.index_select(0, rows)
 
     def drop(self, state: GenericState, keep: torch.Tensor, rows: torch.Tensor) -> None:
         state.cache.batch_select_indices(rows)
+        state.input_ids = state.input_ids.index_select(0, rows)
         if state.encoder_outputs is not None:
             hidden = state.encoder_outputs.last_hidden_state.index_select(0, rows)
             state.encoder_outputs = outputs(last_hidden_state=hidden)

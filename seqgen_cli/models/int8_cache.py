@@ -1,8 +1,8 @@
 """On-disk cache of ``--dtype int8``'s quantized weights: a second run of a checkpoint loads them instead of
 quantizing its float32 linear layers again.
 
-Use: ``with int8_cache.session(model_or_folder): ...`` around the code that builds the int8 linear maps (the
-:class:`~seqgen_cli.generator.Generator` around its ``_quantize``). Inside it, every weight
+Use: ``with int8_cache.session(model_or_folder): ...`` around the code that builds the int8 linear maps
+(:func:`seqgen_cli.models.to_int8`). Inside it, every weight
 :func:`seqgen_cli.models.linear_maps.int8_linear` quantizes goes through :func:`quantized`: taken from the cache
 when there, else quantized and, when the block ends without an error, written to it. Outside a session (or for a
 model without a checkpoint folder) nothing is read or written.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from seqgen_cli.batching import CHUNK_SIZE, Chunk, Encode, Item, tokenise
 from seqgen_cli.pipeline.queues import put_unless
-from seqgen_cli.pipeline.records import Record
+from seqgen_cli.pipeline.records import BadLine, Record
 
 MAX_CHUNKS = 8  # chunks each queue holds: read and tokenised ahead of the model
 
@@ -44,9 +44,12 @@ class ReaderStage:
         *,
         chunk_size: int = CHUNK_SIZE,
         streaming: bool = False,
+        on_error: str = "fail",
     ) -> None:
         self._records = records
         self._encode = encode
+        # an input the model cannot take ends the input there, as a bad line does
+        self._stop_at_bad = on_error != "skip"
         self._chunk_size = chunk_size
         self._streaming = streaming  # hand on every record at once (a pipe: lines arrive slowly)
         self._raw: queue.Queue = queue.Queue(maxsize=MAX_CHUNKS * (chunk_size if streaming else 1))
@@ -118,7 +121,14 @@ class ReaderStage:
                         break
                 if records:  # starved: a pipe with nothing more yet (a file's batches never depend on timing)
                     starved = self._streaming and tail is None and self._raw.empty()
-                    if not self._put(self._out, Chunk(self._tokenise(records), starved)):
+                    items = self._tokenise(records)
+                    bad = next((it for it in items if it.error is not None), None)
+                    bad = bad if self._stop_at_bad else None
+                    if bad is not None:  # the inputs before it are generated and written, then the run stops
+                        items = [it for it in items if it.index < bad.index]
+                        tail = _Failure(BadLine(bad.error or ""))
+                    self.truncated += sum(it.truncated for it in items)
+                    if not self._put(self._out, Chunk(items, starved)):
                         return
                 if tail is not None:
                     self._put(self._out, tail)
@@ -129,7 +139,6 @@ class ReaderStage:
     def _tokenise(self, records: list[Record]) -> list[Item]:
         t0 = time.perf_counter()
         items = tokenise(records, self._encode)  # a bad line's record has no text: nothing to generate
-        self.truncated += sum(it.truncated for it in items)
         self.tokenise_seconds += time.perf_counter() - t0
         return items
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import sys
@@ -181,7 +182,7 @@ def _detect(path: str, first: bytes) -> str:
     if stripped.startswith(b"{") and stripped.endswith(b"}"):
         try:
             return "jsonl" if isinstance(json.loads(stripped), dict) else "text"
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past Python's recursion limit: read_records names it
             return "text"
     return "text"
 
@@ -290,6 +291,15 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON value (write it as a string, or as null)")
 
 
+def _finite(number: str) -> float:
+    """``json.loads``'s ``parse_float``: a number past a float's range (``1e400``) would be written back as
+    ``Infinity``, which is not JSON."""
+    value = float(number)
+    if not math.isfinite(value):
+        raise ValueError(f"{number} is past a float's range (write it as a string)")
+    return value
+
+
 class _DuplicateKey(Exception):
     """A key twice in one JSON object (raised by :func:`_unique` through ``json.loads``)."""
 
@@ -312,7 +322,9 @@ def _json_record(
     if not line.strip():
         raise SeqgenError(f"{name}:{number}: empty line in JSONL input (expected a JSON object)")
     try:
-        obj = json.loads(line, parse_constant=_not_json, object_pairs_hook=_unique)
+        obj = json.loads(line, parse_constant=_not_json, parse_float=_finite, object_pairs_hook=_unique)
+    except RecursionError:  # Python's JSON decoder recurses per level
+        raise SeqgenError(f"{name}:{number}: invalid JSON: nested too deep for Python's JSON reader") from None
     except _DuplicateKey as dup:
         raise SeqgenError(
             f"{name}:{number}: duplicate key {dup.args[0]!r} in a JSON object (JSON would keep only its last value)"

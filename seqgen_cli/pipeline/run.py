@@ -87,7 +87,9 @@ class _Run:
             backend=gen.backend, resumed_from=start, output=sink.name, rss_at_start_mb=peak_rss_mb()
         )
         self.reuse = reuse if reuse is not None else JournalReuse()
-        self.reader = ReaderStage(iter(records), gen.encode, streaming=streaming).start()
+        self.reader = ReaderStage(
+            iter(records), gen.encode, streaming=streaming, on_error=opts.on_error
+        ).start()
         self.writer = OrderedWriter(
             sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
             num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, reuse=self.reuse,
@@ -125,13 +127,15 @@ class _Run:
             )
 
     def passthrough(self, items: list[Item]) -> None:
-        """The batcher's inputs that need no model (empty or bad lines): straight to the writer."""
+        """The batcher's inputs that need no model (empty or bad lines, tokens the model cannot take): straight to
+        the writer."""
         self.reuse.take(items)
-        for it in items:
-            if it.record.error is not None:
-                self.progress.warn(f"{it.record.error} (skipped: empty output)")
+        errors = [it.error or it.record.error for it in items]  # a bad line's, or its tokens' (tokenise)
+        for error in errors:
+            if error is not None:
+                self.progress.warn(f"{error} (skipped: empty output)")
                 self.summary.skipped += 1
-        self.writer.put([Result(it, None, it.record.error) for it in items])
+        self.writer.put([Result(it, None, error) for it, error in zip(items, errors, strict=True)])
         self.progress.update(len(items), self.summary.generated_tokens / max(self._elapsed(), 1e-9))
 
     def before_failure(self, batches: Iterable[ItemBatch]) -> Iterator[ItemBatch]:

@@ -51,12 +51,17 @@ def unsupported_reason(config: GenerationConfig) -> str | None:
     return None
 
 
-def choose_backend(requested: str, config: GenerationConfig) -> tuple[str, str | None]:
-    """``--backend``: ``fast`` (this engine) where it runs ``config``, else ``hf`` (``generate()``); and, when
-    ``auto`` falls back to ``hf``, why (``None`` otherwise)."""
+def choose_backend(
+    requested: str, config: GenerationConfig, refused: str | None = None
+) -> tuple[str, str | None]:
+    """``--backend``: ``fast`` (this engine) where it runs ``config`` and the model (``refused``: why no engine of
+    seqgen's runs it, ``models.engine_refusal``), else ``hf`` (``generate()``); and, when ``auto`` falls back to
+    ``hf``, why (``None`` otherwise)."""
     if requested == "hf":
         return "hf", None
-    reason = unsupported_reason(config)
+    if refused is not None and requested == "fast":
+        raise SeqgenError(f"--backend fast cannot run this model: {refused} (use --backend hf)")
+    reason = refused or unsupported_reason(config)
     if reason is None:
         return "fast", None
     if requested == "fast":

@@ -47,6 +47,7 @@ from seqgen_cli.search.protocol import Batch, RefillBackend, SearchOutput
 from seqgen_cli.search.rows import Rows, default_sync_every, start_history
 from seqgen_cli.search.sampling import Streams
 from seqgen_cli.search.settings import rows_per_input, settings_for
+from seqgen_cli.shapes import graph_width
 
 
 class Refill:
@@ -149,19 +150,24 @@ def generate_refill(
     sync_every: int | None = None,
     stats: RefillStats | None = None,
     widths: Sequence[int] | None = None,
+    lane_tokens: int | None = None,
 ) -> SearchOutput:
     """Generate for every input of ``batch`` ([B, W]: right-padded sources, or left-padded prompts) over ``lanes``
     input lanes; returns what :func:`seqgen_cli.search.generate` returns (the same, token for token).
 
     ``order``: the order inputs join in (default: batch order); ``min_free``: join only when at least that many
     lanes are free (or none runs); ``seed``, ``indices``: sampling's streams, as ``generate`` takes them;
-    ``widths`` (decoder-only): each prompt's padded width, at most ``W`` (default: ``W``).
+    ``widths`` (decoder-only): each prompt's padded width, at most ``W`` (default: ``W``); ``lane_tokens``: at
+    most that many padded source tokens x rows over the lanes (fewer lanes where ``lanes`` would not fit at ``W``).
     """
     if not isinstance(backend, RefillBackend):
         raise SeqgenError(
             "--refill runs the fast backends only: BART family, T5, GPT-2, Llama (use --no-refill)"
         )
     num_inputs, width = batch.input_ids.shape
+    if lane_tokens is not None:  # as many lanes as hold the window's widest source (graph width)
+        held = graph_width(width, getattr(backend, "max_position_embeddings", None)) * rows_per_input(config)
+        lanes = max(1, min(lanes, lane_tokens // held))
     lengths = batch.attention_mask.sum(dim=1).tolist()
     widths = [width] * num_inputs if widths is None or backend.is_encoder_decoder else list(widths)
     if any(not n <= w <= width for n, w in zip(lengths, widths, strict=True)):

@@ -180,6 +180,26 @@ def length_limits(
     return max_length, min_length
 
 
+def _no_room(max_length: int, positions: int, is_encoder_decoder: bool) -> None:
+    """:class:`SeqgenError` where ``max_length`` leaves no new token after ``positions`` decoder positions (the
+    prompt's padded width, or the decoder start token): ``generate()`` raises a ValueError there."""
+    if max_length > positions:
+        return
+    what = f"this input's {positions} prompt positions (padded)"
+    what = "the decoder start token" if is_encoder_decoder else what
+    raise SeqgenError(
+        f"max_length ({max_length}) leaves no room to generate after {what}: --max-length counts the prompt; "
+        "--max-new-tokens counts new tokens only"
+    )
+
+
+def check_room(config: GenerationConfig, is_encoder_decoder: bool, prompt_len: int) -> None:
+    """The length limits' check of :func:`resolve_settings` for ``generate()``'s own path (``--backend hf``), so
+    that a ``max_length`` below a prompt is the same one line on every backend."""
+    positions = _decoder_positions(is_encoder_decoder, prompt_len)
+    _no_room(length_limits(config, positions)[0], positions, is_encoder_decoder)
+
+
 def resolve_mode(config: GenerationConfig) -> Mode:
     """Greedy / beam / sample, or :class:`SeqgenError` for what seqgen leaves to transformers."""
     for name, unsupported in _UNSUPPORTED.items():
@@ -228,10 +248,7 @@ def resolve_settings(
     prompt_len = _decoder_positions(is_encoder_decoder, prompt_len)
     eos, pad, decoder_start = _special_tokens(config, is_encoder_decoder)
     max_length, min_length = length_limits(config, prompt_len, max_position_embeddings)
-    if max_length <= prompt_len:
-        raise SeqgenError(
-            f"max_length ({max_length}) leaves no room to generate after {prompt_len} prompt positions"
-        )
+    _no_room(max_length, prompt_len, is_encoder_decoder)
 
     # Processors (_get_logits_processor); NoBadWords drops single-token entries that are an EOS token.
     bad_words = tuple(
