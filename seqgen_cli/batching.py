@@ -5,7 +5,7 @@ sorts it by source length and cuts batches of at most ``batch_size`` inputs and 
 source tokens, counted once per row the model runs (``rows`` = beams, or returned sequences when more), and at
 most a :class:`MemoryLimit` of device memory (caches and logits as the backend counts them, the encoder's and the
 search's temporaries: ``seqgen_cli/memory.py``; on CUDA by default the free memory that the one
-``memory.DeviceBudget`` holds, read again after the first batch of each new shape, and read as each batch is
+``budget.DeviceBudget`` holds, read again after the first batch of each new shape, and read as each batch is
 cut); an input longer than the budget on its own still forms a batch of one. Windows are consecutive in input
 order, so every input of a later window comes after every input of an earlier one. :func:`generate_split` runs a
 batch and, when it runs out of memory, splits it in halves down to a single input: no input is dropped.
@@ -191,7 +191,7 @@ class InOrder(Generic[T]):
 @dataclass(frozen=True)
 class MemoryLimit:
     """Bytes a batch may hold, and what a batch of ``inputs`` inputs padded to ``width`` tokens holds. ``limit``:
-    the budget, or a function that says it when each batch is cut (``memory.DeviceBudget.memory_limit``: the
+    the budget, or a function that says it when each batch is cut (``budget.DeviceBudget.memory_limit``: the
     device budget, read again as shapes run; ``None``: no limit)."""
 
     limit: int | Callable[[], int | None]

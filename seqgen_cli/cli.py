@@ -590,7 +590,8 @@ def bench(input: str, model: str, **opts) -> None:
 
     paths.check_reports(input, opts["out"], BENCH_REPORTS)  # before the (slow) model load
     paths.model_files(model)  # a checkpoint that needs its own code: refused before any baseline loads it
-    from seqgen_cli.bench import BenchSettings, run_bench
+    from seqgen_cli.bench.run import run_bench
+    from seqgen_cli.bench.settings import BenchSettings
 
     generation = _pop_generation(opts, exclude=_BENCH_EXCLUDES)
     settings = BenchSettings(model=model, input=input, generation=generation, **opts)

@@ -38,10 +38,11 @@ from seqgen_cli.batching import (
     pad_ids,
     text_chunks,
 )
+from seqgen_cli.budget import DeviceBudget, out_of_memory
 from seqgen_cli.config import Preset, check_flags, load_preset, settings_for_model
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load, source_limit
-from seqgen_cli.memory import DeviceBudget, batch_bytes, out_of_memory
+from seqgen_cli.memory import batch_bytes
 from seqgen_cli.search import choose_backend
 from seqgen_cli.search import settings as search_settings
 from seqgen_cli.search.protocol import Batch, RefillBackend
@@ -213,7 +214,7 @@ class Generator:
         return batch_bytes(backend, self.model, self.config, inputs, width, self.rows_per_input, new_tokens)
 
     def out_of_memory(self, tokens: int) -> str:
-        """Why one input of ``tokens`` tokens ran out of memory alone (:func:`~.memory.out_of_memory`)."""
+        """Why one input of ``tokens`` tokens ran out of memory alone (:func:`~.budget.out_of_memory`)."""
         width = input_width(tokens, self._source_limit(None))
         return out_of_memory(self.batch_bytes(1, width), self.new_token_limits(width)[0], self.loaded.device)
 

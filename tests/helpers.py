@@ -24,10 +24,10 @@ from transformers import (
 )
 
 from seqgen_cli.batching import Batcher, Encoded
+from seqgen_cli.budget import DeviceBudget
 from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
 from seqgen_cli.loading import Loaded
-from seqgen_cli.memory import DeviceBudget
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from seqgen_cli.batching import plan_batches
-from seqgen_cli.bench import BenchSettings, run_bench
 from seqgen_cli.bench import ct2 as bench_ct2
 from seqgen_cli.bench.cells import interleave
 from seqgen_cli.bench.decode import bench_decode
+from seqgen_cli.bench.run import run_bench
+from seqgen_cli.bench.settings import BenchSettings
 from seqgen_cli.errors import SeqgenError
 from tests.helpers import seqgen
 from tests.tiny_models import sample_texts

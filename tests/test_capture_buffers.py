@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
+from seqgen_cli.budget import DeviceBudget
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
-from seqgen_cli.memory import DeviceBudget
 from seqgen_cli.models import capture, get_backend, linear_maps
 from seqgen_cli.models.capture import CapturedBackend, CapturedState, Decode
 from seqgen_cli.models.kept import tensors_of

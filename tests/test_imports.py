@@ -1,5 +1,6 @@
-"""The import graph of ``seqgen_cli`` has no circle: module-level imports (``if TYPE_CHECKING:`` ones too),
-read from the source with ``ast``; imports inside functions (the lazy ones) do not count."""
+"""The import graph of ``seqgen_cli`` has no circle: every import, read from the source with ``ast``: at module
+level (``if TYPE_CHECKING:`` ones too) and inside functions (the lazy ones: deferring an import does not make an
+arrow that runs back up any less of one)."""
 
 from __future__ import annotations
 
@@ -14,29 +15,20 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def module_level_imports(tree: ast.Module, package: str) -> set[str]:
-    """Names a module imports at its top level (in ``if``/``try`` blocks too): ``a.b`` and, for ``from a
+def imported_names(tree: ast.Module, package: str) -> set[str]:
+    """Names a module imports anywhere (top level, ``if``/``try`` blocks, functions): ``a.b`` and, for ``from a
     import b``, ``a`` and ``a.b`` (``b`` may be a module)."""
     names: set[str] = set()
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.Import):
-                names.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*up, *([node.module] if node.module else [])])
-                names.add(base)
-                names.update(f"{base}.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.If | ast.Try):
-                visit(node.body)
-                visit(node.orelse)
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-
-    visit(tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -45,7 +37,7 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        imports = module_level_imports(ast.parse(path.read_text(encoding="utf-8")), package)
+        imports = imported_names(ast.parse(path.read_text(encoding="utf-8")), package)
         graph[name] = {m for m in imports if m in files and m != name}
     return graph
 
@@ -88,16 +80,45 @@ def test_the_package_imports_form_no_circle() -> None:
     assert circles(graph) == []
 
 
+# The floors, top to bottom (docs/ARCHITECTURE.md): a module imports only from its own floor and the ones below.
+# A module not named here (by its first name under seqgen_cli) is on the ground floor.
+FLOORS = {
+    "cli": 0, "__main__": 0, "pipeline": 1, "bench": 1, "generator": 2, "verify": 2, "loading": 3, "config": 3,
+    "memory": 3, "models": 4, "search": 5,
+}  # fmt: skip
+GROUND = max(FLOORS.values()) + 1
+
+
+def floor(module: str) -> int:
+    parts = module.split(".")
+    return FLOORS.get(parts[1], GROUND) if len(parts) > 1 else GROUND
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a in graph for b in graph[a] if floor(b) < floor(a))
+
+
+def test_nothing_imports_a_floor_above_its_own() -> None:
+    graph = import_graph()
+    assert "seqgen_cli.models.capture" in graph and graph["seqgen_cli.models.capture"]  # the graph was read
+    assert arrows_up(graph) == []
+
+
+def test_an_arrow_up_is_found() -> None:
+    graph = {"seqgen_cli.models.capture": {"seqgen_cli.memory"}, "seqgen_cli.memory": {"seqgen_cli.budget"}}
+    assert arrows_up(graph) == [("seqgen_cli.models.capture", "seqgen_cli.memory")]
+
+
 def test_a_circle_is_found() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
 
 
-def test_type_checking_and_relative_imports_count() -> None:
+def test_type_checking_relative_and_function_level_imports_count() -> None:
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .job import Job\n")
-    assert "seqgen_cli.pipeline.job" in module_level_imports(tree, "seqgen_cli.pipeline")
+    assert "seqgen_cli.pipeline.job" in imported_names(tree, "seqgen_cli.pipeline")
     inner = ast.parse("def f():\n    import seqgen_cli.pipeline.job\n")
-    assert module_level_imports(inner, "seqgen_cli") == set()
+    assert imported_names(inner, "seqgen_cli") == {"seqgen_cli.pipeline.job"}
 
 
 def _longest(path: Path, kinds: tuple[type, ...]) -> list[tuple[str, int]]:

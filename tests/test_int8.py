@@ -237,7 +237,8 @@ def test_bench_int8_with_ct2(tiny_models, texts: list[str], tmp_path: Path) -> N
     """``seqgen bench --dtype int8 --compare hf,ct2``: seqgen int8, CTranslate2 int8, float32 generate() as the
     reference; agreement and BLEU against it per system."""
     pytest.importorskip("ctranslate2")
-    from seqgen_cli.bench import BenchSettings, run_bench
+    from seqgen_cli.bench.run import run_bench
+    from seqgen_cli.bench.settings import BenchSettings
 
     out = tmp_path / "bench"
     inp = tmp_path / "in.txt"

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from seqgen_cli.batching import MemoryLimit, plan_batches
+from seqgen_cli.budget import HEADROOM, free_memory_budget
 from seqgen_cli.generator import Generator
-from seqgen_cli.memory import HEADROOM, free_memory_budget
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.models.generic import GenericBackend
@@ -160,7 +160,7 @@ def test_cuda_generator_takes_its_budget_from_free_memory(tiny_models, monkeypat
         seen.append(device)
         return 123 * GiB
 
-    monkeypatch.setattr("seqgen_cli.memory.free_memory_budget", fake)
+    monkeypatch.setattr("seqgen_cli.budget.free_memory_budget", fake)
     gen = Generator(str(tiny_models("bart")), device="cpu", num_beams=2, max_new_tokens=6)
     assert gen.memory_budget == 123 * GiB and seen == [torch.device("cpu")]
     limit = gen.budget.memory_limit(gen.batch_bytes)

@@ -19,12 +19,11 @@ from torch.utils._pytree import tree_leaves
 from transformers import GenerationConfig
 
 from seqgen_cli.batching import LOGIT_BYTES, Item, MemoryLimit, plan_batches
+from seqgen_cli.budget import HEADROOM, DeviceBudget
 from seqgen_cli.generator import Generator
 from seqgen_cli.memory import (
     CANDIDATE_BYTES,
     CHUNK,
-    HEADROOM,
-    DeviceBudget,
     Dims,
     SearchDims,
     encoder_bytes,

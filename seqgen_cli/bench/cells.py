@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from seqgen_cli.errors import SeqgenError
 
 if TYPE_CHECKING:
-    from seqgen_cli.bench import BenchSettings
     from seqgen_cli.bench.ct2 import Ct2Plan
+    from seqgen_cli.bench.settings import BenchSettings
     from seqgen_cli.generator import Generator
 
 SYSTEMS = ("seqgen", "hf", "ct2")

@@ -19,8 +19,8 @@ from seqgen_cli.bench.cells import Entrant, Sample, run_mode
 from seqgen_cli.bench.systems import Ct2System, HFSystem, SeqgenSystem, System
 
 if TYPE_CHECKING:
-    from seqgen_cli.bench import BenchSettings
     from seqgen_cli.bench.cells import Cell, OnCell, RunOnce, RunResult
+    from seqgen_cli.bench.settings import BenchSettings
     from seqgen_cli.generator import Generator
 
 WARMUP_ROWS = 8  # the warm-up runs the first batch's first rows: same code paths, less time

@@ -21,8 +21,8 @@ from seqgen_cli.bench.cells import INT8_REFERENCE_NOTE, Entrant, Sample, dtype_n
 from seqgen_cli.errors import SeqgenError
 
 if TYPE_CHECKING:
-    from seqgen_cli.bench import BenchSettings
     from seqgen_cli.bench.cells import Cell, OnCell, RunOnce, RunResult
+    from seqgen_cli.bench.settings import BenchSettings
     from seqgen_cli.generator import Generator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqgen_cli.memory import DeviceBudget
+from seqgen_cli.budget import DeviceBudget
 from seqgen_cli.models.amortized import CAPTURED_SPEEDUP, HALF_SPEEDUP, Amortized
 from seqgen_cli.models.compiled_calls import (
     SKIPPED,
@@ -167,12 +167,16 @@ class CapturedBackend:
             out["cuda_graphs_recorded_per_shape"] = {name: n for name, n in sorted(recorded.items()) if n}
         return out
 
+    def padded_shape(self, inputs: int, width: int, new_tokens: int) -> tuple[int, int, int]:
+        """``(inputs, width, new tokens)`` of the batch :meth:`start` builds for such a batch: padded to its graph
+        shape (``shapes.graph_*``), which every byte count of it (``memory.extra_bytes``, :meth:`cache_bytes`) uses."""
+        return graph_inputs(inputs), graph_width(width, self.max_position_embeddings), graph_positions(new_tokens)
+
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int | None:
-        """The wrapped backend's cache bytes for the batch :meth:`start` builds (padded as above): what the batch's
-        kept state holds; kept states of other shapes are held beside it against the budget."""
-        width = graph_width(width, self.max_position_embeddings)
-        positions = graph_positions(new_tokens)
-        return self.backend.cache_bytes(graph_inputs(inputs), width, rows_per_input, positions)
+        """The wrapped backend's cache bytes for the batch :meth:`start` builds (:meth:`padded_shape`): what the
+        batch's kept state holds; kept states of other shapes are held beside it against the budget."""
+        inputs, width, positions = self.padded_shape(inputs, width, new_tokens)
+        return self.backend.cache_bytes(inputs, width, rows_per_input, positions)
 
     @torch.inference_mode()
     def start(self, batch: Batch, rows_per_input: int, max_new_tokens: int) -> tuple[Any, Tensor | None]:

@@ -14,7 +14,7 @@ released) raises on its next call instead of reading another batch's caches. The
 (``search/static.py``) is kept with its shape's state (``Kept.search``), its bytes counted in the kept state's.
 
 The kept states (one per batch shape seen: input counts and widths are powers of two) stay allocated beside the
-running batch, their bytes held against the run's :class:`~seqgen_cli.memory.DeviceBudget` (the budget the
+running batch, their bytes held against the run's :class:`~seqgen_cli.budget.DeviceBudget` (the budget the
 batcher cuts batches by; on the CPU no limit): a new shape first releases the least recently used idle ones until
 they and the new batch's state and logits fit; an out-of-memory error releases every one before it is raised (the
 batch is split).
@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from seqgen_cli.batching import LOGIT_BYTES
+from seqgen_cli.budget import DeviceBudget
 from seqgen_cli.errors import is_oom
-from seqgen_cli.memory import DeviceBudget
 from seqgen_cli.models.kv_cache import select_into
 from seqgen_cli.search.protocol import Batch, StaticLayout
 from seqgen_cli.shapes import compacted
