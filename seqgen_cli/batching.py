@@ -46,7 +46,8 @@ class Encoded:
     error: str | None = None  # why the model cannot take these ids (a token past its embedding): a bad input
 
 
-Encode = Callable[[Sequence[str]], list[Encoded]]  # texts -> their tokens (``Generator.encode``)
+# texts and their JSONL objects (or None) -> their tokens (``Generator.encode``)
+Encode = Callable[[Sequence[str], Sequence[Any]], list[Encoded]]
 
 
 class Input(Protocol):
@@ -119,7 +120,8 @@ def tokenise(inputs: Sequence[Input], encode: Encode) -> list[Item]:
     items = [Item(x.index, None, x.where, record=x) for x in inputs]
     todo = [it for it in items if it.record.text.strip()]
     if todo:
-        for it, enc in zip(todo, encode([it.record.text for it in todo]), strict=True):
+        texts, fields = [it.record.text for it in todo], [getattr(it.record, "fields", None) for it in todo]
+        for it, enc in zip(todo, encode(texts, fields), strict=True):
             if enc.error is not None:
                 it.error = f"{it.where}: {enc.error}"
             else:

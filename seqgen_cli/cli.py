@@ -179,10 +179,12 @@ def main() -> None:
 
 # `seqgen generate --help` in sections (each option under the first section that names it; the rest: "Other").
 HELP_SECTIONS = {
-    "Input and output": ("output", "input_format", "input_field", "output_format", "output_field", "prefix",
+    "Input and output": ("output", "input_format", "input_field", "output_format", "output_field",
                          "max_source_length"),
+    "Prompt": ("prefix", "prompt_template", "chat", "system_prompt", "chat_template", "chat_template_kwargs",
+               "show_prompt"),
     "Model and device": ("model", "preset", "backend", "device", "dtype", "capture", "verify_spec"),
-    "Generation": (*GENERATION_OPTIONS, "seed", "target_lang", "forced_bos_token_id", "forced_eos_token_id"),
+    "Generation": (*GENERATION_OPTIONS, "stop", "seed", "target_lang", "forced_bos_token_id", "forced_eos_token_id"),
     "Batching": ("batch_size", "batch_tokens", "sort_window", "refill"),
     "Resume and errors": ("resume", "on_error"),
     "Reports": ("stats_path", "reference", "metrics", "quiet"),
@@ -289,6 +291,36 @@ class _SectionedCommand(click.Command):
     help="Truncate inputs to this many tokens (default: the model's limit).",
 )
 @click.option("--prefix", help="Text prepended to every input, e.g. 'summarize: ' for T5.")
+@click.option(
+    "--chat", is_flag=True, help="Each input is the user message of the tokenizer's chat template, the assistant's "
+    "turn opened (as apply_chat_template(add_generation_prompt=True)); a JSONL object's \"messages\" list is the "
+    "conversation as given. The output is the assistant's text.",
+)  # fmt: skip
+@click.option(
+    "--system-prompt", metavar="TEXT|@FILE", help="The system message (implies --chat); a \"messages\" "
+    "conversation with a system message of its own keeps that one.",
+)  # fmt: skip
+@click.option(
+    "--chat-template", type=click.Path(exists=True, dir_okay=False), help="A Jinja chat template file, for a "
+    "tokenizer without one or to replace its own (implies --chat).",
+)  # fmt: skip
+@click.option(
+    "--chat-template-kwargs", metavar="JSON", help='Switches of the chat template, e.g. \'{"enable_thinking": false}\'.'
+)
+@click.option(
+    "--prompt-template", metavar="TEXT|@FILE", help="The prompt with {input} where the input goes and, for JSONL "
+    "input, {field} for a field of its object (other braces stay as written); with --chat, the user message. "
+    "--max-source-length shortens the input inside it, never the template.",
+)  # fmt: skip
+@click.option(
+    "--show-prompt", is_flag=True, help="Print the first input's prompt as the model gets it, and its token count; "
+    "generate nothing.",
+)  # fmt: skip
+@click.option(
+    "--stop", "stop", multiple=True, metavar="STRING", help="End an output where its text reaches STRING (kept in "
+    "the output), as generate(stop_strings=...); repeatable, beside the checkpoint's stop_strings. Runs on "
+    "generate(). In text output a newline inside an output is written as a space.",
+)  # fmt: skip
 @click.option(
     "--input-format",
     type=click.Choice(["auto", "text", "jsonl"]),
@@ -416,9 +448,15 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
     if workers is None and any(v is not None for v in cluster_flags.values()):
         given = next(k for k, v in cluster_flags.items() if v is not None)
         raise SeqgenError(f"--{given.replace('_', '-')} needs --workers N")
+    show_prompt = opts.pop("show_prompt")
     job = job_options(opts, output, shard_spec=shard_spec, verify=verify_inputs, verify_strict=verify_strict)
     checked = check_job(inputs, output, job, model)  # before the (slow) model load and any input read
     spec = generator_spec(model, opts)
+    if show_prompt:  # the first input's prompt, as the model gets it
+        from seqgen_cli.pipeline.job import first_prompt
+
+        click.echo(first_prompt(spec.build(), checked))
+        return
     if workers is not None:  # Ray is imported only here
         from seqgen_cli.pipeline.cluster import ClusterOptions
         from seqgen_cli.pipeline.driver import generate_distributed

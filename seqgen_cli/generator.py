@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from seqgen_cli.config import Preset, check_flags, load_preset, settings_for_mod
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load, source_limit
 from seqgen_cli.memory import batch_bytes
+from seqgen_cli.prompts import Prompter, PromptSettings
 from seqgen_cli.search import choose_backend
 from seqgen_cli.search import settings as search_settings
 from seqgen_cli.search.protocol import Batch, RefillBackend
@@ -84,6 +85,8 @@ class Generator:
         lanes: int = 32,
         lane_tokens: int | None = None,
         target_lang: str | None = None,
+        prompt: PromptSettings | None = None,
+        stop: Sequence[str] = (),
         **generation: Any,
     ) -> None:
         """``capture``: on CUDA, the fast backends' decode step as CUDA graphs (``models/capture.py``), each shape
@@ -91,7 +94,8 @@ class Generator:
         ``refill``: run the fast engine over ``lanes`` fixed input lanes that finished inputs hand to waiting ones,
         at most ``lane_tokens`` padded source tokens x rows over them (``search/refill.py``; the fast backends'
         families, float32/half: elsewhere batches run as without it). ``target_lang``: a tokenizer's language code
-        (mBART-50 ``de_DE``, M2M-100 ``de``, NLLB ``deu_Latn``): ``forced_bos_token_id`` (``resolve_target_lang``)."""
+        (mBART-50 ``de_DE``, M2M-100 ``de``, NLLB ``deu_Latn``): ``forced_bos_token_id`` (``resolve_target_lang``).
+        ``prompt``: how an input becomes its prompt (``prompts.py``); ``stop``: stop strings beside the checkpoint's."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
@@ -103,7 +107,14 @@ class Generator:
         self.tokenizer, self.model = self.loaded.tokenizer, self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
         self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, target_lang)
-        self.prefix = prefix if prefix is not None else (self.preset.prefix if self.preset else None)
+        if stop:  # the checkpoint's stop_strings (a string or a list), then --stop's
+            own = self.config.stop_strings or []
+            self.config.stop_strings = [*([own] if isinstance(own, str) else own), *stop]
+        prompt = prompt or PromptSettings()
+        if prompt.prefix is None:  # --prefix, else the preset's
+            prompt = replace(prompt, prefix=prefix if prefix is not None else getattr(self.preset, "prefix", None))
+        self.prompt, self.prefix = prompt, prompt.prefix
+        self.prompter = Prompter(prompt, self.tokenizer)  # a chat template that cannot render fails here
         self.max_source_length = max_source_length or (self.preset.max_source_length if self.preset else None)
         self.max_source_length = self._source_limit(self.max_source_length)
         self.seed = seed
@@ -219,20 +230,14 @@ class Generator:
         return out_of_memory(self.batch_bytes(1, width), self.new_token_limits(width)[0], self.loaded.device)
 
     # -- tokens -----------------------------------------------------------------------------------
-    def encode(self, texts: Sequence[str]) -> list[Encoded]:
-        """Tokenise (with the prefix), truncating to ``max_source_length``."""
-        if self.prefix:
-            texts = [self.prefix + t for t in texts]
-        limit = self.max_source_length
-        full = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
-        out = []
-        for text, ids in zip(texts, full, strict=True):
-            cut = limit is not None and len(ids) > limit
-            if cut:
-                ids = self.tokenizer(text, truncation=True, max_length=limit)["input_ids"]
-            unknown = unknown_token(self.tokenizer, self.model.config, self.input_rows, ids)
-            out.append(Encoded(ids, cut, unknown))
-        return out
+    def encode(self, texts: Sequence[str], fields: Sequence[Any] | None = None) -> list[Encoded]:
+        """Each input's prompt tokens (``prompts.Prompter``: prefix, template, chat template; ``fields``: each one's
+        JSONL object), at most ``max_source_length``; ``error``: why an input has none (a bad input)."""
+        prompted = self.prompter.encode(texts, fields or [None] * len(texts), self.max_source_length)
+        rows, config = self.input_rows, self.model.config
+        return [
+            Encoded(p.ids, p.truncated, p.error or unknown_token(self.tokenizer, config, rows, p.ids)) for p in prompted
+        ]
 
     def decode(self, sequences: Sequence[Sequence[int]]) -> list[str]:
         """Token ids to text, special tokens removed."""
@@ -276,7 +281,7 @@ class Generator:
         padded = self.pad(batch)
         if self.backend != "fast":  # generate()'s ValueError for a max_length the prompt fills, as one line
             search_settings.check_room(self.config, self.is_encoder_decoder, padded.input_ids.shape[1])
-            return hf_generate(self.model, padded, self.config, scores=False)[0]
+            return hf_generate(self.model, padded, self.config, scores=False, tokenizer=self.tokenizer)[0]
         if self.refill:
             return self._generate_refill(padded, indices)
         return generate(self._engine(), padded, self.config, seed=self.seed, indices=indices).sequences
@@ -406,6 +411,8 @@ class GeneratorSpec:
     lanes: int = DEFAULT_BATCH_SIZE  # refill: --batch-size
     lane_tokens: int | None = None  # refill: --batch-tokens
     target_lang: str | None = None  # --target-lang: resolved through the tokenizer into forced_bos_token_id
+    prompt: PromptSettings | None = None  # --prompt-template, --chat, ... (prompts.py)
+    stop: tuple[str, ...] = ()  # --stop
     generation: dict[str, Any] = field(default_factory=dict)  # transformers' names; None: not given
 
     def build(self) -> Generator:
@@ -413,5 +420,5 @@ class GeneratorSpec:
             self.model, backend=self.backend, device=self.device, dtype=self.dtype, preset=self.preset,
             prefix=self.prefix, max_source_length=self.max_source_length, seed=self.seed, capture=self.capture,
             refill=self.refill, lanes=self.lanes, lane_tokens=self.lane_tokens, target_lang=self.target_lang,
-            **self.generation,
+            prompt=self.prompt, stop=self.stop, **self.generation,
         )  # fmt: skip

@@ -334,7 +334,9 @@ def self_check(
         records = itertools.chain(head, records)
     usable = [r for r in head if r.error is None and r.text.strip()]
     t0 = time.perf_counter()
-    ids = [e.ids for e in gen.encode([r.text for r in usable])] if usable else []
+    encoded = gen.encode([r.text for r in usable], [getattr(r, "fields", None) for r in usable]) if usable else []
+    usable = [r for r, e in zip(usable, encoded, strict=True) if e.error is None]  # the run names the others
+    ids = [e.ids for e in encoded if e.error is None]
     agreement = verify(gen, ids, names=[r.where for r in usable])
     if strict and agreement.mismatches:
         where = ", ".join(agreement.differing[:3]) + (", ..." if len(agreement.differing) > 3 else "")

@@ -28,6 +28,7 @@ from seqgen_cli.budget import DeviceBudget
 from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
 from seqgen_cli.loading import Loaded
+from seqgen_cli.prompts import PromptSettings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,6 +50,7 @@ class FakeGen:
 
     backend = "fake"
     prefix = None
+    prompt = PromptSettings()
     max_source_length = None
     seed = None
 
@@ -66,7 +68,7 @@ class FakeGen:
 
     rows_per_input = num_return_sequences
 
-    def encode(self, texts):
+    def encode(self, texts, fields=None):
         return [Encoded([ord(c) for c in t], False) for t in texts]
 
     def generate_ids(self, batch, indices=None):
@@ -176,3 +178,19 @@ def with_fixture_tokenizer(dest: Path, fixture: Path) -> Path:
         if f.name.startswith(TOKENIZER_FILES):
             shutil.copy(f, dest / f.name)
     return dest
+
+
+# A ChatML-like chat template: each message between its role marker and EOS, the first after BOS; the assistant's
+# turn opened by add_generation_prompt.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ bos_token if loop.first else '' }}<|{{ m['role'] }}|> {{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def with_chat_template(folder: Path, template: str = CHAT_TEMPLATE) -> Path:
+    """``folder``'s tokenizer saved again with ``template`` as its chat template."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -160,7 +160,7 @@ def _slow_records(n: int, pause: float) -> Iterator[Record]:
         yield Record(index=i, source="in.txt", line=i + 1, text=f"input {i}")
 
 
-def _encode(texts: list[str]) -> list[Encoded]:
+def _encode(texts: list[str], fields: object = None) -> list[Encoded]:
     return [Encoded([1, 2], False) for _ in texts]
 
 

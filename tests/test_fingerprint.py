@@ -17,7 +17,8 @@ from seqgen_cli.generator import GeneratorSpec
 from seqgen_cli.pipeline.formats import index_path
 from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
 from seqgen_cli.pipeline.resume import FINGERPRINTED, OUTPUT_NEUTRAL, fingerprint
-from tests.helpers import FakeGen, expected, one_line_error, seqgen, write_lines
+from seqgen_cli.prompts import PromptSettings
+from tests.helpers import FakeGen, expected, one_line_error, seqgen, with_chat_template, write_lines
 from tests.tiny_models import copy_checkpoint, sample_texts
 
 
@@ -54,6 +55,7 @@ GENERATOR_CHANGES: dict[str, Any] = {
     "repetition_penalty": 1.3,
     "forced_bos_token_id": 5,
     "forced_eos_token_id": 4,
+    "stop": ("the",),
 }
 # Options that need a tokenizer with language codes: changed on the tiny mBART (whose checkpoint forces de_DE).
 MBART_CHANGES: dict[str, Any] = {"target_lang": "fr_XX"}
@@ -64,12 +66,20 @@ JOB_CHANGES: dict[str, Any] = {
     "output_field": "summary",
     "on_error": "skip",
 }
+# The prompt options, as the settings they make (on a copy of the model whose tokenizer has a chat template).
+PROMPT_CHANGES: dict[str, PromptSettings] = {
+    "chat": PromptSettings(chat=True),
+    "system_prompt": PromptSettings(system_prompt="Be brief."),
+    "chat_template": PromptSettings(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"),
+    "chat_template_kwargs": PromptSettings(chat=True, chat_template_kwargs={"enable_thinking": False}),
+    "prompt_template": PromptSettings(template="Q: {input} A:"),
+}
 BASE = {"num_beams": 4}  # beam search, so that num_return_sequences and early_stopping can change
 
 
 def _print(model: Path, opts: JobOptions | None = None, **spec: Any) -> dict[str, Any]:
     generation = {**BASE, **{k: spec.pop(k) for k in list(spec) if k in GENERATOR_CHANGES and k not in
-                             ("preset", "backend", "dtype", "prefix", "max_source_length", "seed")}}  # fmt: skip
+                             ("preset", "backend", "dtype", "prefix", "max_source_length", "seed", "stop")}}  # fmt: skip
     gen = GeneratorSpec(model=str(model), device="cpu", generation=generation, **spec).build()
     return fingerprint(gen, opts or JobOptions())
 
@@ -93,6 +103,12 @@ def test_each_fingerprinted_option_changes_the_fingerprint(tiny_models, tmp_path
     for option, value in MBART_CHANGES.items():
         key = FINGERPRINTED[option]
         assert _print(mbart, **{option: value})[key] != mbart_base[key], f"{option}={value!r}: same {key}"
+        covered.add(option)
+    chat = with_chat_template(copy_checkpoint(model, tmp_path / "chat-model"))
+    chat_base = _print(chat, prompt=PromptSettings(chat=True))
+    for option, prompt in PROMPT_CHANGES.items():
+        reference = chat_base if prompt.chat and option != "chat" else _print(chat)
+        assert _print(chat, prompt=prompt)[FINGERPRINTED[option]] != reference.get(FINGERPRINTED[option]), option
         covered.add(option)
     for option, value in JOB_CHANGES.items():
         changed = _print(model, JobOptions(**{option: value}))

@@ -294,7 +294,7 @@ def test_windows_grow_from_one_batch_to_the_sort_window(tmp_path: Path) -> None:
     """The first window is one batch, each next four times as many, up to the sort window: first outputs come
     early."""
     texts = [Text(i, "x" * (1 + i % 7)) for i in range(200)]
-    items = tokenise(texts, lambda ts: [Encoded([1] * len(t), False) for t in ts])
+    items = tokenise(texts, lambda ts, fields: [Encoded([1] * len(t), False) for t in ts])
     batcher = Batcher(iter([Chunk(items)]), lambda items: None, batch_size=4, window=64, grow=True)
     sizes: dict[int, int] = {}
     for batch in batcher:

@@ -25,6 +25,7 @@ from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.shards import ShardRange, parse_shard, select_shard
 from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary
+from seqgen_cli.prompts import PromptSettings, read_text_option
 
 
 @dataclass
@@ -41,6 +42,7 @@ class JobOptions(RunOptions):
         None  # --verify N: inputs checked against generate() first; None: the device's default
     )
     verify_strict: bool = False  # stop before writing when they differ beyond near-ties
+    chat: bool = False  # --chat: a JSONL object's "messages" is a conversation (records.read_records)
 
 
 def job_options(
@@ -65,6 +67,27 @@ def job_options(
         shard=parse_shard(shard_spec, os.environ) if shard_spec is not None else None,
         verify=verify,
         verify_strict=verify_strict,
+        chat=prompt_settings(flags).chat,
+    )
+
+
+def prompt_settings(flags: Mapping[str, Any]) -> PromptSettings:
+    """``seqgen generate``'s prompt flags (``@FILE`` values read; ``--chat-template`` is a file)."""
+    template = flags.get("chat_template")
+    kwargs = flags.get("chat_template_kwargs")
+    try:
+        kwargs = json.loads(kwargs) if kwargs is not None else {}
+    except ValueError as err:
+        raise SeqgenError(f"--chat-template-kwargs: not JSON: {err}") from None
+    if not isinstance(kwargs, dict):
+        raise SeqgenError('--chat-template-kwargs takes a JSON object, e.g. \'{"enable_thinking": false}\'')
+    return PromptSettings(
+        prefix=flags.get("prefix"),
+        template=read_text_option(flags.get("prompt_template"), "--prompt-template"),
+        chat=bool(flags.get("chat")),
+        system_prompt=read_text_option(flags.get("system_prompt"), "--system-prompt"),
+        chat_template=read_text_option(f"@{template}" if template is not None else None, "--chat-template"),
+        chat_template_kwargs=kwargs,
     )
 
 
@@ -81,10 +104,11 @@ def generator_spec(model: str, flags: Mapping[str, Any]) -> GeneratorSpec:
         lanes=flags["batch_size"],
         lane_tokens=flags["batch_tokens"],
         preset=flags["preset"],
-        prefix=flags["prefix"],
+        prompt=prompt_settings(flags),
         max_source_length=flags["max_source_length"],
         seed=flags["seed"],
         target_lang=flags["target_lang"],
+        stop=tuple(flags.get("stop") or ()),
         generation={k: flags[k] for k in GENERATION_KEYS if k in flags},
     )
 
@@ -133,6 +157,22 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions, model: str |
     return Job(list(inputs) or ["-"], output, opts, shard)
 
 
+def first_prompt(gen: Generator, job: Job) -> str:
+    """``--show-prompt``: the first input's prompt as the model gets it (its tokens decoded, special tokens kept)
+    and a last line with its token count; a bad first input is its one-line error."""
+    opts = job.opts
+    records = read_records(job.paths, opts.input_format, opts.input_field, "fail", select=job.select, chat=opts.chat)
+    record = next((r for r in records if r.text.strip()), None)
+    if record is None:
+        raise SeqgenError("--show-prompt: the input holds no line to prompt with")
+    encoded = gen.encode([record.text], [record.fields])[0]
+    if encoded.error is not None:
+        raise SeqgenError(f"{record.where}: {encoded.error}")
+    cut = ", truncated to --max-source-length" if encoded.truncated else ""
+    text = gen.tokenizer.decode(encoded.ids, skip_special_tokens=False)
+    return f"{text}\n-- {record.where}: {len(encoded.ids)} prompt tokens{cut}"
+
+
 def generate_job(gen: Generator, job: Job) -> Summary:
     """Run the job; the summary says whether it was interrupted or failed (after writing what it could)."""
     from seqgen_cli.verify import self_check  # transformers' generate(): imported with the model, not before
@@ -140,8 +180,9 @@ def generate_job(gen: Generator, job: Job) -> Summary:
     opts = job.opts
     reserved = output_fields(opts.output_format, opts.output_field, opts.on_error)
     records = read_records(
-        job.paths, opts.input_format, opts.input_field, opts.on_error, select=job.select, reserved=reserved
-    )
+        job.paths, opts.input_format, opts.input_field, opts.on_error, select=job.select, reserved=reserved,
+        chat=opts.chat,
+    )  # fmt: skip
     records, agreement = self_check(gen, records, opts.verify, opts.verify_strict)
     streaming = any(not is_regular(p) for p in job.paths)  # stdin or a named pipe: hand lines on at once
     progress = Progress(opts.progress, job.paths, total=job.shard.size if job.shard is not None else None)

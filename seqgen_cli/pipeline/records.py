@@ -202,6 +202,7 @@ def read_records(
     on_error: str = "fail",
     select: tuple[int, int] | None = None,
     reserved: Collection[str] = (),
+    chat: bool = False,
 ) -> Iterator[Record]:
     """Stream records from ``paths`` (``-`` = stdin) in order, never holding a whole file.
 
@@ -215,7 +216,8 @@ def read_records(
     On a file's first line that stops the run whatever ``on_error`` says: the output field is a setting, every
     line likely holds it; :func:`check_inputs` finds it there before the model loads, for a regular file.
     On a later line it is a bad line like any other (a skipped one is written without its object, which the
-    output would overwrite).
+    output would overwrite). ``chat`` (``--chat``): a JSON object with a ``messages`` list and no input field is a
+    conversation, its text the last message's (what ``--max-source-length`` shortens).
     """
     lo, hi = select if select is not None else (0, None)
     index = 0
@@ -242,7 +244,7 @@ def read_records(
                     return
                 if index >= lo:
                     try:
-                        yield _record(index - lo, name, number, raw, fmt, input_field, reserved)
+                        yield _record(index - lo, name, number, raw, fmt, input_field, reserved, chat)
                     except SeqgenError as err:
                         if on_error != "skip" or (number == 1 and isinstance(err, FieldClash)):
                             raise
@@ -275,13 +277,14 @@ def _record(
     fmt: str,
     input_field: str | None,
     reserved: Collection[str] = (),
+    chat: bool = False,
 ) -> Record:
     try:
         line = raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as err:
         raise SeqgenError(f"{name}:{number}: not valid UTF-8 (byte {err.start + 1})") from None
     if fmt == "jsonl":
-        return _json_record(index, name, number, line, input_field, reserved)
+        return _json_record(index, name, number, line, input_field, reserved, chat)
     if "text" in reserved:  # JSONL output of text input is {"text": line, ...}
         raise _clash(f"{name}:{number}", "text", text_input=True)
     return Record(index, name, number, line)
@@ -317,8 +320,9 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _json_record(
-    index: int, name: str, number: int, line: str, input_field: str | None, reserved: Collection[str] = ()
-) -> Record:
+    index: int, name: str, number: int, line: str, input_field: str | None, reserved: Collection[str] = (),
+    chat: bool = False,
+) -> Record:  # fmt: skip
     if not line.strip():
         raise SeqgenError(f"{name}:{number}: empty line in JSONL input (expected a JSON object)")
     try:
@@ -343,11 +347,18 @@ def _json_record(
     if (clash := next((k for k in reserved if k in obj), None)) is not None:
         raise _clash(f"{name}:{number}", clash, text_input=False)
     key = input_field or next((k for k in DEFAULT_FIELDS if k in obj), None)
+    if key is None and chat and isinstance(messages := obj.get("messages"), list):  # a conversation (prompts.py)
+        last = messages[-1] if messages else None
+        text = last.get("content") if isinstance(last, dict) else None
+        if not isinstance(text, str):
+            raise BadLine(f'{name}:{number}: "messages" must end in a {{"role": ..., "content": "..."}} object', obj)
+        return Record(index, name, number, text, obj)
     if key is None or key not in obj:
         wanted = repr(input_field) if input_field else " or ".join(repr(k) for k in DEFAULT_FIELDS)
         have = ", ".join(map(repr, obj)) or "none"
+        hint = '; a "messages" conversation needs --chat' if "messages" in obj and not chat else ""
         raise BadLine(
-            f"{name}:{number}: no field {wanted} (fields: {have}; choose one with --input-field)", obj
+            f"{name}:{number}: no field {wanted} (fields: {have}; choose one with --input-field{hint})", obj
         )
     text = obj[key]
     if not isinstance(text, str):

@@ -134,6 +134,8 @@ _FINGERPRINTED_OPTIONS = {
     "on_error": "on_error",
     "shard_spec": "shard",
     "target_lang": "generation",  # resolved into forced_bos_token_id
+    "stop": "generation",  # stop_strings
+    **dict.fromkeys(("chat", "system_prompt", "chat_template", "chat_template_kwargs", "prompt_template"), "prompt"),
 }
 # How a run goes, not what it writes: batching and look-ahead, CUDA graphs and refill (the same outputs; on a
 # GPU they may change rounding as batch composition does), where files and reports go, Ray's resources, checks.
@@ -141,7 +143,7 @@ OUTPUT_NEUTRAL = frozenset(
     {
         "inputs", "output", "batch_size", "batch_tokens", "sort_window", "capture", "refill", "resume",
         "stats_path", "reference", "metrics", "workers", "address", "gpus_per_worker", "cpus_per_worker",
-        "shard_size", "verify_spec", "quiet",
+        "shard_size", "verify_spec", "quiet", "show_prompt",
     }
 )  # fmt: skip
 
@@ -183,6 +185,7 @@ def fingerprint(gen: Generator, opts: RecordOptions) -> dict[str, Any]:
         dtype=loaded.dtype_name,
         generation=generation,
         prefix=gen.prefix,
+        **({"prompt": prompt} if (prompt := {k: v for k, v in gen.prompt.describe().items() if k != "prefix"}) else {}),
         max_source_length=gen.max_source_length,
         seed=gen.seed,
         input_format=opts.input_format,

@@ -1,0 +1,189 @@
+"""What goes into the model for an input: the prompt, rendered as the checkpoint was trained to read it, and its
+tokens.
+
+Three ways, one :class:`Prompter` (``Generator.encode`` asks it for every input):
+
+* plain: ``--prefix`` + the input text, tokenised with the tokenizer's special tokens (as ``tokenizer(text)``);
+* ``--prompt-template``: a text with ``{input}`` where the input goes and, for JSONL input, ``{field}`` for any
+  field of the object (only ``{name}`` with a name of letters, digits and ``_`` is replaced: other braces, a JSON
+  example in a few-shot prompt, stay as written);
+* ``--chat``: the input (or the template's text) as the user message of the tokenizer's chat template, an assistant
+  turn opened (``add_generation_prompt``), ``--system-prompt`` as the system message, as ``apply_chat_template``
+  renders it; a JSONL object's ``messages`` list is the conversation as given. The rendered text is tokenised
+  without adding special tokens, as ``apply_chat_template(tokenize=True)`` does (the template writes them).
+
+Truncation (``--max-source-length``) shortens the input text inside the template, from its end, and never the
+template's own tokens: the instruction and the end-of-turn marker stay. A plain prompt keeps its beginning.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from seqgen_cli.errors import SeqgenError
+
+FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")  # a {name} of a --prompt-template
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """How inputs become prompts (the command line's ``--chat``, ``--system-prompt``, ``--chat-template``,
+    ``--chat-template-kwargs``, ``--prompt-template`` and ``--prefix``); texts, not file names (``@FILE`` read)."""
+
+    prefix: str | None = None
+    template: str | None = None  # --prompt-template: {input}, {field}
+    chat: bool = False
+    system_prompt: str | None = None
+    chat_template: str | None = None  # a Jinja template replacing the tokenizer's own
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.template is not None and not FIELD.search(self.template):
+            raise SeqgenError("--prompt-template has no {input} (nor any {field}): where does the input go?")
+        if not self.chat and (self.system_prompt is not None or self.chat_template is not None):
+            object.__setattr__(self, "chat", True)  # --system-prompt and --chat-template imply --chat
+
+    def describe(self) -> dict[str, Any]:
+        """What the outputs depend on (``--resume``'s fingerprint, ``--stats``)."""
+        return {k: v for k, v in vars(self).items() if v not in (None, False, {})}
+
+
+@dataclass
+class Prompted:
+    """One input's tokens: ``ids``; ``truncated``: its text was shortened to fit; ``error``: why it has none."""
+
+    ids: list[int]
+    truncated: bool = False
+    error: str | None = None
+
+
+class Prompter:
+    """Renders inputs with :class:`PromptSettings` and tokenises them (module docstring)."""
+
+    def __init__(self, settings: PromptSettings, tokenizer: Any) -> None:
+        self.settings, self.tokenizer = settings, tokenizer
+        if settings.chat and settings.chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise SeqgenError(
+                "--chat: the tokenizer has no chat template (no chat_template in tokenizer_config.json nor a "
+                "chat_template.jinja): give one with --chat-template FILE, or use --prompt-template"
+            )
+        if settings.chat:  # a template that does not render fails here, before any input
+            self._chat([{"role": "user", "content": "x"}])
+
+    def render(self, text: str, fields: Mapping[str, Any] | None = None) -> str:
+        """The prompt text of an input (``fields``: its JSONL object); :class:`SeqgenError` for a ``{name}`` the
+        input lacks."""
+        s = self.settings
+        text = (s.prefix or "") + text
+        if s.template is not None:
+            text = _fill(s.template, text, fields)
+        if not s.chat:
+            return text
+        messages = _messages(fields)
+        if messages is None:
+            messages = [{"role": "user", "content": text}]
+        if s.system_prompt is not None and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": s.system_prompt}, *messages]
+        return self._chat(messages)
+
+    def encode(self, texts: Sequence[str], fields: Sequence[Mapping[str, Any] | None], limit: int | None) -> list[Prompted]:
+        """Each input's tokens, at most ``limit`` (:meth:`_fit`)."""
+        out = []
+        for text, obj in zip(texts, fields, strict=True):
+            try:
+                out.append(self._fit(text, obj, limit))
+            except SeqgenError as err:
+                out.append(Prompted([], error=str(err)))
+        return out
+
+    def _tokens(self, prompt: str) -> list[int]:
+        # a chat template writes the special tokens itself (apply_chat_template(tokenize=True) adds none)
+        return self.tokenizer(prompt, add_special_tokens=not self.settings.chat)["input_ids"]
+
+    def _fit(self, text: str, fields: Mapping[str, Any] | None, limit: int | None) -> Prompted:
+        """The tokens of the rendered prompt; over ``limit``, a plain prompt cut at its end (as the tokenizer's own
+        truncation), a templated one rendered again around its input text cut short by as many tokens as it is
+        over (again, should the shorter text tokenise otherwise), never the template's tokens."""
+        ids = self._tokens(self.render(text, fields))
+        if limit is None or len(ids) <= limit:
+            return Prompted(ids)
+        s = self.settings
+        if s.template is None and not s.chat:
+            return Prompted(self.tokenizer((s.prefix or "") + text, truncation=True, max_length=limit)["input_ids"], True)
+        messages = _messages(fields)
+        inner = messages[-1]["content"] if messages else text  # the text cut: the input, or the last message
+        pieces = self.tokenizer(inner, add_special_tokens=False)["input_ids"]
+        keep = len(pieces)
+        while len(ids) > limit and keep > 0:
+            keep = max(0, keep - (len(ids) - limit))
+            short = self.tokenizer.decode(pieces[:keep])
+            if messages:
+                fields = {**fields, "messages": [*messages[:-1], {**messages[-1], "content": short}]}  # type: ignore[dict-item]
+                ids = self._tokens(self.render(text, fields))
+            else:
+                ids = self._tokens(self.render(short, fields))
+        if len(ids) > limit:
+            raise SeqgenError(
+                f"the prompt's template alone takes {len(ids)} tokens, more than --max-source-length {limit}"
+            )
+        return Prompted(ids, True)
+
+    def _chat(self, messages: list[dict[str, Any]]) -> str:
+        s = self.settings
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, chat_template=s.chat_template,
+                **s.chat_template_kwargs,
+            )  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - jinja2's errors (syntax, undefined names, raise_exception)
+            where = "--chat-template" if s.chat_template is not None else "the tokenizer's chat template"
+            message = " ".join(str(err).split()) or type(err).__name__
+            raise SeqgenError(f"{where} does not render: {message}") from None
+
+
+def _fill(template: str, text: str, fields: Mapping[str, Any] | None) -> str:
+    """``template`` with ``{input}`` the input text and ``{name}`` the JSONL field ``name`` (a string as it is,
+    anything else as JSON)."""
+    values = dict(fields or {})
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name == "input":
+            return text
+        if name not in values:
+            have = ", ".join(map(repr, values)) or "none: the input is text"
+            raise SeqgenError(f"--prompt-template has {{{name}}}, a field this input lacks (fields: {have})")
+        v = values[name]
+        return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+    return FIELD.sub(value, template)
+
+
+def _messages(fields: Mapping[str, Any] | None) -> list[dict[str, Any]] | None:
+    """A JSONL object's ``messages`` (a list of ``{"role", "content"}`` objects), or ``None``."""
+    messages = (fields or {}).get("messages")
+    if messages is None:
+        return None
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    )
+    if not ok:
+        raise SeqgenError('"messages" must be a non-empty list of {"role": ..., "content": ...} objects with strings')
+    return messages
+
+
+def read_text_option(value: str | None, flag: str) -> str | None:
+    """A ``--system-prompt`` / ``--prompt-template`` value: the text, or ``@FILE``'s contents (UTF-8)."""
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as err:
+        raise SeqgenError(f"{flag} {value}: cannot read {value[1:]}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise SeqgenError(f"{flag} {value}: not UTF-8 text (byte {err.start + 1})") from None

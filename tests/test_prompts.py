@@ -1,0 +1,193 @@
+"""Prompting an LLM as it was trained (``prompts.py``, ``--chat``, ``--system-prompt``, ``--prompt-template``,
+``messages`` JSONL, ``--stop``): through the CLI, each output is the one transformers gives on the prompt
+``apply_chat_template`` (or the rendered template) makes, by ``generate()`` on that input alone; and the mistakes
+are one line naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from seqgen_cli.errors import SeqgenError
+from seqgen_cli.prompts import Prompter, PromptSettings
+from tests.helpers import one_line_error, seqgen, with_chat_template, write_lines
+from tests.tiny_models import copy_checkpoint, sample_texts
+
+NEW = 8
+FAMILIES = ["llama", "gpt2"]  # two decoder-only families, on their fast decoders
+
+
+@pytest.fixture(scope="module")
+def chat_models(tiny_models, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny llama and gpt2 checkpoints with a ChatML-like chat template (tests/helpers.py)."""
+    root = tmp_path_factory.mktemp("chat")
+    return {f: with_chat_template(copy_checkpoint(tiny_models(f), root / f)) for f in FAMILIES}
+
+
+def _texts(n: int = 4) -> list[str]:
+    return [" ".join(t.split()[:12]) for t in sample_texts(n, seed=7)]
+
+
+def _alone(model: Path, prompts: list[list[int]], **settings) -> list[str]:
+    """``generate()`` on each prompt alone, its new tokens decoded as seqgen writes a text line."""
+    tok = AutoTokenizer.from_pretrained(model)
+    lm = AutoModelForCausalLM.from_pretrained(model).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = lm.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, **settings)
+            text = tok.decode(y[0, len(ids) :], skip_special_tokens=True)
+            out.append(" ".join(text.split("\n")))
+    return out
+
+
+def _chat_ids(model: Path, messages: list[list[dict[str, str]]]) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(model)
+    return [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] for m in messages]
+
+
+def _run(model: Path, src: Path, out: Path, *args: str):
+    return seqgen("generate", "-m", str(model), str(src), "-o", str(out), "--max-new-tokens", str(NEW), "-q", *args)
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+@pytest.mark.parametrize("system", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_gives_apply_chat_template_and_generates_tokens(
+    chat_models, tmp_path: Path, family: str, system: bool, beams: int
+) -> None:
+    """``--chat`` (and ``--system-prompt @FILE``): each input the user message, the assistant's turn opened, as
+    ``apply_chat_template(add_generation_prompt=True)``; on the fast decoder, generate()'s tokens."""
+    model, texts = chat_models[family], _texts()
+    src, out = write_lines(tmp_path / "in.txt", texts), tmp_path / "out.txt"
+    sys_file = tmp_path / "system.txt"
+    sys_file.write_text("You translate.\nBriefly.", encoding="utf-8")
+    head = [{"role": "system", "content": sys_file.read_text(encoding="utf-8")}] if system else []
+    args = ["--chat", "--num-beams", str(beams), "--stats", str(tmp_path / "s.json")]
+    res = _run(model, src, out, *args, *(["--system-prompt", f"@{sys_file}"] if system else []))
+    assert res.exit_code == 0, res.stderr
+    engine = json.loads((tmp_path / "s.json").read_text(encoding="utf-8"))["device"]["engine"]
+    assert engine == f"{family} decoder"
+    prompts = _chat_ids(model, [[*head, {"role": "user", "content": t}] for t in texts])
+    assert out.read_text(encoding="utf-8").splitlines() == _alone(model, prompts, num_beams=beams)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_messages_conversation_is_rendered_as_given(chat_models, tmp_path: Path, family: str) -> None:
+    """JSONL ``messages`` under ``--chat``: the conversation as given, ``--system-prompt`` only where it has no
+    system message of its own."""
+    model = chat_models[family]
+    conversations = [
+        [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "an answer"},
+         {"role": "user", "content": "and a second one"}],
+        [{"role": "system", "content": "its own system"}, {"role": "user", "content": "a question"}],
+    ]  # fmt: skip
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.txt"
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations), encoding="utf-8")
+    res = _run(model, src, out, "--chat", "--system-prompt", "the default system")
+    assert res.exit_code == 0, res.stderr
+    given = [[{"role": "system", "content": "the default system"}, *conversations[0]], conversations[1]]
+    assert out.read_text(encoding="utf-8").splitlines() == _alone(model, _chat_ids(model, given))
+    res = _run(model, src, tmp_path / "plain.txt")  # without --chat: a bad line that says what it needs
+    one_line_error(res, "in.jsonl:1: no field", '"messages" conversation needs --chat')
+
+
+def test_a_prompt_template_takes_the_input_and_jsonl_fields(chat_models, tmp_path: Path) -> None:
+    """``--prompt-template @FILE`` on a base model: ``{input}`` and ``{field}`` replaced, other braces kept, the
+    text tokenised as a plain input (special tokens added); the same tokens as generate() on it."""
+    model = chat_models["llama"]
+    template = tmp_path / "few-shot.txt"
+    template.write_text('Example {"json": 1}\nTranslate to {lang}: {input}\nAnswer:', encoding="utf-8")
+    rows = [{"text": t, "lang": lang} for t, lang in zip(_texts(), ["German", "French", "Dutch", "Czech"], strict=True)]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.txt"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    res = _run(model, src, out, "--prompt-template", f"@{template}")
+    assert res.exit_code == 0, res.stderr
+    tok = AutoTokenizer.from_pretrained(model)
+    rendered = [f'Example {{"json": 1}}\nTranslate to {r["lang"]}: {r["text"]}\nAnswer:' for r in rows]
+    assert out.read_text(encoding="utf-8").splitlines() == _alone(model, [tok(p)["input_ids"] for p in rendered])
+
+
+def test_truncation_shortens_the_input_inside_the_template(chat_models, tmp_path: Path) -> None:
+    """``--max-source-length`` with a template: the input text is cut, the instruction and the turn markers stay
+    (before: the prompt's end was cut, the assistant's turn with it)."""
+    model = chat_models["llama"]
+    src = write_lines(tmp_path / "in.txt", [" ".join(sample_texts(3, seed=2))])
+    prompter = Prompter(PromptSettings(chat=True), AutoTokenizer.from_pretrained(model))
+    full = prompter.encode([src.read_text(encoding="utf-8").strip()], [None], None)[0].ids
+    limit = len(full) - 20
+    res = seqgen("generate", "-m", str(model), str(src), "--chat", "--max-source-length", str(limit), "--show-prompt")
+    assert res.exit_code == 0, res.stderr
+    shown, count = res.stdout.rstrip("\n").rsplit("\n", 1)
+    assert shown.endswith("</s><|assistant|> ") and shown.startswith("<s><|user|> "), shown
+    tokens = int(count.split(": ")[1].split()[0])
+    assert tokens <= limit and "truncated to --max-source-length" in count
+    res = _run(model, src, tmp_path / "out.txt", "--chat", "--max-source-length", str(limit))
+    assert res.exit_code == 0, res.stderr
+
+
+def test_show_prompt_prints_the_first_prompt_and_its_tokens(chat_models, tmp_path: Path) -> None:
+    model = chat_models["gpt2"]
+    src = write_lines(tmp_path / "in.txt", ["", "a first input", "another"])
+    res = seqgen("generate", "-m", str(model), str(src), "--system-prompt", "Be brief.", "--show-prompt")
+    assert res.exit_code == 0, res.stderr
+    prompt = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a first input"}],
+        add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    shown, count = res.stdout.rstrip("\n").rsplit("\n", 1)
+    assert shown == prompt and count.startswith("-- ") and "in.txt:2:" in count and "prompt tokens" in count
+
+
+@pytest.mark.parametrize("source", ["flag", "generation_config"])
+def test_stop_strings_end_outputs_as_generate_does(chat_models, tmp_path: Path, source: str) -> None:
+    """``--stop`` and a checkpoint's ``stop_strings`` (before: "could not locate a tokenizer" on both backends):
+    the outputs end where generate(stop_strings=..., tokenizer=...) ends them."""
+    model, texts = copy_checkpoint(chat_models["llama"], tmp_path / "m"), _texts()
+    src = write_lines(tmp_path / "in.txt", texts)
+    plain = tmp_path / "plain.txt"
+    assert _run(model, src, plain).exit_code == 0
+    first = plain.read_text(encoding="utf-8").splitlines()[0]
+    stop = first[len(first) // 3 : len(first) // 3 + 2]  # two characters the first output reaches
+    if source == "generation_config":
+        config = json.loads((model / "generation_config.json").read_text(encoding="utf-8"))
+        (model / "generation_config.json").write_text(json.dumps({**config, "stop_strings": [stop]}), encoding="utf-8")
+    out = tmp_path / "out.txt"
+    res = _run(model, src, out, *(["--stop", stop] if source == "flag" else []))
+    assert res.exit_code == 0, res.stderr
+    tok = AutoTokenizer.from_pretrained(model)
+    expected = _alone(model, [tok(t)["input_ids"] for t in texts], stop_strings=[stop], tokenizer=tok)
+    got = out.read_text(encoding="utf-8").splitlines()
+    assert got == expected and len(got[0]) < len(first) and stop in got[0]
+
+
+def test_prompt_mistakes_are_one_line(chat_models, tiny_models, tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.txt", ["an input"])
+    res = seqgen("generate", "-m", str(tiny_models("llama")), str(src), "--chat")
+    one_line_error(res, "--chat: the tokenizer has no chat template", "--chat-template FILE")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m['content'] }", encoding="utf-8")
+    res = seqgen("generate", "-m", str(chat_models["llama"]), str(src), "--chat-template", str(bad))
+    one_line_error(res, "--chat-template does not render")
+    res = seqgen("generate", "-m", str(chat_models["llama"]), str(src), "--chat", "--chat-template-kwargs", "{x")
+    one_line_error(res, "--chat-template-kwargs: not JSON")
+    res = seqgen("generate", "-m", str(chat_models["llama"]), str(src), "--prompt-template", "no input here")
+    one_line_error(res, "--prompt-template has no {input}")
+    res = seqgen("generate", "-m", str(chat_models["llama"]), str(src), "--prompt-template", "{input} in {lang}", "-q")
+    one_line_error(res, "in.txt:1: --prompt-template has {lang}, a field this input lacks")
+    res = seqgen("generate", "-m", str(chat_models["llama"]), str(src), "--system-prompt", "@/no/such/file")
+    one_line_error(res, "--system-prompt @/no/such/file: cannot read /no/such/file")
+
+
+def test_a_template_whose_own_tokens_pass_the_limit_is_a_bad_input(chat_models) -> None:
+    prompter = Prompter(PromptSettings(template="A long instruction of many words first: {input}"),
+                        AutoTokenizer.from_pretrained(chat_models["gpt2"]))  # fmt: skip
+    (p,) = prompter.encode(["x y z"], [None], 4)
+    assert p.error is not None and "template alone takes" in p.error and p.ids == []
+    with pytest.raises(SeqgenError, match="no {input}"):
+        PromptSettings(template="nothing")
