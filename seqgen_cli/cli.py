@@ -318,8 +318,9 @@ class _SectionedCommand(click.Command):
 )  # fmt: skip
 @click.option(
     "--stop", "stop", multiple=True, metavar="STRING", help="End an output where its text reaches STRING (kept in "
-    "the output), as generate(stop_strings=...); repeatable, beside the checkpoint's stop_strings. Runs on "
-    "generate(). In text output a newline inside an output is written as a space.",
+    "the output), as generate(stop_strings=...); repeatable, beside the checkpoint's stop_strings (greedy and "
+    "sampling on seqgen's engine; beam search on generate()). In text output a newline inside an output is written "
+    "as a space.",
 )  # fmt: skip
 @click.option(
     "--input-format",

@@ -43,7 +43,7 @@ from seqgen_cli.config import Preset, check_flags, load_preset, settings_for_mod
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load, source_limit
 from seqgen_cli.memory import batch_bytes
-from seqgen_cli.prompts import Prompter, PromptSettings
+from seqgen_cli.prompts import Prompter, PromptSettings, stop_check
 from seqgen_cli.search import choose_backend
 from seqgen_cli.search import settings as search_settings
 from seqgen_cli.search.protocol import Batch, RefillBackend
@@ -107,9 +107,9 @@ class Generator:
         self.tokenizer, self.model = self.loaded.tokenizer, self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
         self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, target_lang)
-        if stop:  # the checkpoint's stop_strings (a string or a list), then --stop's
-            own = self.config.stop_strings or []
-            self.config.stop_strings = [*([own] if isinstance(own, str) else own), *stop]
+        own = self.config.stop_strings or []  # the checkpoint's (a string or a list), then --stop's
+        self.config.stop_strings = [*([own] if isinstance(own, str) else own), *stop] or None
+        self.stop_check = stop_check(self.tokenizer, self.config.stop_strings)  # once: its tables take a while
         prompt = prompt or PromptSettings()
         if prompt.prefix is None:  # --prefix, else the preset's
             prompt = replace(prompt, prefix=prefix if prefix is not None else getattr(self.preset, "prefix", None))
@@ -284,7 +284,8 @@ class Generator:
             return hf_generate(self.model, padded, self.config, scores=False, tokenizer=self.tokenizer)[0]
         if self.refill:
             return self._generate_refill(padded, indices)
-        return generate(self._engine(), padded, self.config, seed=self.seed, indices=indices).sequences
+        engine = self._engine()
+        return generate(engine, padded, self.config, seed=self.seed, indices=indices, stop=self.stop_check).sequences
 
     def _generate_refill(self, batch: Batch, indices: Sequence[int] | None) -> list[list[list[int]]]:
         """The refill engine over ``self.lanes`` lanes (fewer where ``lane_tokens`` cannot hold them at the
@@ -293,7 +294,7 @@ class Generator:
 
         out = generate_refill(
             self._engine(), batch, self.config, lanes=self.lanes, seed=self.seed, indices=indices,
-            stats=self.refill_stats, widths=batch.widths, lane_tokens=self.lane_tokens,
+            stats=self.refill_stats, widths=batch.widths, lane_tokens=self.lane_tokens, stop=self.stop_check,
         )  # fmt: skip  # under a CapturedBackend, its lane steps replay compiled graphs
         return out.sequences
 

@@ -187,3 +187,14 @@ def read_text_option(value: str | None, flag: str) -> str | None:
         raise SeqgenError(f"{flag} {value}: cannot read {value[1:]}: {err.strerror}") from None
     except UnicodeDecodeError as err:
         raise SeqgenError(f"{flag} {value}: not UTF-8 text (byte {err.start + 1})") from None
+
+
+def stop_check(tokenizer: Any, stop_strings: str | Sequence[str] | None) -> Any:
+    """The check that ends a row at a stop string (``search.generate(stop=...)``): transformers'
+    ``StopStringCriteria`` over ``tokenizer``, the same test ``generate(stop_strings=..., tokenizer=...)`` runs
+    (its tables built once, here); ``None`` without stop strings."""
+    if not stop_strings:
+        return None
+    from transformers import StopStringCriteria
+
+    return StopStringCriteria(tokenizer, stop_strings)

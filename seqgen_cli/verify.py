@@ -156,12 +156,14 @@ def tie_sensitive(
     wanted: dict[tuple[int, int], list[int]],
     eps: float,
     seeds: int = 5,
+    tokenizer: Any = None,
 ) -> dict[tuple[int, int], int]:
-    """Which ``(input, rank) -> sequence`` ``generate()`` also returns under log-prob noise ``eps``: -> seed."""
+    """Which ``(input, rank) -> sequence`` ``generate()`` also returns under log-prob noise ``eps``: -> seed
+    (``tokenizer``: for ``stop_strings``)."""
     found: dict[tuple[int, int], int] = {}
     for seed in range(seeds):
         noise = LogitsProcessorList([LogProbNoise(eps, seed)])
-        seqs, _ = hf_generate(model, batch, generation, logits_processor=noise)
+        seqs, _ = hf_generate(model, batch, generation, logits_processor=noise, tokenizer=tokenizer)
         for (b, i), tokens in wanted.items():
             if (b, i) not in found and seqs[b][i] == tokens:
                 found[(b, i)] = seed
@@ -185,12 +187,13 @@ def compare(
     rtol: float = 1e-5,
     tie_noise: float = 1e-5,
     names: Sequence[str] | None = None,
+    tokenizer: Any = None,
 ) -> Agreement:
     """Run ``generate()`` on ``batch`` and compare ``ours`` (per input, the returned sequences) with it.
 
     ``our_scores``: beam scores to check where the tokens agree; ``names``: what to call each input in the
-    notes (default ``input <i>``)."""
-    theirs, their_scores = hf_generate(model, batch, generation)
+    notes (default ``input <i>``); ``tokenizer``: generate()'s, for ``stop_strings``."""
+    theirs, their_scores = hf_generate(model, batch, generation, tokenizer=tokenizer)
     settings = settings_for(model.config, batch, resolved(model, generation))
     names = [f"input {b}" for b in range(len(ours))] if names is None else names
     result = Agreement()
@@ -230,7 +233,7 @@ def compare(
                 result.differing.append(names[b])
     if unexplained:
         found = tie_sensitive(
-            model, batch, generation, {k: a for k, (a, _) in unexplained.items()}, tie_noise
+            model, batch, generation, {k: a for k, (a, _) in unexplained.items()}, tie_noise, tokenizer=tokenizer
         )
         for key, (_, where) in unexplained.items():
             if key in found:
@@ -284,7 +287,7 @@ def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | 
                 agreement.add(
                     compare(
                         gen.loaded.reference, gen.pad(part), gen.config, ours, rtol=tol, tie_noise=tol,
-                        names=[names[i] for i in group],
+                        names=[names[i] for i in group], tokenizer=gen.tokenizer,
                     )
                 )  # fmt: skip
         return agreement

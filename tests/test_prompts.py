@@ -144,26 +144,46 @@ def test_show_prompt_prints_the_first_prompt_and_its_tokens(chat_models, tmp_pat
     assert shown == prompt and count.startswith("-- ") and "in.txt:2:" in count and "prompt tokens" in count
 
 
+@pytest.mark.parametrize("beams", [1, 4])
 @pytest.mark.parametrize("source", ["flag", "generation_config"])
-def test_stop_strings_end_outputs_as_generate_does(chat_models, tmp_path: Path, source: str) -> None:
+def test_stop_strings_end_outputs_as_generate_does(chat_models, tmp_path: Path, source: str, beams: int) -> None:
     """``--stop`` and a checkpoint's ``stop_strings`` (before: "could not locate a tokenizer" on both backends):
-    the outputs end where generate(stop_strings=..., tokenizer=...) ends them."""
+    the outputs end where generate(stop_strings=..., tokenizer=...) ends them; greedy on the fast decoder (and its
+    refill lanes), beam search on generate() itself."""
     model, texts = copy_checkpoint(chat_models["llama"], tmp_path / "m"), _texts()
     src = write_lines(tmp_path / "in.txt", texts)
     plain = tmp_path / "plain.txt"
-    assert _run(model, src, plain).exit_code == 0
+    assert _run(model, src, plain, "--num-beams", str(beams)).exit_code == 0
     first = plain.read_text(encoding="utf-8").splitlines()[0]
     stop = first[len(first) // 3 : len(first) // 3 + 2]  # two characters the first output reaches
     if source == "generation_config":
         config = json.loads((model / "generation_config.json").read_text(encoding="utf-8"))
         (model / "generation_config.json").write_text(json.dumps({**config, "stop_strings": [stop]}), encoding="utf-8")
-    out = tmp_path / "out.txt"
-    res = _run(model, src, out, *(["--stop", stop] if source == "flag" else []))
-    assert res.exit_code == 0, res.stderr
     tok = AutoTokenizer.from_pretrained(model)
-    expected = _alone(model, [tok(t)["input_ids"] for t in texts], stop_strings=[stop], tokenizer=tok)
-    got = out.read_text(encoding="utf-8").splitlines()
-    assert got == expected and len(got[0]) < len(first) and stop in got[0]
+    expected = _alone(model, [tok(t)["input_ids"] for t in texts], stop_strings=[stop], tokenizer=tok, num_beams=beams)
+    assert len(expected[0]) < len(first) and stop in expected[0], "the stop string ends the first output early"
+    for extra in ([], ["--refill"]) if beams == 1 else ([],):
+        out, stats = tmp_path / "out.txt", tmp_path / "stats.json"
+        args = ["--num-beams", str(beams), "--stats", str(stats), *extra, *(["--stop", stop] if source == "flag" else [])]
+        res = _run(model, src, out, *args)
+        assert res.exit_code == 0, res.stderr
+        assert out.read_text(encoding="utf-8").splitlines() == expected, extra
+        device = json.loads(stats.read_text(encoding="utf-8"))["device"]
+        assert device.get("engine") == ("llama decoder" if beams == 1 else None), device
+
+
+def test_the_engine_refuses_stop_strings_without_their_check(tiny_models) -> None:
+    """``search.generate`` on a config with ``stop_strings`` and no ``stop`` check: an error, not outputs that run
+    past the stop string."""
+    from transformers import GenerationConfig
+
+    from seqgen_cli.generator import Generator
+    from seqgen_cli.search import generate
+
+    gen = Generator(str(tiny_models("llama")), max_new_tokens=4)
+    config = GenerationConfig(**{**gen.config.to_dict(), "stop_strings": ["x"]})
+    with pytest.raises(SeqgenError, match="stop_strings need"):
+        generate(gen._engine(), gen.pad([[5, 6, 7]]), config)
 
 
 def test_prompt_mistakes_are_one_line(chat_models, tiny_models, tmp_path: Path) -> None:

@@ -18,11 +18,13 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.beam import BeamConstants, pick_topk
 from seqgen_cli.search.cohort import Cohort, Results, make_search
 from seqgen_cli.search.engine import run_batch
+from seqgen_cli.search.greedy import StopCheck
 from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
 from seqgen_cli.search.rows import default_sync_every, start_rows
 from seqgen_cli.search.sampling import Streams
 from seqgen_cli.search.settings import (
     SearchSettings,
+    need_stop,
     resolve_mode,
     resolve_settings,
     rows_per_input,
@@ -78,17 +80,22 @@ def generate(
     seed: int | None = None,
     indices: Sequence[int] | None = None,
     sync_every: int | None = None,
+    stop: StopCheck | None = None,
 ) -> SearchOutput:
     """Generate for every input of ``batch``; token-identical to ``model.generate()`` for greedy and beam search.
 
     Sampling draws input ``b`` from a stream seeded by ``seed`` and ``indices[b]`` (its index in the run; default
     ``b``: :class:`~seqgen_cli.search.sampling.Streams`). ``sync_every``: steps between host checks for finished
-    inputs (default: every step on CPU, every 4 on GPU); it never changes results.
+    inputs (default: every step on CPU, every 4 on GPU); it never changes results. ``stop``: ``config``'s
+    ``stop_strings`` as a check over the token history (:func:`~seqgen_cli.prompts.stop_check`: it needs the
+    tokenizer), required where the config has them.
     """
+    need_stop(config, stop)
     s = settings_for(backend, batch, config)
     device = batch.input_ids.device
     streams = Streams(seed, device, indices)
     consts = BeamConstants.build(s, device)  # before the first step is queued
     rows, logits = start_rows(backend, batch, s, rows_per_input(config))
-    cohort = Cohort(rows, make_search(rows, s, consts, pick_topk(logits), streams), Results(len(rows.inputs)))
+    search = make_search(rows, s, consts, pick_topk(logits), streams, stop)
+    cohort = Cohort(rows, search, Results(len(rows.inputs)))
     return run_batch(backend, cohort, logits, sync_every or default_sync_every(device))

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from seqgen_cli.search.beam import BeamConstants, BeamSearch, TopK
-from seqgen_cli.search.greedy import TokenSearch
+from seqgen_cli.search.greedy import StopCheck, TokenSearch
 from seqgen_cli.search.protocol import SearchOutput, StaticBackend
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.sampling import Streams
@@ -38,12 +38,13 @@ class Search(Protocol):
 
 
 def make_search(
-    rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK, streams: Streams
-) -> Search:
+    rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK, streams: Streams,
+    stop: StopCheck | None = None,
+) -> Search:  # fmt: skip
     """The search of ``settings.mode`` over ``rows``: beam search (over a static backend's fixed lanes, a step that
     compiles: ``search/static.py``), or one token per row, the arg-max or a draw from each input's random stream.
     ``consts``: the device constants, built once per call before its first step is queued (host data copied later
-    would wait for that step)."""
+    would wait for that step). ``stop``: the stop strings' check (greedy and sampling; beam search has none)."""
     s = settings
     if (
         s.mode == "beam"
@@ -54,8 +55,8 @@ def make_search(
     if s.mode == "beam":
         return BeamSearch(rows, s, consts, topk)
     if s.mode == "sample":
-        return TokenSearch(rows, s, streams.picker(rows), consts.eos)
-    return TokenSearch(rows, s, lambda scores: scores.argmax(dim=-1), consts.eos)
+        return TokenSearch(rows, s, streams.picker(rows), consts.eos, stop)
+    return TokenSearch(rows, s, lambda scores: scores.argmax(dim=-1), consts.eos, stop)
 
 
 class Results:

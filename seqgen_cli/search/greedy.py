@@ -15,14 +15,20 @@ from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
 Picker = Callable[[torch.Tensor], torch.Tensor]  # processed scores [N, V] -> tokens [N]
+# (token history [N, L], scores [N, V]) -> [N] bool: rows whose text now ends in a stop string (transformers'
+# StopStringCriteria, built from the tokenizer by the caller: prompts.stop_check)
+StopCheck = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class TokenSearch:
     """One token per row per step over the inputs of ``rows``, one step per :meth:`advance` (transformers'
-    ``_sample`` loop body), for any cohort (``search/cohort.py``)."""
+    ``_sample`` loop body), for any cohort (``search/cohort.py``). ``stop``: a row also stops where its text
+    reaches a stop string (as transformers' stopping criteria: after the token that completes it)."""
 
-    def __init__(self, rows: Rows, settings: SearchSettings, pick: Picker, eos: torch.Tensor | None) -> None:
-        self.rows, self.s, self.pick, self.eos = rows, settings, pick, eos
+    def __init__(
+        self, rows: Rows, settings: SearchSettings, pick: Picker, eos: torch.Tensor | None, stop: StopCheck | None
+    ) -> None:
+        self.rows, self.s, self.pick, self.eos, self.stop = rows, settings, pick, eos, stop
         n, device = rows.history.tokens.shape[0], rows.history.tokens.device
         self.pad = settings.pad if settings.pad is not None else 0
         self.finished = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
@@ -42,12 +48,16 @@ class TokenSearch:
             hit = torch.isin(tokens, self.eos) & ~self.finished
             self.lengths = torch.where(hit, t + 1, self.lengths)
             self.finished = self.finished | hit
+        if self.stop is not None:  # over the whole sequence, prompt included, as transformers' input_ids
+            hit = self.stop(history.filled, scores) & ~self.finished
+            self.lengths = torch.where(hit, t + 1, self.lengths)
+            self.finished = self.finished | hit
         self.t += 1
         return None if self.t == self.s.max_new_tokens else tokens
 
     def done(self) -> torch.Tensor | None:
-        """[B] bool: inputs whose rows all stopped; ``None`` without EOS (none stops early)."""
-        if self.eos is None:
+        """[B] bool: inputs whose rows all stopped; ``None`` without EOS or stop strings (none stops early)."""
+        if self.eos is None and self.stop is None:
             return None
         return self.finished.view(-1, self.rows.rows_per_input).all(dim=1)
 

@@ -42,11 +42,12 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.beam import BeamConstants, pick_topk
 from seqgen_cli.search.cohort import Cohort, Results, make_search
 from seqgen_cli.search.engine import Engine, Lanes, Placed, RefillStats, Reorders
+from seqgen_cli.search.greedy import StopCheck
 from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.protocol import Batch, RefillBackend, SearchOutput
 from seqgen_cli.search.rows import Rows, default_sync_every, start_history
 from seqgen_cli.search.sampling import Streams
-from seqgen_cli.search.settings import rows_per_input, settings_for
+from seqgen_cli.search.settings import need_stop, rows_per_input, settings_for
 from seqgen_cli.shapes import graph_width
 
 
@@ -59,9 +60,10 @@ class Refill:
 
     def __init__(
         self, backend: RefillBackend, batch: Batch, config: GenerationConfig, lanes: int, widths: list[int],
-        streams: Streams, stats: RefillStats, sync_every: int,
+        streams: Streams, stats: RefillStats, sync_every: int, stop: StopCheck | None = None,
     ) -> None:  # fmt: skip
         self.backend, self.batch, self.widths, self.streams, self.stats = backend, batch, widths, streams, stats
+        self.stop = stop  # the stop strings' check (greedy, sampling)
         num_inputs, device = batch.input_ids.shape[0], batch.input_ids.device
         self.device, self.r = device, rows_per_input(config)
         self.lengths = batch.attention_mask.sum(dim=1).tolist()
@@ -108,7 +110,7 @@ class Refill:
         reorders = Reorders()
         pipeline = LogitsPipeline(s, history, self.backend.vocab_size, self.device)
         rows = Rows(reorders, None, history, pipeline, r, inputs)
-        search = make_search(rows, s, self.consts, self.topk, self.streams)
+        search = make_search(rows, s, self.consts, self.topk, self.streams, self.stop)
         running = Placed(Cohort(rows, search, self.results), physical, reorders)
         if first is None:  # encoder-decoder: the next round feeds the decoder start token
             self.lanes.tokens.index_fill_(0, physical, s.decoder_start)
@@ -151,6 +153,7 @@ def generate_refill(
     stats: RefillStats | None = None,
     widths: Sequence[int] | None = None,
     lane_tokens: int | None = None,
+    stop: StopCheck | None = None,
 ) -> SearchOutput:
     """Generate for every input of ``batch`` ([B, W]: right-padded sources, or left-padded prompts) over ``lanes``
     input lanes; returns what :func:`seqgen_cli.search.generate` returns (the same, token for token).
@@ -158,8 +161,10 @@ def generate_refill(
     ``order``: the order inputs join in (default: batch order); ``min_free``: join only when at least that many
     lanes are free (or none runs); ``seed``, ``indices``: sampling's streams, as ``generate`` takes them;
     ``widths`` (decoder-only): each prompt's padded width, at most ``W`` (default: ``W``); ``lane_tokens``: at
-    most that many padded source tokens x rows over the lanes (fewer lanes where ``lanes`` would not fit at ``W``).
+    most that many padded source tokens x rows over the lanes (fewer lanes where ``lanes`` would not fit at ``W``);
+    ``stop``: the stop strings' check, as ``generate`` takes it.
     """
+    need_stop(config, stop)
     if not isinstance(backend, RefillBackend):
         raise SeqgenError(
             "--refill runs the fast backends only: BART family, T5, GPT-2, Llama (use --no-refill)"
@@ -175,7 +180,7 @@ def generate_refill(
     device = batch.input_ids.device
     engine = Refill(
         backend, batch, config, lanes, widths, Streams(seed, device, indices),
-        stats if stats is not None else RefillStats(), sync_every or default_sync_every(device),
+        stats if stats is not None else RefillStats(), sync_every or default_sync_every(device), stop,
     )  # fmt: skip
     return engine.run(range(num_inputs) if order is None else order, min_free)
 

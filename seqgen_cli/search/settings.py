@@ -54,7 +54,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "exponential_decay_length_penalty": lambda v: v is not None,
     "remove_invalid_values": lambda v: bool(v),
     "watermarking_config": lambda v: v is not None,
-    "stop_strings": lambda v: v is not None,
     "max_time": lambda v: v is not None,
     "typical_p": lambda v: v is not None and v < 1.0,
     "epsilon_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
@@ -200,6 +199,13 @@ def check_room(config: GenerationConfig, is_encoder_decoder: bool, prompt_len: i
     _no_room(length_limits(config, positions)[0], positions, is_encoder_decoder)
 
 
+def need_stop(config: GenerationConfig, stop: object) -> None:
+    """``config``'s ``stop_strings`` need their check (built from the tokenizer): an error where none is given, so
+    that no caller runs past a stop string unawares."""
+    if config.stop_strings and stop is None:
+        raise SeqgenError("stop_strings need the tokenizer's stop check (prompts.stop_check) passed as stop=")
+
+
 def resolve_mode(config: GenerationConfig) -> Mode:
     """Greedy / beam / sample, or :class:`SeqgenError` for what seqgen leaves to transformers."""
     for name, unsupported in _UNSUPPORTED.items():
@@ -208,6 +214,8 @@ def resolve_mode(config: GenerationConfig) -> Mode:
                 f"generation option {name}={getattr(config, name)!r} is not supported by seqgen's engine"
             )
     num_beams, do_sample = setting(config, "num_beams"), bool(setting(config, "do_sample"))
+    if num_beams > 1 and config.stop_strings:
+        raise SeqgenError("stop strings (--stop, stop_strings) with beam search are not supported by seqgen's engine")
     if num_beams > 1 and do_sample:
         raise SeqgenError("beam sampling (num_beams > 1 with do_sample) is not supported by seqgen's engine")
     check_return_sequences(config)
