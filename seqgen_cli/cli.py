@@ -507,14 +507,34 @@ def merge(parts: tuple[str, ...], output: str) -> None:
 
 
 @main.command("eval")
-@click.argument("hypotheses", type=click.Path(dir_okay=False, allow_dash=True))
-@click.argument("references", type=click.Path(dir_okay=False, allow_dash=True))
-@click.option("--metrics", default=None, help="Comma-separated: rouge, bleu, chrf (default: all).")
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False, allow_dash=True))
+@click.option(
+    "-i", "--input", "hypotheses", type=click.Path(dir_okay=False, allow_dash=True),
+    help="The hypotheses, as sacrebleu takes them: then every FILE is a reference (`seqgen eval REF... -i HYP`).",
+)  # fmt: skip
+@click.option(
+    "--metrics", default=None, help="Comma-separated: rouge, bleu, chrf, chrf++, ter (default: rouge,bleu,chrf)."
+)
+@click.option("--tokenize", "-tok", help="BLEU's tokenizer, as sacrebleu's (13a, intl, zh, char, none, flores200, ...).")
+@click.option("--lowercase", "-lc", is_flag=True, help="BLEU and chrF case-insensitive (TER always is, as TERCOM).")
+@click.option("--chrf-word-order", type=click.IntRange(0, 6), default=0, show_default=True, help="2: chrF++.")
+@click.option("--force", is_flag=True, help="Score tokenised hypotheses without sacrebleu's warning.")
+@click.option(
+    "--confidence", type=click.IntRange(min=0), default=0, metavar="N",
+    help="Bootstrap N resamples for a 95 % interval of each sacrebleu metric (sacrebleu --confidence-n; 0: off).",
+)  # fmt: skip
+@click.option(
+    "--sentence-scores", type=click.Path(dir_okay=False, allow_dash=True), metavar="FILE",
+    help="Write each line's scores as JSONL ({\"line\": 1, \"bleu\": ..., ...}; sentence BLEU with effective "
+    "order, as sacrebleu --sentence-level).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of a table.")
-def eval_(hypotheses: str, references: str, metrics: str | None, as_json: bool) -> None:
-    """Score HYPOTHESES against REFERENCES (line-aligned text files; - is stdin).
+def eval_(files: tuple[str, ...], hypotheses: str | None, metrics: str | None, as_json: bool, **settings) -> None:
+    """Score hypotheses against one or more line-aligned references (text files; - is stdin):
+    `seqgen eval HYP REF [REF...]`, or in sacrebleu's order `seqgen eval REF [REF...] -i HYP`.
 
-    ROUGE-1/2/L/Lsum F1 (rouge-score, Porter stemming), BLEU and chrF (sacrebleu, with its signature).
+    ROUGE-1/2/L/Lsum F1 (rouge-score, Porter stemming; the best reference per line), BLEU, chrF, chrF++ and TER
+    (sacrebleu, with its signature; the numbers of its own command line).
 
     Texts are compared as written, with no Unicode normalisation (neither library offers one): the same
     text in NFC and in NFD (e.g. "é" as one character, or "e" plus a combining accent) scores as different,
@@ -523,8 +543,29 @@ def eval_(hypotheses: str, references: str, metrics: str | None, as_json: bool) 
     """
     from seqgen_cli import metrics as m
 
+    refs = list(files)
+    if hypotheses is None:
+        if len(refs) < 2:
+            raise SeqgenError("seqgen eval needs hypotheses and references: HYP REF [REF...], or REF... -i HYP")
+        hypotheses = refs.pop(0)
+    elif not refs:
+        raise SeqgenError("seqgen eval -i HYP needs at least one reference file")
     names = m.parse_metrics(metrics)
-    result = m.score(m.read_lines(hypotheses), m.read_lines(references), names)
+    sentences = settings.pop("sentence_scores")
+    options = m.Options(**settings)
+    hyps, streams = m.read_lines(hypotheses), [m.read_lines(r) for r in refs]
+    result = m.score(hyps, streams, names, options=options)
+    result["files"] = {"hypotheses": hypotheses, "references": refs}
+    if sentences is not None:
+        rows = m.sentence_scores(hyps, streams, names, options)
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        if sentences == "-":
+            click.echo(text, nl=False)
+        else:
+            try:
+                Path(sentences).write_text(text, encoding="utf-8")
+            except OSError as err:
+                raise SeqgenError(f"--sentence-scores {sentences}: cannot write: {err.strerror or err}") from None
     if metrics is None:  # every metric, whatever the task: say so, and how to choose
         click.echo(f"seqgen: scoring {', '.join(names)} (choose with --metrics)", err=True)
     click.echo(json.dumps(result, indent=2) if as_json else m.format_table(result))

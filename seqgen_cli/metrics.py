@@ -8,8 +8,10 @@ Numbers are exactly what the reference libraries compute:
   ``BootstrapAggregator`` "mid" value (a resampled estimate that is slightly different and random).
   For ROUGE-Lsum, both sides are split into sentences with :func:`split_sentences` (offline regex,
   no nltk punkt) and joined with ``"\\n"``, which is the input rougeLsum expects.
-* ``bleu`` / ``chrf``: ``sacrebleu.metrics.BLEU()`` / ``CHRF()`` ``.corpus_score(hyps, [refs])``
-  (one reference per line), reported with the sacrebleu signature string.
+* ``bleu`` / ``chrf`` / ``chrf++`` / ``ter``: ``sacrebleu.metrics.BLEU`` / ``CHRF`` (``word_order=2``: chrF++) /
+  ``TER`` ``.corpus_score(hyps, refs)`` over one or more reference streams, with sacrebleu's settings
+  (:class:`Options`: ``--tokenize``, ``--lowercase``, ``--chrf-word-order``, ``--force``, ``--confidence``) and
+  reported with its signature string: the numbers of sacrebleu's own command line on the same files.
 
 No Unicode normalisation (neither library offers one): NFC and NFD forms of the same text score as different
 (rouge-score's tokenizer keeps only ``a-z0-9``, so NFC "café" is ``caf``, NFD ``cafe``).
@@ -22,11 +24,13 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from seqgen_cli.errors import SeqgenError
 
-METRICS: tuple[str, ...] = ("rouge", "bleu", "chrf")
+METRICS: tuple[str, ...] = ("rouge", "bleu", "chrf", "chrf++", "ter")  # what --metrics takes
+DEFAULT_METRICS: tuple[str, ...] = ("rouge", "bleu", "chrf")  # without --metrics
 ROUGE_TYPES: tuple[str, ...] = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
 # --------------------------------------------------------------------------- sentence splitting
@@ -103,10 +107,25 @@ def _is_abbreviation(before: str) -> bool:
 # --------------------------------------------------------------------------- scoring
 
 
+@dataclass(frozen=True)
+class Options:
+    """sacrebleu's settings, as its command line names them: ``tokenize`` (BLEU's tokenizer; default by
+    ``target_lang``, else 13a), ``lowercase`` (BLEU's and chrF's), ``chrf_word_order`` (2: chrF++), ``force``
+    (tokenised input accepted without a warning), ``confidence`` (bootstrap resamples for a 95 % interval, 0:
+    none)."""
+
+    target_lang: str | None = None
+    tokenize: str | None = None
+    lowercase: bool = False
+    chrf_word_order: int = 0
+    force: bool = False
+    confidence: int = 0
+
+
 def parse_metrics(names: str | None) -> list[str]:
-    """``--metrics`` (comma-separated names) as a list; all of :data:`METRICS` when none are given."""
+    """``--metrics`` (comma-separated names) as a list; :data:`DEFAULT_METRICS` when none are given."""
     if not names:
-        return list(METRICS)
+        return list(DEFAULT_METRICS)
     return _check_metrics([s for s in names.split(",") if s.strip()])
 
 
@@ -129,82 +148,117 @@ def _mean100(values: Sequence[float]) -> float:
     return 100.0 * math.fsum(values) / len(values)
 
 
-def rouge(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
-    """Per-line rouge-score (stemmed), averaged over lines, ×100; see the module docstring."""
+References = Sequence[Sequence[str]]  # reference streams: refs[k][i] is reference k of line i
+
+
+def rouge(hyps: Sequence[str], refs: References) -> dict[str, Any]:
+    """Per-line rouge-score (stemmed; against several references, the best: ``score_multi``), averaged over
+    lines, ×100; see the module docstring."""
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
     per_type: dict[str, dict[str, list[float]]] = {
         t: {"precision": [], "recall": [], "fmeasure": []} for t in ROUGE_TYPES
     }
-    for hyp, ref in zip(hyps, refs, strict=True):
-        scores = scorer.score("\n".join(split_sentences(ref)), "\n".join(split_sentences(hyp)))
+    for i, hyp in enumerate(hyps):
+        targets = ["\n".join(split_sentences(stream[i])) for stream in refs]
+        prediction = "\n".join(split_sentences(hyp))
+        scores = scorer.score(targets[0], prediction) if len(targets) == 1 else scorer.score_multi(targets, prediction)
         for t in ROUGE_TYPES:
             for field in ("precision", "recall", "fmeasure"):
                 per_type[t][field].append(getattr(scores[t], field))
     out: dict[str, Any] = {t: {f: _mean100(v) for f, v in d.items()} for t, d in per_type.items()}
-    out["aggregation"] = "mean over lines x100"
+    out["aggregation"] = "mean over lines x100" + (", the best of the references per line" if len(refs) > 1 else "")
     out["settings"] = "rouge-score use_stemmer=True; rougeLsum on seqgen sentence split"
     return out
 
 
-def bleu(hyps: Sequence[str], refs: Sequence[str], target_lang: str | None = None) -> dict[str, Any]:
-    """sacrebleu corpus BLEU with default settings (``trg_lang`` selects zh/ja/ko tokenisers)."""
-    from sacrebleu.metrics import BLEU
+def _sacrebleu_metric(name: str, o: Options, sentence: bool = False) -> Any:
+    """sacrebleu's metric object for ``name`` with ``o``'s settings (``sentence``: BLEU with effective order,
+    as sacrebleu's ``--sentence-level`` scores each line)."""
+    from sacrebleu.metrics import BLEU, CHRF, TER
 
-    try:
-        metric = BLEU(trg_lang=target_lang or "")
-    except (RuntimeError, ImportError) as err:  # e.g. ja/ko tokenisers need sacrebleu[ja]/[ko]
-        first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
-        raise SeqgenError(
-            f"BLEU for target language {target_lang!r}: {first} (pip install 'sacrebleu[{target_lang}]')"
-        ) from None
-    res = metric.corpus_score(list(hyps), [list(refs)])
-    return {
-        "score": res.score,
-        "signature": str(metric.get_signature()),
-        "precisions": list(res.precisions),
-        "bp": res.bp,
-        "ratio": res.ratio,
-        "hyp_len": res.sys_len,
-        "ref_len": res.ref_len,
-    }
+    if name == "bleu":
+        try:
+            return BLEU(
+                trg_lang=o.target_lang or "", tokenize=o.tokenize, lowercase=o.lowercase, force=o.force,
+                effective_order=sentence,
+            )  # fmt: skip
+        except (RuntimeError, ImportError) as err:  # e.g. ja/ko tokenisers need sacrebleu[ja]/[ko]
+            first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+            what = f"tokenizer {o.tokenize!r}" if o.tokenize else f"target language {o.target_lang!r}"
+            extra = o.tokenize or o.target_lang
+            raise SeqgenError(f"BLEU with {what}: {first} (pip install 'sacrebleu[{extra}]')") from None
+    if name in ("chrf", "chrf++"):
+        return CHRF(word_order=2 if name == "chrf++" else o.chrf_word_order, lowercase=o.lowercase)
+    return TER()
 
 
-def chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
-    """sacrebleu corpus chrF with default settings (chrF2, character 6-grams, no word n-grams)."""
-    from sacrebleu.metrics import CHRF
+def sacrebleu_score(name: str, hyps: Sequence[str], refs: References, o: Options) -> dict[str, Any]:
+    """sacrebleu's corpus score of ``name`` (bleu, chrf, chrf++, ter) with its signature; with ``o.confidence``,
+    the bootstrap mean and 95 % interval half-width as sacrebleu's ``--confidence`` gives them."""
+    metric = _sacrebleu_metric(name, o)
+    streams = [list(r) for r in refs]
+    res = metric.corpus_score(list(hyps), streams, n_bootstrap=o.confidence or 1)
+    out: dict[str, Any] = {"score": res.score, "signature": str(metric.get_signature())}
+    if o.confidence:
+        out["confidence"] = {"mean": res._mean, "ci95": res._ci, "resamples": o.confidence}
+    if name == "bleu":
+        out.update(precisions=list(res.precisions), bp=res.bp, ratio=res.ratio, hyp_len=res.sys_len, ref_len=res.ref_len)
+    return out
 
-    metric = CHRF()
-    res = metric.corpus_score(list(hyps), [list(refs)])
-    return {"score": res.score, "signature": str(metric.get_signature())}
+
+def sentence_scores(hyps: Sequence[str], refs: References, metrics: Sequence[str], o: Options) -> list[dict[str, Any]]:
+    """Per line, each metric's sentence-level score (``--sentence-scores``): sacrebleu's ``sentence_score``
+    (BLEU with effective order, as its ``--sentence-level``), ROUGE F-measures ×100."""
+    objects = {n: _sacrebleu_metric(n, o, sentence=True) for n in metrics if n != "rouge"}
+    rows: list[dict[str, Any]] = []
+    for i, hyp in enumerate(hyps):
+        row: dict[str, Any] = {"line": i + 1}
+        mine = [[stream[i]] for stream in refs]
+        for name, metric in objects.items():
+            row[name] = metric.sentence_score(hyp, [m[0] for m in mine]).score
+        if "rouge" in metrics:
+            r = rouge([hyp], mine)
+            row.update({t: r[t]["fmeasure"] for t in ROUGE_TYPES})
+        rows.append(row)
+    return rows
 
 
 def score(
-    hyps: list[str], refs: list[str], metrics: list[str], *, target_lang: str | None = None
-) -> dict[str, Any]:
-    """Score line-aligned hypotheses against references.
+    hyps: list[str], refs: list[str] | References, metrics: list[str], *, target_lang: str | None = None,
+    options: Options | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Score line-aligned hypotheses against references: one reference stream (``list[str]``) or several
+    (``list[list[str]]``, each line-aligned).
 
-    Returns a JSON-serialisable dict: ``{"lines": n, "<metric>": {...}}`` for each requested metric,
-    in the order given (duplicates dropped). Raises :class:`SeqgenError` on mismatched line counts,
-    empty input or an unknown metric. ``target_lang`` is passed to sacrebleu BLEU as ``trg_lang``.
+    Returns a JSON-serialisable dict: ``{"lines": n, "references": k, "<metric>": {...}}`` for each requested
+    metric, in the order given (duplicates dropped). Raises :class:`SeqgenError` on mismatched line counts,
+    empty input or an unknown metric. ``target_lang`` (or ``options.target_lang``) selects sacrebleu BLEU's
+    tokeniser (``trg_lang``).
     """
+    o = options or Options(target_lang=target_lang)
     chosen = _check_metrics(metrics)
-    if len(hyps) != len(refs):
-        raise SeqgenError(
-            f"line counts differ: {len(hyps)} hypotheses but {len(refs)} references (they must be line-aligned)"
-        )
+    streams = streams_of(refs)
+    for k, stream in enumerate(streams):
+        if len(stream) != len(hyps):
+            which = "references" if len(streams) == 1 else f"references (file {k + 1})"
+            raise SeqgenError(
+                f"line counts differ: {len(hyps)} hypotheses but {len(stream)} {which} (they must be line-aligned)"
+            )
     if not hyps:
         raise SeqgenError("nothing to score: hypotheses and references are both empty")
-    result: dict[str, Any] = {"lines": len(hyps)}
+    result: dict[str, Any] = {"lines": len(hyps), "references": len(streams)}
     for name in chosen:
-        if name == "rouge":
-            result["rouge"] = rouge(hyps, refs)
-        elif name == "bleu":
-            result["bleu"] = bleu(hyps, refs, target_lang=target_lang)
-        else:
-            result["chrf"] = chrf(hyps, refs)
+        result[name] = rouge(hyps, streams) if name == "rouge" else sacrebleu_score(name, hyps, streams, o)
     return result
+
+
+def streams_of(refs: list[str] | References) -> list[list[str]]:
+    """Reference streams from one stream (``list[str]``) or several."""
+    if refs and all(isinstance(r, str) for r in refs):
+        return [list(refs)]  # type: ignore[arg-type]
+    return [list(r) for r in refs] or [[]]
 
 
 # --------------------------------------------------------------------------- presentation & I/O
@@ -238,16 +292,24 @@ def format_table(result: dict[str, Any]) -> str:
             )
         )
         notes.append(f"BLEU: {b['signature']}")
-    if "chrf" in result:
-        rows.append(("chrF", f"{result['chrf']['score']:.2f}", ""))
-        notes.append(f"chrF: {result['chrf']['signature']}")
+    for name, label in (("chrf", "chrF"), ("chrf++", "chrF++"), ("ter", "TER")):
+        if name in result:
+            rows.append((label, f"{result[name]['score']:.2f}", ""))
+            notes.append(f"{label}: {result[name]['signature']}")
+    for name, label in (("bleu", "BLEU"), ("chrf", "chrF"), ("chrf++", "chrF++"), ("ter", "TER")):
+        ci = result.get(name, {}).get("confidence")
+        if ci:
+            notes.append(f"{label}: bootstrap mean {ci['mean']:.2f} ± {ci['ci95']:.2f} (95 %, {ci['resamples']} resamples)")
     header = ("metric", "score", "detail")
     w0 = max(len(header[0]), *(len(r[0]) for r in rows)) if rows else len(header[0])
     w1 = max(len(header[1]), *(len(r[1]) for r in rows)) if rows else len(header[1])
     lines = [f"{header[0]:<{w0}}  {header[1]:>{w1}}  {header[2]}"]
     lines += [f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
     if "lines" in result:
-        notes.insert(0, f"{result['lines']} lines")
+        refs = result.get("references", 1)
+        notes.insert(0, f"{result['lines']} lines" + (f", {refs} references each" if refs > 1 else ""))
+    if "files" in result:
+        notes.insert(0, f"hypotheses {result['files']['hypotheses']}; references {', '.join(result['files']['references'])}")
     return "\n".join(lines + [""] + notes) if notes else "\n".join(lines)
 
 

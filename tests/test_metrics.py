@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 from rouge_score import rouge_scorer
-from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.metrics import BLEU, CHRF, TER
 
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.metrics import (
+    DEFAULT_METRICS,
     METRICS,
     ROUGE_TYPES,
     format_table,
@@ -81,6 +82,10 @@ def check_against_libraries(hyps: list[str], refs: list[str]) -> dict:
     assert result["chrf"]["score"] == chrf.corpus_score(hyps, [refs]).score
     assert result["chrf"]["signature"] == str(chrf.get_signature())
 
+    ter, chrf2 = TER(), CHRF(word_order=2)
+    assert result["ter"]["score"] == ter.corpus_score(hyps, [refs]).score
+    assert result["chrf++"]["score"] == chrf2.corpus_score(hyps, [refs]).score
+
     json.dumps(result)  # --json output must serialise as is
     return result
 
@@ -90,7 +95,7 @@ def check_against_libraries(hyps: list[str], refs: list[str]) -> dict:
 
 def test_small_examples_equal_libraries() -> None:
     result = check_against_libraries(HYPS, REFS)
-    assert list(result) == ["lines", "rouge", "bleu", "chrf"]
+    assert list(result) == ["lines", "references", *METRICS]
 
 
 def test_rouge_without_split_equals_plain_rouge_for_single_sentences() -> None:
@@ -107,7 +112,7 @@ def test_rouge_without_split_equals_plain_rouge_for_single_sentences() -> None:
 
 def test_metric_selection_order_and_duplicates() -> None:
     result = score(HYPS, REFS, ["chrf", "BLEU", "chrf"])
-    assert list(result) == ["lines", "chrf", "bleu"]
+    assert list(result) == ["lines", "references", "chrf", "bleu"]
     with pytest.raises(SeqgenError, match="unknown metric 'meteor'"):
         score(HYPS, REFS, ["meteor"])
     with pytest.raises(SeqgenError, match="no metric"):
@@ -149,7 +154,7 @@ def test_empty_input_is_an_error() -> None:
 
 
 def test_parse_metrics() -> None:
-    assert parse_metrics(None) == parse_metrics("") == list(METRICS)
+    assert parse_metrics(None) == parse_metrics("") == list(DEFAULT_METRICS) == ["rouge", "bleu", "chrf"]
     assert parse_metrics(" bleu, ROUGE,bleu") == ["bleu", "rouge"]
     with pytest.raises(SeqgenError, match="unknown metric 'bertscore'"):
         parse_metrics("rouge,bertscore")
@@ -291,3 +296,115 @@ def test_eval_help_says_nfc_and_nfd_score_differently() -> None:
     assert res.exit_code == 0
     help_text = " ".join(res.stdout.split())
     assert "NFC" in help_text and "NFD" in help_text and "normalis" in help_text
+
+
+# ----------------------------------------------------------------------------- sacrebleu's command line
+
+MORE_REFS = [
+    "The cat sat on a mat. It was glad.",
+    "Mr. Smith went to Washington and met the President on Tuesday .",
+    "Stocks fell sharply Monday.",
+    "Nothing came out for this one.",
+]
+
+
+def _files(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """Hypotheses and two reference files: the WMT en-de test set's first lines where ../shared has it."""
+    wmt = SHARED / "data" / "wmt" / "en-de"
+    hyps, refs, more = HYPS, REFS, MORE_REFS
+    if wmt.is_dir():
+        files = sorted(p for p in wmt.iterdir() if p.is_file())
+        target = next((p for p in files if p.name.endswith((".de", "de.txt"))), None)
+        if target is not None:
+            lines = target.read_text(encoding="utf-8").splitlines()[:60]
+            hyps, refs, more = [" ".join(reversed(x.split())) for x in lines], lines, [x.lower() for x in lines]
+    paths = [tmp_path / n for n in ("hyp.txt", "ref1.txt", "ref2.txt")]
+    for path, lines in zip(paths, (hyps, refs, more), strict=True):
+        path.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    return paths[0], paths[1], paths[2]
+
+
+def _sacrebleu(*args: str) -> list[float]:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "sacrebleu", *args, "-b", "-w", "4"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout.strip()
+    return [float(x) for x in (json.loads(text) if text.startswith("[") else text.split())]
+
+
+def _ours(*args: str) -> dict:
+    from tests.helpers import seqgen
+
+    res = seqgen("eval", *args, "--json")
+    assert res.exit_code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        ([], []),
+        (["--tokenize", "intl", "--lowercase"], ["-tok", "intl", "-lc", "--chrf-lowercase"]),
+        (["--chrf-word-order", "2"], ["-cw", "2"]),
+        (["--tokenize", "char"], ["-tok", "char"]),
+    ],
+)
+def test_eval_gives_sacrebleus_command_line_numbers(tmp_path: Path, ours: list[str], theirs: list[str]) -> None:
+    """Several references (sacrebleu's ``REF REF -i HYP`` order, and seqgen's ``HYP REF REF``), TER, chrF++,
+    ``--tokenize`` and ``--lowercase``: BLEU, chrF and TER as sacrebleu's own command line prints them (before:
+    "unexpected extra argument", "unknown metric" ter)."""
+    hyp, ref1, ref2 = _files(tmp_path)
+    expected = _sacrebleu(str(ref1), str(ref2), "-i", str(hyp), "-m", "bleu", "chrf", "ter", *theirs)
+    for order in ([str(ref1), str(ref2), "-i", str(hyp)], [str(hyp), str(ref1), str(ref2)]):
+        got = _ours(*order, "--metrics", "bleu,chrf,ter", *ours)
+        assert [round(got[m]["score"], 4) for m in ("bleu", "chrf", "ter")] == expected, order
+        assert got["references"] == 2 and got["files"]["hypotheses"] == str(hyp)
+
+
+def test_chrf_plus_plus_is_a_metric_of_its_own(tmp_path: Path) -> None:
+    hyp, ref1, _ = _files(tmp_path)
+    (expected,) = _sacrebleu(str(ref1), "-i", str(hyp), "-m", "chrf", "-cw", "2")
+    got = _ours(str(hyp), str(ref1), "--metrics", "chrf,chrf++")
+    assert round(got["chrf++"]["score"], 4) == expected != round(got["chrf"]["score"], 4)
+
+
+@pytest.mark.parametrize("metric", ["bleu", "ter", "chrf"])
+def test_sentence_scores_are_sacrebleus_sentence_level(tmp_path: Path, metric: str) -> None:
+    hyp, ref1, ref2 = _files(tmp_path)
+    expected = _sacrebleu(str(ref1), str(ref2), "-i", str(hyp), "-m", metric, "-sl")
+    out = tmp_path / "scores.jsonl"
+    _ours(str(hyp), str(ref1), str(ref2), "--metrics", f"{metric},rouge", "--sentence-scores", str(out))
+    rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["line"] for r in rows] == list(range(1, len(expected) + 1))
+    assert [round(r[metric], 4) for r in rows] == expected
+    assert all(0 <= r["rougeL"] <= 100 for r in rows)
+
+
+def test_rouge_against_several_references_takes_the_best_per_line() -> None:
+    result = score(HYPS, [REFS, MORE_REFS], ["rouge"])
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+    best = [
+        scorer.score_multi(["\n".join(split_sentences(r)) for r in (a, b)], "\n".join(split_sentences(h)))
+        for h, a, b in zip(HYPS, REFS, MORE_REFS, strict=True)
+    ]
+    expected = 100.0 * math.fsum(s["rouge1"].fmeasure for s in best) / len(best)
+    assert result["rouge"]["rouge1"]["fmeasure"] == pytest.approx(expected, rel=0, abs=1e-12)
+
+
+def test_confidence_reports_the_bootstrap_interval(tmp_path: Path) -> None:
+    hyp, ref1, _ = _files(tmp_path)
+    got = _ours(str(hyp), str(ref1), "--metrics", "bleu", "--confidence", "100")
+    ci = got["bleu"]["confidence"]
+    assert ci["resamples"] == 100 and ci["ci95"] >= 0 and "bs:100" in got["bleu"]["signature"]
+
+
+def test_eval_file_mistakes_are_one_line(tmp_path: Path) -> None:
+    from tests.helpers import one_line_error, seqgen
+
+    hyp, ref1, _ = _files(tmp_path)
+    one_line_error(seqgen("eval", str(hyp)), "needs hypotheses and references")
+    short = tmp_path / "short.txt"
+    short.write_text("one line\n", encoding="utf-8")
+    one_line_error(seqgen("eval", str(hyp), str(ref1), str(short)), "references (file 2)")
+    one_line_error(seqgen("eval", str(hyp), str(ref1), "--metrics", "meteor"), "unknown metric 'meteor'")
