@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import position_table
-from seqgen_cli.search.settings import check_return_sequences, rows_per_input
+from seqgen_cli.search.settings import check_return_sequences, rows_per_input, setting
 
 # The generate() settings seqgen exposes as flags, with transformers' names.
 GENERATION_KEYS = (
@@ -402,6 +402,16 @@ def decoder_positions(config: Any) -> tuple[str, int] | None:
     field = DECODER_POSITION_TABLES.get(getattr(config, "model_type", None) or "")
     size = getattr(config, field, None) if field else None
     return (field, size) if field and isinstance(size, int) and size > 0 else position_table(config)
+
+
+def default_length(config: GenerationConfig) -> int | None:
+    """The new tokens of transformers' model-agnostic default (20) where it is the limit in force: neither the
+    checkpoint's generation_config.json, a preset nor a flag set ``max_length`` or ``max_new_tokens``; else
+    ``None``. Outputs that stop there were cut short without the user choosing it (``generate()`` warns; seqgen
+    says so at the end, naming the flag)."""
+    if config.max_length is None and config.max_new_tokens is None:
+        return int(setting(config, "max_length"))
+    return None
 
 
 def check_flags(flags: dict[str, Any]) -> dict[str, Any]:

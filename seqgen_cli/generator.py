@@ -39,7 +39,7 @@ from seqgen_cli.batching import (
     text_chunks,
 )
 from seqgen_cli.budget import DeviceBudget, out_of_memory
-from seqgen_cli.config import Preset, check_flags, load_preset, settings_for_model
+from seqgen_cli.config import Preset, check_flags, default_length, load_preset, settings_for_model
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load, source_limit
 from seqgen_cli.memory import batch_bytes
@@ -115,8 +115,8 @@ class Generator:
             prompt = replace(prompt, prefix=prefix if prefix is not None else getattr(self.preset, "prefix", None))
         self.prompt, self.prefix = prompt, prompt.prefix
         self.prompter = Prompter(prompt, self.tokenizer)  # a chat template that cannot render fails here
-        self.max_source_length = max_source_length or (self.preset.max_source_length if self.preset else None)
-        self.max_source_length = self._source_limit(self.max_source_length)
+        self.max_source_length = self._source_limit(max_source_length or getattr(self.preset, "max_source_length", None))
+        self.default_length = default_length(self.config)  # transformers' 20 new tokens, set by nobody
         self.seed = seed
         if seed is not None:
             torch.manual_seed(seed)

@@ -51,6 +51,7 @@ class FakeGen:
     backend = "fake"
     prefix = None
     prompt = PromptSettings()
+    default_length = None  # a length the test set (Generator.default_length)
     max_source_length = None
     seed = None
 

@@ -342,3 +342,20 @@ def test_auto_backend_says_when_it_falls_back_to_generate(bart: Path) -> None:
     assert "seqgen: note: running transformers generate(): beam sampling" in res.stderr
     quiet = seqgen("generate", "-m", str(bart), "--max-new-tokens", "3", input="a b\n")
     assert "note:" not in quiet.stderr  # the fast engine runs it: nothing to say
+
+
+@pytest.mark.parametrize("flags", [[], ["--max-new-tokens", "20"], ["--preset", "cnndm-bart"]])
+def test_outputs_cut_by_transformers_default_length_are_named(tiny_models, tmp_path: Path, flags: list[str]) -> None:
+    """No length from the checkpoint, a preset or a flag: transformers' default of 20 new tokens applies, and the
+    outputs it cut are counted at the end, naming the flag to set (before: every output 20 tokens, silently).
+    The same length chosen by a flag, or a preset's, is the user's: no note."""
+    src = tmp_path / "in.txt"
+    src.write_text("".join(t + "\n" for t in sample_texts(3, seed=3)), encoding="utf-8")
+    res = seqgen("generate", "-m", str(tiny_models("bart")), str(src), "-o", str(tmp_path / "out.txt"), *flags)
+    assert res.exit_code == 0, res.stderr
+    notes = [line for line in res.stderr.splitlines() if "default length limit" in line]
+    if flags:
+        assert notes == [], res.stderr
+    else:
+        assert len(notes) == 1 and notes[0].startswith("seqgen: note: ") and "--max-new-tokens" in notes[0]
+        assert " of 3 outputs stopped at transformers' default length limit of 20 new tokens" in notes[0]

@@ -455,7 +455,7 @@ class _Driver:
         if more:
             s.padding_ratio = (s.padding_ratio * s.batches + d["padding_ratio"] * more) / (s.batches + more)
         s.batches += more
-        for key in ("skipped", "truncated", "generated_tokens"):
+        for key in ("skipped", "truncated", "generated_tokens", "at_default_length"):
             setattr(s, key, getattr(s, key) + d.get(key, 0))
         for key in ("read_seconds", "tokenise_seconds", "generate_seconds", "write_seconds"):
             setattr(s, key, getattr(s, key) + d.get(key, 0.0))

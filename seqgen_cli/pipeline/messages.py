@@ -23,6 +23,12 @@ def closing_lines(
             f"seqgen: {summary.truncated} of {plural(summary.inputs, 'input')} truncated to "
             f"{max_source_length} tokens"
         )
+    if summary.at_default_length and not quiet:  # part of the summary (-q: none)
+        lines.append(
+            f"seqgen: note: {summary.at_default_length} of {plural(summary.inputs, 'output')} stopped at transformers' "
+            "default length limit of 20 new tokens (neither the checkpoint, a preset nor a flag sets one); set "
+            "--max-new-tokens"
+        )
     if summary.skipped:
         lines.append(f"seqgen: {plural(summary.skipped, 'input')} skipped (empty outputs; see the warnings)")
     if not quiet:

@@ -165,6 +165,11 @@ class _Run:
             self.progress.warn(f"{r.error} (skipped: empty output)")
             summary.skipped += 1
         summary.generated_tokens += sum(len(s) for r in results for s in r.sequences or ())
+        if self.gen.default_length is not None:  # cut short by a limit nobody set: said at the end
+            limit = self.gen.new_token_limits
+            summary.at_default_length += sum(
+                len(r.sequences[0]) >= limit(self.gen.width(len(r.item.ids or ())))[0] for r in results if r.sequences
+            )
         fail = self.fail
         results += [Result(it) for it in done.known if fail is None or it.index < fail.item.index]
         self.writer.put(results)

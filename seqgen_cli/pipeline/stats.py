@@ -21,6 +21,7 @@ class Summary:
     skipped: int = 0  # inputs written empty (--on-error skip)
     truncated: int = 0
     generated_tokens: int = 0
+    at_default_length: int = 0  # outputs that stopped at transformers' default max_length (Generator.default_length)
     batches: int = 0
     padding_ratio: float = 0.0  # share of padded source tokens that are padding
     seconds: float = 0.0
