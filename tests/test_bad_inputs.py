@@ -186,7 +186,7 @@ def test_a_run_that_fails_before_any_output_leaves_nothing_and_the_fix_runs(
     src.write_text('{"document": "one"}\n{"document": "two"}\n', encoding="utf-8")
     res = _generate(tiny_models("bart"), str(src), "-o", str(out))
     assert res.exit_code == 2 and "no field" in res.stderr and "--input-field" in res.stderr
-    assert "nothing was written" in res.stderr and "--resume" not in res.stderr
+    assert "--resume" not in res.stderr  # a first line: named before the model loads, no run to resume
     assert not out.exists() and not list(tmp_path.glob("out.jsonl.seqgen-*"))
     res = _generate(tiny_models("bart"), str(src), "-o", str(out), "--input-field", "document")
     assert res.exit_code == 0, res.stderr
@@ -454,3 +454,31 @@ def test_nllb_moe_runs_on_generate_and_fast_is_refused_up_front(tiny_models, tmp
     assert len(out.read_text(encoding="utf-8").splitlines()) == 2
     res = seqgen("generate", "-m", str(model), str(src), "--backend", "fast", "--max-new-tokens", "4", "-q")
     one_line_error(res, "--backend fast cannot run this model: model_type 'nllb-moe'", "--backend hf")
+
+
+@pytest.mark.parametrize(
+    ("first", "needle"),
+    [
+        ('[{"text": "a"}, {"text": "b"}]', "a JSON array, not a JSONL line"),
+        ('{"text": NaN}', "invalid JSON: NaN is not a JSON value"),
+        ("plain words, not JSON", "invalid JSON"),
+    ],
+)
+def test_a_bad_first_line_stops_the_run_before_the_model_loads(
+    tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str, needle: str
+) -> None:
+    """Under ``--on-error fail`` the run would stop at a bad first line with nothing written: it says so before
+    the model loads (before: after 5-11 s of loading and a "0 inputs" summary line); a JSON array is named as
+    JSON, not JSONL, with the two ways out."""
+    from seqgen_cli.generator import GeneratorSpec
+
+    def no_load(self):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(GeneratorSpec, "build", no_load)
+    src = tmp_path / "in.jsonl"
+    src.write_text(first + '\n{"text": "fine"}\n', encoding="utf-8")
+    res = seqgen("generate", "-m", str(tiny_models("bart")), str(src), "--input-format", "jsonl")
+    line = one_line_error(res, f"in.jsonl:1: {needle}")
+    if "array" in needle:
+        assert "--input-format text" in line and "one object per line" in line

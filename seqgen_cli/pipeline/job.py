@@ -146,7 +146,7 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions, model: str |
     if opts.metrics and not opts.reference:
         raise SeqgenError("--metrics needs --reference FILE")
     reserved = output_fields(opts.output_format, opts.output_field, opts.on_error)
-    check_inputs(inputs, opts.input_format, opts.input_field, reserved)
+    check_inputs(inputs, opts.input_format, opts.input_field, reserved, on_error=opts.on_error, chat=opts.chat)
     part = opts.shard is not None
     paths.check_distinct(
         paths.job_roles(inputs, output, stats=opts.stats, reference=opts.reference, part=part, model=model_files)

@@ -108,10 +108,13 @@ def check_inputs(
     input_format: str = "auto",
     input_field: str | None = None,
     reserved: Collection[str] = (),
+    on_error: str = "skip",
+    chat: bool = False,
 ) -> None:
     """Fail early (before the model loads) on an input file that cannot be opened, or whose first line stops the
-    run whatever ``--on-error`` says: ``--input-field`` for text input, a field the output would overwrite
-    (``reserved``, :func:`output_fields`); a line's other problems are left to the run.
+    run: whatever ``--on-error`` says, ``--input-field`` for text input and a field the output would overwrite
+    (``reserved``, :func:`output_fields`); under ``on_error="fail"`` any bad first line (the run would stop there
+    with nothing written). ``chat``: as :func:`read_records` takes it.
 
     A regular file is opened, its first line read, and closed; anything else (a named pipe, ``/dev/stdin``, a
     process substitution) is only looked at: it can be read once, by the run (which checks the same on its first
@@ -124,7 +127,7 @@ def check_inputs(
         with stream:
             raw = stream.readline(MAX_LINE_BYTES)
         if raw and len(raw) < MAX_LINE_BYTES:
-            _check_first_line(path, name, raw, input_format, input_field, reserved)
+            _check_first_line(path, name, raw, input_format, input_field, reserved, on_error, chat)
 
 
 def _check_stream(path: str) -> None:
@@ -155,19 +158,22 @@ TEXT_EXTENSIONS = (".txt", ".text", ".src", ".source", ".tgt", ".target", ".tok"
 
 
 def _check_first_line(
-    path: str, name: str, raw: bytes, input_format: str, input_field: str | None, reserved: Collection[str]
-) -> None:
+    path: str, name: str, raw: bytes, input_format: str, input_field: str | None, reserved: Collection[str],
+    on_error: str, chat: bool,
+) -> None:  # fmt: skip
     if raw.startswith(BOM):
         raw = raw[len(BOM) :]
     fmt = _detect(path, raw) if input_format == "auto" else input_format
     if fmt == "text" and input_field is not None:
         raise _text_with_field(name, input_format)
     try:
-        _record(0, name, 1, raw, fmt, input_field, reserved)
+        _record(0, name, 1, raw, fmt, input_field, reserved, chat)
     except FieldClash:
         raise
     except SeqgenError:
-        pass  # a bad line: the run meets it, under --on-error's rules
+        if on_error != "skip":  # the run would stop at it, having written nothing
+            raise
+        # skipped: the run meets it, under --on-error's rules
 
 
 def _detect(path: str, first: bytes) -> str:
@@ -335,6 +341,11 @@ def _json_record(
         ) from None
     except ValueError as err:
         raise SeqgenError(f"{name}:{number}: invalid JSON: {err}") from None
+    if isinstance(obj, list):  # a JSON document (an array of objects), not JSON Lines
+        raise SeqgenError(
+            f"{name}:{number}: a JSON array, not a JSONL line (one JSON object per line): write one object per line "
+            "(e.g. jq -c '.[]' FILE), or read the file as text with --input-format text"
+        )
     if not isinstance(obj, dict):
         raise SeqgenError(f"{name}:{number}: expected a JSON object, got {type(obj).__name__}")
     try:  # a \ud800 escape decodes to a lone surrogate: no tokenizer (and no UTF-8 output) takes it
