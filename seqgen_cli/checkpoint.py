@@ -150,7 +150,8 @@ def check_unchanged(folder: Path, before: dict[str, StatKey], what: str) -> None
 
 def refuse_code(folder: Path, what: str = "") -> None:
     """One line for a checkpoint that needs its own Python code (``auto_map`` naming a model, config or tokenizer
-    class transformers does not have): seqgen never runs it."""
+    class transformers does not have): seqgen never runs it; and for a CTranslate2 model folder (its config.json
+    has no ``model_type``), which is not a checkpoint seqgen reads."""
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
@@ -158,6 +159,12 @@ def refuse_code(folder: Path, what: str = "") -> None:
     config = read_json(folder / "config.json", what) if (folder / "config.json").is_file() else {}
     config = config if isinstance(config, dict) else {}
     model_type = config.get("model_type")
+    vocabularies = ("shared_vocabulary.json", "source_vocabulary.json", "vocabulary.json", "shared_vocabulary.txt")
+    if not model_type and (folder / "model.bin").is_file() and any((folder / v).is_file() for v in vocabularies):
+        raise SeqgenError(
+            f"{what} is a CTranslate2 model (model.bin and its vocabulary): seqgen reads the Hugging Face checkpoint "
+            "it was converted from (config.json with a model_type, its weights and tokenizer)"
+        )
     if config.get("auto_map") and model_type not in CONFIG_MAPPING:
         raise SeqgenError(_code_message(what, "config.json", config["auto_map"], f"model_type {model_type!r}"))
     path = folder / "tokenizer_config.json"

@@ -381,3 +381,19 @@ def test_a_tokenizer_json_without_a_model_is_named(tiny_models, tmp_path: Path) 
     (folder / "tokenizer.json").write_text(json.dumps({**data, "model": None}), encoding="utf-8")
     src = write_lines(tmp_path / "in.txt", ["a line"])
     one_line_error(seqgen("generate", "-m", str(folder), str(src)), "tokenizer.json holds no tokenizer model")
+
+
+def test_a_ctranslate2_model_folder_is_named_as_one(tmp_path: Path) -> None:
+    """``-m`` given a CTranslate2 conversion (model.bin, shared_vocabulary.json, a config.json without
+    model_type): one line saying what it is and what seqgen reads (before: transformers' "Should have a
+    model_type key")."""
+    from tests.helpers import one_line_error, seqgen
+
+    ct2 = tmp_path / "opus-mt-ct2"
+    ct2.mkdir()
+    (ct2 / "model.bin").write_bytes(b"\0" * 16)
+    (ct2 / "shared_vocabulary.json").write_text('["<s>", "</s>"]', encoding="utf-8")
+    (ct2 / "config.json").write_text('{"add_source_bos": false, "decoder_start_token": "</s>"}', encoding="utf-8")
+    src = tmp_path / "in.txt"
+    src.write_text("a line\n", encoding="utf-8")
+    one_line_error(seqgen("generate", "-m", str(ct2), str(src)), "is a CTranslate2 model", "Hugging Face checkpoint")
