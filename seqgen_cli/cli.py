@@ -472,6 +472,10 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         gen = spec.build()
         if gen.fallback and not quiet:  # --backend auto runs generate(): say so, and why
             click.echo(f"seqgen: note: running transformers generate(): {gen.fallback}", err=True)
+        if spec.refill and not gen.refill and not quiet:
+            from seqgen_cli.pipeline.messages import no_refill
+
+            click.echo(one_line(no_refill(gen)), err=True)
         summary = generate_job(gen, checked)
         max_source_length = gen.max_source_length
     # The closing lines on stderr; after a failure or Ctrl-C, what happened comes last (the line the user sees).

@@ -181,3 +181,20 @@ def test_the_generic_backend_batches_an_encoder_decoder_model_by_width(blenderbo
     assert len(batches) > 1 and all(len(w) == 1 for w in widths), widths
     together = gen.generate(texts, batch_size=8)
     assert together == [gen.generate([t], batch_size=1)[0] for t in texts]
+
+
+def test_refill_where_it_cannot_run_says_so(blenderbot_small, tiny_models, tmp_path: Path) -> None:
+    """``--refill`` on the generic backend, on ``generate()`` and with ``--dtype int8``: a note naming why it does
+    not run (before: ignored without a word), and the run as without it."""
+    src = tmp_path / "in.txt"
+    src.write_text("a first line\nanother line\n", encoding="utf-8")
+    cases = [
+        (blenderbot_small, [], "the generic ("),
+        (tiny_models("bart"), ["--backend", "hf"], "transformers generate() runs this model"),
+        (tiny_models("bart"), ["--dtype", "int8"], "--dtype int8 runs without lanes"),
+    ]
+    for model, flags, why in cases:
+        res = seqgen("generate", "-m", str(model), str(src), "--max-new-tokens", "3", "--refill", *flags)
+        assert res.exit_code == 0, res.stderr
+        notes = [line for line in res.stderr.splitlines() if "--refill does not run here" in line]
+        assert len(notes) == 1 and why in notes[0], res.stderr

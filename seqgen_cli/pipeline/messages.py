@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from seqgen_cli.errors import Aborted, SeqgenError
 from seqgen_cli.pipeline.formats import index_path, journal_path
 from seqgen_cli.pipeline.sinks import is_stream
 from seqgen_cli.pipeline.stats import Summary, describe_inputs, plural
+
+if TYPE_CHECKING:
+    from seqgen_cli.generator import Generator
 
 
 def closing_lines(
@@ -40,6 +44,20 @@ def closing_lines(
 
         lines.append(format_table(summary.metrics))
     return lines
+
+
+def no_refill(gen: Generator) -> str:
+    """Why ``--refill`` does not run for ``gen`` (it asked for it, ``gen.refill`` is false): the note above the
+    run, as for ``--backend auto``'s fallback."""
+    from seqgen_cli.models import engine_name
+
+    if gen.backend != "fast":
+        why = "transformers generate() runs this model"
+    elif gen.loaded.int8:
+        why = "--dtype int8 runs without lanes"
+    else:
+        why = f"the {engine_name(gen._engine())} backend has no lanes"
+    return f"seqgen: note: --refill does not run here: {why}; batches run as with --no-refill (the same outputs)"
 
 
 def aborted(err: Exception, output: str, done: int) -> Aborted:
