@@ -313,3 +313,15 @@ def test_windows_grow_for_a_stream_not_for_a_file(tmp_path: Path) -> None:
     _job(file, src, tmp_path / "out.txt", batch_size=4, sort_window=1000)
     assert {tuple(ids) for ids in stream.batches[0]} <= first_four  # the first window: the first batch
     assert not {tuple(ids) for ids in file.batches[0]} <= first_four  # the shortest of all 120 first
+
+
+def test_the_closing_line_counts_the_journaled_outputs_as_generated() -> None:
+    """An interrupted run that wrote 1 input and journaled 319 (they waited for an earlier one): the closing line
+    says both, and samples/s counts all 320 (before: "1 input ... 0.11 samples/s")."""
+    from seqgen_cli.pipeline.stats import Summary
+
+    summary = Summary(inputs=1, journaled=319, seconds=8.0, interrupted=True)
+    line = summary.line("in.txt")
+    assert "1 input written and 319 more generated (kept in the journal) in 8.0s" in line
+    assert f"{320 / 8.0:.2f} samples/s" in line
+    assert Summary(inputs=4, seconds=2.0).line().startswith("seqgen: 4 inputs in 2.0s")

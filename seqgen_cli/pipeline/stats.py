@@ -45,7 +45,8 @@ class Summary:
 
     @property
     def samples_per_second(self) -> float:
-        return self.inputs / self.seconds if self.seconds else 0.0
+        """Inputs generated per second: written, and journaled (an interrupted run's later outputs)."""
+        return (self.inputs + self.journaled) / self.seconds if self.seconds else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,6 +60,8 @@ class Summary:
         done = plural(self.inputs, "input") + (
             f" (after {self.resumed_from} resumed)" if self.resumed_from else ""
         )
+        if self.journaled:  # generated, waiting in the journal for an earlier input: --resume writes them
+            done += f" written and {self.journaled} more generated (kept in the journal)"
         whole = (
             f" ({process_seconds:.1f}s with start-up and model load)" if process_seconds is not None else ""
         )
