@@ -576,6 +576,19 @@ def eval_(files: tuple[str, ...], hypotheses: str | None, metrics: str | None, a
 
 
 @main.command()
+def models() -> None:
+    """List the model types (config.json's model_type) seqgen runs on its fast decoders, and those it hands to
+    transformers generate(); any other model transformers loads runs on the generic backend (exact, slower)."""
+    from seqgen_cli.models import family_rows
+
+    rows = family_rows()
+    width = max(len(name) for name, _ in rows)
+    for name, what in rows:
+        click.echo(f"{name:<{width}}  {what}")
+    click.echo(f"{'(other)':<{width}}  the generic backend: transformers' forward under seqgen's search")
+
+
+@main.command()
 def presets() -> None:
     """List the task presets (configs/*.toml) and their settings."""
     from seqgen_cli.config import list_presets

@@ -78,3 +78,17 @@ def test_a_section_lives_in_one_of_the_two() -> None:
     """A title in both files would make a citation of either ambiguous to a reader."""
     both = set(_headings("BENCHMARKS")) & set(_headings("EXPERIMENTS"))
     assert not both, both
+
+
+def test_the_readme_families_table_is_the_codes() -> None:
+    """The README's families table names exactly the model types ``seqgen models`` lists (families.FAMILIES and
+    models.NO_ENGINE): a family added or dropped in the code fails here until the table says so."""
+    from tests.helpers import seqgen
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("| family (`config.model_type`)") :].split("\n\n", 1)[0].splitlines()[2:]
+    documented = {name for row in table for name in re.findall(r"`([a-z0-9_-]+)`", row.split("|")[1])}
+    res = seqgen("models")
+    assert res.exit_code == 0, res.stderr
+    listed = {line.split()[0] for line in res.stdout.splitlines() if not line.startswith("(other)")}
+    assert documented == listed, (sorted(documented - listed), sorted(listed - documented))

@@ -78,6 +78,16 @@ def to_int8(model: PreTrainedModel, fast: bool) -> ModelBackend | None:
         return None
 
 
+def family_rows() -> list[tuple[str, str]]:
+    """``(model_type, what runs it)`` for every model type seqgen knows (``seqgen models``): each family of
+    :data:`FAMILIES` on its fast decoder, each of :data:`NO_ENGINE` on ``generate()``."""
+    rows = [
+        (name, f"fast {'encoder-decoder' if isinstance(f, Seq2Seq) else 'decoder-only'} decoder ({f.positions} positions)")
+        for name, f in FAMILIES.items()
+    ]
+    return rows + [(name, f"transformers generate() ({why})") for name, why in NO_ENGINE.items()]
+
+
 def get_backend(model: PreTrainedModel, *, generic: bool = False, int8: bool = False) -> ModelBackend:
     """The fast backend for ``model`` if its family has one, else (or if ``generic``) the generic one, which
     carries the reason (``GenericBackend.reason``; :func:`engine_name`).
@@ -102,5 +112,5 @@ def engine_name(backend: ModelBackend) -> str:
 
 __all__ = [
     "DecoderOnlyBackend", "EncoderDecoderBackend", "GenericBackend", "engine_name", "engine_refusal", "fast_backend",
-    "get_backend", "length_dependent_rope", "own_widths", "to_int8",
+    "family_rows", "get_backend", "length_dependent_rope", "own_widths", "to_int8",
 ]  # fmt: skip
