@@ -21,7 +21,6 @@ from typing import Any
 from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.loading import position_table
 from seqgen_cli.search.settings import check_return_sequences, rows_per_input, setting
 
 # The generate() settings seqgen exposes as flags, with transformers' names.
@@ -249,7 +248,7 @@ def resolve_generation_config(
     of a limit keeps both, and ``max_new_tokens``/``min_new_tokens`` win, as in ``generate()``. Raises
     ``SeqgenError`` for settings transformers rejects, and (``vocab_size``: the model's) for a forced token id
     of a flag or preset that is not a token of the model or more beams than its tokens, and (``positions``:
-    :func:`~seqgen_cli.loading.position_table`) for a length past a learned-position model's positions.
+    :func:`decoder_positions`) for a length past a learned-position model's positions.
     """
     config = copy.deepcopy(base)
     source = {k: CHECKPOINT for k in RULES if getattr(base, k, None) is not None}
@@ -391,17 +390,13 @@ def settings_for_model(
     )  # fmt: skip
 
 
-# Decoders whose fixed position table a field of their own sizes, apart from the encoder's: past it
-# ``IndexError: index out of range in self``, generate()'s too (loading.POSITION_TABLES holds one field per type).
-DECODER_POSITION_TABLES: dict[str, str] = {"led": "max_decoder_position_embeddings"}
-
-
 def decoder_positions(config: Any) -> tuple[str, int] | None:
-    """``(field, size)`` of the position table the decoder indexes: :func:`~seqgen_cli.loading.position_table`,
-    or LED's decoder table (:data:`DECODER_POSITION_TABLES`); ``None`` where positions have no hard limit."""
-    field = DECODER_POSITION_TABLES.get(getattr(config, "model_type", None) or "")
-    size = getattr(config, field, None) if field else None
-    return (field, size) if field and isinstance(size, int) and size > 0 else position_table(config)
+    """``(field, size)`` of the fixed position table the decoder indexes (past it ``IndexError: index out of range
+    in self``, generate()'s too: :func:`~seqgen_cli.models.families.decoder_table`); ``None`` where positions have no
+    hard limit."""
+    from seqgen_cli.models.families import decoder_table
+
+    return decoder_table(config)
 
 
 def default_length(config: GenerationConfig) -> int | None:

@@ -51,7 +51,7 @@ class Loaded:
     @property
     def own(self) -> bool:
         """Whether ``model`` is seqgen's own module tree (``models/own_model.py``), not transformers' model."""
-        from seqgen_cli.models.own_model import OwnSeq2Seq
+        from seqgen_cli.models.tree import OwnSeq2Seq
 
         return isinstance(self.model, OwnSeq2Seq)
 
@@ -322,25 +322,6 @@ def weights_error(name: str, source: str, err: Exception) -> str:
     return f"model {name}: cannot load its weights{where}: {type(err).__name__}: {_first_line(err)}"
 
 
-# Model types whose decoder looks positions up in a fixed table (learned, or Marian's and Pegasus's sinusoids made
-# once), and the config field that sizes it: a position past it is ``IndexError: index out of range in self``.
-# Relative (T5), rotary (Llama, GPT-NeoX, ...), ALiBi and sinusoids that grow on demand (M2M-100, NLLB, XGLM,
-# FSMT) have no such limit, and neither has a type not listed: it runs as before.
-_LEARNED = ("bart", "mbart", "plbart", "mvp", "blenderbot", "blenderbot-small", "bigbird_pegasus")
-POSITION_TABLES: dict[str, str] = {
-    **dict.fromkeys(_LEARNED + ("opt", "biogpt", "gpt_neo", "marian", "pegasus"), "max_position_embeddings"),
-    **dict.fromkeys(("gpt2", "gpt_bigcode"), "n_positions"),
-}
-
-
-def position_table(config: Any) -> tuple[str, int] | None:
-    """``(field, size)`` of the fixed position table a model's decoder indexes (:data:`POSITION_TABLES`), from its
-    ``config`` alone; ``None`` where positions have no hard limit."""
-    field = POSITION_TABLES.get(getattr(config, "model_type", None) or "")
-    size = getattr(config, field, None) if field else None
-    return (field, size) if isinstance(size, int) and size > 0 else None
-
-
 def source_limit(config: Any, tokenizer: Any, requested: int | None, new_tokens: int = 0) -> int | None:
     """The longest input the model takes: the smaller of the request and the model's position limit, less the
     ``new_tokens`` a decoder-only model generates after it.
@@ -354,7 +335,9 @@ def source_limit(config: Any, tokenizer: Any, requested: int | None, new_tokens:
          if (v := getattr(config, k, None))),
         None,
     )  # fmt: skip  (LED: its encoder's 16,384 positions)
-    if getattr(config, "model_type", "").startswith(("t5", "mt5")):
+    from seqgen_cli.models.families import source_limited
+
+    if not source_limited(config):
         limit = None  # relative positions: no hard limit
     if limit is None:
         if requested is not None:
@@ -415,12 +398,6 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
-SINUSOIDAL = {
-    "marian": "MarianSinusoidalPositionalEmbedding",
-    "pegasus": "PegasusSinusoidalPositionalEmbedding",
-}
-
-
 @contextmanager
 def fast_sinusoids(model_type: str | None) -> Iterator[None]:
     """While loading a Marian or Pegasus checkpoint, build the sinusoidal position tables with one numpy
@@ -428,11 +405,13 @@ def fast_sinusoids(model_type: str | None) -> Iterator[None]:
     per model; docs/EXPERIMENTS.md, "Start-up"). Same float64 operations element by element, so the same
     bits (``tests/test_tiny_models.py`` compares them); checked against transformers' own on a small table
     first, so a transformers whose formula differs keeps its own. Other model types are untouched."""
-    name = SINUSOIDAL.get(model_type or "")
+    from seqgen_cli.models.families import SINUSOID_CLASSES
+    from seqgen_cli.models.families.bart import sinusoid_table
+
+    name = SINUSOID_CLASSES.get(model_type or "")
     if name is None:
         yield
         return
-    from seqgen_cli.models.own_bart import sinusoid_table
 
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     cls = getattr(module, name, None)

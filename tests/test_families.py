@@ -289,3 +289,27 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(name: str, tiny_models
     sharpen(auto.from_config(config), seed=1).save_pretrained(tmp_path)
     with_fixture_tokenizer(tmp_path, tiny_models(fixture))
     check_neighbours(Generator(str(tmp_path), max_new_tokens=8))
+
+
+def test_only_the_family_files_name_a_familys_model_type() -> None:
+    """A family is a file under ``models/families/``: no other module of the package names one of its
+    ``model_type``s (a string constant equal to one), so adding a family touches that folder only. Each family
+    file names its own rows and no other file's."""
+    import ast
+    from pathlib import Path
+
+    from seqgen_cli.models import families
+
+    package = Path(families.__file__).resolve().parents[3]  # the folder holding seqgen_cli/
+    named: dict[str, set[str]] = {}
+    for path in (package / "seqgen_cli").rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in FAMILIES}
+        if found:
+            named[path.relative_to(package).as_posix()] = found
+    outside = {p: sorted(names) for p, names in named.items() if not p.startswith("seqgen_cli/models/families/")}
+    assert outside == {}
+    for file in families.FILES:
+        own = set(file.FAMILIES)
+        name = Path(file.__file__).relative_to(package).as_posix()
+        assert named[name] == own, name  # its own rows, written there (so the check above can see them), no other

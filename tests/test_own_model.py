@@ -1,4 +1,4 @@
-"""seqgen's own module trees (``models/own_model.py``: the BART family, T5 / mT5 / UMT5, T5Gemma): the checkpoint's weights exactly where
+"""seqgen's own module trees (``models/own_model.py``, each family file's ``Tree``: the BART family, T5 / mT5 / UMT5, T5Gemma): the checkpoint's weights exactly where
 transformers puts them (ties too), an encoder bit-identical to transformers', the same generation settings, outputs
 identical to the fast path over transformers' model in float32 and int8, and a fallback to transformers for a
 checkpoint it does not read."""
@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import engine_name, own_model
+from seqgen_cli.models.tree import OwnSeq2Seq
 from tests.helpers import sharpen
 from tests.test_families import CONFIGS as FAMILY_CONFIGS
 
@@ -154,7 +155,7 @@ def test_generator_runs_own_tree_with_transformers_outputs(
     """The fast engine over the own tree gives the tokens it gives over transformers' model (own tree refused)."""
     settings = dict(num_beams=4, no_repeat_ngram_size=3, max_new_tokens=12)
     gen = Generator(str(tiny_models(family)), backend="fast", dtype=dtype, **settings)
-    assert gen.loaded.own and isinstance(gen.model, own_model.OwnSeq2Seq)
+    assert gen.loaded.own and isinstance(gen.model, OwnSeq2Seq)
     assert gen.device_stats()["loader"] == "seqgen"
     assert engine_name(gen._engine()) == f"{gen.model.config.model_type} decoder"
     ours = gen.generate(TEXTS)

@@ -57,7 +57,7 @@ def test_fast_cpu_run_imports_no_model_class(dtype: str, tiny_models: Callable[[
 
 
 def test_fast_cpu_run_of_t5gemma_imports_no_model_class(tiny_models: Callable[[str], Path], tmp_path: Path) -> None:
-    """T5Gemma (a config per stack, eager attention): its own module tree too (``models/own_t5gemma.py``)."""
+    """T5Gemma (a config per stack, eager attention): its own module tree too (``models/families/t5gemma.py``)."""
     import torch
     import transformers as tf
 

@@ -136,7 +136,7 @@ def test_load_builds_the_same_sinusoid_tables(family: str, tiny_models: Callable
     """seqgen's vectorised sinusoid tables (loading.fast_sinusoids) are transformers' own, bit for bit, and
     transformers' class is left as it was."""
     from seqgen_cli import loading
-    from seqgen_cli.models import own_bart
+    from seqgen_cli.models.families import bart as own_bart
 
     ours = loading.load(str(tiny_models(family)), "cpu").model
     theirs, _ = load_tiny(tiny_models(family))
@@ -155,7 +155,7 @@ def test_fast_sinusoids_keeps_a_different_formula() -> None:
     from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding as cls
 
     from seqgen_cli import loading
-    from seqgen_cli.models import own_bart
+    from seqgen_cli.models.families import bart as own_bart
 
     original = cls.create_weight
 

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend
 from seqgen_cli.models.encoder_decoder import EncoderDecoderBackend
-from seqgen_cli.models.families import FAMILIES, Seq2Seq, length_dependent_rope, refusal
+from seqgen_cli.models.families import FAMILIES, length_dependent_rope, refusal
 from seqgen_cli.models.generic import GenericBackend
+from seqgen_cli.models.layers import Seq2Seq
 from seqgen_cli.models.linear_maps import quantize_linears
 from seqgen_cli.search.protocol import ModelBackend
 

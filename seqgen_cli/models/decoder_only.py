@@ -1,5 +1,5 @@
 """The one decoder-only decoder: every decoder-only family's decode step, written once over its description
-(``families.py``: GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma2/3), the prefill, and the protocol glue.
+(``families/``: GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma2/3), the prefill, and the protocol glue.
 
 The prompt is prefilled once per *input* through the model's own base forward (left-padded, positions as
 ``generate()`` builds them); its keys and values go into a
@@ -23,7 +23,6 @@ import transformers
 from torch import Tensor
 
 from seqgen_cli.models.attention import attend_blocks, rope, rotary_tables, soft_cap
-from seqgen_cli.models.families import Causal, sliding_layers
 from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
     kv_bytes,
@@ -32,6 +31,7 @@ from seqgen_cli.models.kv_cache import (
     select_into,
 )
 from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
+from seqgen_cli.models.layers import Causal, sliding_layers
 from seqgen_cli.models.linear_maps import dense, linear
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import MIN_WIDTH, graph_width, input_width

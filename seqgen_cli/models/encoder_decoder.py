@@ -1,5 +1,5 @@
 """The one encoder-decoder decoder: every encoder-decoder family's decode step, written once over its description
-(``families.py``: BART family, M2M-100 / NLLB, LED, Pegasus-X, T5, LongT5, UMT5, T5Gemma), and the protocol glue.
+(``families/``: the BART family, M2M-100 / NLLB, LED, Pegasus-X, T5, LongT5, UMT5, T5Gemma, T5Gemma 2), and the protocol glue.
 
 The model's own encoder layers run once per input (float32 on the CPU: a copy of its module tree that shares its
 weights, its ``nn.Linear`` layers on oneDNN, ``linear_maps.onednn_copy``; ``generate()`` keeps the model's own).
@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from seqgen_cli.models.attention import attention, rope, rotary_tables, soft_cap
-from seqgen_cli.models.families import Seq2Seq, Seq2SeqLayer, sliding_layers
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
     kv_bytes,
@@ -33,6 +32,7 @@ from seqgen_cli.models.kv_cache import (
     select_into,
 )
 from seqgen_cli.models.lane_cache import LaneKVCache
+from seqgen_cli.models.layers import Seq2Seq, Seq2SeqLayer, sliding_layers
 from seqgen_cli.models.linear_maps import linear, onednn_copy, quantize_linears
 from seqgen_cli.models.resident import release
 from seqgen_cli.search.protocol import Batch

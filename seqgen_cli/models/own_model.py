@@ -1,8 +1,9 @@
 """Encoder-decoder checkpoints without transformers' model classes: a checkpoint's ``config.json``,
 ``generation_config.json`` and safetensors read straight into a module tree named as transformers names it, so that
 :class:`~seqgen_cli.models.encoder_decoder.EncoderDecoderBackend` reads it as it reads transformers' model; its
-encoder runs here. The trees: the BART family (BART, mBART, Marian, Pegasus, M2M-100 / NLLB; ``own_bart.py``),
-T5 / mT5 / UMT5 (``own_t5.py``) and T5Gemma (``own_t5gemma.py``).
+encoder runs here. Each family file that has one declares its tree (``TREES``: ``model_type`` -> its ``Tree``, a
+:class:`~seqgen_cli.models.tree.OwnSeq2Seq`): ``families/bart.py`` (BART, mBART, Marian, Pegasus, M2M-100 / NLLB),
+``families/t5.py`` (T5, mT5, UMT5), ``families/t5gemma.py`` (T5Gemma).
 
 Why: importing a transformers model class costs 1.0-1.4 s of a CPU process (``torch.distributed.tensor``,
 ``torch._dynamo``, the loss functions; docs/BENCHMARKS.md, "Start-up and small jobs against CTranslate2"), more than
@@ -18,87 +19,15 @@ safetensors, an activation or attention implementation it does not have.
 
 from __future__ import annotations
 
-import importlib
-import math
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from seqgen_cli.checkpoint import weight_files
-
-TREES = {  # model_type -> the module of its tree (``Tree``)
-    **dict.fromkeys(("bart", "mbart", "marian", "pegasus", "m2m_100"), "own_bart"),
-    **dict.fromkeys(("t5", "mt5", "umt5"), "own_t5"),
-    "t5gemma": "own_t5gemma",
-}
-ATTENTION = {"t5gemma": "eager"}  # the attention implementation a tree's encoder writes, where not sdpa
-
-
-def gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """transformers' ``NewGELUActivation`` (the tanh approximation, its operations in its order)."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-ACTIVATIONS = {  # ACT2FN's
-    "gelu": F.gelu, "relu": F.relu, "swish": F.silu, "silu": F.silu, "gelu_new": gelu_new,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-}  # fmt: skip
-
-
-@dataclass
-class EncoderOutput:
-    last_hidden_state: torch.Tensor  # [B, S, D]
-
-
-class OwnSeq2Seq(nn.Module):
-    """A checkpoint as the fast backend reads a transformers model: ``config``, ``generation_config``,
-    ``name_or_path``, the encoder and decoder (at ``ENCODER`` / ``DECODER``), ``lm_head``. A tree defines its
-    modules, ``ties`` (transformers' tied weights: target -> source), ``complete`` (what the checkpoint need not
-    hold) and ``finish`` (what is made after the weights are in)."""
-
-    ENCODER, DECODER = "model.encoder", "model.decoder"
-    lm_head: nn.Linear
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config, self.generation_config, self.name_or_path = config, None, ""
-
-    def ties(self) -> dict[str, str]:
-        return {}
-
-    def complete(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Add to (or drop from) the checkpoint's ``tensors`` what transformers makes (or ignores) on loading."""
-
-    def finish(self) -> None:
-        """After the weights are in: what is made rather than loaded."""
-
-    def get_encoder(self) -> nn.Module:
-        return self.get_submodule(self.ENCODER)
-
-    def get_decoder(self) -> nn.Module:
-        return self.get_submodule(self.DECODER)
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-
-def embedding(rows: int, dim: int) -> nn.Embedding:
-    """An embedding without its random initialisation (its weight is the checkpoint's; on the meta device the
-    initialisation would import ``torch._dynamo``, ~1 s)."""
-    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+from seqgen_cli.models.families import TREES
+from seqgen_cli.models.families import refusal as decoder_refusal
+from seqgen_cli.models.tree import ACTIVATIONS, OwnSeq2Seq
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor] | None:
@@ -144,8 +73,6 @@ def refusal(config: Any) -> str | None:
     """Why :func:`load` does not build this model (transformers loads it), or ``None``."""
     from types import SimpleNamespace
 
-    from seqgen_cli.models.families import refusal as decoder_refusal
-
     if config.model_type not in TREES:
         return f"model_type {config.model_type!r} has no own module tree"
     parts = [p for p in (getattr(config, "encoder", None), getattr(config, "decoder", None)) if hasattr(p, "to_dict")]
@@ -154,7 +81,7 @@ def refusal(config: Any) -> str | None:
         act = next((getattr(part, n) for n in names if getattr(part, n, None)), None)
         if act not in ACTIVATIONS:
             return f"activation {act!r} is not written here"
-    attention = ATTENTION.get(config.model_type, "sdpa")
+    attention = TREES[config.model_type].ATTENTION
     if getattr(config, "_attn_implementation_internal", None) not in (None, attention):
         return f"an attention implementation other than {attention}"
     return decoder_refusal(SimpleNamespace(config=config))  # a variant the fast decoder does not run: transformers'
@@ -171,9 +98,8 @@ def load(source: str, config: Any) -> tuple[OwnSeq2Seq | None, str | None]:
         return None, f"{type(err).__name__}: {err}"
     if reason or tensors is None:
         return None, reason or "no safetensors in the folder"
-    tree = importlib.import_module(f"seqgen_cli.models.{TREES[config.model_type]}").Tree
     with torch.device("meta"):
-        model = tree(config)
+        model = TREES[config.model_type](config)
     model.generation_config, model.name_or_path = generation_config(source), source
     expected = model.state_dict().keys()
     model.complete(tensors)

@@ -1,7 +1,15 @@
-"""T5's, mT5's and UMT5's module tree for ``own_model.load``: transformers' names
+"""The T5 family: T5 (v1.0, v1.1, Flan-T5), mT5, LongT5, UMT5.
+
+Its decoder block (``layer[0].SelfAttention``, ``layer[1].EncDecAttention``, ``layer[2]`` feed-forward;
+:func:`t5_block`) on the shared encoder-decoder decoder: pre-norm, unscaled attention, the relative position bias of
+the first block (UMT5: of every block), ``final_layer_norm``, float16's overflow guard after each sub-layer. LongT5's
+encoder (local / transient-global attention) is the model's own.
+
+And its own module tree (``Tree``, for ``own_model.load``: T5, mT5, UMT5): transformers' names
 (``encoder.block.0.layer.0.SelfAttention.q``), the encoder's forward as transformers' (unscaled sdpa over the relative
 position bias, the first block's or, UMT5, each block's own; padding masked with the dtype's minimum; RMS norms in
-float32)."""
+float32).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from seqgen_cli.models.own_model import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
+from seqgen_cli.models.fuse import concat_linears, fuse_linears
+from seqgen_cli.models.layers import Seq2Seq, Seq2SeqLayer
+from seqgen_cli.models.linear_maps import Linear, linear
+from seqgen_cli.models.tree import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
+
+
+def _t5_feed_forward(ff: nn.Module, maps: dict[str, Linear], int8: bool) -> Linear:
+    """``T5DenseActDense`` / ``T5DenseGatedActDense`` (no dropout at inference), with the dtype cast before ``wo``;
+    its maps go into ``maps``."""
+    wo = maps["wo"] = linear(ff.wo.weight, None, int8)
+    if hasattr(ff, "wi_0"):  # gated: act(wi_0 x) * wi_1 x
+        wi_0 = maps["wi_0"] = linear(ff.wi_0.weight, None, int8)
+        wi_1 = maps["wi_1"] = linear(ff.wi_1.weight, None, int8)
+        return lambda x: wo((ff.act(wi_0(x)) * wi_1(x)).to(ff.wo.weight.dtype))
+    wi = maps["wi"] = linear(ff.wi.weight, None, int8)
+    return lambda x: wo(ff.act(wi(x)).to(ff.wo.weight.dtype))
+
+
+def t5_block(block: nn.Module, int8: bool) -> Seq2SeqLayer:
+    """A T5-named decoder block (``layer[0].SelfAttention``, ``layer[1].EncDecAttention``, ``layer[2]`` feed-forward;
+    T5, mT5, LongT5, UMT5): unscaled attention."""
+    sa, ca, ff = block.layer[0], block.layer[1], block.layer[2]
+    att, cross = sa.SelfAttention, ca.EncDecAttention
+    fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
+    qkv_w, _ = fuse([att.q, att.k, att.v])  # [3I, D]
+    ckv_w, ckv_b = fuse([cross.k, cross.v])  # [2I, D], None
+    maps = dict(
+        qkv=linear(qkv_w, None, int8), o=linear(att.o.weight, None, int8), cq=linear(cross.q.weight, None, int8),
+        ckv=linear(ckv_w, ckv_b, int8), co=linear(cross.o.weight, None, int8),
+    )  # fmt: skip
+    return Seq2SeqLayer(
+        ln_self=sa.layer_norm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"], scale=1.0,
+        ln_cross=ca.layer_norm, cq=maps["cq"], ckv_w=None if int8 else ckv_w, ckv=maps["ckv"], co=maps["co"],
+        ln_ff=ff.layer_norm,
+        ff=_t5_feed_forward(ff.DenseReluDense, maps, int8), maps=maps,
+        relative=att if getattr(att, "has_relative_attention_bias", False) else None,
+    )  # fmt: skip
+
+
+# relative positions: T5's ``n_positions`` limits no input (LongT5's is kept as the limit it always was)
+_T5 = dict(reader=t5_block, pre_norm=True, final_norm="final_layer_norm", clamp_fp16=True, layers="block")
+FAMILIES: dict[str, Seq2Seq] = {
+    "t5": Seq2Seq(positions="relative", source_limit=False, **_T5),  # v1.0, v1.1 and Flan-T5
+    "mt5": Seq2Seq(positions="relative", source_limit=False, **_T5),
+    "longt5": Seq2Seq(positions="relative", **_T5),  # the encoder's local / transient-global attention: its own
+    "umt5": Seq2Seq(positions="relative per layer", **_T5),
+}
 
 
 class Norm(nn.Module):
@@ -178,3 +232,6 @@ class Tree(OwnSeq2Seq):
     def complete(self, tensors: dict[str, torch.Tensor]) -> None:
         """transformers ignores a cross-attention bias some checkpoints hold."""
         tensors.pop("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight", None)
+
+
+TREES = dict.fromkeys(("t5", "mt5", "umt5"), Tree)

@@ -1,6 +1,23 @@
-"""The BART family's module tree (BART, mBART, Marian, Pegasus, M2M-100 / NLLB) for ``own_model.load``: transformers'
-names, the family description's norms and positions (``families.FAMILIES``), the encoder's forward as
-transformers' (sdpa with its boolean padding mask)."""
+"""The BART family: BART, mBART, Marian, Pegasus, M2M-100 / NLLB, LED, Pegasus-X.
+
+Its decoder layer (``self_attn``, ``encoder_attn``, ``fc1``/``fc2``; :func:`bart_layer`) on the shared
+encoder-decoder decoder, each model type a row of :data:`FAMILIES`:
+
+=========  ====  ==============================================  =====================  ===========
+family     norm  positions                                       embedding norm         final norm
+=========  ====  ==============================================  =====================  ===========
+bart, led  post  table (learned; BART's offset 2)                layernorm_embedding    -
+mbart      pre   table (learned, offset 2)                       layernorm_embedding    layer_norm
+marian     post  table (sinusoidal)                              -                      -
+pegasus    pre   table (sinusoidal)                              -                      layer_norm
+m2m_100    pre   table (sinusoidal; a pad token takes row pad)   -                      layer_norm
+pegasus_x  pre   computed sinusoid (tabled once)                 -                      layer_norm
+=========  ====  ==============================================  =====================  ===========
+
+And its own module tree (``Tree``, for ``own_model.load``: BART, mBART, Marian, Pegasus, M2M-100 / NLLB):
+transformers' names, the rows' norms and positions, the encoder's forward as transformers' (sdpa with its boolean
+padding mask).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +28,57 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from seqgen_cli.models.families import FAMILIES, Seq2Seq
-from seqgen_cli.models.own_model import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
+from seqgen_cli.models.fuse import concat_linears, fuse_linears
+from seqgen_cli.models.layers import Seq2Seq, Seq2SeqLayer
+from seqgen_cli.models.linear_maps import Linear, linear
+from seqgen_cli.models.tree import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
 
+
+def bart_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
+    """A BART-named decoder layer (``self_attn``, ``encoder_attn``, ``fc1``/``fc2``; BART, mBART, Marian, Pegasus,
+    M2M-100 / NLLB, LED, Pegasus-X)."""
+    sa, ca = layer.self_attn, layer.encoder_attn
+
+    def lin(module: nn.Module) -> Linear:
+        return linear(module.weight, module.bias, int8)
+
+    fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
+    qkv_w, qkv_b = fuse([sa.q_proj, sa.k_proj, sa.v_proj])  # [3D, D], [3D]
+    ckv_w, ckv_b = fuse([ca.k_proj, ca.v_proj])  # [2D, D], [2D]
+    maps = dict(
+        qkv=linear(qkv_w, qkv_b, int8), o=lin(sa.out_proj), cq=lin(ca.q_proj), ckv=linear(ckv_w, ckv_b, int8),
+        co=lin(ca.out_proj), fc1=lin(layer.fc1), fc2=lin(layer.fc2),
+    )  # fmt: skip
+    fc1, fc2, act = maps["fc1"], maps["fc2"], layer.activation_fn
+    return Seq2SeqLayer(
+        ln_self=layer.self_attn_layer_norm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"],
+        scale=float(sa.scaling), ln_cross=layer.encoder_attn_layer_norm, cq=maps["cq"],
+        ckv_w=None if int8 else ckv_w, ckv=maps["ckv"], co=maps["co"],
+        ln_ff=layer.final_layer_norm, ff=lambda x: fc2(act(fc1(x))), maps=maps,
+    )  # fmt: skip
+
+
+_TABLE = "max_position_embeddings"  # the decoder's position table: learned, or Marian's and Pegasus's sinusoids
+FAMILIES: dict[str, Seq2Seq] = {
+    "bart": Seq2Seq(bart_layer, pre_norm=False, positions="table", embedding_norm="layernorm_embedding", table=_TABLE),
+    "mbart": Seq2Seq(
+        bart_layer, pre_norm=True, positions="table", embedding_norm="layernorm_embedding", final_norm="layer_norm",
+        table=_TABLE,
+    ),  # fmt: skip
+    "marian": Seq2Seq(bart_layer, pre_norm=False, positions="table", table=_TABLE),
+    "pegasus": Seq2Seq(bart_layer, pre_norm=True, positions="table", final_norm="layer_norm", table=_TABLE),
+    "m2m_100": Seq2Seq(bart_layer, pre_norm=True, positions="padded table", final_norm="layer_norm"),
+    "led": Seq2Seq(
+        bart_layer, pre_norm=False, positions="table", embedding_norm="layernorm_embedding",
+        table="max_decoder_position_embeddings",
+    ),  # fmt: skip
+    "pegasus_x": Seq2Seq(bart_layer, pre_norm=True, positions="computed", final_norm="layer_norm"),
+}
 SINUSOIDS = ("marian", "pegasus")  # position tables made from a formula where the checkpoint has none
+# transformers' class of those tables, made faster while transformers loads the model (``loading.fast_sinusoids``)
+SINUSOID_CLASSES = {"marian": "MarianSinusoidalPositionalEmbedding", "pegasus": "PegasusSinusoidalPositionalEmbedding"}
+
+
 
 
 class Attention(nn.Module):
@@ -215,3 +279,6 @@ def sinusoid_table(embedding: torch.nn.Embedding) -> torch.Tensor:
     out[:, 0:sentinel] = torch.FloatTensor(np.sin(position_enc[:, 0::2]))
     out[:, sentinel:] = torch.FloatTensor(np.cos(position_enc[:, 1::2]))
     return out
+
+
+TREES = dict.fromkeys(("bart", "mbart", "marian", "pegasus", "m2m_100"), Tree)

@@ -1,9 +1,19 @@
-"""T5Gemma's module tree for ``own_model.load``: transformers' names (``model.encoder.layers.0.self_attn.q_proj``,
-``lm_head.out_proj``), each stack with its own config (``config.encoder`` / ``config.decoder``), and the encoder's
-forward as transformers' eager attention computes it (the only one T5Gemma has): embeddings times sqrt(hidden) in
-the dtype, RoPE from the stack's rotary module, grouped-query K/V heads repeated, scores scaled after the product
-and soft-capped, padding and a sliding layer's window at the dtype's minimum, RMS norms ``(1 + w)`` in float32
-before and after each sub-layer."""
+"""T5Gemma and T5Gemma 2.
+
+T5Gemma's decoder layer (:func:`t5gemma_layer`) is Gemma 2's with cross-attention: an RMSNorm before and after each
+sub-layer, grouped-query K/V heads in both attentions (cached as K/V heads only), rotary positions, soft-capped
+attention and final logits, sliding-window layers, embeddings times sqrt(hidden) in the model's dtype, the scale on
+the product q.k (transformers' eager attention). T5Gemma 2's (:func:`t5gemma2_layer`) is Gemma 3's with its
+cross-attention *merged* into self-attention: the source's keys (through the same projections and ``k_norm``) join
+the decoder's own under one softmax; a rotary table per layer type; q/k norms.
+
+And T5Gemma's own module tree (``Tree``, for ``own_model.load``): transformers' names
+(``model.encoder.layers.0.self_attn.q_proj``, ``lm_head.out_proj``), each stack with its own config
+(``config.encoder`` / ``config.decoder``), and the encoder's forward as transformers' eager attention computes it
+(the only one T5Gemma has): embeddings times sqrt(hidden) in the dtype, RoPE from the stack's rotary module,
+grouped-query K/V heads repeated, scores scaled after the product and soft-capped, padding and a sliding layer's
+window at the dtype's minimum, RMS norms ``(1 + w)`` in float32 before and after each sub-layer.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +24,75 @@ import torch.nn.functional as F
 from torch import nn
 
 from seqgen_cli.models.attention import rotate_half, soft_cap
-from seqgen_cli.models.own_model import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
+from seqgen_cli.models.fuse import concat_linears, fuse_linears
+from seqgen_cli.models.layers import Seq2Seq, Seq2SeqLayer
+from seqgen_cli.models.linear_maps import Linear, linear
+from seqgen_cli.models.tree import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
+
+
+def t5gemma_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
+    """A T5Gemma decoder layer (Gemma 2's with cross-attention: ``self_attn``, ``cross_attn``, ``mlp``; an RMSNorm
+    before and after each): grouped-query K/V heads in both attentions, soft-capped scores, a gated MLP."""
+    sa, ca, mlp = layer.self_attn, layer.cross_attn, layer.mlp
+
+    def lin(module: nn.Module) -> Linear:
+        return linear(module.weight, module.bias, int8)
+
+    fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
+    qkv_w, qkv_b = fuse([sa.q_proj, sa.k_proj, sa.v_proj])  # [(H + 2 Hkv) d, D]
+    ckv_w, ckv_b = fuse([ca.k_proj, ca.v_proj])  # [2 Hkv d, D_enc]
+    maps = dict(
+        qkv=linear(qkv_w, qkv_b, int8), o=lin(sa.o_proj), cq=lin(ca.q_proj), ckv=linear(ckv_w, ckv_b, int8),
+        co=lin(ca.o_proj), gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
+    )  # fmt: skip
+    gate, up, down, act = maps["gate"], maps["up"], maps["down"], mlp.act_fn
+    return Seq2SeqLayer(
+        ln_self=layer.pre_self_attn_layernorm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"],
+        scale=float(sa.scaling), ln_cross=layer.pre_cross_attn_layernorm, cq=maps["cq"],
+        ckv_w=None if int8 else ckv_w, ckv=maps["ckv"], co=maps["co"], ln_ff=layer.pre_feedforward_layernorm,
+        ff=lambda x: down(act(gate(x)) * up(x)), maps=maps,
+        ln_self_out=layer.post_self_attn_layernorm, ln_cross_out=layer.post_cross_attn_layernorm,
+        ln_ff_out=layer.post_feedforward_layernorm, softcap=sa.attn_logit_softcapping,
+    )  # fmt: skip
+
+
+def t5gemma2_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
+    """A T5Gemma 2 decoder layer (Gemma 3's, its self-attention *merged* with cross-attention: the source's keys and
+    values come from the same ``k_proj`` / ``v_proj``, its keys through ``k_norm`` too, and join the decoder's own
+    under one softmax); q/k norms, an RMSNorm before and after each sub-layer."""
+    sa, mlp = layer.self_attn, layer.mlp
+
+    def lin(module: nn.Module) -> Linear:
+        return linear(module.weight, module.bias, int8)
+
+    fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
+    qkv_w, qkv_b = fuse([sa.q_proj, sa.k_proj, sa.v_proj])  # [(H + 2 Hkv) d, D]
+    q_rows = sa.q_proj.out_features
+    kv_b = None if qkv_b is None else qkv_b[q_rows:]
+    maps = dict(
+        qkv=linear(qkv_w, qkv_b, int8), o=lin(sa.o_proj), ckv=linear(qkv_w[q_rows:], kv_b, int8),
+        gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
+    )  # fmt: skip
+    gate, up, down, act = maps["gate"], maps["up"], maps["down"], mlp.act_fn
+    return Seq2SeqLayer(
+        ln_self=layer.pre_self_attn_layernorm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"],
+        scale=float(sa.scaling), ln_cross=None, cq=None, ckv_w=None, ckv=maps["ckv"], co=None,
+        ln_ff=layer.pre_feedforward_layernorm, ff=lambda x: down(act(gate(x)) * up(x)), maps=maps,
+        ln_self_out=layer.post_self_attn_layernorm, ln_ff_out=layer.post_feedforward_layernorm,
+        softcap=sa.attn_logit_softcapping, merged=True, q_norm=sa.q_norm, k_norm=sa.k_norm,
+        layer_type=sa.layer_type or "full_attention",
+    )  # fmt: skip
+
+
+FAMILIES: dict[str, Seq2Seq] = {
+    "t5gemma": Seq2Seq(
+        t5gemma_layer, pre_norm=True, positions="rotary", final_norm="norm", scaled_embedding=True,
+        scale_scores=True, source_limit=False,
+    ),  # fmt: skip
+    "t5gemma2": Seq2Seq(
+        t5gemma2_layer, pre_norm=True, positions="rotary per layer type", final_norm="norm", source_limit=False
+    ),
+}
 
 
 class Norm(nn.Module):
@@ -210,3 +288,6 @@ class Tree(OwnSeq2Seq):
     @property
     def device(self) -> torch.device:
         return self.lm_head.out_proj.weight.device
+
+
+TREES = {"t5gemma": Tree}
