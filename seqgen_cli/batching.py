@@ -16,7 +16,7 @@ cross-attention chunk by chunk (``Batch.widths``), so their batches mix widths (
 (decoder-only prompts, the generic backend) take inputs of one bucket per batch. With the fast backends'
 row-invariant products (``models/linear_maps.py``) the bytes of an output then depend on its input and the
 settings only, not on which inputs share its batch, the window, the batch size, a shard or the reader's timing
-(CPU float32; tests/test_determinism.py). The refill engine (``--refill``) takes a whole window per call
+(CPU float32; tests/models/test_determinism.py). The refill engine (``--refill``) takes a whole window per call
 (docs/ARCHITECTURE.md, "Lanes and refill").
 """
 

@@ -46,7 +46,7 @@ def _flag_decl(name: str, flag: _Flag) -> str:
 
 
 # The generation flags, keyed by transformers' names: the keys of seqgen_cli.config.GENERATION_KEYS (not
-# imported here: it loads transformers, and `seqgen --help` should not; tests/test_cli.py checks the two
+# imported here: it loads transformers, and `seqgen --help` should not; tests/cli/test_cli.py checks the two
 # agree). Every value reaches Generator(**flags) unchanged, --early-stopping through its callback; their
 # ranges are checked there (config.RULES), as a preset's and a checkpoint's are, not by click.
 GENERATION_OPTIONS: dict[str, _Flag] = {

@@ -29,17 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from seqgen_cli.batching import LOGIT_BYTES
+from seqgen_cli.models.generic import config_int
 
-CHUNK = 128  # beam.wide_topk's chunk (columns); torch.topk's own temporaries are smaller
 CANDIDATE_BYTES = 64  # per top-k candidate: its score, index, beam, token, flags and running copies
-
-
-def _first(config: Any, *names: str) -> int | None:
-    for name in names:
-        value = getattr(config, name, None)
-        if value:
-            return int(value)
-    return None
 
 
 @dataclass(frozen=True)
@@ -59,12 +51,12 @@ class Dims:
         sub = getattr(config, part, None)
         sub = getattr(sub, "text_config", None) or sub  # T5Gemma 2's encoder: its text stack's
         config = sub if hasattr(sub, "to_dict") else config
-        hidden = _first(config, "d_model", "hidden_size", "n_embd")
-        heads = _first(config, f"{part}_attention_heads", "num_heads", "num_attention_heads", "n_head")
+        hidden = config_int(config, "d_model", "hidden_size", "n_embd")
+        heads = config_int(config, f"{part}_attention_heads", "num_heads", "num_attention_heads", "n_head")
         if hidden is None or heads is None:
             return None
-        ffn = _first(config, f"{part}_ffn_dim", "d_ff", "intermediate_size", "n_inner") or 4 * hidden
-        d_kv = _first(config, "d_kv", "head_dim")
+        ffn = config_int(config, f"{part}_ffn_dim", "d_ff", "intermediate_size", "n_inner") or 4 * hidden
+        d_kv = config_int(config, "d_kv", "head_dim")
         return cls(
             hidden=hidden,
             heads=heads,
@@ -123,6 +115,10 @@ def search_bytes(search: SearchDims, inputs: int, rows: int, history: int, posit
     ``rows`` rows in all, ``history`` decoder positions (prompt and new tokens), ``positions`` new tokens and ``vocab``
     entries: history and n-gram keys (twice, a reorder's copy), beam search's finished hypotheses (four at once)
     and top-k, sampling's draw and warpers."""
+    from seqgen_cli.search.beam import (
+        CHUNK,  # wide_topk's columns per chunk; torch.topk's own temporaries are smaller
+    )
+
     s, n, v = search, rows, vocab
     total = 2 * n * history * 8 + (2 * n * (history + 1) * 8 if s.ngrams else 0)
     if s.mode == "beam":

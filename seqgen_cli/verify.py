@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from seqgen_cli.batching import free_device_memory
+from seqgen_cli.batching import Input, free_device_memory
 from seqgen_cli.errors import SeqgenError, is_oom
 from seqgen_cli.models.reference import Generation, hf_generate
 from seqgen_cli.search import Batch
@@ -298,21 +298,15 @@ def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | 
     return Agreement(note=f"out of memory checking {len(ids)} inputs")
 
 
-class Input(Protocol):
-    """What :func:`self_check` reads of an input (a pipeline record has it): its text, or why it is bad, and
-    where it was read (``file:line``)."""
-
-    @property
-    def text(self) -> str: ...
+class Record(Input, Protocol):
+    """What :func:`self_check` reads of an input as read (a pipeline record): an :class:`~seqgen_cli.batching.Input`
+    and why it is bad (``None``: it is not)."""
 
     @property
     def error(self) -> str | None: ...
 
-    @property
-    def where(self) -> str: ...
 
-
-R = TypeVar("R", bound=Input)
+R = TypeVar("R", bound=Record)
 
 
 def self_check(

@@ -1,9 +1,9 @@
-"""The host-sync recorder (``tests/test_host_sync.py`` and ``tests/test_static_step.py`` use it).
+"""The host-sync recorder (``tests/search/test_host_sync.py`` and ``tests/models/test_static_step.py`` use it).
 
 On the CPU tensors already live on the host, so :class:`SyncRecorder` detects the *ops* that would
 synchronise on a GPU rather than transfers: a ``TorchDispatchMode`` sees every aten op, and ``tolist`` /
 ``numpy`` / ``cpu`` / ``to("cpu")`` (which never reach the dispatcher for a CPU tensor) are wrapped at the
-Python level. Each op is recorded with the loop iteration and the phase it ran in (see test_host_sync.py).
+Python level. Each op is recorded with the loop iteration and the phase it ran in (see search/test_host_sync.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Batch independence, model side: an input's logits, bit for bit, whatever inputs share its batch or leave it
-(tests/test_determinism.py for the fast families, tests/test_families.py for the described ones)."""
+(tests/models/test_determinism.py for the fast families, tests/models/test_families.py for the described ones)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def logits_of(
         logits = backend.step(state, torch.full((inputs * rows,), token))  # [inputs * rows, V]
         out.append(logits[at * rows : (at + 1) * rows].clone())
         if t == leave_at and inputs > 1:
-            backend.drop(state, torch.tensor([at]), torch.arange(at * rows, (at + 1) * rows))
+            backend.keep(state, torch.tensor([at]), torch.arange(at * rows, (at + 1) * rows))
             inputs, at = 1, 0
         token = nxt
     return torch.stack(out)

@@ -1,5 +1,5 @@
 """Property tests (hypothesis, part of the test extra; the module skips without it): the batch plan and the
-sentence splitter and scores of ``seqgen eval``. The logits processors' are in test_processors.py."""
+sentence splitter and scores of ``seqgen eval``. The logits processors' are in search/test_processors.py."""
 
 from __future__ import annotations
 

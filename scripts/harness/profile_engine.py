@@ -99,7 +99,7 @@ def main() -> None:
     backend.start = ours.wrap("encoder", backend.start)
     backend.step = ours.wrap("decoder step", backend.step)
     backend.reorder = ours.wrap("cache reorder", backend.reorder)
-    backend.drop = ours.wrap("drop finished", backend.drop)
+    backend.keep = ours.wrap("drop finished", backend.keep)
     ours.sync()
     t = time.perf_counter()
     out = generate(backend, batch, config)

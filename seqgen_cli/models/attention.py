@@ -61,7 +61,7 @@ def attention(
     chunk (one product per chunk of ``chunk`` keys, then a sum over the chunks), so keys masked at the end (a
     wider neighbour's source) add exact zeros and leave an input's bits as they are at its own width. One
     product over all ``K`` keys does not: the GEMM splits its inner dimension by its length. The scores and the
-    softmax keep their bits at any width that is a multiple of 64 (measured; tests/test_determinism.py).
+    softmax keep their bits at any width that is a multiple of 64 (measured; tests/models/test_determinism.py).
 
     ``then`` (T5Gemma 2's merged attention: the source's keys after the decoder's own): a second block of keys
     ``(keys_t, values, bias, chunk)`` under the same softmax, its scores after the first block's, its values summed

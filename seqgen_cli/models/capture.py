@@ -274,13 +274,13 @@ class CapturedBackend:
             self.backend.reorder(state.inner if isinstance(state, PlainRun) else state, rows)
 
     @torch.inference_mode()
-    def drop(self, state: CapturedState | PlainRun, keep: Tensor, rows: Tensor) -> None:
+    def keep(self, state: CapturedState | PlainRun, keep: Tensor, rows: Tensor) -> None:
         """Finished inputs leave: a kept state's idle in their lanes until the running ones move into a smaller
-        shape's (``KeptStates.drop``); a :class:`PlainRun`'s leave its state at once (the wrapped backend's)."""
+        shape's (``KeptStates.keep``); a :class:`PlainRun`'s leave its state at once (the wrapped backend's)."""
         if isinstance(state, CapturedState):
-            self.pool.drop(state, keep, rows)
+            self.pool.keep(state, keep, rows)
         else:
-            self.backend.drop(state.inner, keep, rows)
+            self.backend.keep(state.inner, keep, rows)
             state.running = keep.shape[0]
 
     # -- the refill engine's lanes (search/refill.py): the wrapped backend's, with decode compiled ------------

@@ -68,7 +68,7 @@ def call_under_limit(limit: int, fn: Callable[..., Any], *args: Any, settled: bo
     CPU of docs/EXPERIMENTS.md, "Compiled step on the CPU"). A new key's first calls run every guard, so a host
     value that selects another graph (a new span bucket) recompiles and becomes a differentiating guard. The key
     must name every such value: a settled call whose differentiating guards pass may run a graph traced for another
-    value, silently (``tests/test_capture.py``: a key without its span gives other tokens); one whose guards all
+    value, silently (``tests/models/test_capture.py``: a key without its span gives other tokens); one whose guards all
     fail (torch refuses to compile under the stance, before running anything) is made again with every guard."""
     cfg = torch._dynamo.config
     old = cfg.recompile_limit, cfg.fail_on_recompile_limit_hit

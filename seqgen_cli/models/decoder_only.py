@@ -22,7 +22,7 @@ import torch
 import transformers
 from torch import Tensor
 
-from seqgen_cli.models.attention import attend_blocks, rope, rotary_tables, soft_cap
+from seqgen_cli.models.attention import rotary_tables, soft_cap
 from seqgen_cli.models.kv_cache import (
     DecoderOnlyKVCache,
     kv_bytes,
@@ -31,26 +31,10 @@ from seqgen_cli.models.kv_cache import (
     select_into,
 )
 from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
-from seqgen_cli.models.layers import Causal, sliding_layers
+from seqgen_cli.models.layers import Causal, Place, Step, sliding_layers
 from seqgen_cli.models.linear_maps import dense, linear
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import MIN_WIDTH, graph_width, input_width
-
-
-def self_attention(
-    cache: DecoderOnlyKVCache,
-    layer: int,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-    softcap: float | None = None,
-    sliding: bool = False,
-) -> Tensor:
-    """This step's ``k``/``v`` ([N, Hkv, d], after any RoPE) into ``cache`` (a batch's or the lanes'); ``q`` [N, H, d]
-    attends the prompt and the generated positions (``sliding``: those within the cache's window) under one float32
-    softmax -> [N, H*d]."""
-    return attend_blocks(q, cache.update(layer, k, v, sliding), scale, softcap)
 
 
 @dataclass
@@ -94,8 +78,8 @@ class DecoderOnlyBackend:
         cfg = model.config
         self.model, self.family = model, family
         self.base = model.base_model  # the transformer without its LM head
-        self.blocks = [family.reader(layer, int8) for layer in getattr(self.base, family.layers)]
-        self.n_layers = len(self.blocks)
+        self.layers = [family.reader(layer, int8) for layer in getattr(self.base, family.layers)]
+        self.n_layers = len(self.layers)
         self.n_head = int(getattr(cfg, "num_attention_heads", None) or cfg.n_head)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_head)
         attn = getattr(self.base, family.layers)[0]
@@ -105,8 +89,10 @@ class DecoderOnlyBackend:
         self.embed = getattr(self.base, family.embed)  # the module (it scales where the family does: Gemma)
         self.ln_final = getattr(self.base, family.final_norm)
         self.per_type = family.positions == "rotary per layer type"  # a rotary table per layer type (Gemma3)
-        self.rotary_table = [b.layer_type if self.per_type else "full_attention" for b in self.blocks]  # each layer's
-        self.sliding, self.window = sliding_layers(cfg, self.n_layers)  # which layers slide, and how far
+        sliding, self.window = sliding_layers(cfg, self.n_layers)  # which layers slide, and how far
+        self.rotary_table = [lay.layer_type if self.per_type else "full_attention" for lay in self.layers]
+        for i, lay in enumerate(self.layers):
+            lay.at = Place(i, self.n_head, self.n_kv, self.head_dim, sliding[i], self.rotary_table[i])
         head = model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0])
         self.lm = linear(head.weight, head.bias, int8)
@@ -119,25 +105,14 @@ class DecoderOnlyBackend:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V] (float32)."""
         state.cache.begin()
         x = self.embed(tokens)  # [N, D]
-        n = x.shape[0]
-        h, hkv, d = self.n_head, self.n_kv, self.head_dim
         at = state.start_pos + state.cache.position  # [N] position ids
-        learned = self.family.positions == "learned"
-        if learned:
+        if self.family.positions == "learned":
+            step = Step(state.cache)
             x = x + self.base.wpe(at)
-        tables = None if learned else rotary_tables(self.base.rotary_emb, x, at, self.rotary_table, self.per_type)
-        for i, lay in enumerate(self.blocks):
-            q, k, v = lay.qkv(lay.ln_in(x))  # [N, H*d], [N, Hkv*d], [N, Hkv*d]
-            q, k, v = q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d)
-            if lay.q_norm is not None:
-                q, k = lay.q_norm(q), lay.k_norm(k)
-            if tables is not None:
-                cos, sin = tables[self.rotary_table[i]]
-                q, k = rope(q, cos, sin), rope(k, cos, sin)
-            a = lay.o(self_attention(state.cache, i, q, k, v, lay.scale, lay.softcap, self.sliding[i]))  # [N, D]
-            x = x + (a if lay.ln_attn_out is None else lay.ln_attn_out(a))
-            m = lay.mlp(lay.ln_mlp(x))
-            x = x + (m if lay.ln_mlp_out is None else lay.ln_mlp_out(m))
+        else:
+            step = Step(state.cache, rotary_tables(self.base.rotary_emb, x, at, self.rotary_table, self.per_type))
+        for layer in self.layers:
+            x = layer(x, step)  # [N, D]
         return soft_cap(self.lm(self.ln_final(x)).float(), self.final_softcap)  # [N, V]
 
     def _prefill(self, batch: Batch) -> tuple[list[Tensor], list[Tensor], Tensor]:
@@ -176,7 +151,7 @@ class DecoderOnlyBackend:
         state.cache.reorder(rows)  # start_pos is the same for all rows of an input
 
     @torch.inference_mode()
-    def drop(self, state: DecoderOnlyState, keep: Tensor, rows: Tensor) -> None:
+    def keep(self, state: DecoderOnlyState, keep: Tensor, rows: Tensor) -> None:
         state.cache.keep(keep, rows, used=state.t)
         state.start_pos = state.start_pos.index_select(0, rows)
 
@@ -201,7 +176,7 @@ class DecoderOnlyBackend:
         return logits
 
     @torch.inference_mode()
-    def compact(
+    def keep_into(
         self, state: DecoderOnlyState, keep: Tensor, rows: Tensor, into: DecoderOnlyState | None = None
     ) -> DecoderOnlyState:
         """Inputs ``keep`` ([B'] int64), i.e. rows ``rows`` ([B' * R]), of the static ``state`` in ``into`` (a kept

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from seqgen_cli.models.attention import attention, rope, rotary_tables, soft_cap
+from seqgen_cli.models.attention import rotary_tables, soft_cap
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
     kv_bytes,
@@ -32,11 +32,11 @@ from seqgen_cli.models.kv_cache import (
     select_into,
 )
 from seqgen_cli.models.lane_cache import LaneKVCache
-from seqgen_cli.models.layers import Seq2Seq, Seq2SeqLayer, sliding_layers
+from seqgen_cli.models.layers import Place, Seq2Seq, Step, sliding_layers
 from seqgen_cli.models.linear_maps import linear, onednn_copy, quantize_linears
 from seqgen_cli.models.resident import release
 from seqgen_cli.search.protocol import Batch
-from seqgen_cli.shapes import CROSS_CHUNK, MIN_WIDTH, cross_width, graph_width
+from seqgen_cli.shapes import MIN_WIDTH, cross_width, graph_width
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -51,58 +51,6 @@ class EncoderDecoderState:
     max_len: int  # positions the self-attention cache holds
     t: int = 0  # decoder positions fed so far (host counter)
     self_bias: torch.Tensor | None = None  # relative position bias [L', H, T, T] (query, key): L' = 1 or per layer
-
-
-def cross_attention(
-    q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, lay: Seq2SeqLayer, scale_scores: bool
-) -> torch.Tensor:
-    """``q`` [N, H*d] (N = B*R, input-major), ``k_t`` [B, Hkv, d, S], ``v`` [B, Hkv, S, d], ``mask`` additive
-    [B, 1, 1, S] -> [N, H*d]; ``S`` whole chunks (``shapes.cross_width``), summed chunk by chunk."""
-    b, _, d, _ = k_t.shape
-    n = q.shape[0]
-    h = q.shape[1] // d
-    q = q.view(b, n // b, h, d).transpose(1, 2)  # [N, H*d] -> [B, H, R, d]: beams as query positions
-    out = attention(q, k_t, v, mask, lay.scale, CROSS_CHUNK, lay.softcap, scale_scores)  # [B, H, R, d]
-    return out.transpose(1, 2).reshape(n, h * d)  # [B, R, H, d] -> [N, H*d]
-
-
-def self_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: EncoderDecoderKVCache,
-    layer: int,
-    lay: Seq2SeqLayer,
-    scale_scores: bool,
-    sliding: bool = False,
-    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """This step's ``q`` [N, H, d], ``k``/``v`` [N, Hkv, d]: k/v into ``cache`` (a batch's or the lanes'); returns the
-    attention output over each row's history (``sliding``: the keys within the cache's window) [N, H*d].
-    ``source`` (merged attention, T5Gemma 2): the source's keys [B, Hkv, d, S], values and mask [B, 1, 1, S], after
-    the history under the same softmax."""
-    n, h, d = q.shape
-    keys_t, values = cache.update(layer, k, v)  # [B, Hkv, d, span*R], [B, Hkv, span*R, d]
-    b = keys_t.shape[0]
-    qb = q.view(b, n // b, h, d).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
-    bias = cache.layer_bias(layer, sliding)
-    then = None if source is None else (*source, CROSS_CHUNK)
-    out = attention(qb, keys_t, values, bias, lay.scale, None, lay.softcap, scale_scores, then)  # [B, H, Rq, d]
-    return out.transpose(1, 2).reshape(n, h * d)  # [B, Rq, H, d] -> [N, H*d]
-
-
-def _out(norm: torch.nn.Module | None, y: torch.Tensor) -> torch.Tensor:
-    """A sub-layer's output as it joins the residual: normed where the family norms it (T5Gemma)."""
-    return y if norm is None else norm(y)
-
-
-def clamp_fp16(x: torch.Tensor) -> torch.Tensor:
-    """T5's float16 overflow guard after a sub-layer, sync-free (as transformers writes it)."""
-    if x.dtype != torch.float16:
-        return x
-    top = torch.finfo(x.dtype).max
-    limit = torch.where(torch.isinf(x).any(), top - 1000, top)
-    return torch.clamp(x, min=-limit, max=limit)
 
 
 class EncoderDecoderBackend:
@@ -125,27 +73,31 @@ class EncoderDecoderBackend:
         # T5Gemma 2: the end-of-image token embeds as its own vector, not its row
         self.eoi = getattr(dec.embed_tokens, "eoi_token_index", None)
         self.eoi_embedding = getattr(dec.embed_tokens, "eoi_embedding", None)
-        self.dec_layers = []
+        self.layers = []
         for layer in getattr(dec, family.layers):
-            self.dec_layers.append(family.reader(layer, int8))
+            self.layers.append(family.reader(layer, int8))
             if int8:  # its float32 weights have int8 copies now: their pages go back (resident.py)
                 release(p for p in layer.parameters() if p.dim() == 2)
-        self.layers = len(self.dec_layers)
+        self.n_layers = len(self.layers)
         dcfg = getattr(dec, "config", None) or cfg  # T5: the decoder's copy; T5Gemma: its own; own trees: the model's
         heads = getattr(dcfg, "decoder_attention_heads", None) or getattr(dcfg, "num_heads", None)
         self.heads = int(heads or dcfg.num_attention_heads)
         self.kv_heads = int(getattr(dcfg, "num_key_value_heads", None) or self.heads)  # cached: K/V heads only
         self.head_dim = int(getattr(dcfg, "d_kv", None) or getattr(dcfg, "head_dim", None) or hidden // self.heads)
-        self.sliding, self.window = sliding_layers(dcfg, self.layers)  # which layers slide, and how far
+        sliding, self.window = sliding_layers(dcfg, self.n_layers)  # which layers slide, and how far
         self.rotary = dec.rotary_emb if family.positions.startswith("rotary") else None
         self.per_type = family.positions == "rotary per layer type"  # a rotary table per layer type (T5Gemma 2)
-        self.rotary_table = [lay.layer_type if self.per_type else "full_attention" for lay in self.dec_layers]
+        self.rotary_table = [lay.layer_type if self.per_type else "full_attention" for lay in self.layers]
+        for i, lay in enumerate(self.layers):
+            lay.at = Place(
+                i, self.heads, self.kv_heads, self.head_dim, sliding[i], self.rotary_table[i], family.pre_norm,
+                family.clamp_fp16, family.scale_scores,
+            )  # fmt: skip
         self.final_softcap = getattr(dcfg, "final_logit_softcapping", None)
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.ln_embed = getattr(dec, family.embedding_norm) if family.embedding_norm else None
         self.ln_final = getattr(dec, family.final_norm) if family.final_norm else None
-        self.pre_norm, self.clamp, self.scale_scores = family.pre_norm, family.clamp_fp16, family.scale_scores
-        self.relative = [lay.relative for lay in self.dec_layers if lay.relative is not None]  # bias owners
+        self.relative = [lay.relative for lay in self.layers if lay.relative is not None]  # bias owners
         self.max_position_embeddings = None if self.relative else getattr(cfg, "max_position_embeddings", None)
         pos = getattr(dec, "embed_positions", None)
         self.pad_position = pos.padding_idx if family.positions == "padded table" else None
@@ -193,56 +145,32 @@ class EncoderDecoderBackend:
     def decode(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V]."""
         cache = state.cache
-        if state.self_bias is not None:
-            cache.begin(state.self_bias.index_select(2, cache.position))  # [L', H, 1 | N, T]
-        else:
-            cache.begin()
+        cache.begin(None if state.self_bias is None else state.self_bias.index_select(2, cache.position))
+        x = self.embedding(tokens, cache.position)  # [N, D]
+        tables = None
+        if self.rotary is not None:
+            tables = rotary_tables(self.rotary, x, cache.position, self.rotary_table, self.per_type)
+        step = Step(cache, tables, state.cross_k, state.cross_v, state.cross_mask)
+        for layer in self.layers:
+            x = layer(x, step)  # [N, D]
+        return self.head(x)  # [N, V]
+
+    def embedding(self, tokens: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """The decoder's input at cache position ``at`` ([1]: a batch, [N]: lanes): tokens [N] -> [N, D]."""
         x = F.embedding(tokens, self.embed)  # [N, D]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if self.eoi_embedding is not None:
             x = torch.where((tokens == self.eoi)[:, None], self.eoi_embedding.to(x.dtype), x)  # [N, D]
         if self.positions is not None:
-            at = cache.position + self.pos_offset  # [1] (a batch) or [N] (lanes)
+            at = at + self.pos_offset  # [1] (a batch) or [N] (lanes)
             if self.pad_position is not None:  # M2M-100: a pad token takes the padding row (zeros)
                 at = torch.where(tokens == self.pad_position, self.pad_position, at)  # [N]
             x = x + self.positions.index_select(0, at)  # [1 | N, D]
-        if self.ln_embed is not None:
-            x = self.ln_embed(x)
-        tables = None
-        if self.rotary is not None:
-            tables = rotary_tables(self.rotary, x, cache.position, self.rotary_table, self.per_type)
-        pre, clamp = self.pre_norm, (clamp_fp16 if self.clamp else lambda y: y)
-        h_d, kv_d = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        n = x.shape[0]
-        for i, lay in enumerate(self.dec_layers):
-            # self-attention over this row's history
-            h = lay.ln_self(x) if pre else x
-            q, k, v = lay.qkv(h).split((h_d, kv_d, kv_d), dim=-1)  # [N, H*d], [N, Hkv*d], [N, Hkv*d]
-            q, k, v = q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim), v.view(n, -1, self.head_dim)
-            if lay.q_norm is not None:
-                q, k = lay.q_norm(q), lay.k_norm(k)
-            if tables is not None:
-                cos, sin = tables[self.rotary_table[i]]
-                q, k = rope(q, cos, sin), rope(k, cos, sin)
-            source = (state.cross_k[i], state.cross_v[i], state.cross_mask) if lay.merged else None
-            a = self_attention(q, k, v, cache, i, lay, self.scale_scores, self.sliding[i], source)
-            x = clamp(x + _out(lay.ln_self_out, lay.o(a)))  # [N, D]
-            if not pre:
-                x = lay.ln_self(x)
-            if not lay.merged:  # cross-attention: the R beams of an input share its keys/values
-                h = lay.ln_cross(x) if pre else x
-                a = cross_attention(
-                    lay.cq(h), state.cross_k[i], state.cross_v[i], state.cross_mask, lay, self.scale_scores
-                )
-                x = clamp(x + _out(lay.ln_cross_out, lay.co(a)))
-                if not pre:
-                    x = lay.ln_cross(x)
-            # feed-forward
-            h = lay.ln_ff(x) if pre else x
-            x = clamp(x + _out(lay.ln_ff_out, lay.ff(h)))
-            if not pre:
-                x = lay.ln_ff(x)
+        return x if self.ln_embed is None else self.ln_embed(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output [N, D] -> logits [N, V]: the final norm, T5 v1.0's rescale, the LM head."""
         if self.ln_final is not None:
             x = self.ln_final(x)
         if self.out_scale is not None:
@@ -258,9 +186,9 @@ class EncoderDecoderBackend:
         """Each layer's cross-attention keys (transposed) and values in turn, as views of its K|V projection:
         [B, S, D] -> ([B, Hkv, d, S], [B, Hkv, S, d])."""
         b, s, _ = hidden.shape
-        for lay in self.dec_layers:
+        for lay in self.layers:
             kv = lay.ckv(hidden).view(b, s, 2, self.kv_heads, self.head_dim)  # [B, S, 2, Hkv, d]
-            k = lay.k_norm(kv[:, :, 0]) if lay.merged and lay.k_norm is not None else kv[:, :, 0]  # T5Gemma 2: normed
+            k = lay.source_keys(kv[:, :, 0])  # [B, S, Hkv, d] (T5Gemma 2: normed)
             yield k.permute(0, 2, 3, 1), kv[:, :, 1].transpose(1, 2)
 
     def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -284,7 +212,7 @@ class EncoderDecoderBackend:
             return [k for k, _ in cross], [v for _, v in cross], mask
         hd = (self.kv_heads, self.head_dim)
         keys = [
-            torch.zeros((b, *hd, width), dtype=self.dtype, device=self.device) for _ in range(self.layers)
+            torch.zeros((b, *hd, width), dtype=self.dtype, device=self.device) for _ in range(self.n_layers)
         ]
         values = [torch.zeros((b, hd[0], width, hd[1]), dtype=self.dtype, device=self.device) for _ in keys]
         for w in sorted(set(widths)):
@@ -308,7 +236,7 @@ class EncoderDecoderBackend:
         max_len = max(1, max_new_tokens)  # step() is called at most max_new_tokens times
         self.positions = self._position_table(max_len + self.pos_offset)
         cache = EncoderDecoderKVCache(
-            self.layers,
+            self.n_layers,
             batch.input_ids.shape[0],
             rows_per_input,
             self.kv_heads,
@@ -347,7 +275,7 @@ class EncoderDecoderBackend:
         state.t = 0
 
     @torch.inference_mode()
-    def compact(
+    def keep_into(
         self,
         state: EncoderDecoderState,
         keep: torch.Tensor,
@@ -384,13 +312,13 @@ class EncoderDecoderBackend:
         mask[..., 0] = 0.0
         max_len = max(1, max_new_tokens)
         self.positions = self._position_table(max_len + self.pos_offset)
-        cache = LaneKVCache(self.layers, lanes, rows_per_input, h, max_len, d, self.dtype, dev, self.window)
+        cache = LaneKVCache(self.n_layers, lanes, rows_per_input, h, max_len, d, self.dtype, dev, self.window)
         return EncoderDecoderState(
             cross_k=[
-                torch.zeros((lanes, h, d, width), dtype=self.dtype, device=dev) for _ in range(self.layers)
+                torch.zeros((lanes, h, d, width), dtype=self.dtype, device=dev) for _ in range(self.n_layers)
             ],
             cross_v=[
-                torch.zeros((lanes, h, width, d), dtype=self.dtype, device=dev) for _ in range(self.layers)
+                torch.zeros((lanes, h, width, d), dtype=self.dtype, device=dev) for _ in range(self.n_layers)
             ],
             cross_mask=mask,
             cache=cache,
@@ -440,7 +368,7 @@ class EncoderDecoderBackend:
         state.cache.reorder(rows)
 
     @torch.inference_mode()
-    def drop(self, state: EncoderDecoderState, keep: torch.Tensor, rows: torch.Tensor) -> None:
+    def keep(self, state: EncoderDecoderState, keep: torch.Tensor, rows: torch.Tensor) -> None:
         state.cross_k = [k.index_select(0, keep) for k in state.cross_k]
         state.cross_v = [v.index_select(0, keep) for v in state.cross_v]
         state.cross_mask = state.cross_mask.index_select(0, keep)
@@ -459,6 +387,6 @@ class EncoderDecoderBackend:
         back-pointers per row, the relative position bias [L', H, T, T]."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
         positions = inputs * cross_width(width) + rows * t
-        kv = kv_bytes(self.layers, self.kv_heads, self.head_dim, self.dtype, positions)
+        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, self.dtype, positions)
         bias = len(self.relative) * self.heads * t * t * self.dtype.itemsize
         return kv + pointer_bytes(rows, t) + bias

@@ -75,7 +75,7 @@ class GenericBackend:
         dtype = self.model.dtype
         total = kv_bytes(*shape, dtype, rows * (width + max(1, new_tokens)))
         if self.is_encoder_decoder:
-            hidden = _first(self.model.config, "d_model", "hidden_size") or 0
+            hidden = config_int(self.model.config, "d_model", "hidden_size") or 0
             total += rows * width * hidden * dtype.itemsize  # encoder states, repeated per row
         return total
 
@@ -167,7 +167,7 @@ class GenericBackend:
         cache.reorder_cache(rows)
         state.input_ids = state.input_ids.index_select(0, rows)
 
-    def drop(self, state: GenericState, keep: torch.Tensor, rows: torch.Tensor) -> None:
+    def keep(self, state: GenericState, keep: torch.Tensor, rows: torch.Tensor) -> None:
         state.cache.batch_select_indices(rows)
         state.input_ids = state.input_ids.index_select(0, rows)
         if state.encoder_outputs is not None:
@@ -179,17 +179,18 @@ class GenericBackend:
             state.position_ids = state.position_ids.index_select(0, rows)
 
 
-def _first(config: Any, *names: str) -> int | None:
-    return next((int(v) for n in names if isinstance(v := getattr(config, n, None), int)), None)
+def config_int(config: Any, *names: str) -> int | None:
+    """The first of the config's fields ``names`` that holds a non-zero int, or ``None``."""
+    return next((int(v) for n in names if isinstance(v := getattr(config, n, None), int) and v), None)
 
 
 def kv_shape(config: Any) -> tuple[int, int, int] | None:
     """(decoder layers, K/V heads, head dim) from a transformers config, or ``None``."""
-    layers = _first(config, "decoder_layers", "num_decoder_layers", "num_hidden_layers", "n_layer")
-    heads = _first(config, "decoder_attention_heads", "num_heads", "num_attention_heads", "n_head")
-    kv_heads = _first(config, "num_key_value_heads") or heads
-    hidden = _first(config, "d_model", "hidden_size", "n_embd")
-    head_dim = _first(config, "head_dim", "d_kv") or (hidden // heads if hidden and heads else None)
+    layers = config_int(config, "decoder_layers", "num_decoder_layers", "num_hidden_layers", "n_layer")
+    heads = config_int(config, "decoder_attention_heads", "num_heads", "num_attention_heads", "n_head")
+    kv_heads = config_int(config, "num_key_value_heads") or heads
+    hidden = config_int(config, "d_model", "hidden_size", "n_embd")
+    head_dim = config_int(config, "head_dim", "d_kv") or (hidden // heads if hidden and heads else None)
     if not (layers and kv_heads and head_dim):
         return None
     return layers, kv_heads, head_dim

@@ -8,7 +8,7 @@ backend's ``start``), every later one refills it in place (``restart``: encoder 
 masks copied in; the self-attention cache, back-pointers and counters reset), and a compaction copies the running
 inputs into the smaller shape's kept state (``compact``, allocating it the first time). A batch's addresses are its
 shape's, so each (shape, span bucket) records once per kept state. A batch on a kept state is a
-:class:`CapturedState` (where its running rows are: :meth:`KeptStates.open` starts it, :meth:`KeptStates.drop`
+:class:`CapturedState` (where its running rows are: :meth:`KeptStates.open` starts it, :meth:`KeptStates.keep`
 idles finished inputs and compacts). One batch at a time: a batch whose kept state a later batch took (or that was
 released) raises on its next call instead of reading another batch's caches. The static beam search's state
 (``search/static.py``) is kept with its shape's state (``Kept.search``), its bytes counted in the kept state's.
@@ -106,7 +106,7 @@ class CapturedState:
     shape: tuple[int, ...]  # (physical rows, padded width, positions): a compiled graph per span bucket each
     start: int  # lanes at the start (compaction stops at a quarter of them)
     kept: Kept = field(repr=False)  # whose buffers ``inner`` and ``tokens`` are
-    moved: Tensor | None = None  # [P' * R] after the last drop moved the rows to P' lanes: each row's old row
+    moved: Tensor | None = None  # [P' * R] after the last keep moved the rows to P' lanes: each row's old row
 
     def feed(self, tokens: Tensor) -> bool:
         """The step's ``tokens`` into the token buffer: the running rows' [N] copied into their rows (``False``), or
@@ -127,7 +127,7 @@ class CapturedState:
 
     def layout(self, encoder_decoder: bool) -> StaticLayout:
         """The running inputs' lanes, the token buffer, the history's prompt width (decoder-only: the graph width)
-        and new-token positions, and the last drop's move (``search/static.py``)."""
+        and new-token positions, and the last keep's move (``search/static.py``)."""
         width = 1 if encoder_decoder else self.shape[1]
         return StaticLayout(self.inputs, self.tokens, width, self.shape[2], self.moved)
 
@@ -175,7 +175,7 @@ class KeptStates:
         self.take(kept, state)
         return state, None if first is None else first[:running]  # [B, V]
 
-    def drop(self, state: CapturedState, keep: Tensor, rows: Tensor) -> None:
+    def keep(self, state: CapturedState, keep: Tensor, rows: Tensor) -> None:
         """Finished inputs idle in their lanes; the lanes shrink (a new shape) only to a smaller power of two, at
         most two halvings (``shapes.compacted``): the running inputs move into the smaller shape's kept state
         (:meth:`compact`), and the larger one waits for the next batch of its shape."""
@@ -203,9 +203,9 @@ class KeptStates:
         try:
             if target is None:
                 self.make_room(key, busy=[source.key])
-                target = self._keep(key, self.backend.compact(source.inner, inputs, rows))
+                target = self._keep(key, self.backend.keep_into(source.inner, inputs, rows))
             else:
-                self.backend.compact(source.inner, inputs, rows, into=target.inner)
+                self.backend.keep_into(source.inner, inputs, rows, into=target.inner)
         except Exception as err:
             self.release_if_oom(err)
             raise

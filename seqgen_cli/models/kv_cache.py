@@ -22,7 +22,7 @@ still be finite: ``nan - inf`` is ``nan``); off it they are never read, so they 
 
 Every layer has its own K and V tensors. Under ``torch.compile`` a write through a view of one tensor holding
 all layers is functionalized into a copy of that whole tensor per write (``index_put`` + ``select_scatter`` +
-``copy_``); a write into a tensor of its own stays an in-place ``index_put_`` (``tests/test_inductor.py``).
+``copy_``); a write into a tensor of its own stays an in-place ``index_put_`` (``tests/models/test_inductor.py``).
 
 Nothing here syncs with the device. Rows are input-major (``row = b * R + k``, see
 ``seqgen_cli/search/protocol.py``).

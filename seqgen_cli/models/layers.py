@@ -11,18 +11,60 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
+from seqgen_cli.models.attention import Keys, attend_blocks, attention, rope
 from seqgen_cli.models.linear_maps import Linear, dense, linear
+from seqgen_cli.shapes import CROSS_CHUNK
 
 # -- encoder-decoders -------------------------------------------------------------------------------------------
 
 
+class Step(NamedTuple):
+    """What a decoder layer reads in one step beside its input: the self-attention cache (``update(layer, k, v)``
+    returns what the layer's queries attend), RoPE's cos/sin per layer type (``None``: no rotary positions) and, for
+    an encoder-decoder, each layer's cross-attention keys [B, Hkv, d, S] (transposed), values [B, Hkv, S, d] and the
+    source mask [B, 1, 1, S]."""
+
+    cache: Any
+    rope: dict[str, tuple[Tensor, Tensor]] | None = None
+    cross_k: list[Tensor] | None = None
+    cross_v: list[Tensor] | None = None
+    cross_mask: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a layer sits in its decoder and how the family computes around it (the decoder sets it once)."""
+
+    index: int  # the layer's number: its cache entries, its cross K/V
+    heads: int  # query heads
+    kv_heads: int  # K/V heads (grouped-query attention: fewer)
+    head_dim: int
+    sliding: bool = False  # attends only the keys within the cache's window
+    rope: str = "full_attention"  # its rotary table (by layer type)
+    pre_norm: bool = True  # the norm before each sub-layer (else after its residual sum: BART, Marian)
+    clamp: bool = False  # T5's float16 overflow guard after each sub-layer
+    scale_scores: bool = False  # the attention scale multiplies q.k, not q (transformers' eager attention)
+
+
+def clamp_fp16(x: Tensor) -> Tensor:
+    """T5's float16 overflow guard after a sub-layer, sync-free (as transformers writes it)."""
+    if x.dtype != torch.float16:
+        return x
+    top = torch.finfo(x.dtype).max
+    limit = torch.where(torch.isinf(x).any(), top - 1000, top)
+    return torch.clamp(x, min=-limit, max=limit)
+
+
 @dataclass
 class Seq2SeqLayer:
-    """One decoder layer of an encoder-decoder: norms (the model's modules) and linear maps over its weights."""
+    """One decoder layer of an encoder-decoder: self-attention over its cache, cross-attention over the source's
+    K/V (the ``R`` rows of an input share them), feed-forward; norms (the model's modules) and linear maps over its
+    weights. ``layer(x, step)``: [N, D] -> [N, D]."""
 
     ln_self: nn.Module
     qkv_w: Tensor | None  # [(H + 2 Hkv) d, D]: q|k|v fused, the model's parameters re-pointed at slices of it
@@ -43,10 +85,81 @@ class Seq2SeqLayer:
     ln_cross_out: nn.Module | None = None
     ln_ff_out: nn.Module | None = None
     softcap: float | None = None  # attention logit soft-capping, self and cross (T5Gemma)
-    merged: bool = False  # the source's keys under the self-attention's softmax, no cross sub-layer (T5Gemma 2)
     q_norm: nn.Module | None = None  # per head, before RoPE; ``k_norm`` on the source's keys too (T5Gemma 2)
     k_norm: nn.Module | None = None
     layer_type: str = "full_attention"  # its rotary table, where the model has one per layer type (T5Gemma 2)
+    at: Place | None = None  # set by the decoder
+
+    def __call__(self, x: Tensor, step: Step) -> Tensor:
+        x = self.residual(x, self.ln_self, self.ln_self_out, lambda h: self.self_attention(h, step))
+        x = self.residual(x, self.ln_cross, self.ln_cross_out, lambda h: self.cross_attention(h, step))
+        return self.residual(x, self.ln_ff, self.ln_ff_out, self.ff)
+
+    def residual(self, x: Tensor, norm: nn.Module, out: nn.Module | None, sub: Callable[[Tensor], Tensor]) -> Tensor:
+        """A sub-layer and its residual sum: the norm before it (pre-norm) or after the sum, the sub-layer's output
+        normed first where the family norms it (T5Gemma), T5's float16 guard after the sum."""
+        pre = self.at.pre_norm
+        y = sub(norm(x) if pre else x)
+        x = x + (y if out is None else out(y))
+        x = clamp_fp16(x) if self.at.clamp else x
+        return x if pre else norm(x)
+
+    def self_attention(self, h: Tensor, step: Step) -> Tensor:
+        """[N, D] -> [N, D]: this step's q/k/v (q/k normed, rotated where the family does), k/v into the cache, the
+        attention over each row's history (and, merged, the source's keys), projected."""
+        at, n = self.at, h.shape[0]
+        h_d, kv_d = at.heads * at.head_dim, at.kv_heads * at.head_dim
+        q, k, v = self.qkv(h).split((h_d, kv_d, kv_d), dim=-1)  # [N, H*d], [N, Hkv*d], [N, Hkv*d]
+        q, k, v = q.view(n, -1, at.head_dim), k.view(n, -1, at.head_dim), v.view(n, -1, at.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if step.rope is not None:
+            cos, sin = step.rope[at.rope]
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+        keys_t, values = step.cache.update(at.index, k, v)  # [B, Hkv, d, span*R], [B, Hkv, span*R, d]
+        b = keys_t.shape[0]
+        qb = q.view(b, n // b, at.heads, at.head_dim).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
+        bias = step.cache.layer_bias(at.index, at.sliding)
+        out = attention(qb, keys_t, values, bias, self.scale, None, self.softcap, at.scale_scores, self.source(step))
+        return self.o(out.transpose(1, 2).reshape(n, h_d))  # [B, H, Rq, d] -> [B, Rq, H, d] -> [N, H*d] -> [N, D]
+
+    def source(self, step: Step) -> Keys | None:
+        """The source's keys attended under the self-attention's softmax (merged attention), or ``None``."""
+        return None
+
+    def cross_attention(self, h: Tensor, step: Step) -> Tensor:
+        """[N, D] -> [N, D]: the step's queries (N = B*R, input-major) against the input's source K/V: the ``R``
+        rows of an input as its query positions (FastSeq's trick), the values summed by ``CROSS_CHUNK`` chunks."""
+        at, i = self.at, self.at.index
+        q = self.cq(h)  # [N, H*d]
+        b, n = step.cross_k[i].shape[0], q.shape[0]
+        q = q.view(b, n // b, at.heads, at.head_dim).transpose(1, 2)  # [N, H*d] -> [B, H, R, d]
+        out = attention(
+            q, step.cross_k[i], step.cross_v[i], step.cross_mask, self.scale, CROSS_CHUNK, self.softcap,
+            at.scale_scores,
+        )  # fmt: skip  [B, H, R, d]
+        return self.co(out.transpose(1, 2).reshape(n, -1))  # [B, R, H, d] -> [N, H*d] -> [N, D]
+
+    def source_keys(self, keys: Tensor) -> Tensor:
+        """The source's keys [B, S, Hkv, d] as this layer attends them."""
+        return keys
+
+
+@dataclass
+class MergedLayer(Seq2SeqLayer):
+    """T5Gemma 2's decoder layer: no cross-attention sub-layer; the source's keys (through the same ``k_proj`` and
+    ``k_norm``) and values join the decoder's own under the self-attention's one softmax."""
+
+    def __call__(self, x: Tensor, step: Step) -> Tensor:
+        x = self.residual(x, self.ln_self, self.ln_self_out, lambda h: self.self_attention(h, step))
+        return self.residual(x, self.ln_ff, self.ln_ff_out, self.ff)
+
+    def source(self, step: Step) -> Keys:
+        i = self.at.index
+        return step.cross_k[i], step.cross_v[i], step.cross_mask, CROSS_CHUNK
+
+    def source_keys(self, keys: Tensor) -> Tensor:
+        return keys if self.k_norm is None else self.k_norm(keys)
 
 
 Positions = Literal[
@@ -77,7 +190,8 @@ class Seq2Seq:
 
 @dataclass
 class CausalLayer:
-    """One decoder-only layer: norms (the model's modules, ``None`` where the family has none) and linear maps."""
+    """One decoder-only layer: attention over its cache (the prompt's K/V and the generated positions), MLP; norms
+    (the model's modules, ``None`` where the family has none) and linear maps. ``layer(x, step)``: [N, D] -> [N, D]."""
 
     ln_in: nn.Module  # before attention
     qkv: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]  # [N, D] -> q [N, H*d], k, v [N, Hkv*d]
@@ -92,6 +206,31 @@ class CausalLayer:
     softcap: float | None = None  # attention logit soft-capping (Gemma2)
     layer_type: str = "full_attention"  # its rotary table, where the model has one per layer type (Gemma3)
     maps: dict[str, Linear] = field(default_factory=dict)  # every linear map of the layer by name (int8 checks)
+    at: Place | None = None  # set by the decoder
+
+    def __call__(self, x: Tensor, step: Step) -> Tensor:
+        at, n = self.at, x.shape[0]
+        q, k, v = self.qkv(self.ln_in(x))  # [N, H*d], [N, Hkv*d], [N, Hkv*d]
+        q, k, v = q.view(n, at.heads, at.head_dim), k.view(n, at.kv_heads, at.head_dim), v.view(n, at.kv_heads, at.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if step.rope is not None:
+            cos, sin = step.rope[at.rope]
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+        a = self.o(causal_attention(step.cache, at.index, q, k, v, self.scale, self.softcap, at.sliding))  # [N, D]
+        x = x + (a if self.ln_attn_out is None else self.ln_attn_out(a))
+        m = self.mlp(self.ln_mlp(x))
+        return x + (m if self.ln_mlp_out is None else self.ln_mlp_out(m))
+
+
+def causal_attention(
+    cache: Any, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None,
+    sliding: bool = False,
+) -> Tensor:  # fmt: skip
+    """This step's ``k``/``v`` ([N, Hkv, d], after any RoPE) into ``cache`` (a batch's or the lanes'); ``q`` [N, H, d]
+    attends the prompt and the generated positions (``sliding``: those within the cache's window) under one float32
+    softmax -> [N, H*d]."""
+    return attend_blocks(q, cache.update(layer, k, v, sliding), scale, softcap)
 
 
 @dataclass(frozen=True)

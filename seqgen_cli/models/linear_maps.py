@@ -6,7 +6,7 @@ further on the CPU: :class:`PackedLinear` runs oneDNN on a weight packed once in
 whole sources ([B, S, D]: cross-attention keys/values) as one [B * S, D] product, and the encoder-decoders' encoder
 runs its own layers with :class:`SourceLinear` (a PackedLinear) in place of ``nn.Linear`` (:func:`onednn_copy`).
 
-Batch invariance (tests/test_determinism.py). oneDNN computes each row of a product the same way whatever the
+Batch invariance (tests/models/test_determinism.py). oneDNN computes each row of a product the same way whatever the
 number of rows, the row's position among them, the number of threads and whether the weight is packed, except
 a product of a single row (a matrix-vector kernel with another summation order): :func:`onednn` runs one row as
 two. MKL's GEMM does so only when the row count is a multiple of 8 (rows of products of fewer than 12 rows
@@ -20,7 +20,7 @@ Weights are stored as int8 with one scale per output row (per-channel, as CTrans
 are quantized per tensor at run time (one scale and zero point from the whole input's minimum and maximum, where
 CTranslate2 takes one per row), the product runs in int8 (fbgemm under torch's ``x86`` engine) and comes back
 as float32. So an int8 row's result depends on the other rows of its product, and an input's int8 output on the
-rest of its batch (tests/test_determinism.py, an expected failure). Everything that is not a linear layer (embeddings, norms, attention, the search) stays
+rest of its batch (tests/models/test_determinism.py, an expected failure). Everything that is not a linear layer (embeddings, norms, attention, the search) stays
 float32. torch's ``torch.ao.quantization`` namespace is deprecated in favour of torchao, but torchao has no
 fast eager CPU kernel for int8 dynamic activations (see docs/EXPERIMENTS.md, "CPU int8"), so this uses the
 torch one and silences its deprecation warnings.

@@ -12,7 +12,7 @@ a small job decodes. :func:`load` is used for the fast engine on the CPU in floa
 
 Exactness: an encoder runs transformers' operations in transformers' order (``scaled_dot_product_attention`` with
 its mask, or T5Gemma's eager attention, the same additions and norms), so its output is bit-identical, and every weight is the checkpoint's
-tensor, tied as transformers ties it (tests/test_own_model.py). A checkpoint it does not read the same way returns
+tensor, tied as transformers ties it (tests/models/test_own_model.py). A checkpoint it does not read the same way returns
 ``None`` from :func:`load`, with the reason, and transformers loads it: a key it does not expect or lacks, no
 safetensors, an activation or attention implementation it does not have.
 """

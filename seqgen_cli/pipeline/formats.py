@@ -347,7 +347,7 @@ def write_manifest(part: str, settings: dict[str, Any], inputs: int, size: int, 
         raise WriteError.of(err, path) from err
 
 
-def file_sha256(path: str | os.PathLike[str], size: int | None = None) -> Any:
+def prefix_sha256(path: str | os.PathLike[str], size: int | None = None) -> Any:
     """A SHA-256 hash object over the file's first ``size`` bytes (all of them: None), to compare or go on."""
     h = hashlib.sha256()
     left = size

@@ -19,7 +19,7 @@ from typing import Any
 
 from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.pipeline import paths
-from seqgen_cli.pipeline.formats import file_sha256, index_path, journal_path, manifest_path, read_manifest
+from seqgen_cli.pipeline.formats import index_path, journal_path, manifest_path, prefix_sha256, read_manifest
 from seqgen_cli.pipeline.resume import check_fresh, differences
 from seqgen_cli.pipeline.shards import shard_range
 from seqgen_cli.pipeline.sinks import check_not_busy, is_stream, open_stream
@@ -51,7 +51,7 @@ def check_part(part: str) -> dict[str, Any]:
         raise SeqgenError(
             f"{part}: changed since its shard finished ({path.stat().st_size} bytes, {manifest.name} says {size})"
         )
-    if file_sha256(path).hexdigest() != entry.get("sha256"):
+    if prefix_sha256(path).hexdigest() != entry.get("sha256"):
         raise SeqgenError(
             f"{part}: changed since its shard finished (its bytes differ from {manifest.name}'s digest)"
         )

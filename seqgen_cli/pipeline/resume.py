@@ -20,9 +20,9 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline.formats import (
     IndexEntry,
     InputDigest,
-    file_sha256,
     index_path,
     input_key,
+    prefix_sha256,
     read_index,
 )
 from seqgen_cli.pipeline.records import Record
@@ -68,7 +68,7 @@ def load(output: str | os.PathLike[str], settings: dict[str, Any]) -> IndexEntry
         raise SeqgenError(
             f"--resume: {output} is shorter than {index.name} records; delete both to start over"
         )
-    if last.offset and file_sha256(out, last.offset).hexdigest() != last.output_sha256:
+    if last.offset and prefix_sha256(out, last.offset).hexdigest() != last.output_sha256:
         raise SeqgenError(
             f"--resume: the first {last.done} outputs in {output} were changed since they were written "
             f"(edited, reordered or replaced); delete both {output} and {index.name} to start over"
@@ -117,7 +117,7 @@ def differences(old: dict[str, Any], new: dict[str, Any], ignore: tuple[str, ...
 # Where each option of `seqgen generate` that changes the outputs shows in the fingerprint (the flags of
 # cli.GENERATION_OPTIONS and --preset reach it through the resolved generation config; --shard through
 # ShardRange.settings): FINGERPRINTED is this table plus every generation key. Every other option is in
-# OUTPUT_NEUTRAL; tests/test_fingerprint.py holds the two to the command's options.
+# OUTPUT_NEUTRAL; tests/pipeline/test_resume.py holds the two to the command's options.
 _FINGERPRINTED_OPTIONS = {
     "model": "model",
     "preset": "generation",

@@ -22,8 +22,8 @@ from seqgen_cli.pipeline.formats import (
     IndexWriter,
     Journal,
     JsonLog,
-    file_sha256,
     manifest_path,
+    prefix_sha256,
     write_all,
     write_manifest,
 )
@@ -240,7 +240,7 @@ class FileSink(Sink):
         self.offset = offset
         self._buf: list[bytes] = []
         try:  # SHA-256 of the committed bytes, for the index and the part manifest
-            self._hash = file_sha256(self.name, offset) if offset else hashlib.sha256()
+            self._hash = prefix_sha256(self.name, offset) if offset else hashlib.sha256()
         except OSError as err:
             self.close(complete=False)
             raise WriteError.of(err, self.name) from err

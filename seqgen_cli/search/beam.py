@@ -212,7 +212,7 @@ class BeamSearch:
     def keep(self, leaving: Leaving) -> None:
         """Done inputs leave (``Rows.check``'s split)."""
         self.beams.keep(leaving.keep)
-        self.rows.keep_inputs(leaving)
+        self.rows.keep(leaving)
 
 
 @dataclass(frozen=True)

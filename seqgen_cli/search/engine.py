@@ -7,7 +7,7 @@ of its rows and takes its next tokens; every ``sync_every`` rounds the host chec
 cohort runs is its placement:
 
 - **the whole state** (a batch: one cohort, ``physical`` ``None``): the cohort's rows are the state's rows. Its
-  search reorders the backend itself (``Rows.reorder``); inputs that leave leave the state (``backend.drop``: it
+  search reorders the backend itself (``Rows.reorder``); inputs that leave leave the state (``backend.keep``: it
   shrinks, or under capture idles them), and the search feeds the backend what it chose (``Rows.tokens``: the
   running rows' tokens, or a static layout's whole token buffer, ``search/static.py``).
 - **lanes** (:class:`Lanes`, the refill engine): the state's rows are ``L`` fixed lanes of ``R`` rows; a cohort's
@@ -57,7 +57,7 @@ class RefillStats:
 
 class Reorders:
     """The backend a lane cohort's ``Rows`` sees: it records the cohort's beam reordering (cohort rows) for the
-    lanes' permutation; inputs that leave idle in their lanes (no drop)."""
+    lanes' permutation; inputs that leave idle in their lanes (no keep)."""
 
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None
@@ -65,7 +65,7 @@ class Reorders:
     def reorder(self, state: Any, rows: torch.Tensor) -> None:
         self.rows = rows
 
-    def drop(self, state: Any, keep: torch.Tensor, rows: torch.Tensor) -> None:
+    def keep(self, state: Any, keep: torch.Tensor, rows: torch.Tensor) -> None:
         pass
 
 

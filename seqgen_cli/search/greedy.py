@@ -74,4 +74,4 @@ class TokenSearch:
         """Done inputs leave (``Rows.check``'s split)."""
         kept_rows = leaving.kept_rows  # [B' * R]
         self.finished, self.lengths = self.finished[kept_rows], self.lengths[kept_rows]
-        self.rows.keep_inputs(leaving)
+        self.rows.keep(leaving)

@@ -14,7 +14,7 @@ Life of a call::
     loop (search/engine.py):
         ... choose tokens, maybe beams ...
         backend.reorder(state, rows)        # beam search only: row i continues old row rows[i]
-        backend.drop(state, keep, kept)     # inputs finished: keep inputs keep [B'], i.e. rows kept [B' * R]
+        backend.keep(state, keep, kept)     # inputs finished: keep inputs keep [B'], i.e. rows kept [B' * R]
         logits = backend.step(state, tokens)
 """
 
@@ -101,11 +101,11 @@ class ModelBackend(Protocol):
         """Beam reordering: new row ``i`` continues old row ``rows[i]`` ([N] int64, same input)."""
         ...
 
-    def drop(self, state: Any, keep: torch.Tensor, rows: torch.Tensor) -> None:
+    def keep(self, state: Any, keep: torch.Tensor, rows: torch.Tensor) -> None:
         """Finished inputs leave: keep only inputs ``keep`` ([B'] int64, ascending, indices among active).
 
         ``rows`` ([B' * R] int64) are their rows, ``keep[i] * R + k`` for ``k < R``: computed once by the
-        search (``Rows.keep_inputs``) for the backend's per-row state.
+        search (``Rows.keep``) for the backend's per-row state.
         """
         ...
 
@@ -142,7 +142,7 @@ class StaticLayout:
     tokens: torch.Tensor  # [P * R] int64: the next step's input tokens, a buffer whose address stays
     width: int  # decoder positions a row's history may start with: the prompts' graph width, or 1
     positions: int  # new-token positions
-    moved: torch.Tensor | None  # [P' * R] int64 after a drop that moved the rows to P' lanes: row i's old row
+    moved: torch.Tensor | None  # [P' * R] int64 after a keep that moved the rows to P' lanes: row i's old row
 
 
 @runtime_checkable
@@ -160,7 +160,7 @@ class StaticBackend(ModelBackend, Protocol):
         ...
 
     def static_layout(self, state: Any) -> StaticLayout:
-        """The layout now (after a ``drop``, the new one)."""
+        """The layout now (after a ``keep``, the new one)."""
         ...
 
     def kept_search(self, state: Any, key: Any, make: Callable[[], Any]) -> Any:

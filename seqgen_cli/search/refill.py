@@ -25,7 +25,7 @@ length, so neighbours share a width bucket); a wider joiner widens every lane's 
 
 Exactness: an input's search is the ordinary one, and its decoder arithmetic does not depend on its neighbours'
 steps (a span bucket of cache positions attended under a mask) nor, decoder-only, on who joins with it (each prompt
-is prefilled at a width of its own length), so outputs are token-identical to ``generate()`` (tests/test_refill.py
+is prefilled at a width of its own length), so outputs are token-identical to ``generate()`` (tests/search/test_refill.py
 runs the equivalence harness with joins at many different steps) and equal to the input's own run.
 """
 

@@ -1,14 +1,14 @@
 """The running rows shared by every search loop: backend state, token history and processors.
 
 Rows are input-major (``row = b * R + k``, see ``protocol.py``). Inputs that finish leave together with
-all their rows: :meth:`Rows.keep_inputs` applies one selection to the backend, the history and the stateful
+all their rows: :meth:`Rows.keep` applies one selection to the backend, the history and the stateful
 processors.
 
 Host synchronisation. A decode step (processors, search update, reorder, model step) only queues device
 work: step counters are host integers, conditions on them are host branches, masks are tensors. The loop
 reads the device at two places only, both here: :meth:`Rows.check`, every ``sync_every`` steps ("which
 inputs are done?", one transfer), and :meth:`Rows.remaining` after the loop; the collection of finished
-results follows each. ``tests/test_host_sync.py`` runs the engine under a dispatch mode that records every
+results follows each. ``tests/search/test_host_sync.py`` runs the engine under a dispatch mode that records every
 synchronising op and holds the loops to this.
 """
 
@@ -94,7 +94,7 @@ class Rows:
         their original batch indices)."""
         return torch.arange(len(self.inputs), device=self.history.tokens.device), list(self.inputs)
 
-    def keep_inputs(self, leaving: Leaving) -> None:
+    def keep(self, leaving: Leaving) -> None:
         """Finished inputs leave: keep active inputs ``leaving.keep`` ([B'] int64, ascending, on device).
 
         Their rows (``leaving.kept_rows``, computed once by :meth:`check`) select the history, the processors
@@ -105,7 +105,7 @@ class Rows:
             self.tokens = self.tokens[rows]  # [B' * R]
         self.history.select(rows)
         self.pipeline.select(rows)
-        self.backend.drop(self.state, keep, rows)
+        self.backend.keep(self.state, keep, rows)
         gone = set(leaving.inputs)
         self.inputs = [b for b in self.inputs if b not in gone]
 

@@ -8,7 +8,7 @@ seed torch's global RNG is used.
 
 Draws are :func:`draw`'s exponential race (the same draws as ``torch.multinomial``), not ``torch.multinomial``
 itself, which synchronises with the host on CUDA inside ATen: the decode loop must not
-(``tests/test_host_sync.py`` forbids the op).
+(``tests/search/test_host_sync.py`` forbids the op).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Exactness: the step is ``beam.BeamSearch.advance`` (the helpers of ``beam_step.p
 ``processors.py``, in transformers' order), with "only at this step" conditions as ``torch.where`` on the device
 step and divisions as eager torch divides by a Python float (on CUDA a product by the float32 inverse,
 ``beam_step.divide``): run eagerly, tokens and scores are bit for bit those of
-``BeamSearch`` (``tests/test_compiled_search.py``); compiled, log-softmax and sums may round differently, so
+``BeamSearch`` (``tests/search/test_static.py``); compiled, log-softmax and sums may round differently, so
 tokens are the same where no near-tie separates them, as for the compiled model step.
 """
 
@@ -280,7 +280,7 @@ class StaticBeamSearch:
         """Done inputs leave: the backend idles their lanes, or moves the rows to fewer lanes (then the search
         state moves into the kept one of that shape)."""
         rows, backend = self.rows, self.backend
-        backend.drop(rows.state, leaving.keep, leaving.kept_rows)
+        backend.keep(rows.state, leaving.keep, leaving.kept_rows)
         gone = set(leaving.inputs)
         rows.inputs = [b for b in rows.inputs if b not in gone]
         layout = backend.static_layout(rows.state)

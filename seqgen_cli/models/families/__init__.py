@@ -8,10 +8,10 @@ module tree (``TREES``: ``model_type`` -> its ``Tree``).
 - ``t5gemma.py``: T5Gemma, T5Gemma 2 (encoder-decoder; own tree for T5Gemma)
 - ``gpt2.py``, ``llama.py`` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3), ``phi3.py`` (decoder-only)
 
-This package is the one place that names a ``model_type`` of a fast family (tests/test_families.py holds it), and it
+This package is the one place that names a ``model_type`` of a fast family (tests/models/test_families.py holds it), and it
 holds what else seqgen knows of model types by name: the position tables their decoders index (:func:`decoder_table`)
 and whose inputs their positions do not limit (:func:`source_limited`). Adding a family: a file here (its layer
-reader, its rows), listed in :data:`FILES`, and a fixture in tests/test_families.py.
+reader, its rows), listed in :data:`FILES`, and a fixture in tests/models/test_families.py.
 
 A variant a decoder does not reproduce exactly (a length-dependent RoPE, an attention kind not written) has its reason
 in :func:`refusal`; such a model runs the generic backend, which names the reason.

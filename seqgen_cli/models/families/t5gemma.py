@@ -25,7 +25,7 @@ from torch import nn
 
 from seqgen_cli.models.attention import rotate_half, soft_cap
 from seqgen_cli.models.fuse import concat_linears, fuse_linears
-from seqgen_cli.models.layers import Seq2Seq, Seq2SeqLayer
+from seqgen_cli.models.layers import MergedLayer, Seq2Seq, Seq2SeqLayer
 from seqgen_cli.models.linear_maps import Linear, linear
 from seqgen_cli.models.tree import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
 
@@ -56,7 +56,7 @@ def t5gemma_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
     )  # fmt: skip
 
 
-def t5gemma2_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
+def t5gemma2_layer(layer: nn.Module, int8: bool) -> MergedLayer:
     """A T5Gemma 2 decoder layer (Gemma 3's, its self-attention *merged* with cross-attention: the source's keys and
     values come from the same ``k_proj`` / ``v_proj``, its keys through ``k_norm`` too, and join the decoder's own
     under one softmax); q/k norms, an RMSNorm before and after each sub-layer."""
@@ -74,12 +74,12 @@ def t5gemma2_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
         gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
     )  # fmt: skip
     gate, up, down, act = maps["gate"], maps["up"], maps["down"], mlp.act_fn
-    return Seq2SeqLayer(
+    return MergedLayer(
         ln_self=layer.pre_self_attn_layernorm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"],
         scale=float(sa.scaling), ln_cross=None, cq=None, ckv_w=None, ckv=maps["ckv"], co=None,
         ln_ff=layer.pre_feedforward_layernorm, ff=lambda x: down(act(gate(x)) * up(x)), maps=maps,
         ln_self_out=layer.post_self_attn_layernorm, ln_ff_out=layer.post_feedforward_layernorm,
-        softcap=sa.attn_logit_softcapping, merged=True, q_norm=sa.q_norm, k_norm=sa.k_norm,
+        softcap=sa.attn_logit_softcapping, q_norm=sa.q_norm, k_norm=sa.k_norm,
         layer_type=sa.layer_type or "full_attention",
     )  # fmt: skip
 

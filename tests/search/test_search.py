@@ -90,9 +90,9 @@ class CountingDecoder(GenericBackend):
         super().__init__(model)
         self.dropped: list[int] = []
 
-    def drop(self, state, keep, rows):
+    def keep(self, state, keep, rows):
         self.dropped.append(len(keep))
-        super().drop(state, keep, rows)
+        super().keep(state, keep, rows)
 
 
 @pytest.mark.parametrize("family", ["marian", "gpt2"])

@@ -6,7 +6,7 @@ the :class:`CapturedBackend`'s life, on the CPU with the stand-in "eager" compil
   tokens) keeps its addresses, every batch and every compaction; one allocation per shape; the outputs are the
   plain backend's tokens, and bit for bit (tokens and scores) those of fresh buffers for every batch;
 * a later batch refills a kept state exactly as a fresh ``start`` fills a new one, a compaction copies exactly
-  what ``drop`` keeps; the bytes ``cache_bytes`` promises are what a refilled or compacted state holds;
+  what ``keep`` keeps; the bytes ``cache_bytes`` promises are what a refilled or compacted state holds;
 * kept states stay within the device budget (least recently used released first), an out-of-memory error
   releases them, and a batch whose buffers a later batch took cannot step on silently;
 * ``stats()`` reports the kept states (and, on CUDA, the CUDA graphs recorded; counted here on stand-in trees).
@@ -74,9 +74,9 @@ class Watched(CapturedBackend):
         self._saw(state)
         return state, first
 
-    def drop(self, state: CapturedState, keep: torch.Tensor, rows: torch.Tensor) -> None:
+    def keep(self, state: CapturedState, keep: torch.Tensor, rows: torch.Tensor) -> None:
         before = state.shape
-        super().drop(state, keep, rows)
+        super().keep(state, keep, rows)
         if state.shape != before:
             self.compactions += 1
             self._saw(state)
@@ -191,7 +191,7 @@ def test_restart_fills_a_kept_state_as_start_fills_a_new_one(tiny_models, family
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compact_copies_what_drop_keeps(tiny_models, family: str) -> None:
-    """Compaction into a kept state (stale, of an earlier batch) holds what ``drop`` keeps (written positions, zeros
+    """Compaction into a kept state (stale, of an earlier batch) holds what ``keep`` keeps (written positions, zeros
     after them, back-pointers, counters), into the same tensors; the source state is left as it was."""
     loaded = load(tiny_models(family))
     backend = get_backend(loaded.model)
@@ -206,14 +206,14 @@ def test_compact_copies_what_drop_keeps(tiny_models, family: str) -> None:
             backend.step(state, torch.randint(4, backend.vocab_size, (4 * r,), generator=g))
             if t == 1:
                 backend.reorder(state, torch.tensor([1, 0, 2, 2, 4, 5, 7, 6]))
-        target = backend.compact(state, torch.tensor([2, 1]), torch.tensor([4, 5, 2, 3]))  # a stale one
+        target = backend.keep_into(state, torch.tensor([2, 1]), torch.tensor([4, 5, 2, 3]))  # a stale one
         backend.step(target, torch.randint(4, backend.vocab_size, (2 * r,), generator=g))
         addresses = [x.data_ptr() for x in state_buffers(target)]
         before = [x.clone() for x in state_buffers(state)]
-        assert backend.compact(state, keep, rows, into=target) is target
+        assert backend.keep_into(state, keep, rows, into=target) is target
         assert [x.data_ptr() for x in state_buffers(target)] == addresses
         assert all(torch.equal(x, y) for x, y in zip(state_buffers(state), before, strict=True))
-        backend.drop(state, keep, rows)  # what the plain engine keeps
+        backend.keep(state, keep, rows)  # what the plain engine keeps
     assert target.t == state.t == steps
     for ours, theirs in zip(state_buffers(target), state_buffers(state), strict=True):
         assert torch.equal(ours, theirs)
@@ -233,7 +233,7 @@ def test_cache_bytes_describe_a_refilled_and_a_compacted_state(tiny_models, fami
         assert captured.cache_bytes(3, width, 2, 7) == sum(inner.cache_nbytes(state.inner).values())
         held, caches = state.kept.nbytes - state.tokens.nbytes, sum(inner.cache_nbytes(state.inner).values())
         assert caches <= held <= 1.05 * caches, "kept bytes: the caches (and masks, counters), not more"
-    captured.drop(state, torch.tensor([0]), torch.tensor([0, 1]))  # 4 lanes -> 1
+    captured.keep(state, torch.tensor([0]), torch.tensor([0, 1]))  # 4 lanes -> 1
     assert state.shape[0] == 2
     assert sum(inner.cache_nbytes(state.inner).values()) == inner.cache_bytes(1, 64, 2, 64)
     assert captured.stats()["kept_bytes"] == sum(k.nbytes for k in captured.kept.values())

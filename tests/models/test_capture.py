@@ -79,7 +79,7 @@ def test_compaction_stops_two_halvings_below_the_start(tiny_models) -> None:
     seen = [state.shape[0]]
     for running in (9, 8, 4, 3, 1):  # inputs finish; one row each, so rows = inputs
         keep = torch.arange(running)
-        backend.drop(state, keep, keep)
+        backend.keep(state, keep, keep)
         seen.append(state.shape[0])
     assert seen == [16, 16, 8, 4, 4, 4]
 

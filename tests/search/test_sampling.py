@@ -1,6 +1,6 @@
 """Sampling's sync-free draw: ``search.sampling.draw`` (an exponential race) draws from the
 same distribution as ``torch.multinomial``, never draws a token of probability 0, and repeats with a seed.
-(That the decode loop calls no ``multinomial`` is ``tests/test_host_sync.py``'s: it forbids the op.)"""
+(That the decode loop calls no ``multinomial`` is ``tests/search/test_host_sync.py``'s: it forbids the op.)"""
 
 from __future__ import annotations
 

@@ -21,9 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.models.attention import attention, scores32
-from seqgen_cli.models.decoder_only import self_attention
 from seqgen_cli.models.kv_cache import DecoderOnlyKVCache
 from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
+from seqgen_cli.models.layers import causal_attention
 from seqgen_cli.shapes import span_bucket
 
 aten = torch.ops.aten
@@ -161,7 +161,7 @@ def test_decoder_only_scores_are_float32(dtype: torch.dtype) -> None:
         q = randn(b * r, h, d, dtype=dtype, gen=gen)
         k, v = randn(b * r, hkv, d, dtype=dtype, gen=gen), randn(b * r, hkv, d, dtype=dtype, gen=gen)
         with SoftmaxInputs() as rec:
-            out = self_attention(cache, 0, q, k, v, scale)
+            out = causal_attention(cache, 0, q, k, v, scale)
         cache.advance()
         assert out.dtype == dtype and out.shape == (b * r, h * d)
     want, bound = decoder_only_reference(cache, q, scale, lane=False)
@@ -185,7 +185,7 @@ def test_decoder_only_lane_scores_are_float32(dtype: torch.dtype) -> None:
         q = randn(s * r, h, d, dtype=dtype, gen=gen)
         k, v = randn(s * r, hkv, d, dtype=dtype, gen=gen), randn(s * r, hkv, d, dtype=dtype, gen=gen)
         with SoftmaxInputs() as rec:
-            out = self_attention(cache, 0, q, k, v, scale)
+            out = causal_attention(cache, 0, q, k, v, scale)
         cache.advance()
         assert out.dtype == dtype and out.shape == (s * r, h * d)
     want, bound = decoder_only_reference(cache, q, scale, lane=True)

@@ -17,7 +17,7 @@ from seqgen_cli.config import GENERATION_KEYS
 from tests.helpers import load_tiny, seqgen
 from tests.tiny_models import sample_texts
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def reference_generate(model_dir: Path, texts: list[str], causal: bool = False, **settings) -> list[str]:

@@ -219,8 +219,8 @@ def test_decoder_only_lane_cache_prompt_region_and_steps() -> None:
     """DecoderOnlyLaneKVCache: a joiner's prefill K/V go into columns [0, w) of its lane's prompt region, the rest
     masked; widening adds masked columns on the right; lanes at different steps write their own generated position,
     and a row attends its visible generated keys and its prompt's real keys, as one softmax."""
-    from seqgen_cli.models.decoder_only import self_attention
     from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
+    from seqgen_cli.models.layers import causal_attention
 
     inf = float("-inf")
     # 1 layer, 2 lanes of 1 row, 1 K/V head of 2 dims, 4 generated positions, prompt regions of 3 columns
@@ -243,7 +243,7 @@ def test_decoder_only_lane_cache_prompt_region_and_steps() -> None:
     q = torch.tensor([[[0.5, -1.0]], [[1.0, 0.25]]])  # [N=2, H=1, d]
     k = torch.tensor([[[1.0, 1.0]], [[2.0, -2.0]]])  # [N, Hkv, d]
     v = torch.tensor([[[3.0, 0.0]], [[0.0, 4.0]]])
-    out = self_attention(cache, 0, q, k, v, 1.0)  # [N, H*d]
+    out = causal_attention(cache, 0, q, k, v, 1.0)  # [N, H*d]
     assert cache.gk[0][0, 0, :, 0, 0].tolist() == [1.0, 1.0] and cache.gk[0][1, 0, :, 2, 0].tolist() == [
         2.0,
         -2.0,

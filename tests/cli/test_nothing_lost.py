@@ -25,7 +25,7 @@ from seqgen_cli.pipeline.sinks import StreamSink
 from tests.helpers import Capture, FakeGen, expected, one_line_error, run_seqgen, seqgen, write_lines
 from tests.tiny_models import sample_texts
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- 1. an input that is the output under another name ------------------------------------------------

@@ -74,7 +74,7 @@ def test_step_logits_match_hf_with_reorder_and_drop(tiny_models, family: str) ->
         if t == 3:  # input 1 (the middle one) finishes
             keep = torch.tensor([0, 2])
             rows = (keep[:, None] * r + torch.arange(r)).reshape(-1)
-            dec.drop(state, keep, rows)
+            dec.keep(state, keep, rows)
             inputs = [inputs[i] for i in keep.tolist()]
             hist = hist[rows]
         nxt = torch.randint(4, dec.vocab_size, (hist.shape[0], 1), generator=g)
@@ -95,16 +95,16 @@ def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
     itemsize = torch.finfo(torch.float32).bits // 8
     sizes = dec.cache_nbytes(state)
     w = cross_width(s)  # whole cross-attention chunks
-    assert sizes["cross"] == dec.layers * 2 * bsz * w * inner * itemsize  # B, not B * beams
+    assert sizes["cross"] == dec.n_layers * 2 * bsz * w * inner * itemsize  # B, not B * beams
     assert all(k.shape == (bsz, dec.heads, dec.head_dim, w) for k in state.cross_k)  # keys transposed
     assert all(v.shape == (bsz, dec.heads, w, dec.head_dim) for v in state.cross_v)
     assert sizes["cross"] + sizes["self"] + sizes["bias"] == dec.cache_bytes(bsz, s, r, 5)
     # self-attention cache: preallocated once, N = B * R rows, max_new_tokens positions
     for cache in (state.cache.k, state.cache.v):  # one tensor per layer (in-place writes under torch.compile)
-        assert len(cache) == dec.layers
+        assert len(cache) == dec.n_layers
         assert all(x.shape == (bsz, dec.heads, 5, r, dec.head_dim) for x in cache)
-    dec.drop(state, torch.tensor([1]), torch.arange(r, 2 * r))
-    assert dec.cache_nbytes(state)["cross"] == dec.layers * 2 * 1 * w * inner * itemsize
+    dec.keep(state, torch.tensor([1]), torch.arange(r, 2 * r))
+    assert dec.cache_nbytes(state)["cross"] == dec.n_layers * 2 * 1 * w * inner * itemsize
 
 
 def test_fused_qkv_shares_the_model_weights(tiny_models) -> None:
@@ -112,13 +112,13 @@ def test_fused_qkv_shares_the_model_weights(tiny_models) -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     dec = fast_backend(model)
     lay = model.get_decoder().layers[0].self_attn
-    fused = dec.dec_layers[0].qkv_w
+    fused = dec.layers[0].qkv_w
     assert fused.untyped_storage().data_ptr() == lay.q_proj.weight.untyped_storage().data_ptr()
     assert lay.v_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     again = fast_backend(model)  # a second backend reuses the fused storage
-    assert again.dec_layers[0].qkv_w.data_ptr() == fused.data_ptr()
+    assert again.layers[0].qkv_w.data_ptr() == fused.data_ptr()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -28,7 +28,7 @@ from tests.tiny_models import sample_texts  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a local Ray cluster and its worker processes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 6
 BATCH = 8
 ARGS = ["--max-new-tokens", str(NEW_TOKENS), "--batch-size", str(BATCH), "-q"]

@@ -62,7 +62,7 @@ def test_fast_cpu_run_of_t5gemma_imports_no_model_class(tiny_models: Callable[[s
     import transformers as tf
 
     from tests.helpers import sharpen
-    from tests.test_own_model import t5_vocabulary
+    from tests.models.test_own_model import t5_vocabulary
 
     t5, folder = tiny_models("t5"), tmp_path / "t5gemma"
     torch.manual_seed(0)

@@ -181,7 +181,7 @@ def test_int8_runs_the_fast_decoder(name: str) -> None:
     m = copy.deepcopy(model(name))
     backend = get_backend(m, int8=True)
     assert not isinstance(backend, GenericBackend) and backend.int8 and is_quantized(backend.lm)
-    layers = backend.dec_layers if m.config.is_encoder_decoder else backend.blocks
+    layers = backend.layers
     assert all(is_quantized(f) for lay in layers for f in lay.maps.values())
     batch = sources(m.config, 4)
     state, first = backend.start(batch, 2, 3)
@@ -271,7 +271,7 @@ TOKENIZER_OF = {"bart": ("m2m_100", "led", "pegasus_x"), "t5": ("longt5", "umt5"
 
 @pytest.mark.parametrize("name", NAMES)
 def test_an_inputs_logits_do_not_depend_on_its_neighbours(name: str, tiny_models, tmp_path) -> None:
-    """Batch independence on the CPU in float32, as tests/test_determinism.py holds it for the first families: an
+    """Batch independence on the CPU in float32, as tests/models/test_determinism.py holds it for the first families: an
     input's logits, alone or among neighbours of its own and other widths that stay or leave, are the same bits.
     The family's checkpoint is saved with a fixture tokenizer whose special ids it shares (vocabulary 601). (With
     an MLP 48 wide this fails for the SiLU / GELU families: see ARCHITECTURE, "Batch-independent outputs".)"""

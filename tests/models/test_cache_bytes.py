@@ -23,7 +23,6 @@ from seqgen_cli.budget import HEADROOM, DeviceBudget
 from seqgen_cli.generator import Generator
 from seqgen_cli.memory import (
     CANDIDATE_BYTES,
-    CHUNK,
     Dims,
     SearchDims,
     encoder_bytes,
@@ -34,6 +33,7 @@ from seqgen_cli.memory import (
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.search import Batch, generate
+from seqgen_cli.search.beam import CHUNK
 from seqgen_cli.search.settings import rows_per_input
 from seqgen_cli.shapes import graph_inputs, graph_positions, graph_width, input_width
 from tests.engine_models import load, text_batch
@@ -121,7 +121,7 @@ def test_encoder_bytes_bound_the_encoders_peak(tiny_models, family: str, inputs:
 def test_t5gemma_encoder_bytes_from_its_encoders_config(name: str) -> None:
     """T5Gemma names its stacks' sizes in a config per stack (T5Gemma 2: its encoder's text stack): the estimate
     reads the encoder's and bounds its attention's peak (grouped-query K/V heads: fewer bytes than counted)."""
-    from tests.test_families import model, sources
+    from tests.models.test_families import model, sources
 
     m = model(name)
     dims = Dims.of(m.config, "encoder")
@@ -154,7 +154,7 @@ class FakeLogits:
     def reorder(self, state: Any, rows: torch.Tensor) -> None:
         pass
 
-    def drop(self, state: Any, keep: torch.Tensor, rows: torch.Tensor) -> None:
+    def keep(self, state: Any, keep: torch.Tensor, rows: torch.Tensor) -> None:
         pass
 
 

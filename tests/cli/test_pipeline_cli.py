@@ -18,7 +18,7 @@ from seqgen_cli.pipeline.formats import index_path
 from tests.helpers import seqgen
 from tests.tiny_models import sample_texts
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ARGS = ["--max-new-tokens", "4", "--batch-size", "1", "-q"]  # batch 1: batching cannot change a token
 
 

@@ -85,7 +85,7 @@ def test_decode_compiles_fullgraph_once_per_shape(tiny_models, family: str) -> N
             if t == 3:  # input 1 finishes: a new shape
                 keep, rows = torch.tensor([0, 2]), torch.tensor([0, 1, 4, 5])
                 for state in (eager_state, compiled_state, dynamic_state):
-                    backend.drop(state, keep, rows)
+                    backend.keep(state, keep, rows)
                 n = 2 * r
                 assert len(graphs) == 1, (
                     "recompiled within one shape: a step-dependent value reached the graph"
@@ -125,7 +125,7 @@ def position_views(cache: Any) -> list[tuple[torch.Tensor, int]]:
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("family", ["bart", "t5", "gpt2", "llama"])
 def test_leaving_copies_only_the_written_positions(tiny_models, family: str, static: bool) -> None:
-    """Inputs leaving (``drop``, as compaction calls it) copy the positions written so far, never the unwritten ones
+    """Inputs leaving (``keep``, as compaction calls it) copy the positions written so far, never the unwritten ones
     (poisoned with NaN here: no op may see them); on the static path the new unwritten positions are zeros."""
     loaded = load(tiny_models(family))
     backend = get_backend(loaded.model)
@@ -142,7 +142,7 @@ def test_leaving_copies_only_the_written_positions(tiny_models, family: str, sta
             x.narrow(dim, steps, positions - steps).fill_(float("nan"))  # never read: not even when leaving
             written.append(x.narrow(dim, 0, steps)[[0, 2]])
         with NanWatch() as watch:
-            backend.drop(state, torch.tensor([0, 2]), torch.tensor([0, 1, 4, 5]))
+            backend.keep(state, torch.tensor([0, 2]), torch.tensor([0, 1, 4, 5]))
         assert not watch.seen, f"unwritten positions read when inputs left: {watch.seen[:4]}"
         for (x, dim), kept in zip(position_views(state.cache), written, strict=True):
             assert torch.equal(x.narrow(dim, 0, steps), kept)
@@ -321,7 +321,7 @@ def test_captured_backend_through_torch_compile(tiny_models) -> None:
     assert _run(backend, loaded) == _run(get_backend(loaded.model), loaded)
     assert backend.path == "captured" and len(backend.shapes) >= 2, backend.shapes
     assert len(graphs) == len(backend.shapes), f"{len(graphs)} graphs for {len(backend.shapes)} shapes"
-    assert torch._dynamo.utils.get_static_address_type(backend.backend.dec_layers[0].qkv_w) == "unguarded"
+    assert torch._dynamo.utils.get_static_address_type(backend.backend.layers[0].qkv_w) == "unguarded"
 
 
 def _spans(max_len: int, steps: int, static: bool) -> list[int]:

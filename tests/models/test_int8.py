@@ -80,7 +80,7 @@ def test_bart_family_int8_backend(tiny_models, texts: list[str], family: str, re
     assert isinstance(backend, EncoderDecoderBackend) and backend.int8
     assert gen.device_stats()["dtype"] == "int8" and gen.loaded.device.type == "cpu"
     assert is_quantized(backend.lm)  # LM head (final_logits_bias folded into its bias)
-    lay = backend.dec_layers[0]
+    lay = backend.layers[0]
     assert sorted(lay.maps) == ["ckv", "co", "cq", "fc1", "fc2", "o", "qkv"]
     assert all(is_quantized(f) for f in lay.maps.values())
     encoder = gen.model.get_encoder()
@@ -332,8 +332,8 @@ def _cached_generator(path: Path, backend: str = "fast") -> Generator:
 
 
 def _layers(backend: Any) -> list[Any]:
-    """A fast backend's per-layer maps: the encoder-decoders' ``dec_layers``, the decoder-only ``blocks``."""
-    return backend.dec_layers if backend.is_encoder_decoder else backend.blocks
+    """A fast backend's per-layer maps: ``layers``."""
+    return backend.layers
 
 
 def _int8_weights(gen: Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:

@@ -401,7 +401,7 @@ def compiled_search_kernels(state: StaticState, logits: torch.Tensor) -> int:
 
     from torch._inductor.utils import run_and_get_code
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "bench_compiled_step.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "experiments" / "bench_compiled_step.py"
     spec = importlib.util.spec_from_file_location("bench_compiled_step", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)

@@ -104,7 +104,7 @@ def run_checked(model, prompts: list[list[int]], R: int, steps: int, seed: int =
             hist = [list(hist[r]) for r in rows.tolist()]
         if t == steps // 2 and len(active) > 1:  # the middle input finishes
             keep = [i for i in range(len(active)) if i != len(active) // 2]
-            dec.drop(state, torch.tensor(keep), torch.tensor([i * R + k for i in keep for k in range(R)]))
+            dec.keep(state, torch.tensor(keep), torch.tensor([i * R + k for i in keep for k in range(R)]))
             active = [active[i] for i in keep]
             hist = [hist[i * R + k] for i in keep for k in range(R)]
             N = len(active) * R

@@ -18,7 +18,7 @@ from seqgen_cli.generator import Generator
 from seqgen_cli.models import engine_name, own_model
 from seqgen_cli.models.tree import OwnSeq2Seq
 from tests.helpers import sharpen
-from tests.test_families import CONFIGS as FAMILY_CONFIGS
+from tests.models.test_families import CONFIGS as FAMILY_CONFIGS
 
 V = 97
 IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
