@@ -3,7 +3,7 @@
 Measures the wall time of whole ``generate`` calls, the arms interleaved, medians reported, and whether the
 top beams are token-identical to the first arm's. The real gpt2 config and tokenizer (``shared/tokenizers/
 gpt2``) with random weights (speed only, never quality); prompts are CNN/DM articles (``shared/data/cnndm/
-summeval.source``) cut to 200..400 tokens, left-padded. See docs/BENCHMARKS.md ("Fast decoder-only
+summeval.source``) cut to 200..400 tokens, left-padded. See docs/EXPERIMENTS.md ("Fast decoder-only
 decoders"). From the repository root, with the package installed (``pip install -e .``):
 
     python scripts/harness/bench_deconly.py --batch 8 --beams 4 --new-tokens 60 --reps 3

@@ -1,7 +1,7 @@
 """What identifying a checkpoint by content costs (``seqgen_cli/digests.py``): hashing its files with an empty
 digest cache against a warm one, in process and as whole ``seqgen generate`` processes (one input, one new token;
 the hashing runs in a thread while the model loads), interleaved, medians and spread. ``--loaded``: the same
-beside one busy process. See docs/BENCHMARKS.md ("Checkpoint digests")::
+beside one busy process. See docs/EXPERIMENTS.md ("Checkpoint digests")::
 
     python scripts/harness/bench_digests.py ~/.cache/seqgen-bench/bart-large-cnn ../shared/data/cnndm/summeval.source
 """

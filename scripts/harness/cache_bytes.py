@@ -3,7 +3,7 @@
 Measures bytes, not time. Analytic at the bart-large-cnn shape (batch 32 x beam 4, source 1024, 142 new
 tokens, float32), verified by measuring real tensors at the same width with fewer layers and inputs (bytes
 are linear in both): ``generate()``'s returned ``past_key_values`` vs the fast backend's preallocated cache
-after ``start()``. Needs the bart-large-cnn config in the shared data folder. See docs/BENCHMARKS.md
+after ``start()``. Needs the bart-large-cnn config in the shared data folder. See docs/EXPERIMENTS.md
 ("KV-cache memory"). From the repository root, with the package installed (``pip install -e .``):
 
     python scripts/harness/cache_bytes.py

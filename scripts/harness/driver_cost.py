@@ -1,6 +1,6 @@
 """What a ``--workers`` driver spends per input, the part that does not scale with workers: reading, parsing, both
 digests, cutting into shards (4,096 inputs) and pickling what is shipped to a worker. Prints microseconds and
-bytes shipped per input. See docs/BENCHMARKS.md ("Scale-out on Ray")::
+bytes shipped per input. See docs/EXPERIMENTS.md ("Scale-out on Ray")::
 
     python scripts/harness/driver_cost.py FILE
 """

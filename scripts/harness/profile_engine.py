@@ -3,7 +3,7 @@
 A random BART-shaped model (6+6 layers, d_model 512, vocab 50265), batch 8 x beam 4, CNN/DM-like
 settings (no_repeat_ngram_size 3, length_penalty 2.0). Times model forward calls (encoder, decoder steps),
 cache reordering and everything else (search + logits processors) per step, for both. Also checks the
-two produce the same tokens. Needs no shared data (synthetic inputs). See docs/BENCHMARKS.md ("Decoding
+two produce the same tokens. Needs no shared data (synthetic inputs). See docs/EXPERIMENTS.md ("Decoding
 engine profile"). From the repository root, with the package installed (``pip install -e .``):
 
     python scripts/harness/profile_engine.py [--batch 8] [--beams 4] [--steps 40] [--threads 1] [--device cpu]

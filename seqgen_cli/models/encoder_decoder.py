@@ -308,7 +308,7 @@ class EncoderDecoderBackend:
         """``lanes`` empty lanes of ``rows_per_input`` rows each (sources of ``MIN_WIDTH`` tokens until a
         wider one joins). An empty lane attends one zero key: finite, ignored."""
         h, d, dev, width = self.kv_heads, self.head_dim, self.device, MIN_WIDTH
-        mask = torch.full((lanes, 1, 1, width), float("-inf"), device=dev)  # [S, 1, 1, W]
+        mask = torch.full((lanes, 1, 1, width), float("-inf"), device=dev)  # [L, 1, 1, W]
         mask[..., 0] = 0.0
         max_len = max(1, max_new_tokens)
         self.positions = self._position_table(max_len + self.pos_offset)
@@ -336,10 +336,10 @@ class EncoderDecoderBackend:
         width = graph_width(longest, getattr(self, "max_position_embeddings", None))
         grow = width - state.cross_mask.shape[-1]
         if grow > 0:
-            state.cross_k = [torch.nn.functional.pad(k, (0, grow)) for k in state.cross_k]  # [S, H, d, W]
+            state.cross_k = [torch.nn.functional.pad(k, (0, grow)) for k in state.cross_k]  # [L, H, d, W]
             state.cross_v = [
                 torch.nn.functional.pad(v, (0, 0, 0, grow)) for v in state.cross_v
-            ]  # [S, H, W, d]
+            ]  # [L, H, W, d]
             state.cross_mask = torch.nn.functional.pad(state.cross_mask, (0, grow), value=float("-inf"))
 
     @torch.inference_mode()

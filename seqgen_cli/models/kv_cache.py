@@ -232,10 +232,10 @@ class EncoderDecoderKVCache(GeneratedPositions):
 
     def _slide(self, step: Tensor) -> Tensor:
         """The sliding layers' bias: :attr:`bias` with the keys ``window`` or more positions before ``step`` ([1],
-        or [S]: each lane's) masked too, [[L',] B|S|1, 1|H, Rq|1, span*R]."""
+        or [L]: each lane's) masked too, [[L',] B|L|1, 1|H, Rq|1, span*R]."""
         r, span = self.r, self.span
-        near = self.ptrs.positions[:span] > step[:, None] - self.window  # [1|S, span]
-        near = near[:, :, None].expand(-1, span, r).reshape(-1, 1, 1, span * r)  # [1|S, 1, 1, span*R]
+        near = self.ptrs.positions[:span] > step[:, None] - self.window  # [1|L, span]
+        near = near[:, :, None].expand(-1, span, r).reshape(-1, 1, 1, span * r)  # [1|L, 1, 1, span*R]
         bias = self.bias if self.bias is not None else torch.zeros(near.shape, device=near.device)
         return bias.masked_fill(~near, float("-inf"))
 
@@ -372,19 +372,19 @@ class DecoderOnlyKVCache(GeneratedPositions):
             self._window(self.position, self.prompt_bias.shape[-1])
 
     def _window(self, step: Tensor, width: Tensor | int) -> None:
-        """The sliding layers' biases for queries at ``step`` ([1], or [S] per lane) over prompts of ``width``
-        columns ([S] per lane, or one int): a key ``window`` or more positions back is masked. Positions are the
+        """The sliding layers' biases for queries at ``step`` ([1], or [L] per lane) over prompts of ``width``
+        columns ([L] per lane, or one int): a key ``window`` or more positions back is masked. Positions are the
         caches' columns (a prompt left-padded, generated keys after it), as transformers' masks count them; the
-        distance between two real tokens is the same at any padding. Sets ``windowed``: (prompt [B|S, 1, 1, 1, P],
-        generated [B|S, 1, Rq|1, 1, span*R])."""
+        distance between two real tokens is the same at any padding. Sets ``windowed``: (prompt [B|L, 1, 1, 1, P],
+        generated [B|L, 1, Rq|1, 1, span*R])."""
         w, r, span = self.window, self.r, self.span
-        step = step[:, None]  # [1|S, 1]
+        step = step[:, None]  # [1|L, 1]
         cols = torch.arange(self.prompt_bias.shape[-1], device=step.device)  # [P]
         width = width[:, None] if isinstance(width, Tensor) else width
-        near = cols > width + step - w  # [1|S, P]: prompt column j is less than `window` back
+        near = cols > width + step - w  # [1|L, P]: prompt column j is less than `window` back
         prompt = self.prompt_bias.masked_fill(~near[:, None, None, :], float("-inf"))[:, :, :, None]
         near = (self.ptrs.positions[:span] > step - w)[:, :, None].expand(-1, span, r).reshape(-1, 1, 1, 1, span * r)
-        gen = torch.zeros(near.shape, device=near.device).masked_fill_(~near, float("-inf"))  # [1|S, 1, 1, 1, span*R]
+        gen = torch.zeros(near.shape, device=near.device).masked_fill_(~near, float("-inf"))  # [1|L, 1, 1, 1, span*R]
         self.windowed = (prompt, gen if self.gen_bias is None else gen + self.gen_bias)
 
     def advance(self) -> None:

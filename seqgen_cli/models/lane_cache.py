@@ -1,4 +1,4 @@
-"""The refill engine's caches (``search/refill.py``): a batch's caches (``models/kv_cache.py``) laid out as ``S``
+"""The refill engine's caches (``search/refill.py``): a batch's caches (``models/kv_cache.py``) laid out as ``L``
 fixed input lanes, each lane at its own step (:class:`LaneSteps`), so inputs at different steps share one decode
 step of one shape. They store; ``models/attention.py`` attends. Rows are lane-major (``row = l * R + k``)."""
 
@@ -13,7 +13,7 @@ from seqgen_cli.shapes import span_bucket
 
 
 class LaneSteps:
-    """What both refill caches (``search/refill.py``) share: a step counter per lane (``steps`` [S], on the
+    """What both refill caches (``search/refill.py``) share: a step counter per lane (``steps`` [L], on the
     device), so inputs at different steps share one decode step.
 
     A step writes every lane's keys/values at that lane's own step and attends over the first ``span`` positions
@@ -30,7 +30,7 @@ class LaneSteps:
     max_len: int
     span: int
     ptrs: BackPointers
-    steps: Tensor  # [S] int64: the step each lane writes
+    steps: Tensor  # [L] int64: the step each lane writes
     position: Tensor  # [N] int64: the step (position) each row writes
     ages: list[int | None]  # host: each lane's step (``None``: idle), what ``steps`` holds for the live lanes
 
@@ -63,7 +63,7 @@ class LaneSteps:
 
     def _row_steps(self) -> None:
         s, r = self.steps.shape[0], self.r
-        self.position.view(s, r).copy_(self.steps[:, None])  # [S] -> [S, R]
+        self.position.view(s, r).copy_(self.steps[:, None])  # [L] -> [L, R]
 
     def advance(self) -> None:
         """A step is done: every lane moves on (queued; an idle lane stops at the last one)."""
@@ -73,14 +73,14 @@ class LaneSteps:
 
     def visible(self, span: int) -> Tensor:
         """Which of the first ``span`` positions each query row sees (its own step and before, its back-pointers;
-        position 0 always): bool [S, Rq, span, R], or [S, 1, span, 1] if R = 1."""
+        position 0 always): bool [L, Rq, span, R], or [L, 1, span, 1] if R = 1."""
         s, r = self.steps.shape[0], self.r
         pos = self.ptrs.positions[:span]
-        upto = ((pos[None, :] <= self.steps[:, None]) | (pos == 0)).view(s, 1, span, 1)  # [S, 1, span, 1]
+        upto = ((pos[None, :] <= self.steps[:, None]) | (pos == 0)).view(s, 1, span, 1)  # [L, 1, span, 1]
         if r == 1:
             return upto
         self.ptrs.ptr.scatter_(1, self.position[:, None], self.ptrs.beams.repeat(s)[:, None])  # own beam
-        return (self.ptrs.ptr[:, :span].view(s, r, span, 1) == self.ptrs.beams) & upto  # [S, Rq, span, R]
+        return (self.ptrs.ptr[:, :span].view(s, r, span, 1) == self.ptrs.beams) & upto  # [L, Rq, span, R]
 
 
 class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
@@ -101,7 +101,7 @@ class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
         super().__init__(layers, lanes, rows_per_input, heads, max_len, head_dim, dtype, device, window)
         self.make_static()  # zeros; a span bucket of positions attended
         self._init_steps(lanes, device)
-        # [S * H] int64: where this step's keys go in a layer's cache viewed as [S * H * T, R, d]
+        # [L * H] int64: where this step's keys go in a layer's cache viewed as [L * H * T, R, d]
         self.where = torch.zeros(lanes * heads, dtype=torch.long, device=device)
         self._heads = torch.arange(heads, device=device)
 
@@ -109,22 +109,22 @@ class LaneKVCache(LaneSteps, EncoderDecoderKVCache):
         """A step starts. ``bias``: the relative position bias [L', H, N, T] (row ``n``'s query step against every
         key position; L' = 1, shared by the layers, or one per layer)."""
         s, h, r, t, span = self.steps.shape[0], self.heads, self.r, self.max_len, self.span
-        self.where = ((self._lanes[:, None] * h + self._heads) * t + self.steps[:, None]).view(-1)  # [S * H]
-        visible = self.visible(span).expand(s, r, span, r).reshape(s, 1, r, span * r)  # [S, 1, Rq, span*R]
-        if bias is not None:  # [L', H, N, T] -> [L', S, H, Rq, span] -> [L', S, H, Rq, span*R]
+        self.where = ((self._lanes[:, None] * h + self._heads) * t + self.steps[:, None]).view(-1)  # [L * H]
+        visible = self.visible(span).expand(s, r, span, r).reshape(s, 1, r, span * r)  # [L, 1, Rq, span*R]
+        if bias is not None:  # [L', H, N, T] -> [L', L, H, Rq, span] -> [L', L, H, Rq, span*R]
             layers = bias.shape[0]
             bias = bias[..., :span].view(layers, h, s, r, span).transpose(1, 2).float()
             bias = bias[..., None].expand(layers, s, h, r, span, r).reshape(layers, s, h, r, span * r)
-        self.bias = torch.where(visible, 0.0 if bias is None else bias, float("-inf"))  # [[L',] S, 1|H, Rq, span*R]
+        self.bias = torch.where(visible, 0.0 if bias is None else bias, float("-inf"))  # [[L',] L, 1|H, Rq, span*R]
         if self.window is not None:
             self.windowed = self._slide(self.steps)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store this step's ``k``/``v`` ([N, H, d]) of ``layer`` at each lane's step; returns the keys (transposed)
-        and values of the first ``span`` positions, [S, H, d, span*R] and [S, H, span*R, d] (views)."""
-        kl, vl = self.k[layer], self.v[layer]  # [S, H, T, R, d]
+        and values of the first ``span`` positions, [L, H, d, span*R] and [L, H, span*R, d] (views)."""
+        kl, vl = self.k[layer], self.v[layer]  # [L, H, T, R, d]
         s, h, r, d, t = kl.shape[0], self.heads, self.r, self.head_dim, self.max_len
-        for cache, new in ((kl, k), (vl, v)):  # [N, H, d] -> [S, H, R, d] -> [S * H, R, d]
+        for cache, new in ((kl, k), (vl, v)):  # [N, H, d] -> [L, H, R, d] -> [L * H, R, d]
             rows = new.view(s, r, h, d).transpose(1, 2).reshape(s * h, r, d)
             cache.view(s * h * t, r, d).index_copy_(0, self.where, rows)
         span = self.span
@@ -136,7 +136,7 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
     """:class:`DecoderOnlyKVCache` for the refill engine: per lane a prompt region and generated positions at
     the lane's own step (:class:`LaneSteps`).
 
-    The prompt region (``pk`` [S, Hkv, d, W], ``pv`` [S, Hkv, W, d], ``prompt_bias`` [S, 1, 1, W]) holds a joiner's
+    The prompt region (``pk`` [L, Hkv, d, W], ``pv`` [L, Hkv, W, d], ``prompt_bias`` [L, 1, 1, W]) holds a joiner's
     prefill as it came, left-padded to its own width ``w`` (a function of its length), in columns ``[0, w)``; the
     rest is masked (zeros, or a previous input's stale keys). ``widen`` grows every lane's region (masked, on the
     right) when a wider joiner comes. A row's scores are ``[generated span*R | prompt W]`` under one float32
@@ -163,11 +163,11 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
         mask = torch.zeros(lanes, width, dtype=torch.long, device=device)  # all masked until a join
         super().__init__(kv, [x.clone() for x in kv], mask, rows_per_input, max_len, window)
         self.make_static()  # zeros; a span bucket of positions attended
-        self.widths = torch.zeros(lanes, dtype=torch.long, device=device)  # [S]: each joiner's own prompt width
+        self.widths = torch.zeros(lanes, dtype=torch.long, device=device)  # [L]: each joiner's own prompt width
         self._init_steps(lanes, device)
         t = self.max_len
-        # where this step's keys ([S * Hkv * d] rows of [S * Hkv * d * T, R]) and values ([S * Hkv] rows of
-        # [S * Hkv * T, R, d]) go: row ``i``'s position 0, plus the lane's step
+        # where this step's keys ([L * Hkv * d] rows of [L * Hkv * d * T, R]) and values ([L * Hkv] rows of
+        # [L * Hkv * T, R, d]) go: row ``i``'s position 0, plus the lane's step
         self._key_base = (torch.arange(lanes * kv_heads * head_dim, device=device) * t).view(lanes, -1)
         self._value_base = (torch.arange(lanes * kv_heads, device=device) * t).view(lanes, -1)
         self.where_k = self._key_base.reshape(-1)
@@ -182,9 +182,9 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
         grow = width - self.width
         if grow > 0:
             pad = torch.nn.functional.pad
-            self.pk = [pad(k, (0, grow)) for k in self.pk]  # [S, Hkv, d, W]
-            self.pv = [pad(v, (0, 0, 0, grow)) for v in self.pv]  # [S, Hkv, W, d]
-            self.prompt_bias = pad(self.prompt_bias, (0, grow), value=float("-inf"))  # [S, 1, 1, W]
+            self.pk = [pad(k, (0, grow)) for k in self.pk]  # [L, Hkv, d, W]
+            self.pv = [pad(v, (0, 0, 0, grow)) for v in self.pv]  # [L, Hkv, W, d]
+            self.prompt_bias = pad(self.prompt_bias, (0, grow), value=float("-inf"))  # [L, 1, 1, W]
 
     def put_prompt(self, lanes: Tensor, pk: list[Tensor], pv: list[Tensor], mask: Tensor) -> None:
         """The prefill of joiners taking lanes ``lanes`` ([J] int64): K/V [J, Hkv, w, d] per layer and mask [J, w]
@@ -201,10 +201,10 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
     def begin(self) -> None:
         """A step starts: where each lane writes, and the generated-position bias of every row."""
         s, r, span = self.steps.shape[0], self.r, self.span
-        self.where_k = (self._key_base + self.steps[:, None]).view(-1)  # [S * Hkv * d]
-        self.where_v = (self._value_base + self.steps[:, None]).view(-1)  # [S * Hkv]
-        visible = self.visible(span).expand(s, r, span, r)  # [S, Rq, span, R]
-        visible = visible.reshape(s, 1, r, 1, span * r)  # [S, 1, Rq, 1, span*R]
+        self.where_k = (self._key_base + self.steps[:, None]).view(-1)  # [L * Hkv * d]
+        self.where_v = (self._value_base + self.steps[:, None]).view(-1)  # [L * Hkv]
+        visible = self.visible(span).expand(s, r, span, r)  # [L, Rq, span, R]
+        visible = visible.reshape(s, 1, r, 1, span * r)  # [L, 1, Rq, 1, span*R]
         zeros = torch.zeros(visible.shape, device=visible.device, dtype=torch.float32)
         self.gen_bias = zeros.masked_fill_(~visible, float("-inf"))
         if self.window is not None:
@@ -212,13 +212,13 @@ class DecoderOnlyLaneKVCache(LaneSteps, DecoderOnlyKVCache):
 
     def update(self, layer: int, k: Tensor, v: Tensor, sliding: bool = False) -> list[Block]:
         """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE) of ``layer`` at each lane's step; returns
-        what a query attends, in score order: the first ``span`` generated positions' keys [S, Hkv, d, span*R], values
-        [S, Hkv, span*R, d] and bias, then the prompt region's [S, Hkv, d, W], [S, Hkv, W, d] and bias."""
+        what a query attends, in score order: the first ``span`` generated positions' keys [L, Hkv, d, span*R], values
+        [L, Hkv, span*R, d] and bias, then the prompt region's [L, Hkv, d, W], [L, Hkv, W, d] and bias."""
         s, r, hkv, d, t, span = self.steps.shape[0], self.r, k.shape[1], k.shape[2], self.max_len, self.span
-        gk, gv = self.gk[layer], self.gv[layer]  # [S, Hkv, d, T, R], [S, Hkv, T, R, d]
-        keys = k.view(s, r, hkv, d).permute(0, 2, 3, 1).reshape(s * hkv * d, r)  # [N, Hkv, d] -> [S*Hkv*d, R]
+        gk, gv = self.gk[layer], self.gv[layer]  # [L, Hkv, d, T, R], [L, Hkv, T, R, d]
+        keys = k.view(s, r, hkv, d).permute(0, 2, 3, 1).reshape(s * hkv * d, r)  # [N, Hkv, d] -> [L*Hkv*d, R]
         gk.view(s * hkv * d * t, r).index_copy_(0, self.where_k, keys)
-        values = v.view(s, r, hkv, d).transpose(1, 2).reshape(s * hkv, r, d)  # [N, Hkv, d] -> [S*Hkv, R, d]
+        values = v.view(s, r, hkv, d).transpose(1, 2).reshape(s * hkv, r, d)  # [N, Hkv, d] -> [L*Hkv, R, d]
         gv.view(s * hkv * t, r, d).index_copy_(0, self.where_v, values)
         keys_t = gk[:, :, :, :span].view(s, hkv, d, span * r)  # lane-major: index s*R + beam
         vals = gv[:, :, :span].view(s, hkv, span * r, d)

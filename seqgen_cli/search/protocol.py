@@ -141,7 +141,7 @@ class StaticLayout:
     inputs: torch.Tensor  # [B] int64: the lane of each running input
     tokens: torch.Tensor  # [P * R] int64: the next step's input tokens, a buffer whose address stays
     width: int  # decoder positions a row's history may start with: the prompts' graph width, or 1
-    positions: int  # new-token positions
+    new_tokens: int  # the new tokens a row holds (cache positions)
     moved: torch.Tensor | None  # [P' * R] int64 after a keep that moved the rows to P' lanes: row i's old row
 
 

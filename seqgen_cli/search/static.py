@@ -60,7 +60,7 @@ class StaticSpec:
 
     settings: SearchSettings  # prompt_len, max_length, min_length, begin_index zeroed
     vocab: int
-    width: int  # W: history columns (prompt positions + new tokens)
+    columns: int  # W: history columns (the prompt width + new tokens)
     new_tokens: int  # T: the most new tokens
     wide: bool  # top-k by chunks (``beam.wide_topk``: CPU float32) instead of torch.topk
     reciprocal: bool  # divide as CUDA does (see beam_step.divide)
@@ -76,8 +76,8 @@ class StaticSpec:
         return cls(
             settings=replace(s, prompt_len=0, max_length=0, min_length=0, begin_index=0),
             vocab=rows.backend.vocab_size,
-            width=layout.width + layout.positions,
-            new_tokens=layout.positions,
+            columns=layout.width + layout.new_tokens,
+            new_tokens=layout.new_tokens,
             wide=topk is wide_topk,
             reciprocal=device.type == "cuda",
             ids_in_vocab=rows.pipeline.ids_in_vocab,
@@ -113,7 +113,7 @@ class StaticState:
             spec,
             StepLimits.zeros(device),
             BeamState.start(lanes, s.num_beams, spec.new_tokens, device),
-            StaticHistory.empty(lanes * s.num_beams, spec.width, spec.packed, device),
+            StaticHistory.empty(lanes * s.num_beams, spec.columns, spec.packed, device),
             proc,
             divisors.to(device),
             consts.top_num_beam_mask,
@@ -124,7 +124,7 @@ class StaticState:
         """A state like this one for ``lanes`` lanes, sharing its constants (what :meth:`take` fills)."""
         device, k = self.top_mask.device, self.spec.settings.num_beams
         beams = BeamState.start(lanes, k, self.spec.new_tokens, device)
-        history = StaticHistory.empty(lanes * k, self.spec.width, self.spec.packed, device)
+        history = StaticHistory.empty(lanes * k, self.spec.columns, self.spec.packed, device)
         return replace(self, limits=StepLimits.zeros(device), beams=beams, history=history)
 
     def buffers(self) -> list[Tensor]:

@@ -6,6 +6,7 @@ captured (static) step, and its int8 variant on the fast decoder."""
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 
 import pytest
@@ -313,3 +314,5 @@ def test_only_the_family_files_name_a_familys_model_type() -> None:
         own = set(file.FAMILIES)
         name = Path(file.__file__).relative_to(package).as_posix()
         assert named[name] == own, name  # its own rows, written there (so the check above can see them), no other
+        doc = file.__doc__ or ""
+        assert all(re.search(rf"\b{t}\b", doc) for t in own), name  # its docstring says how each differs

@@ -1,4 +1,4 @@
-"""GPT-2 on the shared decoder-only decoder: learned positions (``wpe``), LayerNorm, fused q|k|v (a Conv1D),
+"""GPT-2 (``gpt2``) on the shared decoder-only decoder: learned positions (``wpe``), LayerNorm, fused q|k|v (a Conv1D),
 a GELU MLP."""
 
 from __future__ import annotations

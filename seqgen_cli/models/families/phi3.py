@@ -1,4 +1,4 @@
-"""Phi-3 on the shared decoder-only decoder: Llama's layer with q|k|v and gate|up fused in the checkpoint, rotary
+"""Phi-3 (``phi3``) on the shared decoder-only decoder: Llama's layer with q|k|v and gate|up fused in the checkpoint, rotary
 positions (partial where the config says)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The T5 family: T5 (v1.0, v1.1, Flan-T5), mT5, LongT5, UMT5.
+"""The T5 family: ``t5`` (T5 v1.0, v1.1, Flan-T5), ``mt5``, ``longt5``, ``umt5``.
 
 Its decoder block (``layer[0].SelfAttention``, ``layer[1].EncDecAttention``, ``layer[2]`` feed-forward;
 :func:`t5_block`) on the shared encoder-decoder decoder: pre-norm, unscaled attention, the relative position bias of

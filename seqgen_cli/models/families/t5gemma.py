@@ -1,4 +1,4 @@
-"""T5Gemma and T5Gemma 2.
+"""T5Gemma (``t5gemma``) and T5Gemma 2 (``t5gemma2``).
 
 T5Gemma's decoder layer (:func:`t5gemma_layer`) is Gemma 2's with cross-attention: an RMSNorm before and after each
 sub-layer, grouped-query K/V heads in both attentions (cached as K/V heads only), rotary positions, soft-capped
