@@ -265,7 +265,7 @@ class _SectionedCommand(click.Command):
     default=False,
     show_default=True,
     help="Run the fast engine over fixed input lanes: an input that finishes hands its lane to a waiting one "
-    "(same outputs; BART family, T5, GPT-2, Llama). --stats gives lanes, occupancy, joins and steps.",
+    "(same outputs; every family with a fast decoder: seqgen models). --stats gives lanes, occupancy, joins and steps.",
 )
 @generation_options()
 @click.option(

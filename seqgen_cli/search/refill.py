@@ -167,7 +167,7 @@ def generate_refill(
     need_stop(config, stop)
     if not isinstance(backend, RefillBackend):
         raise SeqgenError(
-            "--refill runs the fast backends only: BART family, T5, GPT-2, Llama (use --no-refill)"
+            "--refill runs the fast decoders only (seqgen models lists them; use --no-refill)"
         )
     num_inputs, width = batch.input_ids.shape
     if lane_tokens is not None:  # as many lanes as hold the window's widest source (graph width)
