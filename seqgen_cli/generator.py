@@ -137,7 +137,7 @@ class Generator:
         if self.loaded.int8:  # --dtype int8: the int8 fast backend, or transformers' model quantized in place
             from seqgen_cli.models import to_int8
 
-            if (int8_backend := to_int8(self.model, fast=self.backend == "fast")) is not None:
+            if (int8_backend := to_int8(self.model, fast=self.backend == "fast", head=self.prompter.head())) is not None:
                 self._engine(int8_backend)
         # --refill where the engine has lanes (a fast family's RefillBackend; a CapturedBackend wraps only those)
         fast = self.backend == "fast" and not self.loaded.int8
@@ -186,8 +186,8 @@ class Generator:
         from seqgen_cli.models.capture import CapturedBackend, capture
 
         if self._model_backend is None:
-            with startup.stage("fast backend"):
-                backend = get_backend(self.model) if backend is None else backend
+            with startup.stage("fast backend"):  # head: what every prompt begins with, computed once
+                backend = get_backend(self.model, head=self.prompter.head()) if backend is None else backend
             self._model_backend, self._step_path = capture(backend, self.loaded.device, self.capture)
             if isinstance(self._model_backend, CapturedBackend):  # its kept states, held against this budget
                 self._model_backend.pool.budget = self.budget
@@ -252,10 +252,10 @@ class Generator:
 
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs (``--stats``, closing line): device, dtype, engine, step path, capture/GPU."""
-        from seqgen_cli.models import engine_name
+        from seqgen_cli.models import engine_stats
         from seqgen_cli.models.capture import CapturedBackend
 
-        engine = {"engine": engine_name(self._engine())} if self.backend == "fast" else {}  # generic: and why
+        engine = engine_stats(self._engine()) if self.backend == "fast" else {}  # generic: and why
         out: dict[str, Any] = {**self.loaded.describe(), **engine, "step_path": self.step_path}
         if isinstance(self._model_backend, CapturedBackend):
             out.update(self._model_backend.stats())

@@ -90,6 +90,27 @@ class Prompter:
             messages = [{"role": "system", "content": s.system_prompt}, *messages]
         return self._chat(messages)
 
+    def head(self) -> list[int]:
+        """The tokens every prompt of these settings begins with, whatever the input: the chat template's system
+        turn, few-shot examples, a template's text before the input (``[]`` where the prompt is the input alone).
+        A decoder-only model computes their keys and values once (``DecoderOnlyBackend.share``). Found as what two
+        inputs with no first character in common share, less its last token (another input's first characters
+        may merge with it); a prompt that does not begin with it (a JSONL conversation) is prefilled whole."""
+        s = self.settings
+        if not (s.prefix or s.template is not None or s.chat):
+            return []
+        rendered = []
+        for probe in ("Xq 1", "7 zY"):
+            names = dict.fromkeys(FIELD.findall(s.template or ""), probe)
+            names.pop("messages", None)
+            try:
+                rendered.append(self._tokens(self.render(probe, names)))
+            except SeqgenError:
+                return []
+        a, b = rendered
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        return a[: max(0, same - 1)]
+
     def encode(self, texts: Sequence[str], fields: Sequence[Mapping[str, Any] | None], limit: int | None) -> list[Prompted]:
         """Each input's tokens, at most ``limit`` (:meth:`_fit`)."""
         out = []

@@ -100,6 +100,31 @@ MODELS: dict[str, tuple[str, dict]] = {
             "eos_token_id": 50256,
         },
     ),
+    # Qwen2.5-0.5B-Instruct's shape (24 layers, hidden 896, 14 query heads over 2 K/V heads, MLP 4864, tied head)
+    # over the GPT-2 tokenizer (no Qwen tokenizer in the shared folder: vocabulary 50,257, not 151,936) with a
+    # ChatML chat template (its markers spelled out in GPT-2's tokens)
+    "qwen2.5-0.5b": (
+        "gpt2",
+        {
+            "config_class": "Qwen2Config",
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "vocab_size": 50257,
+            "bos_token_id": 50256,
+            "eos_token_id": 50256,
+            "chat_template": (
+                "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+            ),
+        },
+    ),
     # a T5Gemma built here (no T5Gemma config or tokenizer is in the shared folder): t5-base-like widths (12 + 12
     # layers, hidden 768, MLP 2048, head_dim 64) with the Gemma 2 decoder's grouped-query heads (12 over 4 K/V),
     # soft-capping (attention 50, logits 30) and a 4,096-position window on every other layer, over t5-small's
@@ -195,6 +220,7 @@ def build(
     if (target / "model.safetensors").is_file() and not force:
         print(f"{name}: exists at {target} (use --force to rebuild)")
         return target
+    chat_template = overrides.pop("chat_template", None)  # set on the tokenizer, not the config
     built = overrides.pop("config_class", None)  # a config of this class from the overrides, not the folder's
     if built is not None:
         import transformers
@@ -214,6 +240,8 @@ def build(
     tokenizer = AutoTokenizer.from_pretrained(source) if has_model else nllb_tokenizer(source, shared)
     if built is None and (source / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(source)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)

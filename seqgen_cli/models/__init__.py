@@ -12,7 +12,8 @@ every other model is quantized in place (its ``nn.Linear`` layers,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend
 from seqgen_cli.models.encoder_decoder import EncoderDecoderBackend
@@ -66,15 +67,16 @@ def own_widths(engine: ModelBackend) -> bool:
     return isinstance(getattr(engine, "backend", engine), EncoderDecoderBackend)
 
 
-def to_int8(model: PreTrainedModel, fast: bool) -> ModelBackend | None:
-    """``--dtype int8``: the int8 fast backend (``fast``), or ``None`` with every linear layer of ``model`` in int8
-    in place (the generic backend and ``generate()``), the quantized weights from, or into, the disk cache."""
+def to_int8(model: PreTrainedModel, fast: bool, head: Sequence[int] = ()) -> ModelBackend | None:
+    """``--dtype int8``: the int8 fast backend (``fast``; ``head`` as :func:`get_backend`'s), or ``None`` with every
+    linear layer of ``model`` in int8 in place (the generic backend and ``generate()``), the quantized weights from,
+    or into, the disk cache."""
     from seqgen_cli import startup
     from seqgen_cli.models.int8_cache import session
 
     with session(model), startup.stage("int8 weights"):
         if fast:
-            return get_backend(model, int8=True)
+            return get_backend(model, int8=True, head=head)
         quantize_linears(model)
         return None
 
@@ -89,17 +91,31 @@ def family_rows() -> list[tuple[str, str]]:
     return rows + [(name, f"transformers generate() ({why})") for name, why in NO_ENGINE.items()]
 
 
-def get_backend(model: PreTrainedModel, *, generic: bool = False, int8: bool = False) -> ModelBackend:
+def get_backend(
+    model: PreTrainedModel, *, generic: bool = False, int8: bool = False, head: Sequence[int] = ()
+) -> ModelBackend:
     """The fast backend for ``model`` if its family has one, else (or if ``generic``) the generic one, which
     carries the reason (``GenericBackend.reason``; :func:`engine_name`).
 
-    ``int8``: linear layers in int8 (CPU); the model is modified in place."""
+    ``int8``: linear layers in int8 (CPU); the model is modified in place. ``head``: the tokens every prompt begins
+    with (``prompts.Prompter.head``), whose keys and values a decoder-only fast decoder computes once
+    (``DecoderOnlyBackend.share``)."""
     backend, reason = (None, "asked for") if generic else _fast_or_reason(model, int8)
+    if isinstance(backend, DecoderOnlyBackend):
+        backend.share(head)
     if backend is not None:
         return backend
     if int8:
         quantize_linears(model)
     return GenericBackend(model, reason=reason)
+
+
+def engine_stats(backend: ModelBackend) -> dict[str, Any]:
+    """``--stats`` ``device``'s keys of the engine: ``engine`` (:func:`engine_name`) and, where prompts share a head
+    (``DecoderOnlyBackend.share``), ``shared_prompt``: its tokens, how often it was prefilled, the inputs over it."""
+    inner = getattr(backend, "backend", backend)  # the capture wrapper's wrapped backend
+    shared = getattr(inner, "shared", None)
+    return {"engine": engine_name(backend)} | ({"shared_prompt": dict(shared)} if shared and shared["tokens"] else {})
 
 
 def engine_name(backend: ModelBackend) -> str:
@@ -112,6 +128,7 @@ def engine_name(backend: ModelBackend) -> str:
 
 
 __all__ = [
-    "DecoderOnlyBackend", "EncoderDecoderBackend", "GenericBackend", "engine_name", "engine_refusal", "fast_backend",
+    "DecoderOnlyBackend", "EncoderDecoderBackend", "GenericBackend", "engine_name", "engine_refusal", "engine_stats",
+    "fast_backend",
     "family_rows", "get_backend", "length_dependent_rope", "own_widths", "to_int8",
 ]  # fmt: skip

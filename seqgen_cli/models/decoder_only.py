@@ -16,6 +16,7 @@ the model's own forward in float32.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,9 @@ class DecoderOnlyState:
     cache: DecoderOnlyKVCache
     start_pos: Tensor  # [N] int64: position id of each row's first generated token (its prompt's length)
     t: int = 0  # tokens fed by step() so far (host int: no device sync)
+
+
+MIN_SHARED = 8  # tokens of a shared prompt head worth a forward of its own (``DecoderOnlyBackend.share``)
 
 
 def prompt_positions(mask: Tensor) -> Tensor:
@@ -98,6 +102,7 @@ class DecoderOnlyBackend:
         self.lm = linear(head.weight, head.bias, int8)
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         self.int8 = int8
+        self.share(())  # no shared prompt head until the Generator gives one
         # the cache argument of the base forward: ``cache`` (transformers >= 5.24), before ``past_key_values``
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
 
@@ -115,9 +120,38 @@ class DecoderOnlyBackend:
             x = layer(x, step)  # [N, D]
         return soft_cap(self.lm(self.ln_final(x)).float(), self.final_softcap)  # [N, V]
 
+    def share(self, head: Sequence[int]) -> None:
+        """Prompts that begin with ``head`` (tokens every prompt of the run's settings begins with: a system prompt,
+        few-shot examples, a template's text before the input; ``prompts.Prompter.head``) have its keys and values
+        computed once, at its first use, and only their own tokens prefilled over them (:meth:`_prefill`). A head
+        under ``MIN_SHARED`` tokens is not worth a forward of its own."""
+        self.head = list(head) if len(head) >= MIN_SHARED else None
+        self.head_kv = None
+        self.shared = {"tokens": len(self.head or ()), "prefills": 0, "inputs": 0}  # --stats: device.shared_prompt
+
     def _prefill(self, batch: Batch) -> tuple[list[Tensor], list[Tensor], Tensor]:
-        """The model's own base forward over left-padded prompts [B, P] (positions as ``generate()`` builds them):
-        per layer K/V [B, Hkv, P, d], and the last position's logits [B, V]."""
+        """Left-padded prompts [B, W] -> per layer K/V [B, Hkv, W, d] and the last position's logits [B, V]: the
+        model's own base forward over each prompt (:meth:`_forward`), or over its own tokens past the shared head
+        (:meth:`_over_head`) where it begins with it."""
+        over = self._begins_with_head(batch)
+        if over is None or not bool(over.any()):
+            return self._forward(batch)
+        if bool(over.all()):
+            return self._over_head(batch)
+        ids, mask, merged = batch.input_ids, batch.attention_mask, None
+        for rows, prefill in ((over, self._over_head), (~over, self._forward)):  # each group apart, then merged
+            k, v, lg = prefill(Batch(ids[rows], mask[rows]))
+            if merged is None:  # [B, ...] each: every layer's K and V, the logits
+                merged = [x.new_empty((ids.shape[0], *x.shape[1:])) for x in (*k, *v, lg)]
+            at = rows.nonzero()[:, 0]  # [B_g]
+            for dst, src in zip(merged, (*k, *v, lg), strict=True):
+                dst.index_copy_(0, at, src)
+        n = len(self.layers)
+        return merged[:n], merged[n : 2 * n], merged[-1]
+
+    def _forward(self, batch: Batch) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """The model's own base forward over left-padded prompts [B, W] (positions as ``generate()`` builds them):
+        per layer K/V [B, Hkv, W, d], and the last position's logits [B, V]."""
         ids, mask = batch.input_ids, batch.attention_mask
         hf_mask = mask if not bool(mask.all()) else None  # as generate(): no mask without padding
         out = self.base(
@@ -125,9 +159,73 @@ class DecoderOnlyBackend:
             use_cache=True, **{self.cache_kwarg: transformers.DynamicCache()},
         )  # fmt: skip  (a cache without the config's layer kinds: every layer keeps every position, windowed or not)
         layers = getattr(out, self.cache_kwarg).layers  # the output names it as the forward's argument
-        head = self.model.get_output_embeddings()  # oneDNN on the CPU: an input's row whatever the batch
-        logits = dense(out.last_hidden_state[:, -1], head.weight, head.bias).float()  # [B, V]
-        return [layer.keys for layer in layers], [layer.values for layer in layers], soft_cap(logits, self.final_softcap)
+        return [layer.keys for layer in layers], [layer.values for layer in layers], self._logits(out.last_hidden_state[:, -1])
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        """The LM head over the last positions' hidden states [B, D] -> [B, V] float32 (oneDNN on the CPU: an input's
+        row whatever the batch)."""
+        head = self.model.get_output_embeddings()
+        return soft_cap(dense(hidden, head.weight, head.bias).float(), self.final_softcap)
+
+    def _begins_with_head(self, batch: Batch) -> Tensor | None:
+        """Which prompts of ``batch`` ([B, W] left-padded) begin with the shared head and go on past it: bool [B];
+        ``None`` without a head."""
+        if getattr(self, "head", None) is None:
+            return None
+        ids, mask = batch.input_ids, batch.attention_mask
+        p, w = len(self.head), ids.shape[1]
+        if p >= w:
+            return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        lengths = mask.sum(dim=1)  # [B]
+        cols = (w - lengths)[:, None] + torch.arange(p, device=ids.device)  # [B, P]: each prompt's first P columns
+        head = torch.tensor(self.head, dtype=ids.dtype, device=ids.device)
+        return (ids.gather(1, cols.clamp(max=w - 1)) == head).all(dim=1) & (lengths > p)  # [B]
+
+    def _head_kv(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The shared head's keys and values per layer, [1, Hkv, P, d] each: one forward, at its first use."""
+        if self.head_kv is None:
+            ids = torch.tensor([self.head], device=self.model.get_output_embeddings().weight.device)  # [1, P]
+            out = self.base(
+                input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device)[None], use_cache=True,
+                **{self.cache_kwarg: transformers.DynamicCache()},
+            )  # fmt: skip
+            layers = getattr(out, self.cache_kwarg).layers
+            self.head_kv = [layer.keys for layer in layers], [layer.values for layer in layers]
+            self.shared["prefills"] += 1
+        return self.head_kv
+
+    def _over_head(self, batch: Batch) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """Prompts [B, W] (left-padded) that begin with the shared head (``P`` tokens): each prompt's own ``s_i``
+        tokens, left-aligned in ``C`` columns (``W - P`` up to a multiple of 8; padding after them, where a causal
+        model's real tokens never look), go through the model's own base forward over the head's keys and values,
+        at positions ``P..``: head and own tokens contiguous, as in the whole prompt, so sliding windows count as
+        ``generate()``'s do. Returns what :meth:`_forward` returns, the K/V laid out as the whole left-padded
+        prompt's. ``C`` follows from the prompt's own width: an input's prefill does not depend on its
+        neighbours."""
+        ids, mask = batch.input_ids, batch.attention_mask
+        hk, hv = self._head_kv()
+        b, w, p = ids.shape[0], ids.shape[1], hk[0].shape[2]
+        own = mask.sum(dim=1) - p  # [B] tokens past the head, >= 1
+        j = torch.arange(-(-(w - p) // 8) * 8, device=ids.device)  # [C]: W - P up to a multiple of 8 (row-invariant products)
+        new_ids = ids.gather(1, (w - own[:, None] + j).clamp(max=w - 1))  # [B, C]: own tokens, then repeats
+        new_mask = (j < own[:, None]).long()  # [B, C]
+        cache = transformers.DynamicCache()
+        for i, (k, v) in enumerate(zip(hk, hv, strict=True)):  # [1, Hkv, P, d] -> [B, Hkv, P, d] (the forward copies)
+            cache.update(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), i)
+        out = self.base(
+            input_ids=new_ids, attention_mask=torch.cat([torch.ones_like(ids[:, :p]), new_mask], dim=1),
+            position_ids=p + torch.minimum(j, own[:, None] - 1), use_cache=True, **{self.cache_kwarg: cache},
+        )  # fmt: skip  (the padding after an input's tokens repeats its last position: within any table)
+        layers = getattr(out, self.cache_kwarg).layers  # keys [B, Hkv, P + C, d]: head, own tokens, unread columns
+        # the whole left-padded prompt's layout: row i's P + s_i real columns end at W (shifted right by W - P - s_i)
+        at = (torch.arange(w, device=ids.device) - (w - p - own)[:, None]).clamp(min=0)  # [B, W]
+        hkv, d = hk[0].shape[1], hk[0].shape[3]
+        at = at[:, None, :, None].expand(b, hkv, w, d)  # [B, Hkv, W, d]
+        keys = [layer.keys.gather(2, at) for layer in layers]
+        values = [layer.values.gather(2, at) for layer in layers]
+        last = out.last_hidden_state.gather(1, (own - 1)[:, None, None].expand(b, 1, out.last_hidden_state.shape[2]))
+        self.shared["inputs"] += b
+        return keys, values, self._logits(last[:, 0])  # [B, V]
 
     @torch.inference_mode()
     def start(

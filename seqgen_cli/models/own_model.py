@@ -6,7 +6,7 @@ encoder runs here. Each family file that has one declares its tree (``TREES``: `
 ``families/t5.py`` (T5, mT5, UMT5), ``families/t5gemma.py`` (T5Gemma).
 
 Why: importing a transformers model class costs 1.0-1.4 s of a CPU process (``torch.distributed.tensor``,
-``torch._dynamo``, the loss functions; docs/BENCHMARKS.md, "Start-up and small jobs against CTranslate2"), more than
+``torch._dynamo``, the loss functions; docs/EXPERIMENTS.md, "Start-up and small jobs against CTranslate2"), more than
 a small job decodes. :func:`load` is used for the fast engine on the CPU in float32 and int8 only; ``generate()``
 (``--backend hf``, ``--verify``, the benchmarks' reference) gets transformers' model (``Loaded.reference``).
 
