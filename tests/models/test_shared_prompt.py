@@ -128,3 +128,19 @@ def test_the_head_is_what_every_prompt_begins_with_less_its_last_token() -> None
     assert prompt[: len(head)] == head
     assert Prompter(PromptSettings(), words).head() == []  # the input alone: nothing shared
     assert Prompter(PromptSettings(template="{lang}: {input}"), words).head() == []  # a field first
+
+
+def test_the_int8_backend_prefills_over_the_head_too() -> None:
+    """``--dtype int8``: the prefill stays the model's float32 forward, the head shared as in float32."""
+    torch.manual_seed(0)
+    dec = fast_backend(MODELS["llama"](), int8=True)
+    batch = left_padded(prompts([3, 12]))
+    keys, _, logits = dec._forward(batch)
+    dec.share(HEAD)
+    k2, _, l2 = dec._prefill(batch)
+    mask = batch.attention_mask
+    for a, b in zip(keys, k2, strict=True):
+        for i in range(mask.shape[0]):
+            torch.testing.assert_close(real(b, mask, i), real(a, mask, i), rtol=SUMMATION, atol=SUMMATION)
+    torch.testing.assert_close(l2, logits, rtol=SUMMATION, atol=SUMMATION * float(logits.abs().max()))
+    assert dec.shared["prefills"] == 1 and dec.shared["inputs"] == 2
