@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers
@@ -125,9 +126,10 @@ class DecoderOnlyBackend:
         few-shot examples, a template's text before the input; ``prompts.Prompter.head``) have its keys and values
         computed once, at its first use, and only their own tokens prefilled over them (:meth:`_prefill`). A head
         under ``MIN_SHARED`` tokens is not worth a forward of its own."""
-        self.head = list(head) if len(head) >= MIN_SHARED else None
+        device = self.model.get_output_embeddings().weight.device
+        self.head = torch.tensor(list(head), device=device) if len(head) >= MIN_SHARED else None  # [P]
         self.head_kv = None
-        self.shared = {"tokens": len(self.head or ()), "prefills": 0, "inputs": 0}  # --stats: device.shared_prompt
+        self.shared = {"tokens": 0 if self.head is None else len(self.head), "prefills": 0, "inputs": 0}  # --stats: device.shared_prompt
 
     def _prefill(self, batch: Batch) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """Left-padded prompts [B, W] -> per layer K/V [B, Hkv, W, d] and the last position's logits [B, V]: the
@@ -154,12 +156,21 @@ class DecoderOnlyBackend:
         per layer K/V [B, Hkv, W, d], and the last position's logits [B, V]."""
         ids, mask = batch.input_ids, batch.attention_mask
         hf_mask = mask if not bool(mask.all()) else None  # as generate(): no mask without padding
+        hidden, keys, values = self._base(ids, hf_mask, prompt_positions(mask))
+        return keys, values, self._logits(hidden[:, -1])
+
+    def _base(
+        self, ids: Tensor, mask: Tensor | None, positions: Tensor, cache: Any = None
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """The model's own base forward over ``ids`` [B, S] (over ``cache``'s keys and values where given): the last
+        hidden states [B, S, D] and every layer's K/V [B, Hkv, past + S, d]. A cache without the config's layer
+        kinds: every layer keeps every position, windowed or not."""
+        cache = transformers.DynamicCache() if cache is None else cache
         out = self.base(
-            input_ids=ids, attention_mask=hf_mask, position_ids=prompt_positions(mask),
-            use_cache=True, **{self.cache_kwarg: transformers.DynamicCache()},
-        )  # fmt: skip  (a cache without the config's layer kinds: every layer keeps every position, windowed or not)
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_kwarg: cache}
+        )
         layers = getattr(out, self.cache_kwarg).layers  # the output names it as the forward's argument
-        return [layer.keys for layer in layers], [layer.values for layer in layers], self._logits(out.last_hidden_state[:, -1])
+        return out.last_hidden_state, [layer.keys for layer in layers], [layer.values for layer in layers]
 
     def _logits(self, hidden: Tensor) -> Tensor:
         """The LM head over the last positions' hidden states [B, D] -> [B, V] float32 (oneDNN on the CPU: an input's
@@ -170,7 +181,7 @@ class DecoderOnlyBackend:
     def _begins_with_head(self, batch: Batch) -> Tensor | None:
         """Which prompts of ``batch`` ([B, W] left-padded) begin with the shared head and go on past it: bool [B];
         ``None`` without a head."""
-        if getattr(self, "head", None) is None:
+        if self.head is None:
             return None
         ids, mask = batch.input_ids, batch.attention_mask
         p, w = len(self.head), ids.shape[1]
@@ -178,19 +189,14 @@ class DecoderOnlyBackend:
             return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         lengths = mask.sum(dim=1)  # [B]
         cols = (w - lengths)[:, None] + torch.arange(p, device=ids.device)  # [B, P]: each prompt's first P columns
-        head = torch.tensor(self.head, dtype=ids.dtype, device=ids.device)
-        return (ids.gather(1, cols.clamp(max=w - 1)) == head).all(dim=1) & (lengths > p)  # [B]
+        return (ids.gather(1, cols.clamp(max=w - 1)) == self.head).all(dim=1) & (lengths > p)  # [B]
 
     def _head_kv(self) -> tuple[list[Tensor], list[Tensor]]:
         """The shared head's keys and values per layer, [1, Hkv, P, d] each: one forward, at its first use."""
         if self.head_kv is None:
-            ids = torch.tensor([self.head], device=self.model.get_output_embeddings().weight.device)  # [1, P]
-            out = self.base(
-                input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device)[None], use_cache=True,
-                **{self.cache_kwarg: transformers.DynamicCache()},
-            )  # fmt: skip
-            layers = getattr(out, self.cache_kwarg).layers
-            self.head_kv = [layer.keys for layer in layers], [layer.values for layer in layers]
+            ids = self.head[None]  # [1, P]
+            _, keys, values = self._base(ids, None, torch.arange(ids.shape[1], device=ids.device)[None])
+            self.head_kv = keys, values
             self.shared["prefills"] += 1
         return self.head_kv
 
@@ -212,20 +218,16 @@ class DecoderOnlyBackend:
         cache = transformers.DynamicCache()
         for i, (k, v) in enumerate(zip(hk, hv, strict=True)):  # [1, Hkv, P, d] -> [B, Hkv, P, d] (the forward copies)
             cache.update(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), i)
-        out = self.base(
-            input_ids=new_ids, attention_mask=torch.cat([torch.ones_like(ids[:, :p]), new_mask], dim=1),
-            position_ids=p + torch.minimum(j, own[:, None] - 1), use_cache=True, **{self.cache_kwarg: cache},
-        )  # fmt: skip  (the padding after an input's tokens repeats its last position: within any table)
-        layers = getattr(out, self.cache_kwarg).layers  # keys [B, Hkv, P + C, d]: head, own tokens, unread columns
+        attend = torch.cat([torch.ones_like(ids[:, :p]), new_mask], dim=1)  # [B, P + C]
+        positions = p + torch.minimum(j, own[:, None] - 1)  # the padding repeats an input's last position
+        hidden, keys, values = self._base(new_ids, attend, positions, cache)  # K/V [B, Hkv, P + C, d]
         # the whole left-padded prompt's layout: row i's P + s_i real columns end at W (shifted right by W - P - s_i)
         at = (torch.arange(w, device=ids.device) - (w - p - own)[:, None]).clamp(min=0)  # [B, W]
         hkv, d = hk[0].shape[1], hk[0].shape[3]
         at = at[:, None, :, None].expand(b, hkv, w, d)  # [B, Hkv, W, d]
-        keys = [layer.keys.gather(2, at) for layer in layers]
-        values = [layer.values.gather(2, at) for layer in layers]
-        last = out.last_hidden_state.gather(1, (own - 1)[:, None, None].expand(b, 1, out.last_hidden_state.shape[2]))
+        last = hidden.gather(1, (own - 1)[:, None, None].expand(b, 1, hidden.shape[2]))  # [B, 1, D]
         self.shared["inputs"] += b
-        return keys, values, self._logits(last[:, 0])  # [B, V]
+        return [k.gather(2, at) for k in keys], [v.gather(2, at) for v in values], self._logits(last[:, 0])  # [B, V]
 
     @torch.inference_mode()
     def start(

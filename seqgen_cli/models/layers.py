@@ -20,8 +20,6 @@ from seqgen_cli.models.attention import Keys, attend_blocks, attention, rope
 from seqgen_cli.models.linear_maps import Linear, dense, linear
 from seqgen_cli.shapes import CROSS_CHUNK
 
-# -- encoder-decoders -------------------------------------------------------------------------------------------
-
 
 class Step(NamedTuple):
     """What a decoder layer reads in one step beside its input: the self-attention cache (``update(layer, k, v)``
@@ -58,6 +56,9 @@ def clamp_fp16(x: Tensor) -> Tensor:
     top = torch.finfo(x.dtype).max
     limit = torch.where(torch.isinf(x).any(), top - 1000, top)
     return torch.clamp(x, min=-limit, max=limit)
+
+
+# -- encoder-decoders -------------------------------------------------------------------------------------------
 
 
 @dataclass
