@@ -248,7 +248,7 @@ def resolve_generation_config(
     of a limit keeps both, and ``max_new_tokens``/``min_new_tokens`` win, as in ``generate()``. Raises
     ``SeqgenError`` for settings transformers rejects, and (``vocab_size``: the model's) for a forced token id
     of a flag or preset that is not a token of the model or more beams than its tokens, and (``positions``:
-    :func:`decoder_positions`) for a length past a learned-position model's positions.
+    :func:`~seqgen_cli.models.families.decoder_table`) for a length past a learned-position model's positions.
     """
     config = copy.deepcopy(base)
     source = {k: CHECKPOINT for k in RULES if getattr(base, k, None) is not None}
@@ -380,23 +380,16 @@ def settings_for_model(
     """A loaded model's settings: its ``generation_config``, then ``preset``, then ``flags`` (checked by
     :func:`check_flags`), ``target_lang`` resolved through ``tokenizer`` over any ``forced_bos_token_id``; forced
     ids and beams checked against the rows of the model's lm head, lengths against its position table (if any)."""
+    from seqgen_cli.models.families import decoder_table
+
     if target_lang is not None:  # a flag: over the checkpoint's and the preset's forced_bos_token_id
         flags = {**flags, "forced_bos_token_id": resolve_target_lang(tokenizer, target_lang)}
     head = model.get_output_embeddings()  # the ids the model can score: its lm head's rows
     vocab_size = getattr(head, "out_features", None) or getattr(model.config, "vocab_size", None)
     return resolve_generation_config(
         model.generation_config, preset, flags, model.config.is_encoder_decoder, vocab_size=vocab_size,
-        positions=decoder_positions(model.config),
+        positions=decoder_table(model.config),
     )  # fmt: skip
-
-
-def decoder_positions(config: Any) -> tuple[str, int] | None:
-    """``(field, size)`` of the fixed position table the decoder indexes (past it ``IndexError: index out of range
-    in self``, generate()'s too: :func:`~seqgen_cli.models.families.decoder_table`); ``None`` where positions have no
-    hard limit."""
-    from seqgen_cli.models.families import decoder_table
-
-    return decoder_table(config)
 
 
 def default_length(config: GenerationConfig) -> int | None:
