@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from seqgen_cli.models import linear_maps
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend
 from seqgen_cli.models.encoder_decoder import EncoderDecoderBackend
 from seqgen_cli.models.families import FAMILIES, length_dependent_rope, refusal
@@ -111,11 +112,15 @@ def get_backend(
 
 
 def engine_stats(backend: ModelBackend) -> dict[str, Any]:
-    """``--stats`` ``device``'s keys of the engine: ``engine`` (:func:`engine_name`) and, where prompts share a head
+    """``--stats`` ``device``'s keys of the engine: ``engine`` (:func:`engine_name`), on the CPU ``cpu_isa`` and
+    ``linear_maps`` (what runs the products: :func:`~.linear_maps.kernel`) and, where prompts share a head
     (``DecoderOnlyBackend.share``), ``shared_prompt``: its tokens, how often it was prefilled, the inputs over it."""
     inner = getattr(backend, "backend", backend)  # the capture wrapper's wrapped backend
+    out: dict[str, Any] = {"engine": engine_name(backend)}
+    if inner.model.device.type == "cpu" and not isinstance(inner, GenericBackend):  # generic: transformers' maps
+        out |= {"cpu_isa": linear_maps.cpu_isa(), "linear_maps": linear_maps.kernel(inner.model.dtype, inner.int8)}
     shared = getattr(inner, "shared", None)
-    return {"engine": engine_name(backend)} | ({"shared_prompt": dict(shared)} if shared and shared["tokens"] else {})
+    return out | ({"shared_prompt": dict(shared)} if shared and shared["tokens"] else {})
 
 
 def engine_name(backend: ModelBackend) -> str:

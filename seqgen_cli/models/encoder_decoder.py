@@ -1,7 +1,7 @@
 """The one encoder-decoder decoder: every encoder-decoder family's decode step, written once over its description
 (``families/``: the BART family, M2M-100 / NLLB, LED, Pegasus-X, T5, LongT5, UMT5, T5Gemma, T5Gemma 2), and the protocol glue.
 
-The model's own encoder layers run once per input (float32 on the CPU: a copy of its module tree that shares its
+The model's own encoder layers run once per input (float32 and bfloat16 on the CPU: a copy of its module tree that shares its
 weights, its ``nn.Linear`` layers on oneDNN, ``linear_maps.onednn_copy``; ``generate()`` keeps the model's own).
 Cross-attention keys/values are projected once per *input*
 (``[B, H, S, d]``), never per beam: a step's ``N = B * R`` queries are viewed as ``[B, H, R, d]``, so the
@@ -62,7 +62,7 @@ class EncoderDecoderBackend:
         cfg, dec = model.config, model.get_decoder()
         self.model = model.eval()
         self.family = family
-        self.encoder = model.get_encoder() if int8 else onednn_copy(model.get_encoder())  # float32 CPU: oneDNN
+        self.encoder = model.get_encoder() if int8 else onednn_copy(model.get_encoder())  # CPU: oneDNN
         self.embed = dec.embed_tokens.weight  # [V_in, D]
         hidden = self.embed.shape[1]
         self.embed_scale: float | torch.Tensor | None = None  # None: unscaled

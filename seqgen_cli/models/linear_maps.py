@@ -1,13 +1,13 @@
-"""The fast backends' linear maps: float32 through oneDNN on the CPU, or ``--dtype int8``.
+"""The fast backends' linear maps: float32 and bfloat16 through oneDNN on the CPU, or ``--dtype int8``.
 
-:func:`dense` is ``F.linear``, except for float32 on the CPU: there decode-step products ([N, D]) run through
-oneDNN's matmul, faster than the MKL GEMM behind ``F.linear``. The backends' own maps (:func:`linear`) go one step
+:func:`dense` is ``F.linear``, except for float32 and bfloat16 on the CPU (:data:`ONEDNN_DTYPES`): there decode-step
+products ([N, D]) run through oneDNN's matmul, faster than the MKL GEMM behind ``F.linear``. The backends' own maps (:func:`linear`) go one step
 further on the CPU: :class:`PackedLinear` runs oneDNN on a weight packed once into its blocked layout, products over
 whole sources ([B, S, D]: cross-attention keys/values) as one [B * S, D] product, and the encoder-decoders' encoder
 runs its own layers with :class:`SourceLinear` (a PackedLinear) in place of ``nn.Linear`` (:func:`onednn_copy`).
 
 Batch invariance (tests/models/test_determinism.py). oneDNN computes each row of a product the same way whatever the
-number of rows, the row's position among them, the number of threads and whether the weight is packed, except
+number of rows, the row's position among them, the number of threads and whether the weight is packed (float32 and bfloat16 alike), except
 a product of a single row (a matrix-vector kernel with another summation order): :func:`onednn` runs one row as
 two. MKL's GEMM does so only when the row count is a multiple of 8 (rows of products of fewer than 12 rows
 change with the row count and the thread count), which the sources' width buckets guarantee
@@ -33,9 +33,10 @@ saved). Cached or not, a layer gets the same int8 values, scales and packed weig
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from copy import deepcopy
 from functools import partial
 
@@ -66,6 +67,40 @@ PACK_ROWS = 128  # the row count oneDNN picks the packed layout for (any row cou
 PACK_AFTER = 8  # calls a PackedLinear runs on the dense weight before it packs
 PACK_LIMIT = 256 * 2**20  # bytes: a larger weight is not packed (no second copy of NLLB's 1 GB LM head)
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# The dtypes oneDNN runs here: float32 always; bfloat16 where the CPU has bf16 products (AMX, AVX-512 BF16) or
+# can convert to them (AVX-512 BW/VL/DQ), as ``mkldnn._is_mkldnn_bf16_supported`` says. An AVX2-only CPU runs
+# bfloat16 through ``F.linear``.
+ONEDNN_DTYPES = (torch.float32,) + (
+    (torch.bfloat16,) if ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
+)
+
+
+def cpu_isa() -> str:
+    """The CPU's widest instructions for the products, in words (``--stats`` ``device.cpu_isa``): ``AMX`` (bf16 and
+    int8 tiles), ``AVX-512 BF16``, else torch's own capability name (``AVX512``, ``AVX2``, ...); with the cap
+    ``ONEDNN_MAX_CPU_ISA`` sets on oneDNN, where set."""
+    flags: set[str] = set()
+    with suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    isa = "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else None
+    isa = isa or torch.backends.cpu.get_cpu_capability()
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return f"{isa} (ONEDNN_MAX_CPU_ISA={cap})" if cap else isa
+
+
+def kernel(dtype: torch.dtype, int8: bool) -> str:
+    """What runs the fast backends' linear maps on the CPU, in words (``--stats`` ``device.linear_maps``)."""
+    if int8:
+        return "int8 fbgemm (per-channel weights, per-tensor dynamic activations)"
+    name = str(dtype).removeprefix("torch.")
+    return f"{name} oneDNN (weights packed once)" if ONEDNN and dtype in ONEDNN_DTYPES else f"{name} F.linear"
+
+
+def on_onednn(x: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` runs on oneDNN: a CPU weight of a dtype in :data:`ONEDNN_DTYPES` (and ``x`` of
+    the same dtype, where given)."""
+    return weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES and (x is None or x.dtype == weight.dtype)
 
 
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -79,7 +114,7 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; float32 [N, D] on the CPU through :func:`onednn`.
+    """``F.linear(x, weight, bias)``; float32 or bfloat16 [N, D] on the CPU through :func:`onednn`.
 
     On the 2-core CPU of docs/EXPERIMENTS.md ("CPU float32: where a step goes") oneDNN runs the decode step's
     products 10-40 % faster than the MKL GEMM behind ``F.linear``, and the LM head about 2x faster (MKL
@@ -87,14 +122,13 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     (float32 rounding, about 1e-6 relative). Under ``torch.compile`` always ``F.linear``: inductor cannot lower
     ``mkldnn._linear_pointwise`` on a dense weight, and picks its own GEMM.
     """
-    cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-    if ONEDNN and cpu_fp32 and x.dim() == 2 and not torch.compiler.is_compiling():  # any number of rows
+    if on_onednn(x, weight) and x.dim() == 2 and not torch.compiler.is_compiling():  # any number of rows
         return onednn(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class PackedLinear:
-    """``x -> x @ weight.T + bias`` in float32 on the CPU, after its first ``PACK_AFTER`` calls over a copy of
+    """``x -> x @ weight.T + bias`` in float32 or bfloat16 on the CPU, after its first ``PACK_AFTER`` calls over a copy of
     ``weight`` that oneDNN has reordered once into its own blocked layout (``mkldnn._reorder_linear_weight``,
     as torch's inductor does for frozen CPU models), so no product repacks the weight.
 
@@ -129,7 +163,7 @@ class PackedLinear:
 
 
 class SourceLinear(nn.Module):
-    """An encoder's ``nn.Linear`` run as a :class:`PackedLinear` (oneDNN, float32 on the CPU), the same parameters
+    """An encoder's ``nn.Linear`` run as a :class:`PackedLinear` (oneDNN on the CPU), the same parameters
     under the same names: the encoder's layers run unchanged but for the products' summation order. On the 2-core
     EPYC of docs/EXPERIMENTS.md ("The encoder on oneDNN") oneDNN runs encoder-sized products (12k rows) 1.7-2.3x as
     fast as the MKL GEMM behind ``nn.Linear``, 1.9-2.4x once packed."""
@@ -145,11 +179,11 @@ class SourceLinear(nn.Module):
 
 
 def onednn_copy(module: nn.Module) -> nn.Module:
-    """``module`` again, its float32 CPU ``nn.Linear`` layers as :class:`SourceLinear`: a copy of its module tree
+    """``module`` again, its CPU ``nn.Linear`` layers as :class:`SourceLinear` (float32, bfloat16): a copy of its module tree
     that shares every parameter and buffer (no weight is copied), so ``module`` itself, which ``generate()`` runs,
-    stays as it was. ``module`` unchanged where there is nothing to run on oneDNN (GPU, half precision)."""
-    linears = [m for m in module.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"]
-    if not ONEDNN or not linears or any(m.weight.dtype != torch.float32 for m in linears):
+    stays as it was. ``module`` unchanged where there is nothing to run on oneDNN (GPU, float16)."""
+    linears = [m for m in module.modules() if type(m) is nn.Linear]
+    if not linears or not all(on_onednn(None, m.weight) for m in linears):
         return module
     shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
     copy = deepcopy(module, memo=shared)
@@ -161,12 +195,11 @@ def onednn_copy(module: nn.Module) -> nn.Module:
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False) -> Linear:
-    """``x -> x @ weight.T + bias``: float32 on the CPU a :class:`PackedLinear` (up to :data:`PACK_LIMIT` bytes),
+    """``x -> x @ weight.T + bias``: on the CPU in :data:`ONEDNN_DTYPES` a :class:`PackedLinear` (up to :data:`PACK_LIMIT` bytes),
     else :func:`dense` over the given tensors (no copy); with ``int8`` a dynamic-quantized copy of ``weight``
     (:func:`int8_linear`)."""
     if not int8:
-        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        if ONEDNN and cpu_fp32 and weight.nbytes <= PACK_LIMIT:
+        if on_onednn(None, weight) and weight.nbytes <= PACK_LIMIT:
             return PackedLinear(weight, bias)
         return partial(dense, weight=weight, bias=bias)
     return int8_linear(weight, bias)
@@ -197,7 +230,9 @@ def dynamic_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Modul
     return module
 
 
-BLOCK_BYTES = 8 * 2**20  # an int8 weight of more bytes is packed and run in blocks of rows of at most this many
+BLOCK_BYTES = (
+    8 * 2**20
+)  # an int8 weight of more bytes is packed and run in blocks of rows of at most this many
 
 
 def block_rows(cols: int) -> int:

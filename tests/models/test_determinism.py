@@ -49,15 +49,19 @@ def test_input_width_depends_on_the_length_only_and_pads_little() -> None:
 
 
 @pytest.mark.skipif(not linear_maps.ONEDNN, reason="torch built without oneDNN")
+@pytest.mark.parametrize("dtype", linear_maps.ONEDNN_DTYPES)
 @pytest.mark.parametrize(("inputs", "outputs"), [(2048, 48), (48, 600), (512, 512)])
-def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(inputs: int, outputs: int) -> None:
+def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(
+    inputs: int, outputs: int, dtype: torch.dtype
+) -> None:
     """Rows ``a:a+m`` of a product equal those rows of the whole product, for any ``m`` (1 included, beyond
     1024 too) and offset ``a``, at 1-3 threads: ``dense`` and ``PackedLinear`` (dense, then packed weight) for
-    [N, D] inputs; ``F.linear`` (MKL, the encoders' products) for [B, S, D] inputs with ``S`` a multiple of 8."""
+    [N, D] inputs and [B, S, D] inputs (whole sources), in every dtype oneDNN runs here."""
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(outputs, inputs, generator=g) / inputs**0.5, torch.randn(outputs, generator=g)
     x = torch.randn(1100, inputs, generator=g)
     sources = torch.randn(9, 24, inputs, generator=g)  # [B, S, D]
+    w, b, x, sources = (t.to(dtype) for t in (w, b, x, sources))
     threads = torch.get_num_threads()
     packed = linear_maps.PackedLinear(w, b)
     packed.calls = linear_maps.PACK_AFTER  # the next call packs
