@@ -40,27 +40,41 @@ from seqgen_cli.search.settings import SearchSettings
 CHUNK = 128  # columns per chunk in :func:`wide_topk`
 
 
-def wide_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def wide_topk(scores: torch.Tensor, k: int, ties: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(scores, k)`` (sorted) over the last dimension of a wide [B, M] tensor, via the chunks of
-    ``CHUNK`` columns with the ``k`` largest maxima: one max pass, then a top-k over ``k * CHUNK`` columns.
+    ``CHUNK`` columns with the ``k + 1`` largest maxima: one max pass, then a top-(k + 1) over ``(k + 1) * CHUNK``
+    columns; in a row where two of those ``k + 1`` values are equal, ``torch.topk`` over the whole row after all.
 
-    Same values as ``torch.topk``: an element of any other chunk is at most the k-th largest chunk maximum,
-    itself at most the k-th largest element, so only equal values can trade places (torch leaves the order of
-    ties unspecified too). ~4x cheaper than ``torch.topk`` over [32, 4 x 55k] on the CPU (docs/EXPERIMENTS.md,
-    "CPU float32: what the step does, and what each choice measured").
+    The same values and indices as ``torch.topk``: those ``k + 1`` chunk maxima are elements of the picked columns,
+    so the picked columns' (k + 1)-th largest value is at least every element of any other chunk. When the ``k + 1``
+    largest picked values are all different, the ``k`` largest of the row are the picked ``k``, each strictly above
+    every other element: no tie is left for ``torch.topk`` to order its own way. Else (a tie: often in half
+    precision, rare in float32; a host check, free on the CPU) the whole row goes to ``torch.topk``. ~4x cheaper than
+    ``torch.topk`` over [32, 4 x 55k] on the CPU (docs/EXPERIMENTS.md, "CPU float32: what the step does, and what
+    each choice measured").
+
+    ``ties=False`` (the static step, compiled: nothing read on the host): no check, so where values are equal they
+    may trade places (in float32 an exact tie).
     """
     b, m = scores.shape
-    if m < k * CHUNK:  # fewer than k full chunks
+    c = k + 1  # chunks picked: one past k, so the value after the k-th is known
+    if m < c * CHUNK:  # fewer than k + 1 full chunks
         return torch.topk(scores, k)
     full = m // CHUNK * CHUNK
     maxima = scores[:, :full].view(b, full // CHUNK, CHUNK).amax(-1)  # [B, M // CHUNK]
     if full < m:  # the last, shorter chunk
         maxima = torch.cat((maxima, scores[:, full:].amax(-1, keepdim=True)), dim=1)
-    chunks = torch.topk(maxima, k, sorted=False).indices  # [B, k]
-    cols = (chunks[:, :, None] * CHUNK + torch.arange(CHUNK, device=scores.device)).view(b, k * CHUNK)
-    picked = scores.gather(1, cols.clamp(max=m - 1)).masked_fill_(cols >= m, float("-inf"))  # [B, k*CHUNK]
-    values, pos = torch.topk(picked, k)
-    return values, cols.gather(1, pos)  # [B, k], [B, k]
+    chunks = torch.topk(maxima, c, sorted=False).indices  # [B, k + 1]
+    cols = (chunks[:, :, None] * CHUNK + torch.arange(CHUNK, device=scores.device)).view(b, c * CHUNK)
+    picked = scores.gather(1, cols.clamp(max=m - 1)).masked_fill_(cols >= m, float("-inf"))  # [B, (k+1)*CHUNK]
+    top, pos = torch.topk(picked, c)  # [B, k + 1], sorted
+    values, indices = top[:, :k], cols.gather(1, pos[:, :k])  # [B, k], [B, k]
+    if not ties:
+        return values, indices
+    tied = (top[:, 1:] == top[:, :-1]).any(1).nonzero().view(-1)  # [T]: rows where two of the k + 1 are equal
+    if tied.numel():  # torch.topk's order of equal values (a row's top-k does not depend on the other rows)
+        values[tied], indices[tied] = torch.topk(scores[tied], k)
+    return values, indices
 
 
 def _accumulated_log_probs(rows: Rows, logits: torch.Tensor, running_scores: torch.Tensor) -> torch.Tensor:
@@ -239,6 +253,6 @@ class BeamConstants:
 
 
 def pick_topk(logits: torch.Tensor) -> TopK:
-    """float32 CPU logits: top-k by chunks (equal values may trade places, which in float32 takes an exact tie);
-    half-precision logits tie often, and transformers orders ties as torch.topk does."""
-    return wide_topk if logits.device.type == "cpu" and logits.dtype == torch.float32 else torch.topk
+    """CPU logits (any dtype): top-k by chunks (:func:`wide_topk`, ``torch.topk``'s result, ties included); on a GPU
+    ``torch.topk`` itself (its tie check would wait for the device)."""
+    return wide_topk if logits.device.type == "cpu" else torch.topk

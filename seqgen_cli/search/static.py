@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -62,7 +63,7 @@ class StaticSpec:
     vocab: int
     columns: int  # W: history columns (the prompt width + new tokens)
     new_tokens: int  # T: the most new tokens
-    wide: bool  # top-k by chunks (``beam.wide_topk``: CPU float32) instead of torch.topk
+    wide: bool  # top-k by chunks (``beam.wide_topk``, ``ties=False``: the CPU) instead of torch.topk
     reciprocal: bool  # divide as CUDA does (see beam_step.divide)
     ids_in_vocab: bool  # the repetition penalty's in-place path
     packed: bool  # n-gram keys packed into int64
@@ -189,7 +190,7 @@ def static_beam_step(st: StaticState, logits: Tensor) -> list[Tensor]:
         running = b.running_scores.reshape(-1, 1)  # [N, 1]
         log_probs = process_split(st.proc, st.history, lim, log_probs, running)  # [N, V]
     log_probs = log_probs.reshape(p, -1)  # [P, K * V]
-    topk = wide_topk if st.spec.wide else torch.topk
+    topk = partial(wide_topk, ties=False) if st.spec.wide else torch.topk  # compiled: no host check
     topk_log_probs, topk_beams, topk_tokens = get_top_k_continuations(
         log_probs, st.top_mask.shape[0], k, topk
     )

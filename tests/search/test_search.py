@@ -313,10 +313,30 @@ def test_wide_topk_matches_torch_topk(width: int) -> None:
     assert torch.equal(values, ref_values)
     assert torch.equal(indices, ref_indices)  # no ties among these values
     assert torch.equal(scores.gather(1, indices), values)
-    scores[3, 7] = 41.0  # a tie: same values, the order of equal ones is torch's business
+    scores[3, 7] = 41.0  # a tie: torch.topk's own order of the equal values
     values, indices = wide_topk(scores, 8)
     assert torch.equal(values, torch.topk(scores, 8).values)
-    assert set(indices[3, :2].tolist()) == {7, 9}
+    assert torch.equal(indices, torch.topk(scores, 8).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_wide_topk_gives_torch_topks_order_of_ties(dtype: torch.dtype) -> None:
+    """Log-probs of half-precision logits tie often (and in float32 ties can be made): beams' scores over 4 x 3,000
+    logits rounded to ``dtype`` (then float32, as the search sees them), equal values within a beam, across beams
+    and at the k-th place; ``wide_topk`` gives ``torch.topk``'s indices, equal values in its order, in every row."""
+    g = torch.Generator().manual_seed(3)
+    rows, beams, vocab, k = 64, 4, 3000, 8
+    logits = (torch.randn(rows, beams, vocab, generator=g) * 4).to(dtype).float()  # ties where dtype rounds
+    logits[:8, :, :50] = logits[:8, :, :1]  # rows 0-7: 50 equal best logits in each beam
+    running = torch.zeros(rows, beams)  # rows 8-15: equal running scores, so beams tie with each other
+    running[16:] = torch.randn(rows - 16, beams, generator=g)
+    scores = (torch.log_softmax(logits, -1) + running[:, :, None]).view(rows, beams * vocab)
+    ref = torch.topk(scores, k)
+    values, indices = wide_topk(scores, k)
+    assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
+    for r in range(rows):  # the same, row by row: whatever the other rows hold
+        one = wide_topk(scores[r : r + 1], k)
+        assert torch.equal(one[1], ref.indices[r : r + 1]), r
 
 
 def test_wide_topk_all_but_few_masked_keeps_the_finite_ones() -> None:
