@@ -104,6 +104,9 @@ def main() -> None:
         "--dtype", default="float32", help="both systems: float32 or int8 (CTranslate2's compute type)"
     )
     ap.add_argument(
+        "--seqgen-dtypes", nargs="*", help="seqgen's dtypes, each its own arm (default: --dtype)"
+    )
+    ap.add_argument(
         "--max-source-length", type=int, help="both systems: truncate sources to this many tokens"
     )
     ap.add_argument(
@@ -149,17 +152,18 @@ def main() -> None:
 def seqgen_arms(args: argparse.Namespace, env: dict[str, str], src: Path, tmp: str) -> dict[str, Arm]:
     """``seqgen generate`` under each of ``args.arms``."""
     flags = ["--num-beams", str(args.beams), "--batch-size", str(args.batch_size), "-q"]
-    flags += ["--dtype", args.dtype]
     flags += ["--max-source-length", str(args.max_source_length)] if args.max_source_length else []
     flags += ["--target-lang", args.target_lang] if args.target_lang else []
     if args.new_tokens:
         flags += ["--max-new-tokens", str(args.new_tokens), "--min-new-tokens", str(args.new_tokens)]
     arms = {}
-    for i, arm in enumerate(args.arms):
+    dtypes = args.seqgen_dtypes or [args.dtype]
+    for i, (dtype, arm) in enumerate((d, a) for d in dtypes for a in args.arms):
         out, stats = Path(tmp, f"seqgen{i}.txt"), Path(tmp, f"seqgen{i}.json")
         cmd = [sys.executable, "-m", "seqgen_cli", "generate", "-m", args.model, str(src), "-o", str(out)]
-        name = "seqgen" + ("" if arm == "-" else f" {arm}")
-        arms[name] = Arm([*cmd, *flags, "--stats", str(stats)], arm_env(env, arm), out, stats)
+        name = "seqgen" + (f" {dtype}" if args.seqgen_dtypes else "") + ("" if arm == "-" else f" {arm}")
+        arms[name] = Arm([*cmd, *flags, "--dtype", dtype, "--stats", str(stats)], arm_env(env, arm), out, stats)
+    flags += ["--dtype", args.dtype]
     if args.hf:
         out, stats = Path(tmp, "hf.txt"), Path(tmp, "hf.json")
         cmd = [sys.executable, "-m", "seqgen_cli", "generate", "-m", args.model, str(src), "-o", str(out)]
