@@ -60,7 +60,7 @@ def convert(model: str, cache: Path | None = None) -> Path:
     key = f"{model_dir.name}-{h.hexdigest()[:12]}-none"  # not quantised
     out = (cache or DEFAULT_CACHE).expanduser() / key
     if (out / "model.bin").is_file():
-        return out
+        return _start_as_transformers(out, model_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     try:
@@ -71,7 +71,26 @@ def convert(model: str, cache: Path | None = None) -> Path:
             f"ct2: cannot convert {model} with CTranslate2 {ct2.__version__}: {type(err).__name__}: {err}"
         ) from None
     tmp.rename(out)
-    return out
+    return _start_as_transformers(out, model_dir)
+
+
+def _start_as_transformers(ct2_dir: Path, model_dir: Path) -> Path:
+    """The conversion decoding from the checkpoint's own ``decoder_start_token_id``: CTranslate2's converters set a
+    family's usual start token (Pegasus: its pad token ``<blank>``), which a checkpoint may not use (the
+    transliteration model starts from ``<s>``); ``config.json``'s ``decoder_start_token`` is rewritten where they
+    differ, so both systems decode the same thing. Decoder-only and start-less conversions are left as they are."""
+    path = ct2_dir / "config.json"
+    converted = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    start_id = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("decoder_start_token_id")
+    if converted.get("decoder_start_token") is None or not isinstance(start_id, int):
+        return ct2_dir
+    from transformers import AutoTokenizer
+
+    start = AutoTokenizer.from_pretrained(str(model_dir)).convert_ids_to_tokens(start_id)
+    if start is not None and start != converted["decoder_start_token"] and start in vocabulary(ct2_dir):
+        converted["decoder_start_token"] = start
+        path.write_text(json.dumps(converted, indent=2), encoding="utf-8")
+    return ct2_dir
 
 
 @contextlib.contextmanager
