@@ -468,10 +468,48 @@ def language_codes(tokenizer: Any) -> dict[str, int]:
     return codes
 
 
+LANGUAGE_DISTANCE = 4  # CLDR's distance between language tags, at most: the same language (de-AT and de-DE: 4)
+
+
+def _language_tag(code: str) -> str | None:
+    """A language code as a BCP 47 tag without its region, its likely script filled in (``de_DE`` -> ``de-Latn``,
+    ``zh_TW`` -> ``zh-Hant``, ``deu_Latn`` -> ``de-Latn``, mBART-50's ``en_XX`` -> ``en-Latn``), or ``None``."""
+    import langcodes
+
+    tag = "-".join(p for p in code.strip().strip("_").replace("_", "-").split("-") if p != "XX")
+    if not tag or not langcodes.tag_is_valid(tag):
+        return None
+    full = langcodes.Language.get(tag).maximize()
+    return langcodes.Language.make(language=full.language, script=full.script).to_tag() if full.language else None
+
+
+def same_language(code: str, codes: dict[str, int]) -> list[str]:
+    """The tokenizer's codes for the language of ``code`` as users type it (ISO 639-1 ``de``, 639-3 ``deu``, a
+    locale ``de_DE`` or ``de-AT``, ``zh-TW``), by CLDR's language matching (``langcodes``): the nearest, at most
+    :data:`LANGUAGE_DISTANCE` apart, regions aside (``de`` -> NLLB's ``deu_Latn``, ``ar`` -> ``arb_Arab``, ``fa``
+    -> ``pes_Arab``, ``no`` -> ``nob_Latn``; ``sr-Latn`` is not ``srp_Cyrl``). Empty where none is (or where
+    ``langcodes``, a dependency, is not installed)."""
+    try:
+        import langcodes
+    except ImportError:
+        return []
+    wanted = _language_tag(code)
+    if wanted is None:
+        return []
+    near: dict[str, int] = {}
+    for name in codes:
+        tag = _language_tag(name)
+        if tag is not None and (d := langcodes.tag_distance(wanted, tag)) <= LANGUAGE_DISTANCE:
+            near[name] = d
+    best = min(near.values(), default=None)
+    return [name for name, d in near.items() if d == best]
+
+
 def resolve_target_lang(tokenizer: Any, code: str, source: str = FLAG) -> int:
     """The token id of target language ``code`` (the ``forced_bos_token_id`` that makes mBART-50, M2M-100 and
     NLLB translate into it): the exact code, then the families' other spellings (``de-DE`` for ``de_DE``,
-    ``__de__`` and ``de`` for each other, ``get_lang_id``, any letter case). One-line :class:`SeqgenError`
+    ``__de__`` and ``de`` for each other, ``get_lang_id``, any letter case), then the code of the same language
+    (:func:`same_language`: ``de`` or ``deu`` for NLLB's ``deu_Latn``). One-line :class:`SeqgenError`
     listing close codes when ``code`` is none of the tokenizer's, or when it has none."""
     codes = language_codes(tokenizer)
     bare = code.strip().strip("_").replace("-", "_")
@@ -497,6 +535,11 @@ def resolve_target_lang(tokenizer: Any, code: str, source: str = FLAG) -> int:
     where = describe("target_lang", code, source)
     if not codes:
         raise SeqgenError(f"{where}: the model's tokenizer has no language codes ({TARGET_LANG_FAMILIES})")
+    same = same_language(code, codes)
+    if len({codes[name] for name in same}) == 1:
+        return codes[same[0]]
+    if same:
+        raise SeqgenError(f"{where}: more than one of the model's language codes is that language: {', '.join(same)}")
     names: dict[int, str] = {}  # one name per language: the first spelling (M2M-100: "de" before "__de__")
     for name, token_id in codes.items():
         names.setdefault(token_id, name)

@@ -87,9 +87,9 @@ def test_mbart50_target_lang_on_the_command_line(mbart50: Path, tmp_path: Path) 
 
 
 def test_mbart50_unknown_code_lists_close_codes(mbart50: Path, tmp_path: Path) -> None:
-    res, out = _run(mbart50, tmp_path, "--target-lang", "de_XX")
+    res, out = _run(mbart50, tmp_path, "--target-lang", "de_Latx")
     line = one_line_error(
-        res, "--target-lang de_XX: not a language code of the model's tokenizer", "close: de_DE"
+        res, "--target-lang de_Latx: not a language code of the model's tokenizer", "close: de_DE"
     )
     assert "52 codes in all" in line and res.exit_code == 2
     assert not out.exists()
@@ -146,8 +146,8 @@ def test_spellings_of_an_mbart_code(tiny_models, code: str) -> None:
 
 
 def test_unknown_code_and_tokenizer_without_codes_are_one_line_errors(tiny_models, tmp_path: Path) -> None:
-    res, out = _run(tiny_models("mbart"), tmp_path, "--target-lang", "fr_FR")
-    one_line_error(res, "--target-lang fr_FR: not a language code", "close: fr_XX", "5 codes in all")
+    res, out = _run(tiny_models("mbart"), tmp_path, "--target-lang", "fr_Latx")
+    one_line_error(res, "--target-lang fr_Latx: not a language code", "close: fr_XX", "5 codes in all")
     assert not out.exists()
     res, _ = _run(tiny_models("mbart"), tmp_path, "--target-lang", "German")
     one_line_error(res, "--target-lang German: not a language code", "e.g. de_DE, en_XX")
@@ -249,6 +249,32 @@ def test_m2m100_codes(tmp_path: Path) -> None:
         resolve_target_lang(tok, "dx")
     assert "\n" not in str(err.value) and "--target-lang dx: not a language code" in str(err.value)
     assert "100 codes in all" in str(err.value)  # one name per language: "de", not also "__de__"
+
+
+@pytest.mark.parametrize(
+    ("typed", "code"),
+    [("de", "deu_Latn"), ("deu", "deu_Latn"), ("de_DE", "deu_Latn"), ("de-AT", "deu_Latn"), ("ar", "arb_Arab"),
+     ("zh", "zho_Hans"), ("zh-TW", "zho_Hant"), ("no", "nob_Latn"), ("pt_BR", "por_Latn"), ("en_GB", "eng_Latn")],
+)  # fmt: skip
+def test_nllb_takes_a_language_as_users_type_it(typed: str, code: str) -> None:
+    """ISO 639-1 and 639-3 codes and locales resolve to NLLB's code of that language (CLDR's matching, regions
+    aside), as mBART-50's ``fr_FR`` to ``fr_XX``."""
+    from transformers import NllbTokenizer
+
+    tok = NllbTokenizer()
+    assert resolve_target_lang(tok, typed) == tok.convert_tokens_to_ids(code)
+
+
+def test_a_language_the_model_has_twice_or_in_another_script_is_an_error(tiny_models) -> None:
+    from transformers import NllbTokenizer
+
+    tok = NllbTokenizer()
+    with pytest.raises(SeqgenError, match=r"--target-lang fa: more than one .*: pes_Arab, prs_Arab$"):
+        resolve_target_lang(tok, "fa")  # Iranian Persian and Dari
+    with pytest.raises(SeqgenError, match=r"--target-lang sr-Latn: not a language code"):
+        resolve_target_lang(tok, "sr-Latn")  # NLLB's Serbian is Cyrillic
+    mbart = AutoTokenizer.from_pretrained(tiny_models("mbart"))
+    assert resolve_target_lang(mbart, "fr_FR") == resolve_target_lang(mbart, "fr") == mbart.convert_tokens_to_ids("fr_XX")
 
 
 def test_nllb_codes() -> None:
