@@ -273,7 +273,8 @@ class _SectionedCommand(click.Command):
     metavar="CODE",
     help="Translate into this language: its code in the model's tokenizer (mBART-50 de_DE, M2M-100 de, NLLB "
     "deu_Latn), or the language as you would write it (de, deu, de-AT: the model's code for it, where it has "
-    "one), forced as the first generated token (--forced-bos-token-id).",
+    "one), forced as the first generated token (--forced-bos-token-id); for a multi-target OPUS-MT model its "
+    ">>code<< token before every input.",
 )
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option(

@@ -468,6 +468,33 @@ def language_codes(tokenizer: Any) -> dict[str, int]:
     return codes
 
 
+_PREFIX_CODE = re.compile(r">>(\w+)<<")  # OPUS-MT's target language tokens: >>por<<
+
+
+def prefix_codes(tokenizer: Any) -> dict[str, str]:
+    """A multi-target OPUS-MT tokenizer's target languages (``>>por<<`` tokens of its vocabulary, which such a model
+    reads at the start of its source): code -> token (``por`` -> ``>>por<<``); empty for other tokenizers."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return {m.group(1): token for token in vocab if (m := _PREFIX_CODE.fullmatch(token))}
+
+
+def resolve_target_prefix(tokenizer: Any, code: str, source: str = FLAG) -> str | None:
+    """For a multi-target OPUS-MT tokenizer (:func:`prefix_codes`), the text that makes the model translate into
+    ``code``: its token and a space, to go before every input (``por``, ``>>por<<`` or ``pt`` -> ``">>por<< "``);
+    ``None`` for other tokenizers. One-line :class:`SeqgenError` when ``code`` is none of its languages."""
+    codes = prefix_codes(tokenizer)
+    if not codes:
+        return None
+    bare = code.strip()
+    bare = m.group(1) if (m := _PREFIX_CODE.fullmatch(bare)) else bare
+    found = [bare] if bare in codes else same_language(bare, dict.fromkeys(codes, 0))
+    if len(found) == 1:
+        return codes[found[0]] + " "
+    where = describe("target_lang", code, source)
+    listed = ", ".join(sorted(codes)[:8]) + (", ..." if len(codes) > 8 else "")
+    raise SeqgenError(f"{where}: not a target language of the model ({listed}: its >>code<< tokens)")
+
+
 LANGUAGE_DISTANCE = 4  # CLDR's distance between language tags, at most: the same language (de-AT and de-DE: 4)
 
 

@@ -39,7 +39,14 @@ from seqgen_cli.batching import (
     text_chunks,
 )
 from seqgen_cli.budget import DeviceBudget, out_of_memory
-from seqgen_cli.config import Preset, check_flags, default_length, load_preset, settings_for_model
+from seqgen_cli.config import (
+    Preset,
+    check_flags,
+    default_length,
+    load_preset,
+    resolve_target_prefix,
+    settings_for_model,
+)
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.loading import Loaded, load, source_limit
 from seqgen_cli.memory import batch_bytes
@@ -106,13 +113,18 @@ class Generator:
         self.loaded: Loaded = load(model, device, dtype, own=backend != "hf")  # own: the fast engine's tree
         self.tokenizer, self.model = self.loaded.tokenizer, self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
-        self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, target_lang)
+        # OPUS-MT's multi-target models read the language as a >>code<< token before the source, not as a forced BOS
+        lang_prefix = resolve_target_prefix(self.tokenizer, target_lang) if target_lang is not None else None
+        forced_lang = None if lang_prefix else target_lang
+        self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, forced_lang)
         own = self.config.stop_strings or []  # the checkpoint's (a string or a list), then --stop's
         self.config.stop_strings = [*([own] if isinstance(own, str) else own), *stop] or None
         self.stop_check = stop_check(self.tokenizer, self.config.stop_strings)  # once: its tables take a while
         prompt = prompt or PromptSettings()
         if prompt.prefix is None:  # --prefix, else the preset's
             prompt = replace(prompt, prefix=prefix if prefix is not None else getattr(self.preset, "prefix", None))
+        if lang_prefix:
+            prompt = replace(prompt, prefix=lang_prefix + (prompt.prefix or ""))
         self.prompt, self.prefix = prompt, prompt.prefix
         self.prompter = Prompter(prompt, self.tokenizer)  # a chat template that cannot render fails here
         self.max_source_length = self._source_limit(max_source_length or getattr(self.preset, "max_source_length", None))

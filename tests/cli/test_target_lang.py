@@ -334,3 +334,26 @@ def test_spec_carries_target_lang_to_workers() -> None:
 
     spec = pickle.loads(pickle.dumps(GeneratorSpec(model="m", target_lang="de_DE")))
     assert spec.target_lang == "de_DE" and "target_lang" not in spec.generation
+
+
+# -- OPUS-MT multi-target models: the language as a >>code<< token before the source ---------------------------
+
+
+def test_opus_mt_target_lang_goes_before_the_source_as_its_token(real_tokenizer_models, tmp_path: Path) -> None:
+    """The real opus-mt-tc-big-en-pt tokenizer has ``>>por<<`` and ``>>pob<<``: ``--target-lang por`` (or ``pt``,
+    or ``>>por<<``) puts ``>>por<< `` before every input, as ``--prefix '>>por<< '`` does, and forces no BOS; a
+    language it lacks is one line naming the ones it has."""
+    model = real_tokenizer_models("marian")
+    gen = Generator(str(model), device="cpu", target_lang="por", max_new_tokens=6)
+    por = gen.tokenizer.convert_tokens_to_ids(">>por<<")
+    assert gen.prefix == ">>por<< " and gen.config.forced_bos_token_id is None
+    ids = [e.ids for e in gen.encode(TEXTS)]
+    assert all(row[0] == por for row in ids)
+    by_prefix = Generator(str(model), device="cpu", prefix=">>por<< ", max_new_tokens=6)
+    assert ids == [e.ids for e in by_prefix.encode(TEXTS)]
+    assert gen.generate_ids(ids) == by_prefix.generate_ids(ids)
+    for typed in ("pt", ">>por<<", "pt-PT"):
+        assert Generator(str(model), device="cpu", target_lang=typed).prefix == ">>por<< ", typed
+    res, out = _run(model, tmp_path, "--target-lang", "de")
+    one_line_error(res, "--target-lang de: not a target language of the model (pob, por: its >>code<< tokens)")
+    assert not out.exists()
