@@ -534,6 +534,11 @@ def merge(parts: tuple[str, ...], output: str) -> None:
     help="Write each line's scores as JSONL ({\"line\": 1, \"bleu\": ..., ...}; sentence BLEU with effective "
     "order, as sacrebleu --sentence-level).",
 )  # fmt: skip
+@click.option(
+    "--paired-bs", "baseline", type=click.Path(dir_okay=False, allow_dash=True), metavar="BASELINE",
+    help="Test the hypotheses against a baseline system's line-aligned outputs: sacrebleu's paired bootstrap "
+    "resampling (1000 resamples), each sacrebleu metric's p-value of the difference (< 0.05 marked *).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of a table.")
 def eval_(files: tuple[str, ...], hypotheses: str | None, metrics: str | None, as_json: bool, **settings) -> None:
     """Score hypotheses against one or more line-aligned references (text files; - is stdin):
@@ -557,11 +562,14 @@ def eval_(files: tuple[str, ...], hypotheses: str | None, metrics: str | None, a
     elif not refs:
         raise SeqgenError("seqgen eval -i HYP needs at least one reference file")
     names = m.parse_metrics(metrics)
-    sentences = settings.pop("sentence_scores")
+    sentences, baseline = settings.pop("sentence_scores"), settings.pop("baseline")
     options = m.Options(**settings)
     hyps, streams = m.read_lines(hypotheses), [m.read_lines(r) for r in refs]
     result = m.score(hyps, streams, names, options=options)
     result["files"] = {"hypotheses": hypotheses, "references": refs}
+    if baseline is not None:
+        result["paired_bs"] = m.paired_bootstrap(hyps, m.read_lines(baseline), streams, names, options)
+        result["files"]["baseline"] = baseline
     if sentences is not None:
         rows = m.sentence_scores(hyps, streams, names, options)
         text = "".join(json.dumps(r) + "\n" for r in rows)

@@ -208,6 +208,38 @@ def sacrebleu_score(name: str, hyps: Sequence[str], refs: References, o: Options
     return out
 
 
+PAIRED_RESAMPLES = 1000  # sacrebleu --paired-bs's default (--paired-bs-n)
+
+
+def paired_bootstrap(
+    hyps: Sequence[str], baseline: Sequence[str], refs: References, metrics: Sequence[str], o: Options
+) -> dict[str, Any]:
+    """sacrebleu's paired bootstrap resampling (``--paired-bs``, :data:`PAIRED_RESAMPLES` resamples, its seed) of
+    ``hyps`` against ``baseline``, for each sacrebleu metric of ``metrics``: both systems' scores, bootstrap means
+    and 95 % intervals, and the p-value of the difference (under 0.05: unlikely to be chance)."""
+    from sacrebleu.significance import PairedTest
+
+    chosen = {n: _sacrebleu_metric(n, o) for n in metrics if n != "rouge"}
+    if not chosen:
+        raise SeqgenError("--paired-bs needs a sacrebleu metric (bleu, chrf, chrf++, ter) in --metrics")
+    if len(baseline) != len(hyps):
+        raise SeqgenError(f"--paired-bs: the baseline has {len(baseline)} lines, the hypotheses {len(hyps)}")
+    systems = [("baseline", list(baseline)), ("system", list(hyps))]
+    test = PairedTest(systems, chosen, [list(r) for r in refs], test_type="bs", n_samples=PAIRED_RESAMPLES)
+    signatures, scores = test()
+    out: dict[str, Any] = {}
+    labels = [k for k in scores if k != "System"]  # sacrebleu's names (BLEU, chrF2, TER), in the metrics' order
+    for name, label in zip(chosen, labels, strict=True):
+        base, mine = scores[label]
+        out[name] = {
+            "baseline": {"score": float(base.score), "mean": float(base.mean), "ci95": float(base.ci)},
+            "system": {"score": float(mine.score), "mean": float(mine.mean), "ci95": float(mine.ci)},
+            "p_value": float(mine.p_value),
+            "signature": str(signatures[label]),
+        }
+    return out
+
+
 def sentence_scores(hyps: Sequence[str], refs: References, metrics: Sequence[str], o: Options) -> list[dict[str, Any]]:
     """Per line, each metric's sentence-level score (``--sentence-scores``): sacrebleu's ``sentence_score``
     (BLEU with effective order, as its ``--sentence-level``), ROUGE F-measures ×100."""
@@ -300,6 +332,16 @@ def format_table(result: dict[str, Any]) -> str:
         ci = result.get(name, {}).get("confidence")
         if ci:
             notes.append(f"{label}: bootstrap mean {ci['mean']:.2f} ± {ci['ci95']:.2f} (95 %, {ci['resamples']} resamples)")
+    for name, label in (("bleu", "BLEU"), ("chrf", "chrF"), ("chrf++", "chrF++"), ("ter", "TER")):
+        pbs = result.get("paired_bs", {}).get(name)
+        if pbs:
+            b, mine = pbs["baseline"], pbs["system"]
+            star = " *" if pbs["p_value"] < 0.05 else ""
+            notes.append(
+                f"{label} against the baseline: {mine['score']:.2f} ({mine['mean']:.2f} ± {mine['ci95']:.2f}) vs "
+                f"{b['score']:.2f} ({b['mean']:.2f} ± {b['ci95']:.2f}), p = {pbs['p_value']:.4f}{star} "
+                f"(paired bootstrap, {PAIRED_RESAMPLES} resamples)"
+            )
     header = ("metric", "score", "detail")
     w0 = max(len(header[0]), *(len(r[0]) for r in rows)) if rows else len(header[0])
     w1 = max(len(header[1]), *(len(r[1]) for r in rows)) if rows else len(header[1])

@@ -408,3 +408,42 @@ def test_eval_file_mistakes_are_one_line(tmp_path: Path) -> None:
     short.write_text("one line\n", encoding="utf-8")
     one_line_error(seqgen("eval", str(hyp), str(ref1), str(short)), "references (file 2)")
     one_line_error(seqgen("eval", str(hyp), str(ref1), "--metrics", "meteor"), "unknown metric 'meteor'")
+
+
+def test_paired_bootstrap_gives_sacrebleus_command_line_p_values(tmp_path: Path) -> None:
+    """``--paired-bs BASELINE``: each metric's p-value, scores, means and intervals as sacrebleu's own
+    ``REF -i BASELINE HYP --paired-bs`` prints them (its text table: its JSON output fails on float32)."""
+    import re
+    import subprocess
+
+    hyp, ref1, _ = _files(tmp_path)
+    lines = hyp.read_text(encoding="utf-8").splitlines()
+    base = tmp_path / "base.txt"
+    base.write_text("".join(" ".join(x.split()[1:]) + "\n" for x in lines), encoding="utf-8")  # a worse system
+    args = [str(ref1), "-i", str(base), str(hyp), "--paired-bs", "-m", "bleu", "chrf", "ter", "-f", "text"]
+    out = subprocess.run([sys.executable, "-m", "sacrebleu", *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    table = out.stdout.split("Paired bootstrap")[0]
+    cells = re.findall(r"(\d+\.\d) \((\d+\.\d) ± (\d+\.\d)\)", table)  # score (mean ± ci), baseline row first
+    p_values = [float(p) for p in re.findall(r"p = (\d\.\d+)", table)]
+    got = _ours(str(ref1), "-i", str(hyp), "--paired-bs", str(base), "--metrics", "bleu,chrf,ter")["paired_bs"]
+    assert len(cells) == 6 and len(p_values) == 3
+    for k, metric in enumerate(("bleu", "chrf", "ter")):
+        for row, side in ((cells[k], "baseline"), (cells[3 + k], "system")):
+            ours = got[metric][side]
+            assert [f"{ours[f]:.1f}" for f in ("score", "mean", "ci95")] == list(row), (metric, side)
+        assert round(got[metric]["p_value"], 4) == p_values[k], metric
+    res = _ours(str(hyp), str(ref1), "--paired-bs", str(base), "--metrics", "bleu")
+    assert set(res["paired_bs"]) == {"bleu"} and res["files"]["baseline"] == str(base)
+
+
+def test_paired_bootstrap_refuses_a_baseline_of_other_lines_or_no_sacrebleu_metric(tmp_path: Path) -> None:
+    from tests.helpers import one_line_error, seqgen
+
+    hyp, ref1, _ = _files(tmp_path)
+    short = tmp_path / "short.txt"
+    short.write_text("one line\n", encoding="utf-8")
+    res = seqgen("eval", str(hyp), str(ref1), "--paired-bs", str(short), "--metrics", "bleu")
+    one_line_error(res, "--paired-bs: the baseline has 1 lines")
+    res = seqgen("eval", str(hyp), str(ref1), "--paired-bs", str(hyp), "--metrics", "rouge")
+    one_line_error(res, "--paired-bs needs a sacrebleu metric")
