@@ -81,10 +81,23 @@ def markdown_table(results: list[RunResult]) -> str:
     return "\n".join(parts)
 
 
-def write_markdown(path: Path, results: list[RunResult], command: str) -> str:
-    """Write ``bench.md``: the command line, then the tables; returns the tables."""
+def load_line(load: dict[str, list[float] | None], cores: int) -> str:
+    """The machine's load around the run, for ``bench.md``: the 1-min load average at its start and end on
+    ``cores`` cores, and a warning where other work already kept half of them busy when it started (the figures
+    are then not a quiet machine's; the run's own work raises the end figure)."""
+    start, end = load.get("start"), load.get("end")
+    if not start or not end:
+        return ""
+    line = f"Load average (1 min): {start[0]:.2f} at the start, {end[0]:.2f} at the end, on {cores} cores."
+    if start[0] > cores / 2:
+        line += f" **Busy machine**: other work kept {start[0]:.1f} cores busy before the run; compare with care."
+    return line + "\n\n"
+
+
+def write_markdown(path: Path, results: list[RunResult], command: str, load: str = "") -> str:
+    """Write ``bench.md``: the command line, the load (:func:`load_line`), then the tables; returns the tables."""
     table = markdown_table(results)
-    path.write_text((f"Command: `{command}`\n\n" if command else "") + table + "\n", encoding="utf-8")
+    path.write_text((f"Command: `{command}`\n\n" if command else "") + load + table + "\n", encoding="utf-8")
     return table
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -90,7 +91,8 @@ def run_bench(s: BenchSettings, command: str = "", log: Callable[[str], None] = 
             schedules += sch
             meta = {**m, **meta}
     report = save([], [], {}, partial=False)
-    report["table"] = rep.write_markdown(out / "bench.md", results, command)
+    load = rep.load_line(report["load_average"], os.cpu_count() or 1)
+    report["table"] = rep.write_markdown(out / "bench.md", results, command, load)
     title = f"{Path(s.model).name}: {meta.get('device', s.device)}, {meta.get('dtype', s.dtype)}"
     if s.fixed_new_tokens:
         title += f", {s.fixed_new_tokens} new tokens"

@@ -60,6 +60,17 @@ def _settings(model: Path, input_file: Path, out: Path, **kw) -> BenchSettings:
     return BenchSettings(**base)
 
 
+def test_bench_md_says_the_load_and_warns_on_a_busy_machine() -> None:
+    from seqgen_cli.bench.report import load_line
+
+    quiet = load_line({"start": [0.4, 0.5, 0.6], "end": [1.9, 1.0, 0.8]}, cores=2)
+    assert quiet.startswith("Load average (1 min): 0.40 at the start, 1.90 at the end, on 2 cores.")
+    assert "Busy" not in quiet
+    busy = load_line({"start": [5.0, 4.0, 3.0], "end": [6.0, 5.0, 4.0]}, cores=2)
+    assert "**Busy machine**: other work kept 5.0 cores busy" in busy
+    assert load_line({"start": None, "end": None}, cores=2) == ""
+
+
 def test_interleave_order() -> None:
     assert interleave(["seqgen", "hf", "ct2"], 2, warmup=True) == [
         ("seqgen", -1), ("hf", -1), ("ct2", -1),
@@ -90,6 +101,7 @@ def test_decode_outputs_json_table_png(tiny_models, input_file: Path, tmp_path: 
     assert data["seqgen_backend"] in ("hf", "fast")
     assert data["partial"] is False  # rewritten after every cell; final once complete
     assert "| beams | batch | system |" in report["table"]
+    assert "Load average (1 min):" in (out / "bench.md").read_text()
     pytest.importorskip("matplotlib")
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
