@@ -26,6 +26,7 @@ from seqgen_cli.digests import checkpoint_folder
 from seqgen_cli.errors import SeqgenError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+OWN_DTYPES = (torch.float32, torch.bfloat16)  # seqgen's own trees load in these (int8: float32, quantized after)
 INT8 = (
     "int8"  # float32 weights, linear layers run int8 (dynamic quantization, CPU only): models/linear_maps.py
 )
@@ -64,12 +65,12 @@ class Loaded:
     @property
     def reference(self) -> torch.nn.Module:
         """transformers' model of the checkpoint, which ``generate()`` runs: ``model``, or where that is seqgen's
-        own tree, transformers' loaded now (once), in float32 on the CPU."""
+        own tree, transformers' loaded now (once), in its dtype on the CPU."""
         if not self.own:
             return self.model
         if self._reference is None:
             model_type = self.model.config.model_type
-            self._reference = transformers_model(self.name, self.source, model_type, True, torch.float32).eval()
+            self._reference = transformers_model(self.name, self.source, model_type, True, self.dtype).eval()
         return self._reference
 
     @property
@@ -185,7 +186,7 @@ def resolve_model_path(name: str) -> str:
 
 def load(name: str, device: str | None = None, dtype: str | None = None, own: bool = False) -> Loaded:
     """Load tokenizer and model (``AutoModelForSeq2SeqLM`` or ``AutoModelForCausalLM``), eval mode; each part a
-    start-up stage (``--stats`` ``startup``). ``own``: for the fast engine on the CPU in float32 or int8, an
+    start-up stage (``--stats`` ``startup``). ``own``: for the fast engine on the CPU in float32, bfloat16 or int8, an
     encoder-decoder checkpoint of a family with a tree of its own (BART family, T5, mT5, UMT5, T5Gemma) as that tree where it
     reads it exactly (``models/own_model.py``; no transformers model class is imported), transformers' model
     otherwise."""
@@ -234,13 +235,13 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
         absent = f" (missing {', '.join(missing)})" if missing else ""
         raise SeqgenError(f"model {name}: cannot load its tokenizer{absent}: {_first_line(err)}") from None
     model, loader = None, "transformers"
-    if own and not (dev.type == "cpu" and torch_dtype == torch.float32 and is_encoder_decoder):
-        loader = "transformers (seqgen's own trees: encoder-decoders on the CPU in float32 and int8)"
+    if own and not (dev.type == "cpu" and torch_dtype in OWN_DTYPES and is_encoder_decoder):
+        loader = "transformers (seqgen's own trees: encoder-decoders on the CPU in float32, bfloat16 and int8)"
     elif own:
         from seqgen_cli.models import own_model
 
         with startup.stage("weights"):
-            model, why = own_model.load(source, config)
+            model, why = own_model.load(source, config, torch_dtype)
         loader = "seqgen" if model is not None else f"transformers ({why})"
     if model is None:
         model = transformers_model(name, source, model_type, is_encoder_decoder, torch_dtype)

@@ -124,7 +124,7 @@ def search_bytes(search: SearchDims, inputs: int, rows: int, history: int, posit
     if s.mode == "beam":
         c, kv = s.candidates, s.num_beams * vocab
         total += 4 * inputs * s.num_beams * positions * 8  # fin_tokens, merge candidates, gather, result
-        total += inputs * (-(-kv // CHUNK) * 4 + c * CHUNK * 12 + c * CANDIDATE_BYTES)  # [B, K * V] top-k
+        total += inputs * (-(-kv // CHUNK) * 4 + (c + 1) * CHUNK * 12 + c * CANDIDATE_BYTES)  # [B, K * V] top-k
     elif s.mode == "sample":
         total += 3 * n * v * 4  # probabilities, exponential clocks, their ratio
         total += n * v * 5 if s.top_k else 0  # the kept scores and the bool mask

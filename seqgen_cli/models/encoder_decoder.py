@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from seqgen_cli.models.attention import rotary_tables, soft_cap
+from seqgen_cli.models.attention import HALF, rotary_tables, soft_cap
 from seqgen_cli.models.kv_cache import (
     EncoderDecoderKVCache,
     kv_bytes,
@@ -95,6 +95,10 @@ class EncoderDecoderBackend:
             )  # fmt: skip
         self.final_softcap = getattr(dcfg, "final_logit_softcapping", None)
         self.dtype, self.device = self.embed.dtype, self.embed.device
+        # Cross-attention keys, held as the scores read them: half-precision scores are float32 products
+        # (attention.scores32), which the CPU takes from float32 keys; held so once per input, not upcast per step.
+        cpu_half = self.device.type == "cpu" and self.dtype in HALF
+        self.key_dtype = torch.float32 if cpu_half else self.dtype
         self.ln_embed = getattr(dec, family.embedding_norm) if family.embedding_norm else None
         self.ln_final = getattr(dec, family.final_norm) if family.final_norm else None
         self.relative = [lay.relative for lay in self.layers if lay.relative is not None]  # bias owners
@@ -194,7 +198,8 @@ class EncoderDecoderBackend:
     def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, Hkv, d, S],
         [B, Hkv, S, d])."""
-        return [(k.contiguous(), v.contiguous()) for k, v in self._cross_views(hidden)]
+        views = self._cross_views(hidden)
+        return [(k.to(self.key_dtype, memory_format=torch.contiguous_format), v.contiguous()) for k, v in views]
 
     def _encode(
         self, batch: Batch, width: int
@@ -212,14 +217,14 @@ class EncoderDecoderBackend:
             return [k for k, _ in cross], [v for _, v in cross], mask
         hd = (self.kv_heads, self.head_dim)
         keys = [
-            torch.zeros((b, *hd, width), dtype=self.dtype, device=self.device) for _ in range(self.n_layers)
+            torch.zeros((b, *hd, width), dtype=self.key_dtype, device=self.device) for _ in range(self.n_layers)
         ]
         values = [torch.zeros((b, hd[0], width, hd[1]), dtype=self.dtype, device=self.device) for _ in keys]
         for w in sorted(set(widths)):
             rows = torch.tensor([i for i, x in enumerate(widths) if x == w], device=self.device)  # [G]
             hidden = self._encoder(batch.input_ids[rows, :w], batch.attention_mask[rows, :w])  # [G, w, D]
             for key, value, (k, v) in zip(keys, values, self._cross_views(hidden), strict=True):
-                key[rows, :, :, :w] = k  # [G, Hkv, d, w]
+                key[rows, :, :, :w] = k.to(key.dtype)  # [G, Hkv, d, w] (the CPU's half: float32 keys)
                 value[rows, :, :w] = v  # [G, Hkv, w, d]
         return keys, values, mask
 
@@ -315,7 +320,7 @@ class EncoderDecoderBackend:
         cache = LaneKVCache(self.n_layers, lanes, rows_per_input, h, max_len, d, self.dtype, dev, self.window)
         return EncoderDecoderState(
             cross_k=[
-                torch.zeros((lanes, h, d, width), dtype=self.dtype, device=dev) for _ in range(self.n_layers)
+                torch.zeros((lanes, h, d, width), dtype=self.key_dtype, device=dev) for _ in range(self.n_layers)
             ],
             cross_v=[
                 torch.zeros((lanes, h, width, d), dtype=self.dtype, device=dev) for _ in range(self.n_layers)
@@ -386,7 +391,8 @@ class EncoderDecoderBackend:
         ``new_tokens`` positions (what :meth:`cache_nbytes` then counts): cross K/V once per input, self K/V and
         back-pointers per row, the relative position bias [L', H, T, T]."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
-        positions = inputs * cross_width(width) + rows * t
-        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, self.dtype, positions)
+        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, self.dtype, rows * t)
+        cross = self.key_dtype.itemsize + self.dtype.itemsize  # a source position's key and value, per element
+        kv += self.n_layers * self.kv_heads * self.head_dim * cross * inputs * cross_width(width)
         bias = len(self.relative) * self.heads * t * t * self.dtype.itemsize
         return kv + pointer_bytes(rows, t) + bias

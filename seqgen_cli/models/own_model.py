@@ -7,7 +7,7 @@ encoder runs here. Each family file that has one declares its tree (``TREES``: `
 
 Why: importing a transformers model class costs 1.0-1.4 s of a CPU process (``torch.distributed.tensor``,
 ``torch._dynamo``, the loss functions; docs/EXPERIMENTS.md, "Start-up and small jobs against CTranslate2"), more than
-a small job decodes. :func:`load` is used for the fast engine on the CPU in float32 and int8 only; ``generate()``
+a small job decodes. :func:`load` is used for the fast engine on the CPU in float32, bfloat16 and int8 only; ``generate()``
 (``--backend hf``, ``--verify``, the benchmarks' reference) gets transformers' model (``Loaded.reference``).
 
 Exactness: an encoder runs transformers' operations in transformers' order (``scaled_dot_product_attention`` with
@@ -87,9 +87,9 @@ def refusal(config: Any) -> str | None:
     return decoder_refusal(SimpleNamespace(config=config))  # a variant the fast decoder does not run: transformers'
 
 
-def load(source: str, config: Any) -> tuple[OwnSeq2Seq | None, str | None]:
-    """The checkpoint folder ``source`` as its tree in float32 on the CPU, eval mode, or ``None`` and why
-    transformers should load it instead."""
+def load(source: str, config: Any, dtype: torch.dtype = torch.float32) -> tuple[OwnSeq2Seq | None, str | None]:
+    """The checkpoint folder ``source`` as its tree in ``dtype`` (float32, bfloat16) on the CPU, eval mode, or
+    ``None`` and why transformers should load it instead."""
     reason = refusal(config)
     folder = Path(source)
     try:
@@ -108,7 +108,7 @@ def load(source: str, config: Any) -> tuple[OwnSeq2Seq | None, str | None]:
     if missing or unexpected:
         names = sorted(missing) or sorted(unexpected)
         return None, f"{'missing' if missing else 'unexpected'} weights ({names[0]}, ...)"
-    floats = {k: t if t.dtype == torch.float32 else t.float() for k, t in tensors.items()}
+    floats = {k: t if t.dtype == dtype else t.to(dtype) for k, t in tensors.items()}  # as from_pretrained(dtype=)
     try:
         model.load_state_dict(floats, strict=True, assign=True)
     except RuntimeError as err:  # a shape the config does not give

@@ -71,9 +71,9 @@ def wide_topk(scores: torch.Tensor, k: int, ties: bool = True) -> tuple[torch.Te
     values, indices = top[:, :k], cols.gather(1, pos[:, :k])  # [B, k], [B, k]
     if not ties:
         return values, indices
-    tied = (top[:, 1:] == top[:, :-1]).any(1).nonzero().view(-1)  # [T]: rows where two of the k + 1 are equal
-    if tied.numel():  # torch.topk's order of equal values (a row's top-k does not depend on the other rows)
-        values[tied], indices[tied] = torch.topk(scores[tied], k)
+    tied = (top[:, 1:] == top[:, :-1]).any(1)  # [B]: rows where two of the k + 1 are equal
+    for r in tied.nonzero().view(-1).tolist():  # torch.topk's order of equal values, row by row (a view: no copy)
+        values[r], indices[r] = torch.topk(scores[r : r + 1], k)
     return values, indices
 
 

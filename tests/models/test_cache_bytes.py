@@ -175,7 +175,7 @@ def _config(new_tokens: int, **kwargs: Any) -> GenerationConfig:
 
 
 def test_search_bytes_from_the_settings() -> None:
-    """Beam search's parts: history (twice), finished hypotheses (four at once), the top-k over [B, K * V]."""
+    """Beam search's parts: history (twice), finished hypotheses (four at once), the top-k over [B, K * V] (k + 1 chunks of it: wide_topk)."""
     b, k, t, v = 4, 3, 20, 600
     config = _config(t, num_beams=k)
     search = SearchDims.of(config)
@@ -183,7 +183,7 @@ def test_search_bytes_from_the_settings() -> None:
     n, c = b * k, 6
     history = 2 * n * (1 + t) * 8
     finished = 4 * b * k * t * 8
-    topk = b * (math.ceil(k * v / CHUNK) * 4 + c * CHUNK * 12 + c * CANDIDATE_BYTES)
+    topk = b * (math.ceil(k * v / CHUNK) * 4 + (c + 1) * CHUNK * 12 + c * CANDIDATE_BYTES)
     assert search_bytes(search, b, n, 1 + t, t, v) == history + finished + topk
     ngrams = SearchDims.of(_config(t, num_beams=k, no_repeat_ngram_size=3))
     assert (

@@ -101,12 +101,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
     return get
 
 
-def both(folder: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(seqgen's own tree, transformers' model) of ``folder``."""
+def both(folder: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(seqgen's own tree, transformers' model) of ``folder``, in ``dtype``."""
     config = tf.AutoConfig.from_pretrained(folder)
-    own, why = own_model.load(str(folder), config)
+    own, why = own_model.load(str(folder), config, dtype)
     assert own is not None, why
-    return own, tf.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    return own, tf.AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=dtype).eval()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -125,9 +125,12 @@ def test_own_tree_holds_transformers_weights_and_settings(case: str, checkpoint:
     assert own.generation_config.to_dict() == ref.generation_config.to_dict()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_own_encoder_is_bit_identical_to_transformers(case: str, checkpoint: Callable[[str], Path]) -> None:
-    own, ref = both(checkpoint(case))
+def test_own_encoder_is_bit_identical_to_transformers(
+    case: str, dtype: torch.dtype, checkpoint: Callable[[str], Path]
+) -> None:
+    own, ref = both(checkpoint(case), dtype)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, V, (3, 9), generator=g)
     lengths = torch.tensor([9, 6, 2])
@@ -147,7 +150,7 @@ def test_own_encoder_is_bit_identical_to_transformers(case: str, checkpoint: Cal
 TEXTS = ["the committee approved the plan", "a dog ran", "researchers found a new way to read old letters"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("family", ["bart", "marian", "mbart", "pegasus", "t5", "flan-t5"])
 def test_generator_runs_own_tree_with_transformers_outputs(
     family: str, dtype: str, tiny_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
@@ -163,8 +166,10 @@ def test_generator_runs_own_tree_with_transformers_outputs(
     theirs = Generator(str(tiny_models(family)), backend="fast", dtype=dtype, **settings)
     assert not theirs.loaded.own and theirs.device_stats()["loader"] == "transformers (refused by the test)"
     assert ours == theirs.generate(TEXTS)
-    if dtype == "float32":  # and generate() itself, on transformers' model loaded on first use
+    if dtype != "int8":  # and generate() itself, on transformers' model loaded on first use, in the run's dtype
         assert isinstance(gen.loaded.reference, tf.PreTrainedModel)
+        assert next(gen.loaded.reference.parameters()).dtype == gen.loaded.dtype
+    if dtype == "float32":
         assert ours == Generator(str(tiny_models(family)), backend="hf", **settings).generate(TEXTS)
 
 

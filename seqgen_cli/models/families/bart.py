@@ -245,11 +245,13 @@ class Tree(OwnSeq2Seq):
                 tensors[key] = sinusoids(self.config.max_position_embeddings, self.config.d_model)
 
     def finish(self) -> None:
-        """M2M-100's sinusoids, made on the meta device with the tree: made again here."""
+        """M2M-100's sinusoids, made on the meta device with the tree: made again here, in float32 and then in the
+        weights' dtype (transformers makes them in the default dtype ``from_pretrained`` sets)."""
+        dtype = self.lm_head.weight.dtype
         for stack in (self.model.encoder, self.model.decoder):
             pos = stack.embed_positions
             if pos.padding_idx is not None:
-                pos.weights = padded_sinusoids(pos.weights.shape[0], self.config.d_model, pos.padding_idx)
+                pos.weights = padded_sinusoids(pos.weights.shape[0], self.config.d_model, pos.padding_idx).to(dtype)
 
 
 def sharing(config: Any) -> bool:
