@@ -262,6 +262,20 @@ class Generator:
         left, device = not self.is_encoder_decoder, self.loaded.device
         return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device), widths)
 
+    def slow_dtype(self) -> str | None:
+        """Why this run's dtype is slow on this CPU, or ``None``: bfloat16 where oneDNN has no bf16 products for
+        it (an AVX2-only CPU: the maps fall back to ``F.linear``, 3.4x float32's time on the Marian shape,
+        docs/BENCHMARKS.md, "bfloat16 and int8 on the CPU")."""
+        from seqgen_cli.models.linear_maps import ONEDNN_DTYPES, cpu_isa
+
+        cpu_bf16 = self.loaded.device.type == "cpu" and self.loaded.dtype == torch.bfloat16
+        if not cpu_bf16 or torch.bfloat16 in ONEDNN_DTYPES:
+            return None
+        return (
+            f"this CPU ({cpu_isa()}) has no bfloat16 products: --dtype bfloat16 runs several times slower than "
+            "float32 here; float32, the default on the CPU, is faster and exact"
+        )
+
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs (``--stats``, closing line): device, dtype, engine, step path, capture/GPU."""
         from seqgen_cli.models import engine_stats

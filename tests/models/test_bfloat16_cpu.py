@@ -77,3 +77,21 @@ def test_bfloat16_agrees_with_float32_as_generate_in_bfloat16_does() -> None:
     same_ours = sum(a == b for a, b in zip(ours, ref, strict=True))
     print(f"\nbf16 outputs equal to float32 generate(): seqgen {same_ours}/64, generate() {same_hf}/64")
     assert same_ours >= same_hf
+
+
+def test_bfloat16_on_a_cpu_without_bf16_products_says_it_is_slow(tiny_models, tmp_path, monkeypatch) -> None:
+    """Without bf16 products (an AVX2-only CPU: oneDNN's cap, or no AVX-512) ``--dtype bfloat16`` runs several
+    times float32's time: the run says so once; with them, or in float32, nothing is said."""
+    from tests.helpers import seqgen, write_lines
+
+    src = write_lines(tmp_path / "in.txt", ["one two three", "four five"])
+    args = ["generate", "-m", str(tiny_models("bart")), str(src), "--max-new-tokens", "4"]
+    monkeypatch.setattr(linear_maps, "ONEDNN_DTYPES", (torch.float32,))
+    res = seqgen(*args, "--dtype", "bfloat16", "-o", str(tmp_path / "a.txt"))
+    assert res.exit_code == 0, res.stderr
+    assert res.stderr.count("has no bfloat16 products: --dtype bfloat16 runs several times slower") == 1
+    res = seqgen(*args, "--dtype", "float32", "-o", str(tmp_path / "b.txt"))
+    assert "bfloat16 products" not in res.stderr
+    monkeypatch.setattr(linear_maps, "ONEDNN_DTYPES", (torch.float32, torch.bfloat16))
+    res = seqgen(*args, "--dtype", "bfloat16", "-o", str(tmp_path / "c.txt"))
+    assert res.exit_code == 0 and "bfloat16 products" not in res.stderr
