@@ -474,7 +474,9 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
         gen = spec.build()
         if gen.fallback and not quiet:  # --backend auto runs generate(): say so, and why
             click.echo(f"seqgen: note: running transformers generate(): {gen.fallback}", err=True)
-        if (slow := gen.slow_dtype()) and not quiet:
+        from seqgen_cli.generator import slow_dtype
+
+        if (slow := slow_dtype(gen.loaded)) and not quiet:
             click.echo(f"seqgen: note: {slow}", err=True)
         if spec.refill and not gen.refill and not quiet:
             from seqgen_cli.pipeline.messages import no_refill

@@ -478,12 +478,13 @@ def prefix_codes(tokenizer: Any) -> dict[str, str]:
     return {m.group(1): token for token in vocab if (m := _PREFIX_CODE.fullmatch(token))}
 
 
-def resolve_target_prefix(tokenizer: Any, code: str, source: str = FLAG) -> str | None:
+def resolve_target_prefix(tokenizer: Any, code: str | None, source: str = FLAG) -> str | None:
     """For a multi-target OPUS-MT tokenizer (:func:`prefix_codes`), the text that makes the model translate into
     ``code``: its token and a space, to go before every input (``por``, ``>>por<<`` or ``pt`` -> ``">>por<< "``);
-    ``None`` for other tokenizers. One-line :class:`SeqgenError` when ``code`` is none of its languages."""
-    codes = prefix_codes(tokenizer)
-    if not codes:
+    ``None`` for other tokenizers (and no ``code``). One-line :class:`SeqgenError` when ``code`` is none of its
+    languages."""
+    codes = prefix_codes(tokenizer) if code is not None else {}
+    if not codes or code is None:
         return None
     bare = code.strip()
     bare = m.group(1) if (m := _PREFIX_CODE.fullmatch(bare)) else bare

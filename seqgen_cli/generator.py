@@ -88,9 +88,7 @@ class Generator:
         max_source_length: int | None = None,
         seed: int | None = None,
         capture: bool | None = None,
-        refill: bool = False,
-        lanes: int = 32,
-        lane_tokens: int | None = None,
+        refill: bool = False, lanes: int = 32, lane_tokens: int | None = None,  # fmt: skip
         target_lang: str | None = None,
         prompt: PromptSettings | None = None,
         stop: Sequence[str] = (),
@@ -101,7 +99,7 @@ class Generator:
         ``refill``: run the fast engine over ``lanes`` fixed input lanes that finished inputs hand to waiting ones,
         at most ``lane_tokens`` padded source tokens x rows over them (``search/refill.py``; the fast backends'
         families, float32/half: elsewhere batches run as without it). ``target_lang``: a tokenizer's language code
-        (mBART-50 ``de_DE``, M2M-100 ``de``, NLLB ``deu_Latn``): ``forced_bos_token_id`` (``resolve_target_lang``).
+        or language (``de_DE``, ``deu_Latn``, ``de``): ``forced_bos_token_id``, OPUS-MT's ``>>deu<<`` before each input.
         ``prompt``: how an input becomes its prompt (``prompts.py``); ``stop``: stop strings beside the checkpoint's."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
@@ -113,18 +111,15 @@ class Generator:
         self.loaded: Loaded = load(model, device, dtype, own=backend != "hf")  # own: the fast engine's tree
         self.tokenizer, self.model = self.loaded.tokenizer, self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
-        # OPUS-MT's multi-target models read the language as a >>code<< token before the source, not as a forced BOS
-        lang_prefix = resolve_target_prefix(self.tokenizer, target_lang) if target_lang is not None else None
-        forced_lang = None if lang_prefix else target_lang
-        self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, forced_lang)
+        lang_prefix = resolve_target_prefix(self.tokenizer, target_lang)  # OPUS-MT: >>code<< tokens, no forced BOS
+        self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, None if lang_prefix else target_lang)
         own = self.config.stop_strings or []  # the checkpoint's (a string or a list), then --stop's
         self.config.stop_strings = [*([own] if isinstance(own, str) else own), *stop] or None
         self.stop_check = stop_check(self.tokenizer, self.config.stop_strings)  # once: its tables take a while
         prompt = prompt or PromptSettings()
         if prompt.prefix is None:  # --prefix, else the preset's
             prompt = replace(prompt, prefix=prefix if prefix is not None else getattr(self.preset, "prefix", None))
-        if lang_prefix:
-            prompt = replace(prompt, prefix=lang_prefix + (prompt.prefix or ""))
+        prompt = replace(prompt, prefix=lang_prefix + (prompt.prefix or "")) if lang_prefix else prompt
         self.prompt, self.prefix = prompt, prompt.prefix
         self.prompter = Prompter(prompt, self.tokenizer)  # a chat template that cannot render fails here
         self.max_source_length = self._source_limit(max_source_length or getattr(self.preset, "max_source_length", None))
@@ -262,20 +257,6 @@ class Generator:
         left, device = not self.is_encoder_decoder, self.loaded.device
         return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device), widths)
 
-    def slow_dtype(self) -> str | None:
-        """Why this run's dtype is slow on this CPU, or ``None``: bfloat16 where oneDNN has no bf16 products for
-        it (an AVX2-only CPU: the maps fall back to ``F.linear``, 3.4x float32's time on the Marian shape,
-        docs/BENCHMARKS.md, "bfloat16 and int8 on the CPU")."""
-        from seqgen_cli.models.linear_maps import ONEDNN_DTYPES, cpu_isa
-
-        cpu_bf16 = self.loaded.device.type == "cpu" and self.loaded.dtype == torch.bfloat16
-        if not cpu_bf16 or torch.bfloat16 in ONEDNN_DTYPES:
-            return None
-        return (
-            f"this CPU ({cpu_isa()}) has no bfloat16 products: --dtype bfloat16 runs several times slower than "
-            "float32 here; float32, the default on the CPU, is faster and exact"
-        )
-
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs (``--stats``, closing line): device, dtype, engine, step path, capture/GPU."""
         from seqgen_cli.models import engine_stats
@@ -392,6 +373,20 @@ class Generator:
     def generate(self, texts: Sequence[str], batch_size: int = DEFAULT_BATCH_SIZE) -> list[list[str]]:
         """Generate for texts: per input, ``num_return_sequences`` strings, best first."""
         return list(self.generate_iterable(texts, batch_size=batch_size, early=False))
+
+
+def slow_dtype(loaded: Loaded) -> str | None:
+    """Why a run's dtype is slow on this CPU, or ``None``: bfloat16 where oneDNN has no bf16 products for it (an
+    AVX2-only CPU: the maps fall back to ``F.linear``, 3x float32's time on the Marian shape, docs/BENCHMARKS.md,
+    "bfloat16 and int8 on the CPU")."""
+    from seqgen_cli.models.linear_maps import ONEDNN_DTYPES, cpu_isa
+
+    if loaded.device.type != "cpu" or loaded.dtype != torch.bfloat16 or torch.bfloat16 in ONEDNN_DTYPES:
+        return None
+    return (
+        f"this CPU ({cpu_isa()}) has no bfloat16 products: --dtype bfloat16 runs several times slower than float32 "
+        "here; float32, the default on the CPU, is faster and exact"
+    )
 
 
 def unknown_token(tokenizer: Any, config: Any, rows: int | None, ids: Sequence[int]) -> str | None:

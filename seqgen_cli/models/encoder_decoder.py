@@ -198,8 +198,12 @@ class EncoderDecoderBackend:
     def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, Hkv, d, S],
         [B, Hkv, S, d])."""
-        views = self._cross_views(hidden)
-        return [(k.to(self.key_dtype, memory_format=torch.contiguous_format), v.contiguous()) for k, v in views]
+        return [(self._held_keys(k), v.contiguous()) for k, v in self._cross_views(hidden)]
+
+    def _held_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """Cross-attention keys as the state holds them: contiguous, in ``key_dtype`` (one copy either way; ``to``
+        alone would return a view of the projection where the dtype already matches)."""
+        return k.contiguous() if k.dtype == self.key_dtype else k.to(self.key_dtype, memory_format=torch.contiguous_format)
 
     def _encode(
         self, batch: Batch, width: int

@@ -70,7 +70,7 @@ ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_li
 # The dtypes oneDNN runs here: float32 always; bfloat16 where the CPU has bf16 products (AMX, AVX-512 BF16) or
 # can convert to them (AVX-512 BW/VL/DQ), as ``mkldnn._is_mkldnn_bf16_supported`` says. An AVX2-only CPU runs
 # bfloat16 through ``F.linear``.
-ONEDNN_DTYPES = (torch.float32,) + (
+ONEDNN_DTYPES = ((torch.float32,) if ONEDNN else ()) + (
     (torch.bfloat16,) if ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
 )
 

@@ -124,7 +124,8 @@ def test_gpu_bench_quick_on_cpu(tmp_path: Path) -> None:
     assert results["cli"]["api_ok"] and results["cli"]["cli_ok"], results["cli"]
     step = "eager (cpu: no CUDA graphs)"
     stats = {"device": "cpu", "dtype": "float32", "loader": "seqgen", "engine": "bart decoder", "step_path": step}
-    assert results["cli"]["device_stats"] == stats
+    got = results["cli"]["device_stats"]
+    assert {k: got[k] for k in stats} == stats and got["linear_maps"] == "float32 oneDNN (weights packed once)"
     run = results["run"]  # whole processes over 12 lines: on the CPU every arm runs the eager step
     assert run["inputs"] == 12 and len(run["rows"]) == 4 and "--capture, warm caches" in run["rows"]
     for r in run["rows"].values():

@@ -156,9 +156,12 @@ def test_reference_scored_and_stats_written(job) -> None:
     assert data["interrupted"] is False and data["error"] is None and 0 <= data["padding_ratio"] < 1
     # no GPU: no peak GPU memory, no CUDA graphs
     step = "eager (cpu: no CUDA graphs)"
+    from seqgen_cli.models.linear_maps import cpu_isa
+
     assert data["device"] == {
-        "device": "cpu", "dtype": "float32", "loader": "seqgen", "engine": "bart decoder", "step_path": step
-    }
+        "device": "cpu", "dtype": "float32", "loader": "seqgen", "engine": "bart decoder", "step_path": step,
+        "cpu_isa": cpu_isa(), "linear_maps": "float32 oneDNN (weights packed once)",
+    }  # fmt: skip
 
 
 def test_resume_needs_an_output_file(bart: Path) -> None:
