@@ -483,8 +483,7 @@ def resolve_target_prefix(tokenizer: Any, code: str | None, source: str = FLAG) 
     ``code``: its token and a space, to go before every input (``por``, ``>>por<<`` or ``pt`` -> ``">>por<< "``);
     ``None`` for other tokenizers (and no ``code``). One-line :class:`SeqgenError` when ``code`` is none of its
     languages."""
-    codes = prefix_codes(tokenizer) if code is not None else {}
-    if not codes or code is None:
+    if code is None or not (codes := prefix_codes(tokenizer)):
         return None
     bare = code.strip()
     bare = m.group(1) if (m := _PREFIX_CODE.fullmatch(bare)) else bare

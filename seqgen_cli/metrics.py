@@ -295,6 +295,7 @@ def streams_of(refs: list[str] | References) -> list[list[str]]:
 
 # --------------------------------------------------------------------------- presentation & I/O
 
+_SACREBLEU_LABELS = (("bleu", "BLEU"), ("chrf", "chrF"), ("chrf++", "chrF++"), ("ter", "TER"))
 _ROUGE_LABELS = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L", "rougeLsum": "ROUGE-Lsum"}
 
 
@@ -328,11 +329,11 @@ def format_table(result: dict[str, Any]) -> str:
         if name in result:
             rows.append((label, f"{result[name]['score']:.2f}", ""))
             notes.append(f"{label}: {result[name]['signature']}")
-    for name, label in (("bleu", "BLEU"), ("chrf", "chrF"), ("chrf++", "chrF++"), ("ter", "TER")):
+    for name, label in _SACREBLEU_LABELS:
         ci = result.get(name, {}).get("confidence")
         if ci:
             notes.append(f"{label}: bootstrap mean {ci['mean']:.2f} ± {ci['ci95']:.2f} (95 %, {ci['resamples']} resamples)")
-    for name, label in (("bleu", "BLEU"), ("chrf", "chrF"), ("chrf++", "chrF++"), ("ter", "TER")):
+    for name, label in _SACREBLEU_LABELS:
         pbs = result.get("paired_bs", {}).get(name)
         if pbs:
             b, mine = pbs["baseline"], pbs["system"]

@@ -94,7 +94,7 @@ def kernel(dtype: torch.dtype, int8: bool) -> str:
     if int8:
         return "int8 fbgemm (per-channel weights, per-tensor dynamic activations)"
     name = str(dtype).removeprefix("torch.")
-    return f"{name} oneDNN (weights packed once)" if ONEDNN and dtype in ONEDNN_DTYPES else f"{name} F.linear"
+    return f"{name} oneDNN (weights packed once)" if dtype in ONEDNN_DTYPES else f"{name} F.linear"
 
 
 def on_onednn(x: torch.Tensor | None, weight: torch.Tensor) -> bool:

@@ -18,9 +18,9 @@ BF16 = torch.bfloat16 in linear_maps.ONEDNN_DTYPES
 
 @pytest.mark.parametrize("family", ["bart", "llama"])
 def test_bfloat16_maps_run_packed_onednn_products(tiny_models, family: str, monkeypatch) -> None:
-    """The op trace of a bf16 run: every product of the fast backend's maps (decoder, LM head, and the encoder's
-    copy) is oneDNN's on bf16 activations, on packed weights once each map has run ``PACK_AFTER`` times; none goes
-    through ``F.linear``. Where the CPU has no bf16 products: ``F.linear``, said by ``--stats``."""
+    """The op trace of a bf16 run: the fast backend's products (decoder, LM head, and the encoder's copy) run on
+    bf16 activations, on oneDNN's packed weights once each map has run ``PACK_AFTER`` times (every decoder map of the
+    last steps). Where the CPU has no bf16 products: ``F.linear``, said by ``--stats``."""
     calls: list[tuple[torch.dtype, bool]] = []
     f_linear, onednn = linear_maps.F.linear, torch.ops.mkldnn._linear_pointwise
 
@@ -29,7 +29,8 @@ def test_bfloat16_maps_run_packed_onednn_products(tiny_models, family: str, monk
         return onednn(x, weight, *rest)
 
     def spy_linear(x: torch.Tensor, *rest: object) -> torch.Tensor:
-        calls.append((x.dtype, False)) if x.dtype == torch.bfloat16 else None
+        if x.dtype == torch.bfloat16:
+            calls.append((x.dtype, False))
         return f_linear(x, *rest)
 
     gen = Generator(str(tiny_models(family)), dtype="bfloat16", max_new_tokens=8, min_new_tokens=8, num_beams=2)
