@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from seqgen_cli.errors import SeqgenError, is_oom
 from seqgen_cli.shapes import input_width
@@ -106,11 +106,27 @@ class ItemBatch:
 
 @dataclass
 class Result:
-    """One input's outcome: generated token ids per returned sequence, or nothing and maybe an error."""
+    """One input's outcome: generated token ids per returned sequence (and their scores where the run gives
+    them), or nothing and maybe an error."""
 
     item: Item
     sequences: list[list[int]] | None = None
     error: str | None = None
+    scores: list[Scored] | None = None  # one per sequence
+
+
+class Scored(NamedTuple):
+    """An output's scores, in float32 as the search computed them (``--scores``)."""
+
+    score: float  # beam search: generate()'s sequences_scores (length-penalised); else the log_prob
+    log_prob: float  # the summed log-probabilities of its tokens under the processed scores (EOS included)
+
+
+class Generated(NamedTuple):
+    """A batch's outputs: per input its sequences (best first) and, where asked for, their scores."""
+
+    sequences: list[list[list[int]]]
+    scores: list[list[Scored]] | None = None
 
 
 def tokenise(inputs: Sequence[Input], encode: Encode) -> list[Item]:
@@ -341,10 +357,8 @@ class Batcher:
             yield from self._cut(pending)
 
 
-class GeneratesIds(Protocol):
-    def generate_ids(
-        self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None
-    ) -> list[list[list[int]]]: ...
+class Generates(Protocol):
+    def generate_output(self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None) -> Generated: ...
 
 
 def free_device_memory() -> None:
@@ -354,15 +368,16 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def generate_split(gen: GeneratesIds, items: list[Item]) -> list[Result]:
+def generate_split(gen: Generates, items: list[Item]) -> list[Result]:
     """Generate for ``items``; on out-of-memory split the batch in halves and retry, down to one input.
 
     A single input that still fails (out of memory, or a ``SeqgenError``) comes back as a ``Result`` whose
     ``error`` names its line.
     """
     try:
-        out = gen.generate_ids([it.ids for it in items], [it.index for it in items])
-        return [Result(it, seqs) for it, seqs in zip(items, out, strict=True)]
+        out = gen.generate_output([it.ids for it in items], [it.index for it in items])
+        scores = out.scores if out.scores is not None else [None] * len(items)
+        return [Result(it, seqs, None, sc) for it, seqs, sc in zip(items, out.sequences, scores, strict=True)]
     except Exception as err:  # noqa: BLE001 - only out-of-memory and user errors are handled
         if not (is_oom(err) or isinstance(err, SeqgenError)):
             raise

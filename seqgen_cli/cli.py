@@ -179,7 +179,7 @@ def main() -> None:
 
 # `seqgen generate --help` in sections (each option under the first section that names it; the rest: "Other").
 HELP_SECTIONS = {
-    "Input and output": ("output", "input_format", "input_field", "output_format", "output_field",
+    "Input and output": ("output", "input_format", "input_field", "output_format", "output_field", "scores",
                          "max_source_length"),
     "Prompt": ("prefix", "prompt_template", "chat", "system_prompt", "chat_template", "chat_template_kwargs",
                "show_prompt"),
@@ -346,6 +346,12 @@ class _SectionedCommand(click.Command):
 @click.option(
     "--output-field", default="output", show_default=True, help="JSONL field the output is written to."
 )
+@click.option(
+    "--scores", is_flag=True, help="Give each output its score and the summed log-probability of its tokens "
+    "(generate()'s sequences_scores for beam search, length-penalised; greedy and sampling: the log-probability): "
+    "JSONL output gets \"score\" and \"log_prob\" fields, text output lines begin SCORE<TAB>LOG_PROB<TAB> "
+    "(cut -f3- gives the text).",
+)  # fmt: skip
 @click.option(
     "--sort-window",
     type=click.IntRange(min=0),

@@ -29,10 +29,12 @@ from seqgen_cli.batching import (
     Batcher,
     Chunk,
     Encoded,
+    Generated,
     InOrder,
     Item,
     ItemBatch,
     Result,
+    Scored,
     default_window,
     generate_split,
     pad_ids,
@@ -53,7 +55,7 @@ from seqgen_cli.memory import batch_bytes
 from seqgen_cli.prompts import Prompter, PromptSettings, stop_check
 from seqgen_cli.search import choose_backend
 from seqgen_cli.search import settings as search_settings
-from seqgen_cli.search.protocol import Batch, RefillBackend
+from seqgen_cli.search.protocol import Batch, RefillBackend, SearchOutput
 from seqgen_cli.search.refill import RefillStats
 from seqgen_cli.shapes import input_width
 
@@ -92,6 +94,7 @@ class Generator:
         target_lang: str | None = None,
         prompt: PromptSettings | None = None,
         stop: Sequence[str] = (),
+        scores: bool = False,
         **generation: Any,
     ) -> None:
         """``capture``: on CUDA, the fast backends' decode step as CUDA graphs (``models/capture.py``), each shape
@@ -100,7 +103,8 @@ class Generator:
         at most ``lane_tokens`` padded source tokens x rows over them (``search/refill.py``; the fast backends'
         families, float32/half: elsewhere batches run as without it). ``target_lang``: a tokenizer's language code
         or language (``de_DE``, ``deu_Latn``, ``de``): ``forced_bos_token_id``, OPUS-MT's ``>>deu<<`` before each input.
-        ``prompt``: how an input becomes its prompt (``prompts.py``); ``stop``: stop strings beside the checkpoint's."""
+        ``prompt``: how an input becomes its prompt (``prompts.py``); ``stop``: stop strings beside the checkpoint's.
+        ``scores``: each output's :class:`~.batching.Scored` (``output_scores``: greedy and sampling gather them)."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
@@ -115,6 +119,7 @@ class Generator:
         self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, None if lang_prefix else target_lang)
         own = self.config.stop_strings or []  # the checkpoint's (a string or a list), then --stop's
         self.config.stop_strings = [*([own] if isinstance(own, str) else own), *stop] or None
+        self.config.output_scores = scores  # whatever the checkpoint says: the output's format is the caller's
         self.stop_check = stop_check(self.tokenizer, self.config.stop_strings)  # once: its tables take a while
         prompt = prompt or PromptSettings()
         if prompt.prefix is None:  # --prefix, else the preset's
@@ -202,8 +207,7 @@ class Generator:
 
     @property
     def step_path(self) -> str:
-        """How decode steps run: ``captured`` (CUDA graphs), or ``eager (<reason>)``; ``generate()`` for the
-        hf backend."""
+        """How decode steps run: ``captured`` (CUDA graphs), ``eager (<reason>)``; ``generate()`` (hf backend)."""
         from seqgen_cli.models.capture import CapturedBackend
 
         if self.backend != "fast":
@@ -271,39 +275,37 @@ class Generator:
         return out | self.loaded.gpu_memory()
 
     # -- generation -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def generate_ids(
         self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None
     ) -> list[list[list[int]]]:
-        """Per input of one batch of token ids, ``num_return_sequences`` lists of generated ids (no prompt, no
-        decoder start token, no padding), best first. ``indices``: each input's index in the run, which with
-        ``seed`` seeds its sampling stream (default: its position), so a sampled output does not depend on its batch."""
+        """Per input of one batch of token ids, ``num_return_sequences`` lists of generated ids (no prompt, no decoder
+        start token, no padding), best first. ``indices``: each input's index in the run, seeding its sampling stream
+        with ``seed`` (default: its position), so a sampled output does not depend on its batch."""
+        return self.generate_output(batch, indices).sequences
+
+    @torch.inference_mode()
+    def generate_output(self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None) -> Generated:
+        """:meth:`generate_ids`' sequences, with their scores where the generator gives them (``scores``)."""
         if not batch:
-            return []
+            return Generated([])
         if any(len(ids) == 0 for ids in batch):
             raise SeqgenError("cannot generate from an empty token sequence")
         from seqgen_cli.models.reference import hf_generate
         from seqgen_cli.search import generate
-
-        padded = self.pad(batch)
-        if self.backend != "fast":  # generate()'s ValueError for a max_length the prompt fills, as one line
-            search_settings.check_room(self.config, self.is_encoder_decoder, padded.input_ids.shape[1])
-            return hf_generate(self.model, padded, self.config, scores=False, tokenizer=self.tokenizer)[0]
-        if self.refill:
-            return self._generate_refill(padded, indices)
-        engine = self._engine()
-        return generate(engine, padded, self.config, seed=self.seed, indices=indices, stop=self.stop_check).sequences
-
-    def _generate_refill(self, batch: Batch, indices: Sequence[int] | None) -> list[list[list[int]]]:
-        """The refill engine over ``self.lanes`` lanes (fewer where ``lane_tokens`` cannot hold them at the
-        batch's widest source), inputs joining in batch order; a prompt's limits count from its own width."""
         from seqgen_cli.search.refill import generate_refill
 
-        out = generate_refill(
-            self._engine(), batch, self.config, lanes=self.lanes, seed=self.seed, indices=indices,
-            stats=self.refill_stats, widths=batch.widths, lane_tokens=self.lane_tokens, stop=self.stop_check,
-        )  # fmt: skip  # under a CapturedBackend, its lane steps replay compiled graphs
-        return out.sequences
+        padded, want = self.pad(batch), bool(self.config.output_scores)
+        if self.backend != "fast":  # generate()'s ValueError for a max_length the prompt fills, as one line
+            search_settings.check_room(self.config, self.is_encoder_decoder, padded.input_ids.shape[1])
+            out = SearchOutput(*hf_generate(self.model, padded, self.config, scores=want, tokenizer=self.tokenizer))
+        elif self.refill:  # the lanes: a prompt's limits count from its own width (captured: lane steps replay graphs)
+            out = generate_refill(
+                self._engine(), padded, self.config, lanes=self.lanes, seed=self.seed, indices=indices,
+                stats=self.refill_stats, widths=padded.widths, lane_tokens=self.lane_tokens, stop=self.stop_check,
+            )  # fmt: skip
+        else:
+            out = generate(self._engine(), padded, self.config, seed=self.seed, indices=indices, stop=self.stop_check)
+        return Generated(out.sequences, scored(self.config, out) if want else None)
 
     def generate_iterable(
         self,
@@ -375,6 +377,20 @@ class Generator:
         return list(self.generate_iterable(texts, batch_size=batch_size, early=False))
 
 
+def scored(config: Any, out: SearchOutput) -> list[list[Scored]]:
+    """Each output's :class:`~.batching.Scored` from the search's scores: beam search's are ``generate()``'s
+    ``sequences_scores``, the summed log-probs divided by the output's length ``** length_penalty`` (EOS counted, as
+    transformers counts it), the others' the sums themselves."""
+    if out.scores is None:
+        raise SeqgenError("this run gives no scores")
+    beam = search_settings.resolve_mode(config) == "beam"
+    penalty = float(search_settings.setting(config, "length_penalty"))
+    return [
+        [Scored(sc, sc * len(seq) ** penalty if beam else sc) for seq, sc in zip(seqs, row, strict=True)]
+        for seqs, row in zip(out.sequences, out.scores, strict=True)
+    ]
+
+
 def slow_dtype(loaded: Loaded) -> str | None:
     """Why a run's dtype is slow on this CPU, or ``None``: bfloat16 where oneDNN has no bf16 products for it (an
     AVX2-only CPU: the maps fall back to ``F.linear``, 3x float32's time on the Marian shape, docs/BENCHMARKS.md,
@@ -435,6 +451,7 @@ class GeneratorSpec:
     target_lang: str | None = None  # --target-lang: resolved through the tokenizer into forced_bos_token_id
     prompt: PromptSettings | None = None  # --prompt-template, --chat, ... (prompts.py)
     stop: tuple[str, ...] = ()  # --stop
+    scores: bool = False  # --scores
     generation: dict[str, Any] = field(default_factory=dict)  # transformers' names; None: not given
 
     def build(self) -> Generator:
@@ -442,5 +459,5 @@ class GeneratorSpec:
             self.model, backend=self.backend, device=self.device, dtype=self.dtype, preset=self.preset,
             prefix=self.prefix, max_source_length=self.max_source_length, seed=self.seed, capture=self.capture,
             refill=self.refill, lanes=self.lanes, lane_tokens=self.lane_tokens, target_lang=self.target_lang,
-            prompt=self.prompt, stop=self.stop, **self.generation,
+            prompt=self.prompt, stop=self.stop, scores=self.scores, **self.generation,
         )  # fmt: skip

@@ -62,6 +62,10 @@ torch.set_num_threads(1)
 #   bucket) adds in another order than generate()'s dynamic step: beam scores agree to ~1e-5 relative (1.3e-5
 #   seen on Marian, 1.2e-5 on Pegasus, CPU-dependent), so scores and re-scored ties are held to 1e-4;
 MASKED_SUM_RTOL = 1e-4
+# - one log-prob per generated token, each rounded through the decoder's layers (a batch padded otherwise, another
+#   kernel): a sequence's summed log-prob adds their rounding, held to this relative bound times its length
+#   (seqgen_cli.verify's rtol: 1.2e-5 over 48 tokens on AVX-512);
+TOKEN_SUM_RTOL = 1e-5
 # - inductor's fused kernels reassociate the same sums: its logits against eager's, relative and absolute.
 COMPILED_TOL = 1e-4
 # - the same products summed in another order (oneDNN against MKL's GEMM) through a whole encoder: each product

@@ -23,7 +23,7 @@ from transformers import (
     GenerationConfig,
 )
 
-from seqgen_cli.batching import Batcher, Encoded
+from seqgen_cli.batching import Batcher, Encoded, Generated, Scored
 from seqgen_cli.budget import DeviceBudget
 from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
@@ -72,12 +72,18 @@ class FakeGen:
     def encode(self, texts, fields=None):
         return [Encoded([ord(c) for c in t], False) for t in texts]
 
-    def generate_ids(self, batch, indices=None):
+    def generate_output(self, batch, indices=None):
+        """Each input reversed (then its sequence number); with ``output_scores``: score -length, log_prob -2 x it."""
         if self.fail is not None:
             self.fail(batch)
         self.batches.append([list(ids) for ids in batch])
         n = self.config.num_return_sequences
-        return [[list(reversed(ids)) + [ord("0") + k] * (k > 0) for k in range(n)] for ids in batch]
+        seqs = [[list(reversed(ids)) + [ord("0") + k] * (k > 0) for k in range(n)] for ids in batch]
+        scores = [[Scored(-len(s), -2.0 * len(s)) for s in row] for row in seqs] if self.config.output_scores else None
+        return Generated(seqs, scores)
+
+    def generate_ids(self, batch, indices=None):
+        return self.generate_output(batch, indices).sequences
 
     def decode(self, seqs):
         return ["".join(map(chr, s)) for s in seqs]

@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from seqgen_cli.batching import Item, generate_split
+from seqgen_cli.batching import Generated, Item, generate_split
 from seqgen_cli.errors import is_oom
 from seqgen_cli.generator import Generator
 from seqgen_cli.loading import Loaded
@@ -26,11 +26,11 @@ class FakeGen:
         self.limit = limit
         self.calls: list[int] = []
 
-    def generate_ids(self, batch: list[list[int]], indices: object = None) -> list[list[list[int]]]:
+    def generate_output(self, batch: list[list[int]], indices: object = None) -> Generated:
         self.calls.append(len(batch))
         if len(batch) > self.limit:
             raise torch.cuda.OutOfMemoryError("CUDA error: tried to allocate 20.00 GiB")  # no 'out of memory'
-        return [[list(reversed(ids))] for ids in batch]
+        return Generated([[list(reversed(ids))] for ids in batch])
 
 
 def test_cuda_oom_is_recognised_by_type() -> None:

@@ -38,15 +38,15 @@ def one_by_one(gen: Generator, inputs: list[str]) -> list[list[str]]:
 def test_generate_iterable_streams_in_input_order(gen: Generator, batch_size, batch_tokens, window) -> None:
     inputs = texts(40, seed=batch_size)
     calls: list[int] = []
-    generate_ids = gen.generate_ids
+    generate_output = gen.generate_output
 
     def spy(batch, indices=None):
         calls.append(len(batch))
         if batch_tokens is not None and len(batch) > 1:
             assert max(map(len, batch)) * len(batch) <= batch_tokens
-        return generate_ids(batch, indices)
+        return generate_output(batch, indices)
 
-    gen.generate_ids = spy  # type: ignore[method-assign]
+    gen.generate_output = spy  # type: ignore[method-assign]
     try:
         stream = gen.generate_iterable(
             iter(inputs), batch_size=batch_size, batch_tokens=batch_tokens, sort_window=window
@@ -54,7 +54,7 @@ def test_generate_iterable_streams_in_input_order(gen: Generator, batch_size, ba
         first = next(stream)  # streaming: the first output comes before the input is exhausted
         got = [first, *stream]
     finally:
-        del gen.generate_ids
+        del gen.generate_output
     assert got == one_by_one(gen, inputs)
     assert max(calls) <= batch_size and sum(calls) == sum(1 for t in inputs if t.strip())
 
@@ -66,16 +66,16 @@ def test_generate_is_generate_iterable(gen: Generator) -> None:
 
 def test_generate_iterable_splits_a_batch_that_runs_out_of_memory(gen: Generator) -> None:
     inputs = [t for t in texts(12, seed=2) if t.strip()]
-    generate_ids = gen.generate_ids
+    generate_output = gen.generate_output
     sizes: list[int] = []
 
     def small_memory(batch, indices=None):
         sizes.append(len(batch))
         if len(batch) > 2:
             raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
-        return generate_ids(batch, indices)
+        return generate_output(batch, indices)
 
-    gen.generate_ids = small_memory  # type: ignore[method-assign]
+    gen.generate_output = small_memory  # type: ignore[method-assign]
     try:
         got = gen.generate(inputs, batch_size=8)
         assert got == one_by_one(gen, inputs) and max(sizes) > 2  # batches of one width bucket, split
@@ -83,11 +83,11 @@ def test_generate_iterable_splits_a_batch_that_runs_out_of_memory(gen: Generator
         def always(batch, indices=None):
             raise MemoryError
 
-        gen.generate_ids = always  # type: ignore[method-assign]
+        gen.generate_output = always  # type: ignore[method-assign]
         with pytest.raises(SeqgenError, match=r"input 1: out of memory \(input of \d+ tokens, run alone\)"):
             gen.generate(inputs[:1])
     finally:
-        del gen.generate_ids
+        del gen.generate_output
 
 
 def test_length_rules(gen: Generator, tiny_models) -> None:

@@ -134,13 +134,13 @@ def test_generator_sizes_batches_by_its_memory_budget(tiny_models, monkeypatch) 
     gen = Generator(str(tiny_models("bart")), device="cpu", num_beams=2, max_new_tokens=6)
     assert gen.memory_budget is None, "no limit on the CPU by default"
     sizes: list[int] = []
-    real = gen.generate_ids
+    real = gen.generate_output
 
     def spy(batch, indices=None):
         sizes.append(len(batch))
         return real(batch, indices)
 
-    monkeypatch.setattr(gen, "generate_ids", spy)
+    monkeypatch.setattr(gen, "generate_output", spy)
     texts = ["the same words in every line"] * 10
     width = input_width(len(gen.encode(texts[:1])[0].ids))  # the width the batch is padded to
     baseline = list(gen.generate_iterable(texts, batch_size=32))

@@ -21,7 +21,8 @@ def hf_generate(
     model: PreTrainedModel, batch: Batch, generation: Generation, *, scores: bool = True, **extra: Any
 ) -> tuple[list[list[list[int]]], list[list[float]] | None]:
     """``model.generate()`` on ``batch``: per input its ``num_return_sequences`` generated token lists (no
-    prompt, no decoder start token, cut after EOS) and, with ``scores`` and beam search, their sequence scores."""
+    prompt, no decoder start token, cut after EOS) and, with ``scores``, their scores: beam search's
+    ``sequences_scores``, else each output's summed log-probs (``compute_transition_scores(normalize_logits=True)``)."""
     kwargs = dict(generation) if isinstance(generation, dict) else {"generation_config": generation}
     out = model.generate(
         batch.input_ids, attention_mask=batch.attention_mask, return_dict_in_generate=True,
@@ -39,9 +40,13 @@ def hf_generate(
     rows = [strip_generated(row[start:], eos) for row in out.sequences.tolist()]
     seqs = [rows[i * n : (i + 1) * n] for i in range(b)]
     flat = getattr(out, "sequences_scores", None)
-    if flat is None:
+    if flat is not None:
+        flat = flat.tolist()
+    elif scores and out.scores:  # greedy, sampling: each output's log-probs under the processed scores, summed
+        steps = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)  # [B * n, T]
+        flat = [float(step[: len(row)].sum()) for step, row in zip(steps, rows, strict=True)]
+    else:
         return seqs, None
-    flat = flat.tolist()
     return seqs, [flat[i * n : (i + 1) * n] for i in range(b)]
 
 

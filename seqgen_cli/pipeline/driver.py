@@ -320,7 +320,7 @@ class _Driver:
         total = self.job.shard.size if self.job.shard is not None else count_lines(self.paths)
         records = read_records(
             self.paths, opts.input_format, opts.input_field, "skip", select=self.job.select,
-            reserved=output_fields(opts.output_format, opts.output_field, opts.on_error), chat=opts.chat,
+            reserved=output_fields(opts.output_format, opts.output_field, opts.on_error, opts.scores), chat=opts.chat,
         )  # fmt: skip
         digest = InputDigest()
         if state is not None:

@@ -57,6 +57,7 @@ def job_options(
         output_format=flags["output_format"],
         output_field=flags["output_field"],
         on_error=flags["on_error"],
+        scores=bool(flags.get("scores")),
         input_format=flags["input_format"],
         input_field=flags["input_field"],
         resume=flags["resume"],
@@ -109,6 +110,7 @@ def generator_spec(model: str, flags: Mapping[str, Any]) -> GeneratorSpec:
         seed=flags["seed"],
         target_lang=flags["target_lang"],
         stop=tuple(flags.get("stop") or ()),
+        scores=bool(flags.get("scores")),
         generation={k: flags[k] for k in GENERATION_KEYS if k in flags},
     )
 
@@ -145,7 +147,7 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions, model: str |
         paths.check_writable(opts.stats, "--stats")
     if opts.metrics and not opts.reference:
         raise SeqgenError("--metrics needs --reference FILE")
-    reserved = output_fields(opts.output_format, opts.output_field, opts.on_error)
+    reserved = output_fields(opts.output_format, opts.output_field, opts.on_error, opts.scores)
     check_inputs(inputs, opts.input_format, opts.input_field, reserved, on_error=opts.on_error, chat=opts.chat)
     part = opts.shard is not None
     paths.check_distinct(
@@ -178,7 +180,7 @@ def generate_job(gen: Generator, job: Job) -> Summary:
     from seqgen_cli.verify import self_check  # transformers' generate(): imported with the model, not before
 
     opts = job.opts
-    reserved = output_fields(opts.output_format, opts.output_field, opts.on_error)
+    reserved = output_fields(opts.output_format, opts.output_field, opts.on_error, opts.scores)
     records = read_records(
         job.paths, opts.input_format, opts.input_field, opts.on_error, select=job.select, reserved=reserved,
         chat=opts.chat,

@@ -55,19 +55,24 @@ class FieldClash(BadLine):
     would overwrite it."""
 
 
-def output_fields(output_format: str, output_field: str, on_error: str) -> tuple[str, ...]:
-    """The fields the output adds to each input object: ``--output-field`` with ``--output-format jsonl``, and
-    ``error`` too under ``--on-error skip``; none with text output. Raises when the two are one field."""
+# the fields --scores adds to JSONL output -> their place in a ``batching.Scored``
+SCORE_FIELDS = {"score": 0, "log_prob": 1}
+
+
+def output_fields(output_format: str, output_field: str, on_error: str, scores: bool = False) -> tuple[str, ...]:
+    """The fields the output adds to each input object: ``--output-field`` with ``--output-format jsonl``,
+    ``error`` too under ``--on-error skip`` and :data:`SCORE_FIELDS` under ``--scores``; none with text output.
+    Raises when two are one field."""
     if output_format != "jsonl":
         return ()
-    if on_error != "skip":
-        return (output_field,)
-    if output_field == "error":
+    if output_field == "error" and on_error == "skip":
         raise SeqgenError(
             "--output-field error is the field --on-error skip writes a skipped input's error to (JSONL output): "
             "choose another --output-field"
         )
-    return (output_field, "error")
+    if output_field in SCORE_FIELDS and scores:
+        raise SeqgenError(f"--output-field {output_field} is a field --scores writes (JSONL output): choose another")
+    return (output_field, *(["error"] if on_error == "skip" else []), *(SCORE_FIELDS if scores else []))
 
 
 def _clash(where: str, key: str, text_input: bool) -> FieldClash:
@@ -76,6 +81,11 @@ def _clash(where: str, key: str, text_input: bool) -> FieldClash:
         return FieldClash(
             f'{where}: text input is written to JSONL as {{"text": LINE, ...}}, so --output-field text would '
             "overwrite the input: choose another --output-field"
+        )
+    if key in SCORE_FIELDS:
+        return FieldClash(
+            f"{where}: the input already has a field {key!r}, which --scores writes in JSONL output (each output's "
+            "score): rename it in the input, or use text output (its lines then begin with the scores)"
         )
     if key == "error":
         return FieldClash(

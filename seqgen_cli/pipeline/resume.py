@@ -135,6 +135,7 @@ _FINGERPRINTED_OPTIONS = {
     "shard_spec": "shard",
     "target_lang": "generation",  # resolved into forced_bos_token_id
     "stop": "generation",  # stop_strings
+    "scores": "generation",  # output_scores
     **dict.fromkeys(("chat", "system_prompt", "chat_template", "chat_template_kwargs", "prompt_template"), "prompt"),
 }
 # How a run goes, not what it writes: batching and look-ahead, CUDA graphs and refill (the same outputs; on a

@@ -35,6 +35,7 @@ class RunOptions:
     output_format: str = "text"
     output_field: str = "output"
     on_error: str = "fail"
+    scores: bool = False  # --scores: each output's score and log_prob in its line (the generator gives them)
 
 
 def run(
@@ -93,6 +94,7 @@ class _Run:
         self.writer = OrderedWriter(
             sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
             num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, reuse=self.reuse,
+            scores=opts.scores,
         ).start()  # fmt: skip
         early = isinstance(sink, StreamSink)  # stdout, a pipe: someone may read the first lines as they come
         sizes = (opts.batch_size, opts.batch_tokens, opts.sort_window)

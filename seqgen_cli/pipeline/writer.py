@@ -13,10 +13,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from seqgen_cli.batching import InOrder, Result
+from seqgen_cli.batching import InOrder, Result, Scored
 from seqgen_cli.pipeline.formats import InputDigest, input_key
 from seqgen_cli.pipeline.queues import put_unless
-from seqgen_cli.pipeline.records import Record
+from seqgen_cli.pipeline.records import SCORE_FIELDS, Record
 from seqgen_cli.pipeline.resume import JournalReuse
 from seqgen_cli.pipeline.sinks import Sink
 
@@ -29,23 +29,35 @@ def format_output(
     output_format: str,
     output_field: str,
     error: str | None = None,
+    scores: list[Scored] | None = None,
+    scored: bool = False,
 ) -> str:
     """The output line(s) for one input, newline-terminated.
 
     Text: one line per returned sequence (``num_return_sequences`` consecutive lines, best first);
     newlines inside a generation become spaces so line alignment holds. JSONL: the input object
     (for text input ``{"text": line}``) with ``output_field`` set to the string, or to a list when more than one
-    sequence is returned, and ``error`` set for an input that was skipped.
+    sequence is returned, and ``error`` set for an input that was skipped. ``scored`` (``--scores``): text lines
+    begin ``score<TAB>log_prob<TAB>`` (empty for an input with none: blank, skipped), JSONL objects get ``score``
+    and ``log_prob`` (lists beside a list; ``null`` where none).
     """
+    numbers: list[tuple[float, float] | None] = list(scores) if scores is not None else [None] * len(outputs)
     if output_format == "jsonl":
         obj = (
             dict(record.fields) if record.fields is not None else {"text": record.text}
         )  # text input: its line
         obj[output_field] = outputs[0] if len(outputs) == 1 else outputs
+        if scored:
+            for name, i in SCORE_FIELDS.items():
+                values = [None if pair is None else pair[i] for pair in numbers]
+                obj[name] = values[0] if len(values) == 1 else values
         if error is not None:
             obj["error"] = error
         return json.dumps(obj, ensure_ascii=False, allow_nan=False) + "\n"
-    return "".join(" ".join(o.splitlines()) + "\n" for o in outputs)
+    lines = [" ".join(o.splitlines()) for o in outputs]
+    if scored:
+        lines = [("\t\t" if pair is None else f"{pair[0]!r}\t{pair[1]!r}\t") + line for pair, line in zip(numbers, lines, strict=True)]
+    return "".join(line + "\n" for line in lines)
 
 
 _CLOSE = object()
@@ -66,8 +78,10 @@ class OrderedWriter:
         digest: InputDigest | None = None,
         keep: list[str] | None = None,
         reuse: JournalReuse | None = None,
+        scores: bool = False,
     ) -> None:
         self.sink = sink
+        self._scores = scores  # --scores: each output's Scored in its line
         self._decode = decode
         self._format = output_format
         self._field = output_field
@@ -127,7 +141,7 @@ class OrderedWriter:
             outs = [next(texts) for _ in r.sequences] if r.sequences is not None else [""] * self._n
             line = self.reuse.pop(index)
             if line is None:
-                line = format_output(record, outs, self._format, self._field, r.error)
+                line = format_output(record, outs, self._format, self._field, r.error, r.scores, self._scores)
                 fresh.append(index)
             self._order.add(index, (record, line, outs[0] if outs else ""))
         for record, line, first in self._order.ready():

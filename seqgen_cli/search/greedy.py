@@ -34,6 +34,8 @@ class TokenSearch:
         self.finished = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
         # [N] generated length (EOS included)
         self.lengths = torch.full((n,), settings.max_new_tokens, dtype=torch.long, device=device)
+        # [N] float32: the summed log-probs of each row's tokens under the processed scores (``settings.scores``)
+        self.log_probs = torch.zeros(n, dtype=torch.float32, device=device) if settings.scores else None
         self.t = 0  # steps done (host int)
 
     def advance(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -42,6 +44,9 @@ class TokenSearch:
         scores = rows.pipeline(history, logits.float())  # [N, V] float32 (transformers casts too)
         tokens = self.pick(scores)  # [N]
         tokens = torch.where(self.finished, self.pad, tokens)
+        if self.log_probs is not None:  # transformers' compute_transition_scores(normalize_logits=True), summed
+            chosen = scores.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]  # [N]
+            self.log_probs += chosen.masked_fill_(self.finished, 0.0)
         history.append(tokens)
         rows.pipeline.appended(history)
         if self.eos is not None:
@@ -61,17 +66,24 @@ class TokenSearch:
             return None
         return self.finished.view(-1, self.rows.rows_per_input).all(dim=1)
 
-    def results(self, idx: torch.Tensor) -> tuple[list[list[list[int]]], None]:
-        """The rows of active inputs ``idx`` ([D] int64) on the host (after a check only)."""
+    def results(self, idx: torch.Tensor) -> tuple[list[list[list[int]]], list[list[float]] | None]:
+        """The rows of active inputs ``idx`` ([D] int64) on the host (after a check only), and their summed
+        log-probs where the settings ask for scores."""
         r = self.rows.rows_per_input
         row_ids = self.rows.row_index(idx)  # [D * R]
         tokens = self.rows.history.generated.index_select(0, row_ids).tolist()
         lens = self.lengths.index_select(0, row_ids).tolist()
         d = idx.shape[0]
-        return [[tokens[j * r + k][: lens[j * r + k]] for k in range(r)] for j in range(d)], None
+        sequences = [[tokens[j * r + k][: lens[j * r + k]] for k in range(r)] for j in range(d)]
+        if self.log_probs is None:
+            return sequences, None
+        sums = self.log_probs.index_select(0, row_ids).tolist()
+        return sequences, [sums[j * r : (j + 1) * r] for j in range(d)]
 
     def keep(self, leaving: Leaving) -> None:
         """Done inputs leave (``Rows.check``'s split)."""
         kept_rows = leaving.kept_rows  # [B' * R]
         self.finished, self.lengths = self.finished[kept_rows], self.lengths[kept_rows]
+        if self.log_probs is not None:
+            self.log_probs = self.log_probs[kept_rows]
         self.rows.keep(leaving)

@@ -100,6 +100,7 @@ class SearchSettings:
     temperature: float
     top_k: int
     top_p: float
+    scores: bool = False  # greedy and sampling sum each row's log-probs (``output_scores``; beam search always)
 
     @property
     def max_new_tokens(self) -> int:
@@ -296,6 +297,7 @@ def resolve_settings(
         temperature=float(setting(config, "temperature")),
         top_k=int(top_k) if top_k else 0,
         top_p=float(setting(config, "top_p")),
+        scores=bool(config.output_scores),
     )
 
 

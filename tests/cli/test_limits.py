@@ -11,6 +11,7 @@ import torch
 from click.testing import Result
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
+from seqgen_cli.batching import Generated
 from seqgen_cli.errors import is_oom
 from seqgen_cli.generator import Generator
 from seqgen_cli.loading import load
@@ -106,16 +107,16 @@ def test_host_oom_on_one_input_is_split_down_and_skipped(
     alone = seqgen(*common, "--batch-size", "1")
     assert alone.exit_code == 0
 
-    generate_ids = Generator.generate_ids
+    generate_output = Generator.generate_output
     sizes: list[int] = []
 
     def host_oom_for_long_inputs(self: Generator, batch, indices=None):
         sizes.append(len(batch))
         if any(len(ids) > 45 for ids in batch):  # texts[2] only
             raise RuntimeError(HOST_OOM)
-        return [generate_ids(self, [ids])[0] for ids in batch]  # each alone: outputs as in `alone`
+        return Generated([generate_output(self, [ids]).sequences[0] for ids in batch])  # each alone, as `alone`
 
-    monkeypatch.setattr(Generator, "generate_ids", host_oom_for_long_inputs)
+    monkeypatch.setattr(Generator, "generate_output", host_oom_for_long_inputs)
     stats = tmp_path / "stats.json"
     res = seqgen(*common, "--batch-size", "8", "--on-error", "skip", "--stats", str(stats))
     assert res.exit_code == 0, res.stderr

@@ -364,13 +364,13 @@ def test_generator_reads_its_budget_again_after_each_new_shape(tiny_models, monk
     calls = _fake_cuda(monkeypatch, free)
     gen.budget.device = torch.device("cuda", 0)  # the model runs on the CPU; the budget as on CUDA
     sizes: list[int] = []
-    real = gen.generate_ids
+    real = gen.generate_output
 
     def spy(batch, indices=None):
         sizes.append(len(batch))
         return real(batch, indices)
 
-    monkeypatch.setattr(gen, "generate_ids", spy)
+    monkeypatch.setattr(gen, "generate_output", spy)
     outputs = list(gen.generate_iterable(texts, batch_size=32))
     assert len(outputs) == 12 and sizes == [2, 5, 5]
     assert len(calls) == 2 and gen.budget.shapes == {(2, width), (5, width)}

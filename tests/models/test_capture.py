@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from seqgen_cli.batching import Item, generate_split
+from seqgen_cli.batching import Generated, Item, generate_split
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import amortized, capture, compiled_calls, get_backend, linear_maps
@@ -189,11 +189,11 @@ class _Gen:
     def __init__(self, backend: Any, loaded: Any) -> None:
         self.backend, self.loaded = backend, loaded
 
-    def generate_ids(self, batch: list[list[int]], indices: Any = None) -> list[list[list[int]]]:
+    def generate_output(self, batch: list[list[int]], indices: Any = None) -> Generated:
         width = max(map(len, batch))
         ids = torch.tensor([b + [1] * (width - len(b)) for b in batch])
         mask = torch.tensor([[1] * len(b) + [0] * (width - len(b)) for b in batch])
-        return generate(self.backend, Batch(ids, mask), beam_config(self.loaded)).sequences
+        return Generated(generate(self.backend, Batch(ids, mask), beam_config(self.loaded)).sequences)
 
 
 @pytest.mark.parametrize("message", ["CUDA out of memory. Tried to allocate 2.00 GiB", "out of memory"])
@@ -211,15 +211,15 @@ def test_out_of_memory_while_compiling_stays_an_oom(tiny_models, call: int, mess
     plain = generate_split(_Gen(get_backend(loaded.model), loaded), items)
     backend = CapturedBackend(get_backend(loaded.model), failing_on(call, RuntimeError(message)))
     with pytest.raises(RuntimeError, match="out of memory"):
-        _Gen(backend, loaded).generate_ids([it.ids for it in items])
+        _Gen(backend, loaded).generate_output([it.ids for it in items])
     (oom_shape,) = backend.decoder.oom_keys
     assert oom_shape[0] == 8 * 3, "5 inputs: 8 lanes of 3 rows"
     retried = generate_split(_Gen(backend, loaded), items)
     assert [r.sequences for r in retried] == [r.sequences for r in plain]
     assert not backend.kept and not backend.shapes, "the shape that ran out runs on the plain backend's state"
     two = [it.ids for it in items[:2]]  # another shape (2 lanes): captured
-    expected = _Gen(get_backend(loaded.model), loaded).generate_ids(two)
-    assert _Gen(backend, loaded).generate_ids(two) == expected
+    expected = _Gen(get_backend(loaded.model), loaded).generate_output(two).sequences
+    assert _Gen(backend, loaded).generate_output(two).sequences == expected
     assert backend.decoder.failure is None and backend.shapes and oom_shape not in backend.shapes
     assert backend.path == "captured (1 eager: out of memory while compiling)"
 

@@ -56,6 +56,7 @@ GENERATOR_CHANGES: dict[str, Any] = {
     "forced_bos_token_id": 5,
     "forced_eos_token_id": 4,
     "stop": ("the",),
+    "scores": True,
 }
 # Options that need a tokenizer with language codes: changed on the tiny mBART (whose checkpoint forces de_DE).
 MBART_CHANGES: dict[str, Any] = {"target_lang": "fr_XX"}
@@ -79,7 +80,7 @@ BASE = {"num_beams": 4}  # beam search, so that num_return_sequences and early_s
 
 def _print(model: Path, opts: JobOptions | None = None, **spec: Any) -> dict[str, Any]:
     generation = {**BASE, **{k: spec.pop(k) for k in list(spec) if k in GENERATOR_CHANGES and k not in
-                             ("preset", "backend", "dtype", "prefix", "max_source_length", "seed", "stop")}}  # fmt: skip
+                             ("preset", "backend", "dtype", "prefix", "max_source_length", "seed", "stop", "scores")}}  # fmt: skip
     gen = GeneratorSpec(model=str(model), device="cpu", generation=generation, **spec).build()
     return fingerprint(gen, opts or JobOptions())
 

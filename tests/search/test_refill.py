@@ -189,8 +189,8 @@ def test_refill_window_mixes_widths(tiny_models) -> None:
         widths = {input_width(len(e.ids)) for e in gen.encode(texts)}
         assert len(widths) >= 3
         batches: list[int] = []
-        generate_ids = gen.generate_ids
-        gen.generate_ids = lambda batch, idx=None, f=generate_ids, seen=batches: (
+        generate_output = gen.generate_output
+        gen.generate_output = lambda batch, idx=None, f=generate_output, seen=batches: (
             seen.append(len(batch)) or f(batch, idx)
         )
         outputs[on] = list(gen.generate_iterable(texts, batch_size=4))

@@ -1,0 +1,64 @@
+"""`seqgen generate --scores`: each output's score and summed log-probability, at the start of its text line or as
+fields of its JSONL object, equal to what the Python API gives (itself held to generate()'s: tests/test_scores.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from seqgen_cli.generator import Generator
+from tests.helpers import one_line_error, seqgen
+from tests.tiny_models import sample_texts
+
+TEXTS = sample_texts(4, seed=2)
+BEAMS = ["--num-beams", "3", "--num-return-sequences", "2", "--max-new-tokens", "6", "-q"]
+
+
+@pytest.fixture(scope="module")
+def bart(tiny_models) -> Path:
+    return tiny_models("bart")
+
+
+def test_text_lines_begin_with_the_scores(bart: Path) -> None:
+    stdin = TEXTS[0] + "\n\n" + TEXTS[1] + "\n"  # a blank input between: its lines have no scores
+    plain = seqgen("generate", "-m", str(bart), *BEAMS, input=stdin)
+    scored = seqgen("generate", "-m", str(bart), *BEAMS, "--scores", input=stdin)
+    assert plain.exit_code == 0 and scored.exit_code == 0, scored.stderr
+    rows = [line.split("\t", 2) for line in scored.stdout.splitlines()]
+    assert len(rows) == 6 and all(len(r) == 3 for r in rows)
+    assert [r[2] for r in rows] == plain.stdout.splitlines(), "cut -f3- gives the plain output"
+    assert rows[2] == ["", "", ""] and rows[3] == ["", "", ""], "the blank input: empty scores, empty outputs"
+    gen = Generator(str(bart), scores=True, num_beams=3, num_return_sequences=2, max_new_tokens=6)
+    api = gen.generate_output([e.ids for e in gen.encode([TEXTS[0], TEXTS[1]])]).scores
+    numbers = [(float(r[0]), float(r[1])) for r in rows[:2] + rows[4:]]
+    assert numbers == [tuple(s) for per_input in api for s in per_input], "the float32 values, written exactly"
+    assert numbers[0][0] >= numbers[1][0], "best first"
+
+
+def test_jsonl_objects_get_score_fields(bart: Path) -> None:
+    stdin = "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate([TEXTS[2], " ", TEXTS[3]]))
+    text = seqgen("generate", "-m", str(bart), *BEAMS, "--scores", input=stdin)
+    js = seqgen("generate", "-m", str(bart), *BEAMS, "--scores", "--output-format", "jsonl", input=stdin)
+    assert js.exit_code == 0, js.stderr
+    objs = [json.loads(line) for line in js.stdout.splitlines()]
+    assert [o["id"] for o in objs] == [0, 1, 2]
+    assert objs[1]["score"] == [None, None] and objs[1]["log_prob"] == [None, None]
+    lines = [line.split("\t") for line in text.stdout.splitlines()]
+    for obj, pair in zip([objs[0], objs[2]], [lines[0:2], lines[4:6]], strict=True):
+        assert obj["score"] == [float(p[0]) for p in pair] and obj["log_prob"] == [float(p[1]) for p in pair]
+        assert obj["output"] == [p[2] for p in pair]
+    one = seqgen("generate", "-m", str(bart), "--max-new-tokens", "4", "-q", "--scores", "--output-format", "jsonl",
+                 input=TEXTS[0] + "\n")  # fmt: skip
+    obj = json.loads(one.stdout)
+    assert isinstance(obj["score"], float) and obj["score"] == obj["log_prob"], "greedy: one number, no penalty"
+
+
+def test_a_field_the_scores_would_overwrite_stops_before_the_model_loads(bart: Path, tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "a b c", "score": 4}) + "\n")
+    args = ("generate", "-m", str(tmp_path / "no-model"), str(src), "--output-format", "jsonl", "-q")
+    one_line_error(seqgen(*args, "--scores"), f"{src}:1", "'score'", "--scores")
+    assert "no-model" in one_line_error(seqgen(*args)), "without --scores the field is the input's own"
+    one_line_error(seqgen(*args, "--scores", "--output-field", "log_prob"), "--output-field log_prob", "--scores")
