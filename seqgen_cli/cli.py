@@ -79,7 +79,7 @@ GENERATION_OPTIONS: dict[str, _Flag] = {
 }
 BENCH_REPORTS = ("bench.json", "bench.md", "bench.png")  # what `seqgen bench` writes into --out
 # Not bench flags: --num-beams is bench's own comma-separated list; bench times one searched output per input.
-_BENCH_EXCLUDES = ("num_beams", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p")
+_BENCH_EXCLUDES = ("num_beams", "num_return_sequences")
 
 
 def generation_options(exclude: Collection[str] = ()) -> Callable[[F], F]:
@@ -695,13 +695,25 @@ def _name_list(ctx: click.Context, param: click.Parameter, value: str) -> list[s
 @click.option("--preset", help="Task preset name or .toml file.")
 @click.option("--prefix", help="Text prepended to every input.")
 @click.option("--max-source-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
+@click.option(
+    "--backend", type=click.Choice(["auto", "fast", "hf"]), default="auto", show_default=True,
+    help="seqgen's backend: fast (its engine), hf (generate() inside seqgen's pipeline), auto.",
+)  # fmt: skip
+@click.option(
+    "--target-lang", metavar="CODE", help="As seqgen generate takes it; every system decodes into that language "
+    "(generate(): forced_bos_token_id; CTranslate2: the target prefix).",
+)  # fmt: skip
+@click.option("--seed", type=int, help="Random seed for seqgen's sampling (--do-sample).")
 @generation_options(exclude=_BENCH_EXCLUDES)
 def bench(input: str, model: str, **opts) -> None:
     """Speed and agreement of seqgen against transformers generate() and CTranslate2.
 
     For each (beams, batch size) every system generates for the same first N lines of INPUT, after a
     warm-up, interleaved (A B C A B C ...); medians of --repeats runs. Writes bench.json (every run),
-    bench.md (table) and bench.png (samples/s vs batch size) into --out.
+    bench.md (table) and bench.png (samples/s vs batch size) into --out. "same as hf" is the share of outputs
+    token-identical to generate()'s; in decode mode an output that differs is re-scored under transformers' model,
+    and a system whose outputs differ beyond near-ties is flagged (its speed compares other outputs). Sampled
+    outputs (--do-sample) are draws from each system's own random stream: not compared.
     """
     from seqgen_cli.pipeline import paths
 

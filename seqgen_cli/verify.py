@@ -263,6 +263,30 @@ def batches_as_run(gen: Generator, ids: Sequence[Sequence[int]]) -> list[list[in
     return list(by_length.values())
 
 
+def beyond_ties(
+    gen: Generator, ids: Sequence[Sequence[int]], ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]
+) -> list[int]:
+    """The inputs whose output ``ours[i]`` (another system's: token ids, -1 for a token outside the tokenizer's
+    vocabulary) differs from ``generate()``'s ``theirs[i]`` beyond a near-tie: each re-scored alone through
+    transformers' model (:func:`rescore`; greedy up to the first differing token), further apart than the
+    dtype's :func:`tolerance`."""
+    model, tol, out = gen.loaded.reference, tolerance(gen.loaded.dtype), []
+    for i, (a, h) in enumerate(zip(ours, theirs, strict=True)):
+        if list(a) == list(h):
+            continue
+        if min(a, default=0) < 0:  # a token transformers' tokenizer does not have
+            out.append(i)
+            continue
+        batch = gen.pad([ids[i]])
+        settings = settings_for(model.config, batch, gen.config)
+        upto = len(a) if settings.mode == "beam" else first_difference(a, h) + 1
+        with torch.inference_mode():
+            sa, sh = (rescore(model, batch, 0, list(x[:upto]), settings) for x in (a, h))
+        if abs(sa - sh) > tol * max(abs(sa), abs(sh)):
+            out.append(i)
+    return out
+
+
 def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | None = None) -> Agreement:
     """``ids`` (a batch of token ids, or its batches as the run cuts them: :func:`batches_as_run`) through the
     Generator's own path and through ``generate()`` on the same device and dtype; near-ties within the dtype's

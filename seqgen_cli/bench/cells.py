@@ -54,11 +54,17 @@ class RunResult:
     run_mem_mb: float | None = None  # decode on CPU: peak RSS above the RSS just before the run
     agreement_vs_hf: float | None = None
     bleu_vs_hf: float | None = None  # int8: BLEU of the detokenised outputs against hf's (float32)
+    beyond_ties: int | None = None  # decode: outputs that differ from hf's beyond near-ties (re-scored)
+    sampled: bool = False  # draws from the system's own random stream: not compared with hf's
     speedup_vs_hf: float | None = None
     speedup_vs_ct2: float | None = None
     notes: list[str] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list, repr=False)  # first repeat's; not written to JSON
 
+
+# judge(rows of one cell): sets their beyond_ties from their outputs and hf's (decode mode).
+Judge = Callable[[list["RunResult"]], None]
+SAMPLED_NOTE = "sampling: each system draws from its own random stream, so outputs are not compared (same as hf: –)"
 
 # on_cell(results so far, schedules so far, metadata): called after every cell, to save partial results.
 OnCell = Callable[[list[RunResult], list[list[str]], dict[str, Any]], None]
@@ -132,12 +138,14 @@ def run_mode(
     on_cell: OnCell | None,
     ct2_setup: Callable[[Generator], tuple[Any, Ct2Plan]],
     cells: Callable[[int, Generator, Any], Callable[[int, int], Cell]],
+    judge: Callable[[Generator], Judge] | None = None,
 ) -> tuple[list[RunResult], list[list[str]], dict[str, Any]]:
     """Every (beams, batch size) cell of one mode; returns results, the run order per cell and metadata.
 
     Per beam count a ``Generator`` resolves the settings as ``seqgen generate`` does and ``ct2_setup``
     readies CTranslate2 for them (a ``SeqgenError``: ct2 skipped from then on, noted in ``ct2_skipped``);
-    ``cells(beams, gen, ct2_part or None)`` gives ``cell(batch_size, n)``: the systems on the first n inputs."""
+    ``cells(beams, gen, ct2_part or None)`` gives ``cell(batch_size, n)``: the systems on the first n inputs;
+    ``judge(gen)`` (decode) marks each cell's rows whose outputs differ from hf's beyond near-ties."""
     from seqgen_cli.generator import Generator
 
     results: list[RunResult] = []
@@ -146,9 +154,11 @@ def run_mode(
     want_ct2 = "ct2" in s.compare
     for beams in s.num_beams:
         gen = Generator(  # capture=True: on CUDA a shape compiles at its first batch (the warm-up where it can)
-            s.model, backend="auto", device=s.device, dtype=s.dtype, preset=s.preset, prefix=s.prefix,
-            max_source_length=s.max_source_length, capture=True, **s.generation_flags(beams),
+            s.model, backend=s.backend, device=s.device, dtype=s.dtype, preset=s.preset, prefix=s.prefix,
+            max_source_length=s.max_source_length, capture=True, target_lang=s.target_lang, seed=s.seed,
+            **s.generation_flags(beams),
         )  # fmt: skip
+        sampled = bool(gen.config.do_sample)
         meta.setdefault("seqgen_backend", gen.backend)
         meta.setdefault("max_source_length", gen.max_source_length)
         meta.setdefault("device", str(gen.loaded.device))
@@ -165,6 +175,7 @@ def run_mode(
                 want_ct2 = False
         cell = cells(beams, gen, ct2_part)
         detok = functools.partial(_texts, mode, gen.tokenizer)
+        check = judge(gen) if judge is not None and not sampled and not gen.loaded.int8 else None
         del gen  # e2e: no model in memory while the subprocesses run (decode's systems keep theirs)
         for bs in s.batch_sizes:
             n = min(len(texts), s.max_batches * bs) if s.max_batches else len(texts)
@@ -175,12 +186,17 @@ def run_mode(
             )
             schedules.append(schedule)
             rows = [_row(mode, name, e, samples[name], bs, beams, n) for name, e in entrants.items()]
+            for r in rows:
+                r.sampled = sampled
+                r.notes = [*r.notes, SAMPLED_NOTE] if sampled else r.notes
             if s.dtype == "int8":
                 bleu_vs_reference(rows, detok)
+            if check is not None:
+                check(rows)
             results += rows
             if on_cell:
                 on_cell(results, schedules, meta)
-        cell = entrants = None  # free this beam count's model before the next one loads
+        cell = entrants = check = None  # free this beam count's model before the next one loads
     return results, schedules, meta
 
 

@@ -55,23 +55,39 @@ def bench_decode(
         def cell(bs: int, n: int) -> Cell:
             ids = encoded[:n]
             # batches as `seqgen generate` cuts them
-            plan = plan_batches([len(x) for x in ids], bs, None, buckets=gen.buckets, width=gen.width)
+            plan = list(plan_batches([len(x) for x in ids], bs, None, buckets=gen.buckets, width=gen.width))
             batches = [[ids[i] for i in b] for b in plan]
+            order = [i for b in plan for i in b]
             return {
                 x.name: Entrant(
-                    _run_once(x, batches, device), x.backend, kind if x.measured else "n/a", x.notes
+                    _run_once(x, batches, order, device), x.backend, kind if x.measured else "n/a", x.notes
                 )
                 for x in systems
             }
 
         return cell
 
-    return run_mode("decode", s, texts, log, on_cell, ct2_setup, cells)
+    def judge(gen: Generator) -> Callable[[list[RunResult]], None]:
+        """Each row's outputs against hf's: how many differ beyond near-ties (``verify.beyond_ties``)."""
+        from seqgen_cli.verify import beyond_ties
+
+        encoded = [e.ids for e in gen.encode(texts)]
+
+        def check(rows: list[RunResult]) -> None:
+            hf = next((r for r in rows if r.system == "hf"), None)
+            for r in rows:
+                if hf is not None and r is not hf and len(r.outputs) == len(hf.outputs):
+                    r.beyond_ties = len(beyond_ties(gen, encoded, r.outputs, hf.outputs))
+
+        return check
+
+    return run_mode("decode", s, texts, log, on_cell, ct2_setup, cells, judge)
 
 
-def _run_once(system: System, batches: list[list[list[int]]], device: torch.device) -> RunOnce:
+def _run_once(system: System, batches: list[list[list[int]]], order: list[int], device: torch.device) -> RunOnce:
     """The cell's work for one system in this process: every batch (the warm-up: the first batch's first
-    rows); wall time with the GPU work finished, outputs and peak memory."""
+    rows); wall time with the GPU work finished, outputs (in input order: ``order``, the batches' inputs) and
+    peak memory."""
     prepared = [system.prepare(b) for b in batches]  # untimed
     warmup_work = [prepared[0][:WARMUP_ROWS]]
 
@@ -82,6 +98,8 @@ def _run_once(system: System, batches: list[list[list[int]]], device: torch.devi
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
+        if not warmup:
+            outputs = [out for _, out in sorted(zip(order, outputs, strict=True), key=lambda pair: pair[0])]
         if not system.measured:
             return Sample(elapsed, outputs)
         return Sample(elapsed, outputs, mem["peak"], mem.get("delta"))

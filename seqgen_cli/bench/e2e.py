@@ -55,13 +55,15 @@ def bench_e2e(
     def cells(beams: int, gen: Generator, ct2_args: list[str] | None) -> Callable[[int, int], Cell]:
         dtype, device = dtype_name(gen), str(gen.loaded.device)
         common = ["--max-source-length", str(gen.max_source_length)] if gen.max_source_length else []
-        common += ["--prefix", gen.prefix] if gen.prefix else []
-        # Each system's command but the input, output and batch size.
+        # Each system's command but the input, output and batch size. seqgen resolves its prefix (the preset's,
+        # --prefix, an OPUS-MT >>code<< token) and target language itself; the scripts get them resolved.
         seqgen = [sys.executable, "-m", "seqgen_cli", "generate", "--device", device, "--dtype", dtype, "-q"]
         seqgen += [*(["--preset", s.preset] if s.preset else []), *cli_flags(s.generation_flags(beams))]
+        seqgen += ["--backend", s.backend, *(["--prefix", s.prefix] if s.prefix is not None else [])]
+        seqgen += [*(["--target-lang", s.target_lang] if s.target_lang else []), *(["--seed", str(s.seed)] if s.seed is not None else [])]
         heads = {"seqgen": seqgen}
         script = [sys.executable, "-m", "seqgen_cli.bench.baselines"]
-        script_opts = ["--device", device, "--threads", threads]
+        script_opts = ["--device", device, "--threads", threads, *(["--prefix", gen.prefix] if gen.prefix else [])]
         if "hf" in s.compare:
             hf_settings = json.dumps(gen.config.to_dict(), default=str)
             hf_dtype = "float32" if dtype == "int8" else dtype  # int8: float32 is the agreement reference

@@ -30,6 +30,9 @@ class BenchSettings:
     prefix: str | None = None
     max_source_length: int | None = None
     ct2_cache: str | None = None
+    backend: str = "auto"  # seqgen's: auto, fast or hf (generate() inside seqgen's pipeline)
+    target_lang: str | None = None  # as seqgen generate --target-lang takes it (CTranslate2: the target prefix)
+    seed: int | None = None  # sampling
     generation: dict[str, Any] = field(default_factory=dict)
 
     def generation_flags(self, beams: int) -> dict[str, Any]:

@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoTokenizer
 
 from seqgen_cli.batching import plan_batches
 from seqgen_cli.bench import ct2 as bench_ct2
-from seqgen_cli.bench.cells import interleave
+from seqgen_cli.bench.cells import RunResult, interleave
 from seqgen_cli.bench.decode import bench_decode
 from seqgen_cli.bench.run import run_bench
 from seqgen_cli.bench.settings import BenchSettings
@@ -199,3 +201,44 @@ def test_ct2_plan_takes_generate_defaults_for_unset_settings(tmp_path: Path) -> 
     assert (beam["beam_size"], beam["length_penalty"], beam["repetition_penalty"]) == (3, 1.0, 1.0)
     given = bench_ct2.plan_for(_plan_gen(do_sample=True, top_k=0, top_p=0.9), tmp_path, vocab=["t2"])
     assert (given.options["sampling_topk"], given.options["sampling_topp"]) == (0, 0.9)
+
+
+def test_cli_bench_target_lang_backend_and_sampling(no_ct2, tiny_models, input_file: Path, tmp_path: Path) -> None:
+    """--target-lang reaches every system (generate(): forced_bos_token_id), --backend seqgen's; sampled cells
+    are not compared with generate()'s draws."""
+    mbart = tiny_models("mbart")
+    common = ["bench", "-m", str(mbart), str(input_file), "--n", "2", "--batch-sizes", "2", "--num-beams", "1",
+              "--repeats", "1", "--no-warmup", "--fixed-new-tokens", "3"]  # fmt: skip
+    out = tmp_path / "lang"
+    result = seqgen(*common, "--target-lang", "fr_XX", "--backend", "hf", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    fr = AutoTokenizer.from_pretrained(mbart).convert_tokens_to_ids("fr_XX")
+    assert data["generation_config"]["1"]["forced_bos_token_id"] == fr and data["seqgen_backend"] == "hf"
+    runs = {r["system"]: r for r in data["runs"]}
+    assert runs["seqgen"]["agreement_vs_hf"] == 100.0 and runs["seqgen"]["beyond_ties"] == 0
+    assert runs["hf"]["beyond_ties"] is None, "hf is the reference"
+    out = tmp_path / "sampled"
+    result = seqgen(*common, "--do-sample", "--top-k", "5", "--seed", "3", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    assert data["generation_config"]["1"]["do_sample"] is True and data["settings"]["seed"] == 3
+    assert all(r["agreement_vs_hf"] is None and r["sampled"] for r in data["runs"])
+    assert "outputs are not compared" in (out / "bench.md").read_text()
+
+
+def test_outputs_that_differ_beyond_ties_are_counted_and_flagged(tiny_models) -> None:
+    from seqgen_cli.bench.report import markdown_table
+    from seqgen_cli.generator import Generator
+    from seqgen_cli.verify import beyond_ties
+
+    gen = Generator(str(tiny_models("bart")), backend="hf", max_new_tokens=5)
+    ids = [e.ids for e in gen.encode(sample_texts(3, seed=1))]
+    theirs = [seqs[0] for seqs in gen.generate_ids(ids)]
+    worst = [[*h[:2], int(gen.model(  # the least likely third token: far from a tie
+        input_ids=torch.tensor([x]), decoder_input_ids=torch.tensor([[gen.config.decoder_start_token_id, *h[:2]]])
+    ).logits[0, -1].argmin()), *h[3:]] for x, h in zip(ids, theirs, strict=True)]  # fmt: skip
+    ours = [theirs[0], worst[1], [*theirs[2][:-1], -1]]
+    assert beyond_ties(gen, ids, ours, theirs) == [1, 2]
+    row = RunResult("decode", "ct2", "ctranslate2", 8, 1, 3, [1.0], 1.0, 3.0, None, None, None, "rss", beyond_ties=2)
+    assert "2 of 3 outputs differ from generate()'s beyond near-ties" in markdown_table([row])
