@@ -294,8 +294,8 @@ def test_every_generation_key_is_a_flag() -> None:
     generate_params = {p.name for p in main.commands["generate"].params}
     assert set(GENERATION_KEYS) <= generate_params
     bench_params = {p.name for p in main.commands["bench"].params}
-    assert {"max_new_tokens", "early_stopping", "repetition_penalty"} <= bench_params
-    assert not {"do_sample", "num_return_sequences"} & bench_params
+    assert {"max_new_tokens", "early_stopping", "repetition_penalty", "do_sample", "top_p"} <= bench_params
+    assert not {"num_beams", "num_return_sequences"} & bench_params, "a cell's beams are --num-beams' list; one output"
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])
