@@ -266,7 +266,7 @@ class Generator:
         from seqgen_cli.models import engine_stats
         from seqgen_cli.models.capture import CapturedBackend
 
-        engine = engine_stats(self._engine()) if self.backend == "fast" else {}  # generic: and why
+        engine = engine_stats(self._engine()) if self.backend == "fast" else {"engine": "generate()"}  # generic: why
         out: dict[str, Any] = {**self.loaded.describe(), **engine, "step_path": self.step_path}
         if isinstance(self._model_backend, CapturedBackend):
             out.update(self._model_backend.stats())

@@ -235,9 +235,10 @@ def load(name: str, device: str | None = None, dtype: str | None = None, own: bo
         absent = f" (missing {', '.join(missing)})" if missing else ""
         raise SeqgenError(f"model {name}: cannot load its tokenizer{absent}: {_first_line(err)}") from None
     model, loader = None, "transformers"
-    if own and not (dev.type == "cpu" and torch_dtype in OWN_DTYPES and is_encoder_decoder):
-        loader = "transformers (seqgen's own trees: encoder-decoders on the CPU in float32, bfloat16 and int8)"
-    elif own:
+    if own and is_encoder_decoder and not (dev.type == "cpu" and torch_dtype in OWN_DTYPES):  # the trees' reach
+        here = f"{dev.type} {str(torch_dtype).removeprefix('torch.')}"
+        loader = f"transformers (seqgen's own trees run on the CPU in float32, bfloat16 and int8, not {here})"
+    elif own and is_encoder_decoder:
         from seqgen_cli.models import own_model
 
         with startup.stage("weights"):

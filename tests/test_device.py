@@ -69,7 +69,7 @@ def _fake_generator(
         _source_limit=lambda requested: limit,  # the model's position limit
         exact_widths=None,  # inputs padded to their width buckets
         step_path="eager (test)",
-        backend="hf",  # no engine to name
+        backend="hf",  # engine: generate()
         refill=False,
         _model_backend=None,
     )
@@ -135,6 +135,7 @@ def test_device_stats_cpu_and_cuda() -> None:
         "device": "cpu",
         "dtype": "float32",
         "loader": "transformers",
+        "engine": "generate()",
         "step_path": "eager (test)",
     }
     with (
@@ -146,6 +147,7 @@ def test_device_stats_cpu_and_cuda() -> None:
         "device": "cuda",
         "dtype": "bfloat16",
         "loader": "transformers",
+        "engine": "generate()",
         "step_path": "eager (test)",
         "device_name": "NVIDIA H100",
         "peak_gpu_memory_mb": 3072.0,

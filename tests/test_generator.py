@@ -129,3 +129,12 @@ def test_the_first_output_comes_after_one_chunk_not_the_whole_window(gen: Genera
     stream = gen.generate_iterable(lines(), batch_size=4)
     next(stream)
     assert consumed <= CHUNK_SIZE
+
+
+def test_device_stats_name_loader_and_engine(tiny_models) -> None:
+    """--stats device: a decoder-only model loads through transformers (seqgen's own trees are encoder-decoders
+    only: no note about them); generate() is the hf backend's engine."""
+    fast = Generator(str(tiny_models("gpt2")), backend="fast", max_new_tokens=2).device_stats()
+    assert fast["loader"] == "transformers" and fast["engine"] == "gpt2 decoder"
+    hf = Generator(str(tiny_models("bart")), backend="hf", max_new_tokens=2).device_stats()
+    assert hf["loader"] == "transformers" and hf["engine"] == "generate()"
