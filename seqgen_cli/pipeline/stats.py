@@ -70,14 +70,21 @@ class Summary:
             f"{self.samples_per_second:.2f} samples/s, "
             f"{self.tokens_per_second:.1f} generated tokens/s, padding {100 * self.padding_ratio:.1f}%; "
             f"time read+tokenise {self.read_seconds + self.tokenise_seconds:.1f}s, "
-            f"generate {self.generate_seconds:.1f}s, write {self.write_seconds:.1f}s; backend {self.backend}"
-            + (f" ({engine})" if (engine := self.device.get("engine")) else "")
+            f"generate {self.generate_seconds:.1f}s, write {self.write_seconds:.1f}s; backend {self.ran()}"
             + (f" on {self.device['device']} {self.device['dtype']}" if self.device else "")
             + (f", step {path}" if (path := self.device.get("step_path")) else "")
             + capture_note(self.device)
             + (f", peak GPU memory {gpu:.0f} MiB" if (gpu := self.device.get("peak_gpu_memory_mb")) else "")
             + (f"; {self.verify['line']}" if self.verify else "")
         )
+
+    def ran(self) -> str:
+        """The backend and the engine that ran, for the closing line: ``fast (bart decoder)``, ``generic (why)``
+        (seqgen's engine could not run the model: ``fast`` would mislead), ``hf`` (its step says ``generate()``)."""
+        engine = self.device.get("engine")
+        if not engine or engine == "generate()":
+            return self.backend
+        return engine if engine.startswith("generic") else f"{self.backend} ({engine})"
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
