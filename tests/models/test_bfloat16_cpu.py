@@ -20,18 +20,20 @@ BF16 = torch.bfloat16 in linear_maps.ONEDNN_DTYPES
 def test_bfloat16_maps_run_packed_onednn_products(tiny_models, family: str, monkeypatch) -> None:
     """The op trace of a bf16 run: the fast backend's products (decoder, LM head, and the encoder's copy) run on
     bf16 activations, on oneDNN's packed weights once each map has run ``PACK_AFTER`` times (every decoder map of the
-    last steps). Where the CPU has no bf16 products: ``F.linear``, said by ``--stats``."""
+    last steps), none on ``F.linear`` but a decoder-only prompt's prefill (transformers' forward). Where the CPU has
+    no bf16 products: ``F.linear``, said by ``--stats``."""
     calls: list[tuple[torch.dtype, bool]] = []
+    linear_calls: list[int] = []  # the bf16 products that went to F.linear instead: their inputs' dimensions
     f_linear, onednn = linear_maps.F.linear, torch.ops.mkldnn._linear_pointwise
 
     def spy_onednn(x: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor:
         calls.append((x.dtype, weight.is_mkldnn))
         return onednn(x, weight, *rest)
 
-    def spy_linear(x: torch.Tensor, *rest: object) -> torch.Tensor:
+    def spy_linear(x: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor:
         if x.dtype == torch.bfloat16:
-            calls.append((x.dtype, False))
-        return f_linear(x, *rest)
+            linear_calls.append(x.dim())
+        return f_linear(x, weight, *rest)
 
     gen = Generator(str(tiny_models(family)), dtype="bfloat16", max_new_tokens=8, min_new_tokens=8, num_beams=2)
     monkeypatch.setattr(linear_maps, "PACK_AFTER", 2)
@@ -41,8 +43,11 @@ def test_bfloat16_maps_run_packed_onednn_products(tiny_models, family: str, monk
     assert len(outs) == 2 and all(isinstance(o[0], str) for o in outs)
     stats = engine_stats(gen._engine())
     if not BF16:
-        assert stats["linear_maps"] == "bfloat16 F.linear"
+        assert stats["linear_maps"] == "bfloat16 F.linear" and linear_calls and not calls
         return
+    # a decoder-only prompt's prefill is transformers' forward ([B, W, D] inputs: its nn.Linear, whose bf16 products
+    # torch hands to oneDNN's matmul on the dense weight); every decode step's product ([N, D]) is the backend's
+    assert set(linear_calls) <= ({3} if family == "llama" else set()), f"bf16 F.linear over {set(linear_calls)}-d inputs"
     assert stats["linear_maps"] == "bfloat16 oneDNN (weights packed once)"
     assert stats["cpu_isa"] == linear_maps.cpu_isa()
     assert calls and {dtype for dtype, _ in calls} == {torch.bfloat16}, "a bf16 product left oneDNN"
