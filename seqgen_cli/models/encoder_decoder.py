@@ -64,15 +64,10 @@ class EncoderDecoderBackend:
         self.family = family
         self.encoder = model.get_encoder() if int8 else onednn_copy(model.get_encoder())  # CPU: oneDNN
         self.embed = dec.embed_tokens.weight  # [V_in, D]
-        hidden = self.embed.shape[1]
-        self.embed_scale: float | torch.Tensor | None = None  # None: unscaled
-        if family.scaled_embedding:  # as transformers writes it: a tensor of the model's dtype
-            self.embed_scale = torch.tensor(hidden**0.5, dtype=self.embed.dtype, device=self.embed.device)
-        elif (scale := getattr(dec.embed_tokens, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)) != 1.0:
-            self.embed_scale = scale.to(self.embed.dtype) if isinstance(scale, torch.Tensor) else scale  # as the module
-        # T5Gemma 2: the end-of-image token embeds as its own vector, not its row
-        self.eoi = getattr(dec.embed_tokens, "eoi_token_index", None)
-        self.eoi_embedding = getattr(dec.embed_tokens, "eoi_embedding", None)
+        facts = family.facts(model)  # what the family file reads: heads, scales, the position table's offset
+        scale = facts.embed_scale  # None: unscaled; a tensor in the model's dtype, as the module multiplies
+        self.embed_scale = scale.to(self.embed.dtype) if isinstance(scale, torch.Tensor) else scale
+        self.eoi, self.eoi_embedding = facts.eoi, facts.eoi_embedding  # T5Gemma 2: a token embedded as its own vector
         self.layers = []
         for layer in getattr(dec, family.layers):
             self.layers.append(family.reader(layer, int8))
@@ -80,10 +75,7 @@ class EncoderDecoderBackend:
                 release(p for p in layer.parameters() if p.dim() == 2)
         self.n_layers = len(self.layers)
         dcfg = getattr(dec, "config", None) or cfg  # T5: the decoder's copy; T5Gemma: its own; own trees: the model's
-        heads = getattr(dcfg, "decoder_attention_heads", None) or getattr(dcfg, "num_heads", None)
-        self.heads = int(heads or dcfg.num_attention_heads)
-        self.kv_heads = int(getattr(dcfg, "num_key_value_heads", None) or self.heads)  # cached: K/V heads only
-        self.head_dim = int(getattr(dcfg, "d_kv", None) or getattr(dcfg, "head_dim", None) or hidden // self.heads)
+        self.heads, self.kv_heads, self.head_dim = facts.heads, facts.kv_heads, facts.head_dim  # cached: K/V heads
         sliding, self.window = sliding_layers(dcfg, self.n_layers)  # which layers slide, and how far
         self.rotary = dec.rotary_emb if family.positions.startswith("rotary") else None
         self.per_type = family.positions == "rotary per layer type"  # a rotary table per layer type (T5Gemma 2)
@@ -93,7 +85,7 @@ class EncoderDecoderBackend:
                 i, self.heads, self.kv_heads, self.head_dim, sliding[i], self.rotary_table[i], family.pre_norm,
                 family.clamp_fp16, family.scale_scores,
             )  # fmt: skip
-        self.final_softcap = getattr(dcfg, "final_logit_softcapping", None)
+        self.final_softcap = facts.final_softcap
         self.dtype, self.device = self.embed.dtype, self.embed.device
         # Cross-attention keys, held as the scores read them: half-precision scores are float32 products
         # (attention.scores32), which the CPU takes from float32 keys; held so once per input, not upcast per step.
@@ -103,19 +95,17 @@ class EncoderDecoderBackend:
         self.ln_final = getattr(dec, family.final_norm) if family.final_norm else None
         self.relative = [lay.relative for lay in self.layers if lay.relative is not None]  # bias owners
         self.max_position_embeddings = None if self.relative else getattr(cfg, "max_position_embeddings", None)
-        pos = getattr(dec, "embed_positions", None)
-        self.pad_position = pos.padding_idx if family.positions == "padded table" else None
-        self.pos_offset = self.pad_position + 1 if self.pad_position is not None else int(getattr(pos, "offset", 0))
+        self.pad_position, self.pos_offset = facts.pad_position, facts.pos_offset
         self.positions = self._position_table(MIN_WIDTH)  # [P (+ offset), D] or None (relative bias)
         # the LM head: [N, D] -> [N, V], final_logits_bias folded in; T5 v1.0 rescales its tied head's input
         self.lm_head = model.get_output_embeddings()
         self.lm_w = self.lm_head.weight  # [V, D]
-        bias, extra = self.lm_head.bias, getattr(model, "final_logits_bias", None)
+        bias, extra = self.lm_head.bias, facts.logits_bias
         if extra is not None:
             bias = extra.view(-1) if bias is None else bias + extra.view(-1)
         self.lm = linear(self.lm_w, bias, int8)
         self.vocab_size = int(self.lm_w.shape[0])
-        self.out_scale = float(cfg.d_model) ** -0.5 if getattr(cfg, "scale_decoder_outputs", False) else None
+        self.out_scale = facts.out_scale
         self.int8 = int8
         if int8:
             quantize_linears(self.encoder)

@@ -169,17 +169,35 @@ Positions = Literal[
 
 
 @dataclass(frozen=True)
+class DecoderFacts:
+    """What an encoder-decoder's decoder is beside its layers, read from the model (transformers' or seqgen's own
+    tree) by its family file's ``facts``, which alone knows the names."""
+
+    heads: int  # query heads
+    kv_heads: int  # K/V heads (grouped-query attention: fewer), what the caches hold
+    head_dim: int
+    embed_scale: float | Tensor | None = None  # embeddings times this (a tensor: in the model's dtype); None: unscaled
+    eoi: int | None = None  # T5Gemma 2: the end-of-image token, embedded as ``eoi_embedding``, not its row
+    eoi_embedding: Tensor | None = None
+    logits_bias: Tensor | None = None  # added to the LM head's bias (the BART family's ``final_logits_bias``)
+    out_scale: float | None = None  # the LM head's input times this (T5 v1.0's tied head)
+    final_softcap: float | None = None  # the logits soft-capped (T5Gemma)
+    pad_position: int | None = None  # a pad token's position row (M2M-100's padded table)
+    pos_offset: int = 0  # the position table's first row for position 0 (BART: 2)
+
+
+@dataclass(frozen=True)
 class Seq2Seq:
     """How an encoder-decoder family's decoder differs from the others (each family file's table)."""
 
     reader: Callable[[nn.Module, bool], Seq2SeqLayer]
     pre_norm: bool
     positions: Positions
+    facts: Callable[[Any], DecoderFacts]  # the model -> its decoder's facts
     embedding_norm: str | None = None  # the decoder's norm after the embeddings, by attribute name
     final_norm: str | None = None  # the decoder's norm after the last layer, by attribute name
     clamp_fp16: bool = False  # T5's overflow guard after each sub-layer in float16
     layers: str = "layers"  # the decoder's list of layers
-    scaled_embedding: bool = False  # embeddings times sqrt(hidden size), rounded to the model's dtype (Gemma)
     scale_scores: bool = False  # the attention scale multiplies q.k, not q (transformers' eager attention)
     table: str | None = None  # the config field sizing the decoder's fixed position table (past it: IndexError)
     source_limit: bool = True  # False: the encoder's positions set no limit on an input (T5's ``n_positions``)

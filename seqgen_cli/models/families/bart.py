@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seqgen_cli.models.fuse import concat_linears, fuse_linears
-from seqgen_cli.models.layers import Seq2Seq, Seq2SeqLayer
+from seqgen_cli.models.layers import DecoderFacts, Seq2Seq, Seq2SeqLayer
 from seqgen_cli.models.linear_maps import Linear, linear
 from seqgen_cli.models.tree import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
 
@@ -58,21 +58,37 @@ def bart_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
     )  # fmt: skip
 
 
+def bart_facts(model: Any) -> DecoderFacts:
+    """The decoder's heads, its embeddings' scale (``scale_embedding``: on the embedding module, or on the decoder in
+    older layouts), its position table's offset (M2M-100: the pad row), ``final_logits_bias``."""
+    dec = model.get_decoder()
+    heads = int(model.config.decoder_attention_heads)
+    scale = getattr(dec.embed_tokens, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)
+    pos = dec.embed_positions
+    pad = pos.padding_idx if model.config.model_type == "m2m_100" else None
+    return DecoderFacts(
+        heads, heads, dec.embed_tokens.weight.shape[1] // heads, embed_scale=None if scale == 1.0 else scale,
+        logits_bias=getattr(model, "final_logits_bias", None), pad_position=pad,
+        pos_offset=pad + 1 if pad is not None else int(getattr(pos, "offset", 0)),
+    )  # fmt: skip
+
+
 _TABLE = "max_position_embeddings"  # the decoder's position table: learned, or Marian's and Pegasus's sinusoids
+_BART = dict(reader=bart_layer, facts=bart_facts)
 FAMILIES: dict[str, Seq2Seq] = {
-    "bart": Seq2Seq(bart_layer, pre_norm=False, positions="table", embedding_norm="layernorm_embedding", table=_TABLE),
+    "bart": Seq2Seq(pre_norm=False, positions="table", embedding_norm="layernorm_embedding", table=_TABLE, **_BART),
     "mbart": Seq2Seq(
-        bart_layer, pre_norm=True, positions="table", embedding_norm="layernorm_embedding", final_norm="layer_norm",
-        table=_TABLE,
+        pre_norm=True, positions="table", embedding_norm="layernorm_embedding", final_norm="layer_norm",
+        table=_TABLE, **_BART,
     ),  # fmt: skip
-    "marian": Seq2Seq(bart_layer, pre_norm=False, positions="table", table=_TABLE),
-    "pegasus": Seq2Seq(bart_layer, pre_norm=True, positions="table", final_norm="layer_norm", table=_TABLE),
-    "m2m_100": Seq2Seq(bart_layer, pre_norm=True, positions="padded table", final_norm="layer_norm"),
+    "marian": Seq2Seq(pre_norm=False, positions="table", table=_TABLE, **_BART),
+    "pegasus": Seq2Seq(pre_norm=True, positions="table", final_norm="layer_norm", table=_TABLE, **_BART),
+    "m2m_100": Seq2Seq(pre_norm=True, positions="padded table", final_norm="layer_norm", **_BART),
     "led": Seq2Seq(
-        bart_layer, pre_norm=False, positions="table", embedding_norm="layernorm_embedding",
-        table="max_decoder_position_embeddings",
+        pre_norm=False, positions="table", embedding_norm="layernorm_embedding",
+        table="max_decoder_position_embeddings", **_BART,
     ),  # fmt: skip
-    "pegasus_x": Seq2Seq(bart_layer, pre_norm=True, positions="computed", final_norm="layer_norm"),
+    "pegasus_x": Seq2Seq(pre_norm=True, positions="computed", final_norm="layer_norm", **_BART),
 }
 SINUSOIDS = ("marian", "pegasus")  # position tables made from a formula where the checkpoint has none
 # transformers' class of those tables, made faster while transformers loads the model (``loading.fast_sinusoids``)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seqgen_cli.models.fuse import concat_linears, fuse_linears
-from seqgen_cli.models.layers import Seq2Seq, Seq2SeqLayer
+from seqgen_cli.models.layers import DecoderFacts, Seq2Seq, Seq2SeqLayer
 from seqgen_cli.models.linear_maps import Linear, linear
 from seqgen_cli.models.tree import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
 
@@ -59,8 +59,21 @@ def t5_block(block: nn.Module, int8: bool) -> Seq2SeqLayer:
     )  # fmt: skip
 
 
+def t5_facts(model: Any) -> DecoderFacts:
+    """The decoder's heads (its own config copy; seqgen's tree: the model's), and T5 v1.0's scaled head input
+    (``scale_decoder_outputs``: its tied LM head reads the hidden states times ``d_model ** -0.5``)."""
+    cfg = model.config
+    dcfg = getattr(model.get_decoder(), "config", None) or cfg
+    scaled = getattr(cfg, "scale_decoder_outputs", False)
+    return DecoderFacts(
+        int(dcfg.num_heads), int(dcfg.num_heads), int(dcfg.d_kv), out_scale=float(cfg.d_model) ** -0.5 if scaled else None
+    )
+
+
 # relative positions: T5's ``n_positions`` limits no input (LongT5's is kept as the limit it always was)
-_T5 = dict(reader=t5_block, pre_norm=True, final_norm="final_layer_norm", clamp_fp16=True, layers="block")
+_T5 = dict(
+    reader=t5_block, facts=t5_facts, pre_norm=True, final_norm="final_layer_norm", clamp_fp16=True, layers="block"
+)
 FAMILIES: dict[str, Seq2Seq] = {
     "t5": Seq2Seq(positions="relative", source_limit=False, **_T5),  # v1.0, v1.1 and Flan-T5
     "mt5": Seq2Seq(positions="relative", source_limit=False, **_T5),

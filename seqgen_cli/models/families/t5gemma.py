@@ -25,7 +25,7 @@ from torch import nn
 
 from seqgen_cli.models.attention import rotate_half, soft_cap
 from seqgen_cli.models.fuse import concat_linears, fuse_linears
-from seqgen_cli.models.layers import MergedLayer, Seq2Seq, Seq2SeqLayer
+from seqgen_cli.models.layers import DecoderFacts, MergedLayer, Seq2Seq, Seq2SeqLayer
 from seqgen_cli.models.linear_maps import Linear, linear
 from seqgen_cli.models.tree import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
 
@@ -84,14 +84,38 @@ def t5gemma2_layer(layer: nn.Module, int8: bool) -> MergedLayer:
     )  # fmt: skip
 
 
+def t5gemma_facts(model: Any) -> DecoderFacts:
+    """The decoder's stack config (its grouped-query heads, the logits' soft-cap); T5Gemma's embeddings times
+    sqrt(hidden), as transformers writes it: a tensor of the model's dtype."""
+    dec = model.get_decoder()
+    dcfg, weight = dec.config, dec.embed_tokens.weight
+    scale = torch.tensor(weight.shape[1] ** 0.5, dtype=weight.dtype, device=weight.device)
+    return DecoderFacts(
+        int(dcfg.num_attention_heads), int(dcfg.num_key_value_heads), int(dcfg.head_dim), embed_scale=scale,
+        final_softcap=dcfg.final_logit_softcapping,
+    )  # fmt: skip
+
+
+def t5gemma2_facts(model: Any) -> DecoderFacts:
+    """T5Gemma 2's: the embedding module's own scale, and its end-of-image token embedded as its own vector."""
+    dec = model.get_decoder()
+    dcfg, embed = dec.config, dec.embed_tokens
+    return DecoderFacts(
+        int(dcfg.num_attention_heads), int(dcfg.num_key_value_heads), int(dcfg.head_dim),
+        embed_scale=embed.embed_scale, eoi=embed.eoi_token_index, eoi_embedding=embed.eoi_embedding,
+        final_softcap=dcfg.final_logit_softcapping,
+    )  # fmt: skip
+
+
 FAMILIES: dict[str, Seq2Seq] = {
     "t5gemma": Seq2Seq(
-        t5gemma_layer, pre_norm=True, positions="rotary", final_norm="norm", scaled_embedding=True,
-        scale_scores=True, source_limit=False,
+        t5gemma_layer, pre_norm=True, positions="rotary", facts=t5gemma_facts, final_norm="norm", scale_scores=True,
+        source_limit=False,
     ),  # fmt: skip
     "t5gemma2": Seq2Seq(
-        t5gemma2_layer, pre_norm=True, positions="rotary per layer type", final_norm="norm", source_limit=False
-    ),
+        t5gemma2_layer, pre_norm=True, positions="rotary per layer type", facts=t5gemma2_facts, final_norm="norm",
+        source_limit=False,
+    ),  # fmt: skip
 }
 
 
