@@ -120,6 +120,7 @@ class Scored(NamedTuple):
 
     score: float  # beam search: generate()'s sequences_scores (length-penalised); else the log_prob
     log_prob: float  # the summed log-probabilities of its tokens under the processed scores (EOS included)
+    tokens: list[float] | None = None  # each token's log-prob (None: the search kept none, capture's beam search)
 
 
 class Generated(NamedTuple):

@@ -349,8 +349,8 @@ class _SectionedCommand(click.Command):
 @click.option(
     "--scores", is_flag=True, help="Give each output its score and the summed log-probability of its tokens "
     "(generate()'s sequences_scores for beam search, length-penalised; greedy and sampling: the log-probability): "
-    "JSONL output gets \"score\" and \"log_prob\" fields, text output lines begin SCORE<TAB>LOG_PROB<TAB> "
-    "(cut -f3- gives the text).",
+    "JSONL output gets \"score\", \"log_prob\" and \"token_log_probs\" (each token's) fields, text output lines "
+    "begin SCORE<TAB>LOG_PROB<TAB> (cut -f3- gives the text).",
 )  # fmt: skip
 @click.option(
     "--sort-window",

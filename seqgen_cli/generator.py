@@ -297,7 +297,7 @@ class Generator:
         padded, want = self.pad(batch), bool(self.config.output_scores)
         if self.backend != "fast":  # generate()'s ValueError for a max_length the prompt fills, as one line
             search_settings.check_room(self.config, self.is_encoder_decoder, padded.input_ids.shape[1])
-            out = SearchOutput(*hf_generate(self.model, padded, self.config, scores=want, tokenizer=self.tokenizer))
+            out = hf_generate(self.model, padded, self.config, scores=want, tokenizer=self.tokenizer)
         elif self.refill:  # the lanes: a prompt's limits count from its own width (captured: lane steps replay graphs)
             out = generate_refill(
                 self._engine(), padded, self.config, lanes=self.lanes, seed=self.seed, indices=indices,
@@ -385,9 +385,13 @@ def scored(config: Any, out: SearchOutput) -> list[list[Scored]]:
         raise SeqgenError("this run gives no scores")
     beam = search_settings.resolve_mode(config) == "beam"
     penalty = float(search_settings.setting(config, "length_penalty"))
+    tokens = out.token_scores or [[None] * len(seqs) for seqs in out.sequences]
     return [
-        [Scored(sc, sc * len(seq) ** penalty if beam else sc) for seq, sc in zip(seqs, row, strict=True)]
-        for seqs, row in zip(out.sequences, out.scores, strict=True)
+        [
+            Scored(sc, sc * len(seq) ** penalty if beam else sc, per)
+            for seq, sc, per in zip(seqs, row, each, strict=True)
+        ]
+        for seqs, row, each in zip(out.sequences, out.scores, tokens, strict=True)
     ]
 
 

@@ -163,7 +163,7 @@ def tie_sensitive(
     found: dict[tuple[int, int], int] = {}
     for seed in range(seeds):
         noise = LogitsProcessorList([LogProbNoise(eps, seed)])
-        seqs, _ = hf_generate(model, batch, generation, logits_processor=noise, tokenizer=tokenizer)
+        seqs = hf_generate(model, batch, generation, logits_processor=noise, tokenizer=tokenizer).sequences
         for (b, i), tokens in wanted.items():
             if (b, i) not in found and seqs[b][i] == tokens:
                 found[(b, i)] = seed
@@ -193,7 +193,8 @@ def compare(
 
     ``our_scores``: beam scores to check where the tokens agree; ``names``: what to call each input in the
     notes (default ``input <i>``); ``tokenizer``: generate()'s, for ``stop_strings``."""
-    theirs, their_scores = hf_generate(model, batch, generation, tokenizer=tokenizer)
+    reference = hf_generate(model, batch, generation, tokenizer=tokenizer)
+    theirs, their_scores = reference.sequences, reference.scores
     settings = settings_for(model.config, batch, resolved(model, generation))
     names = [f"input {b}" for b in range(len(ours))] if names is None else names
     result = Agreement()

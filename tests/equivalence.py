@@ -133,7 +133,7 @@ def tune_eos(
         for _ in range(14):
             mid = (lo + hi) / 2
             bias[eos] = mid
-            seqs, _ = hf_generate(model, batch, dict(max_new_tokens=max_new_tokens))
+            seqs = hf_generate(model, batch, dict(max_new_tokens=max_new_tokens)).sequences
             mean = sum(len(s[0]) for s in seqs) / len(seqs)
             lo, hi = (lo, mid) if mean < mean_length else (mid, hi)
         bias[eos] = (lo + hi) / 2

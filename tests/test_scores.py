@@ -27,6 +27,11 @@ def close(a: float, b: float, length: int, rtol: float = TOKEN_SUM_RTOL) -> bool
     return abs(a - b) <= rtol * max(length, 1) * max(abs(b), 1.0)
 
 
+def tokens_close(a: list[float], b: list[float], rtol: float = TOKEN_SUM_RTOL) -> bool:
+    """Two outputs' per-token log-probs: one rounding each."""
+    return len(a) == len(b) and all(close(x, y, 1, rtol) for x, y in zip(a, b, strict=True))
+
+
 def outputs(model: Path, backend: str, texts: list[str] = TEXTS, **settings) -> tuple[Generator, object]:
     gen = Generator(str(model), backend=backend, scores=True, max_new_tokens=9, **settings)
     return gen, gen.generate_output([e.ids for e in gen.encode(texts)])
@@ -55,6 +60,8 @@ def test_scores_equal_generates(tiny_models, family: str, mode: str) -> None:
     assert len(pairs) == len(TEXTS) * SETTINGS[mode].get("num_return_sequences", 1)
     for a, b, n in pairs:
         assert close(a.score, b.score, n) and close(a.log_prob, b.log_prob, n), (a, b)
+        assert len(a.tokens) == n and tokens_close(a.tokens, b.tokens), (a.tokens, b.tokens)
+        assert close(sum(a.tokens), a.log_prob, n), "the tokens' log-probs add up to the output's"
         if mode == "greedy":
             assert a.score == a.log_prob, "no length penalty outside beam search"
 
@@ -68,8 +75,10 @@ def test_rows_that_ended_add_nothing_while_their_input_waits_for_a_check(tiny_mo
     padded = fast.pad([e.ids for e in fast.encode(TEXTS)])
     ours = generate(fast._engine(), padded, fast.config, sync_every=9)  # no check before the last step
     assert ours.sequences == theirs.sequences and any(len(s[0]) == 4 for s in ours.sequences)
-    for (mine,), (theirs_,), (seq,) in zip(ours.scores, theirs.scores, ours.sequences, strict=True):
-        assert close(mine, theirs_.log_prob, len(seq))
+    for (mine,), (theirs_,), (seq,), (per,) in zip(
+        ours.scores, theirs.scores, ours.sequences, ours.token_scores, strict=True
+    ):
+        assert close(mine, theirs_.log_prob, len(seq)) and tokens_close(per, theirs_.tokens)
 
 
 def test_beam_log_prob_is_the_teacher_forced_sum(tiny_models) -> None:
@@ -98,8 +107,9 @@ def test_sampled_log_prob_is_the_tempered_distributions(tiny_models) -> None:
             ids = torch.tensor([prompt + seq])
             with torch.inference_mode():
                 logits = reference(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [T, V]
-            expected = (logits / 0.7).log_softmax(-1).gather(1, torch.tensor(seq)[:, None]).sum()
-            assert sc.score == sc.log_prob and close(sc.log_prob, float(expected), len(seq))
+            expected = (logits / 0.7).log_softmax(-1).gather(1, torch.tensor(seq)[:, None])[:, 0]  # [T]
+            assert sc.score == sc.log_prob and close(sc.log_prob, float(expected.sum()), len(seq))
+            assert tokens_close(sc.tokens, expected.tolist())
 
 
 @pytest.mark.parametrize("family,mode", [("bart", "beam"), ("gpt2", "greedy")])
@@ -113,6 +123,7 @@ def test_refill_gives_the_batchs_scores(tiny_models, family: str, mode: str) -> 
         for a, b, s in zip(x, y, seqs, strict=True):  # the lanes' masked span sums in another order
             assert close(a.score, b.score, len(s), MASKED_SUM_RTOL)
             assert close(a.log_prob, b.log_prob, len(s), MASKED_SUM_RTOL)
+            assert tokens_close(a.tokens, b.tokens, MASKED_SUM_RTOL)
 
 
 def test_no_scores_unless_asked(tiny_models) -> None:

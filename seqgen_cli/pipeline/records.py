@@ -56,7 +56,7 @@ class FieldClash(BadLine):
 
 
 # the fields --scores adds to JSONL output -> their place in a ``batching.Scored``
-SCORE_FIELDS = {"score": 0, "log_prob": 1}
+SCORE_FIELDS = {"score": 0, "log_prob": 1, "token_log_probs": 2}
 
 
 def output_fields(output_format: str, output_field: str, on_error: str, scores: bool = False) -> tuple[str, ...]:

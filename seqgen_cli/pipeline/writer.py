@@ -38,10 +38,10 @@ def format_output(
     newlines inside a generation become spaces so line alignment holds. JSONL: the input object
     (for text input ``{"text": line}``) with ``output_field`` set to the string, or to a list when more than one
     sequence is returned, and ``error`` set for an input that was skipped. ``scored`` (``--scores``): text lines
-    begin ``score<TAB>log_prob<TAB>`` (empty for an input with none: blank, skipped), JSONL objects get ``score``
-    and ``log_prob`` (lists beside a list; ``null`` where none).
+    begin ``score<TAB>log_prob<TAB>`` (empty for an input with none: blank, skipped), JSONL objects get ``score``,
+    ``log_prob`` and ``token_log_probs`` (lists beside a list; ``null`` where none).
     """
-    numbers: list[tuple[float, float] | None] = list(scores) if scores is not None else [None] * len(outputs)
+    numbers: list[Scored | None] = list(scores) if scores is not None else [None] * len(outputs)
     if output_format == "jsonl":
         obj = (
             dict(record.fields) if record.fields is not None else {"text": record.text}

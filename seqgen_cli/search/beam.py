@@ -34,6 +34,7 @@ from seqgen_cli.search.beam_step import (
     scored_at_most_tokens,
     select_finished,
 )
+from seqgen_cli.search.protocol import Found
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
@@ -77,8 +78,11 @@ def wide_topk(scores: torch.Tensor, k: int, ties: bool = True) -> tuple[torch.Te
     return values, indices
 
 
-def _accumulated_log_probs(rows: Rows, logits: torch.Tensor, running_scores: torch.Tensor) -> torch.Tensor:
-    """Log-probs, processed, plus each beam's running score: [N, V] -> [B, K * V].
+def _accumulated_log_probs(
+    rows: Rows, logits: torch.Tensor, running_scores: torch.Tensor, keep: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs, processed, plus each beam's running score: [N, V] -> [B, K * V]; ``keep``: the processed
+    log-probs too, [B, K * V], before the running scores are added (each token's own: ``--scores``).
 
     The search owns the logits, so the vocabulary-wide passes work in place (same arithmetic and bits, no
     [N, V] allocation per pass).
@@ -88,8 +92,9 @@ def _accumulated_log_probs(rows: Rows, logits: torch.Tensor, running_scores: tor
     torch.log_softmax(log_probs, dim=-1, out=log_probs)
     log_probs = rows.pipeline(rows.history, log_probs)
     vocab = log_probs.shape[-1]
+    processed = log_probs.reshape(bsz, k * vocab).clone() if keep else None
     log_probs = log_probs.view(bsz, k, vocab).add_(running_scores[:, :, None])  # [B, K, V]
-    return log_probs.reshape(bsz, k * vocab)
+    return log_probs.reshape(bsz, k * vocab), processed
 
 
 def _next_token_hits_stopping_criteria(
@@ -112,11 +117,13 @@ def _update_finished_beams(
     did_top_num_beams_just_finish: torch.Tensor,
     t: int,
     settings: SearchSettings,
+    token_scores: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Merge the candidates that just ended into the finished set: the best K of [old K | C candidates].
 
     ``generated`` ([N, t]): the running rows' generated tokens before step ``t``; ``did_top_num_beams_just_finish``
-    ([B, C] bool): the candidate ended and is among the top K.
+    ([B, C] bool): the candidate ended and is among the top K; ``token_scores``: the running rows' tokens' log-probs
+    [N, T] and the candidates' new token's [B, C] (where the finished ones keep theirs).
     """
     scores = candidate_scores(
         topk_log_probs,
@@ -129,7 +136,7 @@ def _update_finished_beams(
     chosen, beams.beam_scores, beams.is_finished = merge_finished(
         beams.beam_scores, beams.is_finished, scores, did_top_num_beams_just_finish
     )
-    _gather_finished_sequences(beams, chosen, generated, topk_beams, topk_tokens, t)
+    _gather_finished_sequences(beams, chosen, generated, topk_beams, topk_tokens, t, token_scores)
 
 
 def _gather_finished_sequences(
@@ -139,17 +146,27 @@ def _gather_finished_sequences(
     topk_beams: torch.Tensor,
     topk_tokens: torch.Tensor,
     t: int,
+    token_scores: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The finished places' tokens after the merge: old places keep theirs, candidate places copy their beam's
-    generated tokens plus the new token. ``chosen``: [B, K] into [old K | C candidates]."""
+    generated tokens plus the new token (and, with ``token_scores``, their log-probs). ``chosen``: [B, K] into
+    [old K | C candidates]."""
     bsz, k, total = beams.fin_tokens.shape
     cand, cand_rows = candidate_rows(chosen, topk_beams)  # [B, K], [B * K]
     cand_tokens = torch.zeros((bsz * k, total), dtype=torch.long, device=chosen.device)  # [B*K, T]
     cand_tokens[:, :t] = generated.index_select(0, cand_rows)
     cand_tokens[:, t] = torch.gather(topk_tokens, 1, cand).reshape(-1)
+    old = beams.fin_lengths
     beams.fin_tokens, beams.fin_lengths = select_finished(
-        beams.fin_tokens, beams.fin_lengths, chosen, cand_tokens.view(bsz, k, total), t + 1
+        beams.fin_tokens, old, chosen, cand_tokens.view(bsz, k, total), t + 1
     )
+    if token_scores is not None and beams.fin_token_scores is not None:
+        running, new = token_scores  # [N, T], [B, C]
+        cand_scores = running.index_select(0, cand_rows)  # [B*K, T]: the beam's tokens so far
+        cand_scores[:, t] = torch.gather(new, 1, cand).reshape(-1)
+        beams.fin_token_scores = select_finished(
+            beams.fin_token_scores, old, chosen, cand_scores.view(bsz, k, total), t + 1
+        )[0]
 
 
 def best_length(settings: SearchSettings, new_tokens: int) -> int:
@@ -189,7 +206,12 @@ class BeamSearch:
     def __init__(self, rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK) -> None:
         self.rows, self.s, self.consts, self.topk = rows, settings, consts, topk
         device = consts.top_num_beam_mask.device
-        self.beams = BeamState.start(len(rows.inputs), settings.num_beams, settings.max_new_tokens, device)
+        self.beams = BeamState.start(
+            len(rows.inputs), settings.num_beams, settings.max_new_tokens, device, token_scores=settings.scores
+        )
+        n, t_max = len(rows.inputs) * settings.num_beams, settings.max_new_tokens
+        # [N, T] float32: each running row's tokens' processed log-probs (``settings.scores``)
+        self.token_scores = torch.zeros(n, t_max, device=device) if settings.scores else None
         self.t = 0  # steps done (host int)
 
     def advance(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -198,7 +220,8 @@ class BeamSearch:
         s, k, c, beams, rows, t = self.s, self.s.num_beams, self.consts, self.beams, self.rows, self.t
         cur_len = s.prompt_len + t
         last_step = cur_len + 1 >= s.max_length
-        log_probs = _accumulated_log_probs(rows, logits, beams.running_scores)  # [B, K * V]
+        keep = self.token_scores is not None
+        log_probs, processed = _accumulated_log_probs(rows, logits, beams.running_scores, keep)  # [B, K * V]
         topk_log_probs, topk_beams, topk_tokens = get_top_k_continuations(
             log_probs, c.beams_to_keep, k, self.topk
         )
@@ -207,25 +230,35 @@ class BeamSearch:
             topk_log_probs, topk_beams, topk_tokens, hits, k
         )
         did_finish = hits & c.top_num_beam_mask[None, :]  # only the top K candidates may finish
-        generated = rows.history.generated
-        _update_finished_beams(beams, generated, topk_log_probs, topk_beams, topk_tokens, did_finish, t, s)
+        generated, vocab = rows.history.generated, log_probs.shape[1] // k
+        own = None  # the candidates' new tokens' own log-probs [B, C], and the running rows' so far
+        if processed is not None and self.token_scores is not None:
+            own = self.token_scores, processed.gather(1, topk_beams * vocab + topk_tokens)
+        _update_finished_beams(beams, generated, topk_log_probs, topk_beams, topk_tokens, did_finish, t, s, own)
         self.t += 1
         if last_step:
             return None
         beams.heuristic_unsatisfied = _check_early_stop_heuristic(beams, cur_len + 1, s)
+        if processed is not None and self.token_scores is not None:  # the rows that run on, as the history moves
+            bsz = next_beams.shape[0]
+            beam_rows = (torch.arange(bsz, device=next_beams.device)[:, None] * k + next_beams).reshape(-1)  # [N]
+            self.token_scores = self.token_scores.index_select(0, beam_rows)
+            self.token_scores[:, t] = processed.gather(1, next_beams * vocab + next_tokens).reshape(-1)
         return _continue_running_beams(rows, next_beams, next_tokens)  # [N]
 
     def done(self) -> torch.Tensor:
         """[B] bool: inputs whose results can no longer change."""
         return self.beams.done(self.s.early_stopping)
 
-    def results(self, idx: torch.Tensor) -> tuple[list[list[list[int]]], list[list[float]] | None]:
+    def results(self, idx: torch.Tensor) -> Found:
         """Sequences and scores of active inputs ``idx`` ([D] int64), on the host (after a check only)."""
         return self.beams.best(idx, self.s.num_return_sequences)
 
     def keep(self, leaving: Leaving) -> None:
         """Done inputs leave (``Rows.check``'s split)."""
         self.beams.keep(leaving.keep)
+        if self.token_scores is not None:
+            self.token_scores = self.token_scores[leaving.kept_rows]
         self.rows.keep(leaving)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from seqgen_cli.search.protocol import Found
 from seqgen_cli.search.settings import SearchSettings
 
 BIG = -1.0e9  # transformers' "impossible" score
@@ -36,11 +37,14 @@ class BeamState:
     heuristic_unsatisfied: Tensor  # [B, 1] bool: a running beam may still beat the worst finished one
     fin_tokens: Tensor  # [B, K, T] int64: generated tokens of the finished hypotheses
     fin_lengths: Tensor  # [B, K] int64: their lengths
+    fin_token_scores: Tensor | None = None  # [B, K, T] float32: their tokens' processed log-probs (where kept)
 
     @classmethod
-    def start(cls, num_inputs: int, num_beams: int, total: int, device: torch.device) -> BeamState:
+    def start(
+        cls, num_inputs: int, num_beams: int, total: int, device: torch.device, token_scores: bool = False
+    ) -> BeamState:
         """No finished hypothesis; only the first beam runs (the others score ``BIG``, so the first step's
-        candidates all continue beam 0)."""
+        candidates all continue beam 0). ``token_scores``: keep each finished token's log-prob too."""
         shape = (num_inputs, num_beams)
         running_scores = torch.zeros(shape, dtype=torch.float, device=device)
         running_scores[:, 1:] = BIG
@@ -51,6 +55,7 @@ class BeamState:
             heuristic_unsatisfied=torch.ones((num_inputs, 1), dtype=torch.bool, device=device),
             fin_tokens=torch.zeros((*shape, total), dtype=torch.long, device=device),
             fin_lengths=torch.zeros(shape, dtype=torch.long, device=device),
+            fin_token_scores=torch.zeros((*shape, total), device=device) if token_scores else None,
         )
 
     def done(self, early_stopping: bool | str) -> Tensor:
@@ -69,17 +74,23 @@ class BeamState:
             self.heuristic_unsatisfied[keep],
         )
         self.fin_tokens, self.fin_lengths = self.fin_tokens[keep], self.fin_lengths[keep]
+        if self.fin_token_scores is not None:
+            self.fin_token_scores = self.fin_token_scores[keep]
 
-    def best(self, inputs: Tensor, n: int) -> tuple[list[list[list[int]]], list[list[float]]]:
-        """The ``n`` best finished hypotheses of inputs ``inputs`` ([D] int64) and their scores, copied to the host:
-        only after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
+    def best(self, inputs: Tensor, n: int) -> Found:
+        """The ``n`` best finished hypotheses of inputs ``inputs`` ([D] int64), their scores and (where kept) their
+        tokens' log-probs, copied to the host: only after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
         tokens = self.fin_tokens.index_select(0, inputs)[:, :n].tolist()
         lengths = self.fin_lengths.index_select(0, inputs)[:, :n].tolist()
         scores = self.beam_scores.index_select(0, inputs)[:, :n].tolist()
         sequences = [
             [toks[i][: lens[i]] for i in range(n)] for toks, lens in zip(tokens, lengths, strict=True)
         ]
-        return sequences, scores
+        if self.fin_token_scores is None:
+            return Found(sequences, scores)
+        steps = self.fin_token_scores.index_select(0, inputs)[:, :n].tolist()
+        per_token = [[row[i][: lens[i]] for i in range(n)] for row, lens in zip(steps, lengths, strict=True)]
+        return Found(sequences, scores, per_token)
 
 
 def get_top_k_continuations(

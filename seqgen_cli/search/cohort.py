@@ -12,7 +12,7 @@ import torch
 
 from seqgen_cli.search.beam import BeamConstants, BeamSearch, TopK
 from seqgen_cli.search.greedy import StopCheck, TokenSearch
-from seqgen_cli.search.protocol import SearchOutput, StaticBackend
+from seqgen_cli.search.protocol import Found, SearchOutput, StaticBackend
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.sampling import Streams
 from seqgen_cli.search.settings import SearchSettings
@@ -30,7 +30,7 @@ class Search(Protocol):
     def done(self) -> torch.Tensor | None:
         """[B] bool: inputs whose results can no longer change (``None``: none can stop early)."""
 
-    def results(self, idx: torch.Tensor) -> tuple[list[list[list[int]]], list[list[float]] | None]:
+    def results(self, idx: torch.Tensor) -> Found:
         """Sequences (and scores) of active inputs ``idx`` ([D] int64), on the host."""
 
     def keep(self, leaving: Leaving) -> None:
@@ -60,25 +60,31 @@ def make_search(
 
 
 class Results:
-    """Per input (batch position), its sequences and, for beam search, their scores; filled as inputs leave."""
+    """Per input (batch position), its sequences and, where the search gives them, their scores and per-token
+    log-probs; filled as inputs leave."""
 
     def __init__(self, num_inputs: int) -> None:
         self.sequences: list[list[list[int]]] = [[] for _ in range(num_inputs)]
         self.scores: list[list[float]] = [[] for _ in range(num_inputs)]
-        self.with_scores = False
+        self.token_scores: list[list[list[float]]] = [[] for _ in range(num_inputs)]
+        self.with_scores = self.with_tokens = False
 
     def collect(self, search: Search, idx: torch.Tensor, inputs: list[int]) -> None:
         """Copy the results of active inputs ``idx`` ([D] int64; batch positions ``inputs``) to the host: only
         after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
-        sequences, scores = search.results(idx)
-        self.with_scores = scores is not None
+        found = search.results(idx)
+        self.with_scores, self.with_tokens = found.scores is not None, found.token_scores is not None
         for j, b in enumerate(inputs):
-            self.sequences[b] = sequences[j]
-            if scores is not None:
-                self.scores[b] = scores[j]
+            self.sequences[b] = found.sequences[j]
+            if found.scores is not None:
+                self.scores[b] = found.scores[j]
+            if found.token_scores is not None:
+                self.token_scores[b] = found.token_scores[j]
 
     def output(self) -> SearchOutput:
-        return SearchOutput(self.sequences, self.scores if self.with_scores else None)
+        return SearchOutput(
+            self.sequences, self.scores if self.with_scores else None, self.token_scores if self.with_tokens else None
+        )
 
 
 class Cohort:

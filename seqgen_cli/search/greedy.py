@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from seqgen_cli.search.protocol import Found
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
@@ -34,8 +35,11 @@ class TokenSearch:
         self.finished = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
         # [N] generated length (EOS included)
         self.lengths = torch.full((n,), settings.max_new_tokens, dtype=torch.long, device=device)
-        # [N] float32: the summed log-probs of each row's tokens under the processed scores (``settings.scores``)
+        # [N] float32: the summed log-probs of each row's tokens under the processed scores (``settings.scores``),
+        # and [N, T] each token's
         self.log_probs = torch.zeros(n, dtype=torch.float32, device=device) if settings.scores else None
+        t_max = settings.max_new_tokens
+        self.token_log_probs = torch.zeros(n, t_max, dtype=torch.float32, device=device) if settings.scores else None
         self.t = 0  # steps done (host int)
 
     def advance(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -47,6 +51,7 @@ class TokenSearch:
         if self.log_probs is not None:  # transformers' compute_transition_scores(normalize_logits=True), summed
             chosen = scores.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]  # [N]
             self.log_probs += chosen.masked_fill_(self.finished, 0.0)
+            self.token_log_probs[:, t] = chosen
         history.append(tokens)
         rows.pipeline.appended(history)
         if self.eos is not None:
@@ -66,24 +71,26 @@ class TokenSearch:
             return None
         return self.finished.view(-1, self.rows.rows_per_input).all(dim=1)
 
-    def results(self, idx: torch.Tensor) -> tuple[list[list[list[int]]], list[list[float]] | None]:
-        """The rows of active inputs ``idx`` ([D] int64) on the host (after a check only), and their summed
-        log-probs where the settings ask for scores."""
+    def results(self, idx: torch.Tensor) -> Found:
+        """The rows of active inputs ``idx`` ([D] int64) on the host (after a check only), and their summed and
+        per-token log-probs where the settings ask for scores."""
         r = self.rows.rows_per_input
         row_ids = self.rows.row_index(idx)  # [D * R]
         tokens = self.rows.history.generated.index_select(0, row_ids).tolist()
         lens = self.lengths.index_select(0, row_ids).tolist()
         d = idx.shape[0]
         sequences = [[tokens[j * r + k][: lens[j * r + k]] for k in range(r)] for j in range(d)]
-        if self.log_probs is None:
-            return sequences, None
+        if self.log_probs is None or self.token_log_probs is None:
+            return Found(sequences)
         sums = self.log_probs.index_select(0, row_ids).tolist()
-        return sequences, [sums[j * r : (j + 1) * r] for j in range(d)]
+        steps = self.token_log_probs.index_select(0, row_ids).tolist()
+        per_token = [[steps[j * r + k][: lens[j * r + k]] for k in range(r)] for j in range(d)]
+        return Found(sequences, [sums[j * r : (j + 1) * r] for j in range(d)], per_token)
 
     def keep(self, leaving: Leaving) -> None:
         """Done inputs leave (``Rows.check``'s split)."""
         kept_rows = leaving.kept_rows  # [B' * R]
         self.finished, self.lengths = self.finished[kept_rows], self.lengths[kept_rows]
-        if self.log_probs is not None:
-            self.log_probs = self.log_probs[kept_rows]
+        if self.log_probs is not None and self.token_log_probs is not None:
+            self.log_probs, self.token_log_probs = self.log_probs[kept_rows], self.token_log_probs[kept_rows]
         self.rows.keep(leaving)

@@ -33,7 +33,7 @@ def test_text_lines_begin_with_the_scores(bart: Path) -> None:
     gen = Generator(str(bart), scores=True, num_beams=3, num_return_sequences=2, max_new_tokens=6)
     api = gen.generate_output([e.ids for e in gen.encode([TEXTS[0], TEXTS[1]])]).scores
     numbers = [(float(r[0]), float(r[1])) for r in rows[:2] + rows[4:]]
-    assert numbers == [tuple(s) for per_input in api for s in per_input], "the float32 values, written exactly"
+    assert numbers == [s[:2] for per_input in api for s in per_input], "the float32 values, written exactly"
     assert numbers[0][0] >= numbers[1][0], "best first"
 
 
@@ -46,9 +46,12 @@ def test_jsonl_objects_get_score_fields(bart: Path) -> None:
     assert [o["id"] for o in objs] == [0, 1, 2]
     assert objs[1]["score"] == [None, None] and objs[1]["log_prob"] == [None, None]
     lines = [line.split("\t") for line in text.stdout.splitlines()]
+    assert objs[1]["token_log_probs"] == [None, None]
     for obj, pair in zip([objs[0], objs[2]], [lines[0:2], lines[4:6]], strict=True):
         assert obj["score"] == [float(p[0]) for p in pair] and obj["log_prob"] == [float(p[1]) for p in pair]
         assert obj["output"] == [p[2] for p in pair]
+        for per, total in zip(obj["token_log_probs"], obj["log_prob"], strict=True):
+            assert 1 <= len(per) <= 6 and abs(sum(per) - total) <= 1e-5 * 6 * abs(total), "its tokens, their sum"
     one = seqgen("generate", "-m", str(bart), "--max-new-tokens", "4", "-q", "--scores", "--output-format", "jsonl",
                  input=TEXTS[0] + "\n")  # fmt: skip
     obj = json.loads(one.stdout)

@@ -83,6 +83,9 @@ CASES = {
         "gpt2",
         dict(do_sample=True, top_k=8, top_p=0.9, num_return_sequences=2, max_new_tokens=24, min_new_tokens=2),
     ),
+    # --scores: the chosen tokens' log-probs gathered on the device, per step
+    "bart-beam-scores": ("bart", dict(BEAM, output_scores=True, return_dict_in_generate=True)),
+    "llama-greedy-scores": ("llama", dict(max_new_tokens=24, min_new_tokens=9, output_scores=True, return_dict_in_generate=True)),
 }
 
 
@@ -98,6 +101,7 @@ def test_decode_loop_never_syncs_between_checks(tiny_models, case: str, sync_eve
     assert_cadence(rec, sync_every)
     assert any(e.phase == "check" for e in rec.events), "the check itself was not seen: the recorder is blind"
     assert all(seq for per_input in out.sequences for seq in per_input)
+    assert (out.token_scores is not None) == ("scores" in case)
 
 
 def test_cpu_default_checks_every_step(tiny_models) -> None:
