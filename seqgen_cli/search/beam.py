@@ -92,9 +92,10 @@ def _accumulated_log_probs(
     torch.log_softmax(log_probs, dim=-1, out=log_probs)
     log_probs = rows.pipeline(rows.history, log_probs)
     vocab = log_probs.shape[-1]
-    processed = log_probs.reshape(bsz, k * vocab).clone() if keep else None
-    log_probs = log_probs.view(bsz, k, vocab).add_(running_scores[:, :, None])  # [B, K, V]
-    return log_probs.reshape(bsz, k * vocab), processed
+    log_probs = log_probs.view(bsz, k, vocab)  # [B, K, V]
+    if keep:  # the same sum, out of place: the processed log-probs stay
+        return (log_probs + running_scores[:, :, None]).reshape(bsz, k * vocab), log_probs.reshape(bsz, k * vocab)
+    return log_probs.add_(running_scores[:, :, None]).reshape(bsz, k * vocab), None
 
 
 def _next_token_hits_stopping_criteria(
