@@ -575,6 +575,7 @@ def eval_(files: tuple[str, ...], hypotheses: str | None, metrics: str | None, a
     sentences, baseline = settings.pop("sentence_scores"), settings.pop("baseline")
     options = m.Options(**settings)
     hyps, streams = m.read_lines(hypotheses), [m.read_lines(r) for r in refs]
+    m.check_unscored(hyps, hypotheses)
     result = m.score(hyps, streams, names, options=options)
     result["files"] = {"hypotheses": hypotheses, "references": refs}
     if baseline is not None:

@@ -356,6 +356,19 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines + [""] + notes) if notes else "\n".join(lines)
 
 
+SCORED_LINE = re.compile(r"(-?(\d+\.?\d*(e-?\d+)?|inf)\t){2}|\t\t")  # `seqgen generate --scores` text lines
+
+
+def check_unscored(lines: list[str], name: str) -> None:
+    """Refuse hypotheses whose every line begins ``SCORE<TAB>LOG_PROB<TAB>`` (``seqgen generate --scores``' text
+    output): the numbers would be scored as words."""
+    if lines and any(lines) and all(SCORED_LINE.match(line) for line in lines):
+        raise SeqgenError(
+            f"{name}: every line begins with two scores and tabs, as seqgen generate --scores writes them: score the "
+            f"text after them (cut -f3- {name} > hyps.txt)"
+        )
+
+
 def read_lines(path: str | os.PathLike[str]) -> list[str]:
     """Read a UTF-8 text file (``"-"`` = stdin) into lines.
 

@@ -291,16 +291,17 @@ def score(output: str, keep: list[str] | None, opts: JobOptions, n: int) -> dict
     """Score the first of the ``n`` outputs of every input against ``--reference`` (``seqgen eval``)."""
     from seqgen_cli import metrics as m
 
-    hyps = keep if keep is not None else _read_hypotheses(output, opts.output_format, opts.output_field, n)
+    hyps = keep if keep is not None else read_hypotheses(output, opts, n)
     return m.score(hyps, m.read_lines(opts.reference), m.parse_metrics(opts.metrics))
 
 
-def _read_hypotheses(output: str, output_format: str, output_field: str, n: int) -> list[str]:
-    """The first output of every input, read back from the output file."""
+def read_hypotheses(output: str, opts: RunOptions, n: int) -> list[str]:
+    """The first output of every input, read back from the output file (a text line's text: after its scores)."""
     from seqgen_cli import metrics as m
 
     lines = m.read_lines(output)
-    if output_format == "jsonl":
-        outs = [json.loads(line)[output_field] for line in lines]
+    if opts.output_format == "jsonl":
+        outs = [json.loads(line)[opts.output_field] for line in lines]
         return [o[0] if isinstance(o, list) else o for o in outs]
-    return lines[::n]  # text: n consecutive lines per input
+    first = lines[::n]  # text: n consecutive lines per input
+    return [line.split("\t", 2)[-1] for line in first] if opts.scores else first

@@ -65,3 +65,20 @@ def test_a_field_the_scores_would_overwrite_stops_before_the_model_loads(bart: P
     one_line_error(seqgen(*args, "--scores"), f"{src}:1", "'score'", "--scores")
     assert "no-model" in one_line_error(seqgen(*args)), "without --scores the field is the input's own"
     one_line_error(seqgen(*args, "--scores", "--output-field", "log_prob"), "--output-field log_prob", "--scores")
+
+
+def test_scored_text_is_read_back_as_text_and_eval_refuses_it(tmp_path: Path) -> None:
+    """A --scores text output read back for --reference (a resumed or --workers run) gives the texts; seqgen eval
+    refuses a file of scored lines instead of scoring the numbers as words."""
+    from seqgen_cli.pipeline.job import JobOptions, read_hypotheses
+
+    out = tmp_path / "out.txt"
+    out.write_text("-0.5\t-2.0\tein Haus\n-0.75\t-3.0\tzwei\n\t\t\n-1.25\t-5.0\tdrei Worte\n", encoding="utf-8")
+    assert read_hypotheses(str(out), JobOptions(scores=True), 1) == ["ein Haus", "zwei", "", "drei Worte"]
+    assert read_hypotheses(str(out), JobOptions(scores=True), 2) == ["ein Haus", ""]
+    ref = tmp_path / "ref.txt"
+    ref.write_text("ein Haus\nzwei\n\ndrei Worte\n", encoding="utf-8")
+    one_line_error(seqgen("eval", str(out), str(ref)), str(out), "--scores", "cut -f3-")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("3\t4\tfive\nsix\n\n7\n", encoding="utf-8")  # numbers and tabs on some lines: text
+    assert seqgen("eval", str(plain), str(ref), "--metrics", "bleu").exit_code == 0
