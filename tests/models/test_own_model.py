@@ -249,3 +249,19 @@ def test_t5_vocabulary_families_run_own_tree_with_transformers_outputs(
         assert ours == Generator(str(tmp_path), backend="hf", **settings).generate(TEXTS)
     monkeypatch.setattr(own_model, "refusal", lambda config: "refused by the test")
     assert ours == Generator(str(tmp_path), backend="fast", dtype=dtype, **settings).generate(TEXTS)
+
+
+def test_a_tied_weight_converts_once_to_the_run_dtype(tiny_models: Callable[[str], Path]) -> None:
+    """``own_model.in_dtype``: names that share a tensor (tied embeddings) share one converted tensor, equal to
+    ``to(dtype)`` bit for bit; tensors already in the dtype stay themselves."""
+    from seqgen_cli.models.own_model import in_dtype, read_safetensors
+
+    tensors = read_safetensors(tiny_models("bart"))
+    assert tensors is not None
+    tensors["tied.copy"] = tensors["model.shared.weight"]  # a tie, as own_model.tie makes them
+    kept = torch.zeros(3, dtype=torch.bfloat16)
+    tensors["already.bf16"] = kept
+    out = in_dtype(tensors, torch.bfloat16)
+    assert out["tied.copy"] is out["model.shared.weight"] and out["already.bf16"] is kept
+    for name, t in tensors.items():
+        assert out[name].dtype == torch.bfloat16 and torch.equal(out[name], t.to(torch.bfloat16)), name
