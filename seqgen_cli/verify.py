@@ -138,6 +138,15 @@ def rescore(
     return total / (len(tokens) ** settings.length_penalty)
 
 
+def rescored(
+    model: PreTrainedModel, batch: Batch, b: int, a: Sequence[int], h: Sequence[int], settings: SearchSettings
+) -> tuple[float, float]:
+    """The re-scores (:func:`rescore`) of two outputs of input ``b`` that differ: whole under beam search, else up
+    to their first differing token (greedy: that token decides). Within the dtype's tolerance: a near-tie."""
+    upto = len(a) if settings.mode == "beam" else first_difference(a, h) + 1
+    return rescore(model, batch, b, list(a[:upto]), settings), rescore(model, batch, b, list(h[:upto]), settings)
+
+
 class LogProbNoise(LogitsProcessor):
     """Adds seeded Gaussian noise of size ``eps`` to the (log-prob) scores of every step."""
 
@@ -219,11 +228,7 @@ def compare(
                 result.mismatches.append(where)
                 result.differing.append(names[b])
                 continue
-            upto = len(a) if settings.mode == "beam" else k + 1  # greedy: the first differing token decides
-            sa, sh = (
-                rescore(model, batch, b, a[:upto], settings),
-                rescore(model, batch, b, h[:upto], settings),
-            )
+            sa, sh = rescored(model, batch, b, a, h, settings)
             where += f" (scores {sa:.7g} vs {sh:.7g})"
             if abs(sa - sh) <= rtol * max(abs(sa), abs(sh)):
                 result.near_ties.append(where)
@@ -279,10 +284,8 @@ def beyond_ties(
             out.append(i)
             continue
         batch = gen.pad([ids[i]])
-        settings = settings_for(model.config, batch, gen.config)
-        upto = len(a) if settings.mode == "beam" else first_difference(a, h) + 1
         with torch.inference_mode():
-            sa, sh = (rescore(model, batch, 0, list(x[:upto]), settings) for x in (a, h))
+            sa, sh = rescored(model, batch, 0, a, h, settings_for(model.config, batch, gen.config))
         if abs(sa - sh) > tol * max(abs(sa), abs(sh)):
             out.append(i)
     return out

@@ -55,8 +55,8 @@ class FieldClash(BadLine):
     would overwrite it."""
 
 
-# the fields --scores adds to JSONL output -> their place in a ``batching.Scored``
-SCORE_FIELDS = {"score": 0, "log_prob": 1, "token_log_probs": 2}
+# the fields --scores adds to JSONL output -> the ``batching.Scored`` field each holds
+SCORE_FIELDS = {"score": "score", "log_prob": "log_prob", "token_log_probs": "tokens"}
 
 
 def output_fields(output_format: str, output_field: str, on_error: str, scores: bool = False) -> tuple[str, ...]:

@@ -48,15 +48,16 @@ def format_output(
         )  # text input: its line
         obj[output_field] = outputs[0] if len(outputs) == 1 else outputs
         if scored:
-            for name, i in SCORE_FIELDS.items():
-                values = [None if pair is None else pair[i] for pair in numbers]
+            for name, attribute in SCORE_FIELDS.items():
+                values = [None if sc is None else getattr(sc, attribute) for sc in numbers]
                 obj[name] = values[0] if len(values) == 1 else values
         if error is not None:
             obj["error"] = error
         return json.dumps(obj, ensure_ascii=False, allow_nan=False) + "\n"
     lines = [" ".join(o.splitlines()) for o in outputs]
     if scored:
-        lines = [("\t\t" if pair is None else f"{pair[0]!r}\t{pair[1]!r}\t") + line for pair, line in zip(numbers, lines, strict=True)]
+        heads = ["\t\t" if sc is None else f"{sc.score!r}\t{sc.log_prob!r}\t" for sc in numbers]
+        lines = [head + line for head, line in zip(heads, lines, strict=True)]
     return "".join(line + "\n" for line in lines)
 
 

@@ -191,11 +191,15 @@ def _check_early_stop_heuristic(beams: BeamState, cur_len: int, settings: Search
     )
 
 
-def _continue_running_beams(rows: Rows, next_beams: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-    """Reorder the rows (history, processors, cache) to the beams that run on, then append their tokens.
-    ``next_beams``, ``next_tokens``: [B, K]; returns the tokens [N] for the next model step."""
+def _beam_rows(next_beams: torch.Tensor) -> torch.Tensor:
+    """The row each running beam continues: ``next_beams`` [B, K] (beams within an input) -> [N] rows."""
     bsz, k = next_beams.shape
-    beam_rows = (torch.arange(bsz, device=next_beams.device)[:, None] * k + next_beams).reshape(-1)  # [N]
+    return (torch.arange(bsz, device=next_beams.device)[:, None] * k + next_beams).reshape(-1)
+
+
+def _continue_running_beams(rows: Rows, beam_rows: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """Reorder the rows (history, processors, cache) to the beams that run on (``beam_rows`` [N], :func:`_beam_rows`),
+    then append their tokens (``next_tokens`` [B, K]); returns the tokens [N] for the next model step."""
     rows.reorder(beam_rows)
     tokens = next_tokens.reshape(-1)  # [N]
     rows.history.append(tokens)
@@ -243,12 +247,11 @@ class BeamSearch:
         if last_step:
             return None
         beams.heuristic_unsatisfied = _check_early_stop_heuristic(beams, cur_len + 1, s)
+        beam_rows = _beam_rows(next_beams)  # [N]
         if processed is not None and self.token_scores is not None:  # the rows that run on, as the history moves
-            bsz = next_beams.shape[0]
-            beam_rows = (torch.arange(bsz, device=next_beams.device)[:, None] * k + next_beams).reshape(-1)  # [N]
             self.token_scores = self.token_scores.index_select(0, beam_rows)
             self.token_scores[:, t] = processed.gather(1, next_beams * vocab + next_tokens).reshape(-1)
-        return _continue_running_beams(rows, next_beams, next_tokens)  # [N]
+        return _continue_running_beams(rows, beam_rows, next_tokens)  # [N]
 
     def done(self) -> torch.Tensor:
         """[B] bool: inputs whose results can no longer change."""

@@ -35,9 +35,8 @@ class TokenSearch:
         self.finished = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
         # [N] generated length (EOS included)
         self.lengths = torch.full((n,), settings.max_new_tokens, dtype=torch.long, device=device)
-        # [N] float32: the summed log-probs of each row's tokens under the processed scores (``settings.scores``),
-        # and [N, T] each token's
-        self.log_probs = torch.zeros(n, dtype=torch.float32, device=device) if settings.scores else None
+        # [N, T] float32: each token's log-prob under the processed scores (``settings.scores``; an ended row's
+        # later columns hold its padding's, never read: ``results`` cuts at ``lengths``)
         t_max = settings.max_new_tokens
         self.token_log_probs = torch.zeros(n, t_max, dtype=torch.float32, device=device) if settings.scores else None
         self.t = 0  # steps done (host int)
@@ -48,10 +47,8 @@ class TokenSearch:
         scores = rows.pipeline(history, logits.float())  # [N, V] float32 (transformers casts too)
         tokens = self.pick(scores)  # [N]
         tokens = torch.where(self.finished, self.pad, tokens)
-        if self.log_probs is not None:  # transformers' compute_transition_scores(normalize_logits=True), summed
-            chosen = scores.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]  # [N]
-            self.log_probs += chosen.masked_fill_(self.finished, 0.0)
-            self.token_log_probs[:, t] = chosen
+        if self.token_log_probs is not None:  # transformers' compute_transition_scores(normalize_logits=True)
+            self.token_log_probs[:, t] = scores.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]  # [N]
         history.append(tokens)
         rows.pipeline.appended(history)
         if self.eos is not None:
@@ -80,17 +77,19 @@ class TokenSearch:
         lens = self.lengths.index_select(0, row_ids).tolist()
         d = idx.shape[0]
         sequences = [[tokens[j * r + k][: lens[j * r + k]] for k in range(r)] for j in range(d)]
-        if self.log_probs is None or self.token_log_probs is None:
+        if self.token_log_probs is None:
             return Found(sequences)
-        sums = self.log_probs.index_select(0, row_ids).tolist()
-        steps = self.token_log_probs.index_select(0, row_ids).tolist()
-        per_token = [[steps[j * r + k][: lens[j * r + k]] for k in range(r)] for j in range(d)]
+        steps = self.token_log_probs.index_select(0, row_ids)  # [D * R, T]
+        ended = torch.arange(steps.shape[1], device=steps.device) >= self.lengths.index_select(0, row_ids)[:, None]
+        sums = steps.masked_fill(ended, 0.0).sum(dim=1).tolist()  # each row's own tokens, as generate()'s are summed
+        rows = steps.tolist()
+        per_token = [[rows[j * r + k][: lens[j * r + k]] for k in range(r)] for j in range(d)]
         return Found(sequences, [sums[j * r : (j + 1) * r] for j in range(d)], per_token)
 
     def keep(self, leaving: Leaving) -> None:
         """Done inputs leave (``Rows.check``'s split)."""
         kept_rows = leaving.kept_rows  # [B' * R]
         self.finished, self.lengths = self.finished[kept_rows], self.lengths[kept_rows]
-        if self.log_probs is not None and self.token_log_probs is not None:
-            self.log_probs, self.token_log_probs = self.log_probs[kept_rows], self.token_log_probs[kept_rows]
+        if self.token_log_probs is not None:
+            self.token_log_probs = self.token_log_probs[kept_rows]
         self.rows.keep(leaving)
