@@ -32,7 +32,6 @@ from seqgen_cli.models.kv_cache import (
     run_step,
     select_into,
 )
-from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
 from seqgen_cli.models.layers import Causal, Place, Step, sliding_layers
 from seqgen_cli.models.linear_maps import dense, linear
 from seqgen_cli.search.protocol import Batch
@@ -296,7 +295,7 @@ class DecoderOnlyBackend:
         """``lanes`` empty lanes of ``rows_per_input`` rows each (prompt regions of ``MIN_WIDTH`` positions
         until a wider prompt joins). The last new token is never fed: ``max_new_tokens - 1`` generated positions."""
         head = self.model.get_output_embeddings().weight
-        cache = DecoderOnlyLaneKVCache(
+        cache = DecoderOnlyKVCache.lanes(
             self.n_layers, lanes, rows_per_input, self.n_kv, self.head_dim, max(1, max_new_tokens - 1),
             MIN_WIDTH, head.dtype, head.device, self.window,
         )  # fmt: skip
@@ -350,7 +349,7 @@ class DecoderOnlyBackend:
         return {
             "prompt": prompt,
             "generated": sum(x.nbytes for x in c.gk + c.gv),
-            "pointers": c.ptrs.ptr.nbytes,
+            "pointers": c.ptr.nbytes,
         }
 
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int:

@@ -31,7 +31,6 @@ from seqgen_cli.models.kv_cache import (
     run_step,
     select_into,
 )
-from seqgen_cli.models.lane_cache import LaneKVCache
 from seqgen_cli.models.layers import Place, Seq2Seq, Step, sliding_layers
 from seqgen_cli.models.linear_maps import linear, onednn_copy, quantize_linears
 from seqgen_cli.models.resident import release
@@ -311,7 +310,7 @@ class EncoderDecoderBackend:
         mask[..., 0] = 0.0
         max_len = max(1, max_new_tokens)
         self.positions = self._position_table(max_len + self.pos_offset)
-        cache = LaneKVCache(self.n_layers, lanes, rows_per_input, h, max_len, d, self.dtype, dev, self.window)
+        cache = EncoderDecoderKVCache(self.n_layers, lanes, rows_per_input, h, max_len, d, self.dtype, dev, self.window, True)
         return EncoderDecoderState(
             cross_k=[
                 torch.zeros((lanes, h, d, width), dtype=self.key_dtype, device=dev) for _ in range(self.n_layers)

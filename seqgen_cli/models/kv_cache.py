@@ -1,31 +1,36 @@
-"""Self-attention caches of the fast backends: preallocated, written in place, never moved by beam reordering.
+"""The self-attention caches of the fast backends: preallocated, written in place, never moved by beam reordering.
+Two classes: :class:`EncoderDecoderKVCache` (a decoder's own keys and values) and :class:`DecoderOnlyKVCache` (a
+prompt's, once per input, then the generated ones); each holds a batch or the refill engine's lanes
+(``search/refill.py``), over one :class:`LaneTable`. They store; ``models/attention.py`` attends.
 
-Both hold ``T = max_new_tokens`` positions per row; step ``t`` writes position ``t`` of every row. The keys and values
-of an input's ``R`` beams lie side by side (``[..., T, R, d]``), so all positions of an input are a free view of
-``T * R`` keys. Reordering moves only back-pointers (:class:`BackPointers`); each query beam scores against all
-its input's keys and a mask built from the back-pointers keeps its own history. That costs ``R`` times the
-score FLOPs on tiny matrices instead of copying or gathering the cache every step (measured against both in
+Lanes. A cache holds ``L`` lanes of ``R`` rows (rows lane-major, ``row = l * R + k``: for a batch, an input is a
+lane, see ``seqgen_cli/search/protocol.py``) and ``T = max_new_tokens`` positions per row. Where every lane is at
+one step (a batch: its inputs joined together) one step counter serves all (``steps`` [1]); the refill engine's
+lanes each have their own (``steps`` [L]), so inputs at different steps share one decode step of one shape. A step
+writes each lane's keys/values at that lane's step and attends the first ``span`` positions.
+
+Beams. The keys and values of a lane's ``R`` rows lie side by side (``[..., T, R, d]``), so all positions of a lane
+are a free view of ``T * R`` keys. Reordering moves only back-pointers (``LaneTable.ptr``); each query row scores
+against all its lane's keys and a mask built from the back-pointers keeps its own history. That costs ``R`` times
+the score FLOPs on tiny matrices instead of copying or gathering the cache every step (measured against both in
 docs/EXPERIMENTS.md, "Self-attention cache: reorder strategies").
 
-Static shapes (graph capture). A step reads the position it writes from a device tensor (``position``,
-[1] int64), writes with ``index_copy_``, and the visibility mask is built from tensors (positions ``<= position``, and
-the back-pointers). With ``static`` (set by ``make_static()``, which ``models/capture.py`` calls) it attends
-over a span bucket of positions (``shapes.span_bucket``: a power of two from 64, at most ``T``): no host integer that
-changes per step reaches the step's tensor work, so it can be compiled or captured once per bucket and replayed,
-and a step reads at most twice the positions written. Otherwise (every eager step, CPU or CUDA) it attends over the
-``t + 1`` positions written so far (``span``, set by the host-side :meth:`check`), cheaper than all ``T`` positions
-(docs/EXPERIMENTS.md, "Static vs dynamic step on the CPU"). Reordering is in place; only ``keep`` (inputs
-leaving) reallocates, copying only the positions written so far. The capture path keeps its static caches for later
-batches (``models/capture.py``): ``reset`` restarts one in place, ``keep_into`` copies what ``keep`` keeps into
-another one's tensors, ``empty`` allocates one. On the static path unwritten positions are zeros (masked keys must
-still be finite: ``nan - inf`` is ``nan``); off it they are never read, so they are allocated empty.
+Spans. A batch's eager step (CPU or CUDA) attends the ``t + 1`` positions written so far (``span``, set by the
+host-side :meth:`LaneTable.check`), cheaper than all ``T`` (docs/EXPERIMENTS.md, "Static vs dynamic step on the
+CPU"), and writes through a view at the host's ``t``. A static cache (``make_static()``: what ``models/capture.py``
+compiles or captures, and every lane cache) reads the step it writes from device tensors and attends a span bucket
+(``shapes.span_bucket``: a power of two from 64, at most ``T``; for lanes, of the furthest live lane's step): no host
+integer that changes per step reaches its tensor work, so it is compiled or captured once per bucket and replayed.
+There unwritten positions are zeros (masked keys must still be finite: ``nan - inf`` is ``nan``); off it they are
+never read, so they are allocated empty. Only ``keep`` (inputs leaving) reallocates, copying the positions written
+so far. The capture path keeps its static caches for later batches (``models/capture.py``): ``reset`` restarts one
+in place, ``keep_into`` copies what ``keep`` keeps into another one's tensors, ``empty`` allocates one.
 
 Every layer has its own K and V tensors. Under ``torch.compile`` a write through a view of one tensor holding
 all layers is functionalized into a copy of that whole tensor per write (``index_put`` + ``select_scatter`` +
 ``copy_``); a write into a tensor of its own stays an in-place ``index_put_`` (``tests/models/test_inductor.py``).
 
-Nothing here syncs with the device. Rows are input-major (``row = b * R + k``, see
-``seqgen_cli/search/protocol.py``).
+Nothing here syncs with the device.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, posi
 
 
 def pointer_bytes(rows: int, max_len: int) -> int:
-    """Bytes of :class:`BackPointers` for ``rows`` rows and ``max_len`` positions (int64)."""
+    """Bytes of the back-pointers (:attr:`LaneTable.ptr`) for ``rows`` rows and ``max_len`` positions (int64)."""
     return rows * max_len * 8
 
 
@@ -71,36 +76,6 @@ def run_step(decode: Decode, state: Any, tokens: Tensor) -> Tensor:
     state.t += 1
     state.cache.advance()
     return logits
-
-
-class BackPointers:
-    """``ptr[n, s]``: the beam (``0..R-1``, same input) whose position ``s`` is in row ``n``'s history."""
-
-    def __init__(self, inputs: int, rows_per_input: int, max_len: int, device: torch.device) -> None:
-        self.r = rows_per_input
-        self.ptr = torch.zeros(inputs * rows_per_input, max_len, dtype=torch.long, device=device)  # [N, T]
-        self.beams = torch.arange(rows_per_input, device=device)  # [R]
-        self.positions = torch.arange(max_len, device=device)  # [T]
-
-    def visible(self, position: Tensor, span: int) -> Tensor:
-        """This step writes position ``position`` ([1] int64) of every row. Returns which of the first ``span``
-        positions each query row sees: bool [B, Rq, span, R] (position ``s`` of beam ``r``); [1, 1, span, 1] if
-        R = 1."""
-        n = self.ptr.shape[0]
-        r, b = self.r, n // self.r
-        upto = (self.positions[:span] <= position)[:, None]  # [span, 1]
-        if r == 1:
-            return upto.view(1, 1, span, 1)
-        self.ptr.index_copy_(1, position, self.beams.repeat(b)[:, None])  # [N, 1]: each row's own beam
-        return (self.ptr[:, :span].view(b, r, span, 1) == self.beams) & upto  # [B, Rq, span, R]
-
-    def reorder(self, rows: Tensor) -> None:
-        """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input); in place."""
-        self.ptr.copy_(self.ptr.index_select(0, rows))
-
-    def keep(self, rows: Tensor) -> None:
-        """Keep rows ``rows`` ([B' * R], whole inputs): beam indices stay valid within an input."""
-        self.ptr = self.ptr.index_select(0, rows)
 
 
 def keep_positions(cache: Tensor, inputs: Tensor, dim: int, used: int, zero: bool) -> Tensor:
@@ -136,22 +111,43 @@ def write_position(cache: Tensor, dim: int, new: Tensor, position: Tensor, at: i
         cache.select(dim, at).copy_(new)
 
 
-class GeneratedPositions:
-    """What both generated-token caches share: ``max_len`` positions, of which a step attends ``span``."""
+class LaneTable:
+    """What both caches share: which position each lane's rows write and which each of them sees.
 
-    static: bool  # attend the t+1 positions written so far; a span bucket of T after make_static() (capture)
+    ``steps`` ([1]: a batch, every lane at one step; [L]: lanes at their own steps, the refill engine's) is the
+    position each lane writes, on the device; ``position`` ([1] or [N]) the one each row writes, what a backend
+    reads for its position ids. ``ptr[n, s]``: the beam (``0..R-1``, same lane) whose position ``s`` is in row
+    ``n``'s history. Lanes at their own steps: a stale position (a previous input's) is masked; an idle lane (no
+    input) keeps stepping, its counter stops at ``T - 1`` and it always sees position 0, so its rows stay finite
+    and its writes stay in its own rows. Their span is a bucket of the furthest live lane's step (``ages``, host),
+    at least ``MIN_SPAN`` positions, so an input's sums run over the same span beside any neighbours wherever its
+    own steps fit in ``MIN_SPAN`` (a sum over more masked positions can round differently)."""
+
+    static: bool  # attend the t+1 positions written so far; a span bucket after make_static() (capture, lanes)
     max_len: int
     span: int  # positions this step attends (host int; a span bucket if static)
-    ptrs: BackPointers
-    position: Tensor  # [1] int64: the position this step writes
+    r: int
+    ptr: Tensor  # [N, T] int64
+    steps: Tensor  # [1] or [L] int64: the position each lane writes
+    position: Tensor  # [1] or [N] int64: the position each row writes
+    ages: list[int | None] | None  # lanes at their own steps: each one's step (host; None: idle); a batch: None
+
+    def _table(self, lanes: int, rows_per_input: int, max_len: int, device: torch.device, own_steps: bool) -> None:
+        self.r, self.max_len, self.static, self.span = rows_per_input, max_len, False, max_len
+        self.ptr = torch.zeros(lanes * rows_per_input, max_len, dtype=torch.long, device=device)  # [N, T]
+        self.beams = torch.arange(rows_per_input, device=device)  # [R]
+        self.positions = torch.arange(max_len, device=device)  # [T]
+        self.steps = torch.zeros(lanes if own_steps else 1, dtype=torch.long, device=device)  # [L] or [1]
+        self.position = torch.zeros(lanes * rows_per_input, dtype=torch.long, device=device) if own_steps else self.steps
+        self.ages = [None] * lanes if own_steps else None
 
     def buffers(self) -> list[Tensor]:
         """The per-layer generated K/V tensors."""
         raise NotImplementedError
 
     def make_static(self) -> None:
-        """Attend a span bucket of positions from now on (``shapes.span_bucket``: graph capture, before the first step):
-        zero the unwritten."""
+        """Attend a span bucket of positions from now on (``shapes.span_bucket``: graph capture, before the first
+        step): zero the unwritten."""
         if not self.static:
             for x in self.buffers():
                 x.zero_()
@@ -159,27 +155,102 @@ class GeneratedPositions:
 
     def reset(self) -> None:
         """A kept static cache (``models/capture.py``) takes a new batch, as a new cache would start: every position
-        unwritten (zeros), back-pointers cleared, the next step writes position 0. In place: no tensor is allocated."""
+        unwritten (zeros), back-pointers cleared, the next step writes position 0. In place: nothing is allocated."""
         for x in self.buffers():
             x.zero_()
-        self.ptrs.ptr.zero_()
-        self.position.zero_()
+        self.ptr.zero_()
+        self.steps.zero_()
         self.span = self.max_len
 
     def now(self, t: int) -> int:
-        """The step that sizes step ``t``'s span: ``t`` itself (every row of a batch is at one step)."""
-        return t
+        """The step that sizes step ``t``'s span: ``t`` itself for a batch; the furthest live lane's for lanes at
+        their own steps (``t``, the steps run, is not it)."""
+        if self.ages is None:
+            return t
+        return max((a for a in self.ages if a is not None), default=0)
 
     def check(self, t: int) -> None:
-        """Host: step ``t`` is about to run (``ValueError`` past the allocated positions); sets ``span``."""
-        check_position(t, self.max_len)
-        self.span = span_bucket(t, self.max_len) if self.static else t + 1
+        """Host: step ``t`` is about to run (``ValueError`` past the allocated positions; lanes stay below ``T``: the
+        engine stops an input at its last step); sets ``span``."""
+        now = self.now(t)
+        check_position(now, self.max_len)
+        self.span = span_bucket(now, self.max_len) if self.static else now + 1
+
+    def advance(self) -> None:
+        """A step is done: the next one writes the next position (queued on the device, no sync); a lane at its own
+        step stops at the last one."""
+        self.steps.add_(1)
+        if self.ages is not None:
+            self.steps.clamp_(max=self.max_len - 1)
+            self._row_steps()
+            self.ages = [None if a is None else min(a + 1, self.max_len - 1) for a in self.ages]
+
+    def join(self, lanes: list[int]) -> None:
+        """Inputs join lanes ``lanes`` (lanes at their own steps): their counters restart at step 0 (stale keys are
+        masked)."""
+        assert self.ages is not None
+        self.steps.index_fill_(0, torch.tensor(lanes, dtype=torch.long, device=self.steps.device), 0)
+        self._row_steps()
+        for lane in lanes:
+            self.ages[lane] = 0
+
+    def leave(self, lanes: list[int]) -> None:
+        """The inputs of ``lanes`` are done: they idle (their steps no longer size the span)."""
+        assert self.ages is not None
+        for lane in lanes:
+            self.ages[lane] = None
+
+    def _row_steps(self) -> None:
+        lanes, r = self.steps.shape[0], self.r
+        self.position.view(lanes, r).copy_(self.steps[:, None])  # [L] -> [L, R]
+
+    def visible(self, span: int) -> Tensor:
+        """Which of the first ``span`` positions each query row sees (its lane's step and before, its back-pointers;
+        lanes at their own steps: position 0 always): bool [L, Rq, span, R]; with R = 1 [L|1, 1, span, 1]."""
+        pos, r, n = self.positions[:span], self.r, self.ptr.shape[0]
+        upto = pos <= self.steps[:, None]  # [1|L, span]
+        if self.ages is not None:
+            upto = upto | (pos == 0)
+        upto = upto.view(-1, 1, span, 1)  # [1|L, 1, span, 1]
+        if r == 1:
+            return upto
+        self.ptr.scatter_(1, self.position.expand(n)[:, None], self.beams.repeat(n // r)[:, None])  # own beam
+        return (self.ptr[:, :span].view(-1, r, span, 1) == self.beams) & upto  # [L, Rq, span, R]
+
+    def near(self, window: int) -> Tensor:
+        """Which of the first ``span`` positions are less than ``window`` before each lane's step: bool [1|L, span]."""
+        return self.positions[: self.span] > self.steps[:, None] - window
+
+    def lane_rows(self, per_lane: int) -> Tensor | None:
+        """Lanes at their own steps: where position 0 of each of a lane's ``per_lane`` rows lies in a cache tensor
+        viewed as [L * per_lane * T, ...] (:meth:`write`), [L, per_lane]; a batch: ``None``."""
+        if self.ages is None:
+            return None
+        lanes = self.steps.shape[0]
+        return (torch.arange(lanes * per_lane, device=self.steps.device) * self.max_len).view(lanes, per_lane)
+
+    def write(self, cache: Tensor, dim: int, new: Tensor, where: Tensor | None) -> None:
+        """Store ``new`` (``cache`` [L, ..., T, ...] without its positions ``dim``) at each lane's step: a batch's at
+        its one position; lanes' through ``where`` (:meth:`lane_rows` plus the lanes' steps, [L * per_lane])."""
+        if where is None:
+            write_position(cache, dim, new, self.steps, None if self.static else self.span - 1)
+        else:  # [L, ..., T, ...] -> [L * per_lane * T, rest]; new [L, ..., rest] -> [L * per_lane, rest]
+            cache.view(where.shape[0] * self.max_len, -1).index_copy_(0, where, new.reshape(where.shape[0], -1))
+
+    def at_steps(self, rows: Tensor | None) -> Tensor | None:
+        """This step's write index from :meth:`lane_rows`: [L * per_lane], or ``None`` (a batch)."""
+        return None if rows is None else (rows + self.steps[:, None]).view(-1)
+
+    def reorder(self, rows: Tensor) -> None:
+        """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input): only back-pointers move, in place."""
+        self.ptr.copy_(self.ptr.index_select(0, rows))
 
 
-class EncoderDecoderKVCache(GeneratedPositions):
-    """Self-attention of the encoder-decoder backends' decoders: back-pointers as an additive mask, one
-    :func:`attention` per layer. Keys are not stored transposed: a [d, T*R] layout puts a head's d rows T*R
-    floats apart, which at Marian's 511 positions cost more per step than the GEMM gained."""
+class EncoderDecoderKVCache(LaneTable):
+    """Self-attention of the encoder-decoder backends' decoders: a batch's (``B`` inputs) or ``L`` lanes, each at
+    its own step (``lanes=True``, the refill engine's). Back-pointers and the relative position bias as one additive
+    bias per step, one :func:`attention` per layer. Keys are not stored transposed: a [d, T*R] layout puts a head's d
+    rows T*R floats apart, which at Marian's 511 positions cost more per step than the GEMM gained."""
 
     def __init__(
         self,
@@ -192,79 +263,68 @@ class EncoderDecoderKVCache(GeneratedPositions):
         dtype: torch.dtype,
         device: torch.device,
         window: int | None = None,
+        lanes: bool = False,
     ) -> None:
         """``heads``: the K/V heads (grouped-query attention: fewer than the queries'). ``window``: the sliding
-        window of the layers that slide (a query sees the keys less than ``window`` positions before it;
-        ``layer_bias(..., sliding=True)``); only where ``max_len`` positions reach past it."""
-        self.static = (
-            False  # attend the t+1 positions written so far; a span bucket after make_static() (capture)
-        )
+        window of the layers that slide (a query sees the keys less than ``window`` positions before it); only where
+        ``max_len`` positions reach past it. ``lanes``: ``inputs`` lanes at their own steps (static: zeros, a span
+        bucket attended)."""
         b, h, t, r, d = inputs, heads, max_len, rows_per_input, head_dim
+        self._table(b, r, t, device, own_steps=lanes)
         # Unread positions need no zeros off the static path: empty pages are only touched as positions are written.
         self.k = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in range(layers)]
-        self.heads, self.max_len, self.r, self.head_dim = h, t, r, d
-        self.ptrs = BackPointers(inputs, rows_per_input, max_len, device)
-        self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]: the position this step writes
-        self.span = max_len  # positions this step attends (host int; a span bucket if static)
-        self.bias: Tensor | None = None  # additive float32 (layer_bias), [[L',] B|1, 1|H, Rq, span*R]; None = all
+        self.heads, self.head_dim = h, d
+        self.bias: Tensor | None = None  # additive float32, [[L',] B|L|1, 1|H, Rq, span*R]; None = all
         self.window = window if window is not None and max_len > window else None
         self.windowed: Tensor | None = None  # the sliding layers' bias (``bias`` and the window)
+        self.rows = self.lane_rows(h)  # lanes: [L, H], where a head's position 0 lies (``write``)
+        self.where: Tensor | None = None  # lanes: where this step's keys go, [L * H]
+        if lanes:
+            self.make_static()
 
     def buffers(self) -> list[Tensor]:
         return self.k + self.v
 
     def begin(self, bias: Tensor | None = None) -> None:
-        """A step starts (before the layers); ``bias`` [L', H, 1, T]: additive attention bias over positions (the
-        relative bias: L' = 1, shared by the layers, or one per layer)."""
-        h, r, span = self.heads, self.r, self.span
-        if bias is not None:  # [L', H, 1, T] -> [L', 1, H, 1, span*R]
-            bias = bias[..., :span, None].float().expand(-1, h, 1, span, r).reshape(-1, 1, h, 1, span * r)
+        """A step starts (before the layers). ``bias``: the relative position bias [L', H, Q, T] of the rows' query
+        positions against every key position (Q = 1: a batch's one step; Q = N: each row's lane's; L' = 1, shared
+        by the layers, or one per layer)."""
+        h, r, span, lanes = self.heads, self.r, self.span, self.steps.shape[0]
+        if bias is not None:  # [L', H, Q, T] -> [L', 1|L, H, 1|Rq, span] -> [L', 1|L, H, 1|Rq, span*R]
+            layers, q = bias.shape[0], bias.shape[2]
+            bias = bias[..., :span].view(layers, h, lanes, q // lanes, span).transpose(1, 2).float()
+            bias = bias[..., None].expand(-1, -1, -1, -1, -1, r).reshape(layers, lanes, h, q // lanes, span * r)
         if self.static or r > 1:
-            visible = self.ptrs.visible(self.position, span)  # [B, Rq, span, R] or [1, 1, span, 1]
-            visible = visible.expand(-1, r, span, r).reshape(-1, 1, r, span * r)  # [B|1, 1, Rq, span*R]
+            visible = self.visible(span).expand(-1, r, span, r).reshape(-1, 1, r, span * r)  # [B|L|1, 1, Rq, span*R]
             bias = torch.where(
                 visible, 0.0 if bias is None else bias, float("-inf")
-            )  # [B|1, 1, Rq, span*R], or with a bias [L', B|1, H, Rq, span*R]
+            )  # [B|L|1, 1, Rq, span*R], or with a bias [L', B|L, H, Rq, span*R]
         self.bias = bias  # None: a row sees all of the first t+1 positions (dynamic, R = 1, no relative bias)
-        if self.window is not None:
-            self.windowed = self._slide(self.position)
-
-    def _slide(self, step: Tensor) -> Tensor:
-        """The sliding layers' bias: :attr:`bias` with the keys ``window`` or more positions before ``step`` ([1],
-        or [L]: each lane's) masked too, [[L',] B|L|1, 1|H, Rq|1, span*R]."""
-        r, span = self.r, self.span
-        near = self.ptrs.positions[:span] > step[:, None] - self.window  # [1|L, span]
-        near = near[:, :, None].expand(-1, span, r).reshape(-1, 1, 1, span * r)  # [1|L, 1, 1, span*R]
-        bias = self.bias if self.bias is not None else torch.zeros(near.shape, device=near.device)
-        return bias.masked_fill(~near, float("-inf"))
+        if self.window is not None:  # the sliding layers': keys ``window`` or more positions back masked too
+            near = self.near(self.window)[:, :, None].expand(-1, span, r).reshape(-1, 1, 1, span * r)  # [1|L, 1, 1, span*R]
+            bias = self.bias if self.bias is not None else torch.zeros(near.shape, device=near.device)
+            self.windowed = bias.masked_fill(~near, float("-inf"))
+        self.where = self.at_steps(self.rows)
 
     def layer_bias(self, layer: int, sliding: bool = False) -> Tensor | None:
-        """The additive bias ``layer``'s self-attention adds to its scores (:meth:`begin`): [B|1, 1|H, Rq, span*R];
+        """The additive bias ``layer``'s self-attention adds to its scores (:meth:`begin`): [B|L|1, 1|H, Rq, span*R];
         ``sliding``: with its window (a layer that slides)."""
         bias = self.windowed if sliding and self.windowed is not None else self.bias
         if bias is None or bias.dim() == 4:
             return bias
         return bias[layer if bias.shape[0] > 1 else 0]
 
-    def advance(self) -> None:
-        """A step is done: the next one writes the next position (queued on the device, no sync)."""
-        self.position.add_(1)
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store this step's ``k``/``v`` ([N, H, d]) of ``layer``; returns what a query attends: the keys
-        (transposed) and values of the first ``span`` positions, [B, H, d, span*R] and [B, H, span*R, d] (views)."""
+    def update(self, layer: int, k: Tensor, v: Tensor, sliding: bool = False) -> list[Block]:
+        """Store this step's ``k``/``v`` ([N, H, d]) of ``layer``; returns what a query attends: one block, the keys
+        (transposed) and values of the first ``span`` positions, [B, H, d, span*R] and [B, H, span*R, d] (views),
+        and the bias (:meth:`layer_bias`; ``sliding``: a layer that slides)."""
         kl, vl = self.k[layer], self.v[layer]  # [B, H, T, R, d]
         b, h, r, d, span = kl.shape[0], self.heads, self.r, self.head_dim, self.span
-        at, pos = (None if self.static else span - 1), self.position
-        write_position(kl, 2, k.view(b, r, h, d).transpose(1, 2), pos, at)  # [N, H, d] -> [B, H, R, d]
-        write_position(vl, 2, v.view(b, r, h, d).transpose(1, 2), pos, at)  # [N, H, d] -> [B, H, R, d]
+        self.write(kl, 2, k.view(b, r, h, d).transpose(1, 2), self.where)  # [N, H, d] -> [B, H, R, d]
+        self.write(vl, 2, v.view(b, r, h, d).transpose(1, 2), self.where)  # [N, H, d] -> [B, H, R, d]
         keys_t = kl[:, :, :span].view(b, h, span * r, d).transpose(-1, -2)  # contiguous per (b, h): no copy
-        return keys_t, vl[:, :, :span].view(b, h, span * r, d)  # contiguous per (b, h): no copy
-
-    def reorder(self, rows: Tensor) -> None:
-        """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input): only back-pointers move."""
-        self.ptrs.reorder(rows)
+        return [(keys_t, vl[:, :, :span].view(b, h, span * r, d), self.layer_bias(layer, sliding))]
 
     def keep(self, inputs: Tensor, rows: Tensor, used: int) -> None:
         """Keep only inputs ``inputs`` ([B'] int64), i.e. rows ``rows`` ([B' * R]); copies only the ``used``
@@ -272,16 +332,15 @@ class EncoderDecoderKVCache(GeneratedPositions):
         for cache in (self.k, self.v):
             for i, x in enumerate(cache):
                 cache[i] = keep_positions(x, inputs, 2, used, self.static)
-        self.ptrs.keep(rows)
+        self.ptr = self.ptr.index_select(0, rows)
 
     def keep_into(self, into: EncoderDecoderKVCache, inputs: Tensor, rows: Tensor, used: int) -> None:
         """:meth:`keep` into the kept static cache ``into`` (``inputs.shape[0]`` inputs, same positions): the
-        ``used`` positions written so far, the rest zeros, the back-pointers and the position counter; ``self`` is
-        left as it is."""
+        ``used`` positions written so far, the rest zeros, the back-pointers and the step; ``self`` is left as it is."""
         for dst, src in zip(into.k + into.v, self.k + self.v, strict=True):
             copy_positions(dst, src, inputs, 2, used)
-        select_into(into.ptrs.ptr, self.ptrs.ptr, rows)
-        into.position.copy_(self.position)
+        select_into(into.ptr, self.ptr, rows)
+        into.steps.copy_(self.steps)
 
     def empty(self, inputs: int) -> EncoderDecoderKVCache:
         """A static cache like this one for ``inputs`` inputs: zeros (what :meth:`keep_into` fills)."""
@@ -294,15 +353,22 @@ class EncoderDecoderKVCache(GeneratedPositions):
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in self.k + self.v) + self.ptrs.ptr.nbytes
+        return sum(x.nbytes for x in self.k + self.v) + self.ptr.nbytes
 
 
-class DecoderOnlyKVCache(GeneratedPositions):
-    """Decoder-only self-attention: the prompt's K/V once per input, shared by its beams, then generated K/V.
+class DecoderOnlyKVCache(LaneTable):
+    """Decoder-only self-attention: the prompt's K/V once per input, shared by its beams, then generated K/V; a
+    batch's, or ``L`` lanes at their own steps (:meth:`lanes`, the refill engine's).
 
     ``Hkv`` = K/V heads (never repeated for grouped-query attention). Keys are stored transposed: CPU ``bmm``
     is ~2x faster on a contiguous ``K^T`` than on a transposed view (docs/EXPERIMENTS.md, "Fast decoder-only
-    decoders"). Prompt and generated scores share one float32 softmax (exact).
+    decoders"). Prompt and generated scores share one float32 softmax (exact): a batch's in transformers' order,
+    prompt first; lanes' generated first, so the columns of an input's real keys depend on its own width and the
+    span only, and a wider prompt region (:meth:`widen`) only adds masked columns at the end.
+
+    Lanes: the prompt region (``pk`` [L, Hkv, d, W], ``pv`` [L, Hkv, W, d], ``prompt_bias`` [L, 1, 1, W]) holds a
+    joiner's prefill as it came, left-padded to its own width ``w`` (a function of its length, ``widths``), in
+    columns ``[0, w)``; the rest is masked (zeros, or a previous input's stale keys).
     """
 
     def __init__(
@@ -313,39 +379,52 @@ class DecoderOnlyKVCache(GeneratedPositions):
         rows_per_input: int,
         max_len: int,
         window: int | None = None,
+        lanes: bool = False,
     ) -> None:
         """Take the prefill's K/V ([B, Hkv, P, d] per layer) and mask [B, P]; allocate ``max_len`` positions.
         ``window``: the sliding window of the layers that slide (a query sees the keys less than ``window``
-        positions before it; ``update(..., sliding=True)``)."""
+        positions before it; ``update(..., sliding=True)``). ``lanes``: ``B`` lanes at their own steps."""
         b, hkv, _, d = pk[0].shape
         r, max_len = rows_per_input, max(max_len, 1)
         dev, dt = pk[0].device, pk[0].dtype
-        self.pk = [
-            k.transpose(-1, -2).contiguous() for k in pk
-        ]  # [B, Hkv, d, P]; the prefill's copy is freed
+        self._table(b, r, max_len, dev, own_steps=lanes)
+        self.pk = [k.transpose(-1, -2).contiguous() for k in pk]  # [B, Hkv, d, P]; the prefill's copy is freed
         self.pv = pv  # [B, Hkv, P, d]
-        self.static = (
-            False  # attend the t+1 positions written so far; a span bucket after make_static() (capture)
-        )
         # unread positions need no zeros off the static path
         self.gk = [torch.empty(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
         self.gv = [torch.empty(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]
         bias = torch.zeros(mask.shape, device=dev, dtype=torch.float32)
         self.prompt_bias = bias.masked_fill(mask == 0, float("-inf"))[:, None, None, :]  # [B, 1, 1, P]
-        self.ptrs = BackPointers(b, r, max_len, dev)
-        self.r, self.max_len = r, max_len
-        self.position = torch.zeros(1, dtype=torch.long, device=dev)  # [1]: the position this step writes
-        self.span = max_len  # positions this step attends (host int; a span bucket if static)
-        self.gen_bias: Tensor | None = None  # [B|1, 1, Rq, 1, span*R] float32, 0 or -inf; None = all
+        self.gen_bias: Tensor | None = None  # [B|L|1, 1, Rq, 1, span*R] float32, 0 or -inf; None = all
         self.window = window
         self.windowed: tuple[Tensor, Tensor] | None = None  # the sliding layers' (prompt, generated) biases
+        self.widths: Tensor | None = None  # lanes: [L], each joiner's own prompt width
+        self.key_rows, self.value_rows = self.lane_rows(hkv * d), self.lane_rows(hkv)  # lanes: ``write``'s
+        self.where_k = self.where_v = None  # lanes: where this step's keys and values go
+        if lanes:
+            self.make_static()
+            self.widths = torch.zeros(b, dtype=torch.long, device=dev)
+
+    @classmethod
+    def lanes(
+        cls, layers: int, lanes: int, rows_per_input: int, kv_heads: int, head_dim: int, max_len: int, width: int,
+        dtype: torch.dtype, device: torch.device, window: int | None = None,
+    ) -> DecoderOnlyKVCache:  # fmt: skip
+        """``lanes`` empty lanes (prompt regions of ``width`` columns, all masked until a join)."""
+        kv = [torch.zeros(lanes, kv_heads, width, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        mask = torch.zeros(lanes, width, dtype=torch.long, device=device)
+        return cls(kv, [x.clone() for x in kv], mask, rows_per_input, max_len, window, lanes=True)
 
     def buffers(self) -> list[Tensor]:
         return self.gk + self.gv
 
+    @property
+    def width(self) -> int:
+        return self.prompt_bias.shape[-1]
+
     def make_static(self) -> None:
-        """As :meth:`GeneratedPositions.make_static`; the prompt's values get storage of their own too (the prefill's
-        are views of its projection's output, which they would keep alive: a kept cache lives on)."""
+        """As :meth:`LaneTable.make_static`; the prompt's values get storage of their own too (the prefill's are views
+        of its projection's output, which they would keep alive: a kept cache lives on)."""
         super().make_static()
         self.pv = [v.contiguous() for v in self.pv]
 
@@ -359,60 +438,73 @@ class DecoderOnlyKVCache(GeneratedPositions):
         self.prompt_bias.copy_(bias.masked_fill(mask == 0, float("-inf"))[:, None, None, :])  # [B, 1, 1, P]
         self.reset()
 
+    def widen(self, width: int) -> None:
+        """Lanes: room for prompts of ``width`` positions: every lane's region grows, masked, on the right."""
+        grow = width - self.width
+        if grow > 0:
+            pad = torch.nn.functional.pad
+            self.pk = [pad(k, (0, grow)) for k in self.pk]  # [L, Hkv, d, W]
+            self.pv = [pad(v, (0, 0, 0, grow)) for v in self.pv]  # [L, Hkv, W, d]
+            self.prompt_bias = pad(self.prompt_bias, (0, grow), value=float("-inf"))  # [L, 1, 1, W]
+
+    def put_prompt(self, lanes: Tensor, pk: list[Tensor], pv: list[Tensor], mask: Tensor) -> None:
+        """Lanes: the prefill of joiners taking lanes ``lanes`` ([J] int64): K/V [J, Hkv, w, d] per layer and mask
+        [J, w] (``w <= W``) go into columns ``[0, w)``; the rest of their region is masked."""
+        assert self.widths is not None
+        w = mask.shape[1]
+        for i, (k, v) in enumerate(zip(pk, pv, strict=True)):
+            self.pk[i].narrow(3, 0, w).index_copy_(0, lanes, k.transpose(-1, -2))  # [J, Hkv, d, w]
+            self.pv[i].narrow(2, 0, w).index_copy_(0, lanes, v)  # [J, Hkv, w, d]
+        bias = torch.full((mask.shape[0], self.width), float("-inf"), device=mask.device)  # [J, W]
+        bias[:, :w].masked_fill_(mask != 0, 0.0)
+        self.prompt_bias.index_copy_(0, lanes, bias[:, None, None, :])
+        self.widths.index_fill_(0, lanes, w)
+
     def begin(self) -> None:
-        """A step starts: build the generated-position bias once for all layers."""
+        """A step starts: the generated positions' bias once for all layers (and the sliding layers' biases), and
+        where lanes write."""
         r, span = self.r, self.span
         self.gen_bias = None  # dynamic, R = 1: a row sees all of the first t+1 positions
         if self.static or r > 1:
-            visible = self.ptrs.visible(self.position, span)  # [B, Rq, span, R] or [1, 1, span, 1]
-            visible = visible.expand(-1, r, span, r).reshape(-1, 1, r, 1, span * r)  # [B|1, 1, Rq, 1, span*R]
+            visible = self.visible(span).expand(-1, r, span, r).reshape(-1, 1, r, 1, span * r)  # [B|L|1, 1, Rq, 1, span*R]
             zeros = torch.zeros(visible.shape, device=visible.device, dtype=torch.float32)
             self.gen_bias = zeros.masked_fill_(~visible, float("-inf"))
         if self.window is not None:
-            self._window(self.position, self.prompt_bias.shape[-1])
+            self._window(self.width if self.widths is None else self.widths)
+        self.where_k, self.where_v = self.at_steps(self.key_rows), self.at_steps(self.value_rows)
 
-    def _window(self, step: Tensor, width: Tensor | int) -> None:
-        """The sliding layers' biases for queries at ``step`` ([1], or [L] per lane) over prompts of ``width``
-        columns ([L] per lane, or one int): a key ``window`` or more positions back is masked. Positions are the
-        caches' columns (a prompt left-padded, generated keys after it), as transformers' masks count them; the
-        distance between two real tokens is the same at any padding. Sets ``windowed``: (prompt [B|L, 1, 1, 1, P],
-        generated [B|L, 1, Rq|1, 1, span*R])."""
+    def _window(self, width: Tensor | int) -> None:
+        """The sliding layers' biases for queries at each lane's step over prompts of ``width`` columns ([L] per lane,
+        or one int): a key ``window`` or more positions back is masked. Positions are the caches' columns (a prompt
+        left-padded, generated keys after it), as transformers' masks count them; the distance between two real
+        tokens is the same at any padding. Sets ``windowed``: (prompt [B|L, 1, 1, 1, P], generated
+        [B|L|1, 1, Rq|1, 1, span*R])."""
         w, r, span = self.window, self.r, self.span
-        step = step[:, None]  # [1|L, 1]
-        cols = torch.arange(self.prompt_bias.shape[-1], device=step.device)  # [P]
+        step = self.steps[:, None]  # [1|L, 1]
+        cols = torch.arange(self.width, device=step.device)  # [P]
         width = width[:, None] if isinstance(width, Tensor) else width
         near = cols > width + step - w  # [1|L, P]: prompt column j is less than `window` back
         prompt = self.prompt_bias.masked_fill(~near[:, None, None, :], float("-inf"))[:, :, :, None]
-        near = (self.ptrs.positions[:span] > step - w)[:, :, None].expand(-1, span, r).reshape(-1, 1, 1, 1, span * r)
-        gen = torch.zeros(near.shape, device=near.device).masked_fill_(~near, float("-inf"))  # [1|L, 1, 1, 1, span*R]
+        near = self.near(w)[:, :, None].expand(-1, span, r).reshape(-1, 1, 1, 1, span * r)  # [1|L, 1, 1, 1, span*R]
+        gen = torch.zeros(near.shape, device=near.device).masked_fill_(~near, float("-inf"))
         self.windowed = (prompt, gen if self.gen_bias is None else gen + self.gen_bias)
 
-    def advance(self) -> None:
-        """A step is done: the next one writes the next position (queued on the device, no sync)."""
-        self.position.add_(1)
-
     def update(self, layer: int, k: Tensor, v: Tensor, sliding: bool = False) -> list[Block]:
-        """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE) of ``layer``; returns what a query attends,
-        in score order: the prompt's keys [B, Hkv, d, P], values [B, Hkv, P, d] and bias, then the first ``span``
-        generated positions' [B, Hkv, d, span*R], [B, Hkv, span*R, d] (views) and bias (``gen_bias``); ``sliding``:
-        the biases of the sliding window (``windowed``)."""
-        b, r, d = self.prompt_bias.shape[0], self.r, k.shape[2]
-        hkv = k.shape[1]
-        gk, gv = self.gk[layer], self.gv[layer]
-        span = self.span
-        at, pos = (None if self.static else span - 1), self.position
-        write_position(gk, 3, k.view(b, r, hkv, d).permute(0, 2, 3, 1), pos, at)  # keys [B, Hkv, d, R]
-        write_position(gv, 2, v.view(b, r, hkv, d).transpose(1, 2), pos, at)  # values [B, Hkv, R, d]
+        """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE) of ``layer``; returns what a query attends, in
+        score order (the class's docstring): the prompt's keys [B, Hkv, d, P], values [B, Hkv, P, d] and bias, and
+        the first ``span`` generated positions' [B, Hkv, d, span*R], [B, Hkv, span*R, d] (views) and bias
+        (``gen_bias``); ``sliding``: the biases of the sliding window (``windowed``)."""
+        b, r, hkv, d, span = self.prompt_bias.shape[0], self.r, k.shape[1], k.shape[2], self.span
+        gk, gv = self.gk[layer], self.gv[layer]  # [B, Hkv, d, T, R], [B, Hkv, T, R, d]
+        self.write(gk, 3, k.view(b, r, hkv, d).permute(0, 2, 3, 1), self.where_k)  # keys [B, Hkv, d, R]
+        self.write(gv, 2, v.view(b, r, hkv, d).transpose(1, 2), self.where_v)  # values [B, Hkv, R, d]
         keys_t = gk[:, :, :, :span].view(b, hkv, d, span * r)  # position-major: index s*R + beam
         vals = gv[:, :, :span].view(b, hkv, span * r, d)
         prompt_bias, gen_bias = (self.prompt_bias[:, :, :, None], self.gen_bias)
         if sliding and self.windowed is not None:
             prompt_bias, gen_bias = self.windowed
-        return [(self.pk[layer], self.pv[layer], prompt_bias), (keys_t, vals, gen_bias)]
-
-    def reorder(self, rows: Tensor) -> None:
-        """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input): only back-pointers move."""
-        self.ptrs.reorder(rows)
+        prompt, generated = (self.pk[layer], self.pv[layer], prompt_bias), (keys_t, vals, gen_bias)
+        return [prompt, generated] if self.ages is None else [generated, prompt]
 
     def keep(self, inputs: Tensor, rows: Tensor, used: int) -> None:
         """Keep inputs ``inputs`` ([B']), i.e. rows ``rows`` ([B' * R]); copies only the ``used`` positions."""
@@ -422,20 +514,20 @@ class DecoderOnlyKVCache(GeneratedPositions):
             self.gk[i] = keep_positions(self.gk[i], inputs, 3, used, self.static)
             self.gv[i] = keep_positions(self.gv[i], inputs, 2, used, self.static)
         self.prompt_bias = self.prompt_bias.index_select(0, inputs)
-        self.ptrs.keep(rows)
+        self.ptr = self.ptr.index_select(0, rows)
 
     def keep_into(self, into: DecoderOnlyKVCache, inputs: Tensor, rows: Tensor, used: int) -> None:
         """:meth:`keep` into the kept static cache ``into`` (``inputs.shape[0]`` inputs, same width and positions):
-        the prompts, the ``used`` generated positions (the rest zeros), the back-pointers and the position counter;
-        ``self`` is left as it is."""
+        the prompts, the ``used`` generated positions (the rest zeros), the back-pointers and the step; ``self`` is
+        left as it is."""
         for i in range(len(self.pk)):
             select_into(into.pk[i], self.pk[i], inputs)
             select_into(into.pv[i], self.pv[i], inputs)
             copy_positions(into.gk[i], self.gk[i], inputs, 3, used)
             copy_positions(into.gv[i], self.gv[i], inputs, 2, used)
         select_into(into.prompt_bias, self.prompt_bias, inputs)
-        select_into(into.ptrs.ptr, self.ptrs.ptr, rows)
-        into.position.copy_(self.position)
+        select_into(into.ptr, self.ptr, rows)
+        into.steps.copy_(self.steps)
 
     def empty(self, inputs: int) -> DecoderOnlyKVCache:
         """A static cache like this one for ``inputs`` inputs: zeros, prompts all masked (what :meth:`keep_into`
@@ -449,4 +541,4 @@ class DecoderOnlyKVCache(GeneratedPositions):
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in self.pk + self.pv + self.gk + self.gv) + self.ptrs.ptr.nbytes
+        return sum(x.nbytes for x in self.pk + self.pv + self.gk + self.gv) + self.ptr.nbytes

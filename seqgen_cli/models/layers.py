@@ -117,10 +117,9 @@ class Seq2SeqLayer:
         if step.rope is not None:
             cos, sin = step.rope[at.rope]
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-        keys_t, values = step.cache.update(at.index, k, v)  # [B, Hkv, d, span*R], [B, Hkv, span*R, d]
+        ((keys_t, values, bias),) = step.cache.update(at.index, k, v, at.sliding)  # keys_t [B, Hkv, d, span*R]
         b = keys_t.shape[0]
         qb = q.view(b, n // b, at.heads, at.head_dim).transpose(1, 2)  # [N, H, d] -> [B, H, Rq, d]
-        bias = step.cache.layer_bias(at.index, at.sliding)
         out = attention(qb, keys_t, values, bias, self.scale, None, self.softcap, at.scale_scores, self.source(step))
         return self.o(out.transpose(1, 2).reshape(n, h_d))  # [B, H, Rq, d] -> [B, Rq, H, d] -> [N, H*d] -> [N, D]
 

@@ -1,12 +1,11 @@
 """The refill engine (``--refill``): generation over a fixed set of input *lanes*; an input that finishes hands its
 lane to a waiting one, so steps run with full batches instead of a shrinking tail. Every fast backend refills (a
-:class:`~seqgen_cli.search.protocol.RefillBackend`): the encoder-decoder ones (BART family, T5) and the
-decoder-only ones (GPT-2, Llama).
+:class:`~seqgen_cli.search.protocol.RefillBackend`): every family of ``models/families/``, encoder-decoder and
+decoder-only.
 
 Lanes. ``L`` lanes of ``R`` rows each (beams, or samples) live in the model backend's state (``open_lanes``): per
 lane the source's cross-attention keys/values and mask (encoder-decoder) or the prompt's keys/values and mask
-(decoder-only), and a self-attention cache with a step counter per lane (``models/lane_cache.py``: ``LaneKVCache``,
-``DecoderOnlyLaneKVCache``). Every decode step runs all ``L * R`` rows (the backend's ``step`` on the lane state),
+(decoder-only), and a self-attention cache with a step counter per lane (``models/kv_cache.py``, built with ``lanes=True``). Every decode step runs all ``L * R`` rows (the backend's ``step`` on the lane state),
 each lane at its own step: one shape per span bucket and source width, so on CUDA the backend is a
 ``CapturedBackend`` whose step replays a CUDA graph (``models/capture.py``).
 

@@ -22,7 +22,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.models.attention import attention, scores32
 from seqgen_cli.models.kv_cache import DecoderOnlyKVCache
-from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
 from seqgen_cli.models.layers import causal_attention
 from seqgen_cli.shapes import span_bucket
 
@@ -172,7 +171,7 @@ def test_decoder_only_scores_are_float32(dtype: torch.dtype) -> None:
 def test_decoder_only_lane_scores_are_float32(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(4)
     s, r, h, hkv, d, w, scale = 2, 1, 4, 2, 32, 6, 32**-0.5
-    cache = DecoderOnlyLaneKVCache(1, s, r, hkv, d, 8, w, dtype, torch.device("cpu"))
+    cache = DecoderOnlyKVCache.lanes(1, s, r, hkv, d, 8, w, dtype, torch.device("cpu"))
     lanes = torch.arange(s)
     mask = torch.ones(s, w, dtype=torch.long)
     mask[1, :3] = 0

@@ -43,7 +43,7 @@ def state_buffers(inner: Any) -> list[torch.Tensor]:
     """The tensors of a wrapped backend's state that a captured step reads as its state (what CUDA graphs read in
     place), not the step's intermediates (the attention biases ``begin`` builds)."""
     cache = inner.cache
-    common = [cache.ptrs.ptr, cache.position]
+    common = [cache.ptr, cache.steps]
     if hasattr(inner, "cross_k"):  # encoder-decoder
         bias = [] if inner.self_bias is None else [inner.self_bias]
         return [*inner.cross_k, *inner.cross_v, inner.cross_mask, *cache.k, *cache.v, *common, *bias]

@@ -325,7 +325,7 @@ def test_captured_backend_through_torch_compile(tiny_models) -> None:
 
 
 def _spans(max_len: int, steps: int, static: bool) -> list[int]:
-    """The self-attention positions each step attends, as the cache decides them (``GeneratedPositions.check``)."""
+    """The self-attention positions each step attends, as the cache decides them (``LaneTable.check``)."""
     from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
 
     cache = EncoderDecoderKVCache(1, 1, 1, 1, max_len, 1, torch.float32, torch.device("cpu"))

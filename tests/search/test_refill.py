@@ -201,10 +201,10 @@ def test_refill_window_mixes_widths(tiny_models) -> None:
 
 
 def test_lane_cache_steps_per_lane() -> None:
-    """LaneKVCache: lanes at different steps write their own step and see their own history only."""
-    from seqgen_cli.models.lane_cache import LaneKVCache
+    """A lane cache: lanes at different steps write their own step and see their own history only."""
+    from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
 
-    cache = LaneKVCache(1, 2, 1, 1, 4, 2, torch.float32, torch.device("cpu"))
+    cache = EncoderDecoderKVCache(1, 2, 1, 1, 4, 2, torch.float32, torch.device("cpu"), lanes=True)
     cache.steps.copy_(torch.tensor([0, 2]))
     cache._row_steps()
     cache.begin()
@@ -216,15 +216,15 @@ def test_lane_cache_steps_per_lane() -> None:
 
 
 def test_decoder_only_lane_cache_prompt_region_and_steps() -> None:
-    """DecoderOnlyLaneKVCache: a joiner's prefill K/V go into columns [0, w) of its lane's prompt region, the rest
+    """A decoder-only lane cache: a joiner's prefill K/V go into columns [0, w) of its lane's prompt region, the rest
     masked; widening adds masked columns on the right; lanes at different steps write their own generated position,
     and a row attends its visible generated keys and its prompt's real keys, as one softmax."""
-    from seqgen_cli.models.lane_cache import DecoderOnlyLaneKVCache
+    from seqgen_cli.models.kv_cache import DecoderOnlyKVCache
     from seqgen_cli.models.layers import causal_attention
 
     inf = float("-inf")
     # 1 layer, 2 lanes of 1 row, 1 K/V head of 2 dims, 4 generated positions, prompt regions of 3 columns
-    cache = DecoderOnlyLaneKVCache(1, 2, 1, 1, 2, 4, 3, torch.float32, torch.device("cpu"))
+    cache = DecoderOnlyKVCache.lanes(1, 2, 1, 1, 2, 4, 3, torch.float32, torch.device("cpu"))
     pk = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])  # [J=1, Hkv=1, w=2, d=2]: a pad column, then a real one
     pv = torch.tensor([[[[5.0, 6.0], [7.0, 8.0]]]])
     cache.put_prompt(torch.tensor([1]), [pk], [pv], torch.tensor([[0, 1]]))
