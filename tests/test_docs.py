@@ -80,6 +80,16 @@ def test_a_section_lives_in_one_of_the_two() -> None:
     assert not both, both
 
 
+BENCHMARKS_LINES = 450  # current tables with their commands; what chose a design goes to docs/EXPERIMENTS.md
+
+
+def test_benchmarks_holds_current_tables_only() -> None:
+    """docs/BENCHMARKS.md is a reference of current figures, not a journal: a measurement that only chose a design
+    moves to docs/EXPERIMENTS.md once recorded, so the file stays short enough to read."""
+    lines = (REPO / "docs" / "BENCHMARKS.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= BENCHMARKS_LINES, f"docs/BENCHMARKS.md has {lines} lines (at most {BENCHMARKS_LINES})"
+
+
 def test_the_readme_families_table_is_the_codes() -> None:
     """The README's families table names exactly the model types ``seqgen models`` lists (families.FAMILIES and
     models.NO_ENGINE): a family added or dropped in the code fails here until the table says so."""

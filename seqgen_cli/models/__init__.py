@@ -75,6 +75,7 @@ def to_int8(model: PreTrainedModel, fast: bool, head: Sequence[int] = ()) -> Mod
     from seqgen_cli import startup
     from seqgen_cli.models.int8_cache import session
 
+    linear_maps.use_int8_engine()  # before the cache's key and any packing
     with session(model), startup.stage("int8 weights"):
         if fast:
             return get_backend(model, int8=True, head=head)

@@ -6,8 +6,8 @@ weights, its ``nn.Linear`` layers on oneDNN, ``linear_maps.onednn_copy``; ``gene
 Cross-attention keys/values are projected once per *input*
 (``[B, H, S, d]``), never per beam: a step's ``N = B * R`` queries are viewed as ``[B, H, R, d]``, so the
 ``R`` beams of an input act as query positions against that input's keys (FastSeq's trick). They are never
-reordered (beams stay within their input) and only shrink when inputs finish. Self-attention goes through
-:class:`~seqgen_cli.models.kv_cache.EncoderDecoderKVCache`.
+reordered (beams stay within their input) and only shrink when inputs finish. They and the self-attention positions
+are held by :class:`~seqgen_cli.models.kv_cache.EncoderDecoderKVCache` (a batch's, a kept state's, the lanes').
 
 ``lm`` is the LM head as a linear map (:func:`~seqgen_cli.models.linear_maps.linear`, with ``final_logits_bias``
 folded into its bias where the model has one). ``int8=True`` (``--dtype int8``, CPU): the decoder's linear maps and
@@ -29,7 +29,6 @@ from seqgen_cli.models.kv_cache import (
     kv_bytes,
     pointer_bytes,
     run_step,
-    select_into,
 )
 from seqgen_cli.models.layers import Place, Seq2Seq, Step, sliding_layers
 from seqgen_cli.models.linear_maps import linear, onednn_copy, quantize_linears
@@ -43,11 +42,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class EncoderDecoderState:
-    cross_k: list[torch.Tensor]  # per decoder layer [B, Hkv, d, S]: keys transposed
-    cross_v: list[torch.Tensor]  # per decoder layer [B, Hkv, S, d]
-    cross_mask: torch.Tensor  # [B, 1, 1, S] float32 additive: 0 = attend, -inf = padding
-    cache: EncoderDecoderKVCache  # self-attention, preallocated for max_len positions
-    max_len: int  # positions the self-attention cache holds
+    cache: EncoderDecoderKVCache  # the source's cross-attention K/V and mask, the self-attention positions
     t: int = 0  # decoder positions fed so far (host counter)
     self_bias: torch.Tensor | None = None  # relative position bias [L', H, T, T] (query, key): L' = 1 or per layer
 
@@ -143,7 +138,7 @@ class EncoderDecoderBackend:
         tables = None
         if self.rotary is not None:
             tables = rotary_tables(self.rotary, x, cache.position, self.rotary_table, self.per_type)
-        step = Step(cache, tables, state.cross_k, state.cross_v, state.cross_mask)
+        step = Step(cache, tables, cache.cross_k, cache.cross_v, cache.cross_mask)
         for layer in self.layers:
             x = layer(x, step)  # [N, D]
         return self.head(x)  # [N, V]
@@ -233,26 +228,8 @@ class EncoderDecoderBackend:
         keys, values, mask = self._encode(batch, cross_width(batch.input_ids.shape[1]))
         max_len = max(1, max_new_tokens)  # step() is called at most max_new_tokens times
         self.positions = self._position_table(max_len + self.pos_offset)
-        cache = EncoderDecoderKVCache(
-            self.n_layers,
-            batch.input_ids.shape[0],
-            rows_per_input,
-            self.kv_heads,
-            max_len,
-            self.head_dim,
-            self.dtype,
-            self.device,
-            self.window,
-        )
-        state = EncoderDecoderState(
-            cross_k=keys,
-            cross_v=values,
-            cross_mask=mask,
-            cache=cache,
-            max_len=max_len,
-            self_bias=self._relative_bias(max_len),
-        )
-        return state, None
+        cache = EncoderDecoderKVCache(keys, values, mask, rows_per_input, max_len, self.window)
+        return EncoderDecoderState(cache, self_bias=self._relative_bias(max_len)), None
 
     # -- kept states (models/capture.py: one per captured batch shape, for the backend's life) --------------------
     @torch.inference_mode()
@@ -262,14 +239,10 @@ class EncoderDecoderBackend:
         are copied into its tensors, the self-attention cache restarts (zeros, position 0). T5's position bias depends
         on the positions only and stays. No first logits (``None``), as :meth:`start`."""
         b, s = batch.input_ids.shape
-        held = (state.cross_mask.shape[0], state.cross_mask.shape[-1])
+        held = (state.cache.cross_mask.shape[0], state.cache.width)
         if (b, cross_width(s)) != held:
             raise ValueError(f"a batch of {b} x {s} cannot restart a state of {held[0]} x {held[1]} sources")
-        keys, values, mask = self._encode(batch, held[1])
-        for dst, src in zip(state.cross_k + state.cross_v, keys + values, strict=True):
-            dst.copy_(src)  # [B, H, d, S], [B, H, S, d]
-        state.cross_mask.copy_(mask)  # [B, 1, 1, S]
-        state.cache.reset()
+        state.cache.restart(*self._encode(batch, held[1]))
         state.t = 0
 
     @torch.inference_mode()
@@ -283,19 +256,8 @@ class EncoderDecoderBackend:
         """Inputs ``keep`` ([B'] int64), i.e. rows ``rows`` ([B' * R]), of the static ``state`` in ``into`` (a kept
         state of B' inputs, same width and positions; a new one if ``None``): cross-attention K/V and mask, the
         self-attention positions written so far, back-pointers, the step. ``state`` is left as it is."""
-        if into is None:
-            b = keep.shape[0]
-            into = EncoderDecoderState(
-                cross_k=[k.new_zeros((b, *k.shape[1:])) for k in state.cross_k],
-                cross_v=[v.new_zeros((b, *v.shape[1:])) for v in state.cross_v],
-                cross_mask=state.cross_mask.new_zeros((b, *state.cross_mask.shape[1:])),
-                cache=state.cache.empty(b),
-                max_len=state.max_len,
-                self_bias=state.self_bias,  # [L', H, T, T]: the positions' only, shared
-            )
-        for dst, src in zip(into.cross_k + into.cross_v, state.cross_k + state.cross_v, strict=True):
-            select_into(dst, src, keep)
-        select_into(into.cross_mask, state.cross_mask, keep)
+        if into is None:  # T5's position bias [L', H, T, T]: the positions' only, shared
+            into = EncoderDecoderState(state.cache.empty(keep.shape[0]), self_bias=state.self_bias)
         state.cache.keep_into(into.cache, keep, rows, used=state.t)
         into.t = state.t
         return into
@@ -304,58 +266,34 @@ class EncoderDecoderBackend:
     @torch.inference_mode()
     def open_lanes(self, lanes: int, rows_per_input: int, max_new_tokens: int) -> EncoderDecoderState:
         """``lanes`` empty lanes of ``rows_per_input`` rows each (sources of ``MIN_WIDTH`` tokens until a
-        wider one joins). An empty lane attends one zero key: finite, ignored."""
-        h, d, dev, width = self.kv_heads, self.head_dim, self.device, MIN_WIDTH
-        mask = torch.full((lanes, 1, 1, width), float("-inf"), device=dev)  # [L, 1, 1, W]
-        mask[..., 0] = 0.0
+        wider one joins)."""
         max_len = max(1, max_new_tokens)
         self.positions = self._position_table(max_len + self.pos_offset)
-        cache = EncoderDecoderKVCache(self.n_layers, lanes, rows_per_input, h, max_len, d, self.dtype, dev, self.window, True)
-        return EncoderDecoderState(
-            cross_k=[
-                torch.zeros((lanes, h, d, width), dtype=self.key_dtype, device=dev) for _ in range(self.n_layers)
-            ],
-            cross_v=[
-                torch.zeros((lanes, h, width, d), dtype=self.dtype, device=dev) for _ in range(self.n_layers)
-            ],
-            cross_mask=mask,
-            cache=cache,
-            max_len=max_len,
-            self_bias=self._relative_bias(max_len),
-        )
+        cache = EncoderDecoderKVCache.lanes(
+            self.n_layers, lanes, rows_per_input, self.kv_heads, self.head_dim, max_len, MIN_WIDTH, self.key_dtype,
+            self.dtype, self.device, self.window,
+        )  # fmt: skip
+        return EncoderDecoderState(cache, self_bias=self._relative_bias(max_len))
 
     def lane_width(self, state: EncoderDecoderState) -> int:
         """The lanes' source width (one compiled shape each, ``models/capture.py``)."""
-        return state.cross_mask.shape[-1]
-
-    def _widen(self, state: EncoderDecoderState, longest: int) -> None:
-        """Room for sources of ``longest`` tokens: every lane's source columns grow (masked) to
-        ``shapes.graph_width(longest)``, so a run widens a few times at most."""
-        width = graph_width(longest, getattr(self, "max_position_embeddings", None))
-        grow = width - state.cross_mask.shape[-1]
-        if grow > 0:
-            state.cross_k = [torch.nn.functional.pad(k, (0, grow)) for k in state.cross_k]  # [L, H, d, W]
-            state.cross_v = [
-                torch.nn.functional.pad(v, (0, 0, 0, grow)) for v in state.cross_v
-            ]  # [L, H, W, d]
-            state.cross_mask = torch.nn.functional.pad(state.cross_mask, (0, grow), value=float("-inf"))
+        return state.cache.width
 
     @torch.inference_mode()
     def join(self, state: EncoderDecoderState, lanes: list[int], batch: Batch) -> None:
-        """Inputs ``batch`` ([J, W'] right-padded) take lanes ``lanes``: the encoder runs for them only,
-        at the lanes' source width (widened first if they are wider), their cross-attention keys/values and mask
-        go into the lanes' rows and their self-attention restarts at step 0. No first logits (``None``): the search
-        then feeds the decoder start token."""
-        lane_ids = torch.tensor(lanes, dtype=torch.long, device=self.device)  # [J]
-        self._widen(state, batch.input_ids.shape[1])
-        batch = batch.padded(batch.input_ids.shape[0], state.cross_mask.shape[-1], left=False)
+        """Inputs ``batch`` ([J, W'] right-padded) take lanes ``lanes``: the encoder runs for them only, at the lanes'
+        source width (widened first, masked, to ``shapes.graph_width`` of the longest, so a run widens a few times at
+        most), their cross-attention keys/values and mask go into the lanes' rows and their self-attention restarts
+        at step 0. No first logits (``None``): the search then feeds the decoder start token."""
+        cache = state.cache
+        cache.widen(graph_width(batch.input_ids.shape[1], self.max_position_embeddings))
+        batch = batch.padded(batch.input_ids.shape[0], cache.width, left=False)
         enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
-        for i, (k, v) in enumerate(self._cross_kv(enc.last_hidden_state)):  # [J, H, d, W], [J, H, W, d]
-            state.cross_k[i].index_copy_(0, lane_ids, k)
-            state.cross_v[i].index_copy_(0, lane_ids, v)
+        cross = self._cross_kv(enc.last_hidden_state)  # L x ([J, H, d, W], [J, H, W, d])
         mask = torch.where(batch.attention_mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [J, 1, 1, W]
-        state.cross_mask.index_copy_(0, lane_ids, mask)
-        state.cache.join(lanes)
+        lane_ids = torch.tensor(lanes, dtype=torch.long, device=self.device)  # [J]
+        cache.put_source(lane_ids, [k for k, _ in cross], [v for _, v in cross], mask)
+        cache.join(lanes)
 
     def leave(self, state: EncoderDecoderState, lanes: list[int]) -> None:
         """The inputs of ``lanes`` are done: those lanes idle until the next join."""
@@ -367,17 +305,13 @@ class EncoderDecoderBackend:
 
     @torch.inference_mode()
     def keep(self, state: EncoderDecoderState, keep: torch.Tensor, rows: torch.Tensor) -> None:
-        state.cross_k = [k.index_select(0, keep) for k in state.cross_k]
-        state.cross_v = [v.index_select(0, keep) for v in state.cross_v]
-        state.cross_mask = state.cross_mask.index_select(0, keep)
         state.cache.keep(keep, rows, used=state.t)
 
     def cache_nbytes(self, state: EncoderDecoderState) -> dict[str, int]:
         """Bytes held for the search: cross-attention K/V (per input), the self-attention cache (with its
         back-pointers) and the relative position bias."""
-        cross = sum(k.nbytes + v.nbytes for k, v in zip(state.cross_k, state.cross_v, strict=True))
         bias = 0 if state.self_bias is None else state.self_bias.nbytes
-        return {"cross": cross, "self": state.cache.nbytes, "bias": bias}
+        return {"cross": state.cache.cross_nbytes, "self": state.cache.nbytes, "bias": bias}
 
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int:
         """Bytes :meth:`start` allocates for ``inputs`` sources of ``width`` tokens, ``rows_per_input`` rows each,

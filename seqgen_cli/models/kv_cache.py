@@ -247,33 +247,36 @@ class LaneTable:
 
 
 class EncoderDecoderKVCache(LaneTable):
-    """Self-attention of the encoder-decoder backends' decoders: a batch's (``B`` inputs) or ``L`` lanes, each at
-    its own step (``lanes=True``, the refill engine's). Back-pointers and the relative position bias as one additive
-    bias per step, one :func:`attention` per layer. Keys are not stored transposed: a [d, T*R] layout puts a head's d
-    rows T*R floats apart, which at Marian's 511 positions cost more per step than the GEMM gained."""
+    """What an encoder-decoder's decoder attends: each layer's cross-attention keys and values, once per input (never
+    per beam: an input's ``R`` rows query them together), and its self-attention keys and values, per row; a batch's
+    (``B`` inputs) or ``L`` lanes, each at its own step (:meth:`lanes`, the refill engine's). Back-pointers and the
+    relative position bias as one additive bias per step, one :func:`attention` per layer. Self-attention keys are
+    not stored transposed: a [d, T*R] layout puts a head's d rows T*R floats apart, which at Marian's 511 positions
+    cost more per step than the GEMM gained."""
 
     def __init__(
         self,
-        layers: int,
-        inputs: int,
+        cross_k: list[Tensor],
+        cross_v: list[Tensor],
+        cross_mask: Tensor,
         rows_per_input: int,
-        heads: int,
         max_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
         window: int | None = None,
         lanes: bool = False,
     ) -> None:
-        """``heads``: the K/V heads (grouped-query attention: fewer than the queries'). ``window``: the sliding
-        window of the layers that slide (a query sees the keys less than ``window`` positions before it); only where
-        ``max_len`` positions reach past it. ``lanes``: ``inputs`` lanes at their own steps (static: zeros, a span
-        bucket attended)."""
-        b, h, t, r, d = inputs, heads, max_len, rows_per_input, head_dim
+        """Take the source's keys [B, Hkv, d, S] (transposed; float32 where the CPU scores half precision) and
+        values [B, Hkv, S, d] per layer and its mask [B, 1, 1, S] (additive float32: 0 = attend, -inf = padding);
+        allocate ``max_len`` self-attention positions of ``Hkv`` heads (grouped-query attention: fewer than the
+        queries') in the values' dtype. ``window``: the sliding window of the layers that slide (a query sees the
+        keys less than ``window`` positions before it); only where ``max_len`` positions reach past it. ``lanes``:
+        ``B`` lanes at their own steps (static: zeros, a span bucket attended)."""
+        b, h, _, d = cross_v[0].shape
+        t, r, dtype, device = max_len, rows_per_input, cross_v[0].dtype, cross_v[0].device
         self._table(b, r, t, device, own_steps=lanes)
+        self.cross_k, self.cross_v, self.cross_mask = cross_k, cross_v, cross_mask
         # Unread positions need no zeros off the static path: empty pages are only touched as positions are written.
-        self.k = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in range(layers)]
+        self.k = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in cross_k]
+        self.v = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in cross_k]
         self.heads, self.head_dim = h, d
         self.bias: Tensor | None = None  # additive float32, [[L',] B|L|1, 1|H, Rq, span*R]; None = all
         self.window = window if window is not None and max_len > window else None
@@ -282,6 +285,49 @@ class EncoderDecoderKVCache(LaneTable):
         self.where: Tensor | None = None  # lanes: where this step's keys go, [L * H]
         if lanes:
             self.make_static()
+
+    @classmethod
+    def lanes(
+        cls, layers: int, lanes: int, rows_per_input: int, heads: int, head_dim: int, max_len: int, width: int,
+        key_dtype: torch.dtype, dtype: torch.dtype, device: torch.device, window: int | None = None,
+    ) -> EncoderDecoderKVCache:  # fmt: skip
+        """``lanes`` empty lanes (sources of ``width`` columns until a wider one joins, :meth:`widen`). An empty lane
+        attends one zero key: finite, ignored."""
+        mask = torch.full((lanes, 1, 1, width), float("-inf"), device=device)  # [L, 1, 1, W]
+        mask[..., 0] = 0.0
+        keys = [torch.zeros((lanes, heads, head_dim, width), dtype=key_dtype, device=device) for _ in range(layers)]
+        values = [torch.zeros((lanes, heads, width, head_dim), dtype=dtype, device=device) for _ in range(layers)]
+        return cls(keys, values, mask, rows_per_input, max_len, window, lanes=True)
+
+    @property
+    def width(self) -> int:
+        """The source columns (a batch's cross width, or the lanes')."""
+        return self.cross_mask.shape[-1]
+
+    def restart(self, keys: list[Tensor], values: list[Tensor], mask: Tensor) -> None:
+        """A kept static cache (``models/capture.py``) takes a new batch's source (this cache's shape) as a new cache
+        would, copied into its tensors; the self-attention positions restart."""
+        for dst, src in zip(self.cross_k + self.cross_v, keys + values, strict=True):
+            dst.copy_(src)  # [B, H, d, S], [B, H, S, d]
+        self.cross_mask.copy_(mask)  # [B, 1, 1, S]
+        self.reset()
+
+    def widen(self, width: int) -> None:
+        """Lanes: room for sources of ``width`` columns: every lane's grow, masked, on the right."""
+        grow = width - self.width
+        if grow > 0:
+            pad = torch.nn.functional.pad
+            self.cross_k = [pad(k, (0, grow)) for k in self.cross_k]  # [L, H, d, W]
+            self.cross_v = [pad(v, (0, 0, 0, grow)) for v in self.cross_v]  # [L, H, W, d]
+            self.cross_mask = pad(self.cross_mask, (0, grow), value=float("-inf"))  # [L, 1, 1, W]
+
+    def put_source(self, lanes: Tensor, keys: list[Tensor], values: list[Tensor], mask: Tensor) -> None:
+        """Lanes: the sources of joiners taking lanes ``lanes`` ([J] int64), at the lanes' width: keys [J, H, d, W]
+        and values [J, H, W, d] per layer, mask [J, 1, 1, W]."""
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.cross_k[i].index_copy_(0, lanes, k)
+            self.cross_v[i].index_copy_(0, lanes, v)
+        self.cross_mask.index_copy_(0, lanes, mask)
 
     def buffers(self) -> list[Tensor]:
         return self.k + self.v
@@ -329,6 +375,9 @@ class EncoderDecoderKVCache(LaneTable):
     def keep(self, inputs: Tensor, rows: Tensor, used: int) -> None:
         """Keep only inputs ``inputs`` ([B'] int64), i.e. rows ``rows`` ([B' * R]); copies only the ``used``
         positions written so far."""
+        self.cross_k = [k.index_select(0, inputs) for k in self.cross_k]
+        self.cross_v = [v.index_select(0, inputs) for v in self.cross_v]
+        self.cross_mask = self.cross_mask.index_select(0, inputs)
         for cache in (self.k, self.v):
             for i, x in enumerate(cache):
                 cache[i] = keep_positions(x, inputs, 2, used, self.static)
@@ -336,7 +385,11 @@ class EncoderDecoderKVCache(LaneTable):
 
     def keep_into(self, into: EncoderDecoderKVCache, inputs: Tensor, rows: Tensor, used: int) -> None:
         """:meth:`keep` into the kept static cache ``into`` (``inputs.shape[0]`` inputs, same positions): the
-        ``used`` positions written so far, the rest zeros, the back-pointers and the step; ``self`` is left as it is."""
+        ``used`` positions written so far, the rest zeros, the back-pointers and the step, and their sources; ``self``
+        is left as it is."""
+        for dst, src in zip(into.cross_k + into.cross_v, self.cross_k + self.cross_v, strict=True):
+            select_into(dst, src, inputs)
+        select_into(into.cross_mask, self.cross_mask, inputs)
         for dst, src in zip(into.k + into.v, self.k + self.v, strict=True):
             copy_positions(dst, src, inputs, 2, used)
         select_into(into.ptr, self.ptr, rows)
@@ -344,15 +397,20 @@ class EncoderDecoderKVCache(LaneTable):
 
     def empty(self, inputs: int) -> EncoderDecoderKVCache:
         """A static cache like this one for ``inputs`` inputs: zeros (what :meth:`keep_into` fills)."""
-        k = self.k[0]
-        cache = EncoderDecoderKVCache(
-            len(self.k), inputs, self.r, self.heads, self.max_len, self.head_dim, k.dtype, k.device, self.window
-        )
+        keys = [k.new_zeros((inputs, *k.shape[1:])) for k in self.cross_k]
+        values = [v.new_zeros((inputs, *v.shape[1:])) for v in self.cross_v]
+        mask = self.cross_mask.new_zeros((inputs, *self.cross_mask.shape[1:]))
+        cache = EncoderDecoderKVCache(keys, values, mask, self.r, self.max_len, self.window)
         cache.make_static()
         return cache
 
     @property
+    def cross_nbytes(self) -> int:
+        return sum(x.nbytes for x in self.cross_k + self.cross_v)
+
+    @property
     def nbytes(self) -> int:
+        """The self-attention positions' bytes and their back-pointers' (:attr:`cross_nbytes`: the sources')."""
         return sum(x.nbytes for x in self.k + self.v) + self.ptr.nbytes
 
 

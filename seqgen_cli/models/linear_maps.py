@@ -18,7 +18,8 @@ or leave it.
 ``--dtype int8`` on the CPU: torch's dynamic quantization (``torch.ao.nn.quantized.dynamic.Linear``).
 Weights are stored as int8 with one scale per output row (per-channel, as CTranslate2's int8); activations
 are quantized per tensor at run time (one scale and zero point from the whole input's minimum and maximum, where
-CTranslate2 takes one per row), the product runs in int8 (fbgemm under torch's ``x86`` engine) and comes back
+CTranslate2 takes one per row), the product runs in int8 (:func:`int8_engine`: fbgemm under torch's ``x86``
+engine, or oneDNN's engine on a CPU with AMX) and comes back
 as float32. So an int8 row's result depends on the other rows of its product, and an input's int8 output on the
 rest of its batch (tests/models/test_determinism.py, an expected failure). Everything that is not a linear layer (embeddings, norms, attention, the search) stays
 float32. torch's ``torch.ao.quantization`` namespace is deprecated in favour of torchao, but torchao has no
@@ -75,24 +76,51 @@ ONEDNN_DTYPES = ((torch.float32,) if ONEDNN else ()) + (
 )
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them (``/proc/cpuinfo``; none where it cannot be read)."""
+    with suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    return set()
+
+
 def cpu_isa() -> str:
     """The CPU's widest instructions for the products, in words (``--stats`` ``device.cpu_isa``): ``AMX`` (bf16 and
     int8 tiles), ``AVX-512 BF16``, else torch's own capability name (``AVX512``, ``AVX2``, ...); with the cap
     ``ONEDNN_MAX_CPU_ISA`` sets on oneDNN, where set."""
-    flags: set[str] = set()
-    with suppress(OSError):
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    flags = cpu_flags()
     isa = "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else None
     isa = isa or torch.backends.cpu.get_cpu_capability()
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
     return f"{isa} (ONEDNN_MAX_CPU_ISA={cap})" if cap else isa
 
 
+INT8_ENGINES = {"x86": "fbgemm", "fbgemm": "fbgemm", "onednn": "oneDNN"}  # torch's quantized engine -> its kernels
+
+
+def int8_engine(flags: set[str] | None = None) -> str:
+    """torch's quantized engine for ``--dtype int8``'s products on this CPU: ``onednn`` where it has AMX's int8 tiles
+    (``amx_int8``; oneDNN's engine is the one that runs them, torch's ``x86`` engine never does), whose 2-thread
+    products ran 2.3x fbgemm's at the decode's 128 rows on a Xeon with AMX (1.7x at 512 rows); else ``x86``
+    (fbgemm), which on AVX-512 VNNI is as fast as oneDNN's engine or faster at 8-128 rows (docs/BENCHMARKS.md,
+    "bfloat16 and int8 on the CPU"). ``flags``: the CPU's (:func:`cpu_flags`)."""
+    flags = cpu_flags() if flags is None else flags
+    return "onednn" if "amx_int8" in flags and "onednn" in torch.backends.quantized.supported_engines else "x86"
+
+
+def use_int8_engine(engine: str | None = None) -> str:
+    """Make ``engine`` (default :func:`int8_engine`) torch's quantized engine, before any int8 weight is packed (a
+    packed weight is the engine's own; the int8 cache's key names the engine) and returns it."""
+    torch.backends.quantized.engine = engine or int8_engine()
+    return torch.backends.quantized.engine
+
+
 def kernel(dtype: torch.dtype, int8: bool) -> str:
     """What runs the fast backends' linear maps on the CPU, in words (``--stats`` ``device.linear_maps``)."""
     if int8:
-        return "int8 fbgemm (per-channel weights, per-tensor dynamic activations)"
+        engine = torch.backends.quantized.engine
+        why = "AMX int8 tiles" if engine == "onednn" else "no AMX int8 tiles"
+        return f"int8 {INT8_ENGINES.get(engine, engine)} ({why}; per-channel weights, per-tensor dynamic activations)"
     name = str(dtype).removeprefix("torch.")
     return f"{name} oneDNN (weights packed once)" if dtype in ONEDNN_DTYPES else f"{name} F.linear"
 

@@ -96,8 +96,8 @@ def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
     sizes = dec.cache_nbytes(state)
     w = cross_width(s)  # whole cross-attention chunks
     assert sizes["cross"] == dec.n_layers * 2 * bsz * w * inner * itemsize  # B, not B * beams
-    assert all(k.shape == (bsz, dec.heads, dec.head_dim, w) for k in state.cross_k)  # keys transposed
-    assert all(v.shape == (bsz, dec.heads, w, dec.head_dim) for v in state.cross_v)
+    assert all(k.shape == (bsz, dec.heads, dec.head_dim, w) for k in state.cache.cross_k)  # keys transposed
+    assert all(v.shape == (bsz, dec.heads, w, dec.head_dim) for v in state.cache.cross_v)
     assert sizes["cross"] + sizes["self"] + sizes["bias"] == dec.cache_bytes(bsz, s, r, 5)
     # self-attention cache: preallocated once, N = B * R rows, max_new_tokens positions
     for cache in (state.cache.k, state.cache.v):  # one tensor per layer (in-place writes under torch.compile)

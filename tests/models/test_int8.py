@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import DecoderOnlyBackend, EncoderDecoderBackend, fast_backend
+from seqgen_cli.models import DecoderOnlyBackend, EncoderDecoderBackend, fast_backend, linear_maps
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.linear_maps import is_quantized, linear
 from tests.helpers import seqgen
@@ -88,9 +88,37 @@ def test_bart_family_int8_backend(tiny_models, texts: list[str], family: str, re
     _agreement(family, _check_valid(gen, texts), fp32, record_property)
 
 
-def test_int8_step_runs_quantized_kernels() -> None:
-    """The int8 decoder step calls ``quantized::linear_dynamic`` for every linear map and the LM head; the
-    float32 one never does; int8 logits stay close to float32's (a wrong scale, bias or weight would not).
+VNNI = {"avx512_vnni", "avx_vnni", "amx_int8"}  # oneDNN's int8 engine assumes 8-bit products without saturation
+
+
+@pytest.fixture
+def int8_engine():
+    """Sets torch's quantized engine for one test (``linear_maps.use_int8_engine``) and puts the old one back."""
+    old = torch.backends.quantized.engine
+    yield linear_maps.use_int8_engine
+    torch.backends.quantized.engine = old
+
+
+def test_int8_engine_follows_the_cpus_int8_tiles(int8_engine) -> None:
+    """oneDNN's quantized engine where the CPU has AMX's int8 tiles, fbgemm's (torch's ``x86``) everywhere else, and
+    ``--stats`` names the one in use with the reason."""
+    onednn = "onednn" in torch.backends.quantized.supported_engines
+    assert linear_maps.int8_engine(set()) == "x86"
+    assert linear_maps.int8_engine({"avx2", "avx512_vnni", "avx512_bf16"}) == "x86"
+    assert linear_maps.int8_engine({"amx_int8", "amx_bf16", "avx512_vnni"}) == ("onednn" if onednn else "x86")
+    here = linear_maps.int8_engine()
+    assert here == ("onednn" if onednn and "amx_int8" in linear_maps.cpu_flags() else "x86")
+    assert int8_engine() == here == torch.backends.quantized.engine
+    assert linear_maps.kernel(torch.float32, True).startswith(
+        "int8 oneDNN (AMX int8 tiles;" if here == "onednn" else "int8 fbgemm (no AMX int8 tiles;"
+    )
+
+
+@pytest.mark.parametrize("engine", ["x86", "onednn"])
+def test_int8_step_runs_quantized_kernels(engine: str, int8_engine) -> None:
+    """The int8 decoder step calls ``quantized::linear_dynamic`` for every linear map and the LM head, on either
+    engine ``int8_engine`` picks; the float32 one never does; int8 logits stay close to float32's (a wrong scale,
+    bias or weight would not).
 
     A BART with realistic initialisation (std 0.02): the tiny fixtures' std 1.0 makes attention nearly
     one-hot, where any rounding flips it."""
@@ -100,6 +128,9 @@ def test_int8_step_runs_quantized_kernels() -> None:
 
     from seqgen_cli.search.protocol import Batch
 
+    if engine not in torch.backends.quantized.supported_engines or (engine == "onednn" and not VNNI & linear_maps.cpu_flags()):
+        pytest.skip(f"torch's {engine} engine cannot run int8 here")
+    int8_engine(engine)
     torch.manual_seed(0)
     cfg = BartConfig(
         vocab_size=200, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

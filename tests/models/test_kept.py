@@ -44,9 +44,9 @@ def state_buffers(inner: Any) -> list[torch.Tensor]:
     place), not the step's intermediates (the attention biases ``begin`` builds)."""
     cache = inner.cache
     common = [cache.ptr, cache.steps]
-    if hasattr(inner, "cross_k"):  # encoder-decoder
+    if hasattr(cache, "cross_k"):  # encoder-decoder
         bias = [] if inner.self_bias is None else [inner.self_bias]
-        return [*inner.cross_k, *inner.cross_v, inner.cross_mask, *cache.k, *cache.v, *common, *bias]
+        return [*cache.cross_k, *cache.cross_v, cache.cross_mask, *cache.k, *cache.v, *common, *bias]
     return [*cache.pk, *cache.pv, cache.prompt_bias, *cache.gk, *cache.gv, *common, inner.start_pos]
 
 

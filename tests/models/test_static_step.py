@@ -154,11 +154,21 @@ def test_leaving_copies_only_the_written_positions(tiny_models, family: str, sta
         )
 
 
+def self_attention_cache(
+    layers: int, inputs: int, r: int, heads: int, max_len: int, d: int, dtype: torch.dtype, device: torch.device
+) -> EncoderDecoderKVCache:
+    """An encoder-decoder cache over a one-column source (zeros) whose self-attention is what a test looks at."""
+    keys = [torch.zeros(inputs, heads, d, 1, dtype=dtype, device=device) for _ in range(layers)]
+    values = [torch.zeros(inputs, heads, 1, d, dtype=dtype, device=device) for _ in range(layers)]
+    mask = torch.zeros(inputs, 1, 1, 1, device=device)
+    return EncoderDecoderKVCache(keys, values, mask, r, max_len)
+
+
 def test_eager_cuda_step_attends_the_written_span() -> None:
     """Only capture (``make_static``) attends all preallocated positions; an eager step, CUDA too, attends the
     ``t + 1`` written so far (fake CUDA tensors: no device needed)."""
     with FakeTensorMode():
-        cache = EncoderDecoderKVCache(2, 3, 2, 4, 7, 8, torch.float16, torch.device("cuda"))
+        cache = self_attention_cache(2, 3, 2, 4, 7, 8, torch.float16, torch.device("cuda"))
         assert cache.k[0].device.type == "cuda" and not cache.static
         cache.check(2)
         assert cache.span == 3
@@ -326,9 +336,7 @@ def test_captured_backend_through_torch_compile(tiny_models) -> None:
 
 def _spans(max_len: int, steps: int, static: bool) -> list[int]:
     """The self-attention positions each step attends, as the cache decides them (``LaneTable.check``)."""
-    from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
-
-    cache = EncoderDecoderKVCache(1, 1, 1, 1, max_len, 1, torch.float32, torch.device("cpu"))
+    cache = self_attention_cache(1, 1, 1, 1, max_len, 1, torch.float32, torch.device("cpu"))
     if static:
         cache.make_static()
     spans = []
