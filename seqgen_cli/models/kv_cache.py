@@ -272,11 +272,12 @@ class EncoderDecoderKVCache(LaneTable):
         ``B`` lanes at their own steps (static: zeros, a span bucket attended)."""
         b, h, _, d = cross_v[0].shape
         t, r, dtype, device = max_len, rows_per_input, cross_v[0].dtype, cross_v[0].device
-        self._table(b, r, t, device, own_steps=lanes)
         self.cross_k, self.cross_v, self.cross_mask = cross_k, cross_v, cross_mask
         # Unread positions need no zeros off the static path: empty pages are only touched as positions are written.
+        # Allocated first: past any memory they fail at once, before the table's zeros are written.
         self.k = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in cross_k]
         self.v = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in cross_k]
+        self._table(b, r, t, device, own_steps=lanes)
         self.heads, self.head_dim = h, d
         self.bias: Tensor | None = None  # additive float32, [[L',] B|L|1, 1|H, Rq, span*R]; None = all
         self.window = window if window is not None and max_len > window else None
@@ -445,12 +446,12 @@ class DecoderOnlyKVCache(LaneTable):
         b, hkv, _, d = pk[0].shape
         r, max_len = rows_per_input, max(max_len, 1)
         dev, dt = pk[0].device, pk[0].dtype
-        self._table(b, r, max_len, dev, own_steps=lanes)
         self.pk = [k.transpose(-1, -2).contiguous() for k in pk]  # [B, Hkv, d, P]; the prefill's copy is freed
         self.pv = pv  # [B, Hkv, P, d]
-        # unread positions need no zeros off the static path
+        # unread positions need no zeros off the static path; allocated first, as the encoder-decoder cache's
         self.gk = [torch.empty(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
         self.gv = [torch.empty(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]
+        self._table(b, r, max_len, dev, own_steps=lanes)
         bias = torch.zeros(mask.shape, device=dev, dtype=torch.float32)
         self.prompt_bias = bias.masked_fill(mask == 0, float("-inf"))[:, None, None, :]  # [B, 1, 1, P]
         self.gen_bias: Tensor | None = None  # [B|L|1, 1, Rq, 1, span*R] float32, 0 or -inf; None = all
