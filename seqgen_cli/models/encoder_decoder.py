@@ -138,7 +138,7 @@ class EncoderDecoderBackend:
         tables = None
         if self.rotary is not None:
             tables = rotary_tables(self.rotary, x, cache.position, self.rotary_table, self.per_type)
-        step = Step(cache, tables, cache.cross_k, cache.cross_v, cache.cross_mask)
+        step = Step(cache, tables)
         for layer in self.layers:
             x = layer(x, step)  # [N, D]
         return self.head(x)  # [N, V]

@@ -305,6 +305,11 @@ class EncoderDecoderKVCache(LaneTable):
         """The source columns (a batch's cross width, or the lanes')."""
         return self.cross_mask.shape[-1]
 
+    def source(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """What ``layer``'s cross-attention attends: the source's keys [B, Hkv, d, S] (transposed), values
+        [B, Hkv, S, d] and mask [B, 1, 1, S]."""
+        return self.cross_k[layer], self.cross_v[layer], self.cross_mask
+
     def restart(self, keys: list[Tensor], values: list[Tensor], mask: Tensor) -> None:
         """A kept static cache (``models/capture.py``) takes a new batch's source (this cache's shape) as a new cache
         would, copied into its tensors; the self-attention positions restart."""

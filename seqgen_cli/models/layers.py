@@ -22,16 +22,12 @@ from seqgen_cli.shapes import CROSS_CHUNK
 
 
 class Step(NamedTuple):
-    """What a decoder layer reads in one step beside its input: the self-attention cache (``update(layer, k, v)``
-    returns what the layer's queries attend), RoPE's cos/sin per layer type (``None``: no rotary positions) and, for
-    an encoder-decoder, each layer's cross-attention keys [B, Hkv, d, S] (transposed), values [B, Hkv, S, d] and the
-    source mask [B, 1, 1, S]."""
+    """What a decoder layer reads in one step beside its input: the cache (``update(layer, k, v)`` returns what the
+    layer's queries attend of its own positions; an encoder-decoder's ``source(layer)``, the source's) and RoPE's
+    cos/sin per layer type (``None``: no rotary positions)."""
 
     cache: Any
     rope: dict[str, tuple[Tensor, Tensor]] | None = None
-    cross_k: list[Tensor] | None = None
-    cross_v: list[Tensor] | None = None
-    cross_mask: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -132,12 +128,12 @@ class Seq2SeqLayer:
         rows of an input as its query positions (FastSeq's trick), the values summed by ``CROSS_CHUNK`` chunks."""
         at, i = self.at, self.at.index
         q = self.cq(h)  # [N, H*d]
-        b, n = step.cross_k[i].shape[0], q.shape[0]
+        keys_t, values, mask = step.cache.source(i)  # [B, Hkv, d, S], [B, Hkv, S, d], [B, 1, 1, S]
+        b, n = keys_t.shape[0], q.shape[0]
         q = q.view(b, n // b, at.heads, at.head_dim).transpose(1, 2)  # [N, H*d] -> [B, H, R, d]
         out = attention(
-            q, step.cross_k[i], step.cross_v[i], step.cross_mask, self.scale, CROSS_CHUNK, self.softcap,
-            at.scale_scores,
-        )  # fmt: skip  [B, H, R, d]
+            q, keys_t, values, mask, self.scale, CROSS_CHUNK, self.softcap, at.scale_scores
+        )  # [B, H, R, d]
         return self.co(out.transpose(1, 2).reshape(n, -1))  # [B, R, H, d] -> [N, H*d] -> [N, D]
 
     def source_keys(self, keys: Tensor) -> Tensor:
@@ -155,8 +151,7 @@ class MergedLayer(Seq2SeqLayer):
         return self.residual(x, self.ln_ff, self.ln_ff_out, self.ff)
 
     def source(self, step: Step) -> Keys:
-        i = self.at.index
-        return step.cross_k[i], step.cross_v[i], step.cross_mask, CROSS_CHUNK
+        return (*step.cache.source(self.at.index), CROSS_CHUNK)
 
     def source_keys(self, keys: Tensor) -> Tensor:
         return keys if self.k_norm is None else self.k_norm(keys)
