@@ -111,6 +111,15 @@ def write_position(cache: Tensor, dim: int, new: Tensor, position: Tensor, at: i
         cache.select(dim, at).copy_(new)
 
 
+def widened(keys: list[Tensor], values: list[Tensor], bias: Tensor, grow: int) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """A block of columns (a source's, a prompt region's) ``grow`` columns wider, masked, on the right: keys
+    [L, Hkv, d, W] and values [L, Hkv, W, d] per layer (zeros), the additive bias [L, 1, 1, W] (-inf)."""
+    pad = torch.nn.functional.pad
+    keys = [pad(k, (0, grow)) for k in keys]  # [L, Hkv, d, W + grow]
+    values = [pad(v, (0, 0, 0, grow)) for v in values]  # [L, Hkv, W + grow, d]
+    return keys, values, pad(bias, (0, grow), value=float("-inf"))  # [L, 1, 1, W + grow]
+
+
 class LaneTable:
     """What both caches share: which position each lane's rows write and which each of them sees.
 
@@ -320,12 +329,9 @@ class EncoderDecoderKVCache(LaneTable):
 
     def widen(self, width: int) -> None:
         """Lanes: room for sources of ``width`` columns: every lane's grow, masked, on the right."""
-        grow = width - self.width
-        if grow > 0:
-            pad = torch.nn.functional.pad
-            self.cross_k = [pad(k, (0, grow)) for k in self.cross_k]  # [L, H, d, W]
-            self.cross_v = [pad(v, (0, 0, 0, grow)) for v in self.cross_v]  # [L, H, W, d]
-            self.cross_mask = pad(self.cross_mask, (0, grow), value=float("-inf"))  # [L, 1, 1, W]
+        if width > self.width:
+            grown = widened(self.cross_k, self.cross_v, self.cross_mask, width - self.width)
+            self.cross_k, self.cross_v, self.cross_mask = grown
 
     def put_source(self, lanes: Tensor, keys: list[Tensor], values: list[Tensor], mask: Tensor) -> None:
         """Lanes: the sources of joiners taking lanes ``lanes`` ([J] int64), at the lanes' width: keys [J, H, d, W]
@@ -504,12 +510,8 @@ class DecoderOnlyKVCache(LaneTable):
 
     def widen(self, width: int) -> None:
         """Lanes: room for prompts of ``width`` positions: every lane's region grows, masked, on the right."""
-        grow = width - self.width
-        if grow > 0:
-            pad = torch.nn.functional.pad
-            self.pk = [pad(k, (0, grow)) for k in self.pk]  # [L, Hkv, d, W]
-            self.pv = [pad(v, (0, 0, 0, grow)) for v in self.pv]  # [L, Hkv, W, d]
-            self.prompt_bias = pad(self.prompt_bias, (0, grow), value=float("-inf"))  # [L, 1, 1, W]
+        if width > self.width:
+            self.pk, self.pv, self.prompt_bias = widened(self.pk, self.pv, self.prompt_bias, width - self.width)
 
     def put_prompt(self, lanes: Tensor, pk: list[Tensor], pv: list[Tensor], mask: Tensor) -> None:
         """Lanes: the prefill of joiners taking lanes ``lanes`` ([J] int64): K/V [J, Hkv, w, d] per layer and mask
