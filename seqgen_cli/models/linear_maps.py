@@ -100,10 +100,9 @@ INT8_ENGINES = {"x86": "fbgemm", "fbgemm": "fbgemm", "onednn": "oneDNN"}  # torc
 
 def int8_engine(flags: set[str] | None = None) -> str:
     """torch's quantized engine for ``--dtype int8``'s products on this CPU: ``onednn`` where it has AMX's int8 tiles
-    (``amx_int8``; oneDNN's engine is the one that runs them, torch's ``x86`` engine never does), whose 2-thread
-    products ran 2.3x fbgemm's at the decode's 128 rows on a Xeon with AMX (1.7x at 512 rows); else ``x86``
-    (fbgemm), which on AVX-512 VNNI is as fast as oneDNN's engine or faster at 8-128 rows (docs/BENCHMARKS.md,
-    "bfloat16 and int8 on the CPU"). ``flags``: the CPU's (:func:`cpu_flags`)."""
+    (``amx_int8``; oneDNN's engine is the one that runs them, torch's ``x86`` engine never does; not measured on such
+    a CPU yet); else ``x86`` (fbgemm), which on AVX-512 VNNI is as fast as oneDNN's engine or faster at 8-128 rows
+    (docs/BENCHMARKS.md, "bfloat16 and int8 on the CPU"). ``flags``: the CPU's (:func:`cpu_flags`)."""
     flags = cpu_flags() if flags is None else flags
     return "onednn" if "amx_int8" in flags and "onednn" in torch.backends.quantized.supported_engines else "x86"
 

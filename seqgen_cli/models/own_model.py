@@ -125,7 +125,7 @@ def in_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     """``tensors`` in ``dtype``: each tensor converted once (tied names share one: NLLB's 1 GB embedding is three
     names), and the checkpoint's file pages of each handed back as soon as it is (``resident.release``): a
     bfloat16 load of a float32 checkpoint holds the converted weights and one tensor's file pages at a time, not the
-    whole file beside them (NLLB-600M's shape: a 5.4 GiB peak before)."""
+    whole file beside them (NLLB-600M's shape: docs/BENCHMARKS.md, "bfloat16 and int8 on the CPU")."""
     out: dict[str, torch.Tensor] = {}
     done: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
     for name, t in tensors.items():

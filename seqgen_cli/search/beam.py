@@ -34,7 +34,7 @@ from seqgen_cli.search.beam_step import (
     scored_at_most_tokens,
     select_finished,
 )
-from seqgen_cli.search.protocol import Found
+from seqgen_cli.search.protocol import SearchOutput
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
@@ -51,7 +51,7 @@ def wide_topk(scores: torch.Tensor, k: int, ties: bool = True) -> tuple[torch.Te
     largest picked values are all different, the ``k`` largest of the row are the picked ``k``, each strictly above
     every other element: no tie is left for ``torch.topk`` to order its own way. Else (a tie: often in half
     precision, rare in float32; a host check, free on the CPU) the whole row goes to ``torch.topk``, the tied rows in
-    one call (2x the row-by-row calls' speed on [32, 4 x 58k] bf16-rounded scores; all of them: the whole tensor, 3x). ~4x cheaper than
+    one call (all of them: the whole tensor; docs/EXPERIMENTS.md, "bfloat16: tied top-k rows in one call"). ~4x cheaper than
     ``torch.topk`` over [32, 4 x 55k] on the CPU (docs/EXPERIMENTS.md, "CPU float32: what the step does, and what
     each choice measured").
 
@@ -257,7 +257,7 @@ class BeamSearch:
         """[B] bool: inputs whose results can no longer change."""
         return self.beams.done(self.s.early_stopping)
 
-    def results(self, idx: torch.Tensor) -> Found:
+    def results(self, idx: torch.Tensor) -> SearchOutput:
         """Sequences and scores of active inputs ``idx`` ([D] int64), on the host (after a check only)."""
         return self.beams.best(idx, self.s.num_return_sequences)
 

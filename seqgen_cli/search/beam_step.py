@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from seqgen_cli.search.protocol import Found
+from seqgen_cli.search.protocol import SearchOutput
 from seqgen_cli.search.settings import SearchSettings
 
 BIG = -1.0e9  # transformers' "impossible" score
@@ -77,7 +77,7 @@ class BeamState:
         if self.fin_token_scores is not None:
             self.fin_token_scores = self.fin_token_scores[keep]
 
-    def best(self, inputs: Tensor, n: int) -> Found:
+    def best(self, inputs: Tensor, n: int) -> SearchOutput:
         """The ``n`` best finished hypotheses of inputs ``inputs`` ([D] int64), their scores and (where kept) their
         tokens' log-probs, copied to the host: only after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
         tokens = self.fin_tokens.index_select(0, inputs)[:, :n].tolist()
@@ -87,10 +87,10 @@ class BeamState:
             [toks[i][: lens[i]] for i in range(n)] for toks, lens in zip(tokens, lengths, strict=True)
         ]
         if self.fin_token_scores is None:
-            return Found(sequences, scores)
+            return SearchOutput(sequences, scores)
         steps = self.fin_token_scores.index_select(0, inputs)[:, :n].tolist()
         per_token = [[row[i][: lens[i]] for i in range(n)] for row, lens in zip(steps, lengths, strict=True)]
-        return Found(sequences, scores, per_token)
+        return SearchOutput(sequences, scores, per_token)
 
 
 def get_top_k_continuations(

@@ -12,7 +12,7 @@ import torch
 
 from seqgen_cli.search.beam import BeamConstants, BeamSearch, TopK
 from seqgen_cli.search.greedy import StopCheck, TokenSearch
-from seqgen_cli.search.protocol import Found, SearchOutput, StaticBackend
+from seqgen_cli.search.protocol import SearchOutput, StaticBackend
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.sampling import Streams
 from seqgen_cli.search.settings import SearchSettings
@@ -30,7 +30,7 @@ class Search(Protocol):
     def done(self) -> torch.Tensor | None:
         """[B] bool: inputs whose results can no longer change (``None``: none can stop early)."""
 
-    def results(self, idx: torch.Tensor) -> Found:
+    def results(self, idx: torch.Tensor) -> SearchOutput:
         """Sequences (and scores) of active inputs ``idx`` ([D] int64), on the host."""
 
     def keep(self, leaving: Leaving) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from seqgen_cli.search.protocol import Found
+from seqgen_cli.search.protocol import SearchOutput
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
@@ -68,7 +68,7 @@ class TokenSearch:
             return None
         return self.finished.view(-1, self.rows.rows_per_input).all(dim=1)
 
-    def results(self, idx: torch.Tensor) -> Found:
+    def results(self, idx: torch.Tensor) -> SearchOutput:
         """The rows of active inputs ``idx`` ([D] int64) on the host (after a check only), and their summed and
         per-token log-probs where the settings ask for scores."""
         r = self.rows.rows_per_input
@@ -78,13 +78,13 @@ class TokenSearch:
         d = idx.shape[0]
         sequences = [[tokens[j * r + k][: lens[j * r + k]] for k in range(r)] for j in range(d)]
         if self.token_log_probs is None:
-            return Found(sequences)
+            return SearchOutput(sequences)
         steps = self.token_log_probs.index_select(0, row_ids)  # [D * R, T]
         ended = torch.arange(steps.shape[1], device=steps.device) >= self.lengths.index_select(0, row_ids)[:, None]
         sums = steps.masked_fill(ended, 0.0).sum(dim=1).tolist()  # each row's own tokens, as generate()'s are summed
         rows = steps.tolist()
         per_token = [[rows[j * r + k][: lens[j * r + k]] for k in range(r)] for j in range(d)]
-        return Found(sequences, [sums[j * r : (j + 1) * r] for j in range(d)], per_token)
+        return SearchOutput(sequences, [sums[j * r : (j + 1) * r] for j in range(d)], per_token)
 
     def keep(self, leaving: Leaving) -> None:
         """Done inputs leave (``Rows.check``'s split)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -65,14 +65,6 @@ class SearchOutput:
     the summed log-probs, else ``None``. ``token_scores``: with those, each token's processed log-prob (what
     ``compute_transition_scores`` gives), where the search keeps them (not the static beam search of capture).
     """
-
-    sequences: list[list[list[int]]]
-    scores: list[list[float]] | None = None
-    token_scores: list[list[list[float]]] | None = None
-
-
-class Found(NamedTuple):
-    """What a search gives for the inputs it is asked about (``Search.results``): a :class:`SearchOutput`'s fields."""
 
     sequences: list[list[list[int]]]
     scores: list[list[float]] | None = None

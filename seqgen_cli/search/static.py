@@ -49,7 +49,7 @@ from seqgen_cli.search.beam_step import (
 )
 from seqgen_cli.search.history import StaticHistory, StepLimits
 from seqgen_cli.search.processors import Processors, append, float32_inverse, process, process_split
-from seqgen_cli.search.protocol import Found, StaticBackend, StaticLayout
+from seqgen_cli.search.protocol import SearchOutput, StaticBackend, StaticLayout
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
@@ -273,7 +273,7 @@ class StaticBeamSearch:
         """[B] bool: running inputs whose results can no longer change."""
         return self.st.beams.done(self.s.early_stopping).index_select(0, self.layout.inputs)
 
-    def results(self, idx: Tensor) -> Found:
+    def results(self, idx: Tensor) -> SearchOutput:
         """Sequences and scores of running inputs ``idx`` ([D] int64), on the host (after a check only); no per-token
         log-probs (the compiled step keeps none)."""
         return self.st.beams.best(self.layout.inputs.index_select(0, idx), self.s.num_return_sequences)
