@@ -563,6 +563,8 @@ def eval_(files: tuple[str, ...], hypotheses: str | None, metrics: str | None, a
     unicodedata.normalize("NFC", line).
     """
     from seqgen_cli import metrics as m
+    from seqgen_cli.pipeline import paths
+    from seqgen_cli.whole import write_whole
 
     refs = list(files)
     if hypotheses is None:
@@ -573,10 +575,14 @@ def eval_(files: tuple[str, ...], hypotheses: str | None, metrics: str | None, a
         raise SeqgenError("seqgen eval -i HYP needs at least one reference file")
     names = m.parse_metrics(metrics)
     sentences, baseline = settings.pop("sentence_scores"), settings.pop("baseline")
+    roles = [paths.read("hypotheses", hypotheses), *(paths.read("reference", r) for r in refs)]
+    roles += [paths.read("--paired-bs", baseline)] if baseline is not None else []
+    paths.check_distinct([*roles, *([paths.written("--sentence-scores", sentences)] if sentences else [])])
     options = m.Options(**settings)
     hyps, streams = m.read_lines(hypotheses), [m.read_lines(r) for r in refs]
     m.check_unscored(hyps, hypotheses)
-    result = m.score(hyps, streams, names, options=options)
+    m.check_options(options, len(hyps))
+    result = m.score(hyps, streams, names, options=options, names=[hypotheses, *refs])
     result["files"] = {"hypotheses": hypotheses, "references": refs}
     if baseline is not None:
         result["paired_bs"] = m.paired_bootstrap(hyps, m.read_lines(baseline), streams, names, options)
@@ -587,10 +593,7 @@ def eval_(files: tuple[str, ...], hypotheses: str | None, metrics: str | None, a
         if sentences == "-":
             click.echo(text, nl=False)
         else:
-            try:
-                Path(sentences).write_text(text, encoding="utf-8")
-            except OSError as err:
-                raise SeqgenError(f"--sentence-scores {sentences}: cannot write: {err.strerror or err}") from None
+            write_whole(sentences, text)
     if metrics is None:  # every metric, whatever the task: say so, and how to choose
         click.echo(f"seqgen: scoring {', '.join(names)} (choose with --metrics)", err=True)
     click.echo(json.dumps(result, indent=2) if as_json else m.format_table(result))

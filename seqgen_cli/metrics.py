@@ -122,6 +122,30 @@ class Options:
     confidence: int = 0
 
 
+# sacrebleu's bootstrap holds an index and the statistics of every resample of every line at once: resamples x
+# lines x (8 + 4 x statistics) bytes, the statistics of chrF++ 24 float32s (BLEU's 10), so 104 bytes each at most.
+BOOTSTRAP_BYTES_PER_LINE = 104
+BOOTSTRAP_MEMORY = 2 << 30  # the most --confidence may hold (sacrebleu's 1000 resamples: 0.1 GiB per 1000 lines)
+
+
+def check_options(o: Options, lines: int) -> None:
+    """One line for settings sacrebleu would take badly: an unknown BLEU tokenizer (a ``KeyError`` there), a
+    bootstrap of one resample (its placeholder -1 as the interval) or one too large for memory."""
+    from sacrebleu.metrics import BLEU
+
+    if o.tokenize is not None and o.tokenize not in BLEU.TOKENIZERS:
+        raise SeqgenError(f"--tokenize {o.tokenize}: not a sacrebleu tokenizer: choose from {', '.join(BLEU.TOKENIZERS)}")
+    if o.confidence == 1:
+        raise SeqgenError("--confidence 1: a bootstrap needs 2 resamples or more (sacrebleu's default: 1000)")
+    need = o.confidence * lines * BOOTSTRAP_BYTES_PER_LINE
+    if need > BOOTSTRAP_MEMORY:
+        most = max(2, BOOTSTRAP_MEMORY // (max(lines, 1) * BOOTSTRAP_BYTES_PER_LINE))
+        raise SeqgenError(
+            f"--confidence {o.confidence} over {lines} lines would hold about {need / 2**30:.1f} GiB in sacrebleu's "
+            f"bootstrap (at most {BOOTSTRAP_MEMORY >> 30} GiB): give --confidence {most} or fewer"
+        )
+
+
 def parse_metrics(names: str | None) -> list[str]:
     """``--metrics`` (comma-separated names) as a list; :data:`DEFAULT_METRICS` when none are given."""
     if not names:
@@ -259,7 +283,7 @@ def sentence_scores(hyps: Sequence[str], refs: References, metrics: Sequence[str
 
 def score(
     hyps: list[str], refs: list[str] | References, metrics: list[str], *, target_lang: str | None = None,
-    options: Options | None = None,
+    options: Options | None = None, names: Sequence[str] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """Score line-aligned hypotheses against references: one reference stream (``list[str]``) or several
     (``list[list[str]]``, each line-aligned).
@@ -267,16 +291,19 @@ def score(
     Returns a JSON-serialisable dict: ``{"lines": n, "references": k, "<metric>": {...}}`` for each requested
     metric, in the order given (duplicates dropped). Raises :class:`SeqgenError` on mismatched line counts,
     empty input or an unknown metric. ``target_lang`` (or ``options.target_lang``) selects sacrebleu BLEU's
-    tokeniser (``trg_lang``).
+    tokeniser (``trg_lang``). ``names``: the files, hypotheses first then each reference, for the errors.
     """
     o = options or Options(target_lang=target_lang)
     chosen = _check_metrics(metrics)
     streams = streams_of(refs)
+    hyp_name, *ref_names = names or ["", *("" for _ in streams)]
     for k, stream in enumerate(streams):
         if len(stream) != len(hyps):
-            which = "references" if len(streams) == 1 else f"references (file {k + 1})"
+            hyp_file = f" ({hyp_name})" if hyp_name else ""
+            which = f" ({ref_names[k]})" if ref_names[k] else ("" if len(streams) == 1 else f" (reference {k + 1})")
             raise SeqgenError(
-                f"line counts differ: {len(hyps)} hypotheses but {len(stream)} {which} (they must be line-aligned)"
+                f"line counts differ: the hypotheses{hyp_file} have {len(hyps)} lines, the references{which} "
+                f"{len(stream)} (they must be line-aligned)"
             )
     if not hyps:
         raise SeqgenError("nothing to score: hypotheses and references are both empty")

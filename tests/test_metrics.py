@@ -145,7 +145,7 @@ def test_length_mismatch_names_both_counts() -> None:
     with pytest.raises(SeqgenError) as info:
         score(HYPS, REFS[:3], ["bleu"])
     msg = str(info.value)
-    assert "4 hypotheses" in msg and "3 references" in msg and "\n" not in msg
+    assert "hypotheses have 4 lines" in msg and "references 3" in msg and "\n" not in msg
 
 
 def test_empty_input_is_an_error() -> None:
@@ -399,6 +399,21 @@ def test_confidence_reports_the_bootstrap_interval(tmp_path: Path) -> None:
     assert ci["resamples"] == 100 and ci["ci95"] >= 0 and "bs:100" in got["bleu"]["signature"]
 
 
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--confidence", "1"], ["--confidence 1", "2 resamples or more"]),  # sacrebleu would print -1 ± -1
+        (["--confidence", "2000000000"], ["--confidence 2000000000", "GiB", "give --confidence"]),  # 44.7 GiB
+        (["--tokenize", "klingon"], ["--tokenize klingon", "13a", "flores200"]),  # sacrebleu: a KeyError
+    ],
+)
+def test_eval_settings_sacrebleu_takes_badly_are_one_line(tmp_path: Path, args: list[str], needles: list[str]) -> None:
+    from tests.helpers import one_line_error, seqgen
+
+    hyp, ref1, _ = _files(tmp_path)
+    one_line_error(seqgen("eval", str(hyp), str(ref1), "--metrics", "bleu", *args), *needles)
+
+
 def test_eval_file_mistakes_are_one_line(tmp_path: Path) -> None:
     from tests.helpers import one_line_error, seqgen
 
@@ -406,7 +421,7 @@ def test_eval_file_mistakes_are_one_line(tmp_path: Path) -> None:
     one_line_error(seqgen("eval", str(hyp)), "needs hypotheses and references")
     short = tmp_path / "short.txt"
     short.write_text("one line\n", encoding="utf-8")
-    one_line_error(seqgen("eval", str(hyp), str(ref1), str(short)), "references (file 2)")
+    one_line_error(seqgen("eval", str(hyp), str(ref1), str(short)), f"the references ({short}) 1 ", str(hyp))
     one_line_error(seqgen("eval", str(hyp), str(ref1), "--metrics", "meteor"), "unknown metric 'meteor'")
 
 

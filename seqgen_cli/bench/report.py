@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from seqgen_cli.bench.cells import MODES, SYSTEMS, RunResult
+from seqgen_cli.whole import write_whole
 
 
 def add_ratios(results: list[RunResult]) -> None:
@@ -37,7 +38,7 @@ def write_json(path: Path, head: dict[str, Any], results: list[RunResult]) -> di
     added, outputs left out)."""
     add_ratios(results)
     report = {**head, "runs": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results]}
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    write_whole(path, json.dumps(report, indent=2, default=str) + "\n")
     return report
 
 
@@ -108,7 +109,7 @@ def load_line(load: dict[str, list[float] | None], cores: int) -> str:
 def write_markdown(path: Path, results: list[RunResult], command: str, load: str = "") -> str:
     """Write ``bench.md``: the command line, the load (:func:`load_line`), then the tables; returns the tables."""
     table = markdown_table(results)
-    path.write_text((f"Command: `{command}`\n\n" if command else "") + load + table + "\n", encoding="utf-8")
+    write_whole(path, (f"Command: `{command}`\n\n" if command else "") + load + table + "\n")
     return table
 
 

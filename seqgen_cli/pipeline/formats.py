@@ -30,6 +30,7 @@ from typing import Any
 
 from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.pipeline.records import Record
+from seqgen_cli.whole import write_whole
 
 INDEX_SUFFIX = ".seqgen-index"
 JOURNAL_SUFFIX = ".seqgen-journal"
@@ -335,16 +336,7 @@ def write_manifest(part: str, settings: dict[str, Any], inputs: int, size: int, 
     entry = {
         "seqgen_part": MANIFEST_VERSION, "settings": settings, "inputs": inputs, "bytes": size, "sha256": sha256,
     }  # fmt: skip
-    tmp = Path(f"{path}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry, sort_keys=True) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise WriteError.of(err, path) from err
+    write_whole(path, json.dumps(entry, sort_keys=True) + "\n")
 
 
 def prefix_sha256(path: str | os.PathLike[str], size: int | None = None) -> Any:

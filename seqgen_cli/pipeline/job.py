@@ -9,7 +9,6 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from seqgen_cli.config import GENERATION_KEYS
@@ -26,6 +25,7 @@ from seqgen_cli.pipeline.shards import ShardRange, parse_shard, select_shard
 from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.prompts import PromptSettings, read_text_option
+from seqgen_cli.whole import write_whole
 
 
 @dataclass
@@ -277,12 +277,11 @@ def guarded(output: str, sink: Sink) -> Iterator[None]:
 def write_stats(path: str, summary: Summary) -> None:
     """``--stats FILE``: the summary as JSON (``-``: standard output)."""
     text = json.dumps(summary.as_dict(), indent=2) + "\n"
+    if path != "-":
+        return write_whole(path, text)
     try:
-        if path == "-":
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        else:
-            Path(path).write_text(text, encoding="utf-8")
+        sys.stdout.write(text)
+        sys.stdout.flush()
     except OSError as err:
         raise WriteError.of(err, path) from err
 

@@ -9,20 +9,19 @@ before it writes anything. The manifests stay: the parts can be merged again.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from seqgen_cli.errors import SeqgenError, WriteError
+from seqgen_cli.errors import SeqgenError
 from seqgen_cli.pipeline import paths
 from seqgen_cli.pipeline.formats import index_path, journal_path, manifest_path, prefix_sha256, read_manifest
 from seqgen_cli.pipeline.resume import check_fresh, differences
 from seqgen_cli.pipeline.shards import shard_range
 from seqgen_cli.pipeline.sinks import check_not_busy, is_stream, open_stream
+from seqgen_cli.whole import write_whole
 
 
 def check_part(part: str) -> dict[str, Any]:
@@ -129,27 +128,13 @@ def merge_parts(parts: Sequence[str], output: str) -> int:
         raise SeqgenError(f"output folder {target.parent} does not exist")
     check_not_busy(output)  # a seqgen generate writing it: replacing the file would lose its outputs
     check_fresh(output)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    except OSError as err:
-        raise WriteError.of(err, output) from err
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for part in parts:
-                with open(part, "rb") as fh:
-                    shutil.copyfileobj(fh, out)
-            out.flush()
-            os.fsync(out.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # as a file seqgen generate writes (mkstemp makes it private)
-        os.replace(tmp, target)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        raise WriteError.of(err, output) from err
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    def copy(out: BinaryIO) -> None:
+        for part in parts:
+            with open(part, "rb") as fh:
+                shutil.copyfileobj(fh, out)
+
+    write_whole(target, copy)
     return _lines(output)
 
 

@@ -4,6 +4,7 @@ anything is opened for writing. The model is never loaded: the check comes first
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -104,6 +105,48 @@ def test_bench_refuses_an_input_inside_what_it_writes(tmp_path: Path) -> None:
     res = seqgen("bench", str(src), "-m", str(tmp_path / "no-model"), "--out", str(out))
     one_line_error(res, "bench.md", "destroy the input")
     assert src.read_text(encoding="utf-8") == KEEP
+
+
+@pytest.mark.parametrize(
+    ("target", "alias", "role"),
+    [("ref.txt", "same path", "reference"), ("in.txt", "symlink", "hypotheses"), ("ref.txt", "hard link", "reference"),
+     ("base.txt", "same path", "--paired-bs")],
+)  # fmt: skip
+def test_eval_sentence_scores_over_an_input_is_refused(tmp_path: Path, files, target: str, alias: str, role: str) -> None:
+    """``seqgen eval HYP REF --sentence-scores FILE`` wrote its JSONL over a reference or, through a link, over the
+    hypotheses, exit 0."""
+    files["base.txt"] = tmp_path / "base.txt"
+    files["base.txt"].write_text(KEEP, encoding="utf-8")
+    out = files[target]
+    if alias == "symlink":
+        out = tmp_path / "link.txt"
+        out.symlink_to(files[target])
+    elif alias == "hard link":
+        out = tmp_path / "hard.txt"
+        os.link(files[target], out)
+    base = ["--paired-bs", str(files["base.txt"])] if role == "--paired-bs" else []
+    res = seqgen("eval", str(files["in.txt"]), str(files["ref.txt"]), "--metrics", "bleu", "--sentence-scores", str(out), *base)
+    one_line_error(res, f"{role} {files[target]}", f"--sentence-scores {out}", "destroy")
+    _untouched(files)
+
+
+def test_eval_sentence_scores_are_written_whole_or_not_at_all(tmp_path: Path, files, monkeypatch) -> None:
+    """A write that fails half-way leaves the file that was there and no temporary file beside it."""
+    from seqgen_cli import metrics
+
+    out = tmp_path / "scores.jsonl"
+    out.write_text("old\n", encoding="utf-8")
+    args = ("eval", str(files["in.txt"]), str(files["ref.txt"]), "--metrics", "bleu", "--sentence-scores", str(out))
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    res = seqgen(*args)
+    one_line_error(res, "no space left on device writing", str(out))
+    assert out.read_text(encoding="utf-8") == "old\n" and sorted(tmp_path.iterdir()) == sorted([out, *files.values()])
+    monkeypatch.undo()
+    assert seqgen(*args).exit_code == 0
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["line"] for r in rows] == [1, 2] and rows[0]["bleu"] == metrics.sentence_scores(
+        ["keep me"], [["keep me"]], ["bleu"], metrics.Options()
+    )[0]["bleu"]
 
 
 def test_streams_are_not_files(tmp_path: Path) -> None:
