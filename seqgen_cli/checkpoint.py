@@ -74,6 +74,8 @@ def weight_files(folder: Path, what: str = "") -> list[Path]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise SeqgenError(f"model {what}: {chosen.name} has no weight_map of file names")
     shards = [inside(folder, name, what, chosen.name) for name in sorted(set(weight_map.values()))]
+    if missing := [name for name, p in zip(sorted(set(weight_map.values())), shards, strict=True) if not p.is_file()]:
+        raise SeqgenError(f"model {what}: {chosen.name} names {', '.join(missing)}, not in the checkpoint folder")
     return [chosen, *shards]
 
 
@@ -180,7 +182,7 @@ def refuse_code(folder: Path, what: str = "") -> None:
 
 
 def _code_message(what: str, file: str, auto_map: Any, kind: str) -> str:
-    names = auto_map.values() if isinstance(auto_map, dict) else auto_map
+    names = list(auto_map.values()) if isinstance(auto_map, dict) else auto_map
     flat = [n for v in (names if isinstance(names, list | tuple) else [names]) for n in (v if isinstance(v, list) else [v])]
     code = ", ".join(str(n) for n in flat if n)[:120] or "auto_map"
     return (

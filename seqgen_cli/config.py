@@ -14,12 +14,15 @@ import math
 import re
 import tomllib
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from transformers import GenerationConfig
 
+from seqgen_cli.checkpoint import read_json
+from seqgen_cli.digests import checkpoint_folder
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.search.settings import check_return_sequences, rows_per_input, setting
 
@@ -402,6 +405,58 @@ def default_length(config: GenerationConfig) -> int | None:
     return None
 
 
+# transformers' StopStringCriteria builds tables over the whole vocabulary for each stop string: about 55 ms a
+# string on GPT-2's 50k tokens, so 1000 strings take a minute before the first input. More than any stop list
+# in use needs.
+MOST_STOPS = 64
+
+
+def check_stop_strings(value: Any, source: str) -> list[str]:
+    """``stop_strings`` (a string or a list of strings, as ``generate()`` takes them) as a list; one line naming
+    the source for anything else: an empty string (it would stop nothing), a dict, a number, a nested list, more
+    than :data:`MOST_STOPS`."""
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise SeqgenError(f"{describe('stop_strings', value, source)}: must be a string or a list of strings")
+    if any(v == "" for v in values):
+        what = "--stop ''" if source == FLAG else describe("stop_strings", value, source)
+        raise SeqgenError(f"{what}: an empty stop string stops nothing: drop it")
+    if len(values) > MOST_STOPS:
+        raise SeqgenError(f"{len(values)} stop strings: at most {MOST_STOPS} (each costs a pass over the vocabulary)")
+    return values
+
+
+def all_stops(own: Any, stop: Sequence[str]) -> list[str] | None:
+    """The checkpoint's ``stop_strings``, then ``--stop``'s (None: none)."""
+    return check_stop_strings([*check_stop_strings(own, CHECKPOINT), *stop], FLAG) or None
+
+
+def check_checkpoint(model: str, preset: Preset | None, flags: dict[str, Any], stop: Sequence[str] = ()) -> None:
+    """``--stop`` (``stop``), and the checkpoint's ``generation_config.json`` settings the run uses (those no preset
+    or flag replaces), checked before its weights are read, each error naming the file: what
+    :func:`resolve_generation_config` checks after the load, plus ``stop_strings``."""
+    check_stop_strings(list(stop), FLAG)
+    folder = checkpoint_folder(model)
+    path = folder / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return
+    data = read_json(path, model)
+    if not isinstance(data, dict):
+        raise SeqgenError(f"{path}: not a JSON object of generation settings")
+    given = {*(preset.generation if preset else {}), *flags}
+    given |= {_SAME_LIMIT[k] for k in given if k in _SAME_LIMIT}  # a limit in one unit replaces the other
+    merged = {**data, **(preset.generation if preset else {}), **flags}
+    for key, value in data.items():
+        if key in given or key not in RULES or value is None:
+            continue
+        if (key in SAMPLING_KEYS and not merged.get("do_sample")) or (key == "early_stopping" and merged.get("num_beams", 1) == 1):
+            continue  # unused (resolve_generation_config drops them too)
+        check_setting(key, value, str(path))
+    check_stop_strings(data.get("stop_strings"), str(path))
+
+
 def check_flags(flags: dict[str, Any]) -> dict[str, Any]:
     """The settings a user gave (values not ``None``), checked before the (slow) model load: unknown names
     and two units of one limit are errors."""
@@ -514,12 +569,16 @@ def same_language(code: str, codes: dict[str, int]) -> list[str]:
     """The tokenizer's codes for the language of ``code`` as users type it (ISO 639-1 ``de``, 639-3 ``deu``, a
     locale ``de_DE`` or ``de-AT``, ``zh-TW``), by CLDR's language matching (``langcodes``): the nearest, at most
     :data:`LANGUAGE_DISTANCE` apart, regions aside (``de`` -> NLLB's ``deu_Latn``, ``ar`` -> ``arb_Arab``, ``fa``
-    -> ``pes_Arab``, ``no`` -> ``nob_Latn``; ``sr-Latn`` is not ``srp_Cyrl``). Empty where none is (or where
-    ``langcodes``, a dependency, is not installed)."""
+    -> ``pes_Arab``, ``no`` -> ``nob_Latn``; ``sr-Latn`` is not ``srp_Cyrl``). Empty where none is; one line
+    where ``langcodes``, a dependency, is not installed (the codes the tokenizer spells itself need no matching)."""
     try:
         import langcodes
     except ImportError:
-        return []
+        example = next(iter(codes), "")
+        raise SeqgenError(
+            f"--target-lang {code}: matching a language to the model's codes needs langcodes, a dependency of "
+            f"seqgen that is not installed (pip install langcodes), or give the tokenizer's own code{f' ({example}, ...)' if example else ''}"
+        ) from None
     wanted = _language_tag(code)
     if wanted is None:
         return []

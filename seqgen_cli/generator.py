@@ -43,6 +43,8 @@ from seqgen_cli.batching import (
 from seqgen_cli.budget import DeviceBudget, out_of_memory
 from seqgen_cli.config import (
     Preset,
+    all_stops,
+    check_checkpoint,
     check_flags,
     default_length,
     load_preset,
@@ -112,13 +114,13 @@ class Generator:
         if target_lang is not None and "forced_bos_token_id" in flags:
             raise SeqgenError("--target-lang and --forced-bos-token-id contradict; give one")
         self.target_lang = target_lang
+        check_checkpoint(model, self.preset, flags, stop)  # its generation_config.json, before the weights are read
         self.loaded: Loaded = load(model, device, dtype, own=backend != "hf")  # own: the fast engine's tree
         self.tokenizer, self.model = self.loaded.tokenizer, self.loaded.model
         self.is_encoder_decoder = self.loaded.is_encoder_decoder
         lang_prefix = resolve_target_prefix(self.tokenizer, target_lang)  # OPUS-MT: >>code<< tokens, no forced BOS
         self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, None if lang_prefix else target_lang)
-        own = self.config.stop_strings or []  # the checkpoint's (a string or a list), then --stop's
-        self.config.stop_strings = [*([own] if isinstance(own, str) else own), *stop] or None
+        self.config.stop_strings = all_stops(self.config.stop_strings, stop)  # the checkpoint's, then --stop's
         self.config.output_scores = scores  # whatever the checkpoint says: the output's format is the caller's
         self.stop_check = stop_check(self.tokenizer, self.config.stop_strings)  # once: its tables take a while
         prompt = prompt or PromptSettings()

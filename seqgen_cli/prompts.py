@@ -20,13 +20,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from seqgen_cli.errors import SeqgenError
 
 FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")  # a {name} of a --prompt-template
+# apply_chat_template's own parameters: a --chat-template-kwargs key among them would replace seqgen's argument
+CALL_KEYS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+             "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+             "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,11 @@ class PromptSettings:
             raise SeqgenError("--prompt-template has no {input} (nor any {field}): where does the input go?")
         if not self.chat and (self.system_prompt is not None or self.chat_template is not None):
             object.__setattr__(self, "chat", True)  # --system-prompt and --chat-template imply --chat
+        if clash := [k for k in self.chat_template_kwargs if k in CALL_KEYS]:
+            raise SeqgenError(
+                f"--chat-template-kwargs {', '.join(clash)}: seqgen sets {'it' if len(clash) == 1 else 'them'} itself "
+                "(apply_chat_template's own arguments): give the template's own switches only"
+            )
 
     def describe(self) -> dict[str, Any]:
         """What the outputs depend on (``--resume``'s fingerprint, ``--stats``)."""
@@ -84,6 +96,11 @@ class Prompter:
         if not s.chat:
             return text
         messages = _messages(fields)
+        if messages is not None and s.template is not None:
+            raise SeqgenError(
+                '--prompt-template applies to a text input, not a "messages" conversation (the prompt as given): '
+                "drop one"
+            )
         if messages is None:
             messages = [{"role": "user", "content": text}]
         if s.system_prompt is not None and not any(m.get("role") == "system" for m in messages):
@@ -134,7 +151,10 @@ class Prompter:
             return Prompted(ids)
         s = self.settings
         if s.template is None and not s.chat:
-            return Prompted(self.tokenizer((s.prefix or "") + text, truncation=True, max_length=limit)["input_ids"], True)
+            ids = self.tokenizer((s.prefix or "") + text, truncation=True, max_length=limit)["input_ids"]
+            if ids == self.tokenizer(s.prefix or "", truncation=True, max_length=limit)["input_ids"]:
+                raise SeqgenError(_nothing_left(limit, "--prefix and the special tokens" if s.prefix else "special tokens"))
+            return Prompted(ids, True)
         messages = _messages(fields)
         inner = messages[-1]["content"] if messages else text  # the text cut: the input, or the last message
         pieces = self.tokenizer(inner, add_special_tokens=False)["input_ids"]
@@ -151,19 +171,63 @@ class Prompter:
             raise SeqgenError(
                 f"the prompt's template alone takes {len(ids)} tokens, more than --max-source-length {limit}"
             )
+        if keep == 0:  # the template fits, the input does not: an output of the template alone is no output
+            raise SeqgenError(_nothing_left(limit, "the prompt's template"))
         return Prompted(ids, True)
 
     def _chat(self, messages: list[dict[str, Any]]) -> str:
         s = self.settings
+        where = "--chat-template" if s.chat_template is not None else "the tokenizer's chat template"
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=s.chat_template,
-                **s.chat_template_kwargs,
-            )  # fmt: skip
+            with bounded(where):
+                return self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, chat_template=s.chat_template,
+                    **s.chat_template_kwargs,
+                )  # fmt: skip
+        except SeqgenError:
+            raise
         except Exception as err:  # noqa: BLE001 - jinja2's errors (syntax, undefined names, raise_exception)
-            where = "--chat-template" if s.chat_template is not None else "the tokenizer's chat template"
             message = " ".join(str(err).split()) or type(err).__name__
             raise SeqgenError(f"{where} does not render: {message}") from None
+
+
+# A chat template is a program: transformers' sandbox stops attribute tricks and ranges past 100,000, not loops
+# inside loops. Rendering one prompt may run RENDER_STEPS lines of the compiled template (the seven families'
+# templates run under 3,000 for a 101-message conversation) and RENDER_SECONDS (a filter's C loop runs no lines).
+RENDER_STEPS = 1_000_000
+RENDER_SECONDS = 10.0
+TEMPLATE_FILE = "<template>"  # the file name of jinja2's compiled templates
+
+
+@contextmanager
+def bounded(where: str, clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
+    """Run the body with a line tracer on jinja2's template code (this thread only; the previous tracer put back)
+    that stops it past :data:`RENDER_STEPS` lines or :data:`RENDER_SECONDS`: one line naming ``where``."""
+    start, steps = clock(), 0
+
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        if steps > RENDER_STEPS or clock() - start > RENDER_SECONDS:
+            raise SeqgenError(
+                f"{where} did not finish rendering a prompt within {RENDER_STEPS:,} steps or {RENDER_SECONDS:g} s "
+                "(a loop without a bound?): fix the template"
+            )
+        return line
+
+    def call(frame: Any, event: str, arg: Any) -> Any:
+        return line if frame.f_code.co_filename == TEMPLATE_FILE else None
+
+    previous = sys.gettrace()
+    sys.settrace(call)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def _nothing_left(limit: int, what: str) -> str:
+    return f"--max-source-length {limit} leaves none of the input's text beside {what}: raise it"
 
 
 def _fill(template: str, text: str, fields: Mapping[str, Any] | None) -> str:
@@ -198,12 +262,13 @@ def _messages(fields: Mapping[str, Any] | None) -> list[dict[str, Any]] | None:
 
 
 def read_text_option(value: str | None, flag: str) -> str | None:
-    """A ``--system-prompt`` / ``--prompt-template`` value: the text, or ``@FILE``'s contents (UTF-8)."""
+    """A ``--system-prompt`` / ``--prompt-template`` value: the text, or ``@FILE``'s contents (UTF-8) less one final
+    newline (which any editor saves; as llama.cpp's ``--file`` reads a prompt)."""
     if value is None or not value.startswith("@"):
         return value
     try:
-        with open(value[1:], encoding="utf-8") as fh:
-            return fh.read()
+        with open(value[1:], encoding="utf-8") as fh:  # universal newlines: \r\n read as \n
+            return fh.read().removesuffix("\n")
     except OSError as err:
         raise SeqgenError(f"{flag} {value}: cannot read {value[1:]}: {err.strerror}") from None
     except UnicodeDecodeError as err:

@@ -6,6 +6,7 @@ are one line naming what is wrong."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.prompts import Prompter, PromptSettings
+from seqgen_cli.prompts import Prompter, PromptSettings, read_text_option
 from tests.helpers import one_line_error, seqgen, with_chat_template, write_lines
 from tests.tiny_models import copy_checkpoint, sample_texts
 
@@ -243,3 +244,87 @@ def test_a_few_shot_prompt_is_prefilled_once_with_generates_tokens(chat_models, 
         assert out.read_text(encoding="utf-8").splitlines() == expected, refill
         shared = json.loads(stats.read_text(encoding="utf-8"))["device"]["shared_prompt"]
         assert shared["tokens"] >= 20 and shared["prefills"] == 1 and shared["inputs"] == len(texts), shared
+
+
+def test_a_jsonl_input_is_a_text_or_a_conversation_never_both(chat_models, tmp_path: Path) -> None:
+    """Under ``--chat`` an object with ``text`` and ``messages`` had its text dropped silently; and a
+    ``--prompt-template`` was ignored for a conversation. Both are bad lines naming what to drop."""
+    model = chat_models["gpt2"]
+    both = {"text": "a text", "messages": [{"role": "user", "content": "a message"}]}
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps(both) + "\n", encoding="utf-8")
+    res = _run(model, src, out, "--chat")
+    one_line_error(res, "in.jsonl:2:", "'text' and \"messages\" both given", "keep one")
+    skipped = tmp_path / "skipped.jsonl"
+    res = _run(model, src, skipped, "--chat", "--on-error", "skip", "--output-format", "jsonl")
+    rows = [json.loads(line) for line in skipped.read_text(encoding="utf-8").splitlines()]
+    assert res.exit_code == 0 and "error" not in rows[0] and "both given" in rows[1]["error"]
+    convo = tmp_path / "convo.jsonl"
+    convo.write_text(json.dumps({"messages": both["messages"]}) + "\n", encoding="utf-8")
+    res = _run(model, convo, tmp_path / "convo.out", "--chat", "--prompt-template", "Translate: {input}")
+    one_line_error(res, "convo.jsonl:1:", "--prompt-template applies to a text input", "drop one")
+
+
+def test_an_input_truncated_to_nothing_is_a_bad_line(chat_models, tmp_path: Path) -> None:
+    """``--max-source-length`` below the template's own tokens plus one left every user message empty: identical
+    outputs of the template alone, exit 0. A template repeating ``{input}`` ran on its spaces."""
+    model = chat_models["gpt2"]
+    tok = AutoTokenizer.from_pretrained(model)
+    src = write_lines(tmp_path / "in.txt", ["a first input of several words", "another input here"])
+    chat = tmp_path / "chat.jinja"  # each message between special tokens: no input token merges with the template's
+    chat.write_text("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}", encoding="utf-8")
+    system = ("--chat-template", str(chat), "--system-prompt", "You translate English into German, carefully.")
+    settings = PromptSettings(system_prompt=system[-1], chat_template=chat.read_text(encoding="utf-8"))
+    template = len(Prompter(settings, tok).encode([""], [None], None)[0].ids)
+    res = _run(model, src, tmp_path / "out.txt", *system, "--max-source-length", str(template))
+    one_line_error(res, "in.txt:1:", f"--max-source-length {template} leaves none of the input's text")
+    res = _run(model, src, tmp_path / "cut.txt", *system, "--max-source-length", str(template + 2))
+    assert res.exit_code == 0, res.stderr  # two tokens of each input: an output of the input, cut
+    (p,) = Prompter(PromptSettings(template=" {input}" * 1000), tok).encode(["hello"], [None], 1000 + 2)
+    assert p.error is not None and "leaves none of the input's text" in p.error
+    (p,) = Prompter(PromptSettings(prefix="a long prefix of many words "), tok).encode(["hello"], [None], 3)
+    assert p.error is not None and "beside --prefix" in p.error
+
+
+def test_a_chat_template_that_spins_is_stopped_in_one_line(chat_models, tmp_path: Path) -> None:
+    """Nested loops (1e10 iterations) spun without end, as in transformers: rendering is bounded in steps."""
+    spin = tmp_path / "spin.jinja"
+    spin.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x", encoding="utf-8")
+    src = write_lines(tmp_path / "in.txt", ["an input"])
+    res = seqgen("generate", "-m", str(chat_models["gpt2"]), str(src), "--chat-template", str(spin))
+    one_line_error(res, "--chat-template did not finish rendering a prompt", "fix the template")
+
+
+def test_a_chat_templates_time_is_bounded_on_the_clock_given(chat_models) -> None:
+    """The time bound (a filter's C loop runs no template lines): a clock that moves a second a call passes
+    ``RENDER_SECONDS`` after as many lines; the previous tracer is put back."""
+    from seqgen_cli import prompts
+
+    tok = AutoTokenizer.from_pretrained(chat_models["gpt2"])
+    ticks = iter(range(10**6))
+    before = sys.gettrace()
+    with pytest.raises(SeqgenError, match="the template x did not finish"), prompts.bounded("the template x", lambda: float(next(ticks))):
+        tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    assert sys.gettrace() is before
+    assert int(prompts.RENDER_SECONDS) + 2 <= next(ticks) < 100  # stopped within a few lines past the bound
+
+
+def test_chat_template_kwargs_that_are_the_calls_own_name_the_flag(chat_models, tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.txt", ["an input"])
+    for key in ("add_generation_prompt", "tokenize", "messages"):
+        res = seqgen("generate", "-m", str(chat_models["gpt2"]), str(src), "--chat", "--chat-template-kwargs",
+                     json.dumps({key: False}))  # fmt: skip
+        line = one_line_error(res, f"--chat-template-kwargs {key}: seqgen sets it itself")
+        assert "chat template does not render" not in line
+
+
+def test_a_text_option_file_loses_one_final_newline(chat_models, tmp_path: Path) -> None:
+    """``--system-prompt @FILE`` kept the newline an editor saves: other tokens than the same text typed inline."""
+    model, src = chat_models["gpt2"], write_lines(tmp_path / "in.txt", ["an input"])
+    saved = tmp_path / "system.txt"
+    saved.write_text("Be brief.\nVery brief.\n", encoding="utf-8")
+    shown = [seqgen("generate", "-m", str(model), str(src), "--system-prompt", v, "--show-prompt").stdout
+             for v in (f"@{saved}", "Be brief.\nVery brief.")]  # fmt: skip
+    assert shown[0] == shown[1] and "Very brief." in shown[0]
+    saved.write_text("Be brief.\n\n", encoding="utf-8")  # only one newline goes
+    assert read_text_option(f"@{saved}", "--system-prompt") == "Be brief.\n"

@@ -233,7 +233,7 @@ def read_records(
     line likely holds it; :func:`check_inputs` finds it there before the model loads, for a regular file.
     On a later line it is a bad line like any other (a skipped one is written without its object, which the
     output would overwrite). ``chat`` (``--chat``): a JSON object with a ``messages`` list and no input field is a
-    conversation, its text the last message's (what ``--max-source-length`` shortens).
+    conversation, its text the last message's (what ``--max-source-length`` shortens); one with both is a bad line.
     """
     lo, hi = select if select is not None else (0, None)
     index = 0
@@ -368,6 +368,12 @@ def _json_record(
     if (clash := next((k for k in reserved if k in obj), None)) is not None:
         raise _clash(f"{name}:{number}", clash, text_input=False)
     key = input_field or next((k for k in DEFAULT_FIELDS if k in obj), None)
+    if chat and "messages" in obj and key in obj:  # one rule: a text input or a conversation, never both
+        raise BadLine(
+            f'{name}:{number}: fields {key!r} and "messages" both given: under --chat an input is a text (the user '
+            'message) or a "messages" conversation: keep one',
+            obj,
+        )
     if key is None and chat and isinstance(messages := obj.get("messages"), list):  # a conversation (prompts.py)
         last = messages[-1] if messages else None
         text = last.get("content") if isinstance(last, dict) else None
