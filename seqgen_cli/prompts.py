@@ -227,7 +227,10 @@ def bounded(where: str, clock: Callable[[], float] = time.monotonic) -> Iterator
 
 
 def _nothing_left(limit: int, what: str) -> str:
-    return f"--max-source-length {limit} leaves none of the input's text beside {what}: raise it"
+    return (
+        f"a prompt of at most {limit} tokens (--max-source-length, or the model's context less the new tokens) "
+        f"leaves none of the input's text beside {what}"
+    )
 
 
 def _fill(template: str, text: str, fields: Mapping[str, Any] | None) -> str:

@@ -277,7 +277,7 @@ def test_an_input_truncated_to_nothing_is_a_bad_line(chat_models, tmp_path: Path
     settings = PromptSettings(system_prompt=system[-1], chat_template=chat.read_text(encoding="utf-8"))
     template = len(Prompter(settings, tok).encode([""], [None], None)[0].ids)
     res = _run(model, src, tmp_path / "out.txt", *system, "--max-source-length", str(template))
-    one_line_error(res, "in.txt:1:", f"--max-source-length {template} leaves none of the input's text")
+    one_line_error(res, "in.txt:1:", f"a prompt of at most {template} tokens", "leaves none of the input's text")
     res = _run(model, src, tmp_path / "cut.txt", *system, "--max-source-length", str(template + 2))
     assert res.exit_code == 0, res.stderr  # two tokens of each input: an output of the input, cut
     (p,) = Prompter(PromptSettings(template=" {input}" * 1000), tok).encode(["hello"], [None], 1000 + 2)

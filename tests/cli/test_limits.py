@@ -346,7 +346,7 @@ def test_a_checkpoint_max_length_past_its_positions_is_named(tiny_models, tmp_pa
     "family,value",
     [
         ("t5", "600"),  # relative positions: no limit past n_positions (512)
-        ("llama", "1100"),  # rotary positions: none past max_position_embeddings (1024)
+        ("llama", "1000"),  # rotary positions: the prompt cut to the 24 tokens left of the context (1024)
         ("bart", "512"),  # at the limit: every decoder position used, none past it
         ("gpt2", "1024"),  # at the limit, the prompt cut to one token
     ],
@@ -355,3 +355,10 @@ def test_lengths_the_positions_allow_still_run(tiny_models, family: str, value: 
     res = _generate(tiny_models(family), "--max-new-tokens", value)
     assert res.exit_code == 0, res.stderr
     assert len(res.stdout.splitlines()) == 2
+
+
+def test_new_tokens_that_leave_a_prompt_no_room_are_a_bad_line(tiny_models) -> None:
+    """Llama's context (its tokenizer's 1024) less 1100 new tokens leaves one prompt token, its BOS: an output of
+    no input (before: two outputs of BOS alone, exit 0)."""
+    res = _generate(tiny_models("llama"), "--max-new-tokens", "1100")
+    assert res.exit_code == 2 and "prompt of at most 1 tokens" in res.stderr and "none of the input's text" in res.stderr
