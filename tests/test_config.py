@@ -92,9 +92,7 @@ def test_the_checkpoint_generation_config_is_checked_and_named(tiny_models, tmp_
     config["no_repeat_ngram_size"] = -1
     path.write_text(json.dumps(config), encoding="utf-8")
     res = _run(tiny_models, tmp_path, model=model)
-    one_line_error(
-        res, "the model's generation_config.json: no_repeat_ngram_size = -1: must be a whole number"
-    )
+    one_line_error(res, f"{path}: no_repeat_ngram_size = -1: must be a whole number")  # before the weights load
     src, out = tmp_path / "in.txt", tmp_path / "fixed.txt"
     fixed = seqgen(
         "generate", "-m", str(model), str(src), "-o", str(out), "--no-repeat-ngram-size", "2", "-q"
