@@ -90,7 +90,7 @@ class _Worker:
         self.deaths = 0
         self.hello_failures = 0  # in a row
         self.pids: list[int] = []
-        self.node = ""
+        self.nodes: list[str] = []  # the node of each of its processes (a restart may land on another)
         self.stats: dict[str, Any] = dict(shards=0, inputs=0, generated_tokens=0, busy_seconds=0.0)
 
     @property
@@ -114,7 +114,7 @@ class _Worker:
     def report(self) -> dict[str, Any]:
         busy = self.stats["busy_seconds"]
         return dict(
-            worker=self.index, node=self.node, pids=self.pids, restarts=self.deaths, **self.stats,
+            worker=self.index, nodes=self.nodes, pids=self.pids, restarts=self.deaths, **self.stats,
             samples_per_second=self.stats["inputs"] / busy if busy else 0.0,
             generated_tokens_per_second=self.stats["generated_tokens"] / busy if busy else 0.0,
         )  # fmt: skip
@@ -153,8 +153,9 @@ class _Pool:
         w.hello_ref, w.hello_failures = None, 0
         if info["error"] is not None:
             raise SeqgenError(f"a worker could not load the model: {info['error']}")
-        w.ready, w.node = True, info["node"]
+        w.ready = True
         w.pids.append(info["pid"])
+        w.nodes.append(info["node"])
         return info
 
     def lost(self, w: _Worker, died: bool = True) -> None:
@@ -165,9 +166,20 @@ class _Pool:
             self.workers.remove(w)
             self.lost_workers.append(w)
             if not self.workers:
-                raise SeqgenError("every worker died (see the Ray logs under /tmp/ray for why)")
+                raise SeqgenError(self._why_all_died())
             return
         w.hello_ref = w.handle.hello.remote()  # answered once the restarted process has loaded the model
+
+    def _why_all_died(self) -> str:
+        """Every worker is gone: because the cluster took this driver's node for dead (a connection lost for longer
+        than its health checks allow: its job's workers go with it), or each died on its own."""
+        try:
+            cut_off = any(n["NodeID"] == node_id() and not n["Alive"] for n in self.ray.nodes())
+        except Exception:  # noqa: BLE001 - the cluster cannot be asked either: say what is known
+            cut_off = False
+        if cut_off:
+            return "the Ray cluster took this driver's node for dead (its connection lost too long) and ended its workers"
+        return "every worker died (see the Ray logs of their nodes for why)"
 
     def first_hello(self) -> dict[str, Any]:
         waited = 0.0

@@ -8,7 +8,8 @@ temporary folder, every address on loopback. Run apart from other Ray tests (a p
 runs ``seqgen generate --workers 2`` as its driver and prints one JSON line: the run's summary (retried shards,
 workers, seconds) and what the fault did. ``remove``: the node of the first worker seen mid-shard is removed (its
 raylet, its workers and its object store killed); ``pause``: the driver's node's raylet is stopped (``SIGSTOP``) for
-``--pause`` seconds once a shard is merged, then continued; ``none``: no fault. Every process stopped or killed is one
+``--pause`` seconds once a shard is merged, then continued (past about 5 s the cluster takes it for dead:
+:data:`HEALTH_CHECKS`); ``none``: no fault. Every process stopped or killed is one
 this script's cluster started, by its id.
 """
 
@@ -18,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -38,6 +40,9 @@ from seqgen_cli.pipeline.driver import generate_distributed  # noqa: E402
 from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
 
 OBJECT_STORE = 80 << 20  # per node: parts are small
+# The GCS takes a node for dead after this many missed health checks, this often: about 5 s (Ray's defaults: 5
+# every 3 s), so a pause of --pause 20 is a node cut off.
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 5}
 
 
 def raylet_pid(node: Any) -> int:
@@ -54,7 +59,8 @@ def start(nodes: int, root: Path) -> Cluster:
     cluster = Cluster(
         initialize_head=True,
         head_node_args=dict(num_cpus=0, object_store_memory=OBJECT_STORE, include_dashboard=False,
-                            temp_dir=str(root / "head")),
+                            _system_config=HEALTH_CHECKS,
+                            temp_dir=str(root / "ray")),  # RAY_TMPDIR/ray: its "current cluster" file
     )  # fmt: skip
     for i in range(nodes):
         cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE, temp_dir=str(root / f"node{i}"))
@@ -64,6 +70,7 @@ def start(nodes: int, root: Path) -> Cluster:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="seqgen-nodes-"))
+    os.environ["RAY_TMPDIR"] = str(root)  # Ray's "current cluster" file too: not the machine's /tmp/ray
     cluster = start(args.nodes, root)
     fault: dict[str, Any] = {"kind": args.fault}
 
@@ -93,6 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
     return {**result, "fault": fault}
 
 

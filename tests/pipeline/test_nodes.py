@@ -2,7 +2,7 @@
 raylet with its own CPUs, object store and temporary folder, on loopback (``tests/pipeline/cluster_nodes.py``, run
 in a process of its own: a process holds one Ray). Two nodes write the bytes one process writes; a node removed
 mid-run (its raylet, workers and object store killed) loses nothing: its shard reruns on another node; the driver's
-node paused for a while goes on where it was."""
+node cut off for a while resumes."""
 
 from __future__ import annotations
 
@@ -57,13 +57,23 @@ def test_a_node_removed_mid_run_loses_nothing(job, tmp_path: Path) -> None:
     assert "at" in result["fault"], "no worker was seen mid-shard"
     assert out.read_bytes() == reference
     assert result["retried"] >= 1  # the removed node's shard ran again on another node
-    nodes = {w["node"] for w in result["workers"]}
-    assert len(nodes) >= 2 and result["fault"]["node"] in nodes
+    (lost,) = [w for w in result["workers"] if w["nodes"][0] == result["fault"]["node"]]
+    assert lost["restarts"] == 1  # Ray restarts it on the spare node, should the run last that long
 
 
-def test_the_drivers_node_paused_for_a_while_goes_on(job, tmp_path: Path) -> None:
+def test_the_drivers_node_cut_off_for_a_while_resumes(job, tmp_path: Path) -> None:
+    """The driver's node's raylet stopped for 20 s, past the cluster's health checks (about 5 s here): the cluster
+    takes the node for dead and ends the run's workers; the driver stops with one line, its merged outputs written,
+    and ``--resume`` on a new cluster finishes the bytes one process writes. (Should the node be back in time, the
+    run goes on: the same bytes.)"""
     model, src, reference = job
     out = tmp_path / "out.txt"
-    result = on_nodes(model, src, out, "--fault", "pause", "--pause", "3", "--shard-size", "40")
-    assert result["error"] is None and "at" in result["fault"], result
+    result = on_nodes(model, src, out, "--fault", "pause", "--pause", "20", "--shard-size", "40")
+    assert "at" in result["fault"], result
+    if result["error"] is not None:
+        assert "took this driver's node for dead" in result["error"] and "--resume" in result["error"], result
+        written = out.read_bytes()
+        assert written and reference.startswith(written)  # nothing merged is lost
+        result = on_nodes(model, src, out, "--resume", "--shard-size", "40")
+        assert result["error"] is None, result
     assert out.read_bytes() == reference
