@@ -68,7 +68,7 @@ GENERATION_OPTIONS: dict[str, _Flag] = {
         int, "Outputs per input: N consecutive lines (text) or a list (JSONL), best first."
     ),
     "do_sample": _flag(bool, "Sample instead of searching.", default=None),
-    "temperature": _flag(float, "Sampling temperature (> 0)."),
+    "temperature": _flag(float, "Sampling temperature (> 0); 0: greedy search, as vLLM and llama.cpp read it."),
     "top_k": _flag(int, "Sample among the k most likely tokens (0 = all)."),
     "top_p": _flag(float, "Sample within the top-p probability mass (0 < p <= 1)."),
     "repetition_penalty": _flag(float, "Penalise tokens already in the output (1.0 = off; > 0)."),
@@ -296,15 +296,16 @@ class _SectionedCommand(click.Command):
 @click.option(
     "--chat", is_flag=True, help="Each input is the user message of the tokenizer's chat template, the assistant's "
     "turn opened (as apply_chat_template(add_generation_prompt=True)); a JSONL object's \"messages\" list is the "
-    "conversation as given. The output is the assistant's text.",
+    "conversation as given (its \"tools\" too), one ending in an assistant message continued from it. The output "
+    "is the assistant's text.",
 )  # fmt: skip
 @click.option(
     "--system-prompt", metavar="TEXT|@FILE", help="The system message (implies --chat); a \"messages\" "
     "conversation with a system message of its own keeps that one.",
 )  # fmt: skip
 @click.option(
-    "--chat-template", type=click.Path(exists=True, dir_okay=False), help="A Jinja chat template file, for a "
-    "tokenizer without one or to replace its own (implies --chat).",
+    "--chat-template", metavar="FILE|@FILE|TEXT", help="A Jinja chat template (a file, or the template's text), "
+    "for a tokenizer without one or to replace its own (implies --chat).",
 )  # fmt: skip
 @click.option(
     "--chat-template-kwargs", metavar="JSON", help='Switches of the chat template, e.g. \'{"enable_thinking": false}\'.'
@@ -478,12 +479,10 @@ def generate(inputs: tuple[str, ...], model: str, output: str, **opts) -> None:
 
         prefetch(model)  # the checkpoint's file digests (the run's identity), hashed while it loads
         gen = spec.build()
-        if gen.fallback and not quiet:  # --backend auto runs generate(): say so, and why
-            click.echo(f"seqgen: note: running transformers generate(): {gen.fallback}", err=True)
-        from seqgen_cli.generator import slow_dtype
+        from seqgen_cli.generator import startup_notes
 
-        if (slow := slow_dtype(gen.loaded)) and not quiet:
-            click.echo(f"seqgen: note: {slow}", err=True)
+        for note in [] if quiet else startup_notes(gen, spec.generation):
+            click.echo(one_line(f"seqgen: note: {note}"), err=True)
         if spec.refill and not gen.refill and not quiet:
             from seqgen_cli.pipeline.messages import no_refill
 
@@ -563,37 +562,13 @@ def eval_(files: tuple[str, ...], hypotheses: str | None, metrics: str | None, a
     unicodedata.normalize("NFC", line).
     """
     from seqgen_cli import metrics as m
-    from seqgen_cli.pipeline import paths
-    from seqgen_cli.whole import write_whole
+    from seqgen_cli.pipeline.evaluate import EvalFiles, evaluate
 
-    refs = list(files)
-    if hypotheses is None:
-        if len(refs) < 2:
-            raise SeqgenError("seqgen eval needs hypotheses and references: HYP REF [REF...], or REF... -i HYP")
-        hypotheses = refs.pop(0)
-    elif not refs:
-        raise SeqgenError("seqgen eval -i HYP needs at least one reference file")
+    more = {"baseline": settings.pop("baseline"), "sentence_scores": settings.pop("sentence_scores")}
     names = m.parse_metrics(metrics)
-    sentences, baseline = settings.pop("sentence_scores"), settings.pop("baseline")
-    roles = [paths.read("hypotheses", hypotheses), *(paths.read("reference", r) for r in refs)]
-    roles += [paths.read("--paired-bs", baseline)] if baseline is not None else []
-    paths.check_distinct([*roles, *([paths.written("--sentence-scores", sentences)] if sentences else [])])
-    options = m.Options(**settings)
-    hyps, streams = m.read_lines(hypotheses), [m.read_lines(r) for r in refs]
-    m.check_unscored(hyps, hypotheses)
-    m.check_options(options, len(hyps))
-    result = m.score(hyps, streams, names, options=options, names=[hypotheses, *refs])
-    result["files"] = {"hypotheses": hypotheses, "references": refs}
-    if baseline is not None:
-        result["paired_bs"] = m.paired_bootstrap(hyps, m.read_lines(baseline), streams, names, options)
-        result["files"]["baseline"] = baseline
+    result, sentences = evaluate(EvalFiles.of(files, hypotheses, **more), names, m.Options(**settings))
     if sentences is not None:
-        rows = m.sentence_scores(hyps, streams, names, options)
-        text = "".join(json.dumps(r) + "\n" for r in rows)
-        if sentences == "-":
-            click.echo(text, nl=False)
-        else:
-            write_whole(sentences, text)
+        click.echo(sentences, nl=False)
     if metrics is None:  # every metric, whatever the task: say so, and how to choose
         click.echo(f"seqgen: scoring {', '.join(names)} (choose with --metrics)", err=True)
     click.echo(json.dumps(result, indent=2) if as_json else m.format_table(result))

@@ -17,7 +17,7 @@ decoding engine over the model (per-family fast decoders where they exist, a gen
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,10 +48,10 @@ from seqgen_cli.config import (
     check_flags,
     default_length,
     load_preset,
-    resolve_target_prefix,
     settings_for_model,
 )
 from seqgen_cli.errors import SeqgenError
+from seqgen_cli.languages import resolve_target_prefix
 from seqgen_cli.loading import Loaded, load, source_limit
 from seqgen_cli.memory import batch_bytes
 from seqgen_cli.prompts import Prompter, PromptSettings, stop_check
@@ -395,6 +395,19 @@ def scored(config: Any, out: SearchOutput) -> list[list[Scored]]:
         ]
         for seqs, row, each in zip(out.sequences, out.scores, tokens, strict=True)
     ]
+
+
+def startup_notes(gen: Generator, given: Mapping[str, Any]) -> list[str]:
+    """What to know before a run starts: ``--backend auto`` runs ``generate()`` (and why), a dtype slow on this CPU,
+    sampling the user did not ask for (``given``: the settings given) with no seed: outputs that differ run to run."""
+    notes = [f"running transformers generate(): {gen.fallback}"] if gen.fallback else []
+    notes += [slow] if (slow := slow_dtype(gen.loaded)) else []
+    if gen.config.do_sample and gen.seed is None and given.get("do_sample") is None:
+        notes.append(
+            "the model's own settings sample (do_sample in its generation_config.json, or the preset's), unseeded: "
+            "outputs differ from run to run; --seed N repeats them, --temperature 0 searches greedily"
+        )
+    return notes
 
 
 def slow_dtype(loaded: Loaded) -> str | None:

@@ -9,7 +9,9 @@ Three ways, one :class:`Prompter` (``Generator.encode`` asks it for every input)
   example in a few-shot prompt, stay as written);
 * ``--chat``: the input (or the template's text) as the user message of the tokenizer's chat template, an assistant
   turn opened (``add_generation_prompt``), ``--system-prompt`` as the system message, as ``apply_chat_template``
-  renders it; a JSONL object's ``messages`` list is the conversation as given. The rendered text is tokenised
+  renders it; a JSONL object's ``messages`` list is the conversation as given (content parts, tool calls), its
+  ``tools`` the template's tools, and a conversation that ends in an assistant message is continued from it
+  (``continue_final_message``: a prefill). The rendered text is tokenised
   without adding special tokens, as ``apply_chat_template(tokenize=True)`` does (the template writes them).
 
 Truncation (``--max-source-length``) shortens the input text inside the template, from its end, and never the
@@ -19,6 +21,7 @@ template's own tokens: the instruction and the end-of-turn marker stay. A plain 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -31,9 +34,10 @@ from seqgen_cli.errors import SeqgenError
 
 FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")  # a {name} of a --prompt-template
 # apply_chat_template's own parameters: a --chat-template-kwargs key among them would replace seqgen's argument
-CALL_KEYS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-             "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-             "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")  # fmt: skip
+CALL_KEYS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
+    "padding truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class Prompter:
             messages = [{"role": "user", "content": text}]
         if s.system_prompt is not None and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": s.system_prompt}, *messages]
-        return self._chat(messages)
+        return self._chat(messages, _tools(fields))
 
     def head(self) -> list[int]:
         """The tokens every prompt of these settings begins with, whatever the input: the chat template's system
@@ -156,14 +160,18 @@ class Prompter:
                 raise SeqgenError(_nothing_left(limit, "--prefix and the special tokens" if s.prefix else "special tokens"))
             return Prompted(ids, True)
         messages = _messages(fields)
-        inner = messages[-1]["content"] if messages else text  # the text cut: the input, or the last message
+        cut = _last_user(messages) if messages else None  # the text cut: the input, or the last user message's
+        if messages and cut is None:
+            raise SeqgenError(f"the conversation is over --max-source-length {limit} and has no user text to shorten")
+        inner = messages[cut]["content"] if messages else text
         pieces = self.tokenizer(inner, add_special_tokens=False)["input_ids"]
         keep = len(pieces)
         while len(ids) > limit and keep > 0:
             keep = max(0, keep - (len(ids) - limit))
             short = self.tokenizer.decode(pieces[:keep])
             if messages:
-                fields = {**fields, "messages": [*messages[:-1], {**messages[-1], "content": short}]}  # type: ignore[dict-item]
+                shortened = [*messages[:cut], {**messages[cut], "content": short}, *messages[cut + 1 :]]
+                fields = {**fields, "messages": shortened}  # type: ignore[dict-item]
                 ids = self._tokens(self.render(text, fields))
             else:
                 ids = self._tokens(self.render(short, fields))
@@ -175,15 +183,23 @@ class Prompter:
             raise SeqgenError(_nothing_left(limit, "the prompt's template"))
         return Prompted(ids, True)
 
-    def _chat(self, messages: list[dict[str, Any]]) -> str:
+    def _chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+        """The chat template over ``messages`` (and ``tools``): the assistant's turn opened, or, where the conversation
+        ends in an assistant message, that message continued (``continue_final_message``: a prefill)."""
         s = self.settings
         where = "--chat-template" if s.chat_template is not None else "the tokenizer's chat template"
+        prefill = messages[-1].get("role") == "assistant"
         try:
             with bounded(where):
                 return self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True, chat_template=s.chat_template,
+                    messages,
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=not prefill,
+                    continue_final_message=prefill,
+                    chat_template=s.chat_template,
                     **s.chat_template_kwargs,
-                )  # fmt: skip
+                )
         except SeqgenError:
             raise
         except Exception as err:  # noqa: BLE001 - jinja2's errors (syntax, undefined names, raise_exception)
@@ -252,16 +268,49 @@ def _fill(template: str, text: str, fields: Mapping[str, Any] | None) -> str:
 
 
 def _messages(fields: Mapping[str, Any] | None) -> list[dict[str, Any]] | None:
-    """A JSONL object's ``messages`` (a list of ``{"role", "content"}`` objects), or ``None``."""
+    """A JSONL object's ``messages`` as ``apply_chat_template`` takes them, or ``None``: ``{"role", "content"}``
+    objects, the content a string, a list of parts (``{"type": "text", "text": ...}``), or ``null`` beside an
+    assistant's ``tool_calls``."""
     messages = (fields or {}).get("messages")
     if messages is None:
         return None
-    ok = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    )
-    if not ok:
-        raise SeqgenError('"messages" must be a non-empty list of {"role": ..., "content": ...} objects with strings')
+    if not (isinstance(messages, list) and messages and all(_message(m) for m in messages)):
+        raise SeqgenError(
+            '"messages" must be a non-empty list of {"role": ..., "content": ...} objects, each content a string, a '
+            'list of parts ({"type": "text", ...}), or null beside "tool_calls"'
+        )
     return messages
+
+
+def _message(m: Any) -> bool:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return False
+    content = m.get("content")
+    if isinstance(content, list):
+        return all(isinstance(part, dict) and isinstance(part.get("type"), str) for part in content)
+    return isinstance(content, str) or (content is None and isinstance(m.get("tool_calls"), list))
+
+
+def _last_user(messages: list[dict[str, Any]]) -> int | None:
+    """The index of the last user message with text content: what ``--max-source-length`` shortens."""
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user" and isinstance(m.get("content"), str)]
+    return users[-1] if users else None
+
+
+def _tools(fields: Mapping[str, Any] | None) -> list[Any] | None:
+    """A JSONL object's ``tools`` (a list of tool objects: JSON schemas, as ``apply_chat_template`` takes them)."""
+    tools = (fields or {}).get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise SeqgenError('"tools" must be a list of tool objects (JSON schemas, as apply_chat_template takes them)')
+    return tools
+
+
+def read_template_option(value: str | None) -> str | None:
+    """``--chat-template``: ``@FILE`` or a file's path (its contents), or the Jinja text itself (a value with
+    ``{{`` or ``{%`` that is no file)."""
+    if value is None or value.startswith("@") or ("{{" not in value and "{%" not in value) or os.path.isfile(value):
+        return read_text_option(value if value is None or value.startswith("@") else f"@{value}", "--chat-template")
+    return value
 
 
 def read_text_option(value: str | None, flag: str) -> str | None:

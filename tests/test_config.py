@@ -98,3 +98,33 @@ def test_the_checkpoint_generation_config_is_checked_and_named(tiny_models, tmp_
         "generate", "-m", str(model), str(src), "-o", str(out), "--no-repeat-ngram-size", "2", "-q"
     )
     assert fixed.exit_code == 0 and out.read_text(encoding="utf-8").count("\n") == 2, fixed.stderr
+
+
+def test_temperature_zero_is_greedy_search(tiny_models, tmp_path: Path) -> None:
+    """``--temperature 0`` was an error ("must be > 0") where vLLM and llama.cpp read it as greedy: over a checkpoint
+    that samples by default (as Qwen's and Llama 3.1's do), it gives ``--no-do-sample``'s outputs."""
+    model = copy_checkpoint(tiny_models("gpt2"), tmp_path / "model")
+    path = model / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text(encoding="utf-8")), "do_sample": True, "temperature": 0.7}),
+                    encoding="utf-8")  # fmt: skip
+    src = write_lines(tmp_path / "in.txt", ["a short input", "another one"])
+    outs = []
+    for flag in ("--temperature=0", "--no-do-sample"):
+        res = seqgen("generate", "-m", str(model), str(src), "--max-new-tokens", "8", "-q", flag)
+        assert res.exit_code == 0, res.stderr
+        outs.append(res.stdout)
+    assert outs[0] == outs[1] and outs[0].count("\n") == 2
+    one_line_error(_run(tiny_models, tmp_path, "--temperature", "0", "--do-sample"), "--temperature 0 is greedy")
+
+
+def test_sampling_the_user_did_not_ask_for_is_said_once(tiny_models, tmp_path: Path) -> None:
+    """A checkpoint that samples by default, unseeded: two runs differ and nothing said so."""
+    model = copy_checkpoint(tiny_models("gpt2"), tmp_path / "model")
+    path = model / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text(encoding="utf-8")), "do_sample": True}), encoding="utf-8")
+    src = write_lines(tmp_path / "in.txt", ["a short input", "another one"])
+    args = ("generate", "-m", str(model), str(src), "--max-new-tokens", "4")
+    res = seqgen(*args)
+    assert res.exit_code == 0 and res.stderr.count("the model's own settings sample") == 1, res.stderr
+    for more in (("--seed", "1"), ("--do-sample",), ("--temperature", "0")):
+        assert "settings sample" not in seqgen(*args, *more).stderr

@@ -328,3 +328,57 @@ def test_a_text_option_file_loses_one_final_newline(chat_models, tmp_path: Path)
     assert shown[0] == shown[1] and "Very brief." in shown[0]
     saved.write_text("Be brief.\n\n", encoding="utf-8")  # only one newline goes
     assert read_text_option(f"@{saved}", "--system-prompt") == "Be brief.\n"
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|tools|> {{ tools | tojson }}{{ eos_token }}{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|> "
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% elif m['content'] %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"
+    "{% else %}{% for c in m['tool_calls'] %}call {{ c['function']['name'] }}{% endfor %}{% endif %}"
+    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_conversation_ending_in_an_assistant_message_is_continued(chat_models, tmp_path: Path, family: str) -> None:
+    """A prefill ("Translation:" as the assistant's last message): the turn was closed and a new one opened; now
+    continued, as ``apply_chat_template(continue_final_message=True)`` + ``generate()``."""
+    model = chat_models[family]
+    conversations = [
+        [{"role": "user", "content": "translate the house is small"}, {"role": "assistant", "content": "Translation:"}],
+        [{"role": "user", "content": "and a second one"}],
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.txt"
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations), encoding="utf-8")
+    assert _run(model, src, out, "--chat").exit_code == 0
+    tok = AutoTokenizer.from_pretrained(model)
+    prefill = tok.apply_chat_template(conversations[0], continue_final_message=True, tokenize=True, return_dict=True)
+    assert not tok.decode(prefill["input_ids"]).endswith("<|assistant|> ")  # the turn stays open, mid-message
+    want = _alone(model, [prefill["input_ids"], *_chat_ids(model, conversations[1:])])
+    assert out.read_text(encoding="utf-8").splitlines() == want
+
+
+def test_tools_content_parts_and_tool_calls_as_apply_chat_template_takes_them(chat_models, tmp_path: Path) -> None:
+    """A JSONL ``tools`` field was ignored; content as a list of parts, and ``null`` beside ``tool_calls``, were
+    refused. ``--chat-template`` takes the template's text as well as a file."""
+    model = chat_models["llama"]
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "find a word",
+                                               "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "text", "text": "a house"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {}}}]},
+        {"role": "tool", "content": "a building"},
+        {"role": "user", "content": "and so?"},
+    ]  # fmt: skip
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.txt"
+    src.write_text(json.dumps({"messages": messages, "tools": tools}) + "\n", encoding="utf-8")
+    res = _run(model, src, out, "--chat-template", TOOLS_TEMPLATE)
+    assert res.exit_code == 0, res.stderr
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok.apply_chat_template(messages, tools=tools, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True,
+                                  tokenize=True, return_dict=True)["input_ids"]  # fmt: skip
+    assert "lookup" in tok.decode(ids) and "a house" in tok.decode(ids)
+    assert out.read_text(encoding="utf-8").splitlines() == _alone(model, [ids])
+    src.write_text(json.dumps({"messages": messages, "tools": "lookup"}) + "\n", encoding="utf-8")
+    one_line_error(_run(model, src, tmp_path / "bad.txt", "--chat-template", TOOLS_TEMPLATE), '"tools" must be a list')

@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import compiled_calls, get_backend, linear_maps
 from seqgen_cli.models.capture import CapturedBackend
-from seqgen_cli.models.kv_cache import run_step
+from seqgen_cli.models.lane_table import run_step
 from seqgen_cli.search.beam import BeamConstants, pick_topk
 from seqgen_cli.search.cohort import Cohort, Results, make_search
 from seqgen_cli.search.engine import run_batch

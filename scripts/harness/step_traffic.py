@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqgen_cli.models import get_backend
-from seqgen_cli.models.kv_cache import run_step
+from seqgen_cli.models.lane_table import run_step
 from seqgen_cli.search.protocol import Batch
 
 

@@ -1,7 +1,7 @@
 """The capture path: a static-step backend's ``decode`` run as CUDA graphs, and which way each batch runs.
 
 A fast backend's step is ``cache.check(t)`` (host), ``decode(state, tokens)`` (tensors only: what is compiled and
-captured), then ``t += 1`` and ``cache.advance()``; ``decode`` never branches on the step (``models/kv_cache.py``),
+captured), then ``t += 1`` and ``cache.advance()``; ``decode`` never branches on the step (``models/lane_table.py``),
 so one graph serves every step of a batch shape within a span bucket. Shapes come from a small fixed set
 (``shapes.py``): inputs padded to a power-of-two number of *lanes* (copies of the last input, idle), sources
 (prompts) to a power-of-two width, new-token positions to a multiple of ``shapes.POSITIONS``; finished inputs idle in
@@ -41,7 +41,7 @@ from seqgen_cli.models.compiled_calls import (
     watch_recordings,
 )
 from seqgen_cli.models.kept import CapturedState, KeptStates, mark_static
-from seqgen_cli.models.kv_cache import Decode, check_position, run_step
+from seqgen_cli.models.lane_table import Decode, check_position, run_step
 from seqgen_cli.search.protocol import Batch, ModelBackend, StaticLayout
 from seqgen_cli.shapes import compacted, graph_inputs, graph_positions, graph_width, span_bucket
 

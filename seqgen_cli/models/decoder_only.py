@@ -25,13 +25,8 @@ import transformers
 from torch import Tensor
 
 from seqgen_cli.models.attention import rotary_tables, soft_cap
-from seqgen_cli.models.kv_cache import (
-    DecoderOnlyKVCache,
-    kv_bytes,
-    pointer_bytes,
-    run_step,
-    select_into,
-)
+from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, kv_bytes, select_into
+from seqgen_cli.models.lane_table import pointer_bytes, run_step
 from seqgen_cli.models.layers import Causal, Place, Step, sliding_layers
 from seqgen_cli.models.linear_maps import dense, linear
 from seqgen_cli.search.protocol import Batch

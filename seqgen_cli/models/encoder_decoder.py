@@ -24,12 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from seqgen_cli.models.attention import HALF, rotary_tables, soft_cap
-from seqgen_cli.models.kv_cache import (
-    EncoderDecoderKVCache,
-    kv_bytes,
-    pointer_bytes,
-    run_step,
-)
+from seqgen_cli.models.kv_cache import EncoderDecoderKVCache, kv_bytes
+from seqgen_cli.models.lane_table import pointer_bytes, run_step
 from seqgen_cli.models.layers import Place, Seq2Seq, Step, sliding_layers
 from seqgen_cli.models.linear_maps import linear, onednn_copy, quantize_linears
 from seqgen_cli.models.resident import release

@@ -1,30 +1,20 @@
 """The self-attention caches of the fast backends: preallocated, written in place, never moved by beam reordering.
-Two classes: :class:`EncoderDecoderKVCache` (a decoder's own keys and values) and :class:`DecoderOnlyKVCache` (a
-prompt's, once per input, then the generated ones); each holds a batch or the refill engine's lanes
-(``search/refill.py``), over one :class:`LaneTable`. They store; ``models/attention.py`` attends.
-
-Lanes. A cache holds ``L`` lanes of ``R`` rows (rows lane-major, ``row = l * R + k``: for a batch, an input is a
-lane, see ``seqgen_cli/search/protocol.py``) and ``T = max_new_tokens`` positions per row. Where every lane is at
-one step (a batch: its inputs joined together) one step counter serves all (``steps`` [1]); the refill engine's
-lanes each have their own (``steps`` [L]), so inputs at different steps share one decode step of one shape. A step
-writes each lane's keys/values at that lane's step and attends the first ``span`` positions.
+Two classes over one :class:`~seqgen_cli.models.lane_table.LaneTable` (steps, back-pointers, spans: the table's
+module docstring): :class:`EncoderDecoderKVCache` (the source's cross-attention K/V once per input, the decoder's own
+per row) and :class:`DecoderOnlyKVCache` (a prompt's, once per input, then the generated ones); each holds a batch or
+the refill engine's lanes (``search/refill.py``). They store; ``models/attention.py`` attends. One contract:
+``update(layer, k, v, sliding)`` stores a step's keys and values and returns the blocks a query attends, each with
+its additive bias.
 
 Beams. The keys and values of a lane's ``R`` rows lie side by side (``[..., T, R, d]``), so all positions of a lane
-are a free view of ``T * R`` keys. Reordering moves only back-pointers (``LaneTable.ptr``); each query row scores
-against all its lane's keys and a mask built from the back-pointers keeps its own history. That costs ``R`` times
-the score FLOPs on tiny matrices instead of copying or gathering the cache every step (measured against both in
-docs/EXPERIMENTS.md, "Self-attention cache: reorder strategies").
+are a free view of ``T * R`` keys: ``R`` times the score FLOPs on tiny matrices instead of copying or gathering the
+cache every step.
 
-Spans. A batch's eager step (CPU or CUDA) attends the ``t + 1`` positions written so far (``span``, set by the
-host-side :meth:`LaneTable.check`), cheaper than all ``T`` (docs/EXPERIMENTS.md, "Static vs dynamic step on the
-CPU"), and writes through a view at the host's ``t``. A static cache (``make_static()``: what ``models/capture.py``
-compiles or captures, and every lane cache) reads the step it writes from device tensors and attends a span bucket
-(``shapes.span_bucket``: a power of two from 64, at most ``T``; for lanes, of the furthest live lane's step): no host
-integer that changes per step reaches its tensor work, so it is compiled or captured once per bucket and replayed.
-There unwritten positions are zeros (masked keys must still be finite: ``nan - inf`` is ``nan``); off it they are
-never read, so they are allocated empty. Only ``keep`` (inputs leaving) reallocates, copying the positions written
-so far. The capture path keeps its static caches for later batches (``models/capture.py``): ``reset`` restarts one
-in place, ``keep_into`` copies what ``keep`` keeps into another one's tensors, ``empty`` allocates one.
+Static caches (``make_static()``: capture, lanes): unwritten positions are zeros (masked keys must still be finite:
+``nan - inf`` is ``nan``); off it they are never read, so they are allocated empty. Only ``keep`` (inputs leaving)
+reallocates, copying the positions written so far. The capture path keeps its static caches for later batches
+(``models/capture.py``): ``reset`` restarts one in place, ``keep_into`` copies what ``keep`` keeps into another
+one's tensors, ``empty`` allocates one.
 
 Every layer has its own K and V tensors. Under ``torch.compile`` a write through a view of one tensor holding
 all layers is functionalized into a copy of that whole tensor per write (``index_put`` + ``select_scatter`` +
@@ -35,47 +25,17 @@ Nothing here syncs with the device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from seqgen_cli.models.attention import Block
-from seqgen_cli.shapes import span_bucket
+from seqgen_cli.models.lane_table import LaneTable
 
 
 def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int) -> int:
     """Bytes of the keys and values of ``positions`` positions (summed over rows) in ``layers`` layers of
     ``kv_heads`` K/V heads (grouped-query attention: the K/V heads, not the query heads)."""
     return 2 * layers * kv_heads * head_dim * dtype.itemsize * positions
-
-
-def pointer_bytes(rows: int, max_len: int) -> int:
-    """Bytes of the back-pointers (:attr:`LaneTable.ptr`) for ``rows`` rows and ``max_len`` positions (int64)."""
-    return rows * max_len * 8
-
-
-def check_position(t: int, max_len: int) -> None:
-    """Host-side bounds check before step ``t``: ``ValueError`` past the ``max_len`` positions of ``start()``."""
-    if t >= max_len:
-        raise ValueError(f"step {t} beyond the {max_len} positions allocated by start()")
-
-
-Decode = Callable[[Any, Tensor], Tensor]  # (backend state, tokens [N]) -> logits [N, V]
-
-
-def run_step(decode: Decode, state: Any, tokens: Tensor) -> Tensor:
-    """One decode step of a fast backend, a batch's or every lane's: ``decode`` (the tensor work, eager or
-    compiled: ``models/capture.py``) between the host bookkeeping.
-
-    ``state`` has ``t`` (host step counter) and ``cache`` (``check(t)``: bounds and the span this step attends;
-    ``advance()``); tokens [N] -> logits [N, V]."""
-    state.cache.check(state.t)
-    logits = decode(state, tokens)
-    state.t += 1
-    state.cache.advance()
-    return logits
 
 
 def keep_positions(cache: Tensor, inputs: Tensor, dim: int, used: int, zero: bool) -> Tensor:
@@ -102,15 +62,6 @@ def select_into(dst: Tensor, src: Tensor, index: Tensor) -> None:
         dst.copy_(src.index_select(0, index))
 
 
-def write_position(cache: Tensor, dim: int, new: Tensor, position: Tensor, at: int | None) -> None:
-    """Store ``new`` (``cache`` without ``dim``) at position ``position`` ([1] int64, on the device) along ``dim``;
-    ``at``: the same position as a host int off the static path, where the write is a plain view copy."""
-    if at is None:
-        cache.index_copy_(dim, position, new.unsqueeze(dim))
-    else:
-        cache.select(dim, at).copy_(new)
-
-
 def widened(keys: list[Tensor], values: list[Tensor], bias: Tensor, grow: int) -> tuple[list[Tensor], list[Tensor], Tensor]:
     """A block of columns (a source's, a prompt region's) ``grow`` columns wider, masked, on the right: keys
     [L, Hkv, d, W] and values [L, Hkv, W, d] per layer (zeros), the additive bias [L, 1, 1, W] (-inf)."""
@@ -118,141 +69,6 @@ def widened(keys: list[Tensor], values: list[Tensor], bias: Tensor, grow: int) -
     keys = [pad(k, (0, grow)) for k in keys]  # [L, Hkv, d, W + grow]
     values = [pad(v, (0, 0, 0, grow)) for v in values]  # [L, Hkv, W + grow, d]
     return keys, values, pad(bias, (0, grow), value=float("-inf"))  # [L, 1, 1, W + grow]
-
-
-class LaneTable:
-    """What both caches share: which position each lane's rows write and which each of them sees.
-
-    ``steps`` ([1]: a batch, every lane at one step; [L]: lanes at their own steps, the refill engine's) is the
-    position each lane writes, on the device; ``position`` ([1] or [N]) the one each row writes, what a backend
-    reads for its position ids. ``ptr[n, s]``: the beam (``0..R-1``, same lane) whose position ``s`` is in row
-    ``n``'s history. Lanes at their own steps: a stale position (a previous input's) is masked; an idle lane (no
-    input) keeps stepping, its counter stops at ``T - 1`` and it always sees position 0, so its rows stay finite
-    and its writes stay in its own rows. Their span is a bucket of the furthest live lane's step (``ages``, host),
-    at least ``MIN_SPAN`` positions, so an input's sums run over the same span beside any neighbours wherever its
-    own steps fit in ``MIN_SPAN`` (a sum over more masked positions can round differently)."""
-
-    static: bool  # attend the t+1 positions written so far; a span bucket after make_static() (capture, lanes)
-    max_len: int
-    span: int  # positions this step attends (host int; a span bucket if static)
-    r: int
-    ptr: Tensor  # [N, T] int64
-    steps: Tensor  # [1] or [L] int64: the position each lane writes
-    position: Tensor  # [1] or [N] int64: the position each row writes
-    ages: list[int | None] | None  # lanes at their own steps: each one's step (host; None: idle); a batch: None
-
-    def _table(self, lanes: int, rows_per_input: int, max_len: int, device: torch.device, own_steps: bool) -> None:
-        self.r, self.max_len, self.static, self.span = rows_per_input, max_len, False, max_len
-        self.ptr = torch.zeros(lanes * rows_per_input, max_len, dtype=torch.long, device=device)  # [N, T]
-        self.beams = torch.arange(rows_per_input, device=device)  # [R]
-        self.positions = torch.arange(max_len, device=device)  # [T]
-        self.steps = torch.zeros(lanes if own_steps else 1, dtype=torch.long, device=device)  # [L] or [1]
-        self.position = torch.zeros(lanes * rows_per_input, dtype=torch.long, device=device) if own_steps else self.steps
-        self.ages = [None] * lanes if own_steps else None
-
-    def buffers(self) -> list[Tensor]:
-        """The per-layer generated K/V tensors."""
-        raise NotImplementedError
-
-    def make_static(self) -> None:
-        """Attend a span bucket of positions from now on (``shapes.span_bucket``: graph capture, before the first
-        step): zero the unwritten."""
-        if not self.static:
-            for x in self.buffers():
-                x.zero_()
-            self.static = True
-
-    def reset(self) -> None:
-        """A kept static cache (``models/capture.py``) takes a new batch, as a new cache would start: every position
-        unwritten (zeros), back-pointers cleared, the next step writes position 0. In place: nothing is allocated."""
-        for x in self.buffers():
-            x.zero_()
-        self.ptr.zero_()
-        self.steps.zero_()
-        self.span = self.max_len
-
-    def now(self, t: int) -> int:
-        """The step that sizes step ``t``'s span: ``t`` itself for a batch; the furthest live lane's for lanes at
-        their own steps (``t``, the steps run, is not it)."""
-        if self.ages is None:
-            return t
-        return max((a for a in self.ages if a is not None), default=0)
-
-    def check(self, t: int) -> None:
-        """Host: step ``t`` is about to run (``ValueError`` past the allocated positions; lanes stay below ``T``: the
-        engine stops an input at its last step); sets ``span``."""
-        now = self.now(t)
-        check_position(now, self.max_len)
-        self.span = span_bucket(now, self.max_len) if self.static else now + 1
-
-    def advance(self) -> None:
-        """A step is done: the next one writes the next position (queued on the device, no sync); a lane at its own
-        step stops at the last one."""
-        self.steps.add_(1)
-        if self.ages is not None:
-            self.steps.clamp_(max=self.max_len - 1)
-            self._row_steps()
-            self.ages = [None if a is None else min(a + 1, self.max_len - 1) for a in self.ages]
-
-    def join(self, lanes: list[int]) -> None:
-        """Inputs join lanes ``lanes`` (lanes at their own steps): their counters restart at step 0 (stale keys are
-        masked)."""
-        assert self.ages is not None
-        self.steps.index_fill_(0, torch.tensor(lanes, dtype=torch.long, device=self.steps.device), 0)
-        self._row_steps()
-        for lane in lanes:
-            self.ages[lane] = 0
-
-    def leave(self, lanes: list[int]) -> None:
-        """The inputs of ``lanes`` are done: they idle (their steps no longer size the span)."""
-        assert self.ages is not None
-        for lane in lanes:
-            self.ages[lane] = None
-
-    def _row_steps(self) -> None:
-        lanes, r = self.steps.shape[0], self.r
-        self.position.view(lanes, r).copy_(self.steps[:, None])  # [L] -> [L, R]
-
-    def visible(self, span: int) -> Tensor:
-        """Which of the first ``span`` positions each query row sees (its lane's step and before, its back-pointers;
-        lanes at their own steps: position 0 always): bool [L, Rq, span, R]; with R = 1 [L|1, 1, span, 1]."""
-        pos, r, n = self.positions[:span], self.r, self.ptr.shape[0]
-        upto = pos <= self.steps[:, None]  # [1|L, span]
-        if self.ages is not None:
-            upto = upto | (pos == 0)
-        upto = upto.view(-1, 1, span, 1)  # [1|L, 1, span, 1]
-        if r == 1:
-            return upto
-        self.ptr.scatter_(1, self.position.expand(n)[:, None], self.beams.repeat(n // r)[:, None])  # own beam
-        return (self.ptr[:, :span].view(-1, r, span, 1) == self.beams) & upto  # [L, Rq, span, R]
-
-    def near(self, window: int) -> Tensor:
-        """Which of the first ``span`` positions are less than ``window`` before each lane's step: bool [1|L, span]."""
-        return self.positions[: self.span] > self.steps[:, None] - window
-
-    def lane_rows(self, per_lane: int) -> Tensor | None:
-        """Lanes at their own steps: where position 0 of each of a lane's ``per_lane`` rows lies in a cache tensor
-        viewed as [L * per_lane * T, ...] (:meth:`write`), [L, per_lane]; a batch: ``None``."""
-        if self.ages is None:
-            return None
-        lanes = self.steps.shape[0]
-        return (torch.arange(lanes * per_lane, device=self.steps.device) * self.max_len).view(lanes, per_lane)
-
-    def write(self, cache: Tensor, dim: int, new: Tensor, where: Tensor | None) -> None:
-        """Store ``new`` (``cache`` [L, ..., T, ...] without its positions ``dim``) at each lane's step: a batch's at
-        its one position; lanes' through ``where`` (:meth:`lane_rows` plus the lanes' steps, [L * per_lane])."""
-        if where is None:
-            write_position(cache, dim, new, self.steps, None if self.static else self.span - 1)
-        else:  # [L, ..., T, ...] -> [L * per_lane * T, rest]; new [L, ..., rest] -> [L * per_lane, rest]
-            cache.view(where.shape[0] * self.max_len, -1).index_copy_(0, where, new.reshape(where.shape[0], -1))
-
-    def at_steps(self, rows: Tensor | None) -> Tensor | None:
-        """This step's write index from :meth:`lane_rows`: [L * per_lane], or ``None`` (a batch)."""
-        return None if rows is None else (rows + self.steps[:, None]).view(-1)
-
-    def reorder(self, rows: Tensor) -> None:
-        """Row ``i`` continues old row ``rows[i]`` ([N] int64, same input): only back-pointers move, in place."""
-        self.ptr.copy_(self.ptr.index_select(0, rows))
 
 
 class EncoderDecoderKVCache(LaneTable):
@@ -286,7 +102,7 @@ class EncoderDecoderKVCache(LaneTable):
         # Allocated first: past any memory they fail at once, before the table's zeros are written.
         self.k = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in cross_k]
         self.v = [torch.empty((b, h, t, r, d), dtype=dtype, device=device) for _ in cross_k]
-        self._table(b, r, t, device, own_steps=lanes)
+        super().__init__(b, r, t, device, own_steps=lanes)
         self.heads, self.head_dim = h, d
         self.bias: Tensor | None = None  # additive float32, [[L',] B|L|1, 1|H, Rq, span*R]; None = all
         self.window = window if window is not None and max_len > window else None
@@ -354,6 +170,7 @@ class EncoderDecoderKVCache(LaneTable):
             bias = bias[..., :span].view(layers, h, lanes, q // lanes, span).transpose(1, 2).float()
             bias = bias[..., None].expand(-1, -1, -1, -1, -1, r).reshape(layers, lanes, h, q // lanes, span * r)
         if self.static or r > 1:
+            self.claim()
             visible = self.visible(span).expand(-1, r, span, r).reshape(-1, 1, r, span * r)  # [B|L|1, 1, Rq, span*R]
             bias = torch.where(
                 visible, 0.0 if bias is None else bias, float("-inf")
@@ -462,7 +279,7 @@ class DecoderOnlyKVCache(LaneTable):
         # unread positions need no zeros off the static path; allocated first, as the encoder-decoder cache's
         self.gk = [torch.empty(b, hkv, d, max_len, r, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, d, T, R]
         self.gv = [torch.empty(b, hkv, max_len, r, d, device=dev, dtype=dt) for _ in pk]  # [B, Hkv, T, R, d]
-        self._table(b, r, max_len, dev, own_steps=lanes)
+        super().__init__(b, r, max_len, dev, own_steps=lanes)
         bias = torch.zeros(mask.shape, device=dev, dtype=torch.float32)
         self.prompt_bias = bias.masked_fill(mask == 0, float("-inf"))[:, None, None, :]  # [B, 1, 1, P]
         self.gen_bias: Tensor | None = None  # [B|L|1, 1, Rq, 1, span*R] float32, 0 or -inf; None = all
@@ -532,6 +349,7 @@ class DecoderOnlyKVCache(LaneTable):
         r, span = self.r, self.span
         self.gen_bias = None  # dynamic, R = 1: a row sees all of the first t+1 positions
         if self.static or r > 1:
+            self.claim()
             visible = self.visible(span).expand(-1, r, span, r).reshape(-1, 1, r, 1, span * r)  # [B|L|1, 1, Rq, 1, span*R]
             zeros = torch.zeros(visible.shape, device=visible.device, dtype=torch.float32)
             self.gen_bias = zeros.masked_fill_(~visible, float("-inf"))

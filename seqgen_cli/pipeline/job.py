@@ -24,7 +24,7 @@ from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.shards import ShardRange, parse_shard, select_shard
 from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary
-from seqgen_cli.prompts import PromptSettings, read_text_option
+from seqgen_cli.prompts import PromptSettings, read_template_option, read_text_option
 from seqgen_cli.whole import write_whole
 
 
@@ -73,8 +73,7 @@ def job_options(
 
 
 def prompt_settings(flags: Mapping[str, Any]) -> PromptSettings:
-    """``seqgen generate``'s prompt flags (``@FILE`` values read; ``--chat-template`` is a file)."""
-    template = flags.get("chat_template")
+    """``seqgen generate``'s prompt flags (``@FILE`` values read; ``--chat-template`` a file or the text)."""
     kwargs = flags.get("chat_template_kwargs")
     try:
         kwargs = json.loads(kwargs) if kwargs is not None else {}
@@ -87,7 +86,7 @@ def prompt_settings(flags: Mapping[str, Any]) -> PromptSettings:
         template=read_text_option(flags.get("prompt_template"), "--prompt-template"),
         chat=bool(flags.get("chat")),
         system_prompt=read_text_option(flags.get("system_prompt"), "--system-prompt"),
-        chat_template=read_text_option(f"@{template}" if template is not None else None, "--chat-template"),
+        chat_template=read_template_option(flags.get("chat_template")),
         chat_template_kwargs=kwargs,
     )
 

@@ -375,11 +375,8 @@ def _json_record(
             obj,
         )
     if key is None and chat and isinstance(messages := obj.get("messages"), list):  # a conversation (prompts.py)
-        last = messages[-1] if messages else None
-        text = last.get("content") if isinstance(last, dict) else None
-        if not isinstance(text, str):
-            raise BadLine(f'{name}:{number}: "messages" must end in a {{"role": ..., "content": "..."}} object', obj)
-        return Record(index, name, number, text, obj)
+        said = [m.get("content") for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        return Record(index, name, number, said[-1] if said else "", obj)  # its text: the last said
     if key is None or key not in obj:
         wanted = repr(input_field) if input_field else " or ".join(repr(k) for k in DEFAULT_FIELDS)
         have = ", ".join(map(repr, obj)) or "none"

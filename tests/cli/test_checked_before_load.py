@@ -85,8 +85,8 @@ def test_a_refused_auto_map_names_its_classes(tiny_models, tmp_path) -> None:
 
 def test_a_missing_langcodes_is_named_not_blamed_on_the_model(monkeypatch) -> None:
     """``--target-lang pt`` without langcodes said "not a target language of the model"."""
-    from seqgen_cli.config import same_language
     from seqgen_cli.errors import SeqgenError
+    from seqgen_cli.languages import same_language
 
     monkeypatch.setitem(sys.modules, "langcodes", None)  # import langcodes: ImportError
     with pytest.raises(SeqgenError, match=r"--target-lang pt: .*needs langcodes.*not installed.*por_Latn"):

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from seqgen_cli.config import language_codes, resolve_target_lang
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
+from seqgen_cli.languages import language_codes, resolve_target_lang
 from seqgen_cli.models import EncoderDecoderBackend, get_backend
 from tests.engine_models import load, text_batch
 from tests.equivalence import check_equivalence

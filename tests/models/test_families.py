@@ -232,7 +232,7 @@ def test_static_step_compiles_whole(name: str) -> None:
     """What the captured path compiles on CUDA, under the real inductor on the CPU: one graph per shape
     (``fullgraph=True``, no dynamic shapes), the eager static step's logits (inductor reassociates sums:
     :data:`~tests.equivalence.COMPILED_TOL`), through a beam reordering."""
-    from seqgen_cli.models.kv_cache import run_step
+    from seqgen_cli.models.lane_table import run_step
     from tests.equivalence import COMPILED_TOL
 
     m = model(name)

@@ -28,7 +28,8 @@ from seqgen_cli.generator import Generator
 from seqgen_cli.models import capture as capture_mod
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend, capture
-from seqgen_cli.models.kv_cache import Decode, EncoderDecoderKVCache, run_step
+from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
+from seqgen_cli.models.lane_table import Decode, run_step
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import generate
 from tests.engine_models import load, text_batch
