@@ -335,4 +335,12 @@ def stop_check(tokenizer: Any, stop_strings: str | Sequence[str] | None) -> Any:
         return None
     from transformers import StopStringCriteria
 
-    return StopStringCriteria(tokenizer, stop_strings)
+    try:
+        return StopStringCriteria(tokenizer, stop_strings)
+    except ValueError:  # transformers: "unable to identify tokens matching one or more of the stop strings"
+        strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+        shown = ", ".join(json.dumps(s, ensure_ascii=False) for s in strings)
+        raise SeqgenError(
+            f"stop strings {shown}: transformers' StopStringCriteria finds no token of the model's vocabulary that "
+            "spells one of them, so no output could end there"
+        ) from None

@@ -1,5 +1,7 @@
 """The docs' cross-references hold: every section of docs/BENCHMARKS.md or docs/EXPERIMENTS.md that code, scripts or
-docs quote exists, and so does every such section a link names by its anchor."""
+docs quote exists, and so does every such section a link names by its anchor, and every file and heading a link of
+README.md or docs/*.md names. The README stays a five-minute read (its length; no table cell a paragraph, in it,
+docs/GUIDE.md or docs/CLI.md) and its families table is what ``seqgen models`` lists."""
 
 from __future__ import annotations
 
@@ -102,3 +104,62 @@ def test_the_readme_families_table_is_the_codes() -> None:
     assert res.exit_code == 0, res.stderr
     listed = {line.split()[0] for line in res.stdout.splitlines() if not line.startswith("(other)")}
     assert documented == listed, (sorted(documented - listed), sorted(listed - documented))
+
+
+# -- the README is read in five minutes; the rest is in docs/GUIDE.md, docs/CLI.md ------------------------------
+
+README_LINES = 220  # what it is, the set-up, five recipes, the families table, where to read on
+WRITTEN = ("README.md", "docs/GUIDE.md", "docs/CLI.md")  # the docs a user reads first
+CELL_CHARS = 200  # a longer explanation is prose (docs/GUIDE.md) or an option's help text (docs/CLI.md)
+
+
+def _outside_code(text: str) -> list[str]:
+    """The lines of a Markdown text outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def test_the_readme_is_short() -> None:
+    lines = (REPO / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= README_LINES, (
+        f"README.md has {lines} lines (at most {README_LINES}): move the rest to docs/GUIDE.md"
+    )
+
+
+@pytest.mark.parametrize("doc", WRITTEN)
+def test_no_table_cell_is_a_paragraph(doc: str) -> None:
+    rows = [line for line in _outside_code((REPO / doc).read_text(encoding="utf-8")) if line.startswith("|")]
+    cells = [cell.strip() for row in rows for cell in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+    assert cells or doc != "README.md", "the table pattern still finds the README's tables"
+    long = [cell for cell in cells if len(cell) > CELL_CHARS]
+    assert not long, (
+        f"{doc}: table cells over {CELL_CHARS} characters (prose belongs in docs/GUIDE.md): {long}"
+    )
+
+
+def _anchors(path: Path) -> set[str]:
+    lines = _outside_code(path.read_text(encoding="utf-8"))
+    return {_slug(line.lstrip("#").strip()) for line in lines if line.startswith("#")}
+
+
+def test_links_between_the_docs_hold() -> None:
+    """Every relative link of the README and docs/*.md names a file that exists and, with #anchor, a heading of it:
+    a section moved between README and guide fails here until its links follow."""
+    broken = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = "\n".join(_outside_code(doc.read_text(encoding="utf-8")))
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append((doc.name, target))
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                broken.append((doc.name, target))
+    assert not broken, f"links to no file or no heading: {broken}"

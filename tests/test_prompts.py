@@ -382,3 +382,12 @@ def test_tools_content_parts_and_tool_calls_as_apply_chat_template_takes_them(ch
     assert out.read_text(encoding="utf-8").splitlines() == _alone(model, [ids])
     src.write_text(json.dumps({"messages": messages, "tools": "lookup"}) + "\n", encoding="utf-8")
     one_line_error(_run(model, src, tmp_path / "bad.txt", "--chat-template", TOOLS_TEMPLATE), '"tools" must be a list')
+
+
+def test_a_stop_string_no_token_spells_is_one_line(tiny_models, tmp_path: Path) -> None:
+    """The tiny Llama's vocabulary has no newline: ``--stop $'\\n'`` was an internal error (transformers'
+    ValueError), exit 1."""
+    src = write_lines(tmp_path / "in.txt", ["an input"])
+    res = seqgen("generate", "-m", str(tiny_models("llama")), str(src), "--stop", "\n", "--max-new-tokens", "3")
+    one_line_error(res, 'stop strings "\\n"', "no token of the model's vocabulary")
+    assert res.exit_code == 2

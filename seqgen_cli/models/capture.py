@@ -219,7 +219,7 @@ class CapturedBackend:
             shape = (tokens.shape[0], self.backend.lane_width(state), state.cache.max_len)
         step = inner.cache.now(inner.t)
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
-        decode = self._decoder((*shape, span_bucket(step, inner.cache.max_len)), step)
+        decode = self._decoder((*shape, inner.cache.span_at(inner.t)), step)  # a static cache: its bucket
         logits = self._run(run_step, decode, inner, fed)  # [P * R, V]
         if every:
             return logits

@@ -125,12 +125,16 @@ class LaneTable:
             return t
         return max((a for a in self.ages if a is not None), default=0)
 
+    def span_at(self, t: int) -> int:
+        """The positions step ``t`` attends (what :meth:`check` sets): ``t + 1``, or its span bucket when static."""
+        now = self.now(t)
+        return span_bucket(now, self.max_len) if self.static else now + 1
+
     def check(self, t: int) -> None:
         """Host: step ``t`` is about to run (``ValueError`` past the allocated positions; lanes stay below ``T``: the
         engine stops an input at its last step); sets ``span``."""
-        now = self.now(t)
-        check_position(now, self.max_len)
-        self.span = span_bucket(now, self.max_len) if self.static else now + 1
+        check_position(self.now(t), self.max_len)
+        self.span = self.span_at(t)
 
     def advance(self) -> None:
         """A step is done: the next one writes the next position (queued on the device, no sync); a lane at its own

@@ -11,22 +11,37 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from seqgen_cli.models.attention import Keys, attend_blocks, attention, rope
+from seqgen_cli.models.attention import Block, Keys, attend_blocks, attention, rope
 from seqgen_cli.models.linear_maps import Linear, dense, linear
 from seqgen_cli.shapes import CROSS_CHUNK
 
 
-class Step(NamedTuple):
-    """What a decoder layer reads in one step beside its input: the cache (``update(layer, k, v)`` returns what the
-    layer's queries attend of its own positions; an encoder-decoder's ``source(layer)``, the source's) and RoPE's
-    cos/sin per layer type (``None``: no rotary positions)."""
+class LayerCache(Protocol):
+    """What a decoder layer may call on its cache (``models/kv_cache.py``): nothing else of it."""
 
-    cache: Any
+    def update(self, layer: int, k: Tensor, v: Tensor, sliding: bool = False) -> list[Block]:
+        """Store this step's keys and values of ``layer``; the blocks its queries attend, each with its bias."""
+        ...
+
+
+class SourceCache(LayerCache, Protocol):
+    """An encoder-decoder's cache: the source's cross-attention K/V too."""
+
+    def source(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``layer``'s source keys [B, Hkv, d, S] (transposed), values [B, Hkv, S, d] and mask [B, 1, 1, S]."""
+        ...
+
+
+class Step(NamedTuple):
+    """What a decoder layer reads in one step beside its input: the cache (:class:`LayerCache`; an
+    encoder-decoder's a :class:`SourceCache`) and RoPE's cos/sin per layer type (``None``: no rotary positions)."""
+
+    cache: LayerCache | SourceCache
     rope: dict[str, tuple[Tensor, Tensor]] | None = None
 
 

@@ -21,6 +21,7 @@ def test_a_batch_attends_what_it_wrote_and_a_static_one_a_bucket() -> None:
         table.advance()
     assert table.steps.tolist() == [3]
     table.make_static()
+    assert table.span_at(3) == span_bucket(3, 100)  # a query: what check sets
     table.check(3)
     assert table.span == span_bucket(3, 100)
     with pytest.raises(ValueError, match="step 100 beyond the 100 positions"):
