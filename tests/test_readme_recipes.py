@@ -1,7 +1,8 @@
 """The examples of README.md and docs/GUIDE.md run: every ``seqgen`` command of their ```bash blocks (and the
 guide's Python API example), taken from the Markdown as written, on tiny checkpoints in place of the models they
 name, in the order the doc gives them, so a recipe that stops working fails here. Commands on a cluster of several
-machines (``--address``) are left out; ``--workers`` (a local Ray) runs in a test of its own. Running them takes a
+machines (``--address``) and on a local Ray (``--workers``: tests/pipeline/test_cluster.py runs it) are parsed, not
+run. Running them takes a
 minute or more (the presets' lengths, beam search), so those tests are slow; that every command parses, with
 options the CLI has and a model this test maps, is checked at once."""
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,24 +147,3 @@ def test_the_guide_examples_run(models: dict[str, Path], workdir: Path) -> None:
     (api,) = [block for block in _blocks("docs/GUIDE.md", "python") if "from seqgen_cli" in block]
     code = api.replace('"bart-large-cnn"', repr(str(models["bart-large-cnn"])))
     exec(compile(code, "docs/GUIDE.md (Python API)", "exec"), {})
-
-
-@pytest.mark.slow  # a local Ray cluster and its worker processes
-@pytest.mark.parametrize("doc", ["README.md", "docs/GUIDE.md"])
-def test_the_workers_examples_run(doc: str, models: dict[str, Path], workdir: Path) -> None:
-    """``--workers`` on a local Ray, in a process of its own (as a user runs it)."""
-    commands = [_words(c, {}) for c in _commands(doc)]
-    local = [w for w in commands if "--workers" in w and "--address" not in w]
-    assert local, doc
-    for words in local:
-        at = words.index("-m") + 1
-        words[at] = str(models[words[at]])
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        done = subprocess.run([sys.executable, "-m", "seqgen_cli", *words[1:]], env=env, capture_output=True)
-        assert done.returncode == 0, done.stderr.decode()
-        src, out = (
-            workdir / words[words.index("-o") + i] for i in (-1, 1)
-        )  # as the docs write it: IN -o OUT
-        assert len(out.read_text(encoding="utf-8").splitlines()) == len(
-            src.read_text(encoding="utf-8").splitlines()
-        )

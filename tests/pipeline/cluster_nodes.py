@@ -8,7 +8,7 @@ temporary folder, every address on loopback. Run apart from other Ray tests (a p
 runs ``seqgen generate --workers 2`` as its driver and prints one JSON line: the run's summary (retried shards,
 workers, seconds) and what the fault did. ``remove``: the node of the first worker seen mid-shard is removed (its
 raylet, its workers and its object store killed); ``pause``: the driver's node's raylet is stopped (``SIGSTOP``) for
-``--pause`` seconds once a shard is merged, then continued (past about 5 s the cluster takes it for dead:
+``--pause`` seconds once a shard is merged, then continued (past about 4 s the cluster takes it for dead:
 :data:`HEALTH_CHECKS`); ``none``: no fault. Every process stopped or killed is one
 this script's cluster started, by its id.
 """
@@ -40,9 +40,9 @@ from seqgen_cli.pipeline.driver import generate_distributed  # noqa: E402
 from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
 
 OBJECT_STORE = 80 << 20  # per node: parts are small
-# The GCS takes a node for dead after this many missed health checks, this often: about 5 s (Ray's defaults: 5
-# every 3 s), so a pause of --pause 20 is a node cut off.
-HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 5}
+# The GCS takes a node for dead after this many missed health checks, this often: about 4 s (Ray's defaults: 5
+# every 3 s), so a pause of --pause 12 is a node cut off.
+HEALTH_CHECKS = {"health_check_period_ms": 800, "health_check_timeout_ms": 800, "health_check_failure_threshold": 5}
 
 
 def raylet_pid(node: Any) -> int:

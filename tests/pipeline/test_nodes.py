@@ -42,17 +42,17 @@ def on_nodes(model: Path, src: Path, out: Path, *args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def job(tiny_models, tmp_path_factory) -> tuple[Path, Path, bytes]:
-    """480 inputs of shuffled lengths on the tiny Marian and the bytes one process writes for them."""
+    """240 inputs of shuffled lengths on the tiny Marian and the bytes one process writes for them."""
     tmp = tmp_path_factory.mktemp("nodes")
     model = tiny_models("marian")
-    src = write_lines(tmp / "in.txt", shuffled(480, seed=21))
+    src = write_lines(tmp / "in.txt", shuffled(240, seed=21))
     return model, src, one_process(model, src, tmp / "reference.txt")
 
 
 def test_a_node_removed_mid_run_loses_nothing(job, tmp_path: Path) -> None:
     model, src, reference = job
     out = tmp_path / "out.txt"
-    result = on_nodes(model, src, out, "--fault", "remove", "--shard-size", "40")
+    result = on_nodes(model, src, out, "--fault", "remove", "--shard-size", "20")
     assert result["error"] is None, result
     assert "at" in result["fault"], "no worker was seen mid-shard"
     assert out.read_bytes() == reference
@@ -62,18 +62,18 @@ def test_a_node_removed_mid_run_loses_nothing(job, tmp_path: Path) -> None:
 
 
 def test_the_drivers_node_cut_off_for_a_while_resumes(job, tmp_path: Path) -> None:
-    """The driver's node's raylet stopped for 20 s, past the cluster's health checks (about 5 s here): the cluster
+    """The driver's node's raylet stopped for 12 s, past the cluster's health checks (about 4 s here): the cluster
     takes the node for dead and ends the run's workers; the driver stops with one line, its merged outputs written,
     and ``--resume`` on a new cluster finishes the bytes one process writes. (Should the node be back in time, the
     run goes on: the same bytes.)"""
     model, src, reference = job
     out = tmp_path / "out.txt"
-    result = on_nodes(model, src, out, "--fault", "pause", "--pause", "20", "--shard-size", "40")
+    result = on_nodes(model, src, out, "--fault", "pause", "--pause", "12", "--shard-size", "20")
     assert "at" in result["fault"], result
     if result["error"] is not None:
         assert "took this driver's node for dead" in result["error"] and "--resume" in result["error"], result
         written = out.read_bytes()
         assert written and reference.startswith(written)  # nothing merged is lost
-        result = on_nodes(model, src, out, "--resume", "--shard-size", "40")
+        result = on_nodes(model, src, out, "--resume", "--shard-size", "20")
         assert result["error"] is None, result
     assert out.read_bytes() == reference
