@@ -7,10 +7,10 @@ temporary folder, every address on loopback. Run apart from other Ray tests (a p
 
 runs ``seqgen generate --workers 2`` as its driver and prints one JSON line: the run's summary (retried shards,
 workers, seconds) and what the fault did. ``remove``: the node of the first worker seen mid-shard is removed (its
-raylet, its workers and its object store killed); ``pause``: the driver's node's raylet is stopped (``SIGSTOP``) for
-``--pause`` seconds once a shard is merged, then continued (past about 4 s the cluster takes it for dead:
-:data:`HEALTH_CHECKS`); ``none``: no fault. Every process stopped or killed is one
-this script's cluster started, by its id.
+raylet, its workers and its object store killed); ``pause``: the driver's node goes silent for ``--pause`` seconds
+once a shard is merged (its raylet stopped with ``SIGSTOP``, the driver's loop waiting), then continues (past about
+5 s the cluster takes it for dead: :data:`HEALTH_CHECKS`); ``none``: no fault. Every process stopped or killed is
+one this script's cluster started, by its id.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,9 @@ from seqgen_cli.pipeline.driver import generate_distributed  # noqa: E402
 from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
 
 OBJECT_STORE = 80 << 20  # per node: parts are small
-# The GCS takes a node for dead after this many missed health checks, this often: about 4 s (Ray's defaults: 5
-# every 3 s), so a pause of --pause 12 is a node cut off.
-HEALTH_CHECKS = {"health_check_period_ms": 800, "health_check_timeout_ms": 800, "health_check_failure_threshold": 5}
+# The GCS takes a node for dead after this many missed health checks, this often: about 5 s (Ray's defaults: 5
+# every 3 s), so a pause of --pause 15 is a node cut off.
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 5}
 
 
 def raylet_pid(node: Any) -> int:
@@ -54,12 +53,12 @@ def parent_pid(pid: int) -> int:
         return int(fh.read().rsplit(")", 1)[1].split()[1])
 
 
-def start(nodes: int, root: Path) -> Cluster:
+def start(nodes: int, root: Path, health_checks: dict[str, int]) -> Cluster:
     """The head (the driver's node, no CPUs) and ``nodes`` worker nodes, each in its own temporary folder."""
     cluster = Cluster(
         initialize_head=True,
         head_node_args=dict(num_cpus=0, object_store_memory=OBJECT_STORE, include_dashboard=False,
-                            _system_config=HEALTH_CHECKS,
+                            _system_config=health_checks,
                             temp_dir=str(root / "ray")),  # RAY_TMPDIR/ray: its "current cluster" file
     )  # fmt: skip
     for i in range(nodes):
@@ -71,7 +70,7 @@ def start(nodes: int, root: Path) -> Cluster:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="seqgen-nodes-"))
     os.environ["RAY_TMPDIR"] = str(root)  # Ray's "current cluster" file too: not the machine's /tmp/ray
-    cluster = start(args.nodes, root)
+    cluster = start(args.nodes, root, HEALTH_CHECKS)
     fault: dict[str, Any] = {"kind": args.fault}
 
     def events(kind: str, info: dict[str, Any]) -> None:
@@ -80,11 +79,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             node = next(n for n in cluster.worker_nodes if raylet_pid(n) == raylet)
             fault.update(at=time.monotonic() - t0, node=node.node_id, seq=info["seq"])
             cluster.remove_node(node, allow_graceful=False)
-        if args.fault == "pause" and kind == "merged" and "at" not in fault:
+        if args.fault == "pause" and kind == "merged" and "at" not in fault:  # the node silent: raylet and driver
             pid = raylet_pid(cluster.head_node)
             fault.update(at=time.monotonic() - t0, seconds=args.pause)
             os.kill(pid, signal.SIGSTOP)
-            threading.Timer(args.pause, os.kill, (pid, signal.SIGCONT)).start()
+            try:
+                time.sleep(args.pause)  # the driver's loop waits here: it hears nothing either
+            finally:
+                os.kill(pid, signal.SIGCONT)
 
     opts = JobOptions(batch_size=args.batch_size, resume=args.resume)
     spec = GeneratorSpec(model=args.model, generation={"max_new_tokens": args.new_tokens})
