@@ -26,17 +26,45 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def one_process(model: str, src: str, out: Path, new_tokens: int) -> bytes:
-    cmd = [sys.executable, "-m", "seqgen_cli", "generate", "-m", model, src, "-o", str(out), "--max-new-tokens",
-           str(new_tokens), "--batch-size", "1", "-q"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "seqgen_cli",
+        "generate",
+        "-m",
+        model,
+        src,
+        "-o",
+        str(out),
+        "--max-new-tokens",
+        str(new_tokens),
+        "--batch-size",
+        "1",
+        "-q",
+    ]
     subprocess.run(cmd, check=True, cwd=REPO)
     return out.read_bytes()
 
 
 def run(args: argparse.Namespace, fault: str, out: Path) -> tuple[float, float, dict]:
-    cmd = [sys.executable, "-m", "tests.pipeline.cluster_nodes", args.model, args.input, str(out), "--fault", fault,
-           "--shard-size", str(args.shard_size), "--new-tokens", str(args.new_tokens)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.pipeline.cluster_nodes",
+        args.model,
+        args.input,
+        str(out),
+        "--fault",
+        fault,
+        "--shard-size",
+        str(args.shard_size),
+        "--new-tokens",
+        str(args.new_tokens),
+    ]
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, check=True)
+    res = subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, check=True
+    )
     whole = time.perf_counter() - t0
     result = json.loads(res.stdout.decode().strip().splitlines()[-1])
     return result["seconds"], whole, result
@@ -66,8 +94,12 @@ def main() -> None:
                 assert result["error"] is None and out.read_bytes() == reference, result
                 times.setdefault((fault, state), []).append((driver, whole))
                 retried.setdefault((fault, state), []).append(result.get("retried", 0))
-    print(f"{len(os.sched_getaffinity(0))} cores; 1-min load {os.getloadavg()[0]:.2f} at the end; outputs identical")
-    for (fault, state), pairs in sorted(times.items(), key=lambda kv: (kv[0][1] != "quiet", kv[0][0] != "none")):
+    print(
+        f"{len(os.sched_getaffinity(0))} cores; 1-min load {os.getloadavg()[0]:.2f} at the end; outputs identical"
+    )
+    for (fault, state), pairs in sorted(
+        times.items(), key=lambda kv: (kv[0][1] != "quiet", kv[0][0] != "none")
+    ):
         cells = []
         for k, what in ((0, "driver"), (1, "process")):
             xs = [p[k] for p in pairs]

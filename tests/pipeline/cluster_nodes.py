@@ -41,7 +41,11 @@ from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
 OBJECT_STORE = 80 << 20  # per node: parts are small
 # The GCS takes a node for dead after this many missed health checks, this often: about 5 s (Ray's defaults: 5
 # every 3 s), so a pause of --pause 15 is a node cut off.
-HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 5}
+HEALTH_CHECKS = {
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 5,
+}
 
 
 def raylet_pid(node: Any) -> int:
@@ -57,10 +61,14 @@ def start(nodes: int, root: Path, health_checks: dict[str, int]) -> Cluster:
     """The head (the driver's node, no CPUs) and ``nodes`` worker nodes, each in its own temporary folder."""
     cluster = Cluster(
         initialize_head=True,
-        head_node_args=dict(num_cpus=0, object_store_memory=OBJECT_STORE, include_dashboard=False,
-                            _system_config=health_checks,
-                            temp_dir=str(root / "ray")),  # RAY_TMPDIR/ray: its "current cluster" file
-    )  # fmt: skip
+        head_node_args=dict(
+            num_cpus=0,
+            object_store_memory=OBJECT_STORE,
+            include_dashboard=False,
+            _system_config=health_checks,
+            temp_dir=str(root / "ray"),
+        ),  # RAY_TMPDIR/ray: its "current cluster" file
+    )
     for i in range(nodes):
         cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE, temp_dir=str(root / f"node{i}"))
     cluster.wait_for_nodes()
@@ -79,7 +87,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             node = next(n for n in cluster.worker_nodes if raylet_pid(n) == raylet)
             fault.update(at=time.monotonic() - t0, node=node.node_id, seq=info["seq"])
             cluster.remove_node(node, allow_graceful=False)
-        if args.fault == "pause" and kind == "merged" and "at" not in fault:  # the node silent: raylet and driver
+        if (
+            args.fault == "pause" and kind == "merged" and "at" not in fault
+        ):  # the node silent: raylet and driver
             pid = raylet_pid(cluster.head_node)
             fault.update(at=time.monotonic() - t0, seconds=args.pause)
             os.kill(pid, signal.SIGSTOP)
@@ -93,9 +103,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     options = ClusterOptions(workers=2, address=cluster.address, shard_size=args.shard_size)
     t0 = time.monotonic()
     try:
-        summary = generate_distributed(spec, check_job([args.input], args.output, opts), options, events=events)
-        result = dict(error=summary.error, seconds=time.monotonic() - t0, inputs=summary.inputs,
-                      retried=summary.distributed["retried_shards"], workers=summary.distributed["workers"])  # fmt: skip
+        summary = generate_distributed(
+            spec, check_job([args.input], args.output, opts), options, events=events
+        )
+        result = dict(
+            error=summary.error,
+            seconds=time.monotonic() - t0,
+            inputs=summary.inputs,
+            retried=summary.distributed["retried_shards"],
+            workers=summary.distributed["workers"],
+        )
     except Exception as err:  # noqa: BLE001 - told to the test as data
         result = dict(error=f"{type(err).__name__}: {err}", seconds=time.monotonic() - t0)
     finally:

@@ -25,16 +25,38 @@ NEW_TOKENS = 6
 
 
 def one_process(model: Path, src: Path, out: Path) -> bytes:
-    res = seqgen("generate", "-m", str(model), str(src), "-o", str(out), "--max-new-tokens", str(NEW_TOKENS),
-                 "--batch-size", "1", "-q")  # fmt: skip
+    res = seqgen(
+        "generate",
+        "-m",
+        str(model),
+        str(src),
+        "-o",
+        str(out),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--batch-size",
+        "1",
+        "-q",
+    )
     assert res.exit_code == 0, res.stderr
     return out.read_bytes()
 
 
 def on_nodes(model: Path, src: Path, out: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "tests.pipeline.cluster_nodes", str(model), str(src), str(out),
-           "--new-tokens", str(NEW_TOKENS), *args]  # fmt: skip
-    res = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.pipeline.cluster_nodes",
+        str(model),
+        str(src),
+        str(out),
+        "--new-tokens",
+        str(NEW_TOKENS),
+        *args,
+    ]
+    res = subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, timeout=600
+    )
     lines = res.stdout.decode().strip().splitlines()
     assert res.returncode == 0 and lines, res.stderr.decode()[-3000:]
     return json.loads(lines[-1])
