@@ -121,6 +121,8 @@ class Scored(NamedTuple):
     score: float  # beam search: generate()'s sequences_scores (length-penalised); else the log_prob
     log_prob: float  # the summed log-probabilities of its tokens under the processed scores (EOS included)
     tokens: list[float] | None = None  # each token's log-prob (None: the search kept none, capture's beam search)
+    # --logprobs: each token's raw log-prob (before the processors) and the step's best (id, log-prob)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Generated(NamedTuple):

@@ -71,15 +71,23 @@ GENERATION_OPTIONS: dict[str, _Flag] = {
     "temperature": _flag(float, "Sampling temperature (> 0); 0: greedy search, as vLLM and llama.cpp read it."),
     "top_k": _flag(int, "Sample among the k most likely tokens (0 = all)."),
     "top_p": _flag(float, "Sample within the top-p probability mass (0 < p <= 1)."),
+    "min_p": _flag(float, "Sample among tokens at least this fraction of the best one's probability (0-1)."),
+    "typical_p": _flag(float, "Typical sampling: the tokens nearest the entropy, up to this mass (0 < p <= 1)."),
+    "epsilon_cutoff": _flag(float, "Epsilon sampling: drop tokens of probability below this (0-1; 0 = off)."),
+    "eta_cutoff": _flag(float, "Eta sampling: an entropy-scaled epsilon cutoff (0-1; 0 = off)."),
     "repetition_penalty": _flag(float, "Penalise tokens already in the output (1.0 = off; > 0)."),
     "forced_bos_token_id": _flag(
         int, "Token id forced as the first generated token (mBART-50, M2M-100, NLLB: the target language)."
     ),
     "forced_eos_token_id": _flag(int, "Token id forced as the last token at the maximum length."),
+    "logprobs": _flag(
+        int, "JSONL output: each token's log-prob under the model (before any processor) and the N most likely "
+        "tokens of its step (0-20), as vLLM gives them; implies --scores (greedy search and sampling).",
+    ),  # fmt: skip
 }
 BENCH_REPORTS = ("bench.json", "bench.md", "bench.png")  # what `seqgen bench` writes into --out
 # Not bench flags: --num-beams is bench's own comma-separated list; bench times one searched output per input.
-_BENCH_EXCLUDES = ("num_beams", "num_return_sequences")
+_BENCH_EXCLUDES = ("num_beams", "num_return_sequences", "logprobs")
 
 
 def generation_options(exclude: Collection[str] = ()) -> Callable[[F], F]:
@@ -324,6 +332,21 @@ class _SectionedCommand(click.Command):
     "the output), as generate(stop_strings=...); repeatable, beside the checkpoint's stop_strings (greedy and "
     "sampling on seqgen's engine; beam search on generate()). In text output a newline inside an output is written "
     "as a space.",
+)  # fmt: skip
+@click.option(
+    "--json-schema", metavar="FILE|@FILE|JSON",
+    help="Structured output: every output a JSON value of this JSON schema (a file, or the schema itself), on one "
+    "line as json.dumps writes it; an output cut short by --max-new-tokens is counted at the end and, in JSONL output, "
+    'marked "complete": false. Also --regex, --grammar, --choice (one of the four).',
+)  # fmt: skip
+@click.option("--regex", metavar="PATTERN", help="Structured output: every output a match of PATTERN (Rust regex syntax).")
+@click.option(
+    "--grammar", metavar="FILE|@FILE", help="Structured output: every output a sentence of this GBNF (llama.cpp) or "
+    "Lark grammar file.",
+)  # fmt: skip
+@click.option(
+    "--choice", "choice", multiple=True, metavar="TEXT", help="Structured output: every output one of these texts "
+    "(repeat: --choice positive --choice negative).",
 )  # fmt: skip
 @click.option(
     "--input-format",

@@ -40,9 +40,14 @@ GENERATION_KEYS = (
     "temperature",
     "top_k",
     "top_p",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
     "repetition_penalty",
     "forced_bos_token_id",
     "forced_eos_token_id",
+    "logprobs",  # seqgen's own (vLLM's name): each token's raw log-prob and the N best (greedy, sampling)
 )
 _DEFAULT_CONFIG = GenerationConfig()
 FLAG = "flag"  # the source of a setting given on the command line (or to Generator(...))
@@ -106,6 +111,7 @@ def _number(x: float) -> str:
 # CUDA kernels index with; one input's rows x length keeps within it too (_check_rows). Once the model is loaded,
 # beams are held to its vocabulary (_check_beams) and lengths to a learned-position table (_check_positions).
 MOST = 2**31 - 1
+MOST_LOGPROBS = 20  # --logprobs: the best tokens listed per step (vLLM's default bound)
 
 # Every setting of GENERATION_KEYS and its rule: flags, preset files and the checkpoint's generation_config.json
 # all go through check_setting.
@@ -123,16 +129,25 @@ RULES: dict[str, Rule] = {
     "temperature": Rule(float, 0, low_open=True),
     "top_k": Rule(int, 0, MOST),
     "top_p": Rule(float, 0, 1, low_open=True),
+    "min_p": Rule(float, 0, 1),
+    "typical_p": Rule(float, 0, 1, low_open=True),  # 1: off
+    "epsilon_cutoff": Rule(float, 0, 1),  # 0 or 1: off
+    "eta_cutoff": Rule(float, 0, 1),
     "repetition_penalty": Rule(float, 0, low_open=True),
     # the target language of mBART-50, M2M-100, NLLB (--target-lang)
     "forced_bos_token_id": Rule(int, 0, MOST),
     "forced_eos_token_id": Rule(int, 0, MOST, lists=True),
+    "logprobs": Rule(int, 0, MOST_LOGPROBS),
 }
 FORCED_TOKEN_KEYS = ("forced_bos_token_id", "forced_eos_token_id")  # token ids: below the model's vocabulary
 SAMPLING_KEYS = (
     "temperature",
     "top_k",
     "top_p",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
 )  # used (so checked in a checkpoint's config) only when sampling
 
 

@@ -51,7 +51,8 @@ from seqgen_cli.config import (
     settings_for_model,
 )
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.languages import resolve_target_prefix
+from seqgen_cli.grammars import Grammar, GrammarSpec
+from seqgen_cli.languages import check_target, resolve_target_prefix
 from seqgen_cli.loading import Loaded, load, source_limit
 from seqgen_cli.memory import batch_bytes
 from seqgen_cli.prompts import Prompter, PromptSettings, stop_check
@@ -97,6 +98,7 @@ class Generator:
         prompt: PromptSettings | None = None,
         stop: Sequence[str] = (),
         scores: bool = False,
+        grammar: GrammarSpec | None = None,
         **generation: Any,
     ) -> None:
         """``capture``: on CUDA, the fast backends' decode step as CUDA graphs (``models/capture.py``), each shape
@@ -106,13 +108,13 @@ class Generator:
         families, float32/half: elsewhere batches run as without it). ``target_lang``: a tokenizer's language code
         or language (``de_DE``, ``deu_Latn``, ``de``): ``forced_bos_token_id``, OPUS-MT's ``>>deu<<`` before each input.
         ``prompt``: how an input becomes its prompt (``prompts.py``); ``stop``: stop strings beside the checkpoint's.
-        ``scores``: each output's :class:`~.batching.Scored` (``output_scores``: greedy and sampling gather them)."""
+        ``scores``: each output's :class:`~.batching.Scored` (``output_scores``: greedy and sampling gather them).
+        ``grammar``: every output a match of it (structured outputs, ``grammars.py``)."""
         if backend not in BACKENDS:
             raise SeqgenError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.preset = load_preset(preset) if isinstance(preset, str) else preset
         flags = check_flags(generation)  # the settings given, checked before the (slow) model load
-        if target_lang is not None and "forced_bos_token_id" in flags:
-            raise SeqgenError("--target-lang and --forced-bos-token-id contradict; give one")
+        check_target(target_lang, flags)  # before the model loads
         self.target_lang = target_lang
         check_checkpoint(model, self.preset, flags, stop)  # its generation_config.json, before the weights are read
         self.loaded: Loaded = load(model, device, dtype, own=backend != "hf")  # own: the fast engine's tree
@@ -121,14 +123,12 @@ class Generator:
         lang_prefix = resolve_target_prefix(self.tokenizer, target_lang)  # OPUS-MT: >>code<< tokens, no forced BOS
         self.config = settings_for_model(self.model, self.tokenizer, self.preset, flags, None if lang_prefix else target_lang)
         self.config.stop_strings = all_stops(self.config.stop_strings, stop)  # the checkpoint's, then --stop's
-        self.config.output_scores = scores  # whatever the checkpoint says: the output's format is the caller's
+        self.config.output_scores = scores or "logprobs" in flags  # not the checkpoint's: the output is the caller's
         self.stop_check = stop_check(self.tokenizer, self.config.stop_strings)  # once: its tables take a while
-        prompt = prompt or PromptSettings()
-        if prompt.prefix is None:  # --prefix, else the preset's
-            prompt = replace(prompt, prefix=prefix if prefix is not None else getattr(self.preset, "prefix", None))
-        prompt = replace(prompt, prefix=lang_prefix + (prompt.prefix or "")) if lang_prefix else prompt
-        self.prompt, self.prefix = prompt, prompt.prefix
-        self.prompter = Prompter(prompt, self.tokenizer)  # a chat template that cannot render fails here
+        self.grammar = None if grammar is None else Grammar.for_model(grammar, self.tokenizer, self.model, self.config)
+        self.prompt = prompt_settings(prompt, prefix, self.preset, lang_prefix)
+        self.prefix = self.prompt.prefix
+        self.prompter = Prompter(self.prompt, self.tokenizer)  # a chat template that cannot render fails here
         self.max_source_length = self._source_limit(max_source_length or getattr(self.preset, "max_source_length", None))
         self.default_length = default_length(self.config)  # transformers' 20 new tokens, set by nobody
         self.seed = seed
@@ -297,16 +297,17 @@ class Generator:
         from seqgen_cli.search.refill import generate_refill
 
         padded, want = self.pad(batch), bool(self.config.output_scores)
+        guides = {"stop": self.stop_check, "grammar": self.grammar}  # stop strings, structured outputs
         if self.backend != "fast":  # generate()'s ValueError for a max_length the prompt fills, as one line
             search_settings.check_room(self.config, self.is_encoder_decoder, padded.input_ids.shape[1])
-            out = hf_generate(self.model, padded, self.config, scores=want, tokenizer=self.tokenizer)
+            out = hf_generate(self.model, padded, self.config, scores=want, tokenizer=self.tokenizer, grammar=self.grammar)
         elif self.refill:  # the lanes: a prompt's limits count from its own width (captured: lane steps replay graphs)
             out = generate_refill(
                 self._engine(), padded, self.config, lanes=self.lanes, seed=self.seed, indices=indices,
-                stats=self.refill_stats, widths=padded.widths, lane_tokens=self.lane_tokens, stop=self.stop_check,
+                stats=self.refill_stats, widths=padded.widths, lane_tokens=self.lane_tokens, **guides,
             )  # fmt: skip
         else:
-            out = generate(self._engine(), padded, self.config, seed=self.seed, indices=indices, stop=self.stop_check)
+            out = generate(self._engine(), padded, self.config, seed=self.seed, indices=indices, **guides)
         return Generated(out.sequences, scored(self.config, out) if want else None)
 
     def generate_iterable(
@@ -379,6 +380,16 @@ class Generator:
         return list(self.generate_iterable(texts, batch_size=batch_size, early=False))
 
 
+def prompt_settings(
+    prompt: PromptSettings | None, prefix: str | None, preset: Preset | None, lang_prefix: str
+) -> PromptSettings:
+    """The run's prompt settings: ``--prefix``, else the preset's, after OPUS-MT's ``>>code<<`` (``lang_prefix``)."""
+    prompt = prompt or PromptSettings()
+    if prompt.prefix is None:
+        prompt = replace(prompt, prefix=prefix if prefix is not None else getattr(preset, "prefix", None))
+    return replace(prompt, prefix=lang_prefix + (prompt.prefix or "")) if lang_prefix else prompt
+
+
 def scored(config: Any, out: SearchOutput) -> list[list[Scored]]:
     """Each output's :class:`~.batching.Scored` from the search's scores: beam search's are ``generate()``'s
     ``sequences_scores``, the summed log-probs divided by the output's length ``** length_penalty`` (EOS counted, as
@@ -388,12 +399,13 @@ def scored(config: Any, out: SearchOutput) -> list[list[Scored]]:
     beam = search_settings.resolve_mode(config) == "beam"
     penalty = float(search_settings.setting(config, "length_penalty"))
     tokens = out.token_scores or [[None] * len(seqs) for seqs in out.sequences]
+    raw = out.logprobs or [[None] * len(seqs) for seqs in out.sequences]
     return [
         [
-            Scored(sc, sc * len(seq) ** penalty if beam else sc, per)
-            for seq, sc, per in zip(seqs, row, each, strict=True)
+            Scored(sc, sc * len(seq) ** penalty if beam else sc, per, lp)
+            for seq, sc, per, lp in zip(seqs, row, each, logprobs, strict=True)
         ]
-        for seqs, row, each in zip(out.sequences, out.scores, tokens, strict=True)
+        for seqs, row, each, logprobs in zip(out.sequences, out.scores, tokens, raw, strict=True)
     ]
 
 
@@ -471,6 +483,7 @@ class GeneratorSpec:
     prompt: PromptSettings | None = None  # --prompt-template, --chat, ... (prompts.py)
     stop: tuple[str, ...] = ()  # --stop
     scores: bool = False  # --scores
+    grammar: GrammarSpec | None = None  # --json-schema, --regex, --grammar, --choice
     generation: dict[str, Any] = field(default_factory=dict)  # transformers' names; None: not given
 
     def build(self) -> Generator:
@@ -478,5 +491,5 @@ class GeneratorSpec:
             self.model, backend=self.backend, device=self.device, dtype=self.dtype, preset=self.preset,
             prefix=self.prefix, max_source_length=self.max_source_length, seed=self.seed, capture=self.capture,
             refill=self.refill, lanes=self.lanes, lane_tokens=self.lane_tokens, target_lang=self.target_lang,
-            prompt=self.prompt, stop=self.stop, scores=self.scores, **self.generation,
+            prompt=self.prompt, stop=self.stop, scores=self.scores, grammar=self.grammar, **self.generation,
         )  # fmt: skip

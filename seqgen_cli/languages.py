@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from seqgen_cli.errors import SeqgenError
@@ -57,6 +58,12 @@ def prefix_codes(tokenizer: Any) -> dict[str, str]:
     reads at the start of its source): code -> token (``por`` -> ``>>por<<``); empty for other tokenizers."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return {m.group(1): token for token in vocab if (m := _PREFIX_CODE.fullmatch(token))}
+
+
+def check_target(code: str | None, settings: Mapping[str, Any]) -> None:
+    """``--target-lang`` is the forced first token: a ``forced_bos_token_id`` given beside it contradicts it."""
+    if code is not None and "forced_bos_token_id" in settings:
+        raise SeqgenError("--target-lang and --forced-bos-token-id contradict; give one")
 
 
 def resolve_target_prefix(tokenizer: Any, code: str | None) -> str | None:

@@ -145,8 +145,7 @@ def main() -> None:
     import argparse
     import importlib
 
-    from tests.engine_models import FAMILIES, load, text_batch
-    from tests.tiny_models import cached_build
+    from tests.tiny_models import FAMILIES, cached_build, load, text_batch
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument(

@@ -1,11 +1,14 @@
-"""Helpers the test files share: :func:`seqgen` (the CLI in-process), :func:`load_tiny` (a checkpoint's model
-and tokenizer), :func:`write_lines`, and :class:`FakeGen` (a generator without a model: an input's output is its
-text reversed, :func:`expected`) with :class:`Capture` (a binary stream) for the pipeline tests, and
-:func:`failing_on` (a compiler whose compiled step fails on a given call) for the capture tests."""
+"""Helpers the test files share: :func:`seqgen` (the CLI in-process), :func:`write_lines`, :func:`shuffled` (inputs
+of shuffled lengths), and :class:`FakeGen` (a generator without a model: an input's output is its text reversed,
+:func:`expected`) with :class:`Capture` (a binary stream) for the pipeline tests; :func:`failing_on` and
+:func:`off_by` (compilers whose compiled step fails, or differs, from a given call) and :func:`run_beam` (a beam
+search over a backend) for the capture tests. The fixtures themselves (checkpoints, models) are
+``tests/tiny_models.py``'s."""
 
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,20 +18,18 @@ from typing import Any
 
 import torch
 from click.testing import CliRunner, Result
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSeq2SeqLM,
-    AutoTokenizer,
-    GenerationConfig,
-)
+from transformers import AutoTokenizer, GenerationConfig
 
 from seqgen_cli.batching import Batcher, Encoded, Generated, Scored
 from seqgen_cli.budget import DeviceBudget
 from seqgen_cli.cli import main
+from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
 from seqgen_cli.loading import Loaded
 from seqgen_cli.prompts import PromptSettings
+from seqgen_cli.search import Batch, generate
+from tests.tiny_models import Loaded as LoadedFixture
+from tests.tiny_models import sample_texts, text_batch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,13 +39,6 @@ def seqgen(*args: str, input: str | bytes | None = None, env: dict[str, str | No
     return CliRunner().invoke(main, list(args), input=input, env=env, catch_exceptions=False)
 
 
-def load_tiny(path: Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """A checkpoint's model (seq2seq or causal, as its config says; in eval mode) and tokenizer."""
-    config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    return auto.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)
-
-
 class FakeGen:
     """Token ids are code points; the "generation" of an input is its text reversed."""
 
@@ -52,6 +46,7 @@ class FakeGen:
     prefix = None
     prompt = PromptSettings()
     default_length = None  # a length the test set (Generator.default_length)
+    grammar = None  # no structured outputs (Generator.grammar)
     max_source_length = None
     seed = None
 
@@ -79,7 +74,11 @@ class FakeGen:
         self.batches.append([list(ids) for ids in batch])
         n = self.config.num_return_sequences
         seqs = [[list(reversed(ids)) + [ord("0") + k] * (k > 0) for k in range(n)] for ids in batch]
-        scores = [[Scored(-len(s), -2.0 * len(s)) for s in row] for row in seqs] if self.config.output_scores else None
+        scores = (
+            [[Scored(-len(s), -2.0 * len(s)) for s in row] for row in seqs]
+            if self.config.output_scores
+            else None
+        )
         return Generated(seqs, scores)
 
     def generate_ids(self, batch, indices=None):
@@ -163,17 +162,49 @@ def failing_on(call: int, error: Exception, after: bool = False) -> Callable[[An
     return compiler
 
 
-def sharpen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Random weights large enough that attention is far from uniform (so a wrong cache, position, norm or bias
-    shows): matrices N(0, 0.3), vectors 1 + N(0, 0.1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0)
-    return model.eval()
+def off_by(size: float, from_call: int = 3) -> Callable[[Any], Any]:
+    """A compiler (of a model's ``decode``) whose compiled step adds ``size`` to every logit from its
+    ``from_call``-th call: a compiled step that differs from the eager one."""
+
+    def compiler(
+        decode: Callable[[Any, torch.Tensor], torch.Tensor],
+    ) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+        calls = 0
+
+        def run(state: Any, tokens: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            logits = decode(state, tokens)
+            return logits + size if calls >= from_call else logits
+
+        return run
+
+    return compiler
 
 
-TOKENIZER_FILES = ("tokenizer", "special_tokens", "spiece", "vocab", "merges")  # a fixture's tokenizer's files
+def beam_config(loaded: LoadedFixture, **kwargs: Any) -> Any:
+    """Beam 3, 10 new tokens (and ``kwargs``) over a loaded fixture's generation config."""
+    return resolve_generation_config(
+        loaded.model.generation_config, None, dict(num_beams=3, max_new_tokens=10) | kwargs
+    )
+
+
+def run_beam(backend: Any, loaded: LoadedFixture, batch: Batch | None = None, **kwargs: Any) -> list:
+    """The sequences :func:`beam_config` gives over ``backend`` for ``batch`` (default: 5 texts)."""
+    config = beam_config(loaded, **kwargs)
+    return generate(backend, batch or text_batch(loaded, 5, seed=5), config).sequences
+
+
+def shuffled(n: int, seed: int) -> list[str]:
+    """Inputs of shuffled lengths (3 to 120 words), some empty."""
+    texts = sample_texts(n, seed=seed)
+    rng = random.Random(seed)
+    rng.shuffle(texts)
+    return ["" if rng.random() < 0.05 else t for t in texts]
+
+
+# a fixture's tokenizer's files
+TOKENIZER_FILES = ("tokenizer", "special_tokens", "spiece", "vocab", "merges")
 
 
 def with_fixture_tokenizer(dest: Path, fixture: Path) -> Path:

@@ -18,7 +18,7 @@ from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.shapes import input_width
-from tests.engine_models import load, text_batch
+from tests.tiny_models import load, text_batch
 
 GiB = 2**30
 

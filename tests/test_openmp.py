@@ -218,8 +218,7 @@ def test_the_decode_loop_ticks_every_step(monkeypatch: pytest.MonkeyPatch) -> No
     from seqgen_cli.config import resolve_generation_config
     from seqgen_cli.models import get_backend
     from seqgen_cli.search import generate
-    from tests.engine_models import load, text_batch
-    from tests.tiny_models import cached_build
+    from tests.tiny_models import cached_build, load, text_batch
 
     ticks: list[int] = []
 

@@ -74,6 +74,9 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for name in ("articles.txt", "news.en", "references.txt", "reference.de", "baseline.de"):
         write_lines(tmp_path / name, texts)
     write_lines(tmp_path / "in.txt", sample_texts(2 * SHARDS, seed=4))
+    write_lines(tmp_path / "reviews.txt", texts)
+    schema = '{"type": "object", "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5}}}'
+    (tmp_path / "schema.json").write_text(schema, encoding="utf-8")
     (tmp_path / "system.txt").write_text(
         "Translate into German.\n\nEnglish: Hello.\nGerman: Hallo.\n", encoding="utf-8"
     )

@@ -1,4 +1,5 @@
-"""Sanity checks for the tiny checkpoint factory: loading, tokenizers, generation, variety."""
+"""Sanity checks for the tiny fixture registry: loading, tokenizers, generation, variety; a fixture for every model
+type ``seqgen models`` lists as fast."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from tests.helpers import load_tiny
+from tests.helpers import seqgen
 from tests.tiny_models import (
     CAUSAL_FAMILIES,
+    CHECKPOINT_MODEL_TYPES,
     FAMILIES,
     REAL_TOKENIZER_DIRS,
     SEQ2SEQ_FAMILIES,
+    fixture_model_types,
+    load_tiny,
     sample_texts,
     shared_dir,
 )
@@ -94,6 +98,7 @@ def test_tiny_model(family: str, tiny_models: Callable[[str], Path]) -> None:
         assert tok.pad_token_id == tok.eos_token_id
     if family == "llama":
         assert cfg.num_key_value_heads < cfg.num_attention_heads
+    assert cfg.model_type == CHECKPOINT_MODEL_TYPES[family]
 
     # tokenizer round-trip (special tokens stripped)
     for text in TEXTS:
@@ -121,6 +126,20 @@ def test_real_tokenizer_model(family: str, real_tokenizer_models: Callable[[str]
         assert tok.pad_token_id == tok.eos_token_id and tok.padding_side == "left"
     # only token ids from the real generation config; tests choose search settings explicitly
     _check_generation(model, tok, family)
+
+
+def test_every_fast_model_type_has_a_fixture() -> None:
+    """A model type ``seqgen models`` lists on a fast decoder has a tiny fixture in the registry (a checkpoint, a
+    family config or a decoder-only variant), so a family added to ``models/families/`` without one fails here;
+    and every fixture's model type is one seqgen knows."""
+    res = seqgen("models")
+    assert res.exit_code == 0, res.stderr
+    rows = [line.split(None, 1) for line in res.stdout.splitlines() if not line.startswith("(other)")]
+    fast = {name for name, what in rows if what.startswith("fast ")}
+    assert len(fast) >= 20, rows  # the listing's shape still reads as this test reads it
+    fixtures = fixture_model_types()
+    assert sorted(fast - set(fixtures)) == [], "fast model types without a fixture in tests/tiny_models.py"
+    assert sorted(set(fixtures) - fast) == [], "fixtures of model types seqgen runs on no fast decoder"
 
 
 def test_sample_texts_deterministic_and_varied() -> None:

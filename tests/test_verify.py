@@ -20,11 +20,12 @@ from click.testing import CliRunner
 from seqgen_cli.cli import main
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import EncoderDecoderBackend, get_backend
-from seqgen_cli.models.capture import CapturedBackend, Decode
+from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.models.compiled_calls import step_tolerance
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.verify import Agreement, default_inputs, tolerance, verify
-from tests.engine_models import beam_config, load, run_beam, text_batch
+from tests.helpers import beam_config, off_by, run_beam
+from tests.tiny_models import load, text_batch
 
 TEXTS = [
     "the cat sat on the mat and looked at the dog",
@@ -139,23 +140,6 @@ def test_cli_verify_rejects_a_bad_value(tiny_models, tmp_path) -> None:
 
 
 # -- the captured step's first replay, checked against the eager step -----------------------------------
-
-
-def off_by(size: float, from_call: int = 3) -> Any:
-    """A fake compiler whose compiled step adds ``size`` to every logit from its ``from_call``-th call."""
-
-    def compiler(decode: Decode) -> Decode:
-        calls = 0
-
-        def run(state: Any, tokens: torch.Tensor) -> torch.Tensor:
-            nonlocal calls
-            calls += 1
-            logits = decode(state, tokens)
-            return logits + size if calls >= from_call else logits
-
-        return run
-
-    return compiler
 
 
 def test_a_compiled_step_that_differs_switches_to_eager(tiny_models) -> None:

@@ -1,22 +1,38 @@
-"""Tiny, randomly initialised Hugging Face checkpoints for tests, built fully offline.
+"""The one registry of tiny, randomly initialised family fixtures for tests, built fully offline.
 
-``build(family, dest)`` writes a complete checkpoint folder (config, generation config, safetensors weights,
-tokenizer) for one of :data:`FAMILIES`; ``build_real_tokenizer(family, dest)`` does the same with a real
-tokenizer + real config from ``../shared/tokenizers`` shrunk to tiny widths/depths (real vocab and special ids).
-Weights are random (seeded), so outputs are meaningless text, but deterministic and varied across inputs.
+* Checkpoints: ``build(family, dest)`` writes a complete checkpoint folder (config, generation config, safetensors
+  weights, tokenizer) for one of :data:`FAMILIES`; ``build_real_tokenizer(family, dest)`` does the same with a real
+  tokenizer + real config from ``../shared/tokenizers`` shrunk to tiny widths/depths (real vocab and special ids);
+  :func:`cached_build` keeps them across sessions (the ``tiny_models`` fixture of ``tests/conftest.py``).
+  :func:`load` reads one back for the engine tests (float32, EOS-tuned) and :func:`text_batch` tokenises sample
+  texts for it.
+* In-memory models: a tiny config of every other fast family (:data:`FAMILY_CONFIGS`, :func:`family_model`) and
+  the decoder-only variants (:data:`DECODER_ONLY_CONFIGS`, :func:`decoder_only_model`), over a 97-token
+  vocabulary (:data:`V`) with :func:`sources` as inputs.
+
+Weights are random (seeded), so outputs are meaningless text, but deterministic and varied across inputs. Every
+model type ``seqgen models`` lists as fast has a fixture here (:func:`fixture_model_types`,
+``tests/test_tiny_models.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
 import shutil
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from seqgen_cli.search import Batch
 
 FAMILIES: tuple[str, ...] = ("bart", "mbart", "marian", "pegasus", "t5", "flan-t5", "gpt2", "llama")
 SEQ2SEQ_FAMILIES: frozenset[str] = frozenset({"bart", "mbart", "marian", "pegasus", "t5", "flan-t5"})
@@ -559,8 +575,8 @@ def _save_model(config: Any, gen_ids: dict[str, Any], causal: bool, dest: Path) 
     model.eval()
     model.generation_config = GenerationConfig(**gen_ids)
     model.save_pretrained(dest)
-    if config.model_type == "t5" and not config.scale_decoder_outputs:  # v1.1: saved as flan-t5's checkpoints are
-        _own_head(dest)
+    if config.model_type == "t5" and not config.scale_decoder_outputs:
+        _own_head(dest)  # v1.1: saved as flan-t5's checkpoints are
 
 
 def _own_head(dest: Path) -> None:
@@ -764,13 +780,17 @@ def copy_checkpoint(src: Path, dest: Path) -> Path:
 
 
 def factory_hash() -> str:
-    """Hash of this module's source and the transformers/tokenizers versions (cache key)."""
+    """Hash of this module's checkpoint builders (its source up to the loaded-fixture section: the in-memory
+    fixtures below build no checkpoint) and the transformers/tokenizers versions (cache key). A new key builds
+    every checkpoint again, and a tokenizer trained again is not bit-identical (the unigram trainer's scores differ
+    in their last digits from run to run), so only a change to what builds a checkpoint changes it."""
     import hashlib
 
     import tokenizers
     import transformers
 
-    h = hashlib.sha256(Path(__file__).read_bytes())
+    source = Path(__file__).read_text(encoding="utf-8")
+    h = hashlib.sha256(source[: source.index("\n# " + "A checkpoint loaded back")].encode())
     h.update(f"{transformers.__version__}/{tokenizers.__version__}".encode())
     return h.hexdigest()[:16]
 
@@ -779,6 +799,29 @@ def default_cache_root() -> Path:
     """``$SEQGEN_TEST_CACHE`` or ``~/.cache/seqgen-tests``, with :func:`factory_hash` appended."""
     root = Path(os.environ.get("SEQGEN_TEST_CACHE", Path.home() / ".cache" / "seqgen-tests"))
     return root / factory_hash()
+
+
+def writable_cache_root() -> Path | None:
+    """:func:`default_cache_root`, created, if this process may write there; else None."""
+    root = default_cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".write-probe"
+        probe.touch()
+        probe.unlink()
+    except OSError:
+        return None
+    return root
+
+
+def checkpoint(family: str, cache_root: Path | None = None) -> Path:
+    """The tiny checkpoint folder of ``family`` (one of :data:`FAMILIES`): built under ``cache_root`` once, then
+    reused (:func:`cached_build`)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    path = cached_build(family, cache_root=cache_root)
+    assert path is not None
+    return path
 
 
 def cached_build(family: str, real: bool = False, cache_root: Path | None = None) -> Path | None:
@@ -813,3 +856,316 @@ def cached_build(family: str, real: bool = False, cache_root: Path | None = None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A checkpoint loaded back: for the engine tests, EOS-tuned, with text batches
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_tiny(path: Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """A checkpoint's model (seq2seq or causal, as its config says; in eval mode; float32 unless ``dtype``) and
+    tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=dtype or torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    model: Any  # a PreTrainedModel
+    tokenizer: Any
+
+
+@functools.cache
+def load(path: Path) -> Loaded:
+    """A fixture checkpoint in float32, its EOS bias tuned (``tests.equivalence.tune_eos``: the random fixtures
+    rarely emit EOS, which would leave early stopping, finished hypotheses and inputs leaving untested); cached per
+    path."""
+    # (importing the harness holds torch to one intra-op thread, as the engine tests run)
+    from tests.equivalence import tune_eos
+
+    loaded = Loaded(*load_tiny(path))
+    tune_eos(loaded.model, text_batch(loaded, 16, seed=99))
+    return loaded
+
+
+def text_batch(loaded: Loaded, n: int, seed: int = 0, max_tokens: int = 40) -> Batch:
+    """``n`` sample texts of varied length, padded as generate() expects (right: enc-dec, left: decoder-only)."""
+    from seqgen_cli.search import Batch
+
+    tok = loaded.tokenizer
+    tok.padding_side = "right" if loaded.model.config.is_encoder_decoder else "left"
+    enc = tok(
+        sample_texts(n, seed=seed), return_tensors="pt", padding=True, truncation=True, max_length=max_tokens
+    )
+    return Batch(enc["input_ids"], enc["attention_mask"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# In-memory models: every other fast family's config, tiny, and the decoder-only variants
+# ----------------------------------------------------------------------------------------------------------
+
+V = 97  # the in-memory models' vocabulary
+SEQ2SEQ_IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+T5_IDS = dict(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+CAUSAL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+BART_SHAPE = dict(
+    vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0,
+    activation_dropout=0.0, **SEQ2SEQ_IDS,
+)  # fmt: skip
+T5_SHAPE = dict(
+    vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+    **T5_IDS,
+)  # fmt: skip
+LLAMA_SHAPE = dict(
+    vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+    num_hidden_layers=2, max_position_embeddings=64, **CAUSAL_IDS,
+)  # fmt: skip
+T5GEMMA_IDS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)
+GEMMA_MODULE = dict(
+    {k: v for k, v in LLAMA_SHAPE.items() if k not in CAUSAL_IDS}, **T5GEMMA_IDS, query_pre_attn_scalar=8,
+    sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=5.0, dropout_rate=0.0,
+)  # fmt: skip
+GEMMA3_TEXT = dict(
+    {k: v for k, v in GEMMA_MODULE.items() if "softcapping" not in k},
+    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+)  # fmt: skip
+TINY_SIGLIP = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=16,
+    patch_size=8,
+)
+
+
+def hf_config(cls: str, **fields: Any) -> Any:
+    """``transformers.<cls>(**fields)`` (transformers imported when a fixture is built, not with this module)."""
+    import transformers
+
+    return getattr(transformers, cls)(**fields)
+
+
+#: the fast families beyond the checkpoint fixtures, a tiny config each (``tests/models/test_families.py`` holds
+#: each to ``generate()`` in a batch, in refill lanes, on the static step and in int8)
+FAMILY_CONFIGS: dict[str, Callable[[], Any]] = {
+    "m2m_100": lambda: hf_config(
+        "M2M100Config", max_position_embeddings=64, scale_embedding=True, **BART_SHAPE
+    ),
+    "led": lambda: hf_config(
+        "LEDConfig",
+        max_encoder_position_embeddings=1024,
+        max_decoder_position_embeddings=64,
+        attention_window=8,
+        **BART_SHAPE,
+    ),
+    "pegasus_x": lambda: hf_config(
+        "PegasusXConfig",
+        max_position_embeddings=64,
+        num_global_tokens=4,
+        block_size=8,
+        stagger_local_blocks=True,
+        scale_embedding=True,
+        **{**BART_SHAPE, "encoder_attention_heads": 4},
+    ),
+    "mt5": lambda: hf_config("MT5Config", **T5_SHAPE),  # T5 v1.1's layers (gated GELU), its own head
+    "longt5": lambda: hf_config(
+        "LongT5Config",
+        local_radius=4,
+        global_block_size=4,
+        encoder_attention_type="transient-global",
+        feed_forward_proj="gated-gelu",
+        **T5_SHAPE,
+    ),
+    "umt5": lambda: hf_config("UMT5Config", feed_forward_proj="gated-gelu", **T5_SHAPE),
+    # a sliding window every output reaches; soft-capping low enough to bite
+    "t5gemma": lambda: hf_config(
+        "T5GemmaConfig",
+        encoder=GEMMA_MODULE,
+        decoder=GEMMA_MODULE,
+        vocab_size=V,
+        **T5GEMMA_IDS,
+        decoder_start_token_id=2,
+    ),
+    # merged self+cross attention, q/k norms, RoPE per layer type, a window outputs reach; its encoder's vision tower
+    # tiny; the end-of-image token inside the vocabulary (it embeds as its own vector)
+    "t5gemma2": lambda: hf_config(
+        "T5Gemma2Config",
+        encoder=dict(
+            text_config=GEMMA3_TEXT,
+            vision_config=TINY_SIGLIP,
+            mm_tokens_per_image=4,
+            boi_token_index=V - 3,
+            eoi_token_index=V - 2,
+            image_token_index=V - 1,
+        ),
+        decoder=dict(GEMMA3_TEXT, eoi_token_index=V - 2),
+        image_token_index=V - 1,
+        decoder_start_token_id=2,
+    ),
+    "qwen3": lambda: hf_config("Qwen3Config", **LLAMA_SHAPE),
+    "phi3": lambda: hf_config(
+        "Phi3Config",
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        **LLAMA_SHAPE,
+    ),
+    # soft-capping low enough to bite on these weights; sliding windows every prompt and output reaches
+    "gemma2": lambda: hf_config(
+        "Gemma2Config",
+        sliding_window=6,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0,
+        query_pre_attn_scalar=8,
+        **LLAMA_SHAPE,
+    ),
+    "gemma3_text": lambda: hf_config(
+        "Gemma3TextConfig",
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=8,
+        **LLAMA_SHAPE,
+    ),
+}
+
+
+def sharpen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random weights large enough that attention is far from uniform (so a wrong cache, position, norm or bias
+    shows): matrices N(0, 0.3), vectors 1 + N(0, 0.1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0)
+    return model.eval()
+
+
+def sources(config: Any, n: int = 12, seed: int = 0) -> Batch:
+    """``n`` random inputs of 3-20 tokens for an in-memory model of ``config``: encoder-decoder sources
+    right-padded ending in EOS, decoder-only prompts left-padded."""
+    import torch
+
+    from seqgen_cli.search import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 21, (n,), generator=g).tolist()
+    width = max(lengths)
+    ids = torch.full((n, width), config.pad_token_id)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, length in enumerate(lengths):
+        tokens = torch.randint(4, V, (length,), generator=g)
+        if config.is_encoder_decoder:
+            tokens[-1] = config.eos_token_id
+            ids[i, :length], mask[i, :length] = tokens, 1
+        else:
+            ids[i, width - length :], mask[i, width - length :] = tokens, 1
+    return Batch(ids, mask)
+
+
+@functools.cache
+def family_model(name: str) -> torch.nn.Module:
+    """The tiny model of ``FAMILY_CONFIGS[name]`` (float32, untied head, EOS tuned so outputs end at varied
+    lengths; cached)."""
+    import torch
+    import transformers as tf
+
+    from tests.equivalence import tune_eos
+
+    torch.manual_seed(0)
+    cfg = FAMILY_CONFIGS[name]()
+    cfg.tie_word_embeddings = False
+    auto = tf.AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else tf.AutoModelForCausalLM
+    m = sharpen(auto.from_config(cfg), seed=len(name))
+    ids = {k: getattr(cfg, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    start = getattr(cfg, "decoder_start_token_id", None)
+    m.generation_config = tf.GenerationConfig(decoder_start_token_id=start, **ids)
+    return tune_eos(m, sources(cfg, 8, seed=99))
+
+
+def t5_vocabulary(name: str, vocab: int) -> Any:
+    """The config of ``name`` (UMT5, T5Gemma) over the tiny T5 checkpoint's vocabulary and special ids."""
+    if name == "umt5":
+        return hf_config("UMT5Config", **{**T5_SHAPE, "vocab_size": vocab, "feed_forward_proj": "gated-gelu"})
+    cfg = FAMILY_CONFIGS[name]()
+    for part in (cfg, cfg.encoder, cfg.decoder):
+        part.vocab_size, part.bos_token_id = vocab, 0  # decoding starts at T5's pad, as T5's does
+    cfg.decoder_start_token_id = 0
+    return cfg
+
+
+def gpt2_config(**fields: Any) -> Any:
+    return hf_config("GPT2Config", vocab_size=V, n_embd=32, n_head=4, n_layer=2, n_positions=64, **fields)
+
+
+def llama_config(cls: str = "LlamaConfig", **fields: Any) -> Any:
+    """A tiny Llama-shaped config of ``cls`` (Mistral, Qwen2 alike): grouped-query K/V heads unless ``fields``
+    say otherwise."""
+    fields = {"num_key_value_heads": 2, **fields}
+    shape = dict(hidden_size=32, num_attention_heads=4, intermediate_size=48, num_hidden_layers=2)
+    return hf_config(cls, vocab_size=V, max_position_embeddings=64, **shape, **fields)
+
+
+#: the decoder-only variants (``tests/models/test_decoder_only.py`` holds each step to the model's own
+#: teacher-forced forward; ``tests/models/test_shared_prompt.py`` their shared prompt heads)
+DECODER_ONLY_CONFIGS: dict[str, Callable[[], Any]] = {
+    "gpt2": gpt2_config,
+    "gpt2-layerscale": lambda: gpt2_config(scale_attn_by_inverse_layer_idx=True),
+    "llama": llama_config,
+    "llama-mha-bias": lambda: llama_config(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+    "llama-rope-linear": lambda: llama_config(
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
+    ),
+    "llama-mqa": lambda: llama_config(num_key_value_heads=1, tie_word_embeddings=True),
+    "mistral": lambda: llama_config("MistralConfig", sliding_window=None, head_dim=12),
+    "qwen2": lambda: llama_config("Qwen2Config"),  # q/k/v biases
+    # sliding windows the prompts and steps reach: every layer (Mistral), the second layer only (Qwen2)
+    "mistral-window4": lambda: llama_config("MistralConfig", sliding_window=4, head_dim=12),
+    "qwen2-window3": lambda: llama_config(
+        "Qwen2Config", use_sliding_window=True, sliding_window=3, max_window_layers=1
+    ),
+}
+
+
+def causal_model(cfg: Any) -> torch.nn.Module:
+    """A decoder-only model of ``cfg``, sharpened (GPT-2: seed 0, the Llama kinds: seed 1)."""
+    from transformers import AutoModelForCausalLM
+
+    return sharpen(AutoModelForCausalLM.from_config(cfg), 0 if cfg.model_type == "gpt2" else 1)
+
+
+def decoder_only_model(name: str) -> torch.nn.Module:
+    """The model of ``DECODER_ONLY_CONFIGS[name]`` (a new one each call: tests change them)."""
+    return causal_model(DECODER_ONLY_CONFIGS[name]())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The registry: which model types its fixtures cover
+# ----------------------------------------------------------------------------------------------------------
+
+#: the model type of each checkpoint fixture (flan-t5 is a T5 v1.1)
+CHECKPOINT_MODEL_TYPES: dict[str, str] = {
+    family: "t5" if family == "flan-t5" else family for family in FAMILIES
+}
+
+
+def fixture_model_types() -> dict[str, list[str]]:
+    """``model_type`` -> the fixtures of it here: checkpoints (:data:`FAMILIES`), in-memory families
+    (:data:`FAMILY_CONFIGS`) and decoder-only variants (:data:`DECODER_ONLY_CONFIGS`); builds configs only."""
+    found: dict[str, list[str]] = {}
+    for family, model_type in CHECKPOINT_MODEL_TYPES.items():
+        found.setdefault(model_type, []).append(f"checkpoint {family}")
+    for registry, configs in (
+        ("FAMILY_CONFIGS", FAMILY_CONFIGS),
+        ("DECODER_ONLY_CONFIGS", DECODER_ONLY_CONFIGS),
+    ):
+        for name, make in configs.items():
+            found.setdefault(make().model_type, []).append(f"{registry}[{name!r}]")
+    return found

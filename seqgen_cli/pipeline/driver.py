@@ -26,7 +26,7 @@ from seqgen_cli.pipeline.cluster import ClusterOptions, check_resources, connect
 from seqgen_cli.pipeline.formats import DRIVER_MARK, IndexEntry, InputDigest, parts_dir, remove_part
 from seqgen_cli.pipeline.job import Job, guarded, open_sink, score, write_stats
 from seqgen_cli.pipeline.progress import Progress
-from seqgen_cli.pipeline.records import output_fields, read_records
+from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.shards import Cutter, Shard, count_lines
 from seqgen_cli.pipeline.sinks import Sink, is_stream
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
@@ -332,7 +332,8 @@ class _Driver:
         total = self.job.shard.size if self.job.shard is not None else count_lines(self.paths)
         records = read_records(
             self.paths, opts.input_format, opts.input_field, "skip", select=self.job.select,
-            reserved=output_fields(opts.output_format, opts.output_field, opts.on_error, opts.scores), chat=opts.chat,
+            reserved=opts.fields(),
+            chat=opts.chat,
         )  # fmt: skip
         digest = InputDigest()
         if state is not None:
@@ -467,7 +468,7 @@ class _Driver:
         if more:
             s.padding_ratio = (s.padding_ratio * s.batches + d["padding_ratio"] * more) / (s.batches + more)
         s.batches += more
-        for key in ("skipped", "truncated", "generated_tokens", "at_default_length"):
+        for key in ("skipped", "truncated", "generated_tokens", "at_default_length", "incomplete"):
             setattr(s, key, getattr(s, key) + d.get(key, 0))
         for key in ("read_seconds", "tokenise_seconds", "generate_seconds", "write_seconds"):
             setattr(s, key, getattr(s, key) + d.get(key, 0.0))

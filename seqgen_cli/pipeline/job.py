@@ -14,12 +14,13 @@ from typing import Any, BinaryIO
 from seqgen_cli.config import GENERATION_KEYS
 from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.generator import Generator, GeneratorSpec
+from seqgen_cli.grammars import GrammarSpec, grammar_spec
 from seqgen_cli.pipeline import paths, resume
 from seqgen_cli.pipeline.formats import IndexEntry, InputDigest, load_journal, parts_dir, remove_parts
 from seqgen_cli.pipeline.messages import aborted
 from seqgen_cli.pipeline.process import sigterm_as_interrupt
 from seqgen_cli.pipeline.progress import Progress, bar_wanted
-from seqgen_cli.pipeline.records import Record, check_inputs, is_regular, output_fields, read_records
+from seqgen_cli.pipeline.records import Record, check_inputs, is_regular, read_records
 from seqgen_cli.pipeline.run import RunOptions, run
 from seqgen_cli.pipeline.shards import ShardRange, parse_shard, select_shard
 from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
@@ -57,7 +58,9 @@ def job_options(
         output_format=flags["output_format"],
         output_field=flags["output_field"],
         on_error=flags["on_error"],
-        scores=bool(flags.get("scores")),
+        scores=bool(flags.get("scores")) or flags.get("logprobs") is not None,  # --logprobs: the scores too
+        structured=grammar_flags(flags) is not None,
+        logprobs=flags.get("logprobs") is not None,
         input_format=flags["input_format"],
         input_field=flags["input_field"],
         resume=flags["resume"],
@@ -110,8 +113,14 @@ def generator_spec(model: str, flags: Mapping[str, Any]) -> GeneratorSpec:
         target_lang=flags["target_lang"],
         stop=tuple(flags.get("stop") or ()),
         scores=bool(flags.get("scores")),
+        grammar=grammar_flags(flags),
         generation={k: flags[k] for k in GENERATION_KEYS if k in flags},
     )
+
+
+def grammar_flags(flags: Mapping[str, Any]) -> GrammarSpec | None:
+    """The structured-output flags' grammar (``--json-schema``, ``--regex``, ``--grammar``, ``--choice``), checked."""
+    return grammar_spec(flags.get("json_schema"), flags.get("regex"), flags.get("grammar"), flags.get("choice") or ())
 
 
 @dataclass(frozen=True)
@@ -146,7 +155,7 @@ def check_job(inputs: Sequence[str], output: str, opts: JobOptions, model: str |
         paths.check_writable(opts.stats, "--stats")
     if opts.metrics and not opts.reference:
         raise SeqgenError("--metrics needs --reference FILE")
-    reserved = output_fields(opts.output_format, opts.output_field, opts.on_error, opts.scores)
+    reserved = opts.fields()
     check_inputs(inputs, opts.input_format, opts.input_field, reserved, on_error=opts.on_error, chat=opts.chat)
     part = opts.shard is not None
     paths.check_distinct(
@@ -179,7 +188,7 @@ def generate_job(gen: Generator, job: Job) -> Summary:
     from seqgen_cli.verify import self_check  # transformers' generate(): imported with the model, not before
 
     opts = job.opts
-    reserved = output_fields(opts.output_format, opts.output_field, opts.on_error, opts.scores)
+    reserved = opts.fields()
     records = read_records(
         job.paths, opts.input_format, opts.input_field, opts.on_error, select=job.select, reserved=reserved,
         chat=opts.chat,

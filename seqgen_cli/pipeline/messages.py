@@ -33,6 +33,11 @@ def closing_lines(
             "default length limit of 20 new tokens (neither the checkpoint, a preset nor a flag sets one); set "
             "--max-new-tokens"
         )
+    if summary.incomplete:
+        lines.append(
+            f"seqgen: {summary.incomplete} of {plural(summary.inputs, 'output')} ended before the grammar completed "
+            '(JSONL output marks them "complete": false); raise --max-new-tokens'
+        )
     if summary.skipped:
         lines.append(f"seqgen: {plural(summary.skipped, 'input')} skipped (empty outputs; see the warnings)")
     if not quiet:

@@ -59,10 +59,20 @@ class FieldClash(BadLine):
 SCORE_FIELDS = {"score": "score", "log_prob": "log_prob", "token_log_probs": "tokens"}
 
 
-def output_fields(output_format: str, output_field: str, on_error: str, scores: bool = False) -> tuple[str, ...]:
+def output_fields(
+    output_format: str,
+    output_field: str,
+    on_error: str,
+    scores: bool = False,
+    structured: bool = False,
+    logprobs: bool = False,
+) -> tuple[str, ...]:
     """The fields the output adds to each input object: ``--output-field`` with ``--output-format jsonl``,
-    ``error`` too under ``--on-error skip`` and :data:`SCORE_FIELDS` under ``--scores``; none with text output.
-    Raises when two are one field."""
+    ``error`` too under ``--on-error skip``, :data:`SCORE_FIELDS` under ``--scores``, ``complete`` under a grammar
+    (``structured``) and ``logprobs`` under ``--logprobs`` (JSONL only); none with text output. Raises when two are
+    one field."""
+    if logprobs and output_format != "jsonl":
+        raise SeqgenError("--logprobs writes a JSONL field: add --output-format jsonl")
     if output_format != "jsonl":
         return ()
     if output_field == "error" and on_error == "skip":
@@ -71,8 +81,17 @@ def output_fields(output_format: str, output_field: str, on_error: str, scores: 
             "choose another --output-field"
         )
     if output_field in SCORE_FIELDS and scores:
-        raise SeqgenError(f"--output-field {output_field} is a field --scores writes (JSONL output): choose another")
-    return (output_field, *(["error"] if on_error == "skip" else []), *(SCORE_FIELDS if scores else []))
+        raise SeqgenError(
+            f"--output-field {output_field} is a field --scores writes (JSONL output): choose another"
+        )
+    added = {"complete": (structured, "structured outputs"), "logprobs": (logprobs, "--logprobs")}
+    if output_field in added and added[output_field][0]:
+        raise SeqgenError(
+            f"--output-field {output_field} is the field {added[output_field][1]} write (JSONL output): choose another"
+        )
+    errors = ["error"] if on_error == "skip" else []
+    more = [name for name, (on, _) in added.items() if on]
+    return (output_field, *errors, *(SCORE_FIELDS if scores else []), *more)
 
 
 def _clash(where: str, key: str, text_input: bool) -> FieldClash:
@@ -243,7 +262,9 @@ def read_records(
             fmt = input_format
             for number, raw in enumerate(lines(stream), start=1):
                 if raw is TOO_LONG:
-                    err = BadLine(f"{name}:{number}: a line of more than {MAX_LINE_BYTES >> 20} MiB: not an input")
+                    err = BadLine(
+                        f"{name}:{number}: a line of more than {MAX_LINE_BYTES >> 20} MiB: not an input"
+                    )
                     if on_error != "skip":
                         raise err
                     if lo <= index and (hi is None or index < hi):
@@ -344,7 +365,9 @@ def _json_record(
     try:
         obj = json.loads(line, parse_constant=_not_json, parse_float=_finite, object_pairs_hook=_unique)
     except RecursionError:  # Python's JSON decoder recurses per level
-        raise SeqgenError(f"{name}:{number}: invalid JSON: nested too deep for Python's JSON reader") from None
+        raise SeqgenError(
+            f"{name}:{number}: invalid JSON: nested too deep for Python's JSON reader"
+        ) from None
     except _DuplicateKey as dup:
         raise SeqgenError(
             f"{name}:{number}: duplicate key {dup.args[0]!r} in a JSON object (JSON would keep only its last value)"
@@ -374,8 +397,12 @@ def _json_record(
             'message) or a "messages" conversation: keep one',
             obj,
         )
-    if key is None and chat and isinstance(messages := obj.get("messages"), list):  # a conversation (prompts.py)
-        said = [m.get("content") for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+    if (
+        key is None and chat and isinstance(messages := obj.get("messages"), list)
+    ):  # a conversation (prompts.py)
+        said = [
+            m.get("content") for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
+        ]
         return Record(index, name, number, said[-1] if said else "", obj)  # its text: the last said
     if key is None or key not in obj:
         wanted = repr(input_field) if input_field else " or ".join(repr(k) for k in DEFAULT_FIELDS)

@@ -137,6 +137,7 @@ _FINGERPRINTED_OPTIONS = {
     "stop": "generation",  # stop_strings
     "scores": "generation",  # output_scores
     **dict.fromkeys(("chat", "system_prompt", "chat_template", "chat_template_kwargs", "prompt_template"), "prompt"),
+    **dict.fromkeys(("json_schema", "regex", "grammar", "choice"), "grammar"),  # structured outputs
 }
 # How a run goes, not what it writes: batching and look-ahead, CUDA graphs and refill (the same outputs; on a
 # GPU they may change rounding as batch composition does), where files and reports go, Ray's resources, checks.
@@ -188,6 +189,7 @@ def fingerprint(gen: Generator, opts: RecordOptions) -> dict[str, Any]:
         prefix=gen.prefix,
         **({"prompt": prompt} if (prompt := {k: v for k, v in gen.prompt.describe().items() if k != "prefix"}) else {}),
         max_source_length=gen.max_source_length,
+        **({"grammar": [g.spec.kind, g.spec.source]} if (g := gen.grammar) is not None else {}),
         seed=gen.seed,
         input_format=opts.input_format,
         input_field=opts.input_field,

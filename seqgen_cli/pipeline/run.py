@@ -20,7 +20,7 @@ from seqgen_cli.generator import BatchResults, Generator
 from seqgen_cli.pipeline.formats import InputDigest
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.reader import ReaderStage
-from seqgen_cli.pipeline.records import Record
+from seqgen_cli.pipeline.records import Record, output_fields
 from seqgen_cli.pipeline.resume import JournalReuse
 from seqgen_cli.pipeline.sinks import Sink, StreamSink
 from seqgen_cli.pipeline.stats import Summary, peak_rss_mb
@@ -36,6 +36,14 @@ class RunOptions:
     output_field: str = "output"
     on_error: str = "fail"
     scores: bool = False  # --scores: each output's score and log_prob in its line (the generator gives them)
+    structured: bool = False  # a grammar (--json-schema, ...): JSONL output says whether each output completed it
+    logprobs: bool = False  # --logprobs: each output's tokens' raw log-probs and the best of each step (JSONL)
+
+    def fields(self) -> tuple[str, ...]:
+        """The fields the output adds to each input object (:func:`~.records.output_fields`)."""
+        return output_fields(
+            self.output_format, self.output_field, self.on_error, self.scores, self.structured, self.logprobs
+        )
 
 
 def run(
@@ -94,7 +102,8 @@ class _Run:
         self.writer = OrderedWriter(
             sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
             num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, reuse=self.reuse,
-            scores=opts.scores,
+            scores=opts.scores, complete=gen.grammar.complete if gen.grammar is not None else None,
+            logprobs=opts.logprobs,
         ).start()  # fmt: skip
         early = isinstance(sink, StreamSink)  # stdout, a pipe: someone may read the first lines as they come
         sizes = (opts.batch_size, opts.batch_tokens, opts.sort_window)
@@ -190,6 +199,7 @@ class _Run:
         summary.read_seconds = reader.read_seconds
         summary.tokenise_seconds = reader.tokenise_seconds
         summary.write_seconds = writer.seconds
+        summary.incomplete = writer.incomplete
         summary.seconds = self._elapsed()
         summary.device = self.gen.device_stats()
         if (threads := openmp.governor_stats()) is not None:  # the thread count that followed the load

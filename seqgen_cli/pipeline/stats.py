@@ -22,6 +22,7 @@ class Summary:
     truncated: int = 0
     generated_tokens: int = 0
     at_default_length: int = 0  # outputs that stopped at transformers' default max_length (Generator.default_length)
+    incomplete: int = 0  # outputs that ended before their grammar completed (structured outputs)
     batches: int = 0
     padding_ratio: float = 0.0  # share of padded source tokens that are padding
     seconds: float = 0.0

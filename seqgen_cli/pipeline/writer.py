@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from seqgen_cli.batching import InOrder, Result, Scored
 from seqgen_cli.pipeline.formats import InputDigest, input_key
@@ -31,6 +32,8 @@ def format_output(
     error: str | None = None,
     scores: list[Scored] | None = None,
     scored: bool = False,
+    complete: list[bool] | None = None,
+    logprobs: list[Any] | None = None,
 ) -> str:
     """The output line(s) for one input, newline-terminated.
 
@@ -39,7 +42,9 @@ def format_output(
     (for text input ``{"text": line}``) with ``output_field`` set to the string, or to a list when more than one
     sequence is returned, and ``error`` set for an input that was skipped. ``scored`` (``--scores``): text lines
     begin ``score<TAB>log_prob<TAB>`` (empty for an input with none: blank, skipped), JSONL objects get ``score``,
-    ``log_prob`` and ``token_log_probs`` (lists beside a list; ``null`` where none).
+    ``log_prob`` and ``token_log_probs`` (lists beside a list; ``null`` where none). ``complete`` (a grammar): each
+    output's match is whole, JSONL's ``complete`` field. ``logprobs`` (``--logprobs``): each output's
+    :func:`logprob_entries`, JSONL's ``logprobs`` field.
     """
     numbers: list[Scored | None] = list(scores) if scores is not None else [None] * len(outputs)
     if output_format == "jsonl":
@@ -51,6 +56,10 @@ def format_output(
             for name, attribute in SCORE_FIELDS.items():
                 values = [None if sc is None else getattr(sc, attribute) for sc in numbers]
                 obj[name] = values[0] if len(values) == 1 else values
+        if complete is not None:
+            obj["complete"] = complete[0] if len(complete) == 1 else complete
+        if logprobs is not None:
+            obj["logprobs"] = logprobs[0] if len(logprobs) == 1 else logprobs
         if error is not None:
             obj["error"] = error
         return json.dumps(obj, ensure_ascii=False, allow_nan=False) + "\n"
@@ -59,6 +68,26 @@ def format_output(
         heads = ["\t\t" if sc is None else f"{sc.score!r}\t{sc.log_prob!r}\t" for sc in numbers]
         lines = [head + line for head, line in zip(heads, lines, strict=True)]
     return "".join(line + "\n" for line in lines)
+
+
+def logprob_entries(
+    sequence: Sequence[int], scored: Scored | None, text: Decode
+) -> list[dict[str, Any]] | None:
+    """``--logprobs``' JSONL value for one output: per token its ``id``, ``token`` (its text alone), ``logprob``
+    (raw) and ``top``, the step's best as the same fields; ``None`` for an input with none."""
+    if scored is None or scored.logprobs is None:
+        return None
+    ids = list(sequence) + [i for _, top in scored.logprobs for i, _ in top]
+    words = dict(zip(ids, text([[i] for i in ids]), strict=True))
+    return [
+        {
+            "id": t,
+            "token": words[t],
+            "logprob": lp,
+            "top": [{"id": i, "token": words[i], "logprob": v} for i, v in top],
+        }
+        for t, (lp, top) in zip(sequence, scored.logprobs, strict=True)
+    ]
 
 
 _CLOSE = object()
@@ -80,8 +109,13 @@ class OrderedWriter:
         keep: list[str] | None = None,
         reuse: JournalReuse | None = None,
         scores: bool = False,
+        complete: Callable[[Sequence[int]], bool] | None = None,
+        logprobs: bool = False,
     ) -> None:
         self.sink = sink
+        self._logprobs = logprobs  # --logprobs: each output's tokens in its JSONL object
+        self._complete = complete  # a grammar's test of an output's tokens (structured outputs)
+        self.incomplete = 0  # outputs generated here that ended before their grammar completed
         self._scores = scores  # --scores: each output's Scored in its line
         self._decode = decode
         self._format = output_format
@@ -123,6 +157,13 @@ class OrderedWriter:
         """Outputs finished but waiting for an earlier input (journaled where the sink keeps a journal)."""
         return len(self._order.pending)
 
+    def _listed(self, r: Result) -> list[Any]:
+        """``--logprobs``' value for each output of ``r`` (``None`` for a blank or skipped input)."""
+        if r.sequences is None:
+            return [None] * self._n
+        scores = r.scores or [None] * len(r.sequences)
+        return [logprob_entries(seq, sc, self._decode) for seq, sc in zip(r.sequences, scores, strict=True)]
+
     def _loop(self) -> None:
         try:
             while (got := self._q.get()) is not _CLOSE:
@@ -142,7 +183,16 @@ class OrderedWriter:
             outs = [next(texts) for _ in r.sequences] if r.sequences is not None else [""] * self._n
             line = self.reuse.pop(index)
             if line is None:
-                line = format_output(record, outs, self._format, self._field, r.error, r.scores, self._scores)
+                whole = (
+                    None
+                    if self._complete is None or r.sequences is None
+                    else list(map(self._complete, r.sequences))
+                )
+                self.incomplete += whole.count(False) if whole else 0
+                listed = self._listed(r) if self._logprobs else None
+                line = format_output(
+                    record, outs, self._format, self._field, r.error, r.scores, self._scores, whole, listed
+                )
                 fresh.append(index)
             self._order.add(index, (record, line, outs[0] if outs else ""))
         for record, line, first in self._order.ready():

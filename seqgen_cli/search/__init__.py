@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
+from seqgen_cli.grammars import Grammar
 from seqgen_cli.search.beam import BeamConstants, pick_topk
 from seqgen_cli.search.cohort import Cohort, Results, make_search
 from seqgen_cli.search.engine import run_batch
@@ -81,6 +82,7 @@ def generate(
     indices: Sequence[int] | None = None,
     sync_every: int | None = None,
     stop: StopCheck | None = None,
+    grammar: Grammar | None = None,
 ) -> SearchOutput:
     """Generate for every input of ``batch``; token-identical to ``model.generate()`` for greedy and beam search.
 
@@ -88,14 +90,15 @@ def generate(
     ``b``: :class:`~seqgen_cli.search.sampling.Streams`). ``sync_every``: steps between host checks for finished
     inputs (default: every step on CPU, every 4 on GPU); it never changes results. ``stop``: ``config``'s
     ``stop_strings`` as a check over the token history (:func:`~seqgen_cli.prompts.stop_check`: it needs the
-    tokenizer), required where the config has them.
+    tokenizer), required where the config has them. ``grammar``: every output a match of it (structured outputs,
+    ``search/grammar.py``).
     """
     need_stop(config, stop)
     s = settings_for(backend, batch, config)
     device = batch.input_ids.device
     streams = Streams(seed, device, indices)
     consts = BeamConstants.build(s, device)  # before the first step is queued
-    rows, logits = start_rows(backend, batch, s, rows_per_input(config))
+    rows, logits = start_rows(backend, batch, s, rows_per_input(config), grammar)
     search = make_search(rows, s, consts, pick_topk(logits), streams, stop)
     cohort = Cohort(rows, search, Results(len(rows.inputs)))
     return run_batch(backend, cohort, logits, sync_every or default_sync_every(device))

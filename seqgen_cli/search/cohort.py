@@ -12,7 +12,7 @@ import torch
 
 from seqgen_cli.search.beam import BeamConstants, BeamSearch, TopK
 from seqgen_cli.search.greedy import StopCheck, TokenSearch
-from seqgen_cli.search.protocol import SearchOutput, StaticBackend
+from seqgen_cli.search.protocol import SearchOutput, StaticBackend, TokenLogprobs
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.sampling import Streams
 from seqgen_cli.search.settings import SearchSettings
@@ -48,6 +48,7 @@ def make_search(
     s = settings
     if (
         s.mode == "beam"
+        and rows.pipeline.grammar is None  # the matchers live on the host: not in a compiled step
         and isinstance(rows.backend, StaticBackend)
         and rows.backend.static_search(rows.state)
     ):
@@ -67,24 +68,29 @@ class Results:
         self.sequences: list[list[list[int]]] = [[] for _ in range(num_inputs)]
         self.scores: list[list[float]] = [[] for _ in range(num_inputs)]
         self.token_scores: list[list[list[float]]] = [[] for _ in range(num_inputs)]
-        self.with_scores = self.with_tokens = False
+        self.logprobs: list[list[list[TokenLogprobs]]] = [[] for _ in range(num_inputs)]
+        self.with_scores = self.with_tokens = self.with_logprobs = False
 
     def collect(self, search: Search, idx: torch.Tensor, inputs: list[int]) -> None:
         """Copy the results of active inputs ``idx`` ([D] int64; batch positions ``inputs``) to the host: only
         after a host check or the loop (``Rows.check``, ``Rows.remaining``)."""
         found = search.results(idx)
         self.with_scores, self.with_tokens = found.scores is not None, found.token_scores is not None
+        self.with_logprobs = found.logprobs is not None
         for j, b in enumerate(inputs):
             self.sequences[b] = found.sequences[j]
             if found.scores is not None:
                 self.scores[b] = found.scores[j]
             if found.token_scores is not None:
                 self.token_scores[b] = found.token_scores[j]
+            if found.logprobs is not None:
+                self.logprobs[b] = found.logprobs[j]
 
     def output(self) -> SearchOutput:
         return SearchOutput(
-            self.sequences, self.scores if self.with_scores else None, self.token_scores if self.with_tokens else None
-        )
+            self.sequences, self.scores if self.with_scores else None, self.token_scores if self.with_tokens else None,
+            self.logprobs if self.with_logprobs else None,
+        )  # fmt: skip
 
 
 class Cohort:

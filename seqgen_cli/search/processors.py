@@ -27,6 +27,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from seqgen_cli.grammars import Grammar
+from seqgen_cli.search.grammar import GrammarMask
 from seqgen_cli.search.history import (
     Cond,
     History,
@@ -285,21 +287,65 @@ def top_p_filter(scores: Tensor, p: float, min_tokens_to_keep: int = 1) -> Tenso
     return scores.masked_fill(remove, NEG_INF)
 
 
+def min_p_filter(scores: Tensor, min_p: float) -> Tensor:
+    """Keep the tokens whose probability is at least ``min_p`` times the best one's (and the best)."""
+    probs = torch.softmax(scores, dim=-1)
+    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    remove.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
+    return scores.masked_fill(remove, NEG_INF)
+
+
+def typical_filter(scores: Tensor, mass: float) -> Tensor:
+    """Keep the tokens whose surprisal is closest to the entropy, up to ``mass`` of the probability."""
+    normalized = torch.nn.functional.log_softmax(scores, dim=-1)
+    p = torch.exp(normalized)
+    ent = -(normalized * p).nansum(-1, keepdim=True)  # [N, 1]
+    shifted = torch.abs((-normalized) - ent)
+    sorted_scores, sorted_indices = torch.sort(shifted, descending=False)
+    cumulative = scores.gather(-1, sorted_indices).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass).sum(dim=1).clamp_(max=sorted_scores.shape[-1] - 1)  # [N]
+    remove = sorted_scores > sorted_scores.gather(1, last.view(-1, 1))
+    remove[..., :1] = 0
+    return scores.masked_fill(remove.scatter(1, sorted_indices, remove), NEG_INF)
+
+
+def cutoff_filter(scores: Tensor, epsilon: float, eta: bool) -> Tensor:
+    """Epsilon sampling (``eta``: eta sampling, the cutoff ``min(epsilon, sqrt(epsilon) * exp(-entropy))``): drop
+    the tokens of a probability below the cutoff, except the best."""
+    probs = scores.softmax(dim=-1)
+    if eta:
+        cut = torch.tensor(epsilon, device=scores.device)
+        entropy = torch.distributions.Categorical(logits=scores).entropy()  # [N]
+        cutoff: Tensor | float = torch.min(cut, torch.sqrt(cut) * torch.exp(-entropy))[..., None]
+    else:
+        cutoff = epsilon
+    remove = (probs < cutoff) & (scores < torch.topk(scores, 1)[0][..., -1, None])
+    return scores.masked_fill(remove, NEG_INF)
+
+
 class Warpers:
-    """Temperature, then top-k, then top-p (transformers' order)."""
+    """Temperature, top-k, top-p, min-p, typical, epsilon, eta: transformers' order and arithmetic (one row kept at
+    least: greedy search's and sampling's ``min_tokens_to_keep``)."""
 
     def __init__(self, settings: SearchSettings) -> None:
-        self.temperature = settings.temperature
-        self.top_k = settings.top_k
-        self.top_p = settings.top_p
+        self.s = settings
 
     def __call__(self, scores: Tensor) -> Tensor:
-        if self.temperature != 1.0:
-            scores = scores / self.temperature
-        if self.top_k:
-            scores = top_k_filter(scores, self.top_k)
-        if self.top_p < 1.0:
-            scores = top_p_filter(scores, self.top_p)
+        s = self.s
+        if s.temperature != 1.0:
+            scores = scores / s.temperature
+        if s.top_k:
+            scores = top_k_filter(scores, s.top_k)
+        if s.top_p < 1.0:
+            scores = top_p_filter(scores, s.top_p)
+        if s.min_p is not None:
+            scores = min_p_filter(scores, s.min_p)
+        if s.typical_p < 1.0:
+            scores = typical_filter(scores, s.typical_p)
+        if 0.0 < s.epsilon_cutoff < 1.0:
+            scores = cutoff_filter(scores, s.epsilon_cutoff, eta=False)
+        if 0.0 < s.eta_cutoff < 1.0:
+            scores = cutoff_filter(scores, s.eta_cutoff, eta=True)
         return scores
 
 
@@ -308,7 +354,12 @@ class LogitsPipeline:
     :meth:`select`."""
 
     def __init__(
-        self, settings: SearchSettings, history: TokenHistory, vocab_size: int, device: torch.device
+        self,
+        settings: SearchSettings,
+        history: TokenHistory,
+        vocab_size: int,
+        device: torch.device,
+        grammar: Grammar | None = None,
     ):
         s = settings
         self.settings = s
@@ -320,14 +371,20 @@ class LogitsPipeline:
         self.ids_in_vocab = s.repetition_penalty != 1.0 and bool((history.filled < vocab_size).all())
         powers = None if self.ngram is None else self.ngram.powers
         self.proc = Processors.build(s, vocab_size, self.ids_in_vocab, powers, device)
+        # structured outputs: one matcher per row (where generate() runs a logits_processor: before the warpers)
+        self.grammar = None if grammar is None else GrammarMask(grammar, history.tokens.shape[0])
 
     def select(self, rows: Tensor) -> None:
         if self.ngram is not None:
             self.ngram.select(rows)
+        if self.grammar is not None:
+            self.grammar.select(rows)
 
     def appended(self, history: TokenHistory) -> None:
         if self.ngram is not None:
             self.ngram.appended(history)
+        if self.grammar is not None:
+            self.grammar.appended()
 
     def __call__(self, history: TokenHistory, scores: Tensor) -> Tensor:
         """``scores``: [N, V] float (log-probs in beam search, raw logits otherwise; modified in place)
@@ -338,6 +395,8 @@ class LogitsPipeline:
             scores = self.ngram(history, scores)
         scores = bad_sequences(p, history, length, scores)
         scores = column_processors(p, length, self.settings, scores)
+        if self.grammar is not None:
+            scores = self.grammar(history.filled, scores, any(forced_steps(p, length, self.settings)))
         if self.warpers is not None:
             scores = self.warpers(scores)
         return renormalize(scores, length) if p.renormalize else scores

@@ -55,6 +55,9 @@ class Batch:
         return Batch(ids, mask, widths)
 
 
+TokenLogprobs = tuple[float, list[tuple[int, float]]]  # a token's raw log-prob, the step's best (id, log-prob)
+
+
 @dataclass
 class SearchOutput:
     """Per input, ``num_return_sequences`` generated token lists, best first.
@@ -64,11 +67,14 @@ class SearchOutput:
     processed log-probs, as transformers reports them); for greedy and sampling, where the settings ask for scores,
     the summed log-probs, else ``None``. ``token_scores``: with those, each token's processed log-prob (what
     ``compute_transition_scores`` gives), where the search keeps them (not the static beam search of capture).
+    ``logprobs`` (``--logprobs N``): each token's raw log-prob (the model's distribution, before any processor) and
+    the ``N`` best ``(id, log-prob)`` of that step.
     """
 
     sequences: list[list[list[int]]]
     scores: list[list[float]] | None = None
     token_scores: list[list[list[float]]] | None = None
+    logprobs: list[list[list[TokenLogprobs]]] | None = None
 
 
 class ModelBackend(Protocol):

@@ -38,6 +38,7 @@ import torch
 from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
+from seqgen_cli.grammars import Grammar
 from seqgen_cli.search.beam import BeamConstants, pick_topk
 from seqgen_cli.search.cohort import Cohort, Results, make_search
 from seqgen_cli.search.engine import Engine, Lanes, Placed, RefillStats, Reorders
@@ -60,9 +61,10 @@ class Refill:
     def __init__(
         self, backend: RefillBackend, batch: Batch, config: GenerationConfig, lanes: int, widths: list[int],
         streams: Streams, stats: RefillStats, sync_every: int, stop: StopCheck | None = None,
+        grammar: Grammar | None = None,
     ) -> None:  # fmt: skip
         self.backend, self.batch, self.widths, self.streams, self.stats = backend, batch, widths, streams, stats
-        self.stop = stop  # the stop strings' check (greedy, sampling)
+        self.stop, self.grammar = stop, grammar  # the stop strings' check (greedy, sampling); structured outputs
         num_inputs, device = batch.input_ids.shape[0], batch.input_ids.device
         self.device, self.r = device, rows_per_input(config)
         self.lengths = batch.attention_mask.sum(dim=1).tolist()
@@ -107,7 +109,7 @@ class Refill:
         prompts = _columns(self.batch, ids, w, left=not self.backend.is_encoder_decoder)  # [J, w]
         history = start_history(self.backend, prompts, s, r)
         reorders = Reorders()
-        pipeline = LogitsPipeline(s, history, self.backend.vocab_size, self.device)
+        pipeline = LogitsPipeline(s, history, self.backend.vocab_size, self.device, self.grammar)
         rows = Rows(reorders, None, history, pipeline, r, inputs)
         search = make_search(rows, s, self.consts, self.topk, self.streams, self.stop)
         running = Placed(Cohort(rows, search, self.results), physical, reorders)
@@ -153,6 +155,7 @@ def generate_refill(
     widths: Sequence[int] | None = None,
     lane_tokens: int | None = None,
     stop: StopCheck | None = None,
+    grammar: Grammar | None = None,
 ) -> SearchOutput:
     """Generate for every input of ``batch`` ([B, W]: right-padded sources, or left-padded prompts) over ``lanes``
     input lanes; returns what :func:`seqgen_cli.search.generate` returns (the same, token for token).
@@ -161,7 +164,7 @@ def generate_refill(
     lanes are free (or none runs); ``seed``, ``indices``: sampling's streams, as ``generate`` takes them;
     ``widths`` (decoder-only): each prompt's padded width, at most ``W`` (default: ``W``); ``lane_tokens``: at
     most that many padded source tokens x rows over the lanes (fewer lanes where ``lanes`` would not fit at ``W``);
-    ``stop``: the stop strings' check, as ``generate`` takes it.
+    ``stop``, ``grammar``: the stop strings' check and the outputs' grammar, as ``generate`` takes them.
     """
     need_stop(config, stop)
     if not isinstance(backend, RefillBackend):
@@ -179,7 +182,7 @@ def generate_refill(
     device = batch.input_ids.device
     engine = Refill(
         backend, batch, config, lanes, widths, Streams(seed, device, indices),
-        stats if stats is not None else RefillStats(), sync_every or default_sync_every(device), stop,
+        stats if stats is not None else RefillStats(), sync_every or default_sync_every(device), stop, grammar,
     )  # fmt: skip
     return engine.run(range(num_inputs) if order is None else order, min_free)
 

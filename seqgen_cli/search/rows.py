@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from seqgen_cli.grammars import Grammar
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.protocol import Batch, ModelBackend
@@ -127,16 +128,17 @@ def start_history(
 
 
 def start_rows(
-    backend: ModelBackend, batch: Batch, settings: SearchSettings, rows_per_input: int
+    backend: ModelBackend, batch: Batch, settings: SearchSettings, rows_per_input: int, grammar: Grammar | None = None
 ) -> tuple[Rows, torch.Tensor]:
     """Start the backend and the history for ``B * R`` rows; returns the rows and the first logits [N, V]: the
-    prefill's (decoder-only) or the decoder start token's step (encoder-decoder)."""
+    prefill's (decoder-only) or the decoder start token's step (encoder-decoder). ``grammar``: each row's output
+    held to it (``search/grammar.py``)."""
     r = rows_per_input
     bsz = batch.input_ids.shape[0]
     device = batch.input_ids.device
     state, first = backend.start(batch, rows_per_input=r, max_new_tokens=settings.max_new_tokens)
     history = start_history(backend, batch, settings, r)
-    pipeline = LogitsPipeline(settings, history, backend.vocab_size, device)
+    pipeline = LogitsPipeline(settings, history, backend.vocab_size, device, grammar)
     rows = Rows(backend, state, history, pipeline, r, list(range(bsz)))
     if first is None:
         return rows, backend.step(state, history.filled[:, -1])  # [N, V]: the decoder start token

@@ -55,10 +55,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "remove_invalid_values": lambda v: bool(v),
     "watermarking_config": lambda v: v is not None,
     "max_time": lambda v: v is not None,
-    "typical_p": lambda v: v is not None and v < 1.0,
-    "epsilon_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
-    "eta_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
-    "min_p": lambda v: v is not None,
     "top_h": lambda v: v is not None,
     "prompt_lookup_num_tokens": lambda v: v is not None,
     "assistant_early_exit": lambda v: v is not None,
@@ -100,7 +96,12 @@ class SearchSettings:
     temperature: float
     top_k: int
     top_p: float
+    min_p: float | None = None  # sampling's later warpers, as transformers orders them (None / 1 / 0: off)
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
     scores: bool = False  # greedy and sampling sum each row's log-probs (``output_scores``; beam search always)
+    logprobs: int | None = None  # each token's raw log-prob and the N best ones (--logprobs N; greedy, sampling)
 
     @property
     def max_new_tokens(self) -> int:
@@ -145,6 +146,11 @@ def check_return_sequences(config: GenerationConfig) -> None:
     if nrs > num_beams and not setting(config, "do_sample"):
         raise SeqgenError(
             f"--num-return-sequences {nrs} needs at least as many beams (--num-beams is {num_beams})"
+        )
+    if getattr(config, "logprobs", None) is not None and num_beams > 1:
+        raise SeqgenError(
+            f"--logprobs runs with greedy search and sampling, not --num-beams {num_beams} (--scores gives beam "
+            "search's per-token log-probs, processed)"
         )
 
 
@@ -297,8 +303,20 @@ def resolve_settings(
         temperature=float(setting(config, "temperature")),
         top_k=int(top_k) if top_k else 0,
         top_p=float(setting(config, "top_p")),
+        **_later_warpers(config),
         scores=bool(config.output_scores),
+        logprobs=getattr(config, "logprobs", None),
     )
+
+
+def _later_warpers(config: GenerationConfig) -> dict[str, Any]:
+    """Sampling's warpers after top-p (min-p, typical, epsilon, eta), unset as transformers leaves them off."""
+    return {
+        "min_p": None if config.min_p is None else float(config.min_p),
+        "typical_p": float(1.0 if config.typical_p is None else config.typical_p),
+        "epsilon_cutoff": float(config.epsilon_cutoff or 0.0),
+        "eta_cutoff": float(config.eta_cutoff or 0.0),
+    }
 
 
 def settings_for(backend: Any, batch: Any, config: GenerationConfig) -> SearchSettings:

@@ -17,16 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import (
-    REPO,
-    one_line_error,
-    run_seqgen,
-    seqgen,
-    sharpen,
-    with_fixture_tokenizer,
-    write_lines,
-)
-from tests.tiny_models import copy_checkpoint
+from tests.helpers import REPO, one_line_error, run_seqgen, seqgen, with_fixture_tokenizer, write_lines
+from tests.tiny_models import copy_checkpoint, sharpen
 
 ARGS = ("--max-new-tokens", "3", "-q")
 

@@ -14,8 +14,8 @@ import torch
 
 from seqgen_cli.cli import GENERATION_OPTIONS, main
 from seqgen_cli.config import GENERATION_KEYS
-from tests.helpers import load_tiny, seqgen
-from tests.tiny_models import sample_texts
+from tests.helpers import seqgen
+from tests.tiny_models import load_tiny, sample_texts
 
 REPO = Path(__file__).resolve().parents[2]
 

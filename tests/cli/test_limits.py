@@ -18,10 +18,9 @@ from seqgen_cli.loading import load
 from seqgen_cli.models import get_backend
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.ngram import NGramBlocker
-from tests.engine_models import Loaded, text_batch
 from tests.equivalence import check_equivalence, hf_generate
-from tests.helpers import load_tiny, seqgen
-from tests.tiny_models import REAL_TOKENIZER_DIRS, copy_checkpoint
+from tests.helpers import seqgen
+from tests.tiny_models import REAL_TOKENIZER_DIRS, Loaded, copy_checkpoint, load_tiny, text_batch
 
 HOST_OOM = (
     "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "

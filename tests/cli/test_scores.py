@@ -82,3 +82,47 @@ def test_scored_text_is_read_back_as_text_and_eval_refuses_it(tmp_path: Path) ->
     plain = tmp_path / "plain.txt"
     plain.write_text("3\t4\tfive\nsix\n\n7\n", encoding="utf-8")  # numbers and tabs on some lines: text
     assert seqgen("eval", str(plain), str(ref), "--metrics", "bleu").exit_code == 0
+
+
+def test_logprobs_are_the_models_own(tiny_models) -> None:
+    """``--logprobs N``: each token's raw log-prob (before the processors: here a repetition penalty, which the
+    processed ``token_log_probs`` include) and its step's N best, generate(output_logits=True)'s log-softmax within
+    float32 rounding (the two backends' logits are sums in another order: a few ulp of values near 1-10)."""
+    gpt2 = str(tiny_models("gpt2"))
+    args = ["--logprobs", "3", "--max-new-tokens", "5", "--repetition-penalty", "1.5", "--output-format", "jsonl", "-q"]
+    stdin = TEXTS[0] + "\n\n" + TEXTS[1] + "\n"
+    fast, hf = (seqgen("generate", "-m", gpt2, *args, "--backend", b, input=stdin) for b in ("fast", "hf"))
+    assert fast.exit_code == 0 and hf.exit_code == 0, fast.stderr + hf.stderr
+    ours, theirs = ([json.loads(line) for line in r.stdout.splitlines()] for r in (fast, hf))
+    assert ours[1]["logprobs"] is None, "a blank input: none"
+    for a, b in zip(ours[::2], theirs[::2], strict=True):
+        assert a["output"] == b["output"] and len(a["logprobs"]) == len(b["logprobs"]) == 5
+        for x, y in zip(a["logprobs"], b["logprobs"], strict=True):
+            assert x["id"] == y["id"] and [t["id"] for t in x["top"]] == [t["id"] for t in y["top"]]
+            assert abs(x["logprob"] - y["logprob"]) <= 1e-5 * max(1.0, abs(y["logprob"]))
+            values = [t["logprob"] for t in x["top"]]
+            assert len(values) == 3 and values == sorted(values, reverse=True) and x["logprob"] <= values[0]
+            assert x["token"] == gen_decode(gpt2, x["id"]), "a token's text alone"
+        assert any(abs(x["logprob"] - p) > 1e-3 for x, p in zip(a["logprobs"], a["token_log_probs"], strict=True))
+    plain = seqgen("generate", "-m", gpt2, "--logprobs", "0", "--max-new-tokens", "3", "--output-format", "jsonl",
+                   input=TEXTS[0] + "\n")  # fmt: skip
+    assert [t["top"] for t in json.loads(plain.stdout)["logprobs"]] == [[], [], []]
+
+
+def gen_decode(model: str, token: int) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model).decode([token], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--logprobs", "2"], "--logprobs writes a JSONL field: add --output-format jsonl"),
+        (["--logprobs", "2", "--output-format", "jsonl", "--num-beams", "2"], "--logprobs runs with greedy search"),
+        (["--logprobs", "21", "--output-format", "jsonl"], "--logprobs 21: must be a whole number >= 0 and <= 20"),
+    ],
+)
+def test_logprobs_refusals_are_one_line(bart: Path, args: list[str], message: str) -> None:
+    result = seqgen("generate", "-m", str(bart), *args, input=TEXTS[0] + "\n")
+    assert message in one_line_error(result)

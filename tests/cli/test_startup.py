@@ -61,8 +61,7 @@ def test_fast_cpu_run_of_t5gemma_imports_no_model_class(tiny_models: Callable[[s
     import torch
     import transformers as tf
 
-    from tests.helpers import sharpen
-    from tests.models.test_own_model import t5_vocabulary
+    from tests.tiny_models import sharpen, t5_vocabulary
 
     t5, folder = tiny_models("t5"), tmp_path / "t5gemma"
     torch.manual_seed(0)

@@ -16,10 +16,9 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import Generator
 from seqgen_cli.languages import language_codes, resolve_target_lang
 from seqgen_cli.models import EncoderDecoderBackend, get_backend
-from tests.engine_models import load, text_batch
 from tests.equivalence import check_equivalence
 from tests.helpers import one_line_error, seqgen, write_lines
-from tests.tiny_models import MBART50, builtin_corpus, sample_texts
+from tests.tiny_models import MBART50, builtin_corpus, load, sample_texts, text_batch
 
 TEXTS = [
     "The committee approved the new plan in Berlin.",

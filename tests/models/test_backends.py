@@ -11,8 +11,7 @@ from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import DecoderOnlyBackend, EncoderDecoderBackend, GenericBackend, get_backend
 from seqgen_cli.models.families import FAMILIES as FAST_FAMILIES
-from tests.helpers import load_tiny
-from tests.tiny_models import FAMILIES
+from tests.tiny_models import FAMILIES, load_tiny
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -36,8 +36,7 @@ from seqgen_cli.search import Batch, generate
 from seqgen_cli.search.beam import CHUNK
 from seqgen_cli.search.settings import rows_per_input
 from seqgen_cli.shapes import graph_inputs, graph_positions, graph_width, input_width
-from tests.engine_models import load, text_batch
-from tests.helpers import load_tiny
+from tests.tiny_models import load, load_tiny, text_batch
 
 GiB = 2**30
 
@@ -121,9 +120,9 @@ def test_encoder_bytes_bound_the_encoders_peak(tiny_models, family: str, inputs:
 def test_t5gemma_encoder_bytes_from_its_encoders_config(name: str) -> None:
     """T5Gemma names its stacks' sizes in a config per stack (T5Gemma 2: its encoder's text stack): the estimate
     reads the encoder's and bounds its attention's peak (grouped-query K/V heads: fewer bytes than counted)."""
-    from tests.models.test_families import model, sources
+    from tests.tiny_models import family_model, sources
 
-    m = model(name)
+    m = family_model(name)
     dims = Dims.of(m.config, "encoder")
     assert dims == Dims(hidden=32, heads=4, inner=4 * 8, ffn=64, position_bias=False)
     batch = sources(m.config, 8)

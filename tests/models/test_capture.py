@@ -31,9 +31,9 @@ from seqgen_cli.search import Batch, generate
 from seqgen_cli.search.refill import RefillStats, generate_refill
 from seqgen_cli.search.settings import rows_per_input
 from seqgen_cli.shapes import MIN_WIDTH, compacted, graph_width
-from tests.engine_models import beam_config, load, run_beam, text_batch
 from tests.equivalence import MASKED_SUM_RTOL
-from tests.helpers import failing_on
+from tests.helpers import beam_config, failing_on, run_beam
+from tests.tiny_models import load, text_batch
 
 
 def eager(decode: Decode) -> Decode:
@@ -645,7 +645,7 @@ def test_a_refill_failure_falls_back_to_eager(tiny_models, call: int) -> None:
 def test_a_refill_step_that_differs_from_eager_switches_to_eager(tiny_models) -> None:
     """A compiled lane step off by a logit's size from its first replay (as a stale cache would be): caught by
     the first-replay check, eager from then on, the plain engine's tokens."""
-    from tests.test_verify import off_by
+    from tests.helpers import off_by
 
     loaded, batch, config, order = _refill_case(tiny_models, "gpt2-beam")
     plain = _refill(get_backend(loaded.model), batch, config, order)

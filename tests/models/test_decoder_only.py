@@ -8,54 +8,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from seqgen_cli.models import fast_backend, get_backend
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend, prompt_positions
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.search.protocol import Batch
-from tests.helpers import sharpen
+from tests.tiny_models import (
+    DECODER_ONLY_CONFIGS,
+    V,
+    causal_model,
+    decoder_only_model,
+    llama_config,
+)
 
-V = 97
 PAD = 0
-
-
-def tiny_gpt2(**kw) -> torch.nn.Module:
-    cfg = GPT2Config(vocab_size=V, n_embd=32, n_head=4, n_layer=2, n_positions=64, **kw)
-    return sharpen(AutoModelForCausalLM.from_config(cfg), 0)
-
-
-def tiny_llama(config_class=LlamaConfig, **kw) -> torch.nn.Module:
-    kw = {"num_key_value_heads": 2, **kw}
-    cfg = config_class(
-        vocab_size=V,
-        hidden_size=32,
-        num_attention_heads=4,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-        **kw,
-    )
-    return sharpen(AutoModelForCausalLM.from_config(cfg), 1)
-
-
-MODELS = {
-    "gpt2": tiny_gpt2,
-    "gpt2-layerscale": lambda: tiny_gpt2(scale_attn_by_inverse_layer_idx=True),
-    "llama": tiny_llama,
-    "llama-mha-bias": lambda: tiny_llama(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
-    "llama-rope-linear": lambda: tiny_llama(
-        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
-    ),
-    "llama-mqa": lambda: tiny_llama(num_key_value_heads=1, tie_word_embeddings=True),
-    "mistral": lambda: tiny_llama(MistralConfig, sliding_window=None, head_dim=12),
-    "qwen2": lambda: tiny_llama(Qwen2Config),  # q/k/v biases
-    # sliding windows the prompts and steps reach: every layer (Mistral), the second layer only (Qwen2)
-    "mistral-window4": lambda: tiny_llama(MistralConfig, sliding_window=4, head_dim=12),
-    "qwen2-window3": lambda: tiny_llama(
-        Qwen2Config, use_sliding_window=True, sliding_window=3, max_window_layers=1
-    ),
-}
 
 
 def fast(model) -> DecoderOnlyBackend:
@@ -119,20 +85,20 @@ def run_checked(model, prompts: list[list[int]], R: int, steps: int, seed: int =
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [3]]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(DECODER_ONLY_CONFIGS))
 @pytest.mark.parametrize("R", [1, 3])
 def test_steps_match_teacher_forced_forward(name: str, R: int) -> None:
-    run_checked(MODELS[name](), PROMPTS, R=R, steps=6)
+    run_checked(decoder_only_model(name), PROMPTS, R=R, steps=6)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_unpadded_prompts(name: str) -> None:
-    run_checked(MODELS[name](), [[5, 6, 7, 8], [9, 10, 11, 12]], R=2, steps=4)
+    run_checked(decoder_only_model(name), [[5, 6, 7, 8], [9, 10, 11, 12]], R=2, steps=4)
 
 
 def test_check_can_fail() -> None:
     """A corrupted cache must be caught by the same check."""
-    model = tiny_gpt2()
+    model = decoder_only_model("gpt2")
     dec = fast(model)
     state, _ = dec.start(left_pad(PROMPTS[:2]), rows_per_input=2, max_new_tokens=3)
     dec.step(state, torch.tensor([1, 2, 3, 4]))
@@ -146,7 +112,7 @@ def test_check_can_fail() -> None:
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_cache_accounting(name: str) -> None:
     """Prompt K/V stored once per input (not per beam), only the K/V heads, generated K/V preallocated."""
-    model = MODELS[name]()
+    model = decoder_only_model(name)
     cfg = model.config
     B, R, T = 2, 4, 5
     dec = fast(model)
@@ -183,10 +149,11 @@ def test_cache_accounting(name: str) -> None:
 
 def test_refused_variants() -> None:
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
-    assert fast_backend(tiny_llama(rope_parameters=dynamic)) is None
-    assert isinstance(fast_backend(tiny_llama()), DecoderOnlyBackend)
-    assert isinstance(fast_backend(tiny_llama(MistralConfig, sliding_window=4)), DecoderOnlyBackend)
-    refused = tiny_llama(rope_parameters=dynamic)
+    assert fast_backend(causal_model(llama_config(rope_parameters=dynamic))) is None
+    assert isinstance(fast_backend(decoder_only_model("llama")), DecoderOnlyBackend)
+    windowed = causal_model(llama_config("MistralConfig", sliding_window=4))
+    assert isinstance(fast_backend(windowed), DecoderOnlyBackend)
+    refused = causal_model(llama_config(rope_parameters=dynamic))
     assert isinstance(get_backend(refused), GenericBackend)  # get_backend falls back
 
 
@@ -194,7 +161,7 @@ def test_refused_variants() -> None:
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_half_precision_close_to_hf(name: str, dtype: torch.dtype) -> None:
     """Half precision runs and stays near transformers' own forward in that dtype (loose: rounding differs)."""
-    model = MODELS[name]().to(dtype)
+    model = decoder_only_model(name).to(dtype)
     dec = fast(model)
     state, first = dec.start(left_pad(PROMPTS), rows_per_input=2, max_new_tokens=3)
     assert first.dtype == torch.float32 and state.cache.pk[0].dtype == dtype

@@ -29,7 +29,7 @@ from seqgen_cli.pipeline.reader import ReaderStage
 from seqgen_cli.pipeline.records import Record
 from seqgen_cli.shapes import CROSS_CHUNK, input_width
 from tests.helpers import seqgen
-from tests.neighbours import check_neighbours
+from tests.models.neighbours import check_neighbours
 from tests.tiny_models import copy_checkpoint, sample_texts
 
 FAST_FAMILIES = ("bart", "marian", "pegasus", "t5", "gpt2", "llama")

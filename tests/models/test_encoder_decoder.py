@@ -13,7 +13,7 @@ from seqgen_cli.models import fast_backend
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import cross_width
 from tests.equivalence import SUMMATION_ATOL, SUMMATION_RTOL
-from tests.helpers import load_tiny
+from tests.tiny_models import load_tiny
 
 ENCDEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
 

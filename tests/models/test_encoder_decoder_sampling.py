@@ -8,8 +8,7 @@ from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.models import fast_backend
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.search import Batch, generate
-from tests.helpers import load_tiny
-from tests.tiny_models import sample_texts
+from tests.tiny_models import load_tiny, sample_texts
 
 
 @pytest.fixture(scope="module")

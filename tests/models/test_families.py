@@ -1,13 +1,11 @@
-"""The families described in ``models/families.py`` beyond the first ten fixtures (tests/tiny_models.py): each a
-tiny random checkpoint built from its transformers config, run on its fast decoder (a test fails if it falls back to
-the generic backend) and token-identical to ``generate()`` in float32: a batch, the refill engine's lanes, the
-captured (static) step, and its int8 variant on the fast decoder."""
+"""The fast families beyond the checkpoint fixtures (``tests/tiny_models.py``: ``FAMILY_CONFIGS``): each a tiny
+random model built from its transformers config (``family_model``), run on its fast decoder (a test fails if it
+falls back to the generic backend) and token-identical to ``generate()`` in float32: a batch, the refill engine's
+lanes, the captured (static) step, and its int8 variant on the fast decoder."""
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,121 +17,19 @@ from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.models.families import FAMILIES
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.linear_maps import is_quantized
-from seqgen_cli.search import Batch, generate
-from tests.equivalence import MASKED_SUM_RTOL, SETTINGS, check_equivalence, refill, tune_eos
-from tests.helpers import sharpen, with_fixture_tokenizer
-from tests.neighbours import check_neighbours
+from seqgen_cli.search import generate
+from tests.equivalence import MASKED_SUM_RTOL, SETTINGS, check_equivalence, refill
+from tests.helpers import with_fixture_tokenizer
+from tests.models.neighbours import check_neighbours
+from tests.tiny_models import FAMILY_CONFIGS, LLAMA_SHAPE, V, family_model, sharpen, sources
 
-V = 97
-SEQ2SEQ_IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
-T5_IDS = dict(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-CAUSAL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-BART_SHAPE = dict(
-    vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0,
-    activation_dropout=0.0, **SEQ2SEQ_IDS,
-)  # fmt: skip
-T5_SHAPE = dict(
-    vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
-    **T5_IDS,
-)  # fmt: skip
-LLAMA_SHAPE = dict(
-    vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-    num_hidden_layers=2, max_position_embeddings=64, **CAUSAL_IDS,
-)  # fmt: skip
-T5GEMMA_IDS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)
-GEMMA_MODULE = dict(
-    {k: v for k, v in LLAMA_SHAPE.items() if k not in CAUSAL_IDS}, **T5GEMMA_IDS, query_pre_attn_scalar=8,
-    sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=5.0, dropout_rate=0.0,
-)  # fmt: skip
-GEMMA3_TEXT = dict(
-    {k: v for k, v in GEMMA_MODULE.items() if "softcapping" not in k},
-    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
-)  # fmt: skip
-TINY_SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8)
-
-CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
-    "m2m_100": lambda: tf.M2M100Config(max_position_embeddings=64, scale_embedding=True, **BART_SHAPE),
-    "led": lambda: tf.LEDConfig(
-        max_encoder_position_embeddings=1024, max_decoder_position_embeddings=64, attention_window=8, **BART_SHAPE
-    ),
-    "pegasus_x": lambda: tf.PegasusXConfig(
-        max_position_embeddings=64, num_global_tokens=4, block_size=8, stagger_local_blocks=True,
-        scale_embedding=True, **{**BART_SHAPE, "encoder_attention_heads": 4},
-    ),  # fmt: skip
-    "longt5": lambda: tf.LongT5Config(
-        local_radius=4, global_block_size=4, encoder_attention_type="transient-global",
-        feed_forward_proj="gated-gelu", **T5_SHAPE,
-    ),  # fmt: skip
-    "umt5": lambda: tf.UMT5Config(feed_forward_proj="gated-gelu", **T5_SHAPE),
-    # a sliding window every output reaches; soft-capping low enough to bite
-    "t5gemma": lambda: tf.T5GemmaConfig(
-        encoder=GEMMA_MODULE, decoder=GEMMA_MODULE, vocab_size=V, **T5GEMMA_IDS, decoder_start_token_id=2
-    ),
-    # merged self+cross attention, q/k norms, RoPE per layer type, a window outputs reach; its encoder's vision tower
-    # tiny; the end-of-image token inside the vocabulary (it embeds as its own vector)
-    "t5gemma2": lambda: tf.T5Gemma2Config(
-        encoder=dict(
-            text_config=GEMMA3_TEXT, vision_config=TINY_SIGLIP, mm_tokens_per_image=4, boi_token_index=V - 3,
-            eoi_token_index=V - 2, image_token_index=V - 1,
-        ),
-        decoder=dict(GEMMA3_TEXT, eoi_token_index=V - 2), image_token_index=V - 1, decoder_start_token_id=2,
-    ),  # fmt: skip
-    "qwen3": lambda: tf.Qwen3Config(**LLAMA_SHAPE),
-    "phi3": lambda: tf.Phi3Config(
-        sliding_window=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        **LLAMA_SHAPE,
-    ),
-    # soft-capping low enough to bite on these weights; sliding windows every prompt and output reaches
-    "gemma2": lambda: tf.Gemma2Config(
-        sliding_window=6, attn_logit_softcapping=3.0, final_logit_softcapping=5.0, query_pre_attn_scalar=8,
-        **LLAMA_SHAPE,
-    ),  # fmt: skip
-    "gemma3_text": lambda: tf.Gemma3TextConfig(
-        sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8,
-        **LLAMA_SHAPE,
-    ),  # fmt: skip
-}
-NAMES = list(CONFIGS)
+NAMES = list(FAMILY_CONFIGS)
 QUICK = ("greedy", "beam4_ngram3_lp2_minmax_es")
-
-
-def sources(config: tf.PretrainedConfig, n: int = 12, seed: int = 0) -> Batch:
-    """``n`` random inputs of 3-20 tokens: encoder-decoder sources right-padded ending in EOS, decoder-only
-    prompts left-padded."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 21, (n,), generator=g).tolist()
-    width = max(lengths)
-    ids = torch.full((n, width), config.pad_token_id)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for i, length in enumerate(lengths):
-        tokens = torch.randint(4, V, (length,), generator=g)
-        if config.is_encoder_decoder:
-            tokens[-1] = config.eos_token_id
-            ids[i, :length], mask[i, :length] = tokens, 1
-        else:
-            ids[i, width - length :], mask[i, width - length :] = tokens, 1
-    return Batch(ids, mask)
-
-
-@functools.cache
-def model(name: str) -> torch.nn.Module:
-    """The tiny checkpoint of ``name`` (float32, EOS tuned so outputs end at varied lengths; cached)."""
-    torch.manual_seed(0)
-    config = CONFIGS[name]()
-    config.tie_word_embeddings = False
-    auto = tf.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tf.AutoModelForCausalLM
-    m = sharpen(auto.from_config(config), seed=len(name))
-    ids = {k: getattr(config, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
-    start = getattr(config, "decoder_start_token_id", None)
-    m.generation_config = tf.GenerationConfig(decoder_start_token_id=start, **ids)
-    return tune_eos(m, sources(config, 8, seed=99))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_each_family_runs_its_fast_decoder(name: str) -> None:
-    m = model(name)
+    m = family_model(name)
     backend = get_backend(m)
     shared = EncoderDecoderBackend if m.config.is_encoder_decoder else DecoderOnlyBackend
     assert type(backend) is shared and backend.family is FAMILIES[name]
@@ -143,7 +39,7 @@ def test_each_family_runs_its_fast_decoder(name: str) -> None:
 @pytest.mark.parametrize("setting", QUICK)
 @pytest.mark.parametrize("name", NAMES)
 def test_equivalence(name: str, setting: str) -> None:
-    m = model(name)
+    m = family_model(name)
     result = check_equivalence(m, get_backend, sources(m.config), SETTINGS[setting])
     print(f"{name} {setting}: {result.summary()}")
     assert not result.mismatches, "\n".join(result.mismatches[:5])
@@ -154,7 +50,7 @@ def test_equivalence(name: str, setting: str) -> None:
 def test_refill_equivalence(name: str) -> None:
     """Inputs joining the lanes at many steps: the lane caches (per-lane positions, relative bias per layer,
     rotary per layer type) as exact as a batch."""
-    m = model(name)
+    m = family_model(name)
     kwargs = SETTINGS["beam4_ngram3_lp2_minmax_es"]
     result = check_equivalence(
         m, get_backend, sources(m.config, seed=1), kwargs, engine=refill(lanes=3, seed=2), rtol=MASKED_SUM_RTOL
@@ -165,7 +61,7 @@ def test_refill_equivalence(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_static_step_equivalence(name: str) -> None:
     """The captured path's static step (eager here: padded lanes and widths, span buckets, compaction)."""
-    m = model(name)
+    m = family_model(name)
 
     def factory(model: torch.nn.Module) -> CapturedBackend:
         return CapturedBackend(get_backend(model), lambda decode: decode)
@@ -179,7 +75,7 @@ def test_int8_runs_the_fast_decoder(name: str) -> None:
     """``--dtype int8`` keeps the family on its fast decoder: every layer map and the LM head int8 copies."""
     import copy
 
-    m = copy.deepcopy(model(name))
+    m = copy.deepcopy(family_model(name))
     backend = get_backend(m, int8=True)
     assert not isinstance(backend, GenericBackend) and backend.int8 and is_quantized(backend.lm)
     layers = backend.layers
@@ -212,7 +108,7 @@ def test_m2m100_a_generated_pad_token_takes_the_padding_position() -> None:
     the sinusoid table (zeros), not its step's. A model biased towards pad generates it mid-sequence."""
     import copy
 
-    m = copy.deepcopy(model("m2m_100"))
+    m = copy.deepcopy(family_model("m2m_100"))
     pad = m.config.pad_token_id
     with torch.no_grad():
         m.get_output_embeddings().bias[pad] += 6.5  # pads among other tokens (7.5: nearly only pads)
@@ -235,7 +131,7 @@ def test_static_step_compiles_whole(name: str) -> None:
     from seqgen_cli.models.lane_table import run_step
     from tests.equivalence import COMPILED_TOL
 
-    m = model(name)
+    m = family_model(name)
     backend = get_backend(m)
     torch._dynamo.reset()
     compiled = torch.compile(backend.decode, fullgraph=True, dynamic=False)
@@ -267,7 +163,11 @@ def test_led_takes_sources_as_long_as_its_encoder() -> None:
     assert source_limit(config, SimpleNamespace(model_max_length=1024), 4096) == 4096
 
 
-TOKENIZER_OF = {"bart": ("m2m_100", "led", "pegasus_x"), "t5": ("longt5", "umt5", "t5gemma", "t5gemma2")}  # else the llama fixture's
+# the fixture checkpoint whose tokenizer a family borrows (else the llama fixture's)
+TOKENIZER_OF = {
+    "bart": ("m2m_100", "led", "pegasus_x"),
+    "t5": ("mt5", "longt5", "umt5", "t5gemma", "t5gemma2"),
+}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -280,7 +180,7 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(name: str, tiny_models
     from seqgen_cli.generator import Generator
 
     fixture = next((f for f, names in TOKENIZER_OF.items() if name in names), "llama")
-    config = CONFIGS[name]()
+    config = FAMILY_CONFIGS[name]()
     encoder = getattr(config, "encoder", None)
     for part in (config, encoder, getattr(encoder, "text_config", None), getattr(config, "decoder", None)):
         if part is not None:  # T5Gemma: its stacks' configs too

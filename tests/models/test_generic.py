@@ -26,8 +26,8 @@ from seqgen_cli.models.families import length_dependent_rope
 from seqgen_cli.models.reference import strip_generated
 from seqgen_cli.shapes import input_width
 from seqgen_cli.verify import verify
-from tests.helpers import seqgen, sharpen, with_fixture_tokenizer
-from tests.tiny_models import sample_texts
+from tests.helpers import seqgen, with_fixture_tokenizer
+from tests.tiny_models import sample_texts, sharpen
 
 NEW_TOKENS = 16
 ORIGINAL = 32  # original_max_position_embeddings: the prompts (10-41 tokens) and outputs cross it

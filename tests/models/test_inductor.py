@@ -20,8 +20,8 @@ from torch._inductor import compile_fx
 from torch._inductor.utils import run_and_get_code
 
 from seqgen_cli.models import get_backend
-from tests.engine_models import load, text_batch
 from tests.equivalence import COMPILED_TOL
+from tests.tiny_models import load, text_batch
 
 pytestmark = pytest.mark.slow  # inductor compiles
 

@@ -29,7 +29,7 @@ from seqgen_cli.models.capture import CapturedBackend, CapturedState, Decode
 from seqgen_cli.models.kept import tensors_of
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.shapes import graph_positions, graph_width
-from tests.engine_models import load, text_batch
+from tests.tiny_models import load, text_batch
 
 FAMILIES = ["bart", "t5", "gpt2", "llama"]
 

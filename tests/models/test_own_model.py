@@ -17,21 +17,9 @@ from safetensors.torch import load_file, save_file
 from seqgen_cli.generator import Generator
 from seqgen_cli.models import engine_name, own_model
 from seqgen_cli.models.tree import OwnSeq2Seq
-from tests.helpers import sharpen
-from tests.models.test_families import CONFIGS as FAMILY_CONFIGS
+from tests.tiny_models import BART_SHAPE, FAMILY_CONFIGS, SEQ2SEQ_IDS, T5_SHAPE, V, sharpen, t5_vocabulary
 
-V = 97
-IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
-SHAPE = dict(
-    vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
-    attention_dropout=0.0, activation_dropout=0.0, **IDS,
-)  # fmt: skip
-
-T5_SHAPE = dict(
-    vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
-    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-)  # fmt: skip
+SHAPE = {**BART_SHAPE, "max_position_embeddings": 64}
 
 
 def untied(config: tf.PretrainedConfig) -> tf.PretrainedConfig:
@@ -51,7 +39,7 @@ CASES: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "m2m_100": lambda: tf.M2M100Config(scale_embedding=True, **SHAPE),
     "t5": lambda: tf.T5Config(**T5_SHAPE),  # v1.0: ReLU, tied head (its input rescaled)
     "t5 v1.1": lambda: tf.T5Config(feed_forward_proj="gated-gelu", tie_word_embeddings=False, **T5_SHAPE),
-    "mt5": lambda: tf.MT5Config(**T5_SHAPE),
+    "mt5": FAMILY_CONFIGS["mt5"],
     "umt5": lambda: tf.UMT5Config(feed_forward_proj="gated-gelu", **T5_SHAPE),  # a relative bias in every block
     # grouped-query heads, soft-capping, a window of 4 the sources pass (sliding layers' masks), a tied head
     "t5gemma": FAMILY_CONFIGS["t5gemma"],
@@ -135,7 +123,7 @@ def test_own_encoder_is_bit_identical_to_transformers(
     ids = torch.randint(3, V, (3, 9), generator=g)
     lengths = torch.tensor([9, 6, 2])
     mask = (torch.arange(9)[None, :] < lengths[:, None]).long()  # [3, 9]
-    ids = ids.masked_fill(mask == 0, IDS["pad_token_id"])
+    ids = ids.masked_fill(mask == 0, SEQ2SEQ_IDS["pad_token_id"])
     with torch.inference_mode():
         for i, m in ((ids, mask), (ids[:1], mask[:1])):  # padded, and a batch without padding (no mask)
             mine = own.get_encoder()(i, m).last_hidden_state
@@ -216,17 +204,6 @@ def test_shards_and_half_precision_files_read_as_transformers_reads_them(how: st
     assert own.state_dict().keys() == theirs.keys()
     assert all(t.dtype == torch.float32 and torch.equal(own.state_dict()[k], t) for k, t in theirs.items())
 
-
-
-def t5_vocabulary(name: str, vocab: int) -> tf.PretrainedConfig:
-    """The fixture config of ``name`` (UMT5, T5Gemma) over the tiny T5's vocabulary and special ids."""
-    if name == "umt5":
-        return tf.UMT5Config(**{**T5_SHAPE, "vocab_size": vocab, "feed_forward_proj": "gated-gelu"})
-    config = FAMILY_CONFIGS[name]()
-    for part in (config, config.encoder, config.decoder):
-        part.vocab_size, part.bos_token_id = vocab, 0  # decoding starts at T5's pad, as T5's does
-    config.decoder_start_token_id = 0
-    return config
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("umt5", "float32"), ("t5gemma", "float32"), ("t5gemma", "int8")])

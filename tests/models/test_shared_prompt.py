@@ -12,7 +12,7 @@ from seqgen_cli.models import fast_backend
 from seqgen_cli.models.decoder_only import MIN_SHARED, DecoderOnlyBackend
 from seqgen_cli.prompts import Prompter, PromptSettings
 from seqgen_cli.search.protocol import Batch
-from tests.models.test_decoder_only import MODELS, V
+from tests.tiny_models import V, decoder_only_model
 
 # The head's K/V come from a forward of its own and the rest's from another over them: the same sums in another
 # order (other product shapes, another key count), a few units of float32's last place per term.
@@ -43,7 +43,7 @@ def left_padded(rows: list[list[int]], width: int = WIDTH) -> Batch:
 
 def backend(name: str) -> DecoderOnlyBackend:
     torch.manual_seed(0)
-    out = fast_backend(MODELS[name]())
+    out = fast_backend(decoder_only_model(name))
     assert isinstance(out, DecoderOnlyBackend)
     return out
 
@@ -133,7 +133,7 @@ def test_the_head_is_what_every_prompt_begins_with_less_its_last_token() -> None
 def test_the_int8_backend_prefills_over_the_head_too() -> None:
     """``--dtype int8``: the prefill stays the model's float32 forward, the head shared as in float32."""
     torch.manual_seed(0)
-    dec = fast_backend(MODELS["llama"](), int8=True)
+    dec = fast_backend(decoder_only_model("llama"), int8=True)
     batch = left_padded(prompts([3, 12]))
     keys, _, logits = dec._forward(batch)
     dec.share(HEAD)

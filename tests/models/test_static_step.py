@@ -32,10 +32,10 @@ from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
 from seqgen_cli.models.lane_table import Decode, run_step
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.search import generate
-from tests.engine_models import load, text_batch
 from tests.equivalence import MASKED_SUM_RTOL, SETTINGS, check_equivalence
 from tests.helpers import seqgen
 from tests.host_sync import BEAM, recording
+from tests.tiny_models import load, text_batch
 
 
 def eager(decode: Decode) -> Decode:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -24,8 +23,7 @@ from seqgen_cli.pipeline.cluster import ClusterOptions  # noqa: E402
 from seqgen_cli.pipeline.driver import generate_distributed  # noqa: E402
 from seqgen_cli.pipeline.formats import index_path, parts_dir, read_index  # noqa: E402
 from seqgen_cli.pipeline.job import JobOptions, check_job  # noqa: E402
-from tests.helpers import seqgen, write_lines  # noqa: E402
-from tests.tiny_models import sample_texts  # noqa: E402
+from tests.helpers import seqgen, shuffled, write_lines  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a local Ray cluster and its worker processes
 
@@ -51,14 +49,6 @@ def ray_address() -> str:
 @pytest.fixture(scope="module")
 def marian(tiny_models) -> Path:
     return tiny_models("marian")
-
-
-def shuffled(n: int, seed: int) -> list[str]:
-    """Inputs of shuffled lengths (3 to 120 words), some empty."""
-    texts = sample_texts(n, seed=seed)
-    rng = random.Random(seed)
-    rng.shuffle(texts)
-    return ["" if rng.random() < 0.05 else t for t in texts]
 
 
 def one_process(model: Path, src: Path, out: Path, *more: str) -> bytes:

@@ -16,8 +16,7 @@ import pytest
 
 pytest.importorskip("ray")  # the ray extra (installed by the test extra)
 
-from tests.helpers import REPO, seqgen, write_lines  # noqa: E402
-from tests.pipeline.test_cluster import shuffled  # noqa: E402
+from tests.helpers import REPO, seqgen, shuffled, write_lines  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Ray cluster of four raylets and its worker processes
 

@@ -14,6 +14,7 @@ from seqgen_cli.cli import generate
 from seqgen_cli.config import SAMPLING_KEYS
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import GeneratorSpec
+from seqgen_cli.grammars import grammar_spec
 from seqgen_cli.pipeline.formats import index_path
 from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
 from seqgen_cli.pipeline.resume import FINGERPRINTED, OUTPUT_NEUTRAL, fingerprint
@@ -57,7 +58,13 @@ GENERATOR_CHANGES: dict[str, Any] = {
     "forced_eos_token_id": 4,
     "stop": ("the",),
     "scores": True,
+    "min_p": 0.1,
+    "typical_p": 0.9,
+    "epsilon_cutoff": 0.01,
+    "eta_cutoff": 0.01,
 }
+# structured outputs: each option's grammar (a GeneratorSpec's ``grammar``)
+GRAMMAR_CHANGES = {"json_schema": '{"type": "object"}', "regex": "[a-z]+", "grammar": 'root ::= "a"', "choice": ("a",)}
 # Options that need a tokenizer with language codes: changed on the tiny mBART (whose checkpoint forces de_DE).
 MBART_CHANGES: dict[str, Any] = {"target_lang": "fr_XX"}
 JOB_CHANGES: dict[str, Any] = {
@@ -79,7 +86,7 @@ BASE = {"num_beams": 4}  # beam search, so that num_return_sequences and early_s
 
 
 def _print(model: Path, opts: JobOptions | None = None, **spec: Any) -> dict[str, Any]:
-    generation = {**BASE, **{k: spec.pop(k) for k in list(spec) if k in GENERATOR_CHANGES and k not in
+    generation = {**BASE, **{k: spec.pop(k) for k in list(spec) if k in (*GENERATOR_CHANGES, "logprobs") and k not in
                              ("preset", "backend", "dtype", "prefix", "max_source_length", "seed", "stop", "scores")}}  # fmt: skip
     gen = GeneratorSpec(model=str(model), device="cpu", generation=generation, **spec).build()
     return fingerprint(gen, opts or JobOptions())
@@ -98,6 +105,13 @@ def test_each_fingerprinted_option_changes_the_fingerprint(tiny_models, tmp_path
         else:
             changed, reference = _print(model, **{option: value}), base
         assert changed[key] != reference[key], f"{option}={value!r} does not change the fingerprint's {key}"
+        covered.add(option)
+    greedy = _print(model, num_beams=1)  # --logprobs: greedy search and sampling only
+    assert _print(model, num_beams=1, logprobs=2)["generation"] != greedy["generation"]
+    covered.add("logprobs")
+    for option, value in GRAMMAR_CHANGES.items():
+        spec = grammar_spec(**{"choices" if option == "choice" else option: value})
+        assert _print(model, grammar=spec)["grammar"] != base.get("grammar"), option
         covered.add(option)
     mbart = tiny_models("mbart")
     mbart_base = _print(mbart)

@@ -20,7 +20,7 @@ from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.search import generate
 from seqgen_cli.search.engine import Engine
 from seqgen_cli.search.refill import generate_refill
-from tests.engine_models import load, text_batch
+from tests.tiny_models import load, text_batch
 
 BEAM = dict(num_beams=3, no_repeat_ngram_size=2, max_new_tokens=12, min_new_tokens=2)
 GREEDY = dict(max_new_tokens=12)

@@ -34,8 +34,8 @@ from seqgen_cli.models import EncoderDecoderBackend, get_backend
 from seqgen_cli.search import Batch, generate
 from seqgen_cli.search.ngram import NGramBlocker
 from seqgen_cli.search.rows import default_sync_every
-from tests.engine_models import load, text_batch
 from tests.host_sync import BEAM, SyncRecorder, recording
+from tests.tiny_models import load, text_batch
 
 
 def run_recorded(

@@ -11,9 +11,12 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
     ForcedBOSTokenLogitsProcessor,
     ForcedEOSTokenLogitsProcessor,
     MinLengthLogitsProcessor,
+    MinPLogitsWarper,
     NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
@@ -22,6 +25,7 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 import tests.equivalence  # noqa: F401  (single intra-op thread)
@@ -143,9 +147,26 @@ def test_warpers(case, k, p):
     assert _same(pipe(history, scores.clone()), expected)
 
 
+@settings(max_examples=60, deadline=None)
+@given(cases, st.sampled_from([0.0, 0.05, 0.3, 1.0]), st.sampled_from([0.2, 0.9, 0.99]), st.sampled_from([3e-4, 0.02]))
+def test_later_warpers(case, min_p, typical, cutoff):
+    """min-p, typical, epsilon and eta sampling after temperature, top-k and top-p, in generate()'s order."""
+    seed, rows, length, vocab = case
+    ids, scores = _case(seed, rows, length, vocab)
+    history = TokenHistory(ids, length + 1)
+    for cut in ("epsilon_cutoff", "eta_cutoff"):
+        options = {"temperature": 0.8, "top_k": 0, "min_p": min_p, "typical_p": typical, cut: cutoff}
+        pipe = _pipeline(history, vocab, length, do_sample=True, **options)
+        last = EpsilonLogitsWarper(cutoff) if cut == "epsilon_cutoff" else EtaLogitsWarper(cutoff, device="cpu")
+        expected = TemperatureLogitsWarper(0.8)(ids, scores)
+        for warper in (MinPLogitsWarper(min_p), TypicalLogitsWarper(typical), last):
+            expected = warper(ids, expected)
+        assert _same(pipe(history, scores.clone()), expected), cut
+
+
 def test_full_pipeline_matches_generate_order(tiny_models):
     """Every processor at once, in the order generate() builds them (private API, on a tiny model)."""
-    from tests.engine_models import load
+    from tests.tiny_models import load
 
     model = load(tiny_models("gpt2")).model
     vocab = model.config.vocab_size
@@ -207,3 +228,21 @@ def test_ngram_unpacked_fallback():
         )
         history.append(torch.randint(0, 3, (3,), generator=g))
         blocker.appended(history)
+
+
+def test_later_warpers_run_on_the_fast_engine(tiny_models):
+    """A checkpoint's or a flag's min_p / typical_p / epsilon / eta runs on seqgen's engine (not generate()), its
+    outputs repeating with the seed; out of range is one line naming the flag."""
+    from seqgen_cli.config import check_flags
+    from seqgen_cli.errors import SeqgenError
+    from seqgen_cli.generator import Generator
+
+    options = {"do_sample": True, "min_p": 0.1, "typical_p": 0.95, "eta_cutoff": 3e-4, "max_new_tokens": 8}
+    gen = Generator(str(tiny_models("gpt2")), backend="auto", seed=5, **options)
+    assert gen.backend == "fast" and gen.fallback is None
+    texts = ["a first input", "and a second one"]
+    assert gen.generate(texts) == Generator(str(tiny_models("gpt2")), seed=5, **options).generate(texts)
+    with pytest.raises(SeqgenError, match=r"--min-p 1.5: must be a finite number >= 0 and <= 1"):
+        check_flags({"min_p": 1.5})
+    with pytest.raises(SeqgenError, match=r"--typical-p 0.0: must be a finite number > 0 and <= 1"):
+        check_flags({"typical_p": 0.0})

@@ -15,8 +15,8 @@ from seqgen_cli.models import get_backend
 from seqgen_cli.search import Batch
 from seqgen_cli.search.refill import RefillStats, generate_refill
 from seqgen_cli.shapes import MIN_WIDTH
-from tests.engine_models import load, text_batch
 from tests.equivalence import COMPILED_TOL, MASKED_SUM_RTOL, SETTINGS, check_equivalence, refill
+from tests.tiny_models import load, text_batch
 
 ENC_DEC = ["bart", "mbart", "marian", "pegasus", "t5", "flan-t5"]
 DEC_ONLY = ["gpt2", "llama"]

@@ -15,8 +15,8 @@ from seqgen_cli.search import Batch, generate, settings_for, unsupported_reason
 from seqgen_cli.search.beam import wide_topk
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
-from tests.engine_models import load, text_batch
 from tests.equivalence import rescore
+from tests.tiny_models import load, text_batch
 
 
 def _run(model, batch: Batch, seed: int | None = None, **kwargs):

@@ -10,8 +10,8 @@ from seqgen_cli.errors import SeqgenError
 from seqgen_cli.models import get_backend
 from seqgen_cli.search import settings_for, unsupported_reason
 from seqgen_cli.search.settings import new_token_limits, num_return_sequences, rows_per_input
-from tests.engine_models import load, text_batch
 from tests.equivalence import check_equivalence
+from tests.tiny_models import load, text_batch
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])

@@ -20,6 +20,7 @@ capture path compiles like the model's step (``models/capture.py``: ``CapturedBa
 
 from __future__ import annotations
 
+import re
 from typing import Any
 from unittest import mock
 
@@ -40,12 +41,12 @@ from seqgen_cli.search.history import StaticHistory, StepLimits, TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline, Processors, append, process, process_split
 from seqgen_cli.search.settings import resolve_settings
 from seqgen_cli.search.static import StaticBeamSearch, StaticState, static_beam_step
-from tests.engine_models import FAMILIES as ENGINE_FAMILIES
-from tests.engine_models import load, text_batch
 from tests.equivalence import MASKED_SUM_RTOL, check_equivalence
 from tests.equivalence import SETTINGS as EQUIVALENCE
 from tests.helpers import failing_on
 from tests.host_sync import recording
+from tests.tiny_models import FAMILIES as ENGINE_FAMILIES
+from tests.tiny_models import load, text_batch
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "ngram-minlen-lp-forced": dict(
@@ -394,20 +395,22 @@ def eager_search_ops(backend: Any, loaded: Any, batch: Batch, settings: dict[str
     return Count.ops / len(steps)
 
 
-def compiled_search_kernels(state: StaticState, logits: torch.Tensor) -> int:
-    """Kernel calls in inductor's code for the static step (``scripts/experiments/bench_compiled_step.py``'s count)."""
-    import importlib.util
-    from pathlib import Path
+# a call in inductor's generated ``call()``: a fused kernel, an extern one (GEMMs) or an ATen fallback, its result
+# perhaps assigned (``buf9 = torch.ops.aten.topk.default(...)``)
+KERNEL_CALL = re.compile(
+    r"^\s+(?:\w+ = )?"
+    r"(?:cpp_fused_\w+|extern_kernels\.\w+|(?:torch\.ops\.)?aten\.\w+(?:\.\w+)?|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(",
+    re.M,
+)
 
+
+def compiled_search_kernels(state: StaticState, logits: torch.Tensor) -> int:
+    """Kernel calls in inductor's code for the static step (as EXPERIMENTS.md, "Compiled step on the CPU" counts
+    them)."""
     from torch._inductor.utils import run_and_get_code
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "experiments" / "bench_compiled_step.py"
-    spec = importlib.util.spec_from_file_location("bench_compiled_step", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     _, codes = run_and_get_code(inductor(static_beam_step), state, logits)
-    return sum(bench.kernel_calls(code) for code in codes)
+    return sum(len(KERNEL_CALL.findall(code[code.index("def call(") :])) for code in codes)
 
 
 @pytest.mark.slow  # inductor compiles the model step and the search step: about a minute on a loaded 2-core box

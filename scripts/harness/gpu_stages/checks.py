@@ -50,8 +50,7 @@ def section_equiv(
     """``tests/equivalence.py`` on the device: the tiny fixture families on the suite's settings, then the bench
     shapes on real text (bart-large-cnn's own generation config, GPT-2 beam 4), float32."""
     import tests.equivalence as eq
-    from tests.engine_models import load, text_batch
-    from tests.tiny_models import FAMILIES, cached_build
+    from tests.tiny_models import FAMILIES, cached_build, load, text_batch
 
     families = ("bart",) if quick else FAMILIES
     settings = ("greedy", "beam4_ngram3_lp2_minmax_es") if quick else tuple(eq.SETTINGS)

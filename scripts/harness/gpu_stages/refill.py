@@ -1,8 +1,8 @@
 """The ``refill`` stage: ``Generator(refill=True)`` against ``refill=False`` in process, on the ``bart`` stage's
 model with an EOS bias bisected into ``final_logits_bias`` (outputs spread over lengths), the ``cnndm-bart``
 preset with its natural stop, ``INPUTS_PER_LANE`` x batch inputs, per dtype and batch size. The workload
-(``spread_checkpoint``, ``generate_ids``, ``counted_steps``) is ``scripts/experiments/bench_refill.py``'s, from
-``_common``."""
+(``spread_checkpoint``, ``generate_ids``, ``counted_steps``) is ``_common``'s, as the CPU measurement of
+EXPERIMENTS.md, "Refill: lanes that stay full" used it."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ import torch
 
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.generic import GenericBackend
-from tests.engine_models import FAMILIES, load, text_batch
 from tests.equivalence import SETTINGS, check_equivalence
+from tests.tiny_models import FAMILIES, load, text_batch
 
 BATCH = 32
 
