@@ -44,6 +44,7 @@ class Encoded:
     ids: list[int]
     truncated: bool
     error: str | None = None  # why the model cannot take these ids (a token past its embedding): a bad input
+    grammar: Any = None  # what its output must match (structured outputs: its JSONL schema's, or the run's)
 
 
 # texts and their JSONL objects (or None) -> their tokens (``Generator.encode``)
@@ -85,6 +86,7 @@ class Item:
     truncated: bool = False
     record: Any = None  # the caller's own object, handed back in the Result (the pipeline's Record)
     error: str | None = None  # why its tokens cannot run, naming it (``ids`` is then ``None``): a bad input
+    grammar: Any = None  # what its output must match (``Encoded.grammar``)
 
 
 @dataclass
@@ -144,7 +146,7 @@ def tokenise(inputs: Sequence[Input], encode: Encode) -> list[Item]:
             if enc.error is not None:
                 it.error = f"{it.where}: {enc.error}"
             else:
-                it.ids, it.truncated = enc.ids, enc.truncated
+                it.ids, it.truncated, it.grammar = enc.ids, enc.truncated, enc.grammar
     return items
 
 
@@ -361,7 +363,9 @@ class Batcher:
 
 
 class Generates(Protocol):
-    def generate_output(self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None) -> Generated: ...
+    def generate_output(
+        self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None, grammars: Sequence[Any] = ()
+    ) -> Generated: ...
 
 
 def free_device_memory() -> None:
@@ -378,7 +382,9 @@ def generate_split(gen: Generates, items: list[Item]) -> list[Result]:
     ``error`` names its line.
     """
     try:
-        out = gen.generate_output([it.ids for it in items], [it.index for it in items])
+        grammars = [it.grammar for it in items]  # structured outputs: each input's (passed where any has one)
+        own = {"grammars": grammars} if any(g is not None for g in grammars) else {}
+        out = gen.generate_output([it.ids for it in items], [it.index for it in items], **own)
         scores = out.scores if out.scores is not None else [None] * len(items)
         return [Result(it, seqs, None, sc) for it, seqs, sc in zip(items, out.sequences, scores, strict=True)]
     except Exception as err:  # noqa: BLE001 - only out-of-memory and user errors are handled

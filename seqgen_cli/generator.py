@@ -51,7 +51,7 @@ from seqgen_cli.config import (
     settings_for_model,
 )
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.grammars import Grammar, GrammarSpec
+from seqgen_cli.grammars import Grammars, GrammarSpec
 from seqgen_cli.languages import check_target, resolve_target_prefix
 from seqgen_cli.loading import Loaded, load, source_limit
 from seqgen_cli.memory import batch_bytes
@@ -125,7 +125,8 @@ class Generator:
         self.config.stop_strings = all_stops(self.config.stop_strings, stop)  # the checkpoint's, then --stop's
         self.config.output_scores = scores or "logprobs" in flags  # not the checkpoint's: the output is the caller's
         self.stop_check = stop_check(self.tokenizer, self.config.stop_strings)  # once: its tables take a while
-        self.grammar = None if grammar is None else Grammar.for_model(grammar, self.tokenizer, self.model, self.config)
+        self.grammars = Grammars(grammar, self.tokenizer, self.model, self.config)  # the run's, each JSONL schema's
+        self.grammar = self.grammars.run
         self.prompt = prompt_settings(prompt, prefix, self.preset, lang_prefix)
         self.prefix = self.prompt.prefix
         self.prompter = Prompter(self.prompt, self.tokenizer)  # a chat template that cannot render fails here
@@ -246,11 +247,13 @@ class Generator:
     def encode(self, texts: Sequence[str], fields: Sequence[Any] | None = None) -> list[Encoded]:
         """Each input's prompt tokens (``prompts.Prompter``: prefix, template, chat template; ``fields``: each one's
         JSONL object), at most ``max_source_length``; ``error``: why an input has none (a bad input)."""
-        prompted = self.prompter.encode(texts, fields or [None] * len(texts), self.max_source_length)
+        fields = fields or [None] * len(texts)
+        prompted = self.prompter.encode(texts, fields, self.max_source_length)
         rows, config = self.input_rows, self.model.config
-        return [
+        encoded = [
             Encoded(p.ids, p.truncated, p.error or unknown_token(self.tokenizer, config, rows, p.ids)) for p in prompted
         ]
+        return [input_grammar(self.grammars, f, e) for e, f in zip(encoded, fields, strict=True)]
 
     def decode(self, sequences: Sequence[Sequence[int]]) -> list[str]:
         """Token ids to text, special tokens removed."""
@@ -264,17 +267,8 @@ class Generator:
         return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device), widths)
 
     def device_stats(self) -> dict[str, Any]:
-        """Where and how the model runs (``--stats``, closing line): device, dtype, engine, step path, capture/GPU."""
-        from seqgen_cli.models import engine_stats
-        from seqgen_cli.models.capture import CapturedBackend
-
-        engine = engine_stats(self._engine()) if self.backend == "fast" else {"engine": "generate()"}  # generic: why
-        out: dict[str, Any] = {**self.loaded.describe(), **engine, "step_path": self.step_path}
-        if isinstance(self._model_backend, CapturedBackend):
-            out.update(self._model_backend.stats())
-        if self.refill:
-            out["refill"] = {"lanes": self.lanes, **self.refill_stats.report()}
-        return out | self.loaded.gpu_memory()
+        """Where and how the model runs (``--stats``, closing line): :func:`device_stats`."""
+        return device_stats(self)
 
     # -- generation -------------------------------------------------------------------------------
     def generate_ids(
@@ -286,8 +280,11 @@ class Generator:
         return self.generate_output(batch, indices).sequences
 
     @torch.inference_mode()
-    def generate_output(self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None) -> Generated:
-        """:meth:`generate_ids`' sequences, with their scores where the generator gives them (``scores``)."""
+    def generate_output(
+        self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None, grammars: Sequence[Any] = ()
+    ) -> Generated:
+        """:meth:`generate_ids`' sequences, with their scores where the generator gives them (``scores``);
+        ``grammars``: each input's (its JSONL schema's; default: the run's)."""
         if not batch:
             return Generated([])
         if any(len(ids) == 0 for ids in batch):
@@ -297,10 +294,13 @@ class Generator:
         from seqgen_cli.search.refill import generate_refill
 
         padded, want = self.pad(batch), bool(self.config.output_scores)
-        guides = {"stop": self.stop_check, "grammar": self.grammar}  # stop strings, structured outputs
+        own = list(grammars) if any(g is not None and g is not self.grammar for g in grammars) else None
+        guides = {"stop": self.stop_check, "grammar": self.grammar if own is None else own}  # stop strings, grammars
         if self.backend != "fast":  # generate()'s ValueError for a max_length the prompt fills, as one line
             search_settings.check_room(self.config, self.is_encoder_decoder, padded.input_ids.shape[1])
-            out = hf_generate(self.model, padded, self.config, scores=want, tokenizer=self.tokenizer, grammar=self.grammar)
+            out = hf_generate(
+                self.model, padded, self.config, scores=want, tokenizer=self.tokenizer, grammar=guides["grammar"]
+            )
         elif self.refill:  # the lanes: a prompt's limits count from its own width (captured: lane steps replay graphs)
             out = generate_refill(
                 self._engine(), padded, self.config, lanes=self.lanes, seed=self.seed, indices=indices,
@@ -378,6 +378,30 @@ class Generator:
     def generate(self, texts: Sequence[str], batch_size: int = DEFAULT_BATCH_SIZE) -> list[list[str]]:
         """Generate for texts: per input, ``num_return_sequences`` strings, best first."""
         return list(self.generate_iterable(texts, batch_size=batch_size, early=False))
+
+
+def device_stats(gen: Generator) -> dict[str, Any]:
+    """Where and how ``gen``'s model runs: device, dtype, engine, step path, capture and GPU figures, refill lanes."""
+    from seqgen_cli.models import engine_stats
+    from seqgen_cli.models.capture import CapturedBackend
+
+    engine = engine_stats(gen._engine()) if gen.backend == "fast" else {"engine": "generate()"}  # generic: why
+    out: dict[str, Any] = {**gen.loaded.describe(), **engine, "step_path": gen.step_path}
+    if isinstance(gen._model_backend, CapturedBackend):
+        out.update(gen._model_backend.stats())
+    if gen.refill:
+        out["refill"] = {"lanes": gen.lanes, **gen.refill_stats.report()}
+    return out | gen.loaded.gpu_memory()
+
+
+def input_grammar(grammars: Grammars, fields: Any, encoded: Encoded) -> Encoded:
+    """``encoded`` with its input's grammar (``fields``: its JSONL object), or the schema's error (a bad input)."""
+    if encoded.error is not None:
+        return encoded
+    try:
+        return replace(encoded, grammar=grammars.of(fields))
+    except SeqgenError as err:
+        return replace(encoded, error=str(err))
 
 
 def prompt_settings(

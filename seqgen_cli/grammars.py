@@ -6,13 +6,15 @@ engines): a JSON schema, a regex, a GBNF / Lark grammar or a list of choices bec
 (:class:`GrammarSpec`), and :class:`Grammar` makes a *matcher* per row: the parser state that says which tokens may
 come next (``search/grammar.py`` turns that into a mask over the logits). An output that ends before its grammar
 completes (the new-token limit, a stop string) is *incomplete*: :meth:`Grammar.complete` says so from its tokens.
+A JSONL input's ``schema`` field is its own JSON schema (:class:`Grammars`), so one run serves several.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,8 +158,9 @@ class Grammar:
 
         if not eos:
             raise SeqgenError(f"{spec.name}: the model has no end-of-sequence token, which ends a structured output")
-        self.spec, self.vocab, self.eos, self.lark = spec, vocab, tuple(eos), spec.lark
-        self.space: int | None = None  # a SentencePiece vocabulary's "▁" piece (the space an output begins with)
+        self.spec, self.vocab, self.eos = spec, vocab, tuple(eos)
+        self.pieces = False  # a SentencePiece vocabulary (PieceVocabulary): its output's first space optional
+        self.space: int | None = None  # its "▁" piece alone
         self.special = tuple(getattr(tokenizer, "all_special_ids", ()))
         try:
             self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(eos))
@@ -166,15 +169,28 @@ class Grammar:
             if not pieces.spaced:
                 raise SeqgenError(f"{spec.name}: this tokenizer cannot guide decoding: {err}") from None
             self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(pieces), n_vocab=vocab, eos_token=list(eos))
+            self.pieces, self.space = True, pieces.ids.get(b" ")
+        self._compile()
+
+    def _compile(self) -> None:
+        """The start state each row copies (microseconds; a new matcher: ~1 ms), checked to begin an output."""
+        spec, self.lark = self.spec, self.spec.lark
+        if self.pieces:
             inner = {"name": "output", "lark_grammar": self.lark}
             self.lark = json.dumps({"grammars": [{"lark_grammar": 'start: " "? @output'}, inner]})
-            self.space = pieces.ids.get(b" ")  # the piece "▁" alone
-        self._start = llg.LLMatcher(self.tokenizer, self.lark, log_level=0)  # each row a copy (microseconds; a new one: ~1 ms)
+        self._start = _llguidance().LLMatcher(self.tokenizer, self.lark, log_level=0)
         probe = self.matcher()
         if probe.is_error():
             raise SeqgenError(f"{spec.name}: {first_line(probe.get_error())}")
         if not self._can_begin(probe):  # T5's vocabulary has no "{", for one
             raise SeqgenError(f"{spec.name}: no token of this model's vocabulary can begin an output of the grammar")
+
+    def with_spec(self, spec: GrammarSpec) -> Grammar:
+        """Another grammar over this one's tokenizer (read once per run: ~0.5 s for a 50k vocabulary)."""
+        other = copy.copy(self)
+        other.spec = spec
+        other._compile()
+        return other
 
     def _can_begin(self, probe: Any) -> bool:
         """Some text token begins an output (a special token, the unknown one where the grammar needs a character the
@@ -250,3 +266,37 @@ def piece_bytes(piece: str) -> bytes:
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
         return bytes([int(piece[3:5], 16)])
     return piece.replace("\u2581", " ").encode("utf-8")
+
+
+SCHEMA_FIELD = "schema"  # a JSONL input's own JSON schema
+
+
+class Grammars:
+    """The run's grammar (``run``: the options', or none) and each JSONL input's own (its ``schema`` field, an
+    object or its JSON text), compiled once per distinct schema over one tokenizer."""
+
+    def __init__(self, run: GrammarSpec | None, tokenizer: Any, model: Any, config: Any) -> None:
+        self.run = None if run is None else Grammar.for_model(run, tokenizer, model, config)
+        self._model = (tokenizer, model, config)
+        self._schemas: dict[str, Grammar] = {}
+
+    @property
+    def used(self) -> bool:
+        """Some output of the run has a grammar (the run's, or an input's schema read so far)."""
+        return self.run is not None or bool(self._schemas)
+
+    def of(self, fields: Any) -> Grammar | None:
+        """An input's grammar: its ``schema`` field's, else the run's; a schema that does not compile is a
+        :class:`SeqgenError` naming the field (a bad input)."""
+        schema = fields.get(SCHEMA_FIELD) if isinstance(fields, Mapping) else None
+        if schema is None:
+            return self.run
+        name = f"its {SCHEMA_FIELD} field"
+        text = schema_text(schema if isinstance(schema, str) else json.dumps(schema), name)
+        if text not in self._schemas:
+            spec = GrammarSpec("json_schema", text, name)
+            check(spec)
+            base = self.run or next(iter(self._schemas.values()), None)
+            grammar = base.with_spec(spec) if base is not None else Grammar.for_model(spec, *self._model)
+            self._schemas[text] = grammar
+        return self._schemas[text]

@@ -67,7 +67,7 @@ class FakeGen:
     def encode(self, texts, fields=None):
         return [Encoded([ord(c) for c in t], False) for t in texts]
 
-    def generate_output(self, batch, indices=None):
+    def generate_output(self, batch, indices=None, grammars=()):
         """Each input reversed (then its sequence number); with ``output_scores``: score -length, log_prob -2 x it."""
         if self.fail is not None:
             self.fail(batch)

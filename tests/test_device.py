@@ -26,7 +26,7 @@ class FakeGen:
         self.limit = limit
         self.calls: list[int] = []
 
-    def generate_output(self, batch: list[list[int]], indices: object = None) -> Generated:
+    def generate_output(self, batch: list[list[int]], indices: object = None, grammars: object = ()) -> Generated:
         self.calls.append(len(batch))
         if len(batch) > self.limit:
             raise torch.cuda.OutOfMemoryError("CUDA error: tried to allocate 20.00 GiB")  # no 'out of memory'

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +25,7 @@ def hf_generate(
     generation: Generation,
     *,
     scores: bool = True,
-    grammar: Grammar | None = None,
+    grammar: Grammar | Sequence[Grammar | None] | None = None,
     **extra: Any,
 ) -> SearchOutput:
     """``model.generate()`` on ``batch``: per input its ``num_return_sequences`` generated token lists (no
@@ -97,10 +98,11 @@ def strip_generated(tokens: list[int], eos: int | list[int] | None) -> list[int]
     return tokens
 
 
-def grammar_processor(grammar: Grammar, start: int) -> Any:
+def grammar_processor(grammar: Grammar | Sequence[Grammar | None], start: int) -> Any:
     """``generate()``'s ``logits_processor`` for structured outputs (``--backend hf``, and the reference the fast
-    engine's ``search/grammar.py`` is held to): each row's generated tokens (its ``input_ids`` from column
-    ``start``) replayed through a matcher, kept by the token prefix it has read (so reordered beams find theirs),
+    engine's ``search/grammar.py`` is held to; ``grammar``: every row's, or each input's): each row's generated tokens
+    (its ``input_ids`` from column ``start``) replayed through a matcher, kept by the token prefix it has read (so
+    reordered beams find theirs),
     and every token the grammar refuses set to -inf. A row that has ended (an EOS) or whose matcher failed is not
     masked, nor a step whose token a processor before this one forced (every row's scores -inf but at one token:
     ``forced_bos_token_id``, ``forced_eos_token_id``); a forced token is not read as the output's text."""
@@ -108,28 +110,34 @@ def grammar_processor(grammar: Grammar, start: int) -> Any:
 
     class GrammarProcessor(LogitsProcessor):
         def __init__(self) -> None:
-            self.seen: dict[tuple[int, ...], Any] = {(): grammar.matcher()}  # prefix -> its matcher
+            self.grammars = [grammar] if isinstance(grammar, Grammar) else list(grammar)
+            # (input, prefix) -> its matcher
+            self.seen: dict[tuple[int, tuple[int, ...]], Any] = {
+                (b, ()): g.matcher() for b, g in enumerate(self.grammars) if g is not None
+            }
             self.forced: set[int] = set()  # the steps whose token was forced
 
-        def matcher(self, prefix: tuple[int, ...]) -> Any:
+        def matcher(self, b: int, prefix: tuple[int, ...]) -> Any:
             known = len(prefix)
-            while prefix[:known] not in self.seen:  # the longest prefix read before
+            while (b, prefix[:known]) not in self.seen:  # the longest prefix read before
                 known -= 1
             for n in range(known + 1, len(prefix) + 1):  # each longer one from its parent's copy
-                m = self.seen[prefix[: n - 1]].deep_copy()
+                m = self.seen[b, prefix[: n - 1]].deep_copy()
                 if n - 1 not in self.forced and not (m.is_stopped() or m.is_error()):
                     m.consume_token(prefix[n - 1])
-                self.seen[prefix[:n]] = m
-            return self.seen[prefix]
+                self.seen[b, prefix[:n]] = m
+            return self.seen[b, prefix]
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
             if bool((torch.isfinite(scores).sum(dim=1) == 1).all()):  # a forced token
                 self.forced.add(input_ids.shape[1] - start)
                 return scores
+            per = input_ids.shape[0] // len(self.grammars)  # rows of an input
             for i, row in enumerate(input_ids[:, start:].tolist()):
-                if any(t in grammar.eos for t in row):  # ended: padding follows
+                g = self.grammars[0 if len(self.grammars) == 1 else i // per]
+                if g is None or any(t in g.eos for t in row):  # no grammar, or ended: padding follows
                     continue
-                m = self.matcher(tuple(row))
+                m = self.matcher(i // per, tuple(row))
                 if m.is_error():
                     continue
                 bits = torch.frombuffer(

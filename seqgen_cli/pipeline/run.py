@@ -10,7 +10,7 @@ order.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from seqgen_cli import openmp
@@ -73,6 +73,12 @@ def run(
     return stages.report()
 
 
+def whole_match(item: Item, sequence: Sequence[int]) -> bool | None:
+    """Whether an output is a whole match of its input's grammar (its JSONL schema's, or the run's); ``None``: the
+    input has none."""
+    return None if item.grammar is None else item.grammar.complete(sequence)
+
+
 class _Run:
     """One run's stages (reader, batcher, this thread's generate loop, writer), its summary as it goes and the
     first input that failed (``on_error="fail"``)."""
@@ -102,7 +108,7 @@ class _Run:
         self.writer = OrderedWriter(
             sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
             num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, reuse=self.reuse,
-            scores=opts.scores, complete=gen.grammar.complete if gen.grammar is not None else None,
+            scores=opts.scores, complete=whole_match,
             logprobs=opts.logprobs,
         ).start()  # fmt: skip
         early = isinstance(sink, StreamSink)  # stdout, a pipe: someone may read the first lines as they come

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from seqgen_cli.batching import InOrder, Result, Scored
+from seqgen_cli.batching import InOrder, Item, Result, Scored
 from seqgen_cli.pipeline.formats import InputDigest, input_key
 from seqgen_cli.pipeline.queues import put_unless
 from seqgen_cli.pipeline.records import SCORE_FIELDS, Record
@@ -109,12 +109,12 @@ class OrderedWriter:
         keep: list[str] | None = None,
         reuse: JournalReuse | None = None,
         scores: bool = False,
-        complete: Callable[[Sequence[int]], bool] | None = None,
+        complete: Callable[[Item, Sequence[int]], bool | None] | None = None,
         logprobs: bool = False,
     ) -> None:
         self.sink = sink
         self._logprobs = logprobs  # --logprobs: each output's tokens in its JSONL object
-        self._complete = complete  # a grammar's test of an output's tokens (structured outputs)
+        self._complete = complete  # an output's test against its input's grammar (None: it has none)
         self.incomplete = 0  # outputs generated here that ended before their grammar completed
         self._scores = scores  # --scores: each output's Scored in its line
         self._decode = decode
@@ -157,6 +157,13 @@ class OrderedWriter:
         """Outputs finished but waiting for an earlier input (journaled where the sink keeps a journal)."""
         return len(self._order.pending)
 
+    def _whole(self, r: Result) -> list[bool] | None:
+        """Whether each output of ``r`` completed its input's grammar; ``None`` where there is none."""
+        if self._complete is None or r.sequences is None:
+            return None
+        whole = [self._complete(r.item, seq) for seq in r.sequences]
+        return None if None in whole else [bool(w) for w in whole]
+
     def _listed(self, r: Result) -> list[Any]:
         """``--logprobs``' value for each output of ``r`` (``None`` for a blank or skipped input)."""
         if r.sequences is None:
@@ -183,11 +190,7 @@ class OrderedWriter:
             outs = [next(texts) for _ in r.sequences] if r.sequences is not None else [""] * self._n
             line = self.reuse.pop(index)
             if line is None:
-                whole = (
-                    None
-                    if self._complete is None or r.sequences is None
-                    else list(map(self._complete, r.sequences))
-                )
+                whole = self._whole(r)
                 self.incomplete += whole.count(False) if whole else 0
                 listed = self._listed(r) if self._logprobs else None
                 line = format_output(

@@ -15,10 +15,10 @@ import torch
 from transformers import GenerationConfig
 
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.grammars import Grammar
 from seqgen_cli.search.beam import BeamConstants, pick_topk
 from seqgen_cli.search.cohort import Cohort, Results, make_search
 from seqgen_cli.search.engine import run_batch
+from seqgen_cli.search.grammar import BatchGrammar
 from seqgen_cli.search.greedy import StopCheck
 from seqgen_cli.search.protocol import Batch, ModelBackend, SearchOutput
 from seqgen_cli.search.rows import default_sync_every, start_rows
@@ -82,7 +82,7 @@ def generate(
     indices: Sequence[int] | None = None,
     sync_every: int | None = None,
     stop: StopCheck | None = None,
-    grammar: Grammar | None = None,
+    grammar: BatchGrammar | None = None,
 ) -> SearchOutput:
     """Generate for every input of ``batch``; token-identical to ``model.generate()`` for greedy and beam search.
 
@@ -90,8 +90,8 @@ def generate(
     ``b``: :class:`~seqgen_cli.search.sampling.Streams`). ``sync_every``: steps between host checks for finished
     inputs (default: every step on CPU, every 4 on GPU); it never changes results. ``stop``: ``config``'s
     ``stop_strings`` as a check over the token history (:func:`~seqgen_cli.prompts.stop_check`: it needs the
-    tokenizer), required where the config has them. ``grammar``: every output a match of it (structured outputs,
-    ``search/grammar.py``).
+    tokenizer), required where the config has them. ``grammar``: every output a match of it, or of its input's
+    (structured outputs, ``search/grammar.py``).
     """
     need_stop(config, stop)
     s = settings_for(backend, batch, config)

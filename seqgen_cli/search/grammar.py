@@ -15,6 +15,7 @@ padding or out of the running. A row whose grammar is complete is masked to EOS.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,18 +26,24 @@ from seqgen_cli.grammars import Grammar
 NEG_INF = float("-inf")
 
 
-class GrammarMask:
-    """The grammar's processor for the ``n`` rows of one search (the dynamic layout: ``LogitsPipeline``)."""
+BatchGrammar = Grammar | Sequence[Grammar | None]  # the batch's grammar, or each input's (None: unconstrained)
 
-    def __init__(self, grammar: Grammar, n: int) -> None:
+
+class GrammarMask:
+    """The grammar's processor for the ``n`` rows of one search (the dynamic layout: ``LogitsPipeline``); ``grammar``:
+    every row's, or each input's (its rows: ``n / len(grammar)`` consecutive ones)."""
+
+    def __init__(self, grammar: BatchGrammar, n: int) -> None:
         from llguidance import LLExecutor
 
-        self.grammar = grammar
-        self.matchers: list[Any] = [grammar.matcher() for _ in range(n)]
-        self.ended = [False] * n  # the row took an EOS token (later tokens: padding)
-        self.eos = set(grammar.eos)
+        per_input = [grammar] if isinstance(grammar, Grammar) else list(grammar)
+        rows = [g for g in per_input for _ in range(n // len(per_input))]  # [N]
+        self.matchers: list[Any] = [None if g is None else g.matcher() for g in rows]
+        self.ended = [g is None for g in rows]  # the row took an EOS token (later tokens: padding), or has no grammar
+        known = [g for g in per_input if g is not None]
+        self.eos = set(known[0].eos) if known else set()
         self.executor = LLExecutor()
-        self.words = (grammar.vocab + 31) // 32  # int32 words per row of the bitmask
+        self.words = (max((g.vocab for g in known), default=0) + 31) // 32  # int32 words per row of the bitmask
         self.pending = False  # the history has a column the matchers have not consumed
         self.forced = False  # the pending column is a forced token (a forced BOS), which no matcher reads
         self.bits = torch.arange(32, dtype=torch.int32)  # [32]: a word's bit positions
@@ -48,7 +55,7 @@ class GrammarMask:
         picked, ended = [], []
         for r in rows.tolist():
             m = self.matchers[r]
-            picked.append(m.deep_copy() if r in taken else m)
+            picked.append(m.deep_copy() if r in taken and m is not None else m)
             ended.append(self.ended[r])
             taken.add(r)
         self.matchers, self.ended = picked, ended
@@ -84,6 +91,3 @@ class GrammarMask:
         rows = torch.tensor(live, dtype=torch.long, device=scores.device)  # [M]
         return scores.index_put_((rows,), scores.index_select(0, rows).masked_fill_(~allowed, NEG_INF))
 
-    def complete(self) -> list[bool]:
-        """Per row: its output so far is a whole match (its matcher accepts or has ended without error)."""
-        return [(m.is_accepting() or m.is_stopped()) and not m.is_error() for m in self.matchers]

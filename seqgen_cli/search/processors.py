@@ -27,8 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from seqgen_cli.grammars import Grammar
-from seqgen_cli.search.grammar import GrammarMask
+from seqgen_cli.search.grammar import BatchGrammar, GrammarMask
 from seqgen_cli.search.history import (
     Cond,
     History,
@@ -359,7 +358,7 @@ class LogitsPipeline:
         history: TokenHistory,
         vocab_size: int,
         device: torch.device,
-        grammar: Grammar | None = None,
+        grammar: BatchGrammar | None = None,
     ):
         s = settings
         self.settings = s

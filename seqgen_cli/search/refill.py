@@ -42,6 +42,7 @@ from seqgen_cli.grammars import Grammar
 from seqgen_cli.search.beam import BeamConstants, pick_topk
 from seqgen_cli.search.cohort import Cohort, Results, make_search
 from seqgen_cli.search.engine import Engine, Lanes, Placed, RefillStats, Reorders
+from seqgen_cli.search.grammar import BatchGrammar
 from seqgen_cli.search.greedy import StopCheck
 from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.protocol import Batch, RefillBackend, SearchOutput
@@ -61,7 +62,7 @@ class Refill:
     def __init__(
         self, backend: RefillBackend, batch: Batch, config: GenerationConfig, lanes: int, widths: list[int],
         streams: Streams, stats: RefillStats, sync_every: int, stop: StopCheck | None = None,
-        grammar: Grammar | None = None,
+        grammar: BatchGrammar | None = None,
     ) -> None:  # fmt: skip
         self.backend, self.batch, self.widths, self.streams, self.stats = backend, batch, widths, streams, stats
         self.stop, self.grammar = stop, grammar  # the stop strings' check (greedy, sampling); structured outputs
@@ -109,7 +110,10 @@ class Refill:
         prompts = _columns(self.batch, ids, w, left=not self.backend.is_encoder_decoder)  # [J, w]
         history = start_history(self.backend, prompts, s, r)
         reorders = Reorders()
-        pipeline = LogitsPipeline(s, history, self.backend.vocab_size, self.device, self.grammar)
+        grammar = self.grammar  # the batch's, or each input's: its cohort's inputs'
+        if grammar is not None and not isinstance(grammar, Grammar):
+            grammar = [grammar[b] for b in inputs]
+        pipeline = LogitsPipeline(s, history, self.backend.vocab_size, self.device, grammar)
         rows = Rows(reorders, None, history, pipeline, r, inputs)
         search = make_search(rows, s, self.consts, self.topk, self.streams, self.stop)
         running = Placed(Cohort(rows, search, self.results), physical, reorders)
@@ -155,7 +159,7 @@ def generate_refill(
     widths: Sequence[int] | None = None,
     lane_tokens: int | None = None,
     stop: StopCheck | None = None,
-    grammar: Grammar | None = None,
+    grammar: BatchGrammar | None = None,
 ) -> SearchOutput:
     """Generate for every input of ``batch`` ([B, W]: right-padded sources, or left-padded prompts) over ``lanes``
     input lanes; returns what :func:`seqgen_cli.search.generate` returns (the same, token for token).

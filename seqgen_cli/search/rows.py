@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from seqgen_cli.grammars import Grammar
+from seqgen_cli.search.grammar import BatchGrammar
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
 from seqgen_cli.search.protocol import Batch, ModelBackend
@@ -128,11 +128,15 @@ def start_history(
 
 
 def start_rows(
-    backend: ModelBackend, batch: Batch, settings: SearchSettings, rows_per_input: int, grammar: Grammar | None = None
+    backend: ModelBackend,
+    batch: Batch,
+    settings: SearchSettings,
+    rows_per_input: int,
+    grammar: BatchGrammar | None = None,
 ) -> tuple[Rows, torch.Tensor]:
     """Start the backend and the history for ``B * R`` rows; returns the rows and the first logits [N, V]: the
     prefill's (decoder-only) or the decoder start token's step (encoder-decoder). ``grammar``: each row's output
-    held to it (``search/grammar.py``)."""
+    held to it, or to its input's (``search/grammar.py``)."""
     r = rows_per_input
     bsz = batch.input_ids.shape[0]
     device = batch.input_ids.device

@@ -67,3 +67,35 @@ def test_bad_grammar_options_are_one_line_before_the_model(tmp_path: Path, args:
     result = seqgen("generate", "-m", str(tmp_path / "no-model"), *args, input=STDIN)
     assert result.exit_code == 2
     assert message in one_line_error(result)
+
+
+def test_each_jsonl_input_may_carry_its_own_schema(gpt2: Path, tmp_path: Path) -> None:
+    """A JSONL object's ``schema`` field is its own grammar (one compiled per distinct schema): each output is what
+    a run with that schema alone gives it, the others keep the run's (here none, then --choice); a schema that does
+    not compile is a bad line naming its file and line."""
+    colours = {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}}, "required": ["c"],
+               "additionalProperties": False}  # fmt: skip
+    sizes = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"], "additionalProperties": False}
+    texts = STDIN.splitlines()
+    records = [{"text": texts[0], "schema": colours}, {"text": texts[1]}, {"text": texts[2], "schema": json.dumps(sizes)}]
+    stdin = "".join(json.dumps(r) + "\n" for r in records)
+    both = seqgen("generate", "-m", str(gpt2), "--max-new-tokens", "16", "--output-format", "jsonl", "-q", input=stdin)
+    assert both.exit_code == 0, both.stderr
+    objs = [json.loads(line) for line in both.stdout.splitlines()]
+    alone = []
+    for text, schema in ((texts[0], colours), (texts[2], sizes)):
+        one = seqgen("generate", "-m", str(gpt2), "--max-new-tokens", "16", "--json-schema", json.dumps(schema), "-q",
+                     input=text + "\n")  # fmt: skip
+        alone.append(one.stdout.strip())
+    assert [objs[0]["output"], objs[2]["output"]] == alone
+    assert json.loads(objs[0]["output"])["c"] in ("red", "blue") and json.loads(objs[2]["output"])["n"] in (1, 2, 3)
+    assert objs[0]["complete"] is True and objs[2]["complete"] is True and "complete" not in objs[1]
+    plain = seqgen("generate", "-m", str(gpt2), "--max-new-tokens", "16", "-q", input=texts[1] + "\n")
+    assert objs[1]["output"] == plain.stdout.strip(), "no schema, no grammar: as without one"
+    chosen = seqgen("generate", "-m", str(gpt2), "--max-new-tokens", "16", "--choice", "yes", "--choice", "no",
+                    "--output-format", "jsonl", "-q", input=stdin)  # fmt: skip
+    assert [json.loads(line)["output"] in ("yes", "no") for line in chosen.stdout.splitlines()] == [False, True, False]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"text": "y", "schema": [1]}) + "\n")
+    failed = seqgen("generate", "-m", str(gpt2), str(bad), "--output-format", "jsonl", "-q")
+    assert f"{bad}:2: its schema field: a JSON schema is an object, not list" in one_line_error(failed)

@@ -189,7 +189,7 @@ class _Gen:
     def __init__(self, backend: Any, loaded: Any) -> None:
         self.backend, self.loaded = backend, loaded
 
-    def generate_output(self, batch: list[list[int]], indices: Any = None) -> Generated:
+    def generate_output(self, batch: list[list[int]], indices: Any = None, grammars: Any = ()) -> Generated:
         width = max(map(len, batch))
         ids = torch.tensor([b + [1] * (width - len(b)) for b in batch])
         mask = torch.tensor([[1] * len(b) + [0] * (width - len(b)) for b in batch])
