@@ -45,6 +45,11 @@ def _flag_decl(name: str, flag: _Flag) -> str:
     return f"{decl}/--no-{decl[2:]}" if flag.kwargs["type"] is bool else decl
 
 
+def _given_ids(ctx: click.Context, param: click.Parameter, value: tuple[int, ...]) -> list[int] | None:
+    """A repeatable id flag's values; ``None`` when not given (as every other generation flag)."""
+    return list(value) or None
+
+
 # The generation flags, keyed by transformers' names: the keys of seqgen_cli.config.GENERATION_KEYS (not
 # imported here: it loads transformers, and `seqgen --help` should not; tests/cli/test_cli.py checks the two
 # agree). Every value reaches Generator(**flags) unchanged, --early-stopping through its callback; their
@@ -83,6 +88,10 @@ GENERATION_OPTIONS: dict[str, _Flag] = {
     "logprobs": _flag(
         int, "JSONL output: each token's log-prob under the model (before any processor) and the N most likely "
         "tokens of its step (0-20), as vLLM gives them; implies --scores (greedy search and sampling).",
+    ),  # fmt: skip
+    "stop_token_id": _flag(
+        int, "End an output at this token id too, beside the model's EOS ids (repeatable; vLLM's stop_token_ids): "
+        "kept in the output unless a special token, as EOS is.", multiple=True, callback=_given_ids,
     ),  # fmt: skip
 }
 BENCH_REPORTS = ("bench.json", "bench.md", "bench.png")  # what `seqgen bench` writes into --out

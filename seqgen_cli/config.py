@@ -48,6 +48,7 @@ GENERATION_KEYS = (
     "forced_bos_token_id",
     "forced_eos_token_id",
     "logprobs",  # seqgen's own (vLLM's name): each token's raw log-prob and the N best (greedy, sampling)
+    "stop_token_id",  # seqgen's own (vLLM's stop_token_ids): ids that end an output, beside the EOS ids
 )
 _DEFAULT_CONFIG = GenerationConfig()
 FLAG = "flag"  # the source of a setting given on the command line (or to Generator(...))
@@ -138,8 +139,10 @@ RULES: dict[str, Rule] = {
     "forced_bos_token_id": Rule(int, 0, MOST),
     "forced_eos_token_id": Rule(int, 0, MOST, lists=True),
     "logprobs": Rule(int, 0, MOST_LOGPROBS),
+    "stop_token_id": Rule(int, 0, MOST, lists=True),
 }
-FORCED_TOKEN_KEYS = ("forced_bos_token_id", "forced_eos_token_id")  # token ids: below the model's vocabulary
+# token ids: below the model's vocabulary
+FORCED_TOKEN_KEYS = ("forced_bos_token_id", "forced_eos_token_id", "stop_token_id")
 SAMPLING_KEYS = (
     "temperature",
     "top_k",
@@ -403,10 +406,23 @@ def settings_for_model(
         flags = {**flags, "forced_bos_token_id": resolve_target_lang(tokenizer, target_lang)}
     head = model.get_output_embeddings()  # the ids the model can score: its lm head's rows
     vocab_size = getattr(head, "out_features", None) or getattr(model.config, "vocab_size", None)
-    return resolve_generation_config(
+    config = resolve_generation_config(
         model.generation_config, preset, flags, model.config.is_encoder_decoder, vocab_size=vocab_size,
         positions=decoder_table(model.config),
     )  # fmt: skip
+    return with_stop_tokens(config)
+
+
+def with_stop_tokens(config: GenerationConfig) -> GenerationConfig:
+    """``stop_token_id`` (``--stop-token-id``, a preset's) added to the EOS ids, so that every engine, and
+    ``generate()``, ends an output there: ``generate(eos_token_id=[...])``'s outputs."""
+    extra = getattr(config, "stop_token_id", None)
+    if not extra:
+        return config
+    eos = config.eos_token_id
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    config.eos_token_id = ids + [i for i in ([extra] if isinstance(extra, int) else extra) if i not in ids]
+    return config
 
 
 def default_length(config: GenerationConfig) -> int | None:

@@ -62,6 +62,7 @@ GENERATOR_CHANGES: dict[str, Any] = {
     "typical_p": 0.9,
     "epsilon_cutoff": 0.01,
     "eta_cutoff": 0.01,
+    "stop_token_id": [5],
 }
 # structured outputs: each option's grammar (a GeneratorSpec's ``grammar``)
 GRAMMAR_CHANGES = {"json_schema": '{"type": "object"}', "regex": "[a-z]+", "grammar": 'root ::= "a"', "choice": ("a",)}
