@@ -86,13 +86,17 @@ GENERATION_OPTIONS: dict[str, _Flag] = {
     ),
     "forced_eos_token_id": _flag(int, "Token id forced as the last token at the maximum length."),
     "logprobs": _flag(
-        int, "JSONL output: each token's log-prob under the model (before any processor) and the N most likely "
+        int,
+        "JSONL output: each token's log-prob under the model (before any processor) and the N most likely "
         "tokens of its step (0-20), as vLLM gives them; implies --scores (greedy search and sampling).",
-    ),  # fmt: skip
+    ),
     "stop_token_id": _flag(
-        int, "End an output at this token id too, beside the model's EOS ids (repeatable; vLLM's stop_token_ids): "
-        "kept in the output unless a special token, as EOS is.", multiple=True, callback=_given_ids,
-    ),  # fmt: skip
+        int,
+        "End an output at this token id too, beside the model's EOS ids (repeatable; vLLM's stop_token_ids): "
+        "kept in the output unless a special token, as EOS is.",
+        multiple=True,
+        callback=_given_ids,
+    ),
 }
 BENCH_REPORTS = ("bench.json", "bench.md", "bench.png")  # what `seqgen bench` writes into --out
 # Not bench flags: --num-beams is bench's own comma-separated list; bench times one searched output per input.
@@ -343,20 +347,27 @@ class _SectionedCommand(click.Command):
     "as a space.",
 )  # fmt: skip
 @click.option(
-    "--json-schema", metavar="FILE|@FILE|JSON",
+    "--json-schema",
+    metavar="FILE|@FILE|JSON",
     help="Structured output: every output a JSON value of this JSON schema (a file, or the schema itself), on one "
     "line as json.dumps writes it; an output cut short by --max-new-tokens is counted at the end and, in JSONL output, "
     'marked "complete": false. Also --regex, --grammar, --choice (one of the four).',
-)  # fmt: skip
-@click.option("--regex", metavar="PATTERN", help="Structured output: every output a match of PATTERN (Rust regex syntax).")
+)
 @click.option(
-    "--grammar", metavar="FILE|@FILE", help="Structured output: every output a sentence of this GBNF (llama.cpp) or "
-    "Lark grammar file.",
-)  # fmt: skip
+    "--regex", metavar="PATTERN", help="Structured output: every output a match of PATTERN (Rust regex syntax)."
+)
 @click.option(
-    "--choice", "choice", multiple=True, metavar="TEXT", help="Structured output: every output one of these texts "
-    "(repeat: --choice positive --choice negative).",
-)  # fmt: skip
+    "--grammar",
+    metavar="FILE|@FILE",
+    help="Structured output: every output a sentence of this GBNF (llama.cpp) or Lark grammar file.",
+)
+@click.option(
+    "--choice",
+    "choice",
+    multiple=True,
+    metavar="TEXT",
+    help="Structured output: every output one of these texts (repeat: --choice positive --choice negative).",
+)
 @click.option(
     "--input-format",
     type=click.Choice(["auto", "text", "jsonl"]),

@@ -77,7 +77,7 @@ def logprob_entries(
     (raw) and ``top``, the step's best as the same fields; ``None`` for an input with none."""
     if scored is None or scored.logprobs is None:
         return None
-    ids = list(sequence) + [i for _, top in scored.logprobs for i, _ in top]
+    ids = list(dict.fromkeys([*sequence, *(i for _, top in scored.logprobs for i, _ in top)]))  # each id once
     words = dict(zip(ids, text([[i] for i in ids]), strict=True))
     return [
         {

@@ -88,9 +88,11 @@ class Results:
 
     def output(self) -> SearchOutput:
         return SearchOutput(
-            self.sequences, self.scores if self.with_scores else None, self.token_scores if self.with_tokens else None,
+            self.sequences,
+            self.scores if self.with_scores else None,
+            self.token_scores if self.with_tokens else None,
             self.logprobs if self.with_logprobs else None,
-        )  # fmt: skip
+        )
 
 
 class Cohort:

@@ -84,7 +84,9 @@ class GrammarMask:
 
         mask = torch.full((len(live), self.words), -1, dtype=torch.int32)  # [M, W]: 1 bits allowed
         fill_next_token_bitmask_par(self.executor, [(self.matchers[i], j) for j, i in enumerate(live)], mask)
-        allowed = (mask.to(scores.device)[:, :, None] >> self.bits.to(scores.device)) & 1  # [M, W, 32]
+        if self.bits.device != scores.device:  # once: the step's only other copy is the mask itself
+            self.bits = self.bits.to(scores.device)
+        allowed = (mask.to(scores.device)[:, :, None] >> self.bits) & 1  # [M, W, 32]
         allowed = allowed.view(len(live), -1)[:, : scores.shape[1]].bool()  # [M, V]
         if len(live) == len(self.matchers):  # every row masked: in place
             return scores.masked_fill_(~allowed, NEG_INF)
