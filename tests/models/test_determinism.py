@@ -48,15 +48,33 @@ def test_input_width_depends_on_the_length_only_and_pads_little() -> None:
         previous = w
 
 
+# AMX's bf16 tiles (oneDNN's ``brg_matmul:avx10_1_512_amx``) sum a row's inner dimension in an order that depends on
+# the row count and the threads for these two shapes, measured on a 2-core Intel Xeon with AMX (every run): bf16 keeps
+# a row's bits whatever its neighbours on AVX-512 BF16 and not on AMX (docs/ARCHITECTURE.md, "Products").
+AMX = "amx_bf16" in linear_maps.cpu_flags()
+AMX_BATCH_DEPENDENT = {(2048, 48), (512, 512)}
+
+
+def _product_cases() -> list:
+    cases = []
+    for inputs, outputs in [(2048, 48), (48, 600), (512, 512)]:
+        for dtype in linear_maps.ONEDNN_DTYPES:
+            dependent = AMX and dtype == torch.bfloat16 and (inputs, outputs) in AMX_BATCH_DEPENDENT
+            reason = "bf16 on AMX: a row's bits depend on the row count and threads (ARCHITECTURE, Products)"
+            marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)] if dependent else []
+            cases.append(pytest.param(inputs, outputs, dtype, marks=marks, id=f"{inputs}-{outputs}-{dtype}"))
+    return cases
+
+
 @pytest.mark.skipif(not linear_maps.ONEDNN, reason="torch built without oneDNN")
-@pytest.mark.parametrize("dtype", linear_maps.ONEDNN_DTYPES)
-@pytest.mark.parametrize(("inputs", "outputs"), [(2048, 48), (48, 600), (512, 512)])
+@pytest.mark.parametrize(("inputs", "outputs", "dtype"), _product_cases())
 def test_a_rows_product_does_not_depend_on_the_other_rows_or_threads(
     inputs: int, outputs: int, dtype: torch.dtype
 ) -> None:
     """Rows ``a:a+m`` of a product equal those rows of the whole product, for any ``m`` (1 included, beyond
     1024 too) and offset ``a``, at 1-3 threads: ``dense`` and ``PackedLinear`` (dense, then packed weight) for
-    [N, D] inputs and [B, S, D] inputs (whole sources), in every dtype oneDNN runs here."""
+    [N, D] inputs and [B, S, D] inputs (whole sources), in every dtype oneDNN runs here; bf16 on AMX is an
+    expected failure for the shapes where it was measured to fail."""
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(outputs, inputs, generator=g) / inputs**0.5, torch.randn(outputs, generator=g)
     x = torch.randn(1100, inputs, generator=g)
