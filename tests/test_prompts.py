@@ -149,8 +149,8 @@ def test_show_prompt_prints_the_first_prompt_and_its_tokens(chat_models, tmp_pat
 @pytest.mark.parametrize("source", ["flag", "generation_config"])
 def test_stop_strings_end_outputs_as_generate_does(chat_models, tmp_path: Path, source: str, beams: int) -> None:
     """``--stop`` and a checkpoint's ``stop_strings`` (before: "could not locate a tokenizer" on both backends):
-    the outputs end where generate(stop_strings=..., tokenizer=...) ends them; greedy on the fast decoder (and its
-    refill lanes), beam search on generate() itself."""
+    the outputs end where generate(stop_strings=..., tokenizer=...) ends them, greedy and beam search on the fast
+    decoder and its refill lanes (beam search with stop strings ran generate() itself before)."""
     model, texts = copy_checkpoint(chat_models["llama"], tmp_path / "m"), _texts()
     src = write_lines(tmp_path / "in.txt", texts)
     plain = tmp_path / "plain.txt"
@@ -169,14 +169,14 @@ def test_stop_strings_end_outputs_as_generate_does(chat_models, tmp_path: Path, 
     if source == "generation_config":
         config = json.loads((model / "generation_config.json").read_text(encoding="utf-8"))
         (model / "generation_config.json").write_text(json.dumps({**config, "stop_strings": [stop]}), encoding="utf-8")
-    for extra in ([], ["--refill"]) if beams == 1 else ([],):
+    for extra in ([], ["--refill"]):
         out, stats = tmp_path / "out.txt", tmp_path / "stats.json"
         args = ["--num-beams", str(beams), "--stats", str(stats), *extra, *(["--stop", stop] if source == "flag" else [])]
         res = _run(model, src, out, *args)
         assert res.exit_code == 0, res.stderr
         assert out.read_text(encoding="utf-8").splitlines() == expected, extra
         device = json.loads(stats.read_text(encoding="utf-8"))["device"]
-        assert device.get("engine") == ("llama decoder" if beams == 1 else "generate()"), device
+        assert device.get("engine") == "llama decoder", device
 
 
 def test_the_engine_refuses_stop_strings_without_their_check(tiny_models) -> None:

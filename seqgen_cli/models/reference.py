@@ -38,11 +38,14 @@ def hf_generate(
     best = getattr(generation, "logprobs", None) if isinstance(generation, GenerationConfig) else None
     if grammar is not None:
         extra["logits_processor"] = [*extra.get("logits_processor", []), grammar_processor(grammar, start)]
+    given = generation if isinstance(generation, GenerationConfig) else model.generation_config
+    # a stop string ends a beam hypothesis without EOS, and its padding may be the EOS id: its length is read from
+    # its beam indices (-1 past its end), which generate() returns with the scores only
+    stops = bool(generation.get("stop_strings") if isinstance(generation, dict) else given.stop_strings)
     out = model.generate(
         batch.input_ids, attention_mask=batch.attention_mask, return_dict_in_generate=True,
-        output_scores=scores, output_logits=best is not None, **kwargs, **extra,
+        output_scores=scores or stops, output_logits=best is not None, **kwargs, **extra,
     )  # fmt: skip
-    given = generation if isinstance(generation, GenerationConfig) else model.generation_config
     eos = (
         generation.get("eos_token_id", given.eos_token_id)
         if isinstance(generation, dict)
@@ -51,11 +54,13 @@ def hf_generate(
     b = batch.input_ids.shape[0]
     n = out.sequences.shape[0] // b
     rows = [strip_generated(row[start:], eos) for row in out.sequences.tolist()]
+    beams = getattr(out, "beam_indices", None)
+    if stops and beams is not None:
+        rows = [row[:n] for row, n in zip(rows, (beams >= 0).sum(dim=1).tolist(), strict=True)]
     seqs = [rows[i * n : (i + 1) * n] for i in range(b)]
     logprobs = None if best is None else raw_logprobs(out, rows, start, best, b)
     if not scores or not out.scores:
         return SearchOutput(seqs, logprobs=logprobs)
-    beams = getattr(out, "beam_indices", None)
     # [B * n, T]: each generated token's processed log-prob (greedy, sampling: the scores log-softmaxed)
     steps = model.compute_transition_scores(out.sequences, out.scores, beams, normalize_logits=beams is None)
     per_token = [step[: len(row)].tolist() for step, row in zip(steps, rows, strict=True)]

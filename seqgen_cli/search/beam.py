@@ -34,6 +34,7 @@ from seqgen_cli.search.beam_step import (
     scored_at_most_tokens,
     select_finished,
 )
+from seqgen_cli.search.greedy import StopCheck
 from seqgen_cli.search.protocol import SearchOutput
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
@@ -110,6 +111,18 @@ def _next_token_hits_stopping_criteria(
     if eos is not None:
         return torch.isin(topk_tokens, eos)
     return torch.zeros(topk_tokens.shape, dtype=torch.bool, device=topk_tokens.device)
+
+
+def _stop_string_hits(
+    stop: StopCheck, rows: Rows, topk_beams: torch.Tensor, topk_tokens: torch.Tensor, scores: torch.Tensor
+) -> torch.Tensor:
+    """[B, C] bool: the candidate's text now ends in a stop string (transformers' ``stopping_criteria`` over
+    ``topk_running_sequences``: its beam's tokens, prompt included, then its new token)."""
+    bsz, c = topk_tokens.shape
+    k = rows.rows_per_input
+    parents = (torch.arange(bsz, device=topk_beams.device)[:, None] * k + topk_beams).reshape(-1)  # [B * C] rows
+    sequences = torch.cat((rows.history.filled.index_select(0, parents), topk_tokens.reshape(-1, 1)), dim=1)
+    return stop(sequences, scores).view(bsz, c)  # [B * C, L + 1] -> [B, C]
 
 
 def _update_finished_beams(
@@ -211,8 +224,10 @@ class BeamSearch:
     """Beam search over the inputs of ``rows``, one step per :meth:`advance`: transformers' loop body, so a batch
     (:func:`beam_search`) and a refill cohort (``search/refill.py``) run the same ops in the same order."""
 
-    def __init__(self, rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK) -> None:
-        self.rows, self.s, self.consts, self.topk = rows, settings, consts, topk
+    def __init__(
+        self, rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK, stop: StopCheck | None = None
+    ) -> None:
+        self.rows, self.s, self.consts, self.topk, self.stop = rows, settings, consts, topk, stop
         device = consts.top_num_beam_mask.device
         self.beams = BeamState.start(
             len(rows.inputs), settings.num_beams, settings.max_new_tokens, device, token_scores=settings.scores
@@ -234,6 +249,8 @@ class BeamSearch:
             log_probs, c.beams_to_keep, k, self.topk
         )
         hits = _next_token_hits_stopping_criteria(topk_tokens, c.eos, last_step)  # [B, C]
+        if self.stop is not None and not last_step:  # a stop string ends a candidate as EOS does
+            hits = hits | _stop_string_hits(self.stop, rows, topk_beams, topk_tokens, log_probs)
         beams.running_scores, next_beams, next_tokens = get_running_beams_for_next_iteration(
             topk_log_probs, topk_beams, topk_tokens, hits, k
         )

@@ -44,17 +44,19 @@ def make_search(
     """The search of ``settings.mode`` over ``rows``: beam search (over a static backend's fixed lanes, a step that
     compiles: ``search/static.py``), or one token per row, the arg-max or a draw from each input's random stream.
     ``consts``: the device constants, built once per call before its first step is queued (host data copied later
-    would wait for that step). ``stop``: the stop strings' check (greedy and sampling; beam search has none)."""
+    would wait for that step). ``stop``: the stop strings' check (a stop string ends a row, or a beam candidate as
+    EOS does; not in the compiled static step)."""
     s = settings
     if (
         s.mode == "beam"
         and rows.pipeline.grammar is None  # the matchers live on the host: not in a compiled step
+        and stop is None  # nor the stop strings' check
         and isinstance(rows.backend, StaticBackend)
         and rows.backend.static_search(rows.state)
     ):
         return StaticBeamSearch(rows, s, consts, topk)
     if s.mode == "beam":
-        return BeamSearch(rows, s, consts, topk)
+        return BeamSearch(rows, s, consts, topk, stop)
     if s.mode == "sample":
         return TokenSearch(rows, s, streams.picker(rows), consts.eos, stop)
     return TokenSearch(rows, s, lambda scores: scores.argmax(dim=-1), consts.eos, stop)

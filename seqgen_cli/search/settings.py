@@ -221,8 +221,6 @@ def resolve_mode(config: GenerationConfig) -> Mode:
                 f"generation option {name}={getattr(config, name)!r} is not supported by seqgen's engine"
             )
     num_beams, do_sample = setting(config, "num_beams"), bool(setting(config, "do_sample"))
-    if num_beams > 1 and config.stop_strings:
-        raise SeqgenError("stop strings (--stop, stop_strings) with beam search are not supported by seqgen's engine")
     if num_beams > 1 and do_sample:
         raise SeqgenError("beam sampling (num_beams > 1 with do_sample) is not supported by seqgen's engine")
     check_return_sequences(config)
