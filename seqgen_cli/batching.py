@@ -329,8 +329,15 @@ class Batcher:
         window = self._windows
         self._windows += 1
         plan = plan_batches(
-            lengths, self.batch_size, self.batch_tokens, self.rows, self.sort, self.memory, self.buckets, self.width
-        )  # fmt: skip
+            lengths,
+            self.batch_size,
+            self.batch_tokens,
+            self.rows,
+            self.sort,
+            self.memory,
+            self.buckets,
+            self.width,
+        )
         for idx in plan:
             self.source_tokens += sum(lengths[i] for i in idx)
             self.padded_tokens += sum(self.width(lengths[i]) for i in idx)

@@ -88,8 +88,15 @@ def file_of(folder: Path, key: str) -> str:
     return relative(folder, files[0]) if files else "the weights"
 
 
-JSON_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "added_tokens.json", "vocab.json")  # fmt: skip  (read by transformers, some silently skipped if bad)
+# Read by transformers, some silently skipped if bad: checked up front.
+JSON_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+)
 
 
 def check_json_files(folder: Path, what: str) -> None:
@@ -110,10 +117,12 @@ def read_files(folder: Path, what: str = "") -> list[Path]:
     top = [p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file()]
     chosen = weight_files(folder, what)
     others = [
-        p for p in top
-        if not p.name.lower().endswith(NOT_READ) and not p.name.endswith(WEIGHT_SUFFIXES)
+        p
+        for p in top
+        if not p.name.lower().endswith(NOT_READ)
+        and not p.name.endswith(WEIGHT_SUFFIXES)
         and not p.name.endswith((".safetensors.index.json", ".bin.index.json"))
-    ]  # fmt: skip
+    ]
     unique = {os.path.normpath(p.absolute()): p for p in [*others, *chosen]}
     return sorted(unique.values(), key=lambda p: relative(folder, p))
 

@@ -1,4 +1,5 @@
-"""Generation settings: presets, and how they resolve against a checkpoint's ``generation_config.json``.
+"""Generation settings resolved against a checkpoint: its ``generation_config.json``, then the preset, then the
+flags, each checked by :mod:`seqgen_cli.rules` and the whole against the loaded model.
 
 Resolution order is transformers' own, with one layer added: the checkpoint's generation config, then
 the preset (``--preset``), then explicit flags. A later ``max_new_tokens`` replaces an earlier
@@ -9,12 +10,8 @@ one unit can be overridden in the other.
 from __future__ import annotations
 
 import copy
-import math
-import tomllib
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from transformers import GenerationConfig
@@ -23,233 +20,25 @@ from seqgen_cli.checkpoint import read_json
 from seqgen_cli.digests import checkpoint_folder
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.languages import resolve_target_lang
-from seqgen_cli.search.settings import check_return_sequences, rows_per_input, setting
-
-# The generate() settings seqgen exposes as flags, with transformers' names.
-GENERATION_KEYS = (
-    "num_beams",
-    "max_new_tokens",
-    "min_new_tokens",
-    "max_length",
-    "min_length",
-    "length_penalty",
-    "early_stopping",
-    "no_repeat_ngram_size",
-    "num_return_sequences",
-    "do_sample",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "typical_p",
-    "epsilon_cutoff",
-    "eta_cutoff",
-    "repetition_penalty",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "logprobs",  # seqgen's own (vLLM's name): each token's raw log-prob and the N best (greedy, sampling)
-    "stop_token_id",  # seqgen's own (vLLM's stop_token_ids): ids that end an output, beside the EOS ids
+from seqgen_cli.loading import context_length
+from seqgen_cli.models.families import decoder_table
+from seqgen_cli.presets import Preset
+from seqgen_cli.rules import (
+    CHECKPOINT,
+    FLAG,
+    FORCED_TOKEN_KEYS,
+    GENERATION_KEYS,
+    MOST,
+    RULES,
+    SAME_LIMIT,
+    SAMPLING_KEYS,
+    check_setting,
+    describe,
 )
+from seqgen_cli.search.settings import check_return_sequences, rows_per_input, setting
+from seqgen_cli.stops import check_stop_strings, with_stop_tokens
+
 _DEFAULT_CONFIG = GenerationConfig()
-FLAG = "flag"  # the source of a setting given on the command line (or to Generator(...))
-CHECKPOINT = "the model's generation_config.json"
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What values a generation setting takes: a number of ``kind`` (``bool``: true/false) within bounds."""
-
-    kind: type
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False  # low itself is not allowed
-    also: tuple[Any, ...] = ()  # further values allowed as they are (early_stopping's "never")
-    lists: bool = False  # a non-empty list of such values is allowed too (forced_eos_token_id, as generate())
-
-    def problem(self, value: Any) -> str | None:
-        """Why ``value`` breaks the rule (None: it does not)."""
-        if self.lists:
-            values = value if isinstance(value, list | tuple) else [value]
-            if values and not any(self._problem(v) for v in values):
-                return None
-            return f"{self._problem(None)}, or a list of them"
-        return self._problem(value)
-
-    def _problem(self, value: Any) -> str | None:
-        if isinstance(value, str) and value in self.also:
-            return None
-        if self.kind is bool:
-            return (
-                None
-                if isinstance(value, bool)
-                else "must be true or false" + "".join(f" or {a}" for a in self.also)
-            )
-        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        whole = isinstance(value, int)
-        too_low = (
-            number and self.low is not None and (value < self.low or (self.low_open and value == self.low))
-        )
-        too_high = number and self.high is not None and value > self.high
-        if not number or (self.kind is int and not whole) or too_low or too_high:
-            return f"must be a {'whole' if self.kind is int else 'finite'} number{self._bounds()}"
-        return None
-
-    def _bounds(self) -> str:
-        low = "" if self.low is None else f"{'>' if self.low_open else '>='} {_number(self.low)}"
-        high = "" if self.high is None else f"<= {_number(self.high)}"
-        return "" if not (low or high) else " " + " and ".join(x for x in (low, high) if x)
-
-
-def _number(x: float) -> str:
-    """A bound as written: whole numbers in full (2147483647, not 2.14748e+09)."""
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-# The most any count or token id may be, from any source. Python, click and TOML integers have no bound; torch's
-# sizes are int64: past it torch dies converting a size (c10::ValueError with a C++ frame dump), and below it the
-# engine's products of these counts (rows x positions x heads x head size x 4 bytes: one input's caches) overflow
-# the storage size. int32's largest is far past any real run (2**31 beams, or tokens of one output) and is what
-# CUDA kernels index with; one input's rows x length keeps within it too (_check_rows). Once the model is loaded,
-# beams are held to its vocabulary (_check_beams) and lengths to a learned-position table (_check_positions).
-MOST = 2**31 - 1
-MOST_LOGPROBS = 20  # --logprobs: the best tokens listed per step (vLLM's default bound)
-
-# Every setting of GENERATION_KEYS and its rule: flags, preset files and the checkpoint's generation_config.json
-# all go through check_setting.
-RULES: dict[str, Rule] = {
-    "num_beams": Rule(int, 1, MOST),
-    "max_new_tokens": Rule(int, 1, MOST),
-    "min_new_tokens": Rule(int, 0, MOST),
-    "max_length": Rule(int, 1, MOST),
-    "min_length": Rule(int, 0, MOST),
-    "length_penalty": Rule(float),
-    "early_stopping": Rule(bool, also=("never",)),
-    "no_repeat_ngram_size": Rule(int, 0, MOST),
-    "num_return_sequences": Rule(int, 1, MOST),
-    "do_sample": Rule(bool),
-    "temperature": Rule(float, 0, low_open=True),
-    "top_k": Rule(int, 0, MOST),
-    "top_p": Rule(float, 0, 1, low_open=True),
-    "min_p": Rule(float, 0, 1),
-    "typical_p": Rule(float, 0, 1, low_open=True),  # 1: off
-    "epsilon_cutoff": Rule(float, 0, 1),  # 0 or 1: off
-    "eta_cutoff": Rule(float, 0, 1),
-    "repetition_penalty": Rule(float, 0, low_open=True),
-    # the target language of mBART-50, M2M-100, NLLB (--target-lang)
-    "forced_bos_token_id": Rule(int, 0, MOST),
-    "forced_eos_token_id": Rule(int, 0, MOST, lists=True),
-    "logprobs": Rule(int, 0, MOST_LOGPROBS),
-    "stop_token_id": Rule(int, 0, MOST, lists=True),
-}
-# token ids: below the model's vocabulary
-FORCED_TOKEN_KEYS = ("forced_bos_token_id", "forced_eos_token_id", "stop_token_id")
-SAMPLING_KEYS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "typical_p",
-    "epsilon_cutoff",
-    "eta_cutoff",
-)  # used (so checked in a checkpoint's config) only when sampling
-
-
-def describe(key: str, value: Any, source: str) -> str:
-    """How an error names a setting: ``--num-beams 0`` for a flag, ``my.toml: num_beams = 0`` otherwise."""
-    if source == FLAG:
-        return f"--{key.replace('_', '-')} {value}"
-    return f"{source}: {key} = {value!r}"
-
-
-def check_setting(key: str, value: Any, source: str) -> None:
-    """One-line :class:`SeqgenError` naming the source when ``value`` breaks ``key``'s rule."""
-    rule = RULES.get(key)
-    problem = rule.problem(value) if rule is not None else None
-    if problem is not None:
-        raise SeqgenError(f"{describe(key, value, source)}: {problem}")
-
-
-# Pairs that say the same thing in two units: the later layer's choice wins.
-_SAME_LIMIT = {
-    "max_new_tokens": "max_length",
-    "max_length": "max_new_tokens",
-    "min_new_tokens": "min_length",
-    "min_length": "min_new_tokens",
-}
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A task preset: generation settings plus input handling (``configs/NAME.toml``)."""
-
-    name: str
-    description: str = ""
-    generation: dict[str, Any] = field(default_factory=dict)
-    prefix: str | None = None
-    max_source_length: int | None = None
-    source: str = "preset"  # how errors name it: "preset PATH"
-
-
-def preset_dirs() -> list[Path]:
-    """Where presets live: the installed package's copy, then the source tree's ``configs/``."""
-    here = Path(__file__).resolve().parent
-    return [d for d in (here / "configs", here.parent / "configs") if d.is_dir()]
-
-
-def list_presets() -> list[Preset]:
-    """All presets, by name (the first directory that defines a name wins)."""
-    found: dict[str, Preset] = {}
-    for d in preset_dirs():
-        for path in sorted(d.glob("*.toml")):
-            found.setdefault(path.stem, _read_preset(path))
-    return [found[k] for k in sorted(found)]
-
-
-def load_preset(name: str) -> Preset:
-    """A preset by name, or from a ``.toml`` file path."""
-    path = Path(name)
-    if path.suffix == ".toml":
-        if not path.is_file():
-            raise SeqgenError(f"preset file {name} does not exist")
-        return _read_preset(path)
-    for preset in list_presets():
-        if preset.name == name:
-            return preset
-    names = ", ".join(p.name for p in list_presets()) or "none found"
-    raise SeqgenError(f"unknown preset {name!r} (available: {names}; or pass a path to a .toml file)")
-
-
-def _read_preset(path: Path) -> Preset:
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-        raise SeqgenError(f"{path}: cannot read preset: {err}") from None
-    where = f"preset {path}"
-    generation = data.pop("generation", {})
-    if not isinstance(generation, dict):
-        raise SeqgenError(f"{where}: [generation] must be a table of settings")
-    unknown = sorted(set(generation) - set(GENERATION_KEYS))
-    if unknown:
-        raise SeqgenError(f"{where}: unknown generation setting(s) {', '.join(unknown)}")
-    extra = sorted(set(data) - {"description", "prefix", "max_source_length"})
-    if extra:
-        raise SeqgenError(f"{where}: unknown preset key(s) {', '.join(extra)}")
-    for key, value in generation.items():
-        check_setting(key, value, where)
-    for key in ("description", "prefix"):
-        if not isinstance(data.get(key, ""), str):
-            raise SeqgenError(f"{describe(key, data[key], where)}: must be a string")
-    limit = data.get("max_source_length")
-    if limit is not None and Rule(int, 1).problem(limit):
-        raise SeqgenError(f"{describe('max_source_length', limit, where)}: {Rule(int, 1).problem(limit)}")
-    return Preset(
-        name=path.stem,
-        description=data.get("description", ""),
-        generation=generation,
-        prefix=data.get("prefix"),
-        max_source_length=limit,
-        source=where,
-    )
 
 
 def resolve_generation_config(
@@ -276,7 +65,7 @@ def resolve_generation_config(
     layers = ((preset.generation, preset.source) if preset else ({}, ""), (flags or {}, FLAG))
     for layer, where in layers:
         for key, value in layer.items():
-            other = _SAME_LIMIT.get(key)
+            other = SAME_LIMIT.get(key)
             if other is not None and other not in layer:
                 setattr(config, other, getattr(_DEFAULT_CONFIG, other))
                 given.discard(other)
@@ -400,29 +189,34 @@ def settings_for_model(
     """A loaded model's settings: its ``generation_config``, then ``preset``, then ``flags`` (checked by
     :func:`check_flags`), ``target_lang`` resolved through ``tokenizer`` over any ``forced_bos_token_id``; forced
     ids and beams checked against the rows of the model's lm head, lengths against its position table (if any)."""
-    from seqgen_cli.models.families import decoder_table
-
     if target_lang is not None:  # a flag: over the checkpoint's and the preset's forced_bos_token_id
         flags = {**flags, "forced_bos_token_id": resolve_target_lang(tokenizer, target_lang)}
     head = model.get_output_embeddings()  # the ids the model can score: its lm head's rows
     vocab_size = getattr(head, "out_features", None) or getattr(model.config, "vocab_size", None)
     config = resolve_generation_config(
-        model.generation_config, preset, flags, model.config.is_encoder_decoder, vocab_size=vocab_size,
+        model.generation_config,
+        preset,
+        flags,
+        model.config.is_encoder_decoder,
+        vocab_size=vocab_size,
         positions=decoder_table(model.config),
-    )  # fmt: skip
+    )
     return with_stop_tokens(config)
 
 
-def with_stop_tokens(config: GenerationConfig) -> GenerationConfig:
-    """``stop_token_id`` (``--stop-token-id``, a preset's) added to the EOS ids, so that every engine, and
-    ``generate()``, ends an output there: ``generate(eos_token_id=[...])``'s outputs."""
-    extra = getattr(config, "stop_token_id", None)
-    if not extra:
-        return config
-    eos = config.eos_token_id
-    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    config.eos_token_id = ids + [i for i in ([extra] if isinstance(extra, int) else extra) if i not in ids]
-    return config
+CHAT_NEW_TOKENS = 1024  # --chat's new-token limit where none is set (at most half the model's context)
+
+
+def chat_length(config: GenerationConfig, model_config: Any, chat: bool) -> int | None:
+    """``--chat``'s limit where none is set (:func:`default_length`: transformers' 20 cuts an LLM's answer short):
+    :data:`CHAT_NEW_TOKENS` new tokens, at most half the model's context (the prompt keeps the rest), so that an
+    answer ends at its end of turn; set as ``config.max_new_tokens`` and returned (``None``: no ``--chat``, or a
+    limit set by the checkpoint, a preset or a flag)."""
+    if not chat or default_length(config) is None:
+        return None
+    context = context_length(model_config)
+    config.max_new_tokens = min(CHAT_NEW_TOKENS, context // 2) if context else CHAT_NEW_TOKENS
+    return config.max_new_tokens
 
 
 def default_length(config: GenerationConfig) -> int | None:
@@ -435,35 +229,9 @@ def default_length(config: GenerationConfig) -> int | None:
     return None
 
 
-# transformers' StopStringCriteria builds tables over the whole vocabulary for each stop string: about 55 ms a
-# string on GPT-2's 50k tokens, so 1000 strings take a minute before the first input. More than any stop list
-# in use needs.
-MOST_STOPS = 64
-
-
-def check_stop_strings(value: Any, source: str) -> list[str]:
-    """``stop_strings`` (a string or a list of strings, as ``generate()`` takes them) as a list; one line naming
-    the source for anything else: an empty string (it would stop nothing), a dict, a number, a nested list, more
-    than :data:`MOST_STOPS`."""
-    if value is None:
-        return []
-    values = [value] if isinstance(value, str) else value
-    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise SeqgenError(f"{describe('stop_strings', value, source)}: must be a string or a list of strings")
-    if any(v == "" for v in values):
-        what = "--stop ''" if source == FLAG else describe("stop_strings", value, source)
-        raise SeqgenError(f"{what}: an empty stop string stops nothing: drop it")
-    if len(values) > MOST_STOPS:
-        raise SeqgenError(f"{len(values)} stop strings: at most {MOST_STOPS} (each costs a pass over the vocabulary)")
-    return values
-
-
-def all_stops(own: Any, stop: Sequence[str]) -> list[str] | None:
-    """The checkpoint's ``stop_strings``, then ``--stop``'s (None: none)."""
-    return check_stop_strings([*check_stop_strings(own, CHECKPOINT), *stop], FLAG) or None
-
-
-def check_checkpoint(model: str, preset: Preset | None, flags: dict[str, Any], stop: Sequence[str] = ()) -> None:
+def check_checkpoint(
+    model: str, preset: Preset | None, flags: dict[str, Any], stop: Sequence[str] = ()
+) -> None:
     """``--stop`` (``stop``), and the checkpoint's ``generation_config.json`` settings the run uses (those no preset
     or flag replaces), checked before its weights are read, each error naming the file: what
     :func:`resolve_generation_config` checks after the load, plus ``stop_strings``."""
@@ -476,12 +244,14 @@ def check_checkpoint(model: str, preset: Preset | None, flags: dict[str, Any], s
     if not isinstance(data, dict):
         raise SeqgenError(f"{path}: not a JSON object of generation settings")
     given = {*(preset.generation if preset else {}), *flags}
-    given |= {_SAME_LIMIT[k] for k in given if k in _SAME_LIMIT}  # a limit in one unit replaces the other
+    given |= {SAME_LIMIT[k] for k in given if k in SAME_LIMIT}  # a limit in one unit replaces the other
     merged = {**data, **(preset.generation if preset else {}), **flags}
     for key, value in data.items():
         if key in given or key not in RULES or value is None:
             continue
-        if (key in SAMPLING_KEYS and not merged.get("do_sample")) or (key == "early_stopping" and merged.get("num_beams", 1) == 1):
+        if (key in SAMPLING_KEYS and not merged.get("do_sample")) or (
+            key == "early_stopping" and merged.get("num_beams", 1) == 1
+        ):
             continue  # unused (resolve_generation_config drops them too)
         check_setting(key, value, str(path))
     check_stop_strings(data.get("stop_strings"), str(path))

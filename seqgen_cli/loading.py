@@ -332,15 +332,7 @@ def source_limit(config: Any, tokenizer: Any, requested: int | None, new_tokens:
     tokenizer's ``model_max_length`` where that is a real number (not transformers' ``int(1e30)`` for "no
     limit"), so one huge line is truncated (and counted) instead of asking for any amount of memory.
     """
-    limit = next(
-        (v for k in ("max_position_embeddings", "max_encoder_position_embeddings", "n_positions")
-         if (v := getattr(config, k, None))),
-        None,
-    )  # fmt: skip  (LED: its encoder's 16,384 positions)
-    from seqgen_cli.models.families import source_limited
-
-    if not source_limited(config):
-        limit = None  # relative positions: no hard limit
+    limit = context_length(config)
     if limit is None:
         if requested is not None:
             return requested
@@ -352,6 +344,30 @@ def source_limit(config: Any, tokenizer: Any, requested: int | None, new_tokens:
     if requested is None:
         return limit
     return min(requested, limit) if limit else requested
+
+
+def context_length(config: Any) -> int | None:
+    """The model's positions (``max_position_embeddings`` or its other names; LED: its encoder's 16,384), or
+    ``None`` where it has no hard limit (relative positions) or says none."""
+    from seqgen_cli.models.families import source_limited
+
+    if not source_limited(config):
+        return None
+    keys = ("max_position_embeddings", "max_encoder_position_embeddings", "n_positions")
+    return next((v for k in keys if (v := getattr(config, k, None))), None)
+
+
+def limit_said(config: Any, requested: int | None, by: str, limit: int | None, new_tokens: int = 0) -> str:
+    """Where :func:`source_limit`'s ``limit`` comes from, in words, for the errors that name it: the limit the
+    user set (``by``: ``--max-source-length``, the preset's), else the model's context less the new tokens a
+    decoder-only model generates after its prompt, else the tokenizer's ``model_max_length``."""
+    if requested is not None and limit is not None and requested <= limit:
+        return f"{by} {requested}"
+    context = context_length(config)
+    if context is None:
+        return f"the tokenizer's model_max_length {limit}"
+    less = f" less {new_tokens} new tokens" if new_tokens else ""
+    return f"the model's context of {context} positions{less}"
 
 
 def tokenizer_files(folder: Path, model_type: str | None) -> list[str]:

@@ -205,9 +205,12 @@ def _sacrebleu_metric(name: str, o: Options, sentence: bool = False) -> Any:
     if name == "bleu":
         try:
             return BLEU(
-                trg_lang=o.target_lang or "", tokenize=o.tokenize, lowercase=o.lowercase, force=o.force,
+                trg_lang=o.target_lang or "",
+                tokenize=o.tokenize,
+                lowercase=o.lowercase,
+                force=o.force,
                 effective_order=sentence,
-            )  # fmt: skip
+            )
         except (RuntimeError, ImportError) as err:  # e.g. ja/ko tokenisers need sacrebleu[ja]/[ko]
             first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
             what = f"tokenizer {o.tokenize!r}" if o.tokenize else f"target language {o.target_lang!r}"
@@ -282,9 +285,14 @@ def sentence_scores(hyps: Sequence[str], refs: References, metrics: Sequence[str
 
 
 def score(
-    hyps: list[str], refs: list[str] | References, metrics: list[str], *, target_lang: str | None = None,
-    options: Options | None = None, names: Sequence[str] = (),
-) -> dict[str, Any]:  # fmt: skip
+    hyps: list[str],
+    refs: list[str] | References,
+    metrics: list[str],
+    *,
+    target_lang: str | None = None,
+    options: Options | None = None,
+    names: Sequence[str] = (),
+) -> dict[str, Any]:
     """Score line-aligned hypotheses against references: one reference stream (``list[str]``) or several
     (``list[list[str]]``, each line-aligned).
 

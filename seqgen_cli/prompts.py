@@ -132,12 +132,20 @@ class Prompter:
         same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         return a[: max(0, same - 1)]
 
-    def encode(self, texts: Sequence[str], fields: Sequence[Mapping[str, Any] | None], limit: int | None) -> list[Prompted]:
-        """Each input's tokens, at most ``limit`` (:meth:`_fit`)."""
+    def encode(
+        self,
+        texts: Sequence[str],
+        fields: Sequence[Mapping[str, Any] | None],
+        limit: int | None,
+        said: str | None = None,
+    ) -> list[Prompted]:
+        """Each input's tokens, at most ``limit`` (:meth:`_fit`; ``said``: where the limit comes from, in words, for
+        the errors that name it; default ``--max-source-length``)."""
+        said = said or f"--max-source-length {limit}"
         out = []
         for text, obj in zip(texts, fields, strict=True):
             try:
-                out.append(self._fit(text, obj, limit))
+                out.append(self._fit(text, obj, limit, said))
             except SeqgenError as err:
                 out.append(Prompted([], error=str(err)))
         return out
@@ -146,7 +154,7 @@ class Prompter:
         # a chat template writes the special tokens itself (apply_chat_template(tokenize=True) adds none)
         return self.tokenizer(prompt, add_special_tokens=not self.settings.chat)["input_ids"]
 
-    def _fit(self, text: str, fields: Mapping[str, Any] | None, limit: int | None) -> Prompted:
+    def _fit(self, text: str, fields: Mapping[str, Any] | None, limit: int | None, said: str) -> Prompted:
         """The tokens of the rendered prompt; over ``limit``, a plain prompt cut at its end (as the tokenizer's own
         truncation), a templated one rendered again around its input text cut short by as many tokens as it is
         over (again, should the shorter text tokenise otherwise), never the template's tokens."""
@@ -157,12 +165,13 @@ class Prompter:
         if s.template is None and not s.chat:
             ids = self.tokenizer((s.prefix or "") + text, truncation=True, max_length=limit)["input_ids"]
             if ids == self.tokenizer(s.prefix or "", truncation=True, max_length=limit)["input_ids"]:
-                raise SeqgenError(_nothing_left(limit, "--prefix and the special tokens" if s.prefix else "special tokens"))
+                what = "--prefix and the special tokens" if s.prefix else "special tokens"
+                raise SeqgenError(_nothing_left(limit, said, what))
             return Prompted(ids, True)
         messages = _messages(fields)
         cut = _last_user(messages) if messages else None  # the text cut: the input, or the last user message's
         if messages and cut is None:
-            raise SeqgenError(f"the conversation is over --max-source-length {limit} and has no user text to shorten")
+            raise SeqgenError(f"the conversation is over {limit} tokens ({said}) and has no user text to shorten")
         inner = messages[cut]["content"] if messages else text
         pieces = self.tokenizer(inner, add_special_tokens=False)["input_ids"]
         keep = len(pieces)
@@ -177,10 +186,10 @@ class Prompter:
                 ids = self._tokens(self.render(short, fields))
         if len(ids) > limit:
             raise SeqgenError(
-                f"the prompt's template alone takes {len(ids)} tokens, more than --max-source-length {limit}"
+                f"the prompt's template alone takes {len(ids)} tokens, more than {limit} ({said})"
             )
         if keep == 0:  # the template fits, the input does not: an output of the template alone is no output
-            raise SeqgenError(_nothing_left(limit, "the prompt's template"))
+            raise SeqgenError(_nothing_left(limit, said, "the prompt's template"))
         return Prompted(ids, True)
 
     def _chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
@@ -242,11 +251,8 @@ def bounded(where: str, clock: Callable[[], float] = time.monotonic) -> Iterator
         sys.settrace(previous)
 
 
-def _nothing_left(limit: int, what: str) -> str:
-    return (
-        f"a prompt of at most {limit} tokens (--max-source-length, or the model's context less the new tokens) "
-        f"leaves none of the input's text beside {what}"
-    )
+def _nothing_left(limit: int, said: str, what: str) -> str:
+    return f"a prompt of at most {limit} tokens ({said}) leaves none of the input's text beside {what}"
 
 
 def _fill(template: str, text: str, fields: Mapping[str, Any] | None) -> str:

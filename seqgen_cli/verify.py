@@ -316,10 +316,16 @@ def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | 
             with torch.inference_mode():
                 agreement.add(
                     compare(
-                        gen.loaded.reference, gen.pad(part), gen.config, ours, rtol=tol, tie_noise=tol,
-                        names=[names[i] for i in group], tokenizer=gen.tokenizer,
+                        gen.loaded.reference,
+                        gen.pad(part),
+                        gen.config,
+                        ours,
+                        rtol=tol,
+                        tie_noise=tol,
+                        names=[names[i] for i in group],
+                        tokenizer=gen.tokenizer,
                     )
-                )  # fmt: skip
+                )
         return agreement
     except Exception as err:  # noqa: BLE001 - out of memory: reported, the run goes on (and splits batches)
         if not is_oom(err):

@@ -26,6 +26,7 @@ from seqgen_cli.cli import main
 from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.generator import Generator
 from seqgen_cli.loading import Loaded
+from seqgen_cli.outputs import OutputText
 from seqgen_cli.prompts import PromptSettings
 from seqgen_cli.search import Batch, generate
 from tests.tiny_models import Loaded as LoadedFixture
@@ -57,6 +58,7 @@ class FakeGen:
         self.batches: list[list[list[int]]] = []
         self.fail = fail  # called with the batch before generating; may raise
         self.budget = DeviceBudget(self.loaded.device)  # as a CPU Generator: no limit
+        self.texts = OutputText(self.decode)
 
     @property
     def num_return_sequences(self) -> int:
@@ -86,6 +88,7 @@ class FakeGen:
 
     def decode(self, seqs):
         return ["".join(map(chr, s)) for s in seqs]
+
 
     def device_stats(self):
         return {"device": "cpu", "dtype": "float32"}

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from seqgen_cli.errors import SeqgenError
-from seqgen_cli.generator import Generator
+from seqgen_cli.generator import Generator, GeneratorSpec
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,16 @@ def test_length_rules(gen: Generator, tiny_models) -> None:
     causal = Generator(str(tiny_models("gpt2")), backend="hf", max_length=10, min_length=3)
     assert causal.new_token_limits(prompt_len=4)[0] == 6 and causal.new_token_limits(prompt_len=2)[1] == 1
     assert causal.num_return_sequences == 1 and causal.rows_per_input == 1
+
+
+def test_the_spec_holds_the_settings_once(gen: Generator, tiny_models) -> None:
+    """``Generator(model, **settings)`` builds its :class:`GeneratorSpec`: the settings the spec names, the rest
+    generation settings; ``Generator(spec, **fields)`` builds that spec with those fields replaced."""
+    model = str(tiny_models("bart"))
+    assert gen.spec == GeneratorSpec(model, backend="hf", generation={"max_new_tokens": 4})
+    seeded = Generator(gen.spec, seed=7)
+    assert seeded.spec == GeneratorSpec(model, backend="hf", seed=7, generation={"max_new_tokens": 4})
+    assert seeded.seed == 7 and seeded.new_token_limits() == gen.new_token_limits()
 
 
 def test_flags_are_checked_once_before_the_model_loads(tiny_models, tmp_path) -> None:

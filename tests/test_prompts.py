@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from seqgen_cli.errors import SeqgenError
+from seqgen_cli.outputs import cut_at_stop
 from seqgen_cli.prompts import Prompter, PromptSettings, read_text_option
 from tests.helpers import one_line_error, seqgen, with_chat_template, write_lines
 from tests.tiny_models import copy_checkpoint, sample_texts
@@ -169,12 +170,14 @@ def test_stop_strings_end_outputs_as_generate_does(chat_models, tmp_path: Path, 
     if source == "generation_config":
         config = json.loads((model / "generation_config.json").read_text(encoding="utf-8"))
         (model / "generation_config.json").write_text(json.dumps({**config, "stop_strings": [stop]}), encoding="utf-8")
-    for extra in ([], ["--refill"]):
+    for extra in ([], ["--refill"], ["--keep-stop"]):
         out, stats = tmp_path / "out.txt", tmp_path / "stats.json"
         args = ["--num-beams", str(beams), "--stats", str(stats), *extra, *(["--stop", stop] if source == "flag" else [])]
         res = _run(model, src, out, *args)
         assert res.exit_code == 0, res.stderr
-        assert out.read_text(encoding="utf-8").splitlines() == expected, extra
+        # the text written ends before the stop string (outputs.py) unless --keep-stop; generate()'s tokens keep it
+        cut = expected if "--keep-stop" in extra else [cut_at_stop(e, [stop]) for e in expected]
+        assert out.read_text(encoding="utf-8").splitlines() == cut, extra
         device = json.loads(stats.read_text(encoding="utf-8"))["device"]
         assert device.get("engine") == "llama decoder", device
 
@@ -284,6 +287,44 @@ def test_an_input_truncated_to_nothing_is_a_bad_line(chat_models, tmp_path: Path
     assert p.error is not None and "leaves none of the input's text" in p.error
     (p,) = Prompter(PromptSettings(prefix="a long prefix of many words "), tok).encode(["hello"], [None], 3)
     assert p.error is not None and "beside --prefix" in p.error
+
+
+def test_reasoning_in_a_field_needs_jsonl_output(chat_models, tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.txt", ["an input"])
+    res = _run(chat_models["gpt2"], src, tmp_path / "out.txt", "--reasoning", "field")
+    one_line_error(res, "--reasoning field", "add --output-format jsonl")
+
+
+def test_limits_are_named_as_the_user_set_them(chat_models, tmp_path: Path) -> None:
+    """A prompt over the limit names where the limit comes from: the model's context less the new tokens (it named
+    a ``--max-source-length`` nobody gave), or the flag given."""
+    model = chat_models["gpt2"]
+    src = write_lines(tmp_path / "in.txt", ["an input"])
+    system = ("--chat", "--system-prompt", " ".join(["a long system prompt"] * 20))
+    context = AutoConfig.from_pretrained(model).n_positions
+    res = seqgen("generate", "-m", str(model), str(src), *system, "--max-new-tokens", str(context - 24), "-q")
+    one_line_error(res, "in.txt:1:", f"more than 24 (the model's context of {context} positions less {context - 24} new")
+    assert "--max-source-length" not in res.stderr
+    res = _run(model, src, tmp_path / "out.txt", *system, "--max-source-length", "30")
+    one_line_error(res, "in.txt:1:", "more than 30 (--max-source-length 30)")
+
+
+def test_chat_without_a_length_generates_to_the_end_of_turn(chat_models) -> None:
+    """``--chat`` where no limit is set: transformers' 20 new tokens cut an LLM's answer short; up to 1024 (at most
+    half the context) instead, said once before the run. A limit set anywhere stays; without ``--chat``, 20."""
+    from seqgen_cli.config import CHAT_NEW_TOKENS
+    from seqgen_cli.generator import Generator, startup_notes
+
+    model = chat_models["gpt2"]
+    context = AutoConfig.from_pretrained(model).n_positions
+    gen = Generator(str(model), prompt=PromptSettings(chat=True))
+    assert gen.config.max_new_tokens == gen.chat_length == min(CHAT_NEW_TOKENS, context // 2)
+    assert gen.default_length is None and gen.max_source_length == context - gen.chat_length
+    assert any(f"up to {gen.chat_length} new tokens" in n for n in startup_notes(gen, {}))
+    gen = Generator(str(model), prompt=PromptSettings(chat=True), max_new_tokens=8)
+    assert gen.config.max_new_tokens == 8 and gen.chat_length is None
+    gen = Generator(str(model))
+    assert gen.chat_length is None and gen.default_length == 20
 
 
 def test_a_chat_template_that_spins_is_stopped_in_one_line(chat_models, tmp_path: Path) -> None:

@@ -26,9 +26,10 @@ import torch
 from seqgen_cli.generator import Generator
 model, src = sys.argv[1], sys.argv[2]
 n, bs, new, threads, beams, batcher = map(int, sys.argv[3:9])
+dtype = sys.argv[9]
 torch.set_num_threads(threads)
 texts = [line.strip() for line in open(src, encoding="utf-8") if line.strip()][:n]
-gen = Generator(model, device="cpu", max_source_length=400, num_beams=beams, max_new_tokens=new,
+gen = Generator(model, device="cpu", dtype=dtype, max_source_length=400, num_beams=beams, max_new_tokens=new,
                 min_new_tokens=new, no_repeat_ngram_size=3)
 ids = sorted((e.ids for e in gen.encode(texts)), key=len)
 batches = [ids[i : i + bs] for i in range(0, len(ids), bs)]
@@ -54,13 +55,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--beams", type=int, default=4)
     ap.add_argument("--batcher", action="store_true", help="batches as Generator.generate cuts them")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or int8")
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {c: [] for c in args.checkouts}
     for r in range(args.rounds):
         for checkout in args.checkouts:
             cmd = [sys.executable, "-c", RUN_ONE, args.model, args.sources]
             cmd += [str(x) for x in (args.n, args.batch, args.new_tokens, args.threads, args.beams)]
-            cmd += [str(int(args.batcher))]
+            cmd += [str(int(args.batcher)), args.dtype]
             path = os.path.abspath(
                 checkout
             )  # also the working directory: `python -c` imports from there first

@@ -154,10 +154,18 @@ def run_mode(
     want_ct2 = "ct2" in s.compare
     for beams in s.num_beams:
         gen = Generator(  # capture=True: on CUDA a shape compiles at its first batch (the warm-up where it can)
-            s.model, backend=s.backend, device=s.device, dtype=s.dtype, preset=s.preset, prefix=s.prefix,
-            max_source_length=s.max_source_length, capture=True, target_lang=s.target_lang, seed=s.seed,
+            s.model,
+            backend=s.backend,
+            device=s.device,
+            dtype=s.dtype,
+            preset=s.preset,
+            prefix=s.prefix,
+            max_source_length=s.max_source_length,
+            capture=True,
+            target_lang=s.target_lang,
+            seed=s.seed,
             **s.generation_flags(beams),
-        )  # fmt: skip
+        )
         sampled = bool(gen.config.do_sample)
         meta.setdefault("seqgen_backend", gen.backend)
         meta.setdefault("max_source_length", gen.max_source_length)

@@ -19,6 +19,7 @@ from seqgen_cli.models import linear_maps
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend
 from seqgen_cli.models.encoder_decoder import EncoderDecoderBackend
 from seqgen_cli.models.families import FAMILIES, length_dependent_rope, refusal
+from seqgen_cli.models.fast import FastBackend, engine_of
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.layers import Seq2Seq
 from seqgen_cli.models.linear_maps import quantize_linears
@@ -28,12 +29,12 @@ if TYPE_CHECKING:  # transformers' model classes: imported by whoever built the 
     from transformers import PreTrainedModel
 
 
-def fast_backend(model: PreTrainedModel, int8: bool = False) -> ModelBackend | None:
+def fast_backend(model: PreTrainedModel, int8: bool = False) -> FastBackend | None:
     """The fast backend for ``model``, or ``None`` (unlisted family or unsupported variant)."""
     return _fast_or_reason(model, int8)[0]
 
 
-def _fast_or_reason(model: PreTrainedModel, int8: bool) -> tuple[ModelBackend | None, str | None]:
+def _fast_or_reason(model: PreTrainedModel, int8: bool) -> tuple[FastBackend | None, str | None]:
     """The fast backend for ``model``, or ``None`` and why there is none."""
     model_type = model.config.model_type
     family = FAMILIES.get(model_type)
@@ -65,7 +66,7 @@ def engine_refusal(config: object) -> str | None:
 def own_widths(engine: ModelBackend) -> bool:
     """Whether ``engine`` (under a ``CapturedBackend`` or not) runs each input of a batch at its own width
     (``Batch.widths``): a fast encoder-decoder decoder; the generic backend pads to the widest input."""
-    return isinstance(getattr(engine, "backend", engine), EncoderDecoderBackend)
+    return isinstance(engine_of(engine), EncoderDecoderBackend)
 
 
 def to_int8(model: PreTrainedModel, fast: bool, head: Sequence[int] = ()) -> ModelBackend | None:
@@ -116,25 +117,36 @@ def engine_stats(backend: ModelBackend) -> dict[str, Any]:
     """``--stats`` ``device``'s keys of the engine: ``engine`` (:func:`engine_name`), on the CPU ``cpu_isa`` and
     ``linear_maps`` (what runs the products: :func:`~.linear_maps.kernel`) and, where prompts share a head
     (``DecoderOnlyBackend.share``), ``shared_prompt``: its tokens, how often it was prefilled, the inputs over it."""
-    inner = getattr(backend, "backend", backend)  # the capture wrapper's wrapped backend
+    inner = engine_of(backend)  # the capture wrapper's wrapped backend
     out: dict[str, Any] = {"engine": engine_name(backend)}
-    if inner.model.device.type == "cpu" and not isinstance(inner, GenericBackend):  # generic: transformers' maps
+    if isinstance(inner, FastBackend) and inner.model.device.type == "cpu":  # generic: transformers' maps
         out |= {"cpu_isa": linear_maps.cpu_isa(), "linear_maps": linear_maps.kernel(inner.model.dtype, inner.int8)}
-    shared = getattr(inner, "shared", None)
+    shared = inner.prefill.shared if isinstance(inner, DecoderOnlyBackend) else None
     return out | ({"shared_prompt": dict(shared)} if shared and shared["tokens"] else {})
 
 
 def engine_name(backend: ModelBackend) -> str:
     """Which engine runs the decode steps, in words (``--stats`` ``engine``, the closing line): the family whose
     description the shared decoder runs (``m2m_100 decoder``), or ``generic (<why no fast one>)``."""
-    inner = getattr(backend, "backend", backend)  # the capture wrapper's wrapped backend
+    inner = engine_of(backend)  # the capture wrapper's wrapped backend
     if isinstance(inner, GenericBackend):
         return f"generic ({inner.reason})" if inner.reason else "generic"
     return f"{inner.model.config.model_type} decoder"
 
 
 __all__ = [
-    "DecoderOnlyBackend", "EncoderDecoderBackend", "GenericBackend", "engine_name", "engine_refusal", "engine_stats",
+    "DecoderOnlyBackend",
+    "EncoderDecoderBackend",
+    "FastBackend",
+    "GenericBackend",
+    "engine_name",
+    "engine_of",
+    "engine_refusal",
+    "engine_stats",
     "fast_backend",
-    "family_rows", "get_backend", "length_dependent_rope", "own_widths", "to_int8",
-]  # fmt: skip
+    "family_rows",
+    "get_backend",
+    "length_dependent_rope",
+    "own_widths",
+    "to_int8",
+]

@@ -40,6 +40,7 @@ from seqgen_cli.models.compiled_calls import (
     compile_search,
     watch_recordings,
 )
+from seqgen_cli.models.fast import FastBackend
 from seqgen_cli.models.kept import CapturedState, KeptStates, mark_static
 from seqgen_cli.models.lane_table import Decode, check_position, run_step
 from seqgen_cli.search.protocol import Batch, ModelBackend, StaticLayout
@@ -53,9 +54,12 @@ COMPILING = "compiling the decode step for shape %s (once per shape; --no-captur
 
 
 def capture(
-    backend: ModelBackend, device: torch.device, enabled: bool | None, compiler: Compiler = compile_decode,
+    backend: ModelBackend,
+    device: torch.device,
+    enabled: bool | None,
+    compiler: Compiler = compile_decode,
     search_compiler: SearchCompiler | None = compile_search,
-) -> tuple[ModelBackend, str]:  # fmt: skip
+) -> tuple[ModelBackend, str]:
     """``(CapturedBackend, "captured")`` where the step can be captured, else ``(backend, "eager (<reason>)")``.
     ``enabled``: ``True`` compiles each shape at once, ``None`` once its eager steps pay for it (:class:`Amortized`),
     ``False`` never. ``search_compiler``: the beam search's step too (``None``: eager)."""
@@ -63,7 +67,7 @@ def capture(
         reason = "--no-capture"
     elif device.type != "cuda":
         reason = f"{device.type}: no CUDA graphs"
-    elif not hasattr(backend, "decode"):
+    elif not isinstance(backend, FastBackend):
         reason = f"{type(backend).__name__} has no static step"
     else:
         dtype = next(backend.model.parameters()).dtype
@@ -98,21 +102,26 @@ class PlainRun:
 
 
 class CapturedBackend:
-    """:class:`~seqgen_cli.search.protocol.ModelBackend` over a static-step backend, choosing per batch: plain,
-    kept state, compiled (module docstring). ``decoder``: the guarded compiled ``decode``; ``search``: the static
-    search's step (``None``: beam search as over any backend); ``pool``: the kept states; ``path``: what ran."""
+    """:class:`~seqgen_cli.search.protocol.ModelBackend` over a fast backend (:class:`~.fast.FastBackend`), choosing
+    per batch: plain, kept state, compiled (module docstring); a :class:`~.fast.Wrapper` (:meth:`unwrap`).
+    ``decoder``: the guarded compiled ``decode``; ``search``: the static search's step (``None``: beam search as
+    over any backend); ``pool``: the kept states; ``path``: what ran."""
 
     def __init__(
-        self, backend: Any, compiler: Compiler = compile_decode, max_shapes: int | None = None,
-        budget: DeviceBudget | None = None, search_compiler: SearchCompiler | None = None,
+        self,
+        backend: FastBackend,
+        compiler: Compiler = compile_decode,
+        max_shapes: int | None = None,
+        budget: DeviceBudget | None = None,
+        search_compiler: SearchCompiler | None = None,
         amortized: Amortized | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``max_shapes``: this instance's cap on compiled shapes (default ``MAX_SHAPES``). ``budget``: what the kept
         states are held against (default: the device's, ``DeviceBudget.read``; a ``Generator`` hands over its own).
         ``amortized``: a shape compiles once its eager steps pay for it; ``None``: at once."""
         self.backend, self.amortized = backend, amortized
         self.is_encoder_decoder, self.vocab_size = backend.is_encoder_decoder, backend.vocab_size
-        self.max_position_embeddings = getattr(backend, "max_position_embeddings", None)
+        self.max_position_embeddings = backend.max_position_embeddings
         self.max_shapes = MAX_SHAPES if max_shapes is None else max_shapes
         weight = next(backend.model.parameters())
         self.device = weight.device
@@ -130,6 +139,10 @@ class CapturedBackend:
     shapes = property(lambda self: self.decoder.keys)
     steps = property(lambda self: self.decoder.steps)
     kept = property(lambda self: self.pool.kept)
+
+    def unwrap(self) -> FastBackend:
+        """The fast backend whose decoder runs the steps (``fast.Wrapper``)."""
+        return self.backend
 
     def static_search(self, state: Any) -> bool:
         """Whether beam search runs over ``state``'s lanes, compiled: a kept state's, given a search compiler."""

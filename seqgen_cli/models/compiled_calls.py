@@ -187,9 +187,15 @@ class Guarded:
     tests pass a fake one, so that no decision of theirs depends on the machine's load)."""
 
     def __init__(
-        self, compiler: Callable[[Any], Any], max_shapes: int, differs: Differs, word: str = "compiled",
-        skip_for_good: bool = False, cap: bool = False, clock: Callable[[], float] = time.perf_counter,
-    ) -> None:  # fmt: skip
+        self,
+        compiler: Callable[[Any], Any],
+        max_shapes: int,
+        differs: Differs,
+        word: str = "compiled",
+        skip_for_good: bool = False,
+        cap: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         from torch._dynamo.utils import counters
 
         self.compiler, self.max_shapes, self.differs, self.clock = compiler, max_shapes, differs, clock

@@ -1,13 +1,14 @@
 """The one encoder-decoder decoder: every encoder-decoder family's decode step, written once over its description
-(``families/``: the BART family, M2M-100 / NLLB, LED, Pegasus-X, T5, LongT5, UMT5, T5Gemma, T5Gemma 2), and the protocol glue.
+(``families/``: the BART family, M2M-100 / NLLB, LED, Pegasus-X, T5, LongT5, UMT5, T5Gemma, T5Gemma 2), and the
+protocol glue.
 
-The model's own encoder layers run once per input (float32 and bfloat16 on the CPU: a copy of its module tree that shares its
-weights, its ``nn.Linear`` layers on oneDNN, ``linear_maps.onednn_copy``; ``generate()`` keeps the model's own).
-Cross-attention keys/values are projected once per *input*
-(``[B, H, S, d]``), never per beam: a step's ``N = B * R`` queries are viewed as ``[B, H, R, d]``, so the
+The model's own encoder runs once per input (``source.py``: its cross-attention keys/values projected once per
+*input*, ``[B, Hkv, S, d]``, never per beam). A step's ``N = B * R`` queries are viewed as ``[B, H, R, d]``, so the
 ``R`` beams of an input act as query positions against that input's keys (FastSeq's trick). They are never
 reordered (beams stay within their input) and only shrink when inputs finish. They and the self-attention positions
-are held by :class:`~seqgen_cli.models.kv_cache.EncoderDecoderKVCache` (a batch's, a kept state's, the lanes').
+are held by :class:`~seqgen_cli.models.kv_cache.EncoderDecoderKVCache` (a batch's, a kept state's, the lanes'). What
+the decoder is beside its layers (embeddings, position tables, relative bias, norms, heads) its family file reads
+(:class:`~seqgen_cli.models.layers.DecoderFacts`).
 
 ``lm`` is the LM head as a linear map (:func:`~seqgen_cli.models.linear_maps.linear`, with ``final_logits_bias``
 folded into its bias where the model has one). ``int8=True`` (``--dtype int8``, CPU): the decoder's linear maps and
@@ -16,19 +17,19 @@ the LM head as int8 copies of the float32 weights, the model's own encoder quant
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from seqgen_cli.models.attention import HALF, rotary_tables, soft_cap
+from seqgen_cli.models.attention import rotary_tables, soft_cap
 from seqgen_cli.models.kv_cache import EncoderDecoderKVCache, kv_bytes
 from seqgen_cli.models.lane_table import pointer_bytes, run_step
 from seqgen_cli.models.layers import Place, Seq2Seq, Step, sliding_layers
-from seqgen_cli.models.linear_maps import linear, onednn_copy, quantize_linears
+from seqgen_cli.models.linear_maps import linear, onednn_copy
 from seqgen_cli.models.resident import release
+from seqgen_cli.models.source import SourceEncoder
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import MIN_WIDTH, cross_width, graph_width
 
@@ -40,52 +41,55 @@ if TYPE_CHECKING:
 class EncoderDecoderState:
     cache: EncoderDecoderKVCache  # the source's cross-attention K/V and mask, the self-attention positions
     t: int = 0  # decoder positions fed so far (host counter)
-    self_bias: torch.Tensor | None = None  # relative position bias [L', H, T, T] (query, key): L' = 1 or per layer
+    # the relative position bias [L', H, T, T] (query, key): L' = 1 or per layer
+    self_bias: torch.Tensor | None = None
 
 
 class EncoderDecoderBackend:
-    """:class:`~seqgen_cli.search.protocol.ModelBackend` for every encoder-decoder family of ``families.py``."""
+    """:class:`~seqgen_cli.models.fast.FastBackend` for every encoder-decoder family of ``families/``: the source
+    through the model's own encoder (:class:`~seqgen_cli.models.source.SourceEncoder`), then cached steps."""
 
     is_encoder_decoder = True
 
     def __init__(self, model: PreTrainedModel, family: Seq2Seq, int8: bool = False) -> None:
-        cfg, dec = model.config, model.get_decoder()
-        self.model = model.eval()
-        self.family = family
-        self.encoder = model.get_encoder() if int8 else onednn_copy(model.get_encoder())  # CPU: oneDNN
-        self.embed = dec.embed_tokens.weight  # [V_in, D]
-        facts = family.facts(model)  # what the family file reads: heads, scales, the position table's offset
+        self.model, self.family, self.int8 = model.eval(), family, int8
+        encoder = model.get_encoder() if int8 else onednn_copy(model.get_encoder())  # CPU: oneDNN
+        facts = family.facts(model)  # what the family file reads: embeddings, positions, norms, heads, scales
+        self.embed = facts.embed  # [V_in, D]
+        self.dtype, self.device = self.embed.dtype, self.embed.device
         scale = facts.embed_scale  # None: unscaled; a tensor in the model's dtype, as the module multiplies
-        self.embed_scale = scale.to(self.embed.dtype) if isinstance(scale, torch.Tensor) else scale
-        self.eoi, self.eoi_embedding = facts.eoi, facts.eoi_embedding  # T5Gemma 2: a token embedded as its own vector
+        self.embed_scale = scale.to(self.dtype) if isinstance(scale, torch.Tensor) else scale
+        self.eoi, self.eoi_embedding = facts.eoi, facts.eoi_embedding  # T5Gemma 2: a token, its own vector
         self.layers = []
-        for layer in getattr(dec, family.layers):
+        for layer in facts.layers:
             self.layers.append(family.reader(layer, int8))
             if int8:  # its float32 weights have int8 copies now: their pages go back (resident.py)
                 release(p for p in layer.parameters() if p.dim() == 2)
         self.n_layers = len(self.layers)
-        dcfg = getattr(dec, "config", None) or cfg  # T5: the decoder's copy; T5Gemma: its own; own trees: the model's
-        self.heads, self.kv_heads, self.head_dim = facts.heads, facts.kv_heads, facts.head_dim  # cached: K/V heads
-        sliding, self.window = sliding_layers(dcfg, self.n_layers)  # which layers slide, and how far
-        self.rotary = dec.rotary_emb if family.positions.startswith("rotary") else None
-        self.per_type = family.positions == "rotary per layer type"  # a rotary table per layer type (T5Gemma 2)
+        self.heads, self.kv_heads, self.head_dim = facts.heads, facts.kv_heads, facts.head_dim  # cached: Hkv
+        sliding, self.window = sliding_layers(facts.config, self.n_layers)  # which layers slide, and how far
+        self.rotary = facts.rotary
+        self.per_type = family.positions == "rotary per layer type"  # a rotary table per type (T5Gemma 2)
         self.rotary_table = [lay.layer_type if self.per_type else "full_attention" for lay in self.layers]
         for i, lay in enumerate(self.layers):
             lay.at = Place(
-                i, self.heads, self.kv_heads, self.head_dim, sliding[i], self.rotary_table[i], family.pre_norm,
-                family.clamp_fp16, family.scale_scores,
-            )  # fmt: skip
+                i,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                sliding[i],
+                self.rotary_table[i],
+                family.pre_norm,
+                family.clamp_fp16,
+                family.scale_scores,
+            )
         self.final_softcap = facts.final_softcap
-        self.dtype, self.device = self.embed.dtype, self.embed.device
-        # Cross-attention keys, held as the scores read them: half-precision scores are float32 products
-        # (attention.scores32), which the CPU takes from float32 keys; held so once per input, not upcast per step.
-        cpu_half = self.device.type == "cpu" and self.dtype in HALF
-        self.key_dtype = torch.float32 if cpu_half else self.dtype
-        self.ln_embed = getattr(dec, family.embedding_norm) if family.embedding_norm else None
-        self.ln_final = getattr(dec, family.final_norm) if family.final_norm else None
-        self.relative = [lay.relative for lay in self.layers if lay.relative is not None]  # bias owners
-        self.max_position_embeddings = None if self.relative else getattr(cfg, "max_position_embeddings", None)
+        self.ln_embed, self.ln_final = facts.ln_embed, facts.ln_final
+        self.relative_bias = facts.relative_bias  # T5: the relative position bias
+        limit = getattr(model.config, "max_position_embeddings", None)  # the sources' position limit
+        self.max_position_embeddings = None if self.relative_bias is not None else limit  # relative: none
         self.pad_position, self.pos_offset = facts.pad_position, facts.pos_offset
+        self.position_table = facts.position_table
         self.positions = self._position_table(MIN_WIDTH)  # [P (+ offset), D] or None (relative bias)
         # the LM head: [N, D] -> [N, V], final_logits_bias folded in; T5 v1.0 rescales its tied head's input
         self.lm_head = model.get_output_embeddings()
@@ -96,35 +100,20 @@ class EncoderDecoderBackend:
         self.lm = linear(self.lm_w, bias, int8)
         self.vocab_size = int(self.lm_w.shape[0])
         self.out_scale = facts.out_scale
-        self.int8 = int8
-        if int8:
-            quantize_linears(self.encoder)
+        self.source = SourceEncoder(  # the source's cross K/V; int8: the encoder quantized now
+            encoder, self.layers, self.kv_heads, self.head_dim, self.dtype, self.device, int8
+        )
 
     def _position_table(self, rows: int) -> torch.Tensor | None:
-        """The decoder's absolute position embeddings, ``rows`` at least (a computed sinusoid is tabled once per
-        growth; its rows are what the model's module computes for those positions): [P, D], or ``None``."""
-        kind, module = self.family.positions, getattr(self.model.get_decoder(), "embed_positions", None)
-        if kind.startswith(("relative", "rotary")):
-            return None
-        if kind == "computed":  # Pegasus-X: reads only the shape, dtype and device of what it is given
-            held = getattr(self, "positions", None)
-            if held is None or held.shape[0] < rows:
-                held = module(torch.zeros((1, rows, 1), dtype=self.dtype, device=self.device))[0]  # [rows, D]
-            return held
-        if kind == "padded table":  # M2M-100, NLLB: sinusoids the module grows on demand, as in generate()
-            if module.weights.shape[0] < rows:  # ask it for the rows up to ``rows - 1``: it makes them itself
-                pad = module.padding_idx
-                ids = torch.full((1, rows - pad - 1), pad + 1, device=self.device)  # [1, rows - pad - 1]
-                module(ids)
-            return module.weights
-        return module.weight
+        """The decoder's absolute position embeddings, ``rows`` at least: [P, D], or ``None`` (relative, rotary)."""
+        return None if self.position_table is None else self.position_table(rows)
 
     def _relative_bias(self, t: int) -> torch.Tensor | None:
         """The relative position bias of ``t`` query against ``t`` key positions: [L', H, T, T] (L' = 1: the first
         block's, shared; UMT5: every block's own), or ``None``."""
-        if not self.relative:
+        if self.relative_bias is None:
             return None
-        return torch.cat([r.compute_bias(t, t, device=self.device) for r in self.relative]).to(self.dtype)
+        return self.relative_bias(t, self.device).to(self.dtype)
 
     def decode(self, state: EncoderDecoderState, tokens: torch.Tensor) -> torch.Tensor:
         """The step's tensor work (static shapes, see ``capture.py``): tokens [N] -> logits [N, V]."""
@@ -166,62 +155,11 @@ class EncoderDecoderBackend:
         """tokens [N] -> logits [N, V] (float32)."""
         return run_step(self.decode, state, tokens)
 
-    def _cross_views(self, hidden: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's cross-attention keys (transposed) and values in turn, as views of its K|V projection:
-        [B, S, D] -> ([B, Hkv, d, S], [B, Hkv, S, d])."""
-        b, s, _ = hidden.shape
-        for lay in self.layers:
-            kv = lay.ckv(hidden).view(b, s, 2, self.kv_heads, self.head_dim)  # [B, S, 2, Hkv, d]
-            k = lay.source_keys(kv[:, :, 0])  # [B, S, Hkv, d] (T5Gemma 2: normed)
-            yield k.permute(0, 2, 3, 1), kv[:, :, 1].transpose(1, 2)
-
-    def _cross_kv(self, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's cross-attention keys (transposed) and values: [B, S, D] -> L x ([B, Hkv, d, S],
-        [B, Hkv, S, d])."""
-        return [(self._held_keys(k), v.contiguous()) for k, v in self._cross_views(hidden)]
-
-    def _held_keys(self, k: torch.Tensor) -> torch.Tensor:
-        """Cross-attention keys as the state holds them: contiguous, in ``key_dtype`` (one copy either way; ``to``
-        alone would return a view of the projection where the dtype already matches)."""
-        return k.contiguous() if k.dtype == self.key_dtype else k.to(self.key_dtype, memory_format=torch.contiguous_format)
-
-    def _encode(
-        self, batch: Batch, width: int
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        """Every layer's cross-attention keys [B, H, d, W] and values [B, H, W, d] and the mask [B, 1, 1, W] over
-        ``width`` (W, whole ``CROSS_CHUNK`` chunks) source positions. The model's own encoder runs once per input,
-        for each group of inputs of one own width (``batch.widths``) at that width: an input's encoder and
-        cross K/V are what they are with any neighbours; positions past an input's width hold zeros, masked."""
-        b, s = batch.input_ids.shape
-        widths = batch.widths or (s,) * b
-        mask = torch.nn.functional.pad(batch.attention_mask, (0, width - s))  # [B, W]
-        mask = torch.where(mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [B, 1, 1, W]
-        if len(set(widths)) == 1 and widths[0] == width == s:  # one group at the batch's width: no copies
-            cross = self._cross_kv(self._encoder(batch.input_ids, batch.attention_mask))
-            return [k for k, _ in cross], [v for _, v in cross], mask
-        hd = (self.kv_heads, self.head_dim)
-        keys = [
-            torch.zeros((b, *hd, width), dtype=self.key_dtype, device=self.device) for _ in range(self.n_layers)
-        ]
-        values = [torch.zeros((b, hd[0], width, hd[1]), dtype=self.dtype, device=self.device) for _ in keys]
-        for w in sorted(set(widths)):
-            rows = torch.tensor([i for i, x in enumerate(widths) if x == w], device=self.device)  # [G]
-            hidden = self._encoder(batch.input_ids[rows, :w], batch.attention_mask[rows, :w])  # [G, w, D]
-            for key, value, (k, v) in zip(keys, values, self._cross_views(hidden), strict=True):
-                key[rows, :, :, :w] = k.to(key.dtype)  # [G, Hkv, d, w] (the CPU's half: float32 keys)
-                value[rows, :, :w] = v  # [G, Hkv, w, d]
-        return keys, values, mask
-
-    def _encoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The model's encoder: [B, S] ids and mask -> last hidden state [B, S, D]."""
-        enc = self.encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
-        return enc.last_hidden_state
-
     @torch.inference_mode()
     def start(
         self, batch: Batch, rows_per_input: int, max_new_tokens: int
     ) -> tuple[EncoderDecoderState, None]:
-        keys, values, mask = self._encode(batch, cross_width(batch.input_ids.shape[1]))
+        keys, values, mask = self.source.encode(batch, cross_width(batch.input_ids.shape[1]))
         max_len = max(1, max_new_tokens)  # step() is called at most max_new_tokens times
         self.positions = self._position_table(max_len + self.pos_offset)
         cache = EncoderDecoderKVCache(keys, values, mask, rows_per_input, max_len, self.window)
@@ -235,10 +173,10 @@ class EncoderDecoderBackend:
         are copied into its tensors, the self-attention cache restarts (zeros, position 0). T5's position bias depends
         on the positions only and stays. No first logits (``None``), as :meth:`start`."""
         b, s = batch.input_ids.shape
-        held = (state.cache.cross_mask.shape[0], state.cache.width)
+        held = (state.cache.lane_count, state.cache.width)
         if (b, cross_width(s)) != held:
             raise ValueError(f"a batch of {b} x {s} cannot restart a state of {held[0]} x {held[1]} sources")
-        state.cache.restart(*self._encode(batch, held[1]))
+        state.cache.restart(*self.source.encode(batch, held[1]))
         state.t = 0
 
     @torch.inference_mode()
@@ -266,9 +204,18 @@ class EncoderDecoderBackend:
         max_len = max(1, max_new_tokens)
         self.positions = self._position_table(max_len + self.pos_offset)
         cache = EncoderDecoderKVCache.lanes(
-            self.n_layers, lanes, rows_per_input, self.kv_heads, self.head_dim, max_len, MIN_WIDTH, self.key_dtype,
-            self.dtype, self.device, self.window,
-        )  # fmt: skip
+            self.n_layers,
+            lanes,
+            rows_per_input,
+            self.kv_heads,
+            self.head_dim,
+            max_len,
+            MIN_WIDTH,
+            self.source.key_dtype,
+            self.dtype,
+            self.device,
+            self.window,
+        )
         return EncoderDecoderState(cache, self_bias=self._relative_bias(max_len))
 
     def lane_width(self, state: EncoderDecoderState) -> int:
@@ -283,12 +230,10 @@ class EncoderDecoderBackend:
         at step 0. No first logits (``None``): the search then feeds the decoder start token."""
         cache = state.cache
         cache.widen(graph_width(batch.input_ids.shape[1], self.max_position_embeddings))
-        batch = batch.padded(batch.input_ids.shape[0], cache.width, left=False)
-        enc = self.encoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, return_dict=True)
-        cross = self._cross_kv(enc.last_hidden_state)  # L x ([J, H, d, W], [J, H, W, d])
-        mask = torch.where(batch.attention_mask.bool(), 0.0, float("-inf"))[:, None, None, :]  # [J, 1, 1, W]
+        batch = batch.padded(batch.input_ids.shape[0], cache.width, left=False)  # [J, W]
+        keys, values, mask = self.source.whole(batch)
         lane_ids = torch.tensor(lanes, dtype=torch.long, device=self.device)  # [J]
-        cache.put_source(lane_ids, [k for k, _ in cross], [v for _, v in cross], mask)
+        cache.put_fixed(lane_ids, keys, values, mask)  # L x [J, Hkv, d, W], L x [J, Hkv, W, d], [J, 1, 1, W]
         cache.join(lanes)
 
     def leave(self, state: EncoderDecoderState, lanes: list[int]) -> None:
@@ -307,7 +252,8 @@ class EncoderDecoderBackend:
         """Bytes held for the search: cross-attention K/V (per input), the self-attention cache (with its
         back-pointers) and the relative position bias."""
         bias = 0 if state.self_bias is None else state.self_bias.nbytes
-        return {"cross": state.cache.cross_nbytes, "self": state.cache.nbytes, "bias": bias}
+        part = state.cache.nbytes_by_part()  # the source's mask is not counted (``cache_bytes``)
+        return {"cross": part["fixed"], "self": part["generated"] + part["pointers"], "bias": bias}
 
     def cache_bytes(self, inputs: int, width: int, rows_per_input: int, new_tokens: int) -> int:
         """Bytes :meth:`start` allocates for ``inputs`` sources of ``width`` tokens, ``rows_per_input`` rows each,
@@ -315,7 +261,8 @@ class EncoderDecoderBackend:
         back-pointers per row, the relative position bias [L', H, T, T]."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
         kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, self.dtype, rows * t)
-        cross = self.key_dtype.itemsize + self.dtype.itemsize  # a source position's key and value, per element
+        cross = self.source.key_dtype.itemsize + self.dtype.itemsize  # a source position's key and value
         kv += self.n_layers * self.kv_heads * self.head_dim * cross * inputs * cross_width(width)
-        bias = len(self.relative) * self.heads * t * t * self.dtype.itemsize
+        bias_layers = 0 if self.relative_bias is None else self.relative_bias.layers
+        bias = bias_layers * self.heads * t * t * self.dtype.itemsize
         return kv + pointer_bytes(rows, t) + bias

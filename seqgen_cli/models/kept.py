@@ -35,7 +35,8 @@ from torch import Tensor
 from seqgen_cli.batching import LOGIT_BYTES
 from seqgen_cli.budget import DeviceBudget
 from seqgen_cli.errors import is_oom
-from seqgen_cli.models.kv_cache import select_into
+from seqgen_cli.models.fast import FastBackend, FastState
+from seqgen_cli.models.kv_store import select_into
 from seqgen_cli.search.protocol import Batch, StaticLayout
 from seqgen_cli.shapes import compacted
 
@@ -84,7 +85,7 @@ class Kept:
     which CUDA graphs read in place, never change."""
 
     key: Key
-    inner: Any  # the wrapped backend's static state
+    inner: FastState  # the wrapped backend's static state
     tokens: Tensor  # [P * R] int64: the step's input tokens for every physical row
     nbytes: int = 0  # device bytes held (each storage once), the kept search state's with them
     owner: weakref.ref[CapturedState] | None = None  # the batch running on it; None: idle
@@ -97,7 +98,7 @@ class CapturedState:
     """A batch on its shape's kept state (``CapturedBackend.start``): the backend's state over the padded batch,
     and where the running rows are in it."""
 
-    inner: Any  # the wrapped backend's state (physical lanes): a kept one
+    inner: FastState  # the wrapped backend's state (physical lanes): a kept one
     rows_per_input: int
     inputs: Tensor  # [B] int64: physical lane of each running input
     rows: Tensor  # [B * R] int64: physical row of each running row
@@ -136,7 +137,7 @@ class KeptStates:
     """The pool of kept states of one ``CapturedBackend`` (module docstring): ``backend``'s static states by shape,
     their bytes held against ``budget``; ``allocations`` per shape and ``released`` for ``--stats``."""
 
-    def __init__(self, backend: Any, device: torch.device, budget: DeviceBudget) -> None:
+    def __init__(self, backend: FastBackend, device: torch.device, budget: DeviceBudget) -> None:
         self.backend, self.device, self.budget = backend, device, budget
         self.kept: dict[Key, Kept] = {}  # a static state per batch shape
         self.allocations: Counter[Key] = Counter()  # kept states allocated, per shape (a release frees one)
@@ -169,9 +170,16 @@ class KeptStates:
             raise
         arange = partial(torch.arange, device=kept.tokens.device)
         state = CapturedState(
-            kept.inner, r, inputs=arange(running), rows=arange(running * r), tokens=kept.tokens, limit=limit,
-            shape=(inputs * r, width, positions), start=inputs, kept=kept,
-        )  # fmt: skip
+            kept.inner,
+            r,
+            inputs=arange(running),
+            rows=arange(running * r),
+            tokens=kept.tokens,
+            limit=limit,
+            shape=(inputs * r, width, positions),
+            start=inputs,
+            kept=kept,
+        )
         self.take(kept, state)
         return state, None if first is None else first[:running]  # [B, V]
 
@@ -267,7 +275,7 @@ class KeptStates:
             "kept_released": self.released,
         }
 
-    def _keep(self, key: Key, inner: Any) -> Kept:
+    def _keep(self, key: Key, inner: FastState) -> Kept:
         """A newly allocated static state becomes the kept one of ``key``, its tensors static addresses."""
         tokens = torch.zeros(key[0] * key[1], dtype=torch.long, device=self.device)
         mark_static(inner)

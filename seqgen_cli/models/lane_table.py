@@ -13,9 +13,9 @@ Spans. A batch's eager step attends the ``t + 1`` positions written so far (``sp
 lanes) reads the step it writes from device tensors and attends a span bucket (``shapes.span_bucket``), so no host
 integer that changes per step reaches the tensor work. :func:`run_step` is the host's side of every fast step.
 
-Queries (``visible``, ``near``, ``now``, ``lane_rows``, ``at_steps``) change nothing; updates are named: ``check``,
-``claim``, ``advance``, ``join``, ``leave``, ``reorder``, ``reset``, ``make_static``, ``write``. Nothing here
-syncs with the device.
+Queries (``now``, ``span_at``, ``visible``, ``visible_keys``, ``near``, ``near_keys``, ``near_columns``,
+``lane_rows``, ``at_steps``, ``lane_count``) change nothing; updates are named: ``check``, ``claim``, ``advance``,
+``join``, ``leave``, ``reorder``, ``reset``, ``make_static``, ``write``. Nothing here syncs with the device.
 """
 
 from __future__ import annotations
@@ -77,16 +77,19 @@ class LaneTable:
     at least ``MIN_SPAN`` positions, so an input's sums run over the same span beside any neighbours wherever its
     own steps fit in ``MIN_SPAN`` (a sum over more masked positions can round differently)."""
 
-    static: bool  # attend the t+1 positions written so far; a span bucket after make_static() (capture, lanes)
+    static: bool  # attend the t+1 positions written so far; a span bucket after make_static() (capture)
     max_len: int
     span: int  # positions this step attends (host int; a span bucket if static)
     r: int
     ptr: Tensor  # [N, T] int64
     steps: Tensor  # [1] or [L] int64: the position each lane writes
     position: Tensor  # [1] or [N] int64: the position each row writes
-    ages: list[int | None] | None  # lanes at their own steps: each one's step (host; None: idle); a batch: None
+    own_steps: bool  # a step counter per lane (the refill engine's lanes), else one for all (a batch)
+    ages: list[int | None]  # lanes at their own steps: each one's step (host; None: idle); a batch: none
 
-    def __init__(self, lanes: int, rows_per_input: int, max_len: int, device: torch.device, own_steps: bool) -> None:
+    def __init__(
+        self, lanes: int, rows_per_input: int, max_len: int, device: torch.device, own_steps: bool
+    ) -> None:
         """``lanes`` lanes of ``rows_per_input`` rows and ``max_len`` positions; ``own_steps``: a step counter per lane
         (the refill engine's lanes), else one for all (a batch)."""
         self.r, self.max_len, self.static, self.span = rows_per_input, max_len, False, max_len
@@ -94,8 +97,16 @@ class LaneTable:
         self.beams = torch.arange(rows_per_input, device=device)  # [R]
         self.positions = torch.arange(max_len, device=device)  # [T]
         self.steps = torch.zeros(lanes if own_steps else 1, dtype=torch.long, device=device)  # [L] or [1]
-        self.position = torch.zeros(lanes * rows_per_input, dtype=torch.long, device=device) if own_steps else self.steps
-        self.ages = [None] * lanes if own_steps else None
+        self.position = (
+            torch.zeros(lanes * rows_per_input, dtype=torch.long, device=device) if own_steps else self.steps
+        )
+        self.own_steps = own_steps
+        self.ages: list[int | None] = [None] * lanes if own_steps else []
+
+    @property
+    def lane_count(self) -> int:
+        """The lanes (a batch's inputs) the table holds now."""
+        return self.ptr.shape[0] // self.r
 
     def buffers(self) -> list[Tensor]:
         """The per-layer generated K/V tensors (a cache's): what :meth:`make_static` and :meth:`reset` zero."""
@@ -121,7 +132,7 @@ class LaneTable:
     def now(self, t: int) -> int:
         """The step that sizes step ``t``'s span: ``t`` itself for a batch; the furthest live lane's for lanes at
         their own steps (``t``, the steps run, is not it)."""
-        if self.ages is None:
+        if not self.own_steps:
             return t
         return max((a for a in self.ages if a is not None), default=0)
 
@@ -140,7 +151,7 @@ class LaneTable:
         """A step is done: the next one writes the next position (queued on the device, no sync); a lane at its own
         step stops at the last one."""
         self.steps.add_(1)
-        if self.ages is not None:
+        if self.own_steps:
             self.steps.clamp_(max=self.max_len - 1)
             self._row_steps()
             self.ages = [None if a is None else min(a + 1, self.max_len - 1) for a in self.ages]
@@ -148,7 +159,7 @@ class LaneTable:
     def join(self, lanes: list[int]) -> None:
         """Inputs join lanes ``lanes`` (lanes at their own steps): their counters restart at step 0 (stale keys are
         masked)."""
-        assert self.ages is not None
+        assert self.own_steps
         self.steps.index_fill_(0, torch.tensor(lanes, dtype=torch.long, device=self.steps.device), 0)
         self._row_steps()
         for lane in lanes:
@@ -156,7 +167,7 @@ class LaneTable:
 
     def leave(self, lanes: list[int]) -> None:
         """The inputs of ``lanes`` are done: they idle (their steps no longer size the span)."""
-        assert self.ages is not None
+        assert self.own_steps
         for lane in lanes:
             self.ages[lane] = None
 
@@ -177,21 +188,43 @@ class LaneTable:
         query: :meth:`claim` first."""
         pos, r = self.positions[:span], self.r
         upto = pos <= self.steps[:, None]  # [1|L, span]
-        if self.ages is not None:
+        if self.own_steps:
             upto = upto | (pos == 0)
         upto = upto.view(-1, 1, span, 1)  # [1|L, 1, span, 1]
         if r == 1:
             return upto
         return (self.ptr[:, :span].view(-1, r, span, 1) == self.beams) & upto  # [L, Rq, span, R]
 
+    def visible_keys(self) -> Tensor | None:
+        """:meth:`visible` for this step's ``span``, as the ``span * R`` keys a query row scores (position-major:
+        ``s * R + beam``): bool [B|L|1, Rq, span*R]; ``None`` where every row sees every position attended (a
+        batch's eager step with one row per input). A pure query: :meth:`claim` first."""
+        if not self.static and self.r == 1:
+            return None
+        span, r = self.span, self.r
+        return self.visible(span).expand(-1, r, span, r).reshape(-1, r, span * r)  # [B|L|1, Rq, span*R]
+
     def near(self, window: int) -> Tensor:
         """Which of the first ``span`` positions are less than ``window`` before each lane's step: bool [1|L, span]."""
         return self.positions[: self.span] > self.steps[:, None] - window
 
+    def near_columns(self, window: int, width: Tensor | int, columns: int) -> Tensor:
+        """Which of ``columns`` prompt columns are less than ``window`` positions before each lane's step, the prompt
+        left-padded in its first ``width`` (an int, or each lane's own [L]) and the generated positions after it, as
+        transformers' masks count them (two real tokens are as far apart at any padding): bool [1|L, columns]."""
+        width = width[:, None] if isinstance(width, Tensor) else width  # [L, 1] or an int
+        cols = torch.arange(columns, device=self.steps.device)  # [P]
+        return cols > width + self.steps[:, None] - window  # [1|L, P]
+
+    def near_keys(self, window: int) -> Tensor:
+        """:meth:`near` as the ``span * R`` keys a query row scores: bool [1|L, span*R]."""
+        span, r = self.span, self.r
+        return self.near(window)[:, :, None].expand(-1, span, r).reshape(-1, span * r)  # [1|L, span*R]
+
     def lane_rows(self, per_lane: int) -> Tensor | None:
         """Lanes at their own steps: where position 0 of each of a lane's ``per_lane`` rows lies in a cache tensor
         viewed as [L * per_lane * T, ...] (:meth:`write`), [L, per_lane]; a batch: ``None``."""
-        if self.ages is None:
+        if not self.own_steps:
             return None
         lanes = self.steps.shape[0]
         return (torch.arange(lanes * per_lane, device=self.steps.device) * self.max_len).view(lanes, per_lane)
@@ -201,8 +234,10 @@ class LaneTable:
         its one position; lanes' through ``where`` (:meth:`lane_rows` plus the lanes' steps, [L * per_lane])."""
         if where is None:
             write_position(cache, dim, new, self.steps, None if self.static else self.span - 1)
-        else:  # [L, ..., T, ...] -> [L * per_lane * T, rest]; new [L, ..., rest] -> [L * per_lane, rest]
-            cache.view(where.shape[0] * self.max_len, -1).index_copy_(0, where, new.reshape(where.shape[0], -1))
+        else:
+            rows = cache.view(where.shape[0] * self.max_len, -1)  # [L, ..., T, ...] -> [L*per_lane*T, rest]
+            new = new.reshape(where.shape[0], -1)  # [L, ..., rest] -> [L*per_lane, rest]
+            rows.index_copy_(0, where, new)
 
     def at_steps(self, rows: Tensor | None) -> Tensor | None:
         """This step's write index from :meth:`lane_rows`: [L * per_lane], or ``None`` (a batch)."""

@@ -3,12 +3,14 @@
 A family file describes its decoder (:class:`Seq2Seq`, :class:`Causal`: what differs between families, as switches
 the shared decoders read) and names a *reader*: one decoder layer of the transformers model (or of seqgen's own tree)
 -> the shared decoder's layer (:class:`Seq2SeqLayer`, :class:`CausalLayer`: the model's own norms and its linear maps
-over the model's parameters, or views of them, or int8 copies).
+over the model's parameters, or views of them, or int8 copies), and its *facts*: the model -> what its decoder is
+beside the layers (:class:`DecoderFacts`, :class:`CausalFacts`: embeddings, positions, norms, heads), read by the
+attribute names only the family file knows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, NamedTuple, Protocol
@@ -92,7 +94,6 @@ class Seq2SeqLayer:
     ln_ff: nn.Module
     ff: Linear  # the whole feed-forward: [N, D] -> [N, D]
     maps: dict[str, Linear]  # every linear map of the layer by name (int8 checks, tests)
-    relative: nn.Module | None = None  # the self-attention module that owns this layer's relative bias (UMT5)
     ln_self_out: nn.Module | None = None  # on each sub-layer's output, before the residual (T5Gemma)
     ln_cross_out: nn.Module | None = None
     ln_ff_out: nn.Module | None = None
@@ -177,14 +178,42 @@ Positions = Literal[
 ]
 
 
+class PositionTable(Protocol):
+    """A decoder's absolute position embeddings, as its family makes them (``families/bart.py``)."""
+
+    def __call__(self, rows: int) -> Tensor:
+        """The table, ``rows`` rows at least (a table the module grows on demand grown first): [P, D]."""
+        ...
+
+
+class RelativeBias(Protocol):
+    """A decoder's relative position bias, as its family computes it (``families/t5.py``)."""
+
+    layers: int  # L': 1 (the first block's, shared by every block) or every block's own
+
+    def __call__(self, t: int, device: torch.device) -> Tensor:
+        """The bias of ``t`` query against ``t`` key positions: [L', H, T, T]."""
+        ...
+
+
 @dataclass(frozen=True)
 class DecoderFacts:
-    """What an encoder-decoder's decoder is beside its layers, read from the model (transformers' or seqgen's own
-    tree) by its family file's ``facts``, which alone knows the names."""
+    """What an encoder-decoder's decoder is beside its layers' weights, read from the model (transformers' or
+    seqgen's own tree) by its family file's ``facts``, which alone knows the names: the shared decoder
+    (``encoder_decoder.py``) reads the model through these and the standard ``get_decoder``/``get_encoder``/
+    ``get_output_embeddings`` only."""
 
     heads: int  # query heads
     kv_heads: int  # K/V heads (grouped-query attention: fewer), what the caches hold
     head_dim: int
+    embed: Tensor  # the token embeddings [V_in, D]
+    layers: Sequence[nn.Module]  # the decoder's layers in order, each read by the family's ``reader``
+    config: Any  # the decoder's config: its layer kinds and sliding window (``sliding_layers``)
+    ln_embed: nn.Module | None = None  # the norm after the embeddings
+    ln_final: nn.Module | None = None  # the norm after the last layer
+    rotary: nn.Module | None = None  # RoPE's module, ``(x, positions) -> (cos, sin)``: rotary positions
+    position_table: PositionTable | None = None  # absolute positions: their embeddings
+    relative_bias: RelativeBias | None = None  # relative positions: their bias (T5)
     embed_scale: float | Tensor | None = None  # embeddings times this (a tensor: in the model's dtype); None: unscaled
     eoi: int | None = None  # T5Gemma 2: the end-of-image token, embedded as ``eoi_embedding``, not its row
     eoi_embedding: Tensor | None = None
@@ -203,10 +232,7 @@ class Seq2Seq:
     pre_norm: bool
     positions: Positions
     facts: Callable[[Any], DecoderFacts]  # the model -> its decoder's facts
-    embedding_norm: str | None = None  # the decoder's norm after the embeddings, by attribute name
-    final_norm: str | None = None  # the decoder's norm after the last layer, by attribute name
     clamp_fp16: bool = False  # T5's overflow guard after each sub-layer in float16
-    layers: str = "layers"  # the decoder's list of layers
     scale_scores: bool = False  # the attention scale multiplies q.k, not q (transformers' eager attention)
     table: str | None = None  # the config field sizing the decoder's fixed position table (past it: IndexError)
     source_limit: bool = True  # False: the encoder's positions set no limit on an input (T5's ``n_positions``)
@@ -252,13 +278,37 @@ class CausalLayer:
 
 
 def causal_attention(
-    cache: Any, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None,
+    cache: Any,
+    layer: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    softcap: float | None = None,
     sliding: bool = False,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """This step's ``k``/``v`` ([N, Hkv, d], after any RoPE) into ``cache`` (a batch's or the lanes'); ``q`` [N, H, d]
     attends the prompt and the generated positions (``sliding``: those within the cache's window) under one float32
     softmax -> [N, H*d]."""
     return attend_blocks(q, cache.update(layer, k, v, sliding), scale, softcap)
+
+
+@dataclass(frozen=True)
+class CausalFacts:
+    """What a decoder-only model's decoder is beside its layers' weights, read from the model by its family
+    file's ``facts``, which alone knows the names: the shared decoder (``decoder_only.py``) reads the model through
+    these and the standard ``base_model``/``get_output_embeddings`` only."""
+
+    heads: int  # query heads
+    kv_heads: int  # K/V heads (grouped-query attention: fewer), what the caches hold
+    head_dim: int
+    max_positions: int  # the positions the model knows (its learned table's rows, or its config's limit)
+    embed: nn.Module  # the token embedding (it scales where the family does: Gemma)
+    layers: Sequence[nn.Module]  # the decoder's layers in order, each read by the family's ``reader``
+    final_norm: nn.Module  # the norm after the last layer
+    learned: nn.Module | None = None  # learned absolute positions (GPT-2's ``wpe``): ids [N] -> [N, D]
+    rotary: nn.Module | None = None  # RoPE's module, ``(x, positions) -> (cos, sin)``
+    final_softcap: float | None = None  # the logits soft-capped (Gemma2)
 
 
 @dataclass(frozen=True)
@@ -267,9 +317,7 @@ class Causal:
 
     reader: Callable[[nn.Module, bool], CausalLayer]
     positions: Literal["learned", "rotary", "rotary per layer type"]
-    final_norm: str  # the base model's norm after the last layer, by attribute name
-    embed: str = "embed_tokens"  # the base model's token embedding (scaled by the module itself where it is)
-    layers: str = "layers"
+    facts: Callable[[Any], CausalFacts]  # the model -> its decoder's facts
     table: str | None = None  # the config field sizing the fixed position table (past it: IndexError)
     refuse: Callable[[Any], str | None] | None = None  # config -> why a variant is not this family's decoder
 

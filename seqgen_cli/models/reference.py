@@ -43,9 +43,14 @@ def hf_generate(
     # its beam indices (-1 past its end), which generate() returns with the scores only
     stops = bool(generation.get("stop_strings") if isinstance(generation, dict) else given.stop_strings)
     out = model.generate(
-        batch.input_ids, attention_mask=batch.attention_mask, return_dict_in_generate=True,
-        output_scores=scores or stops, output_logits=best is not None, **kwargs, **extra,
-    )  # fmt: skip
+        batch.input_ids,
+        attention_mask=batch.attention_mask,
+        return_dict_in_generate=True,
+        output_scores=scores or stops,
+        output_logits=best is not None,
+        **kwargs,
+        **extra,
+    )
     eos = (
         generation.get("eos_token_id", given.eos_token_id)
         if isinstance(generation, dict)

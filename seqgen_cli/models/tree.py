@@ -20,9 +20,13 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 
 
 ACTIVATIONS = {  # ACT2FN's
-    "gelu": F.gelu, "relu": F.relu, "swish": F.silu, "silu": F.silu, "gelu_new": gelu_new,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "swish": F.silu,
+    "silu": F.silu,
+    "gelu_new": gelu_new,
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-}  # fmt: skip
+}
 
 
 @dataclass

@@ -10,7 +10,6 @@ goes to another worker (or the restarted one), which resumes the part; a lost dr
 
 from __future__ import annotations
 
-import heapq
 import shutil
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from seqgen_cli.pipeline import resume
 from seqgen_cli.pipeline.cluster import ClusterOptions, check_resources, connect, import_ray, node_id
 from seqgen_cli.pipeline.formats import DRIVER_MARK, IndexEntry, InputDigest, parts_dir, remove_part
 from seqgen_cli.pipeline.job import Job, guarded, open_sink, score, write_stats
+from seqgen_cli.pipeline.ledger import ShardLedger
 from seqgen_cli.pipeline.progress import Progress
 from seqgen_cli.pipeline.records import read_records
 from seqgen_cli.pipeline.shards import Cutter, Shard, count_lines
@@ -114,10 +114,14 @@ class _Worker:
     def report(self) -> dict[str, Any]:
         busy = self.stats["busy_seconds"]
         return dict(
-            worker=self.index, nodes=self.nodes, pids=self.pids, restarts=self.deaths, **self.stats,
+            worker=self.index,
+            nodes=self.nodes,
+            pids=self.pids,
+            restarts=self.deaths,
+            **self.stats,
             samples_per_second=self.stats["inputs"] / busy if busy else 0.0,
             generated_tokens_per_second=self.stats["generated_tokens"] / busy if busy else 0.0,
-        )  # fmt: skip
+        )
 
 
 class _Pool:
@@ -133,9 +137,11 @@ class _Pool:
         """One actor per worker, each loading the model (``hello`` answers once it has)."""
         cl = self.cluster
         actor = self.ray.remote(
-            num_cpus=cl.cpus_per_worker, num_gpus=cl.gpus_per_worker, max_restarts=cl.max_restarts,
+            num_cpus=cl.cpus_per_worker,
+            num_gpus=cl.gpus_per_worker,
+            max_restarts=cl.max_restarts,
             max_concurrency=2,  # progress() answers while run_shard() works
-        )(ShardWorker)  # fmt: skip
+        )(ShardWorker)
         threads = max(1, int(cl.cpus_per_worker)) if cl.gpus_per_worker == 0 else None
         node = node_id()
         for i in range(cl.workers):
@@ -201,6 +207,36 @@ class _Pool:
             if info is not None:
                 return info
 
+    def wait(self) -> list[Any]:
+        """Wait briefly for a result or a restarted worker's hello; the one that came, if any."""
+        refs = [w.task_ref for w in self.workers if w.task_ref is not None]
+        refs += [w.hello_ref for w in self.workers if w.hello_ref is not None]
+        if not refs:
+            time.sleep(0.05)  # waiting for the reader
+            return []
+        return self.ray.wait(refs, num_returns=1, timeout=0.2)[0]
+
+    def owner(self, ref: Any) -> _Worker:
+        """The worker whose result or hello ``ref`` is."""
+        return next(w for w in self.workers if ref in (w.task_ref, w.hello_ref))
+
+    def poll(self, events: Events) -> int:
+        """Ask busy workers how far they are (``events``: ``"progress"``); the inputs done in their shards."""
+        polls = [w.poll_ref for w in self.workers if w.poll_ref is not None]
+        ready = set(self.ray.wait(polls, num_returns=len(polls), timeout=0)[0]) if polls else set()
+        for w in self.workers:
+            if w.poll_ref is not None and w.poll_ref in ready:
+                try:
+                    w.progress = self.ray.get(w.poll_ref)
+                except self.ray.exceptions.RayError:
+                    w.progress = 0
+                w.poll_ref = None
+                if w.shard is not None:
+                    events("progress", {"pid": w.pid, "seq": w.shard.seq, "done": w.progress})
+            if w.shard is not None and w.poll_ref is None:
+                w.poll_ref = w.handle.progress.remote()
+        return sum(w.progress for w in self.workers if w.shard is not None)
+
     def kill(self) -> None:
         for w in self.workers + self.lost_workers:
             self.ray.kill(w.handle, no_restart=True)
@@ -209,7 +245,30 @@ class _Pool:
         return [w.report() for w in sorted(self.workers + self.lost_workers, key=lambda w: w.index)]
 
 
+def _open_output(
+    job: Job, settings: dict[str, Any], parts: Path, stdout: TextIO
+) -> tuple[Sink, IndexEntry | None]:
+    """The output and, resumed, where its index says the last run stopped; the parts folder keeps only the parts
+    a resumed run can still use."""
+    sink, state = open_sink(job.output, settings, job.opts, part=job.shard is not None, stdout=stdout.buffer)
+    if is_stream(job.output):
+        return sink, None
+    if state is None:
+        shutil.rmtree(parts, ignore_errors=True)  # parts of a run that is not being resumed
+        parts.mkdir()
+        return sink, None
+    parts.mkdir(exist_ok=True)
+    for old in parts.iterdir():  # parts merged before the driver was lost
+        head = old.name.split("-", 1)[0]
+        if head.isdigit() and int(head) < state.done:
+            old.unlink(missing_ok=True)
+    return sink, state
+
+
 class _Driver:
+    """One ``--workers`` run: the output opened (or resumed), shards handed to the pool's workers and their
+    results merged in order (the :class:`~.ledger.ShardLedger` keeps the account), the summary."""
+
     def __init__(
         self,
         ray: Any,
@@ -227,31 +286,6 @@ class _Driver:
         )
         self.pool = _Pool(ray, generator, job.opts, cluster)
         self.shards_merged = self.retried = self.size = self.start = 0
-        # the shards between the cutter and the output (see _loop)
-        self.retry: list[Shard] = []  # a heap, by shard order
-        self.cut: dict[int, Shard] = {}  # cut and not merged yet
-        self.results: dict[int, ShardResult] = {}  # by shard order, not merged yet
-        self.next_merge = 0  # the next shard to merge
-        self.stop: int | None = None  # the shard with the first failing input
-
-    def _open_output(
-        self, settings: dict[str, Any], parts: Path, stdout: TextIO
-    ) -> tuple[Sink, IndexEntry | None]:
-        sink, state = open_sink(
-            self.output, settings, self.opts, part=self.job.shard is not None, stdout=stdout.buffer
-        )
-        if is_stream(self.output):
-            return sink, None
-        if state is None:
-            shutil.rmtree(parts, ignore_errors=True)  # parts of a run that is not being resumed
-            parts.mkdir()
-            return sink, None
-        parts.mkdir(exist_ok=True)
-        for old in parts.iterdir():  # parts merged before the driver was lost
-            head = old.name.split("-", 1)[0]
-            if head.isdigit() and int(head) < state.done:
-                old.unlink(missing_ok=True)
-        return sink, state
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self, stdout: TextIO) -> Summary:
@@ -270,7 +304,7 @@ class _Driver:
             settings = {**first["settings"], **(self.job.shard.settings() if self.job.shard else {})}
             self.summary.backend = first["backend"]
             self.info = first
-            sink, state = self._open_output(settings, parts, stdout)
+            sink, state = _open_output(self.job, settings, parts, stdout)
             (parts / DRIVER_MARK).write_text(node_id(), encoding="utf-8")
             self.start = self.summary.resumed_from = state.done if state else 0
             startup = time.perf_counter() - self.t0
@@ -303,10 +337,14 @@ class _Driver:
     def _report(self, startup: float) -> dict[str, Any]:
         """``Summary.distributed``: the workers, shards, retries and start-up."""
         return dict(
-            workers=self.pool.report(), shards=self.shards_merged, shard_size=self.size,
-            retried_shards=self.retried, startup_seconds=startup, address=self.cluster.address or "local",
+            workers=self.pool.report(),
+            shards=self.shards_merged,
+            shard_size=self.size,
+            retried_shards=self.retried,
+            startup_seconds=startup,
+            address=self.cluster.address or "local",
             max_source_length=self.info["max_source_length"],
-        )  # fmt: skip
+        )
 
     # -- the loop: hand out, merge, wait, take results, poll -----------------------------------------
     def _loop(self, sink: Sink, state: IndexEntry | None, parts: Path) -> bool:
@@ -317,30 +355,34 @@ class _Driver:
                 self._hand_out()
                 if not self._merge_in_order(sink, parts):
                     return False
-                if self.cutter.finished and not self.cut:
+                if self.ledger.finished:
                     return True
-                for ref in self._wait():
+                for ref in self.pool.wait():
                     self._take(ref)
                 self._poll()
         finally:
-            self.cutter.stop()
+            self.ledger.cutter.stop()
             self.progress.close()
 
     def _start_cutter(self, state: IndexEntry | None) -> None:
-        """Read the input (past what a resumed run merged) into the cutter; the progress bar."""
+        """Read the input (past what a resumed run merged) into the cutter and its ledger; the progress bar."""
         opts, cl = self.opts, self.cluster
         total = self.job.shard.size if self.job.shard is not None else count_lines(self.paths)
         records = read_records(
-            self.paths, opts.input_format, opts.input_field, "skip", select=self.job.select,
+            self.paths,
+            opts.input_format,
+            opts.input_field,
+            "skip",
+            select=self.job.select,
             reserved=opts.fields(),
             chat=opts.chat,
-        )  # fmt: skip
+        )
         digest = InputDigest()
         if state is not None:
             records = resume.skip_done(records, state, digest)
         self.size = cl.shard_size or auto_shard_size(total, cl.workers)
-        self.ahead = LOOKAHEAD_PER_WORKER * cl.workers + 1
-        self.cutter = Cutter(records, self.start, self.size, digest, self.ahead)
+        ahead = LOOKAHEAD_PER_WORKER * cl.workers + 1
+        self.ledger = ShardLedger(Cutter(records, self.start, self.size, digest, ahead), ahead)
         self.progress = Progress(opts.progress, self.paths, initial=self.start, total=total)
 
     def _hand_out(self) -> None:
@@ -348,33 +390,21 @@ class _Driver:
         for w in self.pool.workers:
             if not w.ready or w.shard is not None:
                 continue
-            shard = self._next_shard()
+            shard = self.ledger.next_shard()
             if shard is None:
                 break
             w.start(shard)
 
-    def _next_shard(self) -> Shard | None:
-        """Retries first, then new shards, never too far beyond the oldest unmerged one; none past a failing
-        input."""
-        if self.retry and (self.stop is None or self.retry[0].seq < self.stop):
-            return heapq.heappop(self.retry)
-        if self.stop is not None or len(self.cut) >= self.ahead:
-            return None
-        shard = self.cutter.take()
-        if shard is not None:
-            self.cut[shard.seq] = shard
-        return shard
-
     def _merge_in_order(self, sink: Sink, parts: Path) -> bool:
         """Append the results that are next in shard order to the output; False when one ended in a failing
         input (the run stops there, every output before it written)."""
-        while self.next_merge in self.results:
-            r, shard = self.results.pop(self.next_merge), self.cut.pop(self.next_merge)
+        while (merged := self.ledger.take_next()) is not None:
+            shard, r = merged
             for message in r.warnings:
                 self.progress.warn(message)
             sink.write(r.data, inputs=r.done)
             self.summary.inputs += r.done
-            self._add(r)
+            self.summary.add_counts(r.summary)
             if r.error is not None:
                 partial = shard.before.copy()
                 for record in shard.records[: r.done]:
@@ -386,21 +416,11 @@ class _Driver:
             sink.commit(shard.after)
             remove_part(parts / shard.name)
             self.shards_merged += 1
-            self.events("merged", {"seq": self.next_merge, "name": shard.name})
-            self.next_merge += 1
+            self.events("merged", {"seq": shard.seq, "name": shard.name})
         return True
 
-    def _wait(self) -> list[Any]:
-        """Wait briefly for a result or a restarted worker's hello; the one that came, if any."""
-        refs = [w.task_ref for w in self.pool.workers if w.task_ref is not None]
-        refs += [w.hello_ref for w in self.pool.workers if w.hello_ref is not None]
-        if not refs:
-            time.sleep(0.05)  # waiting for the reader
-            return []
-        return self.ray.wait(refs, num_returns=1, timeout=0.2)[0]
-
     def _take(self, ref: Any) -> None:
-        w = next(w for w in self.pool.workers if ref in (w.task_ref, w.hello_ref))
+        w = self.pool.owner(ref)
         if ref is w.hello_ref:
             self._on_hello(w)
         else:
@@ -416,7 +436,7 @@ class _Driver:
             )
 
     def _on_result(self, w: _Worker, ref: Any) -> None:
-        """A worker finished its shard (or died on it): keep the result for merging in order."""
+        """A worker finished its shard (or died on it): the ledger keeps the result for merging in order."""
         shard = w.shard
         assert shard is not None
         try:
@@ -427,11 +447,7 @@ class _Driver:
         w.finish(r)
         if r.fatal is not None:
             raise SeqgenError(r.fatal)
-        if self.stop is not None and shard.seq > self.stop:
-            return  # past the failing input: not merged
-        if r.error is not None:
-            self.stop = shard.seq if self.stop is None else min(self.stop, shard.seq)
-        self.results[shard.seq] = r
+        self.ledger.done(shard, r)
 
     def _on_death(self, w: _Worker, shard: Shard, err: Exception) -> None:
         """A worker died running ``shard``: the shard goes back in the queue, up to ``max_attempts``."""
@@ -441,34 +457,10 @@ class _Driver:
                 f"{shard.span}: the worker running them died {shard.attempts} times ({type(err).__name__})"
             ) from None
         self.retried += 1
-        heapq.heappush(self.retry, shard)
+        self.ledger.put_back(shard)
 
     def _poll(self) -> None:
         """Ask busy workers how far they are; show the sum on the one progress bar."""
-        polls = [w.poll_ref for w in self.pool.workers if w.poll_ref is not None]
-        ready = set(self.ray.wait(polls, num_returns=len(polls), timeout=0)[0]) if polls else set()
-        for w in self.pool.workers:
-            if w.poll_ref is not None and w.poll_ref in ready:
-                try:
-                    w.progress = self.ray.get(w.poll_ref)
-                except self.ray.exceptions.RayError:
-                    w.progress = 0
-                w.poll_ref = None
-                if w.shard is not None:
-                    self.events("progress", {"pid": w.pid, "seq": w.shard.seq, "done": w.progress})
-            if w.shard is not None and w.poll_ref is None:
-                w.poll_ref = w.handle.progress.remote()
-        finished = self.summary.inputs + sum(r.done for r in self.results.values())
-        done = self.start + finished + sum(w.progress for w in self.pool.workers if w.shard is not None)
+        busy = self.pool.poll(self.events)
+        done = self.start + self.summary.inputs + self.ledger.waiting_inputs + busy
         self.progress.set(done, self.summary.generated_tokens / max(time.perf_counter() - self.t0, 1e-9))
-
-    def _add(self, r: ShardResult) -> None:
-        s, d = self.summary, r.summary  # d is empty for a part finished before a driver loss
-        more = d.get("batches", 0)
-        if more:
-            s.padding_ratio = (s.padding_ratio * s.batches + d["padding_ratio"] * more) / (s.batches + more)
-        s.batches += more
-        for key in ("skipped", "truncated", "generated_tokens", "at_default_length", "incomplete"):
-            setattr(s, key, getattr(s, key) + d.get(key, 0))
-        for key in ("read_seconds", "tokenise_seconds", "generate_seconds", "write_seconds"):
-            setattr(s, key, getattr(s, key) + d.get(key, 0.0))

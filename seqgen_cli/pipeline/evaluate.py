@@ -1,5 +1,6 @@
 """``seqgen eval``: hypotheses against one or more references, the files checked before anything is read or written
-(no ``--sentence-scores`` file is an input: ``paths.check_distinct``), the scores of ``metrics.py``."""
+(no ``--sentence-scores`` file is an input: ``paths.check_distinct``), the scores of ``metrics.py``, and what the
+command prints (:func:`eval_report`)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,32 @@ def evaluate(files: EvalFiles, names: list[str], options: m.Options) -> tuple[di
         return result, text
     write_whole(files.sentence_scores, text)
     return result, None
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """What ``seqgen eval`` prints: ``sentences`` first (``--sentence-scores -``'s JSONL), ``note`` on stderr
+    (the metrics scored when none were chosen), then ``text`` (the table, or the JSON object)."""
+
+    text: str
+    sentences: str | None = None
+    note: str | None = None
+
+
+def eval_report(
+    files: Sequence[str],
+    hypotheses: str | None,
+    metrics: str | None,
+    *,
+    baseline: str | None = None,
+    sentence_scores: str | None = None,
+    as_json: bool = False,
+    **options: Any,
+) -> EvalReport:
+    """``seqgen eval``'s arguments scored: ``metrics`` checked first (a bad name before any file), ``options``
+    sacrebleu's (:class:`~seqgen_cli.metrics.Options`)."""
+    names = m.parse_metrics(metrics)
+    eval_files = EvalFiles.of(files, hypotheses, baseline=baseline, sentence_scores=sentence_scores)
+    result, sentences = evaluate(eval_files, names, m.Options(**options))
+    note = None if metrics is not None else f"seqgen: scoring {', '.join(names)} (choose with --metrics)"
+    return EvalReport(json.dumps(result, indent=2) if as_json else m.format_table(result), sentences, note)

@@ -334,8 +334,12 @@ def write_manifest(part: str, settings: dict[str, Any], inputs: int, size: int, 
     """Record a finished part (written whole, or not at all)."""
     path = manifest_path(part)
     entry = {
-        "seqgen_part": MANIFEST_VERSION, "settings": settings, "inputs": inputs, "bytes": size, "sha256": sha256,
-    }  # fmt: skip
+        "seqgen_part": MANIFEST_VERSION,
+        "settings": settings,
+        "inputs": inputs,
+        "bytes": size,
+        "sha256": sha256,
+    }
     write_whole(path, json.dumps(entry, sort_keys=True) + "\n")
 
 

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from seqgen_cli.config import GENERATION_KEYS
 from seqgen_cli.errors import SeqgenError, WriteError
 from seqgen_cli.generator import Generator, GeneratorSpec
 from seqgen_cli.grammars import GrammarSpec, grammar_spec
@@ -26,6 +25,7 @@ from seqgen_cli.pipeline.shards import ShardRange, parse_shard, select_shard
 from seqgen_cli.pipeline.sinks import FileSink, Sink, is_stream, open_stream
 from seqgen_cli.pipeline.stats import Summary
 from seqgen_cli.prompts import PromptSettings, read_template_option, read_text_option
+from seqgen_cli.rules import GENERATION_KEYS
 from seqgen_cli.whole import write_whole
 
 
@@ -112,10 +112,20 @@ def generator_spec(model: str, flags: Mapping[str, Any]) -> GeneratorSpec:
         seed=flags["seed"],
         target_lang=flags["target_lang"],
         stop=tuple(flags.get("stop") or ()),
+        keep_stop=bool(flags.get("keep_stop")),
+        reasoning=reasoning_flag(flags),
         scores=bool(flags.get("scores")),
         grammar=grammar_flags(flags),
         generation={k: flags[k] for k in GENERATION_KEYS if k in flags},
     )
+
+
+def reasoning_flag(flags: Mapping[str, Any]) -> str:
+    """``--reasoning`` (``outputs.py``); ``field`` writes a JSONL field, so it needs JSONL output."""
+    reasoning = flags.get("reasoning") or "keep"
+    if reasoning == "field" and flags.get("output_format") != "jsonl":
+        raise SeqgenError("--reasoning field writes each output's reasoning in a JSONL field: add --output-format jsonl")
+    return reasoning
 
 
 def grammar_flags(flags: Mapping[str, Any]) -> GrammarSpec | None:
@@ -178,7 +188,7 @@ def first_prompt(gen: Generator, job: Job) -> str:
     encoded = gen.encode([record.text], [record.fields])[0]
     if encoded.error is not None:
         raise SeqgenError(f"{record.where}: {encoded.error}")
-    cut = ", truncated to --max-source-length" if encoded.truncated else ""
+    cut = f", truncated to {gen.limit_said}" if encoded.truncated else ""
     text = gen.tokenizer.decode(encoded.ids, skip_special_tokens=False)
     return f"{text}\n-- {record.where}: {len(encoded.ids)} prompt tokens{cut}"
 
@@ -190,17 +200,28 @@ def generate_job(gen: Generator, job: Job) -> Summary:
     opts = job.opts
     reserved = opts.fields()
     records = read_records(
-        job.paths, opts.input_format, opts.input_field, opts.on_error, select=job.select, reserved=reserved,
+        job.paths,
+        opts.input_format,
+        opts.input_field,
+        opts.on_error,
+        select=job.select,
+        reserved=reserved,
         chat=opts.chat,
-    )  # fmt: skip
+    )
     records, agreement = self_check(gen, records, opts.verify, opts.verify_strict)
     streaming = any(not is_regular(p) for p in job.paths)  # stdin or a named pipe: hand lines on at once
     progress = Progress(opts.progress, job.paths, total=job.shard.size if job.shard is not None else None)
     with progress.notes():  # a shape compiling pauses the bar: the engine says so above it
         summary = write_records(
-            gen, records, job.output, opts, progress=progress, streaming=streaming, settings=job.settings(gen),
+            gen,
+            records,
+            job.output,
+            opts,
+            progress=progress,
+            streaming=streaming,
+            settings=job.settings(gen),
             part=job.shard is not None,
-        )  # fmt: skip
+        )
     summary.verify = agreement
     if opts.stats:
         write_stats(opts.stats, summary)
@@ -243,9 +264,17 @@ def write_records(
     progress.start_at(start)
     with guarded(output, sink):
         summary = run(
-            gen, records, sink, opts, start=start, digest=digest, progress=progress, keep=keep,
-            streaming=streaming, reuse=reuse,
-        )  # fmt: skip
+            gen,
+            records,
+            sink,
+            opts,
+            start=start,
+            digest=digest,
+            progress=progress,
+            keep=keep,
+            streaming=streaming,
+            reuse=reuse,
+        )
     complete = summary.error is None and not summary.interrupted
     if complete and not is_stream(output) and not remove_parts(output):  # a --workers run's, finished here
         progress.warn(

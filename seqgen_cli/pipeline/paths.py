@@ -28,6 +28,7 @@ from seqgen_cli.pipeline.shards import ShardRange, count_lines
 from seqgen_cli.pipeline.sinks import check_not_busy, is_stream
 
 STDOUT = ("stdout",)
+BENCH_REPORTS = ("bench.json", "bench.md", "bench.png")  # what `seqgen bench` writes into --out
 
 
 class Role(NamedTuple):
@@ -116,8 +117,10 @@ def job_roles(
     roles += [read(f"the model's {checkpoint.relative(folder, p)}", str(p)) for folder, p in model]
     roles.append(written("-o", output))
     if not is_stream(output):
-        roles += [written("the index", str(index_path(output))),
-                  written("the journal", str(journal_path(output)))]  # fmt: skip
+        roles += [
+            written("the index", str(index_path(output))),
+            written("the journal", str(journal_path(output))),
+        ]
         if part:
             roles.append(written("the part manifest", str(manifest_path(output))))
     if stats:
@@ -137,9 +140,11 @@ def model_files(model: str | None) -> list[tuple[Path, Path]]:
     return [(folder, p) for p in checkpoint.read_files(folder, str(model))]
 
 
-def check_reports(input: str, out: str, names: Sequence[str]) -> None:  # noqa: A002 - the command's word
-    """``seqgen bench``: no report ``names`` it writes into ``out`` is its ``input``."""
-    check_distinct([read("input", input), *(written("--out", str(Path(out) / name)) for name in names)])
+def check_bench(input: str, out: str, model: str) -> None:  # noqa: A002 - the command's word
+    """``seqgen bench``, before the (slow) model load: no report it writes into ``out`` is its ``input``, and a
+    checkpoint that needs its own code is refused before any baseline loads it (:func:`model_files`)."""
+    check_distinct([read("input", input), *(written("--out", str(Path(out) / name)) for name in BENCH_REPORTS)])
+    model_files(model)
 
 
 def check_output(output: str, resume: bool) -> None:

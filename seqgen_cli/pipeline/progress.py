@@ -53,9 +53,14 @@ class Progress:
         self, enabled: bool, paths: Sequence[str] = (), initial: int = 0, total: int | None = None
     ) -> None:
         self.bar = tqdm(
-            initial=initial, unit="input", disable=not enabled, file=sys.stderr, dynamic_ncols=True,
-            smoothing=0.1, leave=False,
-        )  # fmt: skip
+            initial=initial,
+            unit="input",
+            disable=not enabled,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            smoothing=0.1,
+            leave=False,
+        )
         self._total: int | None = total
         self.warned = 0
         if enabled and paths and total is None:

@@ -187,9 +187,15 @@ TEXT_EXTENSIONS = (".txt", ".text", ".src", ".source", ".tgt", ".target", ".tok"
 
 
 def _check_first_line(
-    path: str, name: str, raw: bytes, input_format: str, input_field: str | None, reserved: Collection[str],
-    on_error: str, chat: bool,
-) -> None:  # fmt: skip
+    path: str,
+    name: str,
+    raw: bytes,
+    input_format: str,
+    input_field: str | None,
+    reserved: Collection[str],
+    on_error: str,
+    chat: bool,
+) -> None:
     if raw.startswith(BOM):
         raw = raw[len(BOM) :]
     fmt = _detect(path, raw) if input_format == "auto" else input_format
@@ -357,9 +363,14 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _json_record(
-    index: int, name: str, number: int, line: str, input_field: str | None, reserved: Collection[str] = (),
+    index: int,
+    name: str,
+    number: int,
+    line: str,
+    input_field: str | None,
+    reserved: Collection[str] = (),
     chat: bool = False,
-) -> Record:  # fmt: skip
+) -> Record:
     if not line.strip():
         raise SeqgenError(f"{name}:{number}: empty line in JSONL input (expected a JSON object)")
     try:

@@ -29,6 +29,7 @@ from seqgen_cli.pipeline.records import Record
 
 if TYPE_CHECKING:  # not at run time: it loads torch, and `seqgen merge` (which checks settings here) need not
     from seqgen_cli.generator import Generator
+    from seqgen_cli.outputs import OutputText
 
 
 def check_fresh(output: str) -> None:
@@ -138,23 +139,40 @@ _FINGERPRINTED_OPTIONS = {
     "scores": "generation",  # output_scores
     **dict.fromkeys(("chat", "system_prompt", "chat_template", "chat_template_kwargs", "prompt_template"), "prompt"),
     **dict.fromkeys(("json_schema", "regex", "grammar", "choice"), "grammar"),  # structured outputs
+    **dict.fromkeys(("keep_stop", "reasoning"), "text"),  # the text written (outputs.py)
 }
 # How a run goes, not what it writes: batching and look-ahead, CUDA graphs and refill (the same outputs; on a
 # GPU they may change rounding as batch composition does), where files and reports go, Ray's resources, checks.
 OUTPUT_NEUTRAL = frozenset(
     {
-        "inputs", "output", "batch_size", "batch_tokens", "sort_window", "capture", "refill", "resume",
-        "stats_path", "reference", "metrics", "workers", "address", "gpus_per_worker", "cpus_per_worker",
-        "shard_size", "verify_spec", "quiet", "show_prompt",
+        "inputs",
+        "output",
+        "batch_size",
+        "batch_tokens",
+        "sort_window",
+        "capture",
+        "refill",
+        "resume",
+        "stats_path",
+        "reference",
+        "metrics",
+        "workers",
+        "address",
+        "gpus_per_worker",
+        "cpus_per_worker",
+        "shard_size",
+        "verify_spec",
+        "quiet",
+        "show_prompt",
     }
-)  # fmt: skip
+)
 
 
 def __getattr__(name: str) -> Any:
     """``FINGERPRINTED``, built when asked for: the generation keys come from seqgen_cli.config, which loads
     transformers (``seqgen merge`` imports this module and need not)."""
     if name == "FINGERPRINTED":
-        from seqgen_cli.config import GENERATION_KEYS
+        from seqgen_cli.rules import GENERATION_KEYS
 
         return {**_FINGERPRINTED_OPTIONS, **dict.fromkeys(GENERATION_KEYS, "generation")}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -190,6 +208,7 @@ def fingerprint(gen: Generator, opts: RecordOptions) -> dict[str, Any]:
         **({"prompt": prompt} if (prompt := {k: v for k, v in gen.prompt.describe().items() if k != "prefix"}) else {}),
         max_source_length=gen.max_source_length,
         **({"grammar": [g.spec.kind, g.spec.source]} if (g := gen.grammar) is not None else {}),
+        **({"text": text} if (text := written_text(gen.texts)) else {}),
         seed=gen.seed,
         input_format=opts.input_format,
         input_field=opts.input_field,
@@ -198,6 +217,13 @@ def fingerprint(gen: Generator, opts: RecordOptions) -> dict[str, Any]:
         on_error=opts.on_error,
     )
     return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def written_text(texts: OutputText) -> dict[str, Any]:
+    """How the outputs' texts are written where it differs from the decoded tokens (``outputs.py``): the stop
+    string cut or kept, the reasoning; empty where neither applies (no stop strings, reasoning kept)."""
+    cut = {"keep_stop": texts.keep_stop} if texts.stops else {}
+    return cut | ({"reasoning": texts.reasoning} if texts.reasoning != "keep" else {})
 
 
 def model_identity(model: Any, files: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -106,11 +106,19 @@ class _Run:
             iter(records), gen.encode, streaming=streaming, on_error=opts.on_error
         ).start()
         self.writer = OrderedWriter(
-            sink, gen.decode, output_format=opts.output_format, output_field=opts.output_field,
-            num_sequences=gen.num_return_sequences, start=start, digest=digest, keep=keep, reuse=self.reuse,
-            scores=opts.scores, complete=whole_match,
+            sink,
+            gen.texts,
+            output_format=opts.output_format,
+            output_field=opts.output_field,
+            num_sequences=gen.num_return_sequences,
+            start=start,
+            digest=digest,
+            keep=keep,
+            reuse=self.reuse,
+            scores=opts.scores,
+            complete=whole_match,
             logprobs=opts.logprobs,
-        ).start()  # fmt: skip
+        ).start()
         early = isinstance(sink, StreamSink)  # stdout, a pipe: someone may read the first lines as they come
         sizes = (opts.batch_size, opts.batch_tokens, opts.sort_window)
         self.batcher = gen.batcher(self.reader.chunks(), self.passthrough, *sizes, early)

@@ -79,6 +79,19 @@ class Summary:
             + (f"; {self.verify['line']}" if self.verify else "")
         )
 
+    def add_counts(self, d: dict[str, Any]) -> None:
+        """Add a ``--workers`` shard's counts and times (its worker's :meth:`as_dict`; empty for a part finished
+        before a driver loss): the run's summary sums its shards'."""
+        more = d.get("batches", 0)
+        if more:  # the padding share over both, weighted by batches
+            padded = self.padding_ratio * self.batches + d["padding_ratio"] * more
+            self.padding_ratio = padded / (self.batches + more)
+        self.batches += more
+        for key in ("skipped", "truncated", "generated_tokens", "at_default_length", "incomplete"):
+            setattr(self, key, getattr(self, key) + d.get(key, 0))
+        for key in ("read_seconds", "tokenise_seconds", "generate_seconds", "write_seconds"):
+            setattr(self, key, getattr(self, key) + d.get(key, 0.0))
+
     def ran(self) -> str:
         """The backend and the engine that ran, for the closing line: ``fast (bart decoder)``, ``generic (why)``
         (seqgen's engine could not run the model: ``fast`` would mislead), ``hf`` (its step says ``generate()``)."""

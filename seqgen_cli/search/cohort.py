@@ -38,9 +38,13 @@ class Search(Protocol):
 
 
 def make_search(
-    rows: Rows, settings: SearchSettings, consts: BeamConstants, topk: TopK, streams: Streams,
+    rows: Rows,
+    settings: SearchSettings,
+    consts: BeamConstants,
+    topk: TopK,
+    streams: Streams,
     stop: StopCheck | None = None,
-) -> Search:  # fmt: skip
+) -> Search:
     """The search of ``settings.mode`` over ``rows``: beam search (over a static backend's fixed lanes, a step that
     compiles: ``search/static.py``), or one token per row, the arg-max or a draw from each input's random stream.
     ``consts``: the device constants, built once per call before its first step is queued (host data copied later

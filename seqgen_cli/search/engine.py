@@ -44,9 +44,12 @@ class RefillStats:
     def report(self) -> dict[str, float]:
         """For ``--stats`` (``device.refill``)."""
         return {
-            "occupancy": round(self.occupancy, 4), "joins": self.joins, "steps": self.steps,
-            "row_steps": self.row_steps, "live_row_steps": self.live_row_steps,
-        }  # fmt: skip
+            "occupancy": round(self.occupancy, 4),
+            "joins": self.joins,
+            "steps": self.steps,
+            "row_steps": self.row_steps,
+            "live_row_steps": self.live_row_steps,
+        }
 
     def add(self, other: RefillStats) -> None:
         self.steps += other.steps

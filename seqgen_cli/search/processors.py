@@ -150,9 +150,15 @@ class Processors:
 
         inverse = float(float32_inverse([self.penalty])[0]) if device.type == "cuda" else None
         return replace(
-            self, inverse=inverse, bad=bans(self.bad), eos=bans(self.eos), bos=forced(self.bos),
-            forced_eos=forced(self.forced_eos), suppress=bans(self.suppress), begin=bans(self.begin),
-        )  # fmt: skip
+            self,
+            inverse=inverse,
+            bad=bans(self.bad),
+            eos=bans(self.eos),
+            bos=forced(self.bos),
+            forced_eos=forced(self.forced_eos),
+            suppress=bans(self.suppress),
+            begin=bans(self.begin),
+        )
 
 
 def float32_inverse(values: list[float]) -> Tensor:

@@ -60,10 +60,18 @@ class Refill:
     one width join as one cohort. ``streams``: sampling's per-input random streams."""
 
     def __init__(
-        self, backend: RefillBackend, batch: Batch, config: GenerationConfig, lanes: int, widths: list[int],
-        streams: Streams, stats: RefillStats, sync_every: int, stop: StopCheck | None = None,
+        self,
+        backend: RefillBackend,
+        batch: Batch,
+        config: GenerationConfig,
+        lanes: int,
+        widths: list[int],
+        streams: Streams,
+        stats: RefillStats,
+        sync_every: int,
+        stop: StopCheck | None = None,
         grammar: BatchGrammar | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.backend, self.batch, self.widths, self.streams, self.stats = backend, batch, widths, streams, stats
         self.stop, self.grammar = stop, grammar  # the stop strings' check (greedy, sampling); structured outputs
         num_inputs, device = batch.input_ids.shape[0], batch.input_ids.device
@@ -185,9 +193,17 @@ def generate_refill(
         raise ValueError(f"prompt widths must lie between each prompt's length and the batch's width {width}")
     device = batch.input_ids.device
     engine = Refill(
-        backend, batch, config, lanes, widths, Streams(seed, device, indices),
-        stats if stats is not None else RefillStats(), sync_every or default_sync_every(device), stop, grammar,
-    )  # fmt: skip
+        backend,
+        batch,
+        config,
+        lanes,
+        widths,
+        Streams(seed, device, indices),
+        stats if stats is not None else RefillStats(),
+        sync_every or default_sync_every(device),
+        stop,
+        grammar,
+    )
     return engine.run(range(num_inputs) if order is None else order, min_free)
 
 

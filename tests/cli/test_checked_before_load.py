@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from seqgen_cli.config import MOST_STOPS
+from seqgen_cli.stops import MOST_STOPS
 from tests.helpers import one_line_error, seqgen, write_lines
 from tests.tiny_models import copy_checkpoint
 

@@ -12,8 +12,9 @@ import click
 import pytest
 import torch
 
-from seqgen_cli.cli import GENERATION_OPTIONS, main
-from seqgen_cli.config import GENERATION_KEYS
+from seqgen_cli.cli import main
+from seqgen_cli.cli_options import GENERATION_OPTIONS
+from seqgen_cli.rules import GENERATION_KEYS
 from tests.helpers import seqgen
 from tests.tiny_models import load_tiny, sample_texts
 

@@ -129,18 +129,19 @@ def decoder_only_reference(
 ) -> tuple[Tensor, Tensor]:
     """The scores of the step just attended, from the cache's own half keys upcast to float32, with its masks,
     and their :func:`float32_bound`: [B, Hkv, R*G, P + span*R] each (lane: generated first)."""
-    b, hkv, d, _ = cache.pk[0].shape
+    fixed = cache.fixed
+    b, hkv, d, _ = fixed.keys[0].shape
     r, span = cache.r, cache.span
     n, h, _ = q.shape
     g = h // hkv
     qg = q.view(b, r, hkv, g, d).transpose(1, 2).reshape(b, hkv, r * g, d)  # [B, Hkv, R*G, d]
-    keys_t = cache.gk[0][:, :, :, :span].reshape(b, hkv, d, span * r)  # [B, Hkv, d, span*R]
+    keys_t = cache.generated.keys[0][:, :, :, :span].reshape(b, hkv, d, span * r)  # [B, Hkv, d, span*R]
     gen = (qg.float() @ keys_t.float()) * scale
-    if cache.gen_bias is not None:
-        gen = (gen.view(b, hkv, r, g, span * r) + cache.gen_bias).view(b, hkv, r * g, span * r)
-    prompt = (qg.float() @ cache.pk[0].float()) * scale + cache.prompt_bias
+    if cache.generated_bias is not None:
+        gen = (gen.view(b, hkv, r, g, span * r) + cache.generated_bias).view(b, hkv, r * g, span * r)
+    prompt = (qg.float() @ fixed.keys[0].float()) * scale + fixed.bias
     parts = [gen, prompt] if lane else [prompt, gen]
-    bound = [float32_bound(qg, keys_t, scale), float32_bound(qg, cache.pk[0], scale)]
+    bound = [float32_bound(qg, keys_t, scale), float32_bound(qg, fixed.keys[0], scale)]
     return torch.cat(parts, dim=-1), torch.cat(bound if lane else bound[::-1], dim=-1)
 
 
@@ -176,7 +177,7 @@ def test_decoder_only_lane_scores_are_float32(dtype: torch.dtype) -> None:
     mask = torch.ones(s, w, dtype=torch.long)
     mask[1, :3] = 0
     pk = [randn(s, hkv, w, d, dtype=dtype, gen=gen)]
-    cache.put_prompt(lanes, pk, [randn(s, hkv, w, d, dtype=dtype, gen=gen)], mask)
+    cache.put_fixed(lanes, pk, [randn(s, hkv, w, d, dtype=dtype, gen=gen)], mask)
     cache.join(lanes.tolist())
     for t in range(2):
         cache.span = span_bucket(t, cache.max_len)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,17 @@ import torch
 from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import DecoderOnlyBackend, EncoderDecoderBackend, GenericBackend, get_backend
+from seqgen_cli.models import (
+    DecoderOnlyBackend,
+    EncoderDecoderBackend,
+    FastBackend,
+    GenericBackend,
+    engine_name,
+    engine_of,
+    get_backend,
+    own_widths,
+)
+from seqgen_cli.models.capture import capture
 from seqgen_cli.models.families import FAMILIES as FAST_FAMILIES
 from tests.tiny_models import FAMILIES, load_tiny
 
@@ -21,7 +32,39 @@ def test_auto_picks_the_fast_backend_for_each_family(tiny_models, family: str) -
     backend = get_backend(model)
     shared = EncoderDecoderBackend if model.config.is_encoder_decoder else DecoderOnlyBackend
     assert type(backend) is shared and backend.family is FAST_FAMILIES[model.config.model_type]
-    assert isinstance(get_backend(model, generic=True), GenericBackend)
+    assert isinstance(backend, FastBackend) and engine_of(backend) is backend
+    generic = get_backend(model, generic=True)
+    assert isinstance(generic, GenericBackend) and not isinstance(generic, FastBackend)
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_the_capture_wrapper_unwraps_to_the_fast_backend_it_runs(tiny_models, family: str) -> None:
+    """``engine_of`` reads through the capture wrapper by its declared ``unwrap`` (``fast.Wrapper``): the engine's
+    name and widths are the wrapped backend's."""
+    model = load_tiny(tiny_models(family))[0]
+    fast = get_backend(model)
+    # capture() decides by the device's type: nothing runs there
+    wrapped, path = capture(fast, torch.device("cuda"), True, compiler=lambda decode: decode)
+    assert path == "captured" and wrapped is not fast and engine_of(wrapped) is fast
+    assert engine_name(wrapped) == engine_name(fast) == f"{model.config.model_type} decoder"
+    assert own_widths(wrapped) == own_widths(fast) == model.config.is_encoder_decoder
+
+
+SHARED = ("decoder_only.py", "encoder_decoder.py", "prefill.py", "source.py")
+# attribute names of one family's modules or config: the family files read them (``facts``), the shared code never
+FAMILY_NAMES = (
+    "embed_tokens rotary_emb embed_positions padding_idx compute_bias wpe wte ln_f n_head n_positions self_attn"
+    " final_layer_norm layernorm_embedding"
+).split()
+
+
+def test_the_shared_decoders_name_no_familys_attributes() -> None:
+    """The shared decoders read a model through its family file's facts (``layers.DecoderFacts``,
+    ``layers.CausalFacts``) and transformers' standard accessors only."""
+    models = Path(__file__).resolve().parents[2] / "seqgen_cli" / "models"
+    texts = {name: (models / name).read_text() for name in SHARED}
+    found = [(name, w) for name, text in texts.items() for w in FAMILY_NAMES if re.search(rf"\b{w}\b", text)]
+    assert not found, found
 
 
 def test_unlisted_family_runs_through_the_generic_backend(tmp_path: Path, tiny_models) -> None:

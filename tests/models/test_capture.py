@@ -620,12 +620,12 @@ def test_a_refill_join_that_widens_marks_the_new_tensors_static(tiny_models) -> 
     backend = CapturedBackend(get_backend(loaded.model), eager)
     with torch.inference_mode():
         state = backend.open_lanes(2, 1, 8)
-        assert get_static_address_type(state.cache.pk[0]) == "unguarded"
+        assert get_static_address_type(state.cache.fixed.keys[0]) == "unguarded"
         longest = batch.attention_mask.sum(dim=1).argmax().view(1)
         backend.join(state, [0], _columns(batch, longest, batch.input_ids.shape[1], left=True))
     assert backend.backend.lane_width(state) > MIN_WIDTH, "widened"
-    assert get_static_address_type(state.cache.pk[0]) == "unguarded"
-    assert get_static_address_type(state.cache.prompt_bias) == "unguarded"
+    assert get_static_address_type(state.cache.fixed.keys[0]) == "unguarded"
+    assert get_static_address_type(state.cache.fixed.bias) == "unguarded"
 
 
 @pytest.mark.parametrize("call", [1, 3, 7])

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from seqgen_cli.models import fast_backend, get_backend
-from seqgen_cli.models.decoder_only import DecoderOnlyBackend, prompt_positions
+from seqgen_cli.models.decoder_only import DecoderOnlyBackend
 from seqgen_cli.models.generic import GenericBackend
+from seqgen_cli.models.prefill import prompt_positions
 from seqgen_cli.search.protocol import Batch
 from tests.tiny_models import (
     DECODER_ONLY_CONFIGS,
@@ -122,23 +123,23 @@ def test_cache_accounting(name: str) -> None:
     L, H = cfg.num_hidden_layers, cfg.num_attention_heads
     Hkv = getattr(cfg, "num_key_value_heads", H)
     d = cfg.hidden_size // H
-    assert all(k.shape == (B, Hkv, d, P) for k in state.cache.pk)  # K stored transposed
-    assert all(v.shape == (B, Hkv, P, d) for v in state.cache.pv)
-    assert all(k.shape == (B, Hkv, d, T, R) for k in state.cache.gk)
-    assert all(v.shape == (B, Hkv, T, R, d) for v in state.cache.gv)
-    ptrs = {k.data_ptr() for k in state.cache.gk + state.cache.gv}
+    fixed, generated = state.cache.fixed, state.cache.generated
+    assert all(k.shape == (B, Hkv, d, P) for k in fixed.keys)  # K stored transposed
+    assert all(v.shape == (B, Hkv, P, d) for v in fixed.values)
+    assert all(k.shape == (B, Hkv, d, T, R) for k in generated.keys)
+    assert all(v.shape == (B, Hkv, T, R, d) for v in generated.values)
+    ptrs = {k.data_ptr() for k in generated.tensors()}
     for _ in range(T):
         dec.step(state, torch.ones(B * R, dtype=torch.long))
         dec.reorder(state, torch.tensor([0, 0, 1, 1, 7, 6, 5, 4]))
-    assert {
-        k.data_ptr() for k in state.cache.gk + state.cache.gv
-    } == ptrs  # written in place, never reallocated
+    assert {k.data_ptr() for k in generated.tensors()} == ptrs  # written in place, never reallocated
     with pytest.raises(ValueError, match="beyond the 5 positions"):
         dec.step(state, torch.ones(B * R, dtype=torch.long))
     sizes = dec.cache_nbytes(state)
-    assert state.cache.prompt_bias.numel() == B * P  # the prompt's padding mask, float32
+    assert fixed.bias.numel() == B * P  # the prompt's padding mask, float32
     assert sizes == {
-        "prompt": 2 * L * B * Hkv * P * d * 4 + B * P * 4,
+        "fixed": 2 * L * B * Hkv * P * d * 4,
+        "fixed_bias": B * P * 4,
         "generated": 2 * L * B * R * Hkv * T * d * 4,
         "pointers": B * R * T * 8,
     }
@@ -164,7 +165,7 @@ def test_half_precision_close_to_hf(name: str, dtype: torch.dtype) -> None:
     model = decoder_only_model(name).to(dtype)
     dec = fast(model)
     state, first = dec.start(left_pad(PROMPTS), rows_per_input=2, max_new_tokens=3)
-    assert first.dtype == torch.float32 and state.cache.pk[0].dtype == dtype
+    assert first.dtype == torch.float32 and state.cache.fixed.keys[0].dtype == dtype
     hist = [[] for _ in range(8)]
     for t in range(3):
         tokens = torch.arange(8) + 3 * t + 1

@@ -96,11 +96,11 @@ def test_cross_kv_stored_once_per_input(tiny_models, family: str) -> None:
     sizes = dec.cache_nbytes(state)
     w = cross_width(s)  # whole cross-attention chunks
     assert sizes["cross"] == dec.n_layers * 2 * bsz * w * inner * itemsize  # B, not B * beams
-    assert all(k.shape == (bsz, dec.heads, dec.head_dim, w) for k in state.cache.cross_k)  # keys transposed
-    assert all(v.shape == (bsz, dec.heads, w, dec.head_dim) for v in state.cache.cross_v)
+    assert all(k.shape == (bsz, dec.heads, dec.head_dim, w) for k in state.cache.fixed.keys)  # keys transposed
+    assert all(v.shape == (bsz, dec.heads, w, dec.head_dim) for v in state.cache.fixed.values)
     assert sizes["cross"] + sizes["self"] + sizes["bias"] == dec.cache_bytes(bsz, s, r, 5)
     # self-attention cache: preallocated once, N = B * R rows, max_new_tokens positions
-    for cache in (state.cache.k, state.cache.v):  # one tensor per layer (in-place writes under torch.compile)
+    for cache in (state.cache.generated.keys, state.cache.generated.values):  # one tensor per layer (in place)
         assert len(cache) == dec.n_layers
         assert all(x.shape == (bsz, dec.heads, 5, r, dec.head_dim) for x in cache)
     dec.keep(state, torch.tensor([1]), torch.arange(r, 2 * r))
@@ -152,12 +152,12 @@ def test_encoder_runs_on_onednn_and_leaves_the_model_as_it_was(tiny_models) -> N
     model = load_tiny(tiny_models("bart"))[0]
     dec = fast_backend(model)
     own = model.get_encoder()
-    assert any(isinstance(m, SourceLinear) for m in dec.encoder.modules())
+    assert any(isinstance(m, SourceLinear) for m in dec.source.encoder.modules())
     assert not any(isinstance(m, SourceLinear) for m in own.modules())
-    assert {p.data_ptr() for p in dec.encoder.parameters()} == {p.data_ptr() for p in own.parameters()}
+    assert {p.data_ptr() for p in dec.source.encoder.parameters()} == {p.data_ptr() for p in own.parameters()}
     ids = torch.randint(4, model.config.vocab_size, (3, 24))
     mask = torch.ones_like(ids)
     with torch.inference_mode():
-        ours = dec._encoder(ids, mask)
+        ours = dec.source.run(ids, mask)
         theirs = own(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(ours, theirs, rtol=SUMMATION_RTOL, atol=SUMMATION_ATOL)

@@ -31,7 +31,7 @@ ALLOC = re.compile(r"(buf\d+) = empty_strided\w*\(\(([\d, ]*)\)")  # inductor's 
 
 def written_caches(cache: Any) -> list[torch.Tensor]:
     """The self-attention K/V tensors a step writes (the decoder-only prompt K/V are only read)."""
-    return [*cache.gk, *cache.gv] if hasattr(cache, "gk") else [*cache.k, *cache.v]
+    return cache.generated.tensors()
 
 
 def cache_sizes(caches: list[torch.Tensor]) -> set[int]:

@@ -44,10 +44,10 @@ def state_buffers(inner: Any) -> list[torch.Tensor]:
     place), not the step's intermediates (the attention biases ``begin`` builds)."""
     cache = inner.cache
     common = [cache.ptr, cache.steps]
-    if hasattr(cache, "cross_k"):  # encoder-decoder
-        bias = [] if inner.self_bias is None else [inner.self_bias]
-        return [*cache.cross_k, *cache.cross_v, cache.cross_mask, *cache.k, *cache.v, *common, *bias]
-    return [*cache.pk, *cache.pv, cache.prompt_bias, *cache.gk, *cache.gv, *common, inner.start_pos]
+    held = [*cache.fixed.tensors(), cache.fixed.bias, *cache.generated.tensors(), *common]
+    if hasattr(inner, "self_bias"):  # encoder-decoder: T5's relative position bias
+        return [*held, *([] if inner.self_bias is None else [inner.self_bias])]
+    return [*held, inner.start_pos]
 
 
 class Watched(CapturedBackend):

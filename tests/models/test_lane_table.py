@@ -1,5 +1,6 @@
 """The lane table both KV caches stand on (``models/lane_table.py``), without a model: spans, back-pointers through
-reorders, what each row sees, lanes joining and leaving at their own steps, the sliding window, where a step writes."""
+reorders, what each row sees (as positions and as the keys a row scores), lanes joining and leaving at their own
+steps, the sliding window, where a step writes; queries write nothing, only the named updates do."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_lanes_join_and_leave_at_their_own_steps() -> None:
     table.check(99)
     table.claim()
     seen = table.visible(table.span)  # [L, Rq, span, R]
-    assert seen[1, 0, :, 0].tolist()[:4] == [True, False, False, False]  # lane 1: its one position, no stale keys
+    assert seen[1, 0, :4, 0].tolist() == [True, False, False, False]  # lane 1: its one position, none stale
     assert seen[2, 0, :, 0].tolist()[:5] == [True, True, True, True, False]  # lane 2: positions 0..3
     for _ in range(10):  # an idle or finished lane keeps stepping, stopped at the last position
         table.advance()
@@ -97,3 +98,81 @@ def test_a_step_writes_at_each_lanes_own_position() -> None:
     cache = torch.zeros(2, 3, 4)  # [L, H, T]
     lanes.write(cache, 2, torch.ones(2, 3), lanes.at_steps(lanes.lane_rows(3)))
     assert cache[0, :, 2].eq(1).all() and cache[1, :, 0].eq(1).all() and cache.sum() == 6
+
+
+def test_what_a_row_sees_as_the_keys_it_scores() -> None:
+    """``visible_keys`` lays ``visible`` out as the ``span * R`` keys a row scores (position-major, ``s * R + beam``);
+    a batch's eager step with one row per input sees every position it attends (``None``: no mask)."""
+    table = LaneTable(lanes=1, rows_per_input=2, max_len=4, device=CPU, own_steps=False)
+    table.check(0)
+    table.claim()
+    table.advance()
+    table.reorder(torch.tensor([1, 1]))
+    table.check(1)
+    table.claim()
+    keys = table.visible_keys()  # [L, Rq, span*R]
+    assert keys is not None and keys.shape == (1, 2, 4)
+    assert keys[0].tolist() == [[False, True, True, False], [False, True, False, True]]
+    assert torch.equal(keys.view(1, 2, 2, 2), table.visible(2))  # [L, Rq, span, R]
+    one = LaneTable(lanes=3, rows_per_input=1, max_len=4, device=CPU, own_steps=False)
+    one.check(0)
+    assert one.visible_keys() is None  # eager, R = 1: all of the t + 1 positions
+    one.make_static()
+    one.check(0)
+    assert one.visible_keys().tolist() == [[[True] + [False] * 3]]  # static: the bucket's unwritten masked
+
+
+def test_the_window_as_the_keys_a_row_scores() -> None:
+    table = LaneTable(lanes=2, rows_per_input=2, max_len=8, device=CPU, own_steps=True)
+    table.make_static()
+    table.join([0, 1])
+    for _ in range(5):
+        table.advance()
+    table.join([1])
+    table.check(0)
+    near = table.near_keys(3)  # [L, span*R]
+    assert near.shape == (2, table.span * 2)
+    assert torch.equal(near.view(2, -1, 2), table.near(3)[:, :, None].expand(-1, -1, 2))
+    assert near[0, :8].tolist() == [False] * 6 + [True] * 2  # lane 0 at step 5: position 3 in, 0-2 out
+
+
+def test_queries_write_nothing() -> None:
+    """Only the named updates change the table: every query leaves the back-pointers, steps and span as they were."""
+    table = LaneTable(lanes=2, rows_per_input=2, max_len=6, device=CPU, own_steps=True)
+    table.make_static()
+    table.join([0, 1])
+    table.advance()
+    table.check(0)
+    table.claim()
+    tensors = (table.ptr.clone(), table.steps.clone(), table.position.clone())
+    hosts = (table.span, list(table.ages))
+    _ = [table.visible(table.span), table.visible_keys(), table.near(2), table.near_keys(2), table.now(7)]
+    _ = [table.span_at(7), table.lane_rows(3), table.at_steps(table.lane_rows(3)), table.lane_count]
+    assert all(map(torch.equal, tensors, (table.ptr, table.steps, table.position)))
+    assert hosts == (table.span, table.ages)
+    table.advance()
+    table.claim()  # the update that writes the back-pointers: this step's position holds each row's own beam
+    assert table.ptr[:, 2].tolist() == [0, 1, 0, 1] and torch.equal(table.ptr[:, :2], tensors[0][:, :2])
+
+
+def test_a_batch_and_lanes_count_their_lanes_and_steps() -> None:
+    batch = LaneTable(lanes=3, rows_per_input=2, max_len=5, device=CPU, own_steps=False)
+    assert batch.lane_count == 3 and not batch.own_steps and batch.ages == [] and batch.now(4) == 4
+    assert batch.lane_rows(2) is None and batch.at_steps(None) is None  # a batch writes through a view
+    lanes = LaneTable(lanes=3, rows_per_input=2, max_len=5, device=CPU, own_steps=True)
+    assert lanes.lane_count == 3 and lanes.own_steps and lanes.ages == [None] * 3 and lanes.now(4) == 0
+    assert lanes.lane_rows(2).tolist() == [[0, 5], [10, 15], [20, 25]]  # [L, per_lane]: position 0's row
+
+
+def test_reset_restarts_the_table_in_place() -> None:
+    table = LaneTable(lanes=1, rows_per_input=2, max_len=4, device=CPU, own_steps=False)
+    table.make_static()
+    ptr = table.ptr
+    for t in range(3):
+        table.check(t)
+        table.claim()
+        table.advance()
+        table.reorder(torch.tensor([1, 1]))
+    assert table.ptr.any()
+    table.reset()
+    assert table.ptr is ptr and not ptr.any() and table.steps.tolist() == [0] and table.span == table.max_len

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from seqgen_cli.models import fast_backend
-from seqgen_cli.models.decoder_only import MIN_SHARED, DecoderOnlyBackend
+from seqgen_cli.models.decoder_only import DecoderOnlyBackend
+from seqgen_cli.models.prefill import MIN_SHARED
 from seqgen_cli.prompts import Prompter, PromptSettings
 from seqgen_cli.search.protocol import Batch
 from tests.tiny_models import V, decoder_only_model
@@ -57,17 +58,17 @@ def real(kv: torch.Tensor, mask: torch.Tensor, i: int) -> torch.Tensor:
 def test_over_the_head_gives_the_whole_prompts_keys_values_and_logits(name: str) -> None:
     dec = backend(name)
     batch = left_padded(prompts([1, 6, 11, 18]))
-    keys, values, logits = dec._forward(batch)
+    keys, values, logits = dec.prefill.forward(batch)
     dec.share(HEAD)
-    k2, v2, l2 = dec._prefill(batch)
+    k2, v2, l2 = dec.prefill(batch)
     mask = batch.attention_mask
     for a, b in zip(keys + values, k2 + v2, strict=True):
         for i in range(mask.shape[0]):
             torch.testing.assert_close(real(b, mask, i), real(a, mask, i), rtol=SUMMATION, atol=SUMMATION)
     torch.testing.assert_close(l2, logits, rtol=SUMMATION, atol=SUMMATION * float(logits.abs().max()))
-    assert dec.shared == {"tokens": len(HEAD), "prefills": 1, "inputs": 4}
-    dec._prefill(left_padded(prompts([2, 3], seed=1)))
-    assert dec.shared == {"tokens": len(HEAD), "prefills": 1, "inputs": 6}  # the head: once per run
+    assert dec.prefill.shared == {"tokens": len(HEAD), "prefills": 1, "inputs": 4}
+    dec.prefill(left_padded(prompts([2, 3], seed=1)))
+    assert dec.prefill.shared == {"tokens": len(HEAD), "prefills": 1, "inputs": 6}  # the head: once per run
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -75,9 +76,9 @@ def test_an_inputs_prefill_over_the_head_does_not_depend_on_its_neighbours(name:
     dec = backend(name)
     dec.share(HEAD)
     rows = prompts([1, 6, 11, 18], seed=2)
-    together = dec._prefill(left_padded(rows))
+    together = dec.prefill(left_padded(rows))
     for i, row in enumerate(rows):
-        alone = dec._prefill(left_padded([row]))
+        alone = dec.prefill(left_padded([row]))
         mask = left_padded([row]).attention_mask
         for a, b in zip(alone[0] + alone[1], together[0] + together[1], strict=True):
             assert torch.equal(real(a, mask, 0), real(b[i : i + 1], mask, 0)), (name, i)
@@ -88,22 +89,22 @@ def test_a_prompt_without_the_head_is_prefilled_whole_beside_the_others() -> Non
     dec = backend("llama")
     rows = prompts([4, 9]) + prompts([5], head=[40] + HEAD[1:]) + [HEAD]  # another head; the head alone
     batch = left_padded(rows)
-    keys, values, logits = dec._forward(batch)
+    keys, values, logits = dec.prefill.forward(batch)
     dec.share(HEAD)
-    k2, v2, l2 = dec._prefill(batch)
+    k2, v2, l2 = dec.prefill(batch)
     mask = batch.attention_mask
     for a, b in zip(keys + values, k2 + v2, strict=True):
         for i in range(len(rows)):
             torch.testing.assert_close(real(b, mask, i), real(a, mask, i), rtol=SUMMATION, atol=SUMMATION)
     torch.testing.assert_close(l2, logits, rtol=SUMMATION, atol=SUMMATION * float(logits.abs().max()))
-    assert dec.shared["inputs"] == 2  # the two that begin with it and go on
+    assert dec.prefill.shared["inputs"] == 2  # the two that begin with it and go on
 
 
 def test_a_short_head_is_not_shared() -> None:
     dec = backend("gpt2")
     dec.share(HEAD[: MIN_SHARED - 1])
     batch = left_padded(prompts([3, 5], head=HEAD[: MIN_SHARED - 1]))
-    assert dec._begins_with_head(batch) is None and dec.shared["tokens"] == 0
+    assert dec.prefill.begins_with_head(batch) is None and dec.prefill.shared["tokens"] == 0
 
 
 class Words:
@@ -135,12 +136,12 @@ def test_the_int8_backend_prefills_over_the_head_too() -> None:
     torch.manual_seed(0)
     dec = fast_backend(decoder_only_model("llama"), int8=True)
     batch = left_padded(prompts([3, 12]))
-    keys, _, logits = dec._forward(batch)
+    keys, _, logits = dec.prefill.forward(batch)
     dec.share(HEAD)
-    k2, _, l2 = dec._prefill(batch)
+    k2, _, l2 = dec.prefill(batch)
     mask = batch.attention_mask
     for a, b in zip(keys, k2, strict=True):
         for i in range(mask.shape[0]):
             torch.testing.assert_close(real(b, mask, i), real(a, mask, i), rtol=SUMMATION, atol=SUMMATION)
     torch.testing.assert_close(l2, logits, rtol=SUMMATION, atol=SUMMATION * float(logits.abs().max()))
-    assert dec.shared["prefills"] == 1 and dec.shared["inputs"] == 2
+    assert dec.prefill.shared["prefills"] == 1 and dec.prefill.shared["inputs"] == 2

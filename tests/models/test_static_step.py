@@ -118,9 +118,8 @@ class NanWatch(TorchDispatchMode):
 
 def position_views(cache: Any) -> list[tuple[torch.Tensor, int]]:
     """The self-attention K/V tensors a step writes, each with its position dimension."""
-    if hasattr(cache, "gk"):  # decoder-only: keys [B, Hkv, d, T, R], values [B, Hkv, T, R, d]
-        return [(x, 3) for x in cache.gk] + [(x, 2) for x in cache.gv]
-    return [(x, 2) for x in [*cache.k, *cache.v]]  # [B, H, T, R, d]
+    kv = cache.generated  # decoder-only keys [B, Hkv, d, T, R]; values, encoder-decoder keys [B, H, T, R, d]
+    return [(x, kv.key_dim) for x in kv.keys] + [(x, kv.value_dim) for x in kv.values]
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -170,7 +169,7 @@ def test_eager_cuda_step_attends_the_written_span() -> None:
     ``t + 1`` written so far (fake CUDA tensors: no device needed)."""
     with FakeTensorMode():
         cache = self_attention_cache(2, 3, 2, 4, 7, 8, torch.float16, torch.device("cuda"))
-        assert cache.k[0].device.type == "cuda" and not cache.static
+        assert cache.generated.keys[0].device.type == "cuda" and not cache.static
         cache.check(2)
         assert cache.span == 3
         cache.make_static()

@@ -152,3 +152,13 @@ def test_eval_sentence_scores_are_written_whole_or_not_at_all(tmp_path: Path, fi
 def test_streams_are_not_files(tmp_path: Path) -> None:
     """/dev/null twice is fine: devices are streams, not files another write could destroy."""
     paths.check_distinct([paths.written("-o", "/dev/null"), paths.written("--stats", "/dev/null")])
+
+
+@pytest.mark.parametrize("report", paths.BENCH_REPORTS)
+def test_check_bench_refuses_each_report_over_the_input(tmp_path: Path, report: str) -> None:
+    """``seqgen bench``'s check, before any model loads: every report it writes into --out against its input."""
+    src = tmp_path / report
+    src.write_text(KEEP, encoding="utf-8")
+    with pytest.raises(SeqgenError, match=report):
+        paths.check_bench(str(src), str(tmp_path), str(tmp_path / "no-model"))
+    paths.check_bench(str(src), str(tmp_path / "elsewhere"), str(tmp_path / "no-model"))  # another --out: fine

@@ -12,6 +12,7 @@ import pytest
 
 from seqgen_cli.batching import Batcher, Chunk, Encoded, Text, tokenise
 from seqgen_cli.errors import SeqgenError
+from seqgen_cli.outputs import OutputText
 from seqgen_cli.pipeline import formats, resume
 from seqgen_cli.pipeline.formats import index_path
 from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
@@ -139,6 +140,28 @@ def test_jsonl_fields_passed_through_and_lists_for_several_sequences(tmp_path: P
     out = Capture()  # text: N consecutive lines per input
     run(FakeGen(n=2), read_records([str(src)]), StreamSink(out), RunOptions())
     assert out.text() == "cba\ncba1\nyx\nyx1\n"
+
+
+def test_the_text_written_cuts_the_stop_and_splits_the_reasoning(tmp_path: Path) -> None:
+    """``Generator.texts`` (``outputs.py``) decides what is written: the stop string cut, the reasoning in a JSONL
+    field or stripped; the written text is the answer in both formats (FakeGen writes each input reversed)."""
+    src = tmp_path / "in.jsonl"
+    outputs = ["<think>hm</think>\n\nDas HausEND more", "plain"]
+    src.write_text("".join(json.dumps({"text": o[::-1]}) + "\n" for o in outputs), encoding="utf-8")
+    for reasoning, fmt, want in [
+        ("field", "jsonl", [("Das Haus", "hm"), ("plain", None)]),
+        ("strip", "jsonl", [("Das Haus", None), ("plain", None)]),
+        ("strip", "text", "Das Haus\nplain\n"),
+    ]:
+        gen, out = FakeGen(), Capture()
+        gen.texts = OutputText(gen.decode, ("END",), reasoning=reasoning)
+        run(gen, read_records([str(src)]), StreamSink(out), RunOptions(output_format=fmt))
+        if fmt == "text":
+            assert out.text() == want
+            continue
+        got = [json.loads(line) for line in out.text().splitlines()]
+        assert [(r["output"], r.get("reasoning")) for r in got] == want, reasoning
+        assert ("reasoning" in got[0]) == (reasoning == "field")
 
 
 def _job(gen, src: Path, out: Path, **kw) -> object:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from seqgen_cli.cli import generate
-from seqgen_cli.config import SAMPLING_KEYS
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.generator import GeneratorSpec
 from seqgen_cli.grammars import grammar_spec
@@ -19,6 +18,7 @@ from seqgen_cli.pipeline.formats import index_path
 from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
 from seqgen_cli.pipeline.resume import FINGERPRINTED, OUTPUT_NEUTRAL, fingerprint
 from seqgen_cli.prompts import PromptSettings
+from seqgen_cli.rules import SAMPLING_KEYS
 from tests.helpers import FakeGen, expected, one_line_error, seqgen, with_chat_template, write_lines
 from tests.tiny_models import copy_checkpoint, sample_texts
 
@@ -126,6 +126,10 @@ def test_each_fingerprinted_option_changes_the_fingerprint(tiny_models, tmp_path
         reference = chat_base if prompt.chat and option != "chat" else _print(chat)
         assert _print(chat, prompt=prompt)[FINGERPRINTED[option]] != reference.get(FINGERPRINTED[option]), option
         covered.add(option)
+    stopped = _print(model, stop=("x",))  # the text written (outputs.py): the stop string cut or kept, reasoning
+    assert _print(model, stop=("x",), keep_stop=True)["text"] != stopped["text"]
+    assert _print(model, reasoning="strip")["text"] != base.get("text")
+    covered |= {"keep_stop", "reasoning"}
     for option, value in JOB_CHANGES.items():
         changed = _print(model, JobOptions(**{option: value}))
         assert changed[FINGERPRINTED[option]] != base[FINGERPRINTED[option]], option

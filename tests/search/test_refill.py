@@ -210,8 +210,9 @@ def test_lane_cache_steps_per_lane() -> None:
     cache.begin()
     k = torch.tensor([[[1.0, 1.0]], [[2.0, 2.0]]])  # [N=2, H=1, d=2]
     cache.update(0, k, k)
-    assert cache.k[0][0, 0, 0, 0].tolist() == [1.0, 1.0] and cache.k[0][1, 0, 2, 0].tolist() == [2.0, 2.0]
-    visible = cache.bias.view(2, 4) == 0
+    keys = cache.generated.keys[0]  # [L, H, T, R, d]
+    assert keys[0, 0, 0, 0].tolist() == [1.0, 1.0] and keys[1, 0, 2, 0].tolist() == [2.0, 2.0]
+    visible = cache.generated_bias.view(2, 4) == 0
     assert visible.tolist() == [[True, False, False, False], [True, True, True, False]]
 
 
@@ -227,16 +228,16 @@ def test_decoder_only_lane_cache_prompt_region_and_steps() -> None:
     cache = DecoderOnlyKVCache.lanes(1, 2, 1, 1, 2, 4, 3, torch.float32, torch.device("cpu"))
     pk = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])  # [J=1, Hkv=1, w=2, d=2]: a pad column, then a real one
     pv = torch.tensor([[[[5.0, 6.0], [7.0, 8.0]]]])
-    cache.put_prompt(torch.tensor([1]), [pk], [pv], torch.tensor([[0, 1]]))
+    cache.put_fixed(torch.tensor([1]), [pk], [pv], torch.tensor([[0, 1]]))
     cache.widen(5)
-    assert cache.prompt_bias.view(2, 5).tolist() == [[inf] * 5, [inf, 0.0, inf, inf, inf]]
-    assert cache.pk[0][1, 0].tolist() == [[1.0, 3.0, 0.0, 0.0, 0.0], [2.0, 4.0, 0.0, 0.0, 0.0]]  # [d, W]
-    assert cache.pv[0][1, 0, :2].tolist() == [[5.0, 6.0], [7.0, 8.0]]
+    assert cache.fixed.bias.view(2, 5).tolist() == [[inf] * 5, [inf, 0.0, inf, inf, inf]]
+    assert cache.fixed.keys[0][1, 0].tolist() == [[1.0, 3.0, 0.0, 0.0, 0.0], [2.0, 4.0, 0.0, 0.0, 0.0]]  # [d, W]
+    assert cache.fixed.values[0][1, 0, :2].tolist() == [[5.0, 6.0], [7.0, 8.0]]
     cache.steps.copy_(torch.tensor([0, 2]))
     cache._row_steps()
     cache.span = 4
     cache.begin()
-    assert (cache.gen_bias.view(2, 4) == 0).tolist() == [
+    assert (cache.generated_bias.view(2, 4) == 0).tolist() == [
         [True, False, False, False],
         [True, True, True, False],
     ]
@@ -244,10 +245,8 @@ def test_decoder_only_lane_cache_prompt_region_and_steps() -> None:
     k = torch.tensor([[[1.0, 1.0]], [[2.0, -2.0]]])  # [N, Hkv, d]
     v = torch.tensor([[[3.0, 0.0]], [[0.0, 4.0]]])
     out = causal_attention(cache, 0, q, k, v, 1.0)  # [N, H*d]
-    assert cache.gk[0][0, 0, :, 0, 0].tolist() == [1.0, 1.0] and cache.gk[0][1, 0, :, 2, 0].tolist() == [
-        2.0,
-        -2.0,
-    ]
+    keys = cache.generated.keys[0]  # [L, Hkv, d, T, R]
+    assert keys[0, 0, :, 0, 0].tolist() == [1.0, 1.0] and keys[1, 0, :, 2, 0].tolist() == [2.0, -2.0]
     # lane 1 sees generated positions 0..2 (zeros, zeros, its own) and its prompt's real column
     keys = torch.tensor([[0.0, 0.0], [0.0, 0.0], [2.0, -2.0], [3.0, 4.0]])
     values = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 4.0], [7.0, 8.0]])

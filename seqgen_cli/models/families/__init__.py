@@ -11,7 +11,7 @@ module tree (``TREES``: ``model_type`` -> its ``Tree``).
 This package is the one place that names a ``model_type`` of a fast family (tests/models/test_families.py holds it), and it
 holds what else seqgen knows of model types by name: the position tables their decoders index (:func:`decoder_table`)
 and whose inputs their positions do not limit (:func:`source_limited`). Adding a family: a file here (its layer
-reader, its rows), listed in :data:`FILES`, and a fixture in tests/tiny_models.py (``FAMILY_CONFIGS``).
+reader, its facts, its rows), listed in :data:`FILES`, and a fixture in tests/tiny_models.py (``FAMILY_CONFIGS``).
 
 A variant a decoder does not reproduce exactly (a length-dependent RoPE, an attention kind not written) has its reason
 in :func:`refusal`; such a model runs the generic backend, which names the reason.

@@ -1,7 +1,7 @@
 """The BART family: BART, mBART, Marian, Pegasus, M2M-100 / NLLB, LED, Pegasus-X.
 
 Its decoder layer (``self_attn``, ``encoder_attn``, ``fc1``/``fc2``; :func:`bart_layer`) on the shared
-encoder-decoder decoder, each model type a row of :data:`FAMILIES`:
+encoder-decoder decoder, each model type a row of :data:`FAMILIES` (its norms: :data:`NORMS`):
 
 =========  ====  ==============================================  =====================  ===========
 family     norm  positions                                       embedding norm         final norm
@@ -15,13 +15,14 @@ pegasus_x  pre   computed sinusoid (tabled once)                 -              
 =========  ====  ==============================================  =====================  ===========
 
 And its own module tree (``Tree``, for ``own_model.load``: BART, mBART, Marian, Pegasus, M2M-100 / NLLB):
-transformers' names, the rows' norms and positions, the encoder's forward as transformers' (sdpa with its boolean
-padding mask).
+transformers' names, the rows' positions and :data:`NORMS`' norms, the encoder's forward as transformers' (sdpa
+with its boolean padding mask).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 
 from seqgen_cli.models.fuse import concat_linears, fuse_linears
 from seqgen_cli.models.layers import DecoderFacts, Seq2Seq, Seq2SeqLayer
+from seqgen_cli.models.layers import Positions as Kind
 from seqgen_cli.models.linear_maps import Linear, linear
 from seqgen_cli.models.tree import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
 
@@ -45,50 +47,110 @@ def bart_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
     fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
     qkv_w, qkv_b = fuse([sa.q_proj, sa.k_proj, sa.v_proj])  # [3D, D], [3D]
     ckv_w, ckv_b = fuse([ca.k_proj, ca.v_proj])  # [2D, D], [2D]
-    maps = dict(
-        qkv=linear(qkv_w, qkv_b, int8), o=lin(sa.out_proj), cq=lin(ca.q_proj), ckv=linear(ckv_w, ckv_b, int8),
-        co=lin(ca.out_proj), fc1=lin(layer.fc1), fc2=lin(layer.fc2),
-    )  # fmt: skip
+    maps = {
+        "qkv": linear(qkv_w, qkv_b, int8),
+        "o": lin(sa.out_proj),
+        "cq": lin(ca.q_proj),
+        "ckv": linear(ckv_w, ckv_b, int8),
+        "co": lin(ca.out_proj),
+        "fc1": lin(layer.fc1),
+        "fc2": lin(layer.fc2),
+    }
     fc1, fc2, act = maps["fc1"], maps["fc2"], layer.activation_fn
     return Seq2SeqLayer(
-        ln_self=layer.self_attn_layer_norm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"],
-        scale=float(sa.scaling), ln_cross=layer.encoder_attn_layer_norm, cq=maps["cq"],
-        ckv_w=None if int8 else ckv_w, ckv=maps["ckv"], co=maps["co"],
-        ln_ff=layer.final_layer_norm, ff=lambda x: fc2(act(fc1(x))), maps=maps,
-    )  # fmt: skip
+        ln_self=layer.self_attn_layer_norm,
+        qkv_w=None if int8 else qkv_w,
+        qkv=maps["qkv"],
+        o=maps["o"],
+        scale=float(sa.scaling),
+        ln_cross=layer.encoder_attn_layer_norm,
+        cq=maps["cq"],
+        ckv_w=None if int8 else ckv_w,
+        ckv=maps["ckv"],
+        co=maps["co"],
+        ln_ff=layer.final_layer_norm,
+        ff=lambda x: fc2(act(fc1(x))),
+        maps=maps,
+    )
+
+
+@dataclass
+class BartPositions:
+    """The decoder's absolute position embeddings (``layers.PositionTable``) by the row's ``positions``: a table
+    (``embed_positions.weight``), M2M-100's sinusoids its module grows on demand (``weights``, as in
+    ``generate()``), or Pegasus-X's computed sinusoid, tabled once per growth (its rows are what the module computes
+    for those positions)."""
+
+    kind: Kind  # the row's ``positions``
+    module: nn.Module  # the decoder's ``embed_positions``
+    dtype: torch.dtype
+    device: torch.device
+    held: torch.Tensor | None = None  # Pegasus-X's table so far
+
+    def __call__(self, rows: int) -> torch.Tensor:
+        """[P, D], ``P >= rows`` (where the table grows)."""
+        if self.kind == "computed":  # Pegasus-X: reads only the shape, dtype and device of what it is given
+            if self.held is None or self.held.shape[0] < rows:
+                zeros = torch.zeros((1, rows, 1), dtype=self.dtype, device=self.device)  # [1, rows, 1]
+                self.held = self.module(zeros)[0]  # [rows, D]
+            return self.held
+        if self.kind == "padded table":  # M2M-100, NLLB: ask for the rows up to ``rows - 1``: it makes them
+            if self.module.weights.shape[0] < rows:
+                pad = self.module.padding_idx
+                ids = torch.full((1, rows - pad - 1), pad + 1, device=self.device)  # [1, rows - pad - 1]
+                self.module(ids)
+            return self.module.weights
+        return self.module.weight
 
 
 def bart_facts(model: Any) -> DecoderFacts:
     """The decoder's heads, its embeddings' scale (``scale_embedding``: on the embedding module, or on the decoder in
-    older layouts), its position table's offset (M2M-100: the pad row), ``final_logits_bias``."""
-    dec = model.get_decoder()
-    heads = int(model.config.decoder_attention_heads)
+    older layouts), its norms (:data:`NORMS`), its position table and that table's offset (M2M-100: the pad row),
+    ``final_logits_bias``."""
+    cfg, dec = model.config, model.get_decoder()
+    heads = int(cfg.decoder_attention_heads)
+    weight = dec.embed_tokens.weight  # [V_in, D]
     scale = getattr(dec.embed_tokens, "embed_scale", None) or getattr(dec, "embed_scale", 1.0)
     pos = dec.embed_positions
-    pad = pos.padding_idx if model.config.model_type == "m2m_100" else None
+    pad = pos.padding_idx if cfg.model_type == "m2m_100" else None
+    first, last = (getattr(dec, name) if name else None for name in NORMS[cfg.model_type])
     return DecoderFacts(
-        heads, heads, dec.embed_tokens.weight.shape[1] // heads, embed_scale=None if scale == 1.0 else scale,
-        logits_bias=getattr(model, "final_logits_bias", None), pad_position=pad,
+        heads,
+        heads,
+        weight.shape[1] // heads,
+        embed=weight,
+        layers=dec.layers,
+        config=getattr(dec, "config", None) or cfg,  # own trees: the model's
+        ln_embed=first,
+        ln_final=last,
+        position_table=BartPositions(FAMILIES[cfg.model_type].positions, pos, weight.dtype, weight.device),
+        embed_scale=None if scale == 1.0 else scale,
+        logits_bias=getattr(model, "final_logits_bias", None),
+        pad_position=pad,
         pos_offset=pad + 1 if pad is not None else int(getattr(pos, "offset", 0)),
-    )  # fmt: skip
+    )
 
 
 _TABLE = "max_position_embeddings"  # the decoder's position table: learned, or Marian's and Pegasus's sinusoids
 _BART = dict(reader=bart_layer, facts=bart_facts)
 FAMILIES: dict[str, Seq2Seq] = {
-    "bart": Seq2Seq(pre_norm=False, positions="table", embedding_norm="layernorm_embedding", table=_TABLE, **_BART),
-    "mbart": Seq2Seq(
-        pre_norm=True, positions="table", embedding_norm="layernorm_embedding", final_norm="layer_norm",
-        table=_TABLE, **_BART,
-    ),  # fmt: skip
+    "bart": Seq2Seq(pre_norm=False, positions="table", table=_TABLE, **_BART),
+    "mbart": Seq2Seq(pre_norm=True, positions="table", table=_TABLE, **_BART),
     "marian": Seq2Seq(pre_norm=False, positions="table", table=_TABLE, **_BART),
-    "pegasus": Seq2Seq(pre_norm=True, positions="table", final_norm="layer_norm", table=_TABLE, **_BART),
-    "m2m_100": Seq2Seq(pre_norm=True, positions="padded table", final_norm="layer_norm", **_BART),
-    "led": Seq2Seq(
-        pre_norm=False, positions="table", embedding_norm="layernorm_embedding",
-        table="max_decoder_position_embeddings", **_BART,
-    ),  # fmt: skip
-    "pegasus_x": Seq2Seq(pre_norm=True, positions="computed", final_norm="layer_norm", **_BART),
+    "pegasus": Seq2Seq(pre_norm=True, positions="table", table=_TABLE, **_BART),
+    "m2m_100": Seq2Seq(pre_norm=True, positions="padded table", **_BART),
+    "led": Seq2Seq(pre_norm=False, positions="table", table="max_decoder_position_embeddings", **_BART),
+    "pegasus_x": Seq2Seq(pre_norm=True, positions="computed", **_BART),
+}
+# each model type's norms by transformers' attribute names: after the embeddings, after the last layer
+NORMS: dict[str, tuple[str | None, str | None]] = {
+    "bart": ("layernorm_embedding", None),
+    "mbart": ("layernorm_embedding", "layer_norm"),
+    "marian": (None, None),
+    "pegasus": (None, "layer_norm"),
+    "m2m_100": (None, "layer_norm"),
+    "led": ("layernorm_embedding", None),
+    "pegasus_x": (None, "layer_norm"),
 }
 SINUSOIDS = ("marian", "pegasus")  # position tables made from a formula where the checkpoint has none
 # transformers' class of those tables, made faster while transformers loads the model (``loading.fast_sinusoids``)
@@ -195,7 +257,7 @@ class Stack(nn.Module):
         self.embed_positions = Positions(cfg.max_position_embeddings, dim, offset, cfg.pad_token_id if padded else None)
         act, pre = cfg.activation_function, family.pre_norm
         self.layers = nn.ModuleList(Layer(dim, heads, ffn, act, pre, cross=decoder) for _ in range(count))
-        self.norms = (family.embedding_norm, family.final_norm)  # by transformers' attribute names
+        self.norms = NORMS[cfg.model_type]  # by transformers' attribute names
         for name in self.norms:
             if name:
                 setattr(self, name, nn.LayerNorm(dim))

@@ -14,6 +14,7 @@ float32).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,34 +47,70 @@ def t5_block(block: nn.Module, int8: bool) -> Seq2SeqLayer:
     fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
     qkv_w, _ = fuse([att.q, att.k, att.v])  # [3I, D]
     ckv_w, ckv_b = fuse([cross.k, cross.v])  # [2I, D], None
-    maps = dict(
-        qkv=linear(qkv_w, None, int8), o=linear(att.o.weight, None, int8), cq=linear(cross.q.weight, None, int8),
-        ckv=linear(ckv_w, ckv_b, int8), co=linear(cross.o.weight, None, int8),
-    )  # fmt: skip
+    maps = {
+        "qkv": linear(qkv_w, None, int8),
+        "o": linear(att.o.weight, None, int8),
+        "cq": linear(cross.q.weight, None, int8),
+        "ckv": linear(ckv_w, ckv_b, int8),
+        "co": linear(cross.o.weight, None, int8),
+    }
     return Seq2SeqLayer(
-        ln_self=sa.layer_norm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"], scale=1.0,
-        ln_cross=ca.layer_norm, cq=maps["cq"], ckv_w=None if int8 else ckv_w, ckv=maps["ckv"], co=maps["co"],
+        ln_self=sa.layer_norm,
+        qkv_w=None if int8 else qkv_w,
+        qkv=maps["qkv"],
+        o=maps["o"],
+        scale=1.0,
+        ln_cross=ca.layer_norm,
+        cq=maps["cq"],
+        ckv_w=None if int8 else ckv_w,
+        ckv=maps["ckv"],
+        co=maps["co"],
         ln_ff=ff.layer_norm,
-        ff=_t5_feed_forward(ff.DenseReluDense, maps, int8), maps=maps,
-        relative=att if getattr(att, "has_relative_attention_bias", False) else None,
-    )  # fmt: skip
+        ff=_t5_feed_forward(ff.DenseReluDense, maps, int8),
+        maps=maps,
+    )
+
+
+@dataclass(frozen=True)
+class T5Bias:
+    """The decoder's relative position bias (``layers.RelativeBias``): the first block's self-attention's, shared by
+    every block (UMT5: every block's own), as ``T5Attention.compute_bias`` computes it."""
+
+    owners: tuple[nn.Module, ...]  # the self-attentions that own a bias (``has_relative_attention_bias``)
+
+    @property
+    def layers(self) -> int:
+        return len(self.owners)
+
+    def __call__(self, t: int, device: torch.device) -> torch.Tensor:
+        """[L', H, T, T]: each owner's [1, H, T, T]."""
+        return torch.cat([owner.compute_bias(t, t, device=device) for owner in self.owners])
 
 
 def t5_facts(model: Any) -> DecoderFacts:
-    """The decoder's heads (its own config copy; seqgen's tree: the model's), and T5 v1.0's scaled head input
-    (``scale_decoder_outputs``: its tied LM head reads the hidden states times ``d_model ** -0.5``)."""
-    cfg = model.config
-    dcfg = getattr(model.get_decoder(), "config", None) or cfg
+    """The decoder's heads (its own config copy; seqgen's tree: the model's), its blocks (``block``), its relative
+    bias, ``final_layer_norm``, and T5 v1.0's scaled head input (``scale_decoder_outputs``: its tied LM head reads
+    the hidden states times ``d_model ** -0.5``)."""
+    cfg, dec = model.config, model.get_decoder()
+    dcfg = getattr(dec, "config", None) or cfg
     scaled = getattr(cfg, "scale_decoder_outputs", False)
+    attentions = [block.layer[0].SelfAttention for block in dec.block]
+    owners = tuple(att for att in attentions if getattr(att, "has_relative_attention_bias", False))
     return DecoderFacts(
-        int(dcfg.num_heads), int(dcfg.num_heads), int(dcfg.d_kv), out_scale=float(cfg.d_model) ** -0.5 if scaled else None
+        int(dcfg.num_heads),
+        int(dcfg.num_heads),
+        int(dcfg.d_kv),
+        embed=dec.embed_tokens.weight,
+        layers=dec.block,
+        config=dcfg,
+        ln_final=dec.final_layer_norm,
+        relative_bias=T5Bias(owners) if owners else None,
+        out_scale=float(cfg.d_model) ** -0.5 if scaled else None,
     )
 
 
 # relative positions: T5's ``n_positions`` limits no input (LongT5's is kept as the limit it always was)
-_T5 = dict(
-    reader=t5_block, facts=t5_facts, pre_norm=True, final_norm="final_layer_norm", clamp_fp16=True, layers="block"
-)
+_T5 = dict(reader=t5_block, facts=t5_facts, pre_norm=True, clamp_fp16=True)
 FAMILIES: dict[str, Seq2Seq] = {
     "t5": Seq2Seq(positions="relative", source_limit=False, **_T5),  # v1.0, v1.1 and Flan-T5
     "mt5": Seq2Seq(positions="relative", source_limit=False, **_T5),

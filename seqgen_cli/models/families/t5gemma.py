@@ -17,6 +17,7 @@ window at the dtype's minimum, RMS norms ``(1 + w)`` in float32 before and after
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,19 +42,36 @@ def t5gemma_layer(layer: nn.Module, int8: bool) -> Seq2SeqLayer:
     fuse = concat_linears if int8 else fuse_linears  # int8: the fused float32 weight only while copied
     qkv_w, qkv_b = fuse([sa.q_proj, sa.k_proj, sa.v_proj])  # [(H + 2 Hkv) d, D]
     ckv_w, ckv_b = fuse([ca.k_proj, ca.v_proj])  # [2 Hkv d, D_enc]
-    maps = dict(
-        qkv=linear(qkv_w, qkv_b, int8), o=lin(sa.o_proj), cq=lin(ca.q_proj), ckv=linear(ckv_w, ckv_b, int8),
-        co=lin(ca.o_proj), gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
-    )  # fmt: skip
+    maps = {
+        "qkv": linear(qkv_w, qkv_b, int8),
+        "o": lin(sa.o_proj),
+        "cq": lin(ca.q_proj),
+        "ckv": linear(ckv_w, ckv_b, int8),
+        "co": lin(ca.o_proj),
+        "gate": lin(mlp.gate_proj),
+        "up": lin(mlp.up_proj),
+        "down": lin(mlp.down_proj),
+    }
     gate, up, down, act = maps["gate"], maps["up"], maps["down"], mlp.act_fn
     return Seq2SeqLayer(
-        ln_self=layer.pre_self_attn_layernorm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"],
-        scale=float(sa.scaling), ln_cross=layer.pre_cross_attn_layernorm, cq=maps["cq"],
-        ckv_w=None if int8 else ckv_w, ckv=maps["ckv"], co=maps["co"], ln_ff=layer.pre_feedforward_layernorm,
-        ff=lambda x: down(act(gate(x)) * up(x)), maps=maps,
-        ln_self_out=layer.post_self_attn_layernorm, ln_cross_out=layer.post_cross_attn_layernorm,
-        ln_ff_out=layer.post_feedforward_layernorm, softcap=sa.attn_logit_softcapping,
-    )  # fmt: skip
+        ln_self=layer.pre_self_attn_layernorm,
+        qkv_w=None if int8 else qkv_w,
+        qkv=maps["qkv"],
+        o=maps["o"],
+        scale=float(sa.scaling),
+        ln_cross=layer.pre_cross_attn_layernorm,
+        cq=maps["cq"],
+        ckv_w=None if int8 else ckv_w,
+        ckv=maps["ckv"],
+        co=maps["co"],
+        ln_ff=layer.pre_feedforward_layernorm,
+        ff=lambda x: down(act(gate(x)) * up(x)),
+        maps=maps,
+        ln_self_out=layer.post_self_attn_layernorm,
+        ln_cross_out=layer.post_cross_attn_layernorm,
+        ln_ff_out=layer.post_feedforward_layernorm,
+        softcap=sa.attn_logit_softcapping,
+    )
 
 
 def t5gemma2_layer(layer: nn.Module, int8: bool) -> MergedLayer:
@@ -69,53 +87,76 @@ def t5gemma2_layer(layer: nn.Module, int8: bool) -> MergedLayer:
     qkv_w, qkv_b = fuse([sa.q_proj, sa.k_proj, sa.v_proj])  # [(H + 2 Hkv) d, D]
     q_rows = sa.q_proj.out_features
     kv_b = None if qkv_b is None else qkv_b[q_rows:]
-    maps = dict(
-        qkv=linear(qkv_w, qkv_b, int8), o=lin(sa.o_proj), ckv=linear(qkv_w[q_rows:], kv_b, int8),
-        gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
-    )  # fmt: skip
+    maps = {
+        "qkv": linear(qkv_w, qkv_b, int8),
+        "o": lin(sa.o_proj),
+        "ckv": linear(qkv_w[q_rows:], kv_b, int8),
+        "gate": lin(mlp.gate_proj),
+        "up": lin(mlp.up_proj),
+        "down": lin(mlp.down_proj),
+    }
     gate, up, down, act = maps["gate"], maps["up"], maps["down"], mlp.act_fn
     return MergedLayer(
-        ln_self=layer.pre_self_attn_layernorm, qkv_w=None if int8 else qkv_w, qkv=maps["qkv"], o=maps["o"],
-        scale=float(sa.scaling), ln_cross=None, cq=None, ckv_w=None, ckv=maps["ckv"], co=None,
-        ln_ff=layer.pre_feedforward_layernorm, ff=lambda x: down(act(gate(x)) * up(x)), maps=maps,
-        ln_self_out=layer.post_self_attn_layernorm, ln_ff_out=layer.post_feedforward_layernorm,
-        softcap=sa.attn_logit_softcapping, q_norm=sa.q_norm, k_norm=sa.k_norm,
+        ln_self=layer.pre_self_attn_layernorm,
+        qkv_w=None if int8 else qkv_w,
+        qkv=maps["qkv"],
+        o=maps["o"],
+        scale=float(sa.scaling),
+        ln_cross=None,
+        cq=None,
+        ckv_w=None,
+        ckv=maps["ckv"],
+        co=None,
+        ln_ff=layer.pre_feedforward_layernorm,
+        ff=lambda x: down(act(gate(x)) * up(x)),
+        maps=maps,
+        ln_self_out=layer.post_self_attn_layernorm,
+        ln_ff_out=layer.post_feedforward_layernorm,
+        softcap=sa.attn_logit_softcapping,
+        q_norm=sa.q_norm,
+        k_norm=sa.k_norm,
         layer_type=sa.layer_type or "full_attention",
-    )  # fmt: skip
+    )
 
 
 def t5gemma_facts(model: Any) -> DecoderFacts:
-    """The decoder's stack config (its grouped-query heads, the logits' soft-cap); T5Gemma's embeddings times
-    sqrt(hidden), as transformers writes it: a tensor of the model's dtype."""
+    """The decoder's stack config (its grouped-query heads, the logits' soft-cap), its ``layers``, ``norm`` and
+    ``rotary_emb``; T5Gemma's embeddings times sqrt(hidden), as transformers writes it: a tensor of the model's
+    dtype."""
     dec = model.get_decoder()
-    dcfg, weight = dec.config, dec.embed_tokens.weight
+    weight = dec.embed_tokens.weight
     scale = torch.tensor(weight.shape[1] ** 0.5, dtype=weight.dtype, device=weight.device)
-    return DecoderFacts(
-        int(dcfg.num_attention_heads), int(dcfg.num_key_value_heads), int(dcfg.head_dim), embed_scale=scale,
-        final_softcap=dcfg.final_logit_softcapping,
-    )  # fmt: skip
+    return replace(_stack_facts(dec), embed_scale=scale)
 
 
 def t5gemma2_facts(model: Any) -> DecoderFacts:
     """T5Gemma 2's: the embedding module's own scale, and its end-of-image token embedded as its own vector."""
-    dec = model.get_decoder()
-    dcfg, embed = dec.config, dec.embed_tokens
+    embed = model.get_decoder().embed_tokens
+    facts = _stack_facts(model.get_decoder())
+    return replace(facts, embed_scale=embed.embed_scale, eoi=embed.eoi_token_index, eoi_embedding=embed.eoi_embedding)
+
+
+def _stack_facts(dec: nn.Module) -> DecoderFacts:
+    """What both T5Gemma decoders name alike: the stack's config, ``embed_tokens``, ``layers``, ``norm``,
+    ``rotary_emb``."""
+    dcfg = dec.config
     return DecoderFacts(
-        int(dcfg.num_attention_heads), int(dcfg.num_key_value_heads), int(dcfg.head_dim),
-        embed_scale=embed.embed_scale, eoi=embed.eoi_token_index, eoi_embedding=embed.eoi_embedding,
+        int(dcfg.num_attention_heads),
+        int(dcfg.num_key_value_heads),
+        int(dcfg.head_dim),
+        embed=dec.embed_tokens.weight,
+        layers=dec.layers,
+        config=dcfg,
+        ln_final=dec.norm,
+        rotary=dec.rotary_emb,
         final_softcap=dcfg.final_logit_softcapping,
-    )  # fmt: skip
+    )
 
 
+_GEMMA = dict(pre_norm=True, source_limit=False)
 FAMILIES: dict[str, Seq2Seq] = {
-    "t5gemma": Seq2Seq(
-        t5gemma_layer, pre_norm=True, positions="rotary", facts=t5gemma_facts, final_norm="norm", scale_scores=True,
-        source_limit=False,
-    ),  # fmt: skip
-    "t5gemma2": Seq2Seq(
-        t5gemma2_layer, pre_norm=True, positions="rotary per layer type", facts=t5gemma2_facts, final_norm="norm",
-        source_limit=False,
-    ),  # fmt: skip
+    "t5gemma": Seq2Seq(t5gemma_layer, positions="rotary", facts=t5gemma_facts, scale_scores=True, **_GEMMA),
+    "t5gemma2": Seq2Seq(t5gemma2_layer, positions="rotary per layer type", facts=t5gemma2_facts, **_GEMMA),
 }
 
 
