@@ -387,9 +387,9 @@ def eval_(
 def models() -> None:
     """List the model types (config.json's model_type) seqgen runs on its fast decoders, and those it hands to
     transformers generate(); any other model transformers loads runs on the generic backend (exact, slower)."""
-    from seqgen_cli.models import family_rows
+    from seqgen_cli.models import model_types
 
-    rows = family_rows()
+    rows = model_types()
     width = max(len(name) for name, _ in rows)
     for name, what in rows:
         click.echo(f"{name:<{width}}  {what}")

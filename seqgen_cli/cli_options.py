@@ -85,7 +85,7 @@ GENERATION_OPTIONS: dict[str, _Flag] = {
     "logprobs": _flag(
         int,
         "JSONL output: each token's log-prob under the model (before any processor) and the N most likely "
-        "tokens of its step (0-20), as vLLM gives them; implies --scores (greedy search and sampling).",
+        "tokens of its step (0-20), as vLLM gives them; implies --scores.",
     ),
     "stop_token_id": _flag(
         int,

@@ -51,9 +51,9 @@ from seqgen_cli.languages import check_target, resolve_target_prefix
 from seqgen_cli.loading import Loaded, limit_said, load, source_limit
 from seqgen_cli.memory import batch_bytes
 from seqgen_cli.models import (
+    backend_refusal,
+    backend_stats,
     capture,
-    engine_refusal,
-    engine_stats,
     get_backend,
     length_dependent_rope,
     linear_maps,
@@ -224,8 +224,8 @@ class Generator(BatchLayers):
         if spec.seed is not None:  # torch's generator: generate()'s sampling draws from it
             torch.manual_seed(spec.seed)
         self._choose_backend(spec.backend)
-        self._prepare_engine(spec)
-        self.input_rows = input_rows(self.model)  # an input id past them is a bad input (encode)
+        self._prepare_backend(spec)
+        self.input_vocabulary = input_vocabulary(self.model)  # an input id past it is a bad input (encode)
 
     # -- the steps: __init__'s, in order ------------------------------------------------------------
     def _load(self, spec: GeneratorSpec) -> None:
@@ -241,7 +241,7 @@ class Generator(BatchLayers):
         config.stop_strings = all_stops(config.stop_strings, spec.stop)  # the checkpoint's, then --stop's
         config.output_scores = spec.scores or "logprobs" in flags  # not the checkpoint's: the caller's output
         self.stop_check = stop_check(self.tokenizer, config.stop_strings)  # once: its tables take a while
-        self.texts = OutputText(self.decode, tuple(config.stop_strings or ()), spec.keep_stop, spec.reasoning)
+        self.texts = OutputText(self.detokenise, tuple(config.stop_strings or ()), spec.keep_stop, spec.reasoning)
         self.grammars = Grammars(spec.grammar, self.tokenizer, self.model, config)  # the run's, each schema's
         self.grammar = self.grammars.run
         self.chat_length = chat_length(config, self.model.config, bool(spec.prompt and spec.prompt.chat))
@@ -258,27 +258,27 @@ class Generator(BatchLayers):
 
     def _choose_backend(self, requested: str) -> None:
         """``fast`` or ``hf`` (``auto``'s pick; ``fallback``: why it runs ``generate()``), and its model."""
-        refused = engine_refusal(self.model.config)  # a model no engine of seqgen's runs (generate() does)
+        refused = backend_refusal(self.model.config)  # a model no backend of seqgen's runs (generate() does)
         self.backend, self.fallback = search.choose_backend(requested, self.config, refused)
         # outputs that depend on the padding and the neighbours' lengths (generate()'s too): run unpadded (width)
         self.exact_widths = length_dependent_rope(self.model.config)
         if self.backend != "fast":  # generate() runs transformers' model
             self.model = self.loaded.use_reference()
 
-    def _prepare_engine(self, spec: GeneratorSpec) -> None:
-        """The memory budget, the engine's model backend (built on first use; int8: now) and refill's lanes."""
+    def _prepare_backend(self, spec: GeneratorSpec) -> None:
+        """The memory budget, the model backend (built on first use; int8: now) and refill's lanes."""
         self.refill_stats = RefillStats()
-        self._model_backend: Any = None  # the engine's model backend (see _engine)
-        self._step_path = ""  # how the engine runs its decode step (see step_path)
+        self._model_backend: Any = None  # the model backend (see model_backend)
+        self._step_path = ""  # how the backend runs its decode step (see step_path)
         self.budget = DeviceBudget.read(self.loaded.device)  # what batches and the kept states are held to
         self._sizing: Any = None  # generate()'s caches as the generic backend counts them (hf backend)
         if self.loaded.int8:  # --dtype int8: the int8 fast backend, or transformers' model quantized in place
             int8 = to_int8(self.model, fast=self.backend == "fast", head=self.prompter.head())
             if int8 is not None:
-                self._engine(int8)
-        # --refill where the engine has lanes (a fast family's RefillBackend; a CapturedBackend wraps only those)
+                self.model_backend(int8)
+        # --refill where the backend has lanes (a fast family's RefillBackend; a CapturedBackend wraps only those)
         fast = self.backend == "fast" and not self.loaded.int8
-        self.refill = spec.refill and fast and isinstance(self._engine(), RefillBackend)
+        self.refill = spec.refill and fast and isinstance(self.model_backend(), RefillBackend)
 
     # -- settings ---------------------------------------------------------------------------------
     def _source_limit(self, requested: int | None) -> int | None:
@@ -297,7 +297,7 @@ class Generator(BatchLayers):
         encoder-decoder decoders (``models.own_widths``; the generic backend pads to the widest, as generate())."""
         if self.exact_widths or self.refill:
             return bool(self.exact_widths)
-        return not (self.backend == "fast" and own_widths(self._engine()))
+        return not (self.backend == "fast" and own_widths(self.model_backend()))
 
     def width(self, length: int) -> int:
         """An input's batching width: its bucket's (:func:`~seqgen_cli.shapes.input_width`), or its own length where
@@ -313,8 +313,8 @@ class Generator(BatchLayers):
         """Most and fewest new tokens for a prompt of ``prompt_len`` tokens (ignored for encoder-decoder models)."""
         return search_settings.new_token_limits(self.config, self.is_encoder_decoder, prompt_len)
 
-    def _engine(self, backend: Any = None) -> Any:
-        """The engine's model backend (built on first use, or ``backend``), behind the capture path."""
+    def model_backend(self, backend: Any = None) -> Any:
+        """The model backend the search runs on (built on first use, or ``backend``), behind the capture path."""
         if self._model_backend is None:
             with startup.stage("fast backend"):  # head: what every prompt begins with, computed once
                 backend = get_backend(self.model, head=self.prompter.head()) if backend is None else backend
@@ -331,8 +331,8 @@ class Generator(BatchLayers):
         """How decode steps run: ``captured`` (CUDA graphs), ``eager (<reason>)``; ``generate()`` (hf backend)."""
         if self.backend != "fast":
             return "generate()"
-        engine = self._engine()
-        return engine.path if isinstance(engine, CapturedBackend) else self._step_path  # path: may fall back
+        backend = self.model_backend()
+        return backend.path if isinstance(backend, CapturedBackend) else self._step_path  # path: may fall back
 
     @property
     def memory_budget(self) -> int | None:  # bytes a batch may hold (README): budget.limit; None: no limit
@@ -346,7 +346,7 @@ class Generator(BatchLayers):
         """Device memory a batch of ``inputs`` inputs padded to ``width`` tokens holds while it decodes
         (:func:`~.memory.batch_bytes`; ``generate()``'s as the generic backend counts it); ``None``: cannot say."""
         if self.backend == "fast":
-            backend = self._engine()
+            backend = self.model_backend()
         elif not isinstance(backend := self._sizing, GenericBackend):
             backend = self._sizing = GenericBackend(self.model)
         new_tokens = self.new_token_limits(width)[0]
@@ -363,15 +363,15 @@ class Generator(BatchLayers):
         JSONL object), at most ``max_source_length``; ``error``: why an input has none (a bad input)."""
         fields = fields or [None] * len(texts)
         prompted = self.prompter.encode(texts, fields, self.max_source_length, self.limit_said)
-        rows, config = self.input_rows, self.model.config
+        vocabulary, config = self.input_vocabulary, self.model.config
         encoded = [
-            Encoded(p.ids, p.truncated, p.error or unknown_token(self.tokenizer, config, rows, p.ids))
+            Encoded(p.ids, p.truncated, p.error or unknown_token(self.tokenizer, config, vocabulary, p.ids))
             for p in prompted
         ]
         return [input_grammar(self.grammars, f, e) for e, f in zip(encoded, fields, strict=True)]
 
-    def decode(self, sequences: Sequence[Sequence[int]]) -> list[str]:
-        """Token ids to text, special tokens removed."""
+    def detokenise(self, sequences: Sequence[Sequence[int]]) -> list[str]:
+        """Token ids to text, special tokens removed (the tokenizer's ``batch_decode``)."""
         return self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
 
     def pad(self, batch: Sequence[Sequence[int]]) -> Batch:
@@ -440,7 +440,7 @@ class Generator(BatchLayers):
         elif self.refill:
             # the lanes: a prompt's limits count from its own width (captured: lane steps replay graphs)
             out = generate_refill(
-                self._engine(),
+                self.model_backend(),
                 padded,
                 self.config,
                 lanes=self.spec.lanes,
@@ -453,7 +453,7 @@ class Generator(BatchLayers):
             )
         else:
             out = search.generate(
-                self._engine(), padded, self.config, seed=self.seed, indices=indices, **guides
+                self.model_backend(), padded, self.config, seed=self.seed, indices=indices, **guides
             )
         return Generated(out.sequences, scored(self.config, out) if want else None)
 
@@ -482,11 +482,10 @@ def source_limit_said(gen: Generator, requested: int | None, from_flag: bool) ->
 
 
 def device_stats(gen: Generator) -> dict[str, Any]:
-    """Where and how ``gen``'s model runs: device, dtype, engine, step path, capture and GPU figures, refill lanes."""
-    engine = (
-        engine_stats(gen._engine()) if gen.backend == "fast" else {"engine": "generate()"}
-    )  # generic: why
-    out: dict[str, Any] = {**gen.loaded.describe(), **engine, "step_path": gen.step_path}
+    """Where and how ``gen``'s model runs: device, dtype, backend (``engine``), step path, capture and GPU figures,
+    refill lanes."""
+    ran = backend_stats(gen.model_backend()) if gen.backend == "fast" else {"engine": "generate()"}  # generic: why
+    out: dict[str, Any] = {**gen.loaded.describe(), **ran, "step_path": gen.step_path}
     if isinstance(gen._model_backend, CapturedBackend):
         out.update(gen._model_backend.stats())
     if gen.refill:
@@ -564,24 +563,25 @@ def slow_dtype(loaded: Loaded) -> str | None:
     )
 
 
-def unknown_token(tokenizer: Any, config: Any, rows: int | None, ids: Sequence[int]) -> str | None:
+def unknown_token(tokenizer: Any, config: Any, vocabulary: int | None, ids: Sequence[int]) -> str | None:
     """Why the model cannot take ``ids``, or ``None``: a token the tokenizer has and the model's embedding has no
     row for (bart-large-cnn's ``<mask>``, 50264, past its ``vocab_size`` of 50264), which every backend would index
     past its table."""
-    if rows is None or not ids or max(ids) < rows:
+    if vocabulary is None or not ids or max(ids) < vocabulary:
         return None
-    bad = next(i for i in ids if i >= rows)
+    bad = next(i for i in ids if i >= vocabulary)
     vocab = getattr(config, "vocab_size", None)
     field = f" (vocab_size {vocab} in its config.json)" if vocab is not None else ""
     return (
         f"token {tokenizer.convert_ids_to_tokens(bad)!r} (id {bad}) is not in the model's vocabulary: its embedding "
-        f"has {rows} rows{field}; remove it from the input"
+        f"has {vocabulary} rows{field}; remove it from the input"
     )
 
 
-def input_rows(model: Any) -> int | None:
-    """The rows of the embedding input ids index (the encoder's, for an encoder-decoder; the own trees have no
-    ``get_input_embeddings``), or ``None`` where the model shows none: an id past them is an IndexError there."""
+def input_vocabulary(model: Any) -> int | None:
+    """How many ids the model's input embedding takes, its rows (the encoder's, for an encoder-decoder; the own
+    trees have no ``get_input_embeddings``), or ``None`` where the model shows none: an id past them is an IndexError
+    there."""
     encoder = model.get_encoder() if model.config.is_encoder_decoder else None
     embedding = getattr(encoder, "embed_tokens", None)
     if embedding is None and hasattr(model, "get_input_embeddings"):

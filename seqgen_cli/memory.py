@@ -12,7 +12,7 @@ compute dtype's item size; on the captured path ``B``, ``S`` and ``T`` are the p
   ``[B, H, S, S]`` position-bias mask that its ``sdpa`` path builds. ``sdpa`` materialises at most as much (its
   math fallback the same; the fused kernels none), so this is an upper estimate for either.
 * :func:`search_bytes`: what the search holds and makes per step beyond the ``[N, V]`` rows (``search/beam.py``,
-  ``search/rows.py``, ``search/greedy.py``, ``search/sampling.py``): the token history ``[N, L]`` and the n-gram
+  ``search/rows.py``, ``search/greedy.py``, ``search/sampling.py``): the token history ``[N, length]`` and the n-gram
   keys ``[N, L + 1]`` (int64, twice: a reorder's ``index_select`` copy beside the old), the finished hypotheses
   ``[B, K, T]`` (int64, four at once while a step merges them), the top-k over ``[B, K * V]`` (chunk maxima, the
   gathered chunks, ``[B, C]`` candidates); sampling's draw (probabilities, exponential clocks, their ratio) and
@@ -148,13 +148,13 @@ def graph_pool_bytes(
 
 
 def extra_bytes(
-    engine: Any, model: Any, config: Any, inputs: int, width: int, rows_per_input: int, new_tokens: int
+    backend: Any, model: Any, config: Any, inputs: int, width: int, rows_per_input: int, new_tokens: int
 ) -> int:
     """What a batch of ``inputs`` inputs padded to ``width`` tokens holds beside its caches and logits rows: the
-    encoder's peak, the search's buffers and, under CUDA graphs, their pool (module docstring). ``engine``: the
-    backend that runs it: one that pads a batch to a graph shape (a ``CapturedBackend``) says how, ``padded_shape``,
-    as its ``cache_bytes`` counts it)."""
-    mcfg, padded_shape = model.config, getattr(engine, "padded_shape", None)
+    encoder's peak, the search's buffers and, under CUDA graphs, their pool (module docstring). ``backend``: the
+    model backend that runs it: one that pads a batch to a graph shape (a ``CapturedBackend``) says how,
+    ``padded_shape``, as its ``cache_bytes`` counts it)."""
+    mcfg, padded_shape = model.config, getattr(backend, "padded_shape", None)
     captured = padded_shape is not None
     if captured:
         inputs, width, new_tokens = padded_shape(inputs, width, new_tokens)
@@ -162,20 +162,20 @@ def extra_bytes(
     enc = Dims.of(mcfg, "encoder") if mcfg.is_encoder_decoder else None
     total = 0 if enc is None else encoder_bytes(enc, inputs, width, e)
     history = (1 if mcfg.is_encoder_decoder else width) + new_tokens
-    total += search_bytes(SearchDims.of(config), inputs, rows, history, new_tokens, engine.vocab_size)
+    total += search_bytes(SearchDims.of(config), inputs, rows, history, new_tokens, backend.vocab_size)
     dec = Dims.of(mcfg, "decoder")
-    if captured and engine.device.type == "cuda" and dec is not None:
-        total += graph_pool_bytes(dec, inputs, rows_per_input, width, new_tokens, engine.vocab_size, e)
+    if captured and backend.device.type == "cuda" and dec is not None:
+        total += graph_pool_bytes(dec, inputs, rows_per_input, width, new_tokens, backend.vocab_size, e)
     return total
 
 
 def batch_bytes(
-    engine: Any, model: Any, config: Any, inputs: int, width: int, rows_per_input: int, new_tokens: int
+    backend: Any, model: Any, config: Any, inputs: int, width: int, rows_per_input: int, new_tokens: int
 ) -> int | None:
-    """``Generator.batch_bytes``: ``engine``'s ``cache_bytes``, the logits rows (``LOGIT_BYTES`` per row and
-    vocabulary entry) and :func:`extra_bytes`; ``None`` when the engine cannot say what its caches hold."""
-    caches = engine.cache_bytes(inputs, width, rows_per_input, new_tokens)
+    """``Generator.batch_bytes``: ``backend``'s ``cache_bytes``, the logits rows (``LOGIT_BYTES`` per row and
+    vocabulary entry) and :func:`extra_bytes`; ``None`` when the backend cannot say what its caches hold."""
+    caches = backend.cache_bytes(inputs, width, rows_per_input, new_tokens)
     if caches is None:
         return None
-    logits = inputs * rows_per_input * engine.vocab_size * LOGIT_BYTES
-    return caches + logits + extra_bytes(engine, model, config, inputs, width, rows_per_input, new_tokens)
+    logits = inputs * rows_per_input * backend.vocab_size * LOGIT_BYTES
+    return caches + logits + extra_bytes(backend, model, config, inputs, width, rows_per_input, new_tokens)

@@ -1,4 +1,4 @@
-"""What an output's tokens become as the text written: decoded (special tokens removed), the stop string that ended
+"""What an output's tokens become as the text written: detokenised (special tokens removed), the stop string that ended
 it cut, and a thinking model's reasoning split from its answer.
 
 Stop strings. A search ends an output at the step its text first reaches a stop string (``generate(stop_strings=...)``:
@@ -22,7 +22,7 @@ from typing import NamedTuple
 OPEN, CLOSE = "<think>", "</think>"
 REASONING = ("keep", "strip", "field")  # --reasoning
 
-Decode = Callable[[Sequence[Sequence[int]]], list[str]]
+Detokenise = Callable[[Sequence[Sequence[int]]], list[str]]  # token ids -> text, per output
 
 
 class Text(NamedTuple):
@@ -52,16 +52,16 @@ def split_reasoning(text: str) -> Text:
 
 @dataclass(frozen=True)
 class OutputText:
-    """A run's outputs' texts (``Generator.texts``): ``decode``'s, the first of ``stops`` cut unless ``keep_stop``,
+    """A run's outputs' texts (``Generator.texts``): ``detokenise``'s, the first of ``stops`` cut unless ``keep_stop``,
     the reasoning as ``reasoning`` says (:data:`REASONING`)."""
 
-    decode: Decode
+    detokenise: Detokenise
     stops: tuple[str, ...] = ()
     keep_stop: bool = False
     reasoning: str = "keep"
 
     def __call__(self, sequences: Sequence[Sequence[int]]) -> list[Text]:
-        texts = self.decode(sequences)
+        texts = self.detokenise(sequences)
         if self.stops and not self.keep_stop:
             texts = [cut_at_stop(t, self.stops) for t in texts]
         if self.reasoning == "keep":

@@ -43,7 +43,7 @@ def all_stops(own: Any, stop: Sequence[str]) -> list[str] | None:
 
 
 def with_stop_tokens(config: GenerationConfig) -> GenerationConfig:
-    """``stop_token_id`` (``--stop-token-id``, a preset's) added to the EOS ids, so that every engine, and
+    """``stop_token_id`` (``--stop-token-id``, a preset's) added to the EOS ids, so that every backend, and
     ``generate()``, ends an output there: ``generate(eos_token_id=[...])``'s outputs."""
     extra = getattr(config, "stop_token_id", None)
     if not extra:

@@ -47,6 +47,7 @@ class FakeGen:
     prefix = None
     prompt = PromptSettings()
     default_length = None  # a length the test set (Generator.default_length)
+    chat_length = None  # no --chat default (Generator.chat_length)
     grammar = None  # no structured outputs (Generator.grammar)
     max_source_length = None
     seed = None
@@ -58,7 +59,7 @@ class FakeGen:
         self.batches: list[list[list[int]]] = []
         self.fail = fail  # called with the batch before generating; may raise
         self.budget = DeviceBudget(self.loaded.device)  # as a CPU Generator: no limit
-        self.texts = OutputText(self.decode)
+        self.texts = OutputText(self.detokenise)
 
     @property
     def num_return_sequences(self) -> int:
@@ -86,7 +87,7 @@ class FakeGen:
     def generate_ids(self, batch, indices=None):
         return self.generate_output(batch, indices).sequences
 
-    def decode(self, seqs):
+    def detokenise(self, seqs):
         return ["".join(map(chr, s)) for s in seqs]
 
 

@@ -94,7 +94,7 @@ def test_benchmarks_holds_current_tables_only() -> None:
 
 def test_the_readme_families_table_is_the_codes() -> None:
     """The README's families table names exactly the model types ``seqgen models`` lists (families.FAMILIES and
-    models.NO_ENGINE): a family added or dropped in the code fails here until the table says so."""
+    models.NO_BACKEND): a family added or dropped in the code fails here until the table says so."""
     from tests.helpers import seqgen
 
     text = (REPO / "README.md").read_text(encoding="utf-8")

@@ -30,7 +30,7 @@ def one_by_one(gen: Generator, inputs: list[str]) -> list[list[str]]:
         if not text.strip():
             out.append([""])
             continue
-        out.append(gen.decode(gen.generate_ids([gen.encode([text])[0].ids])[0]))
+        out.append(gen.detokenise(gen.generate_ids([gen.encode([text])[0].ids])[0]))
     return out
 
 

@@ -193,7 +193,7 @@ def test_the_engine_refuses_stop_strings_without_their_check(tiny_models) -> Non
     gen = Generator(str(tiny_models("llama")), max_new_tokens=4)
     config = GenerationConfig(**{**gen.config.to_dict(), "stop_strings": ["x"]})
     with pytest.raises(SeqgenError, match="stop_strings need"):
-        generate(gen._engine(), gen.pad([[5, 6, 7]]), config)
+        generate(gen.model_backend(), gen.pad([[5, 6, 7]]), config)
 
 
 def test_prompt_mistakes_are_one_line(chat_models, tiny_models, tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ def test_rows_that_ended_add_nothing_while_their_input_waits_for_a_check(tiny_mo
     gen, theirs = outputs(model, "hf", **settings)
     fast = Generator(str(model), scores=True, max_new_tokens=9, **settings)
     padded = fast.pad([e.ids for e in fast.encode(TEXTS)])
-    ours = generate(fast._engine(), padded, fast.config, sync_every=9)  # no check before the last step
+    ours = generate(fast.model_backend(), padded, fast.config, sync_every=9)  # no check before the last step
     assert ours.sequences == theirs.sequences and any(len(s[0]) == 4 for s in ours.sequences)
     for (mine,), (theirs_,), (seq,), (per,) in zip(
         ours.scores, theirs.scores, ours.sequences, ours.token_scores, strict=True

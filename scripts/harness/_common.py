@@ -123,14 +123,14 @@ def generate_ids(gen: Generator, texts: list[str], batch: int) -> list[list[list
 def counted_steps(gen: Generator, batch: int) -> Iterator[dict[str, Any]]:
     """Decode steps and live row-steps of ``gen``'s runs inside the block; on leaving, the yielded dict holds
     ``steps``, ``live_row_steps``, ``occupancy`` (live rows / ``batch`` x rows per input, a full batch's rows)
-    and with refill ``joins`` (from ``gen.refill_stats``). Without refill the engine's ``start`` and ``step`` are
+    and with refill ``joins`` (from ``gen.refill_stats``). Without refill the backend's ``start`` and ``step`` are
     wrapped: a step feeds the rows still live; ``start`` counts as the first step (every row) only where it
     returns the first logits (decoder-only prefill; an encoder-decoder's first step is a ``step``)."""
     rows = gen.rows_per_input
     counts: dict[str, Any] = {"steps": 0, "live_row_steps": 0}
-    engine = gen._engine()
+    backend = gen.model_backend()
     before = (gen.refill_stats.steps, gen.refill_stats.live_row_steps, gen.refill_stats.joins)
-    step, start = engine.step, engine.start
+    step, start = backend.step, backend.start
 
     def counted_step(state: Any, tokens: torch.Tensor) -> torch.Tensor:
         counts["steps"] += 1
@@ -145,12 +145,12 @@ def counted_steps(gen: Generator, batch: int) -> Iterator[dict[str, Any]]:
         return state, first
 
     if not gen.refill:
-        engine.step, engine.start = counted_step, counted_start
+        backend.step, backend.start = counted_step, counted_start
     try:
         yield counts
     finally:
         if not gen.refill:
-            engine.step, engine.start = step, start
+            backend.step, backend.start = step, start
     if gen.refill:
         st = gen.refill_stats
         counts |= {"steps": st.steps - before[0], "live_row_steps": st.live_row_steps - before[1]}

@@ -58,7 +58,7 @@ def main() -> None:
     arms = {"plain": lambda: plain.generate_output(ids), "json schema": lambda: guided.generate_output(ids)}
     interleaved(arms, 1)  # warm-up: the backends built, the first shapes run
     times, results = interleaved(arms, args.reps)
-    outs = guided.decode([seqs[0] for seqs in results["json schema"][-1].sequences])
+    outs = guided.detokenise([seqs[0] for seqs in results["json schema"][-1].sequences])
     assert all(o.startswith('{"summary": "') for o in outs), outs[:2]
     tokens = {name: sum(len(s[0]) for s in runs[-1].sequences) for name, runs in results.items()}
     assert tokens["plain"] == tokens["json schema"] == args.tokens * len(texts), tokens

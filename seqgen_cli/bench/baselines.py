@@ -80,15 +80,17 @@ def run_ct2(args: argparse.Namespace) -> None:
     plan = json.loads(args.settings)
     cls = ctranslate2.Translator if seq2seq else ctranslate2.Generator
     device = "cuda" if args.device.startswith("cuda") else "cpu"
-    engine = cls(args.ct2_model, device=device, compute_type=args.compute_type, intra_threads=args.threads)
+    translator = cls(
+        args.ct2_model, device=device, compute_type=args.compute_type, intra_threads=args.threads
+    )
     tokens = [tokenizer.convert_ids_to_tokens(x) for x in ids]
     options = dict(plan["options"], max_batch_size=args.batch_size)
     start = time.perf_counter()
     if seq2seq:
         prefix = [plan["prefix"]] * len(tokens) if plan["prefix"] else None
-        results = engine.translate_batch(tokens, target_prefix=prefix, **options)
+        results = translator.translate_batch(tokens, target_prefix=prefix, **options)
     else:
-        results = engine.generate_batch(tokens, **options)
+        results = translator.generate_batch(tokens, **options)
     if args.stats:  # the decode alone, as seqgen's --stats generate_seconds
         with open(args.stats, "w", encoding="utf-8") as f:
             json.dump({"generate_seconds": time.perf_counter() - start}, f)

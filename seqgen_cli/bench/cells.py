@@ -72,8 +72,8 @@ OnCell = Callable[[list[RunResult], list[list[str]], dict[str, Any]], None]
 
 def interleave(names: Sequence[str], repeats: int, warmup: bool) -> list[tuple[str, int]]:
     """The run order: ``(system, repeat)`` with repeat -1 for the warm-up, ``A B C A B C ...``."""
-    rounds = ([-1] if warmup else []) + list(range(repeats))
-    return [(name, r) for r in rounds for name in names]
+    order = ([-1] if warmup else []) + list(range(repeats))
+    return [(name, r) for r in order for name in names]
 
 
 def run_cell(

@@ -104,7 +104,7 @@ class Ct2System(System):
             kwargs["intra_threads"] = threads or torch.get_num_threads()
         elif device.index is not None:
             kwargs["device_index"] = device.index
-        self.engine = cls(str(self.path), **kwargs)
+        self.translator = cls(str(self.path), **kwargs)
         self.vocab = ct2.vocabulary(self.path)
         self.index = {t: i for i, t in enumerate(self.vocab)}
         self.tokenizer, self.seq2seq = gen.tokenizer, gen.is_encoder_decoder
@@ -125,10 +125,10 @@ class Ct2System(System):
         p = self.plan
         if self.seq2seq:
             prefix = [p.prefix] * len(prepared) if p.prefix else None
-            results = self.engine.translate_batch(prepared, target_prefix=prefix, **p.options)
+            results = self.translator.translate_batch(prepared, target_prefix=prefix, **p.options)
             hyps = [list(r.hypotheses[0]) for r in results]
         else:
-            hyps = [list(r.sequences[0]) for r in self.engine.generate_batch(prepared, **p.options)]
+            hyps = [list(r.sequences[0]) for r in self.translator.generate_batch(prepared, **p.options)]
         out = []
         for hyp in hyps:
             if p.append_eos and not (hyp and hyp[-1] in p.eos):

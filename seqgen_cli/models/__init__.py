@@ -19,7 +19,7 @@ from seqgen_cli.models import linear_maps
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend
 from seqgen_cli.models.encoder_decoder import EncoderDecoderBackend
 from seqgen_cli.models.families import FAMILIES, length_dependent_rope, refusal
-from seqgen_cli.models.fast import FastBackend, engine_of
+from seqgen_cli.models.fast import FastBackend, inner_backend
 from seqgen_cli.models.generic import GenericBackend
 from seqgen_cli.models.layers import Seq2Seq
 from seqgen_cli.models.linear_maps import quantize_linears
@@ -37,36 +37,36 @@ def fast_backend(model: PreTrainedModel, int8: bool = False) -> FastBackend | No
 def _fast_or_reason(model: PreTrainedModel, int8: bool) -> tuple[FastBackend | None, str | None]:
     """The fast backend for ``model``, or ``None`` and why there is none."""
     model_type = model.config.model_type
-    family = FAMILIES.get(model_type)
-    if family is None:
+    description = FAMILIES.get(model_type)  # its family file's row
+    if description is None:
         return None, f"model_type {model_type!r} has no fast decoder"
     reason = refusal(model)
     if reason is not None:
         return None, f"the fast decoder does not run this {model_type} variant: {reason}"
-    cls = EncoderDecoderBackend if isinstance(family, Seq2Seq) else DecoderOnlyBackend
-    return cls(model, family, int8=int8), None
+    cls = EncoderDecoderBackend if isinstance(description, Seq2Seq) else DecoderOnlyBackend
+    return cls(model, description, int8=int8), None
 
 
-# Model types no engine of seqgen's runs: no fast decoder, and the generic backend hands the decoder the encoder's
+# Model types no backend of seqgen's runs: no fast decoder, and the generic backend hands the decoder the encoder's
 # output as a plain ``BaseModelOutput``, while these models' own forward reads the encoder's router logits from it.
-NO_ENGINE: dict[str, str] = dict.fromkeys(
+NO_BACKEND: dict[str, str] = dict.fromkeys(
     ("nllb-moe", "switch_transformers"),
     "its mixture-of-experts decoder reads the encoder's router logits, which seqgen's generic backend does not keep",
 )
 
 
-def engine_refusal(config: object) -> str | None:
+def backend_refusal(config: object) -> str | None:
     """Why neither a fast decoder nor the generic backend runs a model of this ``config`` (``generate()`` does:
     ``--backend auto`` picks it, ``--backend fast`` is refused up front), or ``None``."""
     model_type = str(getattr(config, "model_type", "") or "")
-    why = NO_ENGINE.get(model_type)
+    why = NO_BACKEND.get(model_type)
     return f"model_type {model_type!r}: {why}" if why is not None else None
 
 
-def own_widths(engine: ModelBackend) -> bool:
-    """Whether ``engine`` (under a ``CapturedBackend`` or not) runs each input of a batch at its own width
+def own_widths(backend: ModelBackend) -> bool:
+    """Whether ``backend`` (under a ``CapturedBackend`` or not) runs each input of a batch at its own width
     (``Batch.widths``): a fast encoder-decoder decoder; the generic backend pads to the widest input."""
-    return isinstance(engine_of(engine), EncoderDecoderBackend)
+    return isinstance(inner_backend(backend), EncoderDecoderBackend)
 
 
 def to_int8(model: PreTrainedModel, fast: bool, head: Sequence[int] = ()) -> ModelBackend | None:
@@ -84,21 +84,21 @@ def to_int8(model: PreTrainedModel, fast: bool, head: Sequence[int] = ()) -> Mod
         return None
 
 
-def family_rows() -> list[tuple[str, str]]:
+def model_types() -> list[tuple[str, str]]:
     """``(model_type, what runs it)`` for every model type seqgen knows (``seqgen models``): each family of
-    :data:`FAMILIES` on its fast decoder, each of :data:`NO_ENGINE` on ``generate()``."""
+    :data:`FAMILIES` on its fast decoder, each of :data:`NO_BACKEND` on ``generate()``."""
     rows = [
-        (name, f"fast {'encoder-decoder' if isinstance(f, Seq2Seq) else 'decoder-only'} decoder ({f.positions} positions)")
-        for name, f in FAMILIES.items()
+        (name, f"fast {'encoder-decoder' if isinstance(d, Seq2Seq) else 'decoder-only'} decoder ({d.position_kind} positions)")
+        for name, d in FAMILIES.items()
     ]
-    return rows + [(name, f"transformers generate() ({why})") for name, why in NO_ENGINE.items()]
+    return rows + [(name, f"transformers generate() ({why})") for name, why in NO_BACKEND.items()]
 
 
 def get_backend(
     model: PreTrainedModel, *, generic: bool = False, int8: bool = False, head: Sequence[int] = ()
 ) -> ModelBackend:
     """The fast backend for ``model`` if its family has one, else (or if ``generic``) the generic one, which
-    carries the reason (``GenericBackend.reason``; :func:`engine_name`).
+    carries the reason (``GenericBackend.reason``; :func:`backend_name`).
 
     ``int8``: linear layers in int8 (CPU); the model is modified in place. ``head``: the tokens every prompt begins
     with (``prompts.Prompter.head``), whose keys and values a decoder-only fast decoder computes once
@@ -113,22 +113,22 @@ def get_backend(
     return GenericBackend(model, reason=reason)
 
 
-def engine_stats(backend: ModelBackend) -> dict[str, Any]:
-    """``--stats`` ``device``'s keys of the engine: ``engine`` (:func:`engine_name`), on the CPU ``cpu_isa`` and
+def backend_stats(backend: ModelBackend) -> dict[str, Any]:
+    """``--stats`` ``device``'s keys of the backend: ``engine`` (:func:`backend_name`), on the CPU ``cpu_isa`` and
     ``linear_maps`` (what runs the products: :func:`~.linear_maps.kernel`) and, where prompts share a head
     (``DecoderOnlyBackend.share``), ``shared_prompt``: its tokens, how often it was prefilled, the inputs over it."""
-    inner = engine_of(backend)  # the capture wrapper's wrapped backend
-    out: dict[str, Any] = {"engine": engine_name(backend)}
+    inner = inner_backend(backend)  # the capture wrapper's wrapped backend
+    out: dict[str, Any] = {"engine": backend_name(backend)}
     if isinstance(inner, FastBackend) and inner.model.device.type == "cpu":  # generic: transformers' maps
         out |= {"cpu_isa": linear_maps.cpu_isa(), "linear_maps": linear_maps.kernel(inner.model.dtype, inner.int8)}
     shared = inner.prefill.shared if isinstance(inner, DecoderOnlyBackend) else None
     return out | ({"shared_prompt": dict(shared)} if shared and shared["tokens"] else {})
 
 
-def engine_name(backend: ModelBackend) -> str:
-    """Which engine runs the decode steps, in words (``--stats`` ``engine``, the closing line): the family whose
+def backend_name(backend: ModelBackend) -> str:
+    """Which backend runs the decode steps, in words (``--stats`` ``engine``, the closing line): the family whose
     description the shared decoder runs (``m2m_100 decoder``), or ``generic (<why no fast one>)``."""
-    inner = engine_of(backend)  # the capture wrapper's wrapped backend
+    inner = inner_backend(backend)  # the capture wrapper's wrapped backend
     if isinstance(inner, GenericBackend):
         return f"generic ({inner.reason})" if inner.reason else "generic"
     return f"{inner.model.config.model_type} decoder"
@@ -139,14 +139,14 @@ __all__ = [
     "EncoderDecoderBackend",
     "FastBackend",
     "GenericBackend",
-    "engine_name",
-    "engine_of",
-    "engine_refusal",
-    "engine_stats",
+    "backend_name",
+    "backend_refusal",
+    "backend_stats",
     "fast_backend",
-    "family_rows",
     "get_backend",
+    "inner_backend",
     "length_dependent_rope",
+    "model_types",
     "own_widths",
     "to_int8",
 ]

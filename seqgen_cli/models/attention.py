@@ -8,6 +8,14 @@ import torch
 from torch import Tensor
 
 HALF = (torch.float16, torch.bfloat16)
+
+
+def key_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a cache holds keys in: the one :func:`scores32` reads. The CPU scores half precision in float32
+    (no half GEMM summing in float32 there), so its caches hold float32 keys, each written once, instead of a float32
+    copy of every key attended at every layer and step; the values stay in ``dtype``. The keys' bits are the half
+    keys' (a half value is exact in float32), so the scores are the same."""
+    return torch.float32 if device.type == "cpu" and dtype in HALF else dtype
 # ``torch.bmm(..., out_dtype=torch.float32)`` (torch >= 2.8): a half product written as float32, CUDA only (the
 # CPU has no kernel for it); inductor lowers it to the same cuBLAS call (``at::_bmm_out_dtype_cuda``).
 BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")

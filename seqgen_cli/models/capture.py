@@ -217,7 +217,7 @@ class CapturedBackend:
     def step(self, state: Any, tokens: Tensor) -> Tensor:
         """The one decode step: a :class:`PlainRun`'s on the wrapped backend (counted for the shape it stands for);
         a kept state's (``tokens``: the running rows' [N], logits [N, V] a copy; or its token buffer, a static
-        search's, logits [P * R, V]) and a lane state's (logits [L * R, V]) through the guarded ``decode`` of their
+        search's, logits [L * R, V]) and a lane state's (logits [L * R, V]) through the guarded ``decode`` of their
         (rows, width, positions, span bucket): the graph's output, read before the next step."""
         if isinstance(state, PlainRun):
             if self.amortized is not None:
@@ -230,10 +230,10 @@ class CapturedBackend:
         else:  # a lane state: shapes are fixed by the lanes, the width only widens
             inner, fed, every = state, tokens, True
             shape = (tokens.shape[0], self.backend.lane_width(state), state.cache.max_len)
-        step = inner.cache.now(inner.t)
+        step = inner.cache.span_t(inner.t)
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
         decode = self._decoder((*shape, inner.cache.span_at(inner.t)), step)  # a static cache: its bucket
-        logits = self._run(run_step, decode, inner, fed)  # [P * R, V]
+        logits = self._run(run_step, decode, inner, fed)  # [L * R, V]
         if every:
             return logits
         return logits.index_select(0, state.rows)  # [N, V]: a copy, the graph's output is overwritten

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from seqgen_cli.errors import is_oom
 
-# (search state, logits [P * R, V]) -> its new tensors, tokens, rows (search/static.py)
+# (search state, logits [L * R, V]) -> its new tensors, tokens, rows (search/static.py)
 SearchStep = Callable[[Any, Tensor], list[Tensor]]
 SearchCompiler = Callable[[SearchStep], SearchStep]
 

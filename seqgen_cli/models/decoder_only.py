@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from seqgen_cli.models.attention import rotary_tables, soft_cap
+from seqgen_cli.models.attention import key_dtype, rotary_tables, soft_cap
 from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, kv_bytes
 from seqgen_cli.models.kv_store import select_into
 from seqgen_cli.models.lane_table import pointer_bytes, run_step
@@ -43,7 +43,7 @@ class DecoderOnlyState:
 
 
 def left_width(batch: Batch, rows: Tensor, width: int) -> Batch:
-    """Rows ``rows`` ([J] int64) of left-padded prompts [B, P], as ``width`` columns: the last ``width``, or padded
+    """Rows ``rows`` ([J] int64) of left-padded prompts [B, W], as ``width`` columns: the last ``width``, or padded
     on the left (masked) to ``width`` -> [J, width]."""
     ids = batch.input_ids.index_select(0, rows)
     mask = batch.attention_mask.index_select(0, rows)
@@ -58,23 +58,23 @@ class DecoderOnlyBackend:
 
     is_encoder_decoder = False
 
-    def __init__(self, model: torch.nn.Module, family: Causal, int8: bool = False) -> None:
-        facts = family.facts(model)  # what the family file reads: embeddings, positions, norm, heads
-        self.model, self.family, self.int8 = model, family, int8
-        self.layers = [family.reader(layer, int8) for layer in facts.layers]
+    def __init__(self, model: torch.nn.Module, description: Causal, int8: bool = False) -> None:
+        facts = description.facts(model)  # what the family file reads: embeddings, positions, norm, heads
+        self.model, self.description, self.int8 = model, description, int8
+        self.layers = [description.reader(layer, int8) for layer in facts.layers]
         self.n_layers = len(self.layers)
         self.heads, self.kv_heads, self.head_dim = facts.heads, facts.kv_heads, facts.head_dim
         self.max_position_embeddings = facts.max_positions
         self.embed, self.ln_final = facts.embed, facts.final_norm
         self.learned, self.rotary = facts.learned, facts.rotary  # the positions: a learned table, or RoPE
-        self.per_type = family.positions == "rotary per layer type"  # a rotary table per layer type (Gemma3)
+        self.per_type = description.position_kind == "rotary per layer type"  # one per layer type (Gemma3)
         sliding, self.window = sliding_layers(model.config, self.n_layers)  # which layers slide, and how far
         self.rotary_table = [lay.layer_type if self.per_type else "full_attention" for lay in self.layers]
         for i, lay in enumerate(self.layers):
             lay.at = Place(i, self.heads, self.kv_heads, self.head_dim, sliding[i], self.rotary_table[i])
-        head = model.get_output_embeddings()
-        self.vocab_size = int(head.weight.shape[0])
-        self.lm = linear(head.weight, head.bias, int8)
+        lm_head = model.get_output_embeddings()
+        self.vocab_size = int(lm_head.weight.shape[0])
+        self.lm = linear(lm_head.weight, lm_head.bias, int8)
         self.final_softcap = facts.final_softcap
         self.prefill = Prefill(model, self.final_softcap)  # the prompts' K/V and first logits
 
@@ -100,7 +100,7 @@ class DecoderOnlyBackend:
     def start(
         self, batch: Batch, rows_per_input: int, max_new_tokens: int
     ) -> tuple[DecoderOnlyState, Tensor]:
-        """Prefill once per input: [B, P] -> state, last-position logits [B, V]."""
+        """Prefill once per input: [B, W] -> state, last-position logits [B, V]."""
         check_batch(batch)
         pk, pv, logits = self.prefill(batch)
         mask = batch.attention_mask
@@ -126,7 +126,7 @@ class DecoderOnlyBackend:
     @torch.inference_mode()
     def restart(self, state: DecoderOnlyState, batch: Batch) -> Tensor:
         """The static ``state`` of an earlier batch of this shape (inputs, width; rows per input and positions are
-        the state's) takes ``batch`` ([B, P] left-padded) as :meth:`start` would, in place: the prefill's K/V and
+        the state's) takes ``batch`` ([B, W] left-padded) as :meth:`start` would, in place: the prefill's K/V and
         mask are copied into its tensors, the generated positions restart (zeros, position 0). Returns the
         last-position logits [B, V]."""
         check_batch(batch)
@@ -162,7 +162,7 @@ class DecoderOnlyBackend:
     def open_lanes(self, lanes: int, rows_per_input: int, max_new_tokens: int) -> DecoderOnlyState:
         """``lanes`` empty lanes of ``rows_per_input`` rows each (prompt regions of ``MIN_WIDTH`` positions
         until a wider prompt joins). The last new token is never fed: ``max_new_tokens - 1`` generated positions."""
-        head = self.model.get_output_embeddings().weight
+        weight = self.model.get_output_embeddings().weight
         cache = DecoderOnlyKVCache.lanes(
             self.n_layers,
             lanes,
@@ -171,12 +171,12 @@ class DecoderOnlyBackend:
             self.head_dim,
             max(1, max_new_tokens - 1),
             MIN_WIDTH,
-            head.dtype,
-            head.device,
+            weight.dtype,
+            weight.device,
             self.window,
         )
-        positions = torch.zeros(lanes * rows_per_input, dtype=torch.long, device=head.device)  # [L * R]
-        return DecoderOnlyState(cache, positions)
+        start_pos = torch.zeros(lanes * rows_per_input, dtype=torch.long, device=weight.device)  # [L * R] ids
+        return DecoderOnlyState(cache, start_pos)
 
     def lane_width(self, state: DecoderOnlyState) -> int:
         """The lanes' prompt-region width (one compiled shape each, ``models/capture.py``)."""
@@ -184,7 +184,7 @@ class DecoderOnlyBackend:
 
     @torch.inference_mode()
     def join(self, state: DecoderOnlyState, lanes: list[int], batch: Batch) -> Tensor:
-        """Prompts ``batch`` ([J, P] left-padded) take lanes ``lanes``: the prefill runs for them only,
+        """Prompts ``batch`` ([J, W] left-padded) take lanes ``lanes``: the prefill runs for them only,
         each at :func:`~seqgen_cli.shapes.input_width` of its length (one forward per width, and apart whether padded, so that an
         input's prefill never depends on who joins with it); their K/V go into the lanes' prompt regions (widened
         first if needed), their positions start at their lengths and their generated positions restart at step 0.
@@ -226,6 +226,7 @@ class DecoderOnlyBackend:
         ``new_tokens`` positions (what :meth:`cache_nbytes` then counts): prompt K/V once per input, generated K/V
         and back-pointers per row; K/V heads only."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
-        dtype = self.model.get_output_embeddings().weight.dtype
-        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, dtype, inputs * width + rows * t)
+        weight = self.model.get_output_embeddings().weight
+        keys = key_dtype(weight.dtype, weight.device)  # float32 where the CPU scores half precision
+        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, weight.dtype, inputs * width + rows * t, keys)
         return kv + pointer_bytes(rows, t) + inputs * width * 4  # + the prompt mask (float32)

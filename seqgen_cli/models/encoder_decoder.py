@@ -51,10 +51,10 @@ class EncoderDecoderBackend:
 
     is_encoder_decoder = True
 
-    def __init__(self, model: PreTrainedModel, family: Seq2Seq, int8: bool = False) -> None:
-        self.model, self.family, self.int8 = model.eval(), family, int8
+    def __init__(self, model: PreTrainedModel, description: Seq2Seq, int8: bool = False) -> None:
+        self.model, self.description, self.int8 = model.eval(), description, int8
         encoder = model.get_encoder() if int8 else onednn_copy(model.get_encoder())  # CPU: oneDNN
-        facts = family.facts(model)  # what the family file reads: embeddings, positions, norms, heads, scales
+        facts = description.facts(model)  # what the family file reads: embeddings, positions, norms, heads
         self.embed = facts.embed  # [V_in, D]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         scale = facts.embed_scale  # None: unscaled; a tensor in the model's dtype, as the module multiplies
@@ -62,14 +62,14 @@ class EncoderDecoderBackend:
         self.eoi, self.eoi_embedding = facts.eoi, facts.eoi_embedding  # T5Gemma 2: a token, its own vector
         self.layers = []
         for layer in facts.layers:
-            self.layers.append(family.reader(layer, int8))
+            self.layers.append(description.reader(layer, int8))
             if int8:  # its float32 weights have int8 copies now: their pages go back (resident.py)
                 release(p for p in layer.parameters() if p.dim() == 2)
         self.n_layers = len(self.layers)
         self.heads, self.kv_heads, self.head_dim = facts.heads, facts.kv_heads, facts.head_dim  # cached: Hkv
         sliding, self.window = sliding_layers(facts.config, self.n_layers)  # which layers slide, and how far
         self.rotary = facts.rotary
-        self.per_type = family.positions == "rotary per layer type"  # a rotary table per type (T5Gemma 2)
+        self.per_type = description.position_kind == "rotary per layer type"  # a table per type (T5Gemma 2)
         self.rotary_table = [lay.layer_type if self.per_type else "full_attention" for lay in self.layers]
         for i, lay in enumerate(self.layers):
             lay.at = Place(
@@ -79,9 +79,9 @@ class EncoderDecoderBackend:
                 self.head_dim,
                 sliding[i],
                 self.rotary_table[i],
-                family.pre_norm,
-                family.clamp_fp16,
-                family.scale_scores,
+                description.pre_norm,
+                description.clamp_fp16,
+                description.scale_scores,
             )
         self.final_softcap = facts.final_softcap
         self.ln_embed, self.ln_final = facts.ln_embed, facts.ln_final
@@ -90,7 +90,7 @@ class EncoderDecoderBackend:
         self.max_position_embeddings = None if self.relative_bias is not None else limit  # relative: none
         self.pad_position, self.pos_offset = facts.pad_position, facts.pos_offset
         self.position_table = facts.position_table
-        self.positions = self._position_table(MIN_WIDTH)  # [P (+ offset), D] or None (relative bias)
+        self.position_embeddings = self._position_table(MIN_WIDTH)  # [n (+ offset), D]; None: relative, RoPE
         # the LM head: [N, D] -> [N, V], final_logits_bias folded in; T5 v1.0 rescales its tied head's input
         self.lm_head = model.get_output_embeddings()
         self.lm_w = self.lm_head.weight  # [V, D]
@@ -105,7 +105,7 @@ class EncoderDecoderBackend:
         )
 
     def _position_table(self, rows: int) -> torch.Tensor | None:
-        """The decoder's absolute position embeddings, ``rows`` at least: [P, D], or ``None`` (relative, rotary)."""
+        """The decoder's absolute position embeddings, ``rows`` at least: [rows, D], or ``None`` (relative, rotary)."""
         return None if self.position_table is None else self.position_table(rows)
 
     def _relative_bias(self, t: int) -> torch.Tensor | None:
@@ -126,7 +126,7 @@ class EncoderDecoderBackend:
         step = Step(cache, tables)
         for layer in self.layers:
             x = layer(x, step)  # [N, D]
-        return self.head(x)  # [N, V]
+        return self.logits(x)  # [N, V]
 
     def embedding(self, tokens: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         """The decoder's input at cache position ``at`` ([1]: a batch, [N]: lanes): tokens [N] -> [N, D]."""
@@ -135,14 +135,14 @@ class EncoderDecoderBackend:
             x = x * self.embed_scale
         if self.eoi_embedding is not None:
             x = torch.where((tokens == self.eoi)[:, None], self.eoi_embedding.to(x.dtype), x)  # [N, D]
-        if self.positions is not None:
+        if self.position_embeddings is not None:
             at = at + self.pos_offset  # [1] (a batch) or [N] (lanes)
             if self.pad_position is not None:  # M2M-100: a pad token takes the padding row (zeros)
                 at = torch.where(tokens == self.pad_position, self.pad_position, at)  # [N]
-            x = x + self.positions.index_select(0, at)  # [1 | N, D]
+            x = x + self.position_embeddings.index_select(0, at)  # [1 | N, D]
         return x if self.ln_embed is None else self.ln_embed(x)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's output [N, D] -> logits [N, V]: the final norm, T5 v1.0's rescale, the LM head."""
         if self.ln_final is not None:
             x = self.ln_final(x)
@@ -161,7 +161,7 @@ class EncoderDecoderBackend:
     ) -> tuple[EncoderDecoderState, None]:
         keys, values, mask = self.source.encode(batch, cross_width(batch.input_ids.shape[1]))
         max_len = max(1, max_new_tokens)  # step() is called at most max_new_tokens times
-        self.positions = self._position_table(max_len + self.pos_offset)
+        self.position_embeddings = self._position_table(max_len + self.pos_offset)
         cache = EncoderDecoderKVCache(keys, values, mask, rows_per_input, max_len, self.window)
         return EncoderDecoderState(cache, self_bias=self._relative_bias(max_len)), None
 
@@ -202,7 +202,7 @@ class EncoderDecoderBackend:
         """``lanes`` empty lanes of ``rows_per_input`` rows each (sources of ``MIN_WIDTH`` tokens until a
         wider one joins)."""
         max_len = max(1, max_new_tokens)
-        self.positions = self._position_table(max_len + self.pos_offset)
+        self.position_embeddings = self._position_table(max_len + self.pos_offset)
         cache = EncoderDecoderKVCache.lanes(
             self.n_layers,
             lanes,
@@ -260,7 +260,8 @@ class EncoderDecoderBackend:
         ``new_tokens`` positions (what :meth:`cache_nbytes` then counts): cross K/V once per input, self K/V and
         back-pointers per row, the relative position bias [L', H, T, T]."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
-        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, self.dtype, rows * t)
+        keys = self.source.key_dtype  # the generated keys' dtype too (float32 where the CPU scores half precision)
+        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, self.dtype, rows * t, keys)
         cross = self.source.key_dtype.itemsize + self.dtype.itemsize  # a source position's key and value
         kv += self.n_layers * self.kv_heads * self.head_dim * cross * inputs * cross_width(width)
         bias_layers = 0 if self.relative_bias is None else self.relative_bias.layers

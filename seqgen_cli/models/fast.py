@@ -2,8 +2,8 @@
 (``search/protocol.py``: :class:`~seqgen_cli.search.protocol.ModelBackend`, the refill engine's
 :class:`~seqgen_cli.search.protocol.RefillBackend`): the static step and the kept states that the capture path runs
 it by (``capture.py``, ``kept.py``), the byte counts the batcher and ``--stats`` read, and what ``models/__init__``
-reports of its engine. A backend that runs a fast backend's steps its own way (the capture wrapper) is a
-:class:`Wrapper`: :func:`engine_of` finds the backend whose decoder runs.
+reports of it. A backend that runs a fast backend's steps its own way (the capture wrapper) is a
+:class:`Wrapper`: :func:`inner_backend` finds the backend whose decoder runs.
 """
 
 from __future__ import annotations
@@ -69,6 +69,6 @@ class Wrapper(Protocol):
         ...
 
 
-def engine_of(backend: ModelBackend) -> ModelBackend:
+def inner_backend(backend: ModelBackend) -> ModelBackend:
     """The backend whose decoder runs ``backend``'s steps: a :class:`Wrapper`'s fast backend, or ``backend``."""
     return backend.unwrap() if isinstance(backend, Wrapper) else backend

@@ -40,10 +40,10 @@ class GenericState:
     cache: Any  # DynamicCache | EncoderDecoderCache, rows = N
     input_ids: (
         torch.Tensor
-    )  # every row's sequence so far [N, L]: dec-only prompt + generated, enc-dec generated
+    )  # every row's sequence so far [N, length]: dec-only prompt + generated, enc-dec generated
     encoder_outputs: BaseModelOutput | None = None  # last_hidden_state [N, S, d] (encoder-decoder)
-    attention_mask: torch.Tensor | None = None  # enc-dec: encoder mask [N, S]; dec-only: [N, L] or None
-    position_ids: torch.Tensor | None = None  # decoder-only: [N, L], each fed token's position
+    attention_mask: torch.Tensor | None = None  # enc-dec: encoder mask [N, S]; dec-only: [N, length] or None
+    position_ids: torch.Tensor | None = None  # decoder-only: [N, length], each fed token's position
 
 
 class GenericBackend:

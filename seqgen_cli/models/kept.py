@@ -86,7 +86,7 @@ class Kept:
 
     key: Key
     inner: FastState  # the wrapped backend's static state
-    tokens: Tensor  # [P * R] int64: the step's input tokens for every physical row
+    tokens: Tensor  # [L * R] int64: the step's input tokens for every physical row
     nbytes: int = 0  # device bytes held (each storage once), the kept search state's with them
     owner: weakref.ref[CapturedState] | None = None  # the batch running on it; None: idle
     used: int = 0  # when a batch last took it (least recently used is released first)
@@ -102,12 +102,12 @@ class CapturedState:
     rows_per_input: int
     inputs: Tensor  # [B] int64: physical lane of each running input
     rows: Tensor  # [B * R] int64: physical row of each running row
-    tokens: Tensor  # [P * R] int64: the step's input tokens for every physical row (idle rows: stale ones)
+    tokens: Tensor  # [L * R] int64: the step's input tokens for every physical row (idle rows: stale ones)
     limit: int  # steps the search may run (positions are rounded up)
     shape: tuple[int, ...]  # (physical rows, padded width, positions): a compiled graph per span bucket each
     start: int  # lanes at the start (compaction stops at a quarter of them)
     kept: Kept = field(repr=False)  # whose buffers ``inner`` and ``tokens`` are
-    moved: Tensor | None = None  # [P' * R] after the last keep moved the rows to P' lanes: each row's old row
+    moved: Tensor | None = None  # [lanes * R] after a keep moved the rows to fewer lanes: each row's old row
 
     def feed(self, tokens: Tensor) -> bool:
         """The step's ``tokens`` into the token buffer: the running rows' [N] copied into their rows (``False``), or
@@ -119,11 +119,11 @@ class CapturedState:
 
     def physical(self, rows: Tensor) -> Tensor:
         """A reorder as one of every physical row: of the running rows ([N]: physical row ``self.rows[i]``
-        continues ``self.rows[rows[i]]``, idle rows continue themselves), or of every row ([P * R]) as it is."""
+        continues ``self.rows[rows[i]]``, idle rows continue themselves), or of every row ([L * R]) as it is."""
         n = self.tokens.shape[0]
         if rows.shape[0] == n:  # every row (when none idles, running rows are every row: the same map)
             return rows
-        physical = torch.arange(n, device=rows.device)  # [P * R]
+        physical = torch.arange(n, device=rows.device)  # [L * R]
         return physical.index_copy_(0, self.rows, self.rows.index_select(0, rows))
 
     def layout(self, encoder_decoder: bool) -> StaticLayout:

@@ -39,15 +39,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqgen_cli.models.attention import Block
+from seqgen_cli.models.attention import Block, key_dtype
 from seqgen_cli.models.kv_store import KV, FixedKV, padding_bias, select_into
 from seqgen_cli.models.lane_table import LaneTable
 
 
-def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int) -> int:
+def kv_bytes(
+    layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int, keys: torch.dtype | None = None
+) -> int:
     """Bytes of the keys and values of ``positions`` positions (summed over rows) in ``layers`` layers of
-    ``kv_heads`` K/V heads (grouped-query attention: the K/V heads, not the query heads)."""
-    return 2 * layers * kv_heads * head_dim * dtype.itemsize * positions
+    ``kv_heads`` K/V heads (grouped-query attention: the K/V heads, not the query heads); values in ``dtype``, keys
+    in ``keys`` (default ``dtype``; :func:`~seqgen_cli.models.attention.key_dtype`)."""
+    return layers * kv_heads * head_dim * ((keys or dtype).itemsize + dtype.itemsize) * positions
 
 
 class KVCache(LaneTable):
@@ -167,7 +170,8 @@ class EncoderDecoderKVCache(KVCache):
         # Unread positions need no zeros off the static path: empty pages are only touched as positions are written.
         # Allocated first: past any memory they fail at once, before the table's zeros are written.
         shape = (b, h, max_len, rows_per_input, d)  # [B, H, T, R, d]: keys and values alike
-        generated = KV.empty(len(keys), shape, shape, 2, 2, values[0].dtype, values[0].device)
+        dtype, device = values[0].dtype, values[0].device
+        generated = KV.empty(len(keys), shape, shape, 2, 2, dtype, device, key_dtype(dtype, device))
         window = window if window is not None and max_len > window else None
         super().__init__(FixedKV(keys, values, mask), generated, rows_per_input, max_len, window, lanes)
         self.heads, self.head_dim = h, d
@@ -238,6 +242,7 @@ class EncoderDecoderKVCache(KVCache):
         (:meth:`layer_bias`)."""
         keys, values = self.generated.keys[layer], self.generated.values[layer]  # [B, H, T, R, d]
         b, h, r, d, span = keys.shape[0], self.heads, self.r, self.head_dim, self.span
+        k = k.to(keys.dtype)  # float32 keys where the CPU scores half precision (a no-op elsewhere)
         self.write(keys, 2, k.view(b, r, h, d).transpose(1, 2), self.where_k)  # [N, H, d] -> [B, H, R, d]
         self.write(values, 2, v.view(b, r, h, d).transpose(1, 2), self.where_v)  # [N, H, d] -> [B, H, R, d]
         keys_t = keys[:, :, :span].view(b, h, span * r, d).transpose(-1, -2)  # contiguous per (b, h): no copy
@@ -276,16 +281,19 @@ class DecoderOnlyKVCache(KVCache):
         window: int | None = None,
         lanes: bool = False,
     ) -> None:
-        """Take the prefill's K/V ([B, Hkv, P, d] per layer) and mask [B, P]; allocate ``max_len`` positions.
+        """Take the prefill's K/V ([B, Hkv, W, d] per layer) and mask [B, W]; allocate ``max_len`` positions.
         ``window``: the sliding window of the layers that slide (a query sees the keys less than ``window``
         positions before it; ``update(..., sliding=True)``). ``lanes``: ``B`` lanes at their own steps."""
         b, hkv, _, d = keys[0].shape
         r, max_len = rows_per_input, max(max_len, 1)
-        keys_t = [k.transpose(-1, -2).contiguous() for k in keys]  # [B, Hkv, d, P]: the prefill's copy freed
+        dtype, device = keys[0].dtype, keys[0].device
+        keys_dtype = key_dtype(dtype, device)  # float32 where the CPU scores half precision
+        # [B, Hkv, W, d] -> [B, Hkv, d, W]: one copy (the prefill's freed), in the keys' dtype
+        keys_t = [k.transpose(-1, -2).contiguous().to(keys_dtype) for k in keys]
         # unread positions need no zeros off the static path; allocated first, as the encoder-decoder cache's
         shapes = (b, hkv, d, max_len, r), (b, hkv, max_len, r, d)  # [B, Hkv, d, T, R], [B, Hkv, T, R, d]
-        generated = KV.empty(len(keys), *shapes, 3, 2, keys[0].dtype, keys[0].device)
-        fixed = FixedKV(keys_t, values, padding_bias(mask, mask.shape[1]))  # bias [B, 1, 1, P]
+        generated = KV.empty(len(keys), *shapes, 3, 2, dtype, device, keys_dtype)
+        fixed = FixedKV(keys_t, values, padding_bias(mask, mask.shape[1]))  # bias [B, 1, 1, W]
         super().__init__(fixed, generated, r, max_len, window, lanes)
         self.sliding_fixed_bias: Tensor | None = None  # the sliding layers' prompt bias (``window``)
         self.widths = torch.zeros(b, dtype=torch.long, device=keys[0].device) if lanes else None  # lanes: [L]
@@ -317,7 +325,7 @@ class DecoderOnlyKVCache(KVCache):
         self, keys: list[Tensor], values: list[Tensor], mask: Tensor
     ) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """A prefill's K/V [B, Hkv, w, d] per layer and mask [B, w] (``w <= W``) as the fixed region holds them."""
-        keys_t = [k.transpose(-1, -2) for k in keys]  # [B, Hkv, d, w]
+        keys_t = [k.transpose(-1, -2).to(self.fixed.keys[0].dtype) for k in keys]  # [B, Hkv, d, w]
         return keys_t, values, padding_bias(mask, self.width)
 
     def put_fixed(self, lanes: Tensor, keys: list[Tensor], values: list[Tensor], mask: Tensor) -> None:
@@ -338,9 +346,9 @@ class DecoderOnlyKVCache(KVCache):
             self.generated_bias = zeros.masked_fill_(~seen, float("-inf"))
         if self.window is not None:  # the sliding layers': columns and keys ``window`` or more back masked
             width = self.width if self.widths is None else self.widths  # a batch's, or each lane's own [L]
-            near = self.near_columns(self.window, width, self.width)[:, None, None, :]  # [1|L, 1, 1, P]
-            fixed = self.fixed.bias.masked_fill(~near, float("-inf"))  # [B|L, 1, 1, P]
-            self.sliding_fixed_bias = fixed[:, :, :, None]  # [B|L, 1, 1, 1, P]
+            near = self.near_columns(self.window, width, self.width)[:, None, None, :]  # [1|L, 1, 1, W]
+            fixed = self.fixed.bias.masked_fill(~near, float("-inf"))  # [B|L, 1, 1, W]
+            self.sliding_fixed_bias = fixed[:, :, :, None]  # [B|L, 1, 1, 1, W]
             near = self.near_keys(self.window)[:, None, None, None]  # [1|L, 1, 1, 1, span*R]
             generated = torch.zeros(near.shape, device=near.device).masked_fill_(~near, float("-inf"))
             self.sliding_bias = generated if self.generated_bias is None else generated + self.generated_bias
@@ -348,17 +356,18 @@ class DecoderOnlyKVCache(KVCache):
 
     def update(self, layer: int, k: Tensor, v: Tensor, sliding: bool = False) -> list[Block]:
         """Store this step's ``k``/``v`` ([N, Hkv, d], after any RoPE) of ``layer``; returns what a query attends, in
-        score order (the class's docstring): the prompt's keys [B, Hkv, d, P], values [B, Hkv, P, d] and bias, and
+        score order (the class's docstring): the prompt's keys [B, Hkv, d, W], values [B, Hkv, W, d] and bias, and
         the first ``span`` generated positions' [B, Hkv, d, span*R], [B, Hkv, span*R, d] (views) and bias;
         ``sliding``: the biases of the sliding window."""
         b, r, hkv, d, span = self.fixed.bias.shape[0], self.r, k.shape[1], k.shape[2], self.span
         # keys [B, Hkv, d, T, R], values [B, Hkv, T, R, d]; this step's k/v [N, Hkv, d]
         keys, values = self.generated.keys[layer], self.generated.values[layer]
+        k = k.to(keys.dtype)  # float32 keys where the CPU scores half precision (a no-op elsewhere)
         self.write(keys, 3, k.view(b, r, hkv, d).permute(0, 2, 3, 1), self.where_k)  # [B, Hkv, d, R]
         self.write(values, 2, v.view(b, r, hkv, d).transpose(1, 2), self.where_v)  # [B, Hkv, R, d]
         keys_t = keys[:, :, :, :span].view(b, hkv, d, span * r)  # position-major: index s*R + beam
         values = values[:, :, :span].view(b, hkv, span * r, d)
-        fixed_bias, generated_bias = self.fixed.bias[:, :, :, None], self.generated_bias  # [B, 1, 1, 1, P]
+        fixed_bias, generated_bias = self.fixed.bias[:, :, :, None], self.generated_bias  # [B, 1, 1, 1, W]
         if sliding and self.sliding_bias is not None:
             fixed_bias, generated_bias = self.sliding_fixed_bias, self.sliding_bias
         fixed = (self.fixed.keys[layer], self.fixed.values[layer], fixed_bias)

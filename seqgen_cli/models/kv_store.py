@@ -57,9 +57,11 @@ class KV:
         value_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        key_dtype: torch.dtype | None = None,
     ) -> KV:
-        """Unset tensors (positions are written before they are read; a static cache zeros them)."""
-        keys = [torch.empty(key_shape, dtype=dtype, device=device) for _ in range(layers)]
+        """Unset tensors (positions are written before they are read; a static cache zeros them); keys in
+        ``key_dtype`` (default ``dtype``)."""
+        keys = [torch.empty(key_shape, dtype=key_dtype or dtype, device=device) for _ in range(layers)]
         values = [torch.empty(value_shape, dtype=dtype, device=device) for _ in range(layers)]
         return cls(keys, values, key_dim, value_dim)
 

@@ -13,7 +13,7 @@ Spans. A batch's eager step attends the ``t + 1`` positions written so far (``sp
 lanes) reads the step it writes from device tensors and attends a span bucket (``shapes.span_bucket``), so no host
 integer that changes per step reaches the tensor work. :func:`run_step` is the host's side of every fast step.
 
-Queries (``now``, ``span_at``, ``visible``, ``visible_keys``, ``near``, ``near_keys``, ``near_columns``,
+Queries (``span_t``, ``span_at``, ``visible``, ``visible_keys``, ``near``, ``near_keys``, ``near_columns``,
 ``lane_rows``, ``at_steps``, ``lane_count``) change nothing; updates are named: ``check``, ``claim``, ``advance``,
 ``join``, ``leave``, ``reorder``, ``reset``, ``make_static``, ``write``. Nothing here syncs with the device.
 """
@@ -73,11 +73,11 @@ class LaneTable:
     reads for its position ids. ``ptr[n, s]``: the beam (``0..R-1``, same lane) whose position ``s`` is in row
     ``n``'s history. Lanes at their own steps: a stale position (a previous input's) is masked; an idle lane (no
     input) keeps stepping, its counter stops at ``T - 1`` and it always sees position 0, so its rows stay finite
-    and its writes stay in its own rows. Their span is a bucket of the furthest live lane's step (``ages``, host),
+    and its writes stay in its own rows. Their span is a bucket of the furthest live lane's step (``lane_t``, host),
     at least ``MIN_SPAN`` positions, so an input's sums run over the same span beside any neighbours wherever its
     own steps fit in ``MIN_SPAN`` (a sum over more masked positions can round differently)."""
 
-    static: bool  # attend the t+1 positions written so far; a span bucket after make_static() (capture)
+    static: bool  # attend the t+1 positions written; a span bucket after make_static() (capture, lanes)
     max_len: int
     span: int  # positions this step attends (host int; a span bucket if static)
     r: int
@@ -85,7 +85,7 @@ class LaneTable:
     steps: Tensor  # [1] or [L] int64: the position each lane writes
     position: Tensor  # [1] or [N] int64: the position each row writes
     own_steps: bool  # a step counter per lane (the refill engine's lanes), else one for all (a batch)
-    ages: list[int | None]  # lanes at their own steps: each one's step (host; None: idle); a batch: none
+    lane_t: list[int | None]  # lanes at their own steps: each one's t (host; None: idle); a batch: none
 
     def __init__(
         self, lanes: int, rows_per_input: int, max_len: int, device: torch.device, own_steps: bool
@@ -101,7 +101,7 @@ class LaneTable:
             torch.zeros(lanes * rows_per_input, dtype=torch.long, device=device) if own_steps else self.steps
         )
         self.own_steps = own_steps
-        self.ages: list[int | None] = [None] * lanes if own_steps else []
+        self.lane_t: list[int | None] = [None] * lanes if own_steps else []
 
     @property
     def lane_count(self) -> int:
@@ -129,22 +129,22 @@ class LaneTable:
         self.steps.zero_()
         self.span = self.max_len
 
-    def now(self, t: int) -> int:
-        """The step that sizes step ``t``'s span: ``t`` itself for a batch; the furthest live lane's for lanes at
-        their own steps (``t``, the steps run, is not it)."""
+    def span_t(self, t: int) -> int:
+        """The step that sizes step ``t``'s span: ``t`` itself for a batch; the furthest live lane's ``lane_t`` for
+        lanes at their own steps (``t``, the steps run, is not it)."""
         if not self.own_steps:
             return t
-        return max((a for a in self.ages if a is not None), default=0)
+        return max((a for a in self.lane_t if a is not None), default=0)
 
     def span_at(self, t: int) -> int:
         """The positions step ``t`` attends (what :meth:`check` sets): ``t + 1``, or its span bucket when static."""
-        now = self.now(t)
-        return span_bucket(now, self.max_len) if self.static else now + 1
+        at = self.span_t(t)
+        return span_bucket(at, self.max_len) if self.static else at + 1
 
     def check(self, t: int) -> None:
         """Host: step ``t`` is about to run (``ValueError`` past the allocated positions; lanes stay below ``T``: the
         engine stops an input at its last step); sets ``span``."""
-        check_position(self.now(t), self.max_len)
+        check_position(self.span_t(t), self.max_len)
         self.span = self.span_at(t)
 
     def advance(self) -> None:
@@ -154,7 +154,7 @@ class LaneTable:
         if self.own_steps:
             self.steps.clamp_(max=self.max_len - 1)
             self._row_steps()
-            self.ages = [None if a is None else min(a + 1, self.max_len - 1) for a in self.ages]
+            self.lane_t = [None if a is None else min(a + 1, self.max_len - 1) for a in self.lane_t]
 
     def join(self, lanes: list[int]) -> None:
         """Inputs join lanes ``lanes`` (lanes at their own steps): their counters restart at step 0 (stale keys are
@@ -163,13 +163,13 @@ class LaneTable:
         self.steps.index_fill_(0, torch.tensor(lanes, dtype=torch.long, device=self.steps.device), 0)
         self._row_steps()
         for lane in lanes:
-            self.ages[lane] = 0
+            self.lane_t[lane] = 0
 
     def leave(self, lanes: list[int]) -> None:
         """The inputs of ``lanes`` are done: they idle (their steps no longer size the span)."""
         assert self.own_steps
         for lane in lanes:
-            self.ages[lane] = None
+            self.lane_t[lane] = None
 
     def _row_steps(self) -> None:
         lanes, r = self.steps.shape[0], self.r
@@ -213,8 +213,8 @@ class LaneTable:
         left-padded in its first ``width`` (an int, or each lane's own [L]) and the generated positions after it, as
         transformers' masks count them (two real tokens are as far apart at any padding): bool [1|L, columns]."""
         width = width[:, None] if isinstance(width, Tensor) else width  # [L, 1] or an int
-        cols = torch.arange(columns, device=self.steps.device)  # [P]
-        return cols > width + self.steps[:, None] - window  # [1|L, P]
+        cols = torch.arange(columns, device=self.steps.device)  # [columns]
+        return cols > width + self.steps[:, None] - window  # [1|L, columns]
 
     def near_keys(self, window: int) -> Tensor:
         """:meth:`near` as the ``span * R`` keys a query row scores: bool [1|L, span*R]."""

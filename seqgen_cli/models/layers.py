@@ -173,7 +173,7 @@ class MergedLayer(Seq2SeqLayer):
         return keys if self.k_norm is None else self.k_norm(keys)
 
 
-Positions = Literal[
+PositionKind = Literal[
     "table", "padded table", "computed", "relative", "relative per layer", "rotary", "rotary per layer type"
 ]
 
@@ -182,7 +182,7 @@ class PositionTable(Protocol):
     """A decoder's absolute position embeddings, as its family makes them (``families/bart.py``)."""
 
     def __call__(self, rows: int) -> Tensor:
-        """The table, ``rows`` rows at least (a table the module grows on demand grown first): [P, D]."""
+        """The table, ``rows`` rows at least (a table the module grows on demand grown first): [n, D], ``n >= rows``."""
         ...
 
 
@@ -230,7 +230,7 @@ class Seq2Seq:
 
     reader: Callable[[nn.Module, bool], Seq2SeqLayer]
     pre_norm: bool
-    positions: Positions
+    position_kind: PositionKind  # how its tokens get position ids
     facts: Callable[[Any], DecoderFacts]  # the model -> its decoder's facts
     clamp_fp16: bool = False  # T5's overflow guard after each sub-layer in float16
     scale_scores: bool = False  # the attention scale multiplies q.k, not q (transformers' eager attention)
@@ -316,7 +316,7 @@ class Causal:
     """How a decoder-only family's decoder differs from the others (each family file's table)."""
 
     reader: Callable[[nn.Module, bool], CausalLayer]
-    positions: Literal["learned", "rotary", "rotary per layer type"]
+    position_kind: Literal["learned", "rotary", "rotary per layer type"]  # how its tokens get position ids
     facts: Callable[[Any], CausalFacts]  # the model -> its decoder's facts
     table: str | None = None  # the config field sizing the fixed position table (past it: IndexError)
     refuse: Callable[[Any], str | None] | None = None  # config -> why a variant is not this family's decoder

@@ -63,7 +63,7 @@ def hf_generate(
     if stops and beams is not None:
         rows = [row[:n] for row, n in zip(rows, (beams >= 0).sum(dim=1).tolist(), strict=True)]
     seqs = [rows[i * n : (i + 1) * n] for i in range(b)]
-    logprobs = None if best is None else raw_logprobs(out, rows, start, best, b)
+    logprobs = None if best is None else raw_logprobs(out, rows, best, b)
     if not scores or not out.scores:
         return SearchOutput(seqs, logprobs=logprobs)
     # [B * n, T]: each generated token's processed log-prob (greedy, sampling: the scores log-softmaxed)
@@ -82,19 +82,20 @@ def hf_generate(
     )
 
 
-def raw_logprobs(
-    out: Any, rows: list[list[int]], start: int, best: int, b: int
-) -> list[list[list[TokenLogprobs]]]:
+def raw_logprobs(out: Any, rows: list[list[int]], best: int, b: int) -> list[list[list[TokenLogprobs]]]:
     """``--logprobs``: each generated token's raw log-prob (``output_logits``' log-softmax) and the step's ``best``
-    (id, log-prob), per input (``b``) and row (greedy search, sampling: row ``i`` of each step's logits)."""
+    (id, log-prob), per input (``b``) and output: at each step, the logits' row the output's token came from (greedy
+    search, sampling: row ``i``; beam search: its ``beam_indices``)."""
+    beams = getattr(out, "beam_indices", None)
     per_row: list[list[TokenLogprobs]] = [[] for _ in rows]
     for t, logits in enumerate(out.logits):
         step = logits.float().log_softmax(dim=-1)  # [N, V]
         values, ids = torch.topk(step, best, dim=-1) if best else (None, None)
         for i, row in enumerate(rows):
             if t < len(row):
-                top = [] if ids is None else list(zip(ids[i].tolist(), values[i].tolist(), strict=True))
-                per_row[i].append((float(step[i, row[t]]), top))
+                r = i if beams is None else int(beams[i, t])
+                top = [] if ids is None else list(zip(ids[r].tolist(), values[r].tolist(), strict=True))
+                per_row[i].append((float(step[r, row[t]]), top))
     n = len(rows) // b
     return [per_row[i * n : (i + 1) * n] for i in range(b)]
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqgen_cli.models.attention import HALF
+from seqgen_cli.models.attention import key_dtype
 from seqgen_cli.models.layers import Seq2SeqLayer
 from seqgen_cli.models.linear_maps import quantize_linears
 from seqgen_cli.search.protocol import Batch
@@ -47,8 +47,7 @@ class SourceEncoder:
     ) -> None:
         self.encoder, self.layers, self.kv_heads, self.head_dim = encoder, layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        cpu_half = device.type == "cpu" and dtype in HALF  # the CPU's half: float32 keys (module docstring)
-        self.key_dtype = torch.float32 if cpu_half else dtype
+        self.key_dtype = key_dtype(dtype, device)  # the CPU's half: float32 keys (module docstring)
         if int8:
             quantize_linears(self.encoder)
 

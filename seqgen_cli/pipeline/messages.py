@@ -54,14 +54,14 @@ def closing_lines(
 def no_refill(gen: Generator) -> str:
     """Why ``--refill`` does not run for ``gen`` (it asked for it, ``gen.refill`` is false): the note above the
     run, as for ``--backend auto``'s fallback."""
-    from seqgen_cli.models import engine_name
+    from seqgen_cli.models import backend_name
 
     if gen.backend != "fast":
         why = "transformers generate() runs this model"
     elif gen.loaded.int8:
         why = "--dtype int8 runs without lanes"
     else:
-        why = f"the {engine_name(gen._engine())} backend has no lanes"
+        why = f"the {backend_name(gen.model_backend())} backend has no lanes"
     return f"seqgen: note: --refill does not run here: {why}; batches run as with --no-refill (the same outputs)"
 
 

@@ -26,6 +26,7 @@ from seqgen_cli.pipeline.formats import (
     read_index,
 )
 from seqgen_cli.pipeline.records import Record
+from seqgen_cli.rules import GENERATION_KEYS
 
 if TYPE_CHECKING:  # not at run time: it loads torch, and `seqgen merge` (which checks settings here) need not
     from seqgen_cli.generator import Generator
@@ -167,15 +168,9 @@ OUTPUT_NEUTRAL = frozenset(
     }
 )
 
-
-def __getattr__(name: str) -> Any:
-    """``FINGERPRINTED``, built when asked for: the generation keys come from seqgen_cli.config, which loads
-    transformers (``seqgen merge`` imports this module and need not)."""
-    if name == "FINGERPRINTED":
-        from seqgen_cli.rules import GENERATION_KEYS
-
-        return {**_FINGERPRINTED_OPTIONS, **dict.fromkeys(GENERATION_KEYS, "generation")}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The generation keys come from rules.py, which loads neither torch nor transformers (``seqgen merge`` imports this
+# module too).
+FINGERPRINTED = {**_FINGERPRINTED_OPTIONS, **dict.fromkeys(GENERATION_KEYS, "generation")}
 
 
 class RecordOptions(Protocol):

@@ -93,12 +93,13 @@ class Summary:
             setattr(self, key, getattr(self, key) + d.get(key, 0.0))
 
     def ran(self) -> str:
-        """The backend and the engine that ran, for the closing line: ``fast (bart decoder)``, ``generic (why)``
-        (seqgen's engine could not run the model: ``fast`` would mislead), ``hf`` (its step says ``generate()``)."""
-        engine = self.device.get("engine")
-        if not engine or engine == "generate()":
+        """``--backend`` and the decoder that ran (``--stats`` ``device.engine``), for the closing line: ``fast (bart
+        decoder)``, ``generic (why)`` (no fast decoder runs the model: ``fast`` would mislead), ``hf`` (its step says
+        ``generate()``)."""
+        decoder = self.device.get("engine")
+        if not decoder or decoder == "generate()":
             return self.backend
-        return engine if engine.startswith("generic") else f"{self.backend} ({engine})"
+        return decoder if decoder.startswith("generic") else f"{self.backend} ({decoder})"
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

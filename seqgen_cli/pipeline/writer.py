@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from seqgen_cli.batching import InOrder, Item, Result, Scored
-from seqgen_cli.outputs import Decode, OutputText
+from seqgen_cli.outputs import Detokenise, OutputText
 from seqgen_cli.pipeline.formats import InputDigest, input_key
 from seqgen_cli.pipeline.queues import put_unless
 from seqgen_cli.pipeline.records import SCORE_FIELDS, Record
@@ -68,13 +68,13 @@ def format_output(
         return json.dumps(obj, ensure_ascii=False, allow_nan=False) + "\n"
     lines = [" ".join(o.splitlines()) for o in outputs]
     if scored:
-        heads = ["\t\t" if sc is None else f"{sc.score!r}\t{sc.log_prob!r}\t" for sc in numbers]
-        lines = [head + line for head, line in zip(heads, lines, strict=True)]
+        leads = ["\t\t" if sc is None else f"{sc.score!r}\t{sc.log_prob!r}\t" for sc in numbers]
+        lines = [lead + line for lead, line in zip(leads, lines, strict=True)]
     return "".join(line + "\n" for line in lines)
 
 
 def logprob_entries(
-    sequence: Sequence[int], scored: Scored | None, text: Decode
+    sequence: Sequence[int], scored: Scored | None, text: Detokenise
 ) -> list[dict[str, Any]] | None:
     """``--logprobs``' JSONL value for one output: per token its ``id``, ``token`` (its text alone), ``logprob``
     (raw) and ``top``, the step's best as the same fields; ``None`` for an input with none."""
@@ -120,7 +120,7 @@ class OrderedWriter:
         self._complete = complete  # an output's test against its input's grammar (None: it has none)
         self.incomplete = 0  # outputs generated here that ended before their grammar completed
         self._scores = scores  # --scores: each output's Scored in its line
-        self._texts = texts  # the outputs' texts as written (texts.decode: a token's own text, --logprobs)
+        self._texts = texts  # the outputs' texts as written (texts.detokenise: a token's own text, --logprobs)
         self._format = output_format
         self._field = output_field
         self._n = num_sequences
@@ -172,8 +172,8 @@ class OrderedWriter:
         if r.sequences is None:
             return [None] * self._n
         scores = r.scores or [None] * len(r.sequences)
-        decode = self._texts.decode
-        return [logprob_entries(seq, sc, decode) for seq, sc in zip(r.sequences, scores, strict=True)]
+        detokenise = self._texts.detokenise
+        return [logprob_entries(seq, sc, detokenise) for seq, sc in zip(r.sequences, scores, strict=True)]
 
     def _loop(self) -> None:
         try:

@@ -57,8 +57,8 @@ def unsupported_reason(config: GenerationConfig) -> str | None:
 def choose_backend(
     requested: str, config: GenerationConfig, refused: str | None = None
 ) -> tuple[str, str | None]:
-    """``--backend``: ``fast`` (this engine) where it runs ``config`` and the model (``refused``: why no engine of
-    seqgen's runs it, ``models.engine_refusal``), else ``hf`` (``generate()``); and, when ``auto`` falls back to
+    """``--backend``: ``fast`` (this engine) where it runs ``config`` and the model (``refused``: why no backend of
+    seqgen's runs it, ``models.backend_refusal``), else ``hf`` (``generate()``); and, when ``auto`` falls back to
     ``hf``, why (``None`` otherwise)."""
     if requested == "hf":
         return "hf", None

@@ -31,6 +31,7 @@ from seqgen_cli.search.beam_step import (
     get_running_beams_for_next_iteration,
     get_top_k_continuations,
     merge_finished,
+    pick,
     scored_at_most_tokens,
     select_finished,
 )
@@ -134,13 +135,13 @@ def _update_finished_beams(
     did_top_num_beams_just_finish: torch.Tensor,
     t: int,
     settings: SearchSettings,
-    token_scores: tuple[torch.Tensor, torch.Tensor] | None = None,
+    records: tuple[TokenRecords, TokenRecords] | None = None,
 ) -> None:
     """Merge the candidates that just ended into the finished set: the best K of [old K | C candidates].
 
     ``generated`` ([N, t]): the running rows' generated tokens before step ``t``; ``did_top_num_beams_just_finish``
-    ([B, C] bool): the candidate ended and is among the top K; ``token_scores``: the running rows' tokens' log-probs
-    [N, T] and the candidates' new token's [B, C] (where the finished ones keep theirs).
+    ([B, C] bool): the candidate ended and is among the top K; ``records``: the running rows' per-token records
+    [N, T, ...] and the candidates' new token's [B, C, ...] (where the finished ones keep theirs).
     """
     scores = candidate_scores(
         topk_log_probs,
@@ -153,7 +154,7 @@ def _update_finished_beams(
     chosen, beams.beam_scores, beams.is_finished = merge_finished(
         beams.beam_scores, beams.is_finished, scores, did_top_num_beams_just_finish
     )
-    _gather_finished_sequences(beams, chosen, generated, topk_beams, topk_tokens, t, token_scores)
+    _gather_finished_sequences(beams, chosen, generated, topk_beams, topk_tokens, t, records)
 
 
 def _gather_finished_sequences(
@@ -163,10 +164,10 @@ def _gather_finished_sequences(
     topk_beams: torch.Tensor,
     topk_tokens: torch.Tensor,
     t: int,
-    token_scores: tuple[torch.Tensor, torch.Tensor] | None = None,
+    records: tuple[TokenRecords, TokenRecords] | None = None,
 ) -> None:
     """The finished places' tokens after the merge: old places keep theirs, candidate places copy their beam's
-    generated tokens plus the new token (and, with ``token_scores``, their log-probs). ``chosen``: [B, K] into
+    generated tokens plus the new token (and, with ``records``, their records). ``chosen``: [B, K] into
     [old K | C candidates]."""
     bsz, k, total = beams.fin_tokens.shape
     cand, cand_rows = candidate_rows(chosen, topk_beams)  # [B, K], [B * K]
@@ -177,13 +178,14 @@ def _gather_finished_sequences(
     beams.fin_tokens, beams.fin_lengths = select_finished(
         beams.fin_tokens, old, chosen, cand_tokens.view(bsz, k, total), t + 1
     )
-    if token_scores is not None and beams.fin_token_scores is not None:
-        running, new = token_scores  # [N, T], [B, C]
-        cand_scores = running.index_select(0, cand_rows)  # [B*K, T]: the beam's tokens so far
-        cand_scores[:, t] = torch.gather(new, 1, cand).reshape(-1)
-        beams.fin_token_scores = select_finished(
-            beams.fin_token_scores, old, chosen, cand_scores.view(bsz, k, total), t + 1
-        )[0]
+    if records is not None:
+        running, new = records  # name -> [N, T, ...], name -> [B, C, ...]
+        for name, x in running.items():
+            kept = x.index_select(0, cand_rows)  # [B*K, T, ...]: the beam's tokens' so far
+            kept[:, t] = pick(new[name], cand).reshape(bsz * k, *x.shape[2:])
+            beams.fin_records[name] = select_finished(
+                beams.fin_records[name], old, chosen, kept.view(bsz, k, *x.shape[1:]), t + 1
+            )[0]
 
 
 def best_length(settings: SearchSettings, new_tokens: int) -> int:
@@ -202,6 +204,30 @@ def _check_early_stop_heuristic(beams: BeamState, cur_len: int, settings: Search
     return early_stop_heuristic(
         beams.running_scores, beams.is_finished, beams.beam_scores, beams.heuristic_unsatisfied, divisor
     )
+
+
+# What a beam search keeps of each token, per running row [N, T, ...] (and per finished hypothesis, BeamState):
+# "scores" (--scores: its processed log-prob), "raw" (--logprobs: its raw log-prob), "best" and "best_ids" (--logprobs
+# N: the step's N best raw log-probs and their ids)
+TokenRecords = dict[str, torch.Tensor]
+
+
+def _records(settings: SearchSettings, rows: int, device: torch.device) -> TokenRecords:
+    """The records ``settings`` ask for, zeros: [N, T] or [N, T, N best]."""
+    t, best = settings.max_new_tokens, settings.logprobs
+    records = {"scores": torch.zeros(rows, t, device=device)} if settings.scores else {}
+    if best is not None:
+        records["raw"] = torch.zeros(rows, t, device=device)
+    if best:
+        records["best"] = torch.zeros(rows, t, best, device=device)
+        records["best_ids"] = torch.zeros(rows, t, best, dtype=torch.long, device=device)
+    return records
+
+
+def _at(step: TokenRecords, beams: torch.Tensor, tokens: torch.Tensor, vocab: int) -> TokenRecords:
+    """Each record's value for the continuations ``beams``/``tokens`` [B, X]: of a vocabulary-wide one
+    ([B, K * V]) at the token, of a beam-wide one ([B, K, ...]) at the beam: [B, X, ...]."""
+    return {n: x.gather(1, beams * vocab + tokens) if x.dim() == 2 else pick(x, beams) for n, x in step.items()}
 
 
 def _beam_rows(next_beams: torch.Tensor) -> torch.Tensor:
@@ -229,12 +255,11 @@ class BeamSearch:
     ) -> None:
         self.rows, self.s, self.consts, self.topk, self.stop = rows, settings, consts, topk, stop
         device = consts.top_num_beam_mask.device
+        # each running row's tokens' records (--scores, --logprobs), reordered with the beams
+        self.records = _records(settings, len(rows.inputs) * settings.num_beams, device)
         self.beams = BeamState.start(
-            len(rows.inputs), settings.num_beams, settings.max_new_tokens, device, token_scores=settings.scores
+            len(rows.inputs), settings.num_beams, settings.max_new_tokens, device, self.records
         )
-        n, t_max = len(rows.inputs) * settings.num_beams, settings.max_new_tokens
-        # [N, T] float32: each running row's tokens' processed log-probs (``settings.scores``)
-        self.token_scores = torch.zeros(n, t_max, device=device) if settings.scores else None
         self.t = 0  # steps done (host int)
 
     def advance(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -243,7 +268,8 @@ class BeamSearch:
         s, k, c, beams, rows, t = self.s, self.s.num_beams, self.consts, self.beams, self.rows, self.t
         cur_len = s.prompt_len + t
         last_step = cur_len + 1 >= s.max_length
-        keep = self.token_scores is not None
+        raw = logits.float().log_softmax(dim=-1) if "raw" in self.records else None  # [N, V], before processors
+        keep = "scores" in self.records
         log_probs, processed = _accumulated_log_probs(rows, logits, beams.running_scores, keep)  # [B, K * V]
         topk_log_probs, topk_beams, topk_tokens = get_top_k_continuations(
             log_probs, c.beams_to_keep, k, self.topk
@@ -256,19 +282,33 @@ class BeamSearch:
         )
         did_finish = hits & c.top_num_beam_mask[None, :]  # only the top K candidates may finish
         generated, vocab = rows.history.generated, log_probs.shape[1] // k
-        own = None  # the candidates' new tokens' own log-probs [B, C], and the running rows' so far
-        if processed is not None and self.token_scores is not None:
-            own = self.token_scores, processed.gather(1, topk_beams * vocab + topk_tokens)
+        step = self._step_records(processed, raw, log_probs.shape[0], k)
+        own = (self.records, _at(step, topk_beams, topk_tokens, vocab)) if step else None  # the candidates'
         _update_finished_beams(beams, generated, topk_log_probs, topk_beams, topk_tokens, did_finish, t, s, own)
         self.t += 1
         if last_step:
             return None
         beams.heuristic_unsatisfied = _check_early_stop_heuristic(beams, cur_len + 1, s)
         beam_rows = _beam_rows(next_beams)  # [N]
-        if processed is not None and self.token_scores is not None:  # the rows that run on, as the history moves
-            self.token_scores = self.token_scores.index_select(0, beam_rows)
-            self.token_scores[:, t] = processed.gather(1, next_beams * vocab + next_tokens).reshape(-1)
+        running = _at(step, next_beams, next_tokens, vocab)  # the rows that run on, as the history moves
+        for name, x in self.records.items():
+            x = x.index_select(0, beam_rows)  # [N, T, ...]
+            x[:, t] = running[name].reshape(x.shape[0], *x.shape[2:])
+            self.records[name] = x
         return _continue_running_beams(rows, beam_rows, next_tokens)  # [N]
+
+    def _step_records(
+        self, processed: torch.Tensor | None, raw: torch.Tensor | None, bsz: int, k: int
+    ) -> TokenRecords:
+        """This step's values of the records kept: the processed log-probs [B, K * V], the raw ones [B, K * V]
+        and each row's best [B, K, N best] (values and ids)."""
+        step = {"scores": processed} if processed is not None else {}
+        if raw is not None:
+            step["raw"] = raw.view(bsz, -1)  # [N, V] -> [B, K * V]
+            if "best" in self.records:
+                values, ids = torch.topk(raw, self.records["best"].shape[2], dim=-1)  # [N, N best]
+                step["best"], step["best_ids"] = values.view(bsz, k, -1), ids.view(bsz, k, -1)
+        return step
 
     def done(self) -> torch.Tensor:
         """[B] bool: inputs whose results can no longer change."""
@@ -281,8 +321,7 @@ class BeamSearch:
     def keep(self, leaving: Leaving) -> None:
         """Done inputs leave (``Rows.check``'s split)."""
         self.beams.keep(leaving.keep)
-        if self.token_scores is not None:
-            self.token_scores = self.token_scores[leaving.kept_rows]
+        self.records = {name: x[leaving.kept_rows] for name, x in self.records.items()}
         self.rows.keep(leaving)
 
 

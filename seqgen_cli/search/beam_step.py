@@ -11,8 +11,9 @@ as eager torch does it on each device) the caller passes the value; nothing here
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,14 +38,21 @@ class BeamState:
     heuristic_unsatisfied: Tensor  # [B, 1] bool: a running beam may still beat the worst finished one
     fin_tokens: Tensor  # [B, K, T] int64: generated tokens of the finished hypotheses
     fin_lengths: Tensor  # [B, K] int64: their lengths
-    fin_token_scores: Tensor | None = None  # [B, K, T] float32: their tokens' processed log-probs (where kept)
+    # what is kept of each finished token [B, K, T, ...] (beam.TokenRecords: processed and raw log-probs, the best)
+    fin_records: dict[str, Tensor] = field(default_factory=dict)
 
     @classmethod
     def start(
-        cls, num_inputs: int, num_beams: int, total: int, device: torch.device, token_scores: bool = False
+        cls,
+        num_inputs: int,
+        num_beams: int,
+        total: int,
+        device: torch.device,
+        records: Mapping[str, Tensor] | None = None,
     ) -> BeamState:
         """No finished hypothesis; only the first beam runs (the others score ``BIG``, so the first step's
-        candidates all continue beam 0). ``token_scores``: keep each finished token's log-prob too."""
+        candidates all continue beam 0). ``records``: the running rows' per-token records [N, T, ...], kept for
+        each finished token too."""
         shape = (num_inputs, num_beams)
         running_scores = torch.zeros(shape, dtype=torch.float, device=device)
         running_scores[:, 1:] = BIG
@@ -55,7 +63,7 @@ class BeamState:
             heuristic_unsatisfied=torch.ones((num_inputs, 1), dtype=torch.bool, device=device),
             fin_tokens=torch.zeros((*shape, total), dtype=torch.long, device=device),
             fin_lengths=torch.zeros(shape, dtype=torch.long, device=device),
-            fin_token_scores=torch.zeros((*shape, total), device=device) if token_scores else None,
+            fin_records={name: x.new_zeros((*shape, *x.shape[1:])) for name, x in (records or {}).items()},
         )
 
     def done(self, early_stopping: bool | str) -> Tensor:
@@ -74,8 +82,7 @@ class BeamState:
             self.heuristic_unsatisfied[keep],
         )
         self.fin_tokens, self.fin_lengths = self.fin_tokens[keep], self.fin_lengths[keep]
-        if self.fin_token_scores is not None:
-            self.fin_token_scores = self.fin_token_scores[keep]
+        self.fin_records = {name: x[keep] for name, x in self.fin_records.items()}
 
     def best(self, inputs: Tensor, n: int) -> SearchOutput:
         """The ``n`` best finished hypotheses of inputs ``inputs`` ([D] int64), their scores and (where kept) their
@@ -86,11 +93,27 @@ class BeamState:
         sequences = [
             [toks[i][: lens[i]] for i in range(n)] for toks, lens in zip(tokens, lengths, strict=True)
         ]
-        if self.fin_token_scores is None:
-            return SearchOutput(sequences, scores)
-        steps = self.fin_token_scores.index_select(0, inputs)[:, :n].tolist()
-        per_token = [[row[i][: lens[i]] for i in range(n)] for row, lens in zip(steps, lengths, strict=True)]
-        return SearchOutput(sequences, scores, per_token)
+        kept = {name: x.index_select(0, inputs)[:, :n].tolist() for name, x in self.fin_records.items()}
+
+        def cut(name: str) -> list[list[list[Any]]]:  # [D][n][T, ...] -> each hypothesis's own tokens
+            return [[row[i][: lens[i]] for i in range(n)] for row, lens in zip(kept[name], lengths, strict=True)]
+
+        per_token = cut("scores") if "scores" in kept else None
+        logprobs = None
+        if "raw" in kept:
+            raw = cut("raw")
+            ids, best = (cut("best_ids"), cut("best")) if "best" in kept else (None, None)
+            logprobs = [
+                [
+                    [
+                        (lp, [] if ids is None or best is None else list(zip(ids[d][i][j], best[d][i][j], strict=True)))
+                        for j, lp in enumerate(raw[d][i])
+                    ]
+                    for i in range(n)
+                ]
+                for d in range(len(raw))
+            ]
+        return SearchOutput(sequences, scores, per_token, logprobs)
 
 
 def get_top_k_continuations(
@@ -168,15 +191,18 @@ def select_finished(
 ) -> tuple[Tensor, Tensor]:
     """The finished places' tokens [B, K, T] and lengths [B, K] after the merge: old places keep theirs
     (``chosen`` [B, K] < K), candidate places take ``cand_tokens`` [B, K, T] and ``length`` (``t + 1``)."""
-    k, total = fin_tokens.shape[1], fin_tokens.shape[2]
+    k = fin_tokens.shape[1]
     from_candidate = chosen >= k  # [B, K]
     old = chosen.clamp(max=k - 1)
-    tokens = torch.where(
-        from_candidate[:, :, None],
-        cand_tokens,
-        torch.gather(fin_tokens, 1, old[:, :, None].expand(-1, -1, total)),
-    )
+    tail = (1,) * (fin_tokens.dim() - 2)  # [B, K, T, ...]: any trailing dimensions
+    tokens = torch.where(from_candidate.view(*from_candidate.shape, *tail), cand_tokens, pick(fin_tokens, old))
     return tokens, torch.where(from_candidate, length, torch.gather(fin_lengths, 1, old))
+
+
+def pick(x: Tensor, index: Tensor) -> Tensor:
+    """``x`` [B, C, ...] at ``index`` [B, X] along dim 1: [B, X, ...]."""
+    shape = (*index.shape, *(1,) * (x.dim() - 2))
+    return torch.gather(x, 1, index.view(shape).expand(*index.shape, *x.shape[2:]))
 
 
 def early_stop_heuristic(

@@ -55,6 +55,7 @@ def make_search(
         s.mode == "beam"
         and rows.pipeline.grammar is None  # the matchers live on the host: not in a compiled step
         and stop is None  # nor the stop strings' check
+        and s.logprobs is None  # nor --logprobs' records (kept by the dynamic search only)
         and isinstance(rows.backend, StaticBackend)
         and rows.backend.static_search(rows.state)
     ):

@@ -2,8 +2,9 @@
 engine's lanes (``search/refill.py``), eager or through the capture wrapper (``models/capture.py``).
 
 A backend state holds rows; cohorts of inputs (``search/cohort.py``: rows, a search, results) run on them in
-lockstep. A *round* feeds the next tokens of every row to the backend's one ``step``, hands each cohort the logits
-of its rows and takes its next tokens; every ``sync_every`` rounds the host check lets done inputs leave. Where a
+lockstep. A *step* feeds the next tokens of every row to the backend's one ``step``, hands each cohort the logits
+of its rows and takes its next tokens (``t`` counts them); every ``sync_every`` steps the host check lets done inputs
+leave. Where a
 cohort runs is its placement:
 
 - **the whole state** (a batch: one cohort, ``physical`` ``None``): the cohort's rows are the state's rows. Its
@@ -84,7 +85,7 @@ class Placed:
 
 class Lanes:
     """The state's rows as ``count`` fixed input lanes of ``r`` rows: which are free, which input holds each, the
-    next tokens of every row (``tokens`` [L * R]; idle lanes keep stale ones) and the rounds' statistics."""
+    next tokens of every row (``tokens`` [L * R]; idle lanes keep stale ones) and the steps' statistics."""
 
     def __init__(
         self, backend: Any, state: Any, count: int, r: int, device: torch.device, stats: RefillStats
@@ -113,7 +114,7 @@ class Lanes:
 
     def place(self, run: Placed, tokens: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor | None:
         """A cohort's next tokens ([N_c]) into the token buffer; its beam reordering (if any) into ``perm``, the
-        permutation of all rows this round (``None``: none yet)."""
+        permutation of all rows this step (``None``: none yet)."""
         physical, reorders = run.physical, run.reorders
         assert physical is not None and reorders is not None
         if reorders.rows is not None:
@@ -123,7 +124,7 @@ class Lanes:
         self.tokens.index_copy_(0, physical, tokens)
         return perm
 
-    def count_round(self, running: list[Placed]) -> None:
+    def count_step(self, running: list[Placed]) -> None:
         self.stats.steps += 1
         self.stats.row_steps += self.count * self.r
         self.stats.live_row_steps += sum(run.physical.shape[0] for run in running if run.physical is not None)
@@ -131,27 +132,27 @@ class Lanes:
 
 class Engine:
     """The one decode loop over ``backend``'s ``state`` (see the module docstring): ``lanes`` for the refill
-    engine, else a batch's one cohort on the whole state (:meth:`add` it after its first round)."""
+    engine, else a batch's one cohort on the whole state (:meth:`add` it after its first step)."""
 
     def __init__(
         self, backend: ModelBackend, state: Any, sync_every: int, lanes: Lanes | None = None
     ) -> None:
         self.backend, self.state, self.sync_every, self.lanes = backend, state, sync_every, lanes
         self.running: list[Placed] = []
-        self.rounds = 0  # rounds run (a batch's first, on its start logits, counts: its cohort has advanced)
-        self._checked = 0  # the round of the last host check
+        self.t = 0  # steps run (a batch's first, on its start logits, counts: its cohort has advanced)
+        self._checked = 0  # the step of the last host check
 
-    def add(self, run: Placed, rounds: int = 0) -> None:
-        """A cohort starts running (``rounds``: a batch's first round, already taken on its start logits)."""
+    def add(self, run: Placed, t: int = 0) -> None:
+        """A cohort starts running (``t``: 1 for a batch's first step, already taken on its start logits)."""
         self.running.append(run)
-        self.rounds = max(self.rounds, rounds)
+        self.t = max(self.t, t)
 
     def run(self, join: Callable[[], bool] | None = None) -> None:
-        """Rounds and checks until no cohort runs. ``join`` (lanes): fills free lanes before each round (new
+        """Steps and checks until no cohort runs. ``join`` (lanes): fills free lanes before each step (new
         cohorts :meth:`add` themselves) and says whether inputs still wait."""
         while True:
-            if self.rounds % self.sync_every == 0 and self.rounds != self._checked:
-                self._checked = self.rounds
+            if self.t % self.sync_every == 0 and self.t != self._checked:
+                self._checked = self.t
                 self.check()
             waiting = join() if join is not None else False
             if not self.running:
@@ -161,14 +162,14 @@ class Engine:
             self.step()
 
     def step(self) -> None:
-        """One round: the backend's step over every row, then each cohort's search step on its rows' logits."""
+        """One step: the backend's over every row, then each cohort's search step on its rows' logits."""
         lanes = self.lanes
         tokens = self.running[0].cohort.rows.tokens if lanes is None else lanes.tokens
         logits = self.backend.step(self.state, tokens)  # [N, V] (lanes: [L * R, V])
         openmp.tick()  # the thread count may follow the load (the `seqgen` process)
-        self.rounds += 1
+        self.t += 1
         if lanes is not None:
-            lanes.count_round(self.running)
+            lanes.count_step(self.running)
         perm: torch.Tensor | None = None
         for run in list(self.running):
             rows = logits if run.physical is None else logits.index_select(0, run.physical)  # [N_c, V]
@@ -197,10 +198,10 @@ class Engine:
 
 
 def run_batch(backend: ModelBackend, cohort: Cohort, logits: torch.Tensor, sync_every: int) -> SearchOutput:
-    """A batch's decode: its cohort's first round on the start logits ([N, V]: the prefill's, or the decoder start
+    """A batch's decode: its cohort's first step on the start logits ([N, V]: the prefill's, or the decoder start
     token's step), then the loop over the whole state; every input's results."""
     engine = Engine(backend, cohort.rows.state, sync_every)
     if cohort.advance(logits) is not None:
-        engine.add(Placed(cohort), rounds=1)
+        engine.add(Placed(cohort), t=1)
         engine.run()
     return cohort.results.output()

@@ -67,7 +67,7 @@ class GrammarMask:
         return [i for i, m in enumerate(self.matchers) if not (self.ended[i] or m.is_error())]
 
     def __call__(self, tokens: Tensor, scores: Tensor, forced: bool = False) -> Tensor:
-        """``tokens``: the history [N, L] (its last column: the tokens to consume first, if any are pending);
+        """``tokens``: the history [N, length] (its last column: the tokens to consume first, if any are pending);
         ``scores`` [N, V] -> the same with every token the row's grammar refuses at -inf (in place). ``forced``: a
         processor forced this step's token (``forced_bos_token_id``, ``forced_eos_token_id``): no mask, and the
         token is not the output's text."""

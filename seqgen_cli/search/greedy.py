@@ -16,7 +16,7 @@ from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
 Picker = Callable[[torch.Tensor], torch.Tensor]  # processed scores [N, V] -> tokens [N]
-# (token history [N, L], scores [N, V]) -> [N] bool: rows whose text now ends in a stop string (transformers'
+# (token history [N, length], scores [N, V]) -> [N] bool: rows whose text now ends in a stop string (transformers'
 # StopStringCriteria, built from the tokenizer by the caller: prompts.stop_check)
 StopCheck = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

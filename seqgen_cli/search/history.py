@@ -37,7 +37,7 @@ class TokenHistory:
     def __init__(
         self, prompt: torch.Tensor, max_length: int, pad_lengths: torch.Tensor | None = None
     ) -> None:
-        n, prompt_len = prompt.shape  # prompt: [N, P] int64
+        n, prompt_len = prompt.shape  # prompt: [N, W] int64
         self.tokens = torch.zeros((n, max_length), dtype=torch.long, device=prompt.device)  # [N, max_length]
         self.tokens[:, :prompt_len] = prompt
         self.length = prompt_len  # host int: same for all rows (transformers' cur_len)

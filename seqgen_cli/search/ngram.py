@@ -88,7 +88,7 @@ def ngram_ban(
     windows = length - n + 1  # complete n-grams in the history
     if isinstance(windows, int) and windows <= 0:
         return scores
-    tokens = filled(h.tokens, length)  # [N, L]
+    tokens = filled(h.tokens, length)  # [N, length]
     width = tokens.shape[1] - n + 1  # window starts read: the complete ones (host), all that fit (device)
     if keys is not None:
         current = columns(keys, windows, 1, h.cols)  # [N, 1] key of the last n-1 tokens

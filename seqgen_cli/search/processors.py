@@ -94,7 +94,7 @@ class Processors:
     ids_in_vocab: bool  # no history id >= V: the in-place repetition penalty
     ngram: int  # no_repeat_ngram_size; 0: none
     powers: Tensor | None  # [n-1] int64: V ** (n-2-k), packed n-gram keys (None: columns compared)
-    bad_groups: list[tuple[Tensor, Tensor]]  # multi-token bad words by prefix length: [G, P], last [G]
+    bad_groups: list[tuple[Tensor, Tensor]]  # multi-token bad words by prefix length: [G, prefix], last [G]
     bad: Columns | None  # single-token bad words
     eos: Columns | None  # EOS, banned below the min length
     bos: Columns | None  # forced at position 1
@@ -182,8 +182,8 @@ def repetition_penalty(p: Processors, h: History, length: Step, scores: Tensor) 
     if p.penalty == 1.0:
         return scores
     vocab = scores.shape[-1]
-    ids = filled(h.tokens, length)  # [N, L]
-    skip = unfilled(h, length, ids.shape[1])  # [N, L] bool, or None
+    ids = filled(h.tokens, length)  # [N, length]
+    skip = unfilled(h, length, ids.shape[1])  # [N, length] bool, or None
     if p.ids_in_vocab:
         if skip is not None:
             ids = torch.where(skip, columns(h.tokens, length - 1, 1, h.cols), ids)
@@ -207,12 +207,12 @@ def bad_sequences(
 ) -> Tensor:
     """``NoBadWordsLogitsProcessor``'s multi-token entries: ban, in place, the last token of every entry whose
     prefix ends the row's ``length`` columns (none where ``skip``, a 0-d bool). ``scores``: [N, V]."""
-    for prefixes, last in p.bad_groups:  # [G, P], [G]
+    for prefixes, last in p.bad_groups:  # [G, prefix], [G]
         width = prefixes.shape[1]
         fits = length >= width  # the history holds a prefix
         if fits is False:
             continue
-        suffix = columns(h.tokens, length - width, width, h.cols)  # [N, P]
+        suffix = columns(h.tokens, length - width, width, h.cols)  # [N, prefix]
         matches = unless(gate((suffix[:, None, :] == prefixes[None]).all(-1), fits), skip)  # [N, G]
         values = torch.where(matches, NEG_INF, POS_INF).to(scores.dtype)
         scores = scores.scatter_reduce_(1, last.expand(matches.shape), values, reduce="amin")

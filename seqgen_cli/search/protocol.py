@@ -144,22 +144,22 @@ class RefillBackend(ModelBackend, Protocol):
 
 @dataclass
 class StaticLayout:
-    """Where a :class:`StaticBackend`'s running rows lie among its fixed ``P * R`` rows (``P`` lanes of ``R``
+    """Where a :class:`StaticBackend`'s running rows lie among its fixed ``L * R`` rows (``L`` lanes of ``R``
     rows; lanes of inputs that left, or that pad the batch, run idle)."""
 
     inputs: torch.Tensor  # [B] int64: the lane of each running input
-    tokens: torch.Tensor  # [P * R] int64: the next step's input tokens, a buffer whose address stays
+    tokens: torch.Tensor  # [L * R] int64: the next step's input tokens, a buffer whose address stays
     width: int  # decoder positions a row's history may start with: the prompts' graph width, or 1
     new_tokens: int  # the new tokens a row holds (cache positions)
-    moved: torch.Tensor | None  # [P' * R] int64 after a keep that moved the rows to P' lanes: row i's old row
+    moved: torch.Tensor | None  # [lanes * R] int64 after a keep that moved the rows to fewer lanes: row i's old row
 
 
 @runtime_checkable
 class StaticBackend(ModelBackend, Protocol):
     """A model backend with static shapes and addresses whose search step may be compiled too (beam search in
-    ``search/static.py``): the search keeps its state over all ``P * R`` rows, writes the next tokens into
+    ``search/static.py``): the search keeps its state over all ``L * R`` rows, writes the next tokens into
     :attr:`StaticLayout.tokens` and feeds that buffer itself to ``step``, which then returns the logits of every
-    row ([P * R, V]; read them before the next step), and its ``reorder`` gives all ``P * R`` rows (row ``i``
+    row ([L * R, V]; read them before the next step), and its ``reorder`` gives all ``L * R`` rows (row ``i``
     continues row ``rows[i]``, same input lane). ``models/capture.py``'s ``CapturedBackend``; beam
     search runs over a state's lanes where ``static_search`` says so (its step is compiled), else as over any
     backend."""

@@ -12,7 +12,7 @@ each lane at its own step: one shape per span bucket and source width, so on CUD
 Cohorts. Inputs that join at the same host check (decoder-only: with the same prompt width) form a
 :class:`~seqgen_cli.search.cohort.Cohort`: they run in lockstep, searched exactly as one batch of the ordinary
 engine, by the same code (:func:`~seqgen_cli.search.cohort.make_search` over a ``Rows`` of their own), in the same
-loop (``search/engine.py``, with :class:`~seqgen_cli.search.engine.Lanes`): each round hands every cohort its rows'
+loop (``search/engine.py``, with :class:`~seqgen_cli.search.engine.Lanes`): each step hands every cohort its rows'
 logits; the cohorts' beam reorderings go to the backend as one permutation.
 
 Life cycle of an input: *join* (at a host check, into a free lane: the encoder, or the prompt's prefill, runs for
@@ -125,7 +125,7 @@ class Refill:
         rows = Rows(reorders, None, history, pipeline, r, inputs)
         search = make_search(rows, s, self.consts, self.topk, self.streams, self.stop)
         running = Placed(Cohort(rows, search, self.results), physical, reorders)
-        if first is None:  # encoder-decoder: the next round feeds the decoder start token
+        if first is None:  # encoder-decoder: the next step feeds the decoder start token
             self.lanes.tokens.index_fill_(0, physical, s.decoder_start)
             self.engine.add(running)
             return

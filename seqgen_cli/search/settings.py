@@ -101,7 +101,7 @@ class SearchSettings:
     epsilon_cutoff: float = 0.0
     eta_cutoff: float = 0.0
     scores: bool = False  # greedy and sampling sum each row's log-probs (``output_scores``; beam search always)
-    logprobs: int | None = None  # each token's raw log-prob and the N best ones (--logprobs N; greedy, sampling)
+    logprobs: int | None = None  # each token's raw log-prob and the N best ones (--logprobs N)
 
     @property
     def max_new_tokens(self) -> int:
@@ -146,11 +146,6 @@ def check_return_sequences(config: GenerationConfig) -> None:
     if nrs > num_beams and not setting(config, "do_sample"):
         raise SeqgenError(
             f"--num-return-sequences {nrs} needs at least as many beams (--num-beams is {num_beams})"
-        )
-    if getattr(config, "logprobs", None) is not None and num_beams > 1:
-        raise SeqgenError(
-            f"--logprobs runs with greedy search and sampling, not --num-beams {num_beams} (--scores gives beam "
-            "search's per-token log-probs, processed)"
         )
 
 

@@ -2,7 +2,7 @@
 
 After the captured model step (``models/capture.py``) what is left of a decode step is the search's ~80 small ops
 (cast, log-softmax, processors, score add, top-k over ``[B, K * V]``, the finished-set merge, reordering the
-history, n-gram keys and back-pointers), each a launch. Here the search runs over all ``P * R`` rows of a
+history, n-gram keys and back-pointers), each a launch. Here the search runs over all ``L * R`` rows of a
 :class:`~seqgen_cli.search.protocol.StaticBackend` (the capture path's padded lanes: inputs that left or that pad
 the batch run idle, their rows finite and unread), with every tensor preallocated in a :class:`StaticState` kept
 with the backend's state for that shape, and the step counter and length limits as 0-d device tensors
@@ -88,13 +88,13 @@ class StaticSpec:
 
 @dataclass(eq=False)
 class StaticState:
-    """A static search's tensors, ``P`` lanes of ``K`` beams (``N = P * K`` rows): the beams' state, the
+    """A static search's tensors, ``L`` lanes of ``K`` beams (``N = L * K`` rows): the beams' state, the
     history, the limits, and device constants (the processors', ``divisors`` ``[T + 1]`` float32: ``i **
     length_penalty``, or its float32 inverse on CUDA; the top-K candidate mask ``[C]``; EOS ids ``[E]``)."""
 
     spec: StaticSpec
     limits: StepLimits
-    beams: BeamState  # [P, K] ...; fin_tokens [P, K, T]
+    beams: BeamState  # [L, K] ...; fin_tokens [L, K, T]
     history: StaticHistory  # [N, W]
     proc: Processors
     divisors: Tensor
@@ -152,7 +152,7 @@ class StaticState:
     def take(self, other: StaticState, moved: Tensor) -> None:
         """Row ``i`` := ``other``'s row ``moved[i]`` ([N] int64, whole lanes), in place (a compaction)."""
         k = self.spec.settings.num_beams
-        inputs = moved.view(-1, k)[:, 0] // k  # [P] the old lane of each lane
+        inputs = moved.view(-1, k)[:, 0] // k  # [L] the old lane of each lane
         for dst, src in zip(self.buffers()[:6], other.buffers()[:6], strict=True):
             dst.copy_(src.index_select(0, inputs))
         for dst, src in zip(self.history.buffers(), other.history.buffers(), strict=True):
@@ -170,9 +170,9 @@ def _finished_sequences(
     b, lim = st.beams, st.limits
     p, k, total = b.fin_tokens.shape
     steps = st.history.cols[:total]  # [T]
-    cand, cand_rows = candidate_rows(chosen, topk_beams)  # [P, K], [P * K]
-    generated = st.history.tokens[cand_rows[:, None], (lim.prompt_len + steps)[None, :]]  # [P * K, T]
-    new = torch.gather(topk_tokens, 1, cand).reshape(-1, 1)  # [P * K, 1]
+    cand, cand_rows = candidate_rows(chosen, topk_beams)  # [L, K], [L * K]
+    generated = st.history.tokens[cand_rows[:, None], (lim.prompt_len + steps)[None, :]]  # [L * K, T]
+    new = torch.gather(topk_tokens, 1, cand).reshape(-1, 1)  # [L * K, 1]
     cand_tokens = torch.where(steps == lim.t, new, generated).view(p, k, total)
     return select_finished(b.fin_tokens, b.fin_lengths, chosen, cand_tokens, lim.t + 1)
 
@@ -189,7 +189,7 @@ def static_beam_step(st: StaticState, logits: Tensor) -> list[Tensor]:
     else:
         running = b.running_scores.reshape(-1, 1)  # [N, 1]
         log_probs = process_split(st.proc, st.history, lim, log_probs, running)  # [N, V]
-    log_probs = log_probs.reshape(p, -1)  # [P, K * V]
+    log_probs = log_probs.reshape(p, -1)  # [L, K * V]
     topk = partial(wide_topk, ties=False) if st.spec.wide else torch.topk  # compiled: no host check
     topk_log_probs, topk_beams, topk_tokens = get_top_k_continuations(
         log_probs, st.top_mask.shape[0], k, topk
@@ -199,7 +199,7 @@ def static_beam_step(st: StaticState, logits: Tensor) -> list[Tensor]:
     running, next_beams, next_tokens = get_running_beams_for_next_iteration(
         topk_log_probs, topk_beams, topk_tokens, hits, k
     )
-    did_finish = hits & st.top_mask  # [P, C]: only the top K candidates may finish
+    did_finish = hits & st.top_mask  # [L, C]: only the top K candidates may finish
     divisor = st.divisors.index_select(0, (lim.t + 1).view(1))  # [1] (t + 1) ** length_penalty
     r = st.spec.reciprocal
     scores = candidate_scores(
@@ -250,12 +250,12 @@ class StaticBeamSearch:
         )
         running = len(rows.inputs)
         first = torch.arange(lanes, device=device).clamp(max=running - 1)  # idle lanes repeat the last input
-        self.src = (first[:, None] * k + torch.arange(k, device=device)).reshape(-1)  # [P * K] row of each
+        self.src = (first[:, None] * k + torch.arange(k, device=device)).reshape(-1)  # [L * K] row of each
         self.st.restart(settings, rows, self.src)
         self.t = 0  # steps done (host int)
 
     def advance(self, logits: Tensor) -> Tensor | None:
-        """Step ``t`` on the logits ([N, V] of the running rows at step 0, else [P * K, V] of every lane row): the
+        """Step ``t`` on the logits ([N, V] of the running rows at step 0, else [L * K, V] of every lane row): the
         token buffer for the next step, or ``None`` after the last step."""
         st, state = self.st, self.rows.state
         if self.t == 0:  # eagerly: the first logits come from elsewhere than the model's graph
@@ -266,7 +266,7 @@ class StaticBeamSearch:
         self.t += 1
         if self.t == self.s.max_new_tokens:
             return None
-        self.backend.reorder(state, out[-1])  # the model's back-pointers: [P * K], every lane row
+        self.backend.reorder(state, out[-1])  # the model's back-pointers: [L * K], every lane row
         return self.layout.tokens
 
     def done(self) -> Tensor:

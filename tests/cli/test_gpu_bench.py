@@ -320,7 +320,7 @@ def test_counted_steps_are_one_per_new_token(
             refill,
             counts,
         )
-        assert gen._engine().step.__self__ is gen._engine(), "the engine's own step again"
+        assert gen.model_backend().step.__self__ is gen.model_backend(), "the engine's own step again"
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from seqgen_cli.errors import SeqgenError
+from seqgen_cli.outputs import OutputText
 from seqgen_cli.pipeline import formats
 from seqgen_cli.pipeline.formats import index_path, journal_path
 from seqgen_cli.pipeline.job import JobOptions, check_job, generate_job
@@ -193,15 +194,15 @@ def test_memory_error_while_writing_keeps_index_and_journal(tmp_path: Path) -> N
     src, out = write_lines(tmp_path / "in.txt", texts), tmp_path / "out.txt"
     gen = FakeGen()
     calls = []
-    decode = gen.decode
+    detokenise = gen.detokenise
 
-    def decode_until_memory_runs_out(seqs):
+    def detokenise_until_memory_runs_out(seqs):
         calls.append(1)
         if len(calls) == 15:
             raise MemoryError
-        return decode(seqs)
+        return detokenise(seqs)
 
-    gen.decode = decode_until_memory_runs_out
+    gen.texts = OutputText(detokenise_until_memory_runs_out)  # the writer's texts
     with pytest.raises(SeqgenError) as info:
         _job(gen, src, out)
     assert str(info.value).startswith("out of memory"), info.value

@@ -18,7 +18,7 @@ def test_an_output_ends_at_a_stop_token(tiny_models) -> None:
     fast, hf = (Generator(gpt2, backend=b, max_new_tokens=8, stop_token_id=[stop]).generate_ids(batch) for b in ("fast", "hf"))
     assert fast == hf and fast[0][0] == first[: first.index(stop) + 1], "ends at the stop token, which stays"
     run = seqgen("generate", "-m", gpt2, "--max-new-tokens", "8", "-q", "--stop-token-id", str(stop), input=STDIN)
-    assert run.exit_code == 0 and run.stdout.splitlines()[0] == " ".join(gen.decode([fast[0][0]])[0].splitlines())
+    assert run.exit_code == 0 and run.stdout.splitlines()[0] == " ".join(gen.detokenise([fast[0][0]])[0].splitlines())
 
 
 def test_a_stop_token_past_the_vocabulary_is_one_line(tiny_models) -> None:

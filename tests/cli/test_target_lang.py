@@ -50,7 +50,7 @@ def test_mbart50_target_lang_forces_its_code_exactly_as_generate(mbart50: Path, 
     assert type(gen.tokenizer).__name__ == "MBart50Tokenizer"
     assert gen.model.generation_config.forced_bos_token_id is None  # the checkpoint leaves the language open
     assert gen.config.forced_bos_token_id == de and gen.backend == "fast"
-    assert isinstance(gen._engine(), EncoderDecoderBackend)  # the fast backend, not the generic one
+    assert isinstance(gen.model_backend(), EncoderDecoderBackend)  # the fast backend, not the generic one
     batch = [e.ids for e in gen.encode(TEXTS)]
     assert all(ids[0] == gen.tokenizer.lang_code_to_id["en_XX"] for ids in batch)  # source: [en_XX] X </s>
     fast = gen.generate_ids(batch)

@@ -17,7 +17,7 @@ def logits_of(
 ):
     """Input ``at``'s logits [steps, rows, V] from start() and teacher-forced step()s (the same token for every
     row); ``leave_at``: every other input leaves after that step."""
-    backend = gen._engine()
+    backend = gen.model_backend()
     state, first = backend.start(gen.pad(batch), rows, len(steps) + 1)
     out = [] if first is None else [first[at : at + 1].expand(rows, -1)]
     inputs = len(batch)
@@ -53,7 +53,7 @@ def check_neighbours(gen: Generator) -> None:
         assert len(narrow) >= 4 and len(wide) >= 4 and input_width(len(x)) <= 64
         groups += [narrow, wide, [narrow[0], wide[0], narrow[1], wide[1]]]
     rng = random.Random(0)
-    steps = [rng.randrange(4, gen._engine().vocab_size) for _ in range(6)]
+    steps = [rng.randrange(4, gen.model_backend().vocab_size) for _ in range(6)]
     for rows in (1, 3):
         alone = logits_of(gen, [x], 0, steps, rows, None)
         for g, neighbours in enumerate(groups):

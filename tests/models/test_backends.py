@@ -15,9 +15,9 @@ from seqgen_cli.models import (
     EncoderDecoderBackend,
     FastBackend,
     GenericBackend,
-    engine_name,
-    engine_of,
+    backend_name,
     get_backend,
+    inner_backend,
     own_widths,
 )
 from seqgen_cli.models.capture import capture
@@ -31,22 +31,22 @@ def test_auto_picks_the_fast_backend_for_each_family(tiny_models, family: str) -
     model = load_tiny(path)[0]
     backend = get_backend(model)
     shared = EncoderDecoderBackend if model.config.is_encoder_decoder else DecoderOnlyBackend
-    assert type(backend) is shared and backend.family is FAST_FAMILIES[model.config.model_type]
-    assert isinstance(backend, FastBackend) and engine_of(backend) is backend
+    assert type(backend) is shared and backend.description is FAST_FAMILIES[model.config.model_type]
+    assert isinstance(backend, FastBackend) and inner_backend(backend) is backend
     generic = get_backend(model, generic=True)
     assert isinstance(generic, GenericBackend) and not isinstance(generic, FastBackend)
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
 def test_the_capture_wrapper_unwraps_to_the_fast_backend_it_runs(tiny_models, family: str) -> None:
-    """``engine_of`` reads through the capture wrapper by its declared ``unwrap`` (``fast.Wrapper``): the engine's
+    """``inner_backend`` reads through the capture wrapper by its declared ``unwrap`` (``fast.Wrapper``): the engine's
     name and widths are the wrapped backend's."""
     model = load_tiny(tiny_models(family))[0]
     fast = get_backend(model)
     # capture() decides by the device's type: nothing runs there
     wrapped, path = capture(fast, torch.device("cuda"), True, compiler=lambda decode: decode)
-    assert path == "captured" and wrapped is not fast and engine_of(wrapped) is fast
-    assert engine_name(wrapped) == engine_name(fast) == f"{model.config.model_type} decoder"
+    assert path == "captured" and wrapped is not fast and inner_backend(wrapped) is fast
+    assert backend_name(wrapped) == backend_name(fast) == f"{model.config.model_type} decoder"
     assert own_widths(wrapped) == own_widths(fast) == model.config.is_encoder_decoder
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import engine_stats, linear_maps
+from seqgen_cli.models import backend_stats, linear_maps
 from tests.tiny_models import shared_dir
 
 BF16 = torch.bfloat16 in linear_maps.ONEDNN_DTYPES
@@ -41,7 +41,7 @@ def test_bfloat16_maps_run_packed_onednn_products(tiny_models, family: str, monk
     monkeypatch.setattr(linear_maps.F, "linear", spy_linear)
     outs = gen.generate(["one two three four", "five six"])
     assert len(outs) == 2 and all(isinstance(o[0], str) for o in outs)
-    stats = engine_stats(gen._engine())
+    stats = backend_stats(gen.model_backend())
     if not BF16:
         assert stats["linear_maps"] == "bfloat16 F.linear" and linear_calls and not calls
         return
@@ -53,7 +53,7 @@ def test_bfloat16_maps_run_packed_onednn_products(tiny_models, family: str, monk
     assert calls and {dtype for dtype, _ in calls} == {torch.bfloat16}, "a bf16 product left oneDNN"
     packed = sum(p for _, p in calls)
     # 8 steps of every decoder map: the last 8 - PACK_AFTER of each run packed
-    assert packed >= len(gen._engine().layers) * (8 - 2), (packed, len(calls))
+    assert packed >= len(gen.model_backend().layers) * (8 - 2), (packed, len(calls))
 
 
 def test_cpu_isa_names_the_matrix_units(monkeypatch) -> None:
@@ -103,3 +103,24 @@ def test_bfloat16_on_a_cpu_without_bf16_products_says_it_is_slow(tiny_models, tm
         monkeypatch.setattr(linear_maps, "ONEDNN_DTYPES", (torch.float32, torch.bfloat16))
         res = seqgen(*args, "--dtype", "bfloat16", "-o", str(tmp_path / "c.txt"))
         assert res.exit_code == 0 and "bfloat16 products" not in res.stderr
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_bfloat16_caches_hold_keys_in_the_dtype_the_scores_read(tiny_models, family: str) -> None:
+    """The CPU scores bfloat16 in float32 (``attention.scores32``): the caches hold every key in float32 (the fixed
+    region's and the generated ones, written once), the values in bfloat16, so no step upcasts the whole key cache;
+    the bytes the batcher counts are those held. The keys' bits are the bf16 keys' (exact in float32)."""
+    gen = Generator(str(tiny_models(family)), dtype="bfloat16", max_new_tokens=6, num_beams=2)
+    backend = gen.model_backend()
+    ids = [e.ids for e in gen.encode(["one two three four", "five six"])]
+    state, _ = backend.start(gen.pad(ids), rows_per_input=2, max_new_tokens=6)
+    cache = state.cache
+    for _ in range(3):
+        backend.step(state, torch.ones(4, dtype=torch.long))
+    assert {k.dtype for k in cache.fixed.keys + cache.generated.keys} == {torch.float32}
+    assert {v.dtype for v in cache.fixed.values + cache.generated.values} == {torch.bfloat16}
+    written = cache.generated.keys[0].select(-2 if family == "llama" else 2, 0)  # position 0, every row
+    assert torch.equal(written, written.bfloat16().float())  # bf16 values, held in float32
+    width = gen.pad(ids).input_ids.shape[1]
+    counted = backend.cache_bytes(2, width, 2, 6)
+    assert counted == sum(backend.cache_nbytes(state).values())

@@ -238,11 +238,11 @@ def test_graph_pool_approximates_a_static_step(tiny_models, family: str) -> None
 def test_batch_cost_grows_by_exactly_the_counted_terms(tiny_models, family: str) -> None:
     """``batch_bytes`` = caches + logits rows + encoder (encoder-decoder) + search, each from the shapes."""
     gen = Generator(str(tiny_models(family)), device="cpu", num_beams=2, max_new_tokens=6)
-    engine, cfg = gen._engine(), gen.model.config
-    v = engine.vocab_size
+    backend, cfg = gen.model_backend(), gen.model.config
+    v = backend.vocab_size
     for inputs, width in [(1, 8), (3, 24), (5, 40)]:
         new = gen.new_token_limits(width)[0]
-        before = engine.cache_bytes(inputs, width, 2, new) + inputs * 2 * v * LOGIT_BYTES  # what it counted
+        before = backend.cache_bytes(inputs, width, 2, new) + inputs * 2 * v * LOGIT_BYTES  # what it counted
         enc = Dims.of(cfg, "encoder")
         encoder = encoder_bytes(enc, inputs, width, 4) if cfg.is_encoder_decoder and enc is not None else 0
         history = (1 if cfg.is_encoder_decoder else width) + new

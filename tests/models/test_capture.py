@@ -338,7 +338,7 @@ def test_stats_reach_device_stats_and_the_closing_line(tiny_models) -> None:
     gen = Generator(str(tiny_models("bart")), device="cpu", num_beams=2, max_new_tokens=6)
     gen.generate(["one input"])
     assert "shapes_compiled" not in gen.device_stats(), "no CUDA graphs on the CPU: nothing to report"
-    backend = CapturedBackend(gen._engine(), eager, max_shapes=1)
+    backend = CapturedBackend(gen.model_backend(), eager, max_shapes=1)
     gen._model_backend = backend
     gen.generate(["one short input", "a second, longer input of a few more words", "three"])
     stats = gen.device_stats()
@@ -659,7 +659,7 @@ def test_a_refill_step_that_differs_from_eager_switches_to_eager(tiny_models) ->
 def test_refill_stats_count_captured_steps(tiny_models) -> None:
     """``Generator`` with ``refill`` runs its lane steps through the capture path: ``--stats`` counts them."""
     gen = Generator(str(tiny_models("bart")), device="cpu", refill=True, num_beams=2, max_new_tokens=6)
-    backend = CapturedBackend(gen._engine(), eager)
+    backend = CapturedBackend(gen.model_backend(), eager)
     gen._model_backend = backend
     gen.generate(["one short input", "a second, longer input of a few more words", "three"], batch_size=2)
     stats = gen.device_stats()
@@ -758,7 +758,7 @@ def test_amortized_capture_over_a_run_of_batches_gives_the_same_outputs(tiny_mod
     expected = plain.generate(texts, batch_size=4)
     gen = Generator(str(tiny_models("bart")), device="cpu", **settings)
     policy = amortized.Amortized(compile_seconds=0.3, speedup=2.0, clock=Ticks(0.2))  # 0.1 s a step: 3 steps
-    backend = CapturedBackend(gen._engine(), eager, search_compiler=eager, amortized=policy)
+    backend = CapturedBackend(gen.model_backend(), eager, search_compiler=eager, amortized=policy)
     backend.decoder.clock = Ticks(0.15)  # a shape's compile + recording calls: 0.3 s, whatever the load
     gen._model_backend = backend
     assert gen.generate(texts, batch_size=4) == expected

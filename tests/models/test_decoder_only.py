@@ -12,7 +12,7 @@ import torch
 from seqgen_cli.models import fast_backend, get_backend
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.models.prefill import prompt_positions
+from seqgen_cli.models.prefill import prompt_position_ids
 from seqgen_cli.search.protocol import Batch
 from tests.tiny_models import (
     DECODER_ONLY_CONFIGS,
@@ -46,7 +46,7 @@ def reference(model: torch.nn.Module, seqs: list[list[int]]) -> torch.Tensor:
     out = model(
         input_ids=b.input_ids,
         attention_mask=b.attention_mask,
-        position_ids=prompt_positions(b.attention_mask),
+        position_ids=prompt_position_ids(b.attention_mask),
     )
     return out.logits[:, -1].float()
 
@@ -165,7 +165,8 @@ def test_half_precision_close_to_hf(name: str, dtype: torch.dtype) -> None:
     model = decoder_only_model(name).to(dtype)
     dec = fast(model)
     state, first = dec.start(left_pad(PROMPTS), rows_per_input=2, max_new_tokens=3)
-    assert first.dtype == torch.float32 and state.cache.fixed.keys[0].dtype == dtype
+    assert first.dtype == torch.float32 and state.cache.fixed.values[0].dtype == dtype
+    assert state.cache.fixed.keys[0].dtype == torch.float32  # the CPU scores half precision in float32
     hist = [[] for _ in range(8)]
     for t in range(3):
         tokens = torch.arange(8) + 3 * t + 1

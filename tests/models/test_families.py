@@ -12,7 +12,7 @@ import torch
 import transformers as tf
 
 from seqgen_cli.config import resolve_generation_config
-from seqgen_cli.models import DecoderOnlyBackend, EncoderDecoderBackend, engine_name, get_backend
+from seqgen_cli.models import DecoderOnlyBackend, EncoderDecoderBackend, backend_name, get_backend
 from seqgen_cli.models.capture import CapturedBackend
 from seqgen_cli.models.families import FAMILIES
 from seqgen_cli.models.generic import GenericBackend
@@ -32,8 +32,8 @@ def test_each_family_runs_its_fast_decoder(name: str) -> None:
     m = family_model(name)
     backend = get_backend(m)
     shared = EncoderDecoderBackend if m.config.is_encoder_decoder else DecoderOnlyBackend
-    assert type(backend) is shared and backend.family is FAMILIES[name]
-    assert engine_name(backend) == f"{name} decoder"
+    assert type(backend) is shared and backend.description is FAMILIES[name]
+    assert backend_name(backend) == f"{name} decoder"
 
 
 @pytest.mark.parametrize("setting", QUICK)

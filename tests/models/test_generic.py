@@ -21,7 +21,7 @@ import torch
 import transformers as tf
 
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import engine_name
+from seqgen_cli.models import backend_name
 from seqgen_cli.models.families import length_dependent_rope
 from seqgen_cli.models.reference import strip_generated
 from seqgen_cli.shapes import input_width
@@ -74,12 +74,12 @@ def test_a_longrope_phi3_gives_generate_s_tokens_for_each_input_alone(longrope) 
     path, texts = longrope
     fast = Generator(str(path), backend="fast", max_new_tokens=NEW_TOKENS)
     hf = Generator(str(path), backend="hf", max_new_tokens=NEW_TOKENS)
-    assert engine_name(fast._engine()).startswith("generic") and fast.exact_widths == "longrope"
+    assert backend_name(fast.model_backend()).startswith("generic") and fast.exact_widths == "longrope"
     ids = [e.ids for e in fast.encode(texts)]
     assert len({len(x) for x in ids}) < len(ids) and min(map(len, ids)) < ORIGINAL < max(map(len, ids))
     eos = hf.model.generation_config.eos_token_id
     with torch.inference_mode():
-        expected = [hf.decode([alone(hf.model, x, eos)]) for x in ids]
+        expected = [hf.detokenise([alone(hf.model, x, eos)]) for x in ids]
     assert len({len(e[0]) for e in expected}) > 2, "outputs of varied lengths: inputs leave their batches"
     assert fast.generate(texts, batch_size=8) == expected
     assert hf.generate(texts, batch_size=8) == expected
@@ -123,7 +123,7 @@ def test_the_cli_gives_generate_s_lines_with_either_backend(longrope, tmp_path: 
     gen = Generator(str(path), backend="hf", max_new_tokens=NEW_TOKENS)
     eos = gen.model.generation_config.eos_token_id
     with torch.inference_mode():
-        outputs = [gen.decode([alone(gen.model, e.ids, eos)])[0] for e in gen.encode(src.read_text().splitlines())]
+        outputs = [gen.detokenise([alone(gen.model, e.ids, eos)])[0] for e in gen.encode(src.read_text().splitlines())]
     expected = "".join(" ".join(o.splitlines()) + "\n" for o in outputs)  # the text format's line
     for backend in ("fast", "hf"):
         out, stats = tmp_path / f"{backend}.txt", tmp_path / f"{backend}.json"
@@ -174,7 +174,7 @@ def test_the_generic_backend_batches_an_encoder_decoder_model_by_width(blenderbo
     from seqgen_cli.batching import text_chunks
 
     gen = Generator(str(blenderbot_small), max_new_tokens=6)
-    assert engine_name(gen._engine()).startswith("generic") and gen.buckets
+    assert backend_name(gen.model_backend()).startswith("generic") and gen.buckets
     texts = sample_texts(40, seed=4)
     batches = list(gen.batcher(text_chunks(texts, gen.encode), lambda items: None, batch_size=8))
     widths = [{input_width(len(it.ids)) for it in b.items} for b in batches]

@@ -60,7 +60,7 @@ def _check_valid(gen: Generator, texts: list[str]) -> list[list[int]]:
     vocab = gen.model.config.get_text_config(decoder=True).vocab_size
     for seq in out:
         assert len(seq) == N_NEW and all(0 <= t < vocab for t in seq)
-    assert all(isinstance(t, str) for t in gen.decode(out))
+    assert all(isinstance(t, str) for t in gen.detokenise(out))
     return out
 
 

@@ -146,7 +146,7 @@ def test_a_generator_run_of_fifty_batches_keeps_its_buffers(tiny_models) -> None
     plain = Generator(model, device="cpu", num_beams=2, max_new_tokens=8)
     expected = list(plain.generate_iterable(texts, batch_size=4))
     gen = Generator(model, device="cpu", num_beams=2, max_new_tokens=8)
-    backend = Watched(gen._engine(), eager)
+    backend = Watched(gen.model_backend(), eager)
     gen._model_backend = backend
     assert list(gen.generate_iterable(texts, batch_size=4)) == expected
     assert backend.uses.total() - backend.compactions >= 50, "batches"
@@ -338,7 +338,7 @@ def test_cuda_graph_recordings_are_counted_per_shape(tiny_models) -> None:
 
     model, texts = str(tiny_models("bart")), sample_texts(200, seed=21)
     gen = Generator(model, device="cpu", num_beams=2, max_new_tokens=8)
-    backend = CapturedBackend(gen._engine(), recording, search_compiler=recording)
+    backend = CapturedBackend(gen.model_backend(), recording, search_compiler=recording)
     gen._model_backend = backend
     torch._dynamo.reset()  # clears torch.compile's callbacks: the next batch registers the count again
     assert "cuda_graphs_recorded" not in backend.stats(), "nothing recorded on the CPU: nothing reported"

@@ -55,10 +55,10 @@ def test_lanes_join_and_leave_at_their_own_steps() -> None:
     table.join([0, 2])
     for _ in range(3):
         table.advance()
-    assert table.ages == [3, None, 3] and table.now(0) == 3
+    assert table.lane_t == [3, None, 3] and table.span_t(0) == 3
     table.leave([0])
     table.join([1])  # lane 1 starts at step 0 beside lane 2 at step 3
-    assert table.ages == [None, 0, 3] and table.now(99) == 3  # the furthest live lane sizes the span, not t
+    assert table.lane_t == [None, 0, 3] and table.span_t(99) == 3  # the furthest live lane sizes it, not t
     assert table.steps.tolist()[1:] == [0, 3] and table.position.tolist()[2:] == [0, 0, 3, 3]
     table.make_static()
     table.check(99)
@@ -68,7 +68,7 @@ def test_lanes_join_and_leave_at_their_own_steps() -> None:
     assert seen[2, 0, :, 0].tolist()[:5] == [True, True, True, True, False]  # lane 2: positions 0..3
     for _ in range(10):  # an idle or finished lane keeps stepping, stopped at the last position
         table.advance()
-    assert table.steps.tolist() == [7, 7, 7] and table.ages == [None, 7, 7]
+    assert table.steps.tolist() == [7, 7, 7] and table.lane_t == [None, 7, 7]
 
 
 def test_the_window_masks_keys_window_or_more_positions_back() -> None:
@@ -145,11 +145,11 @@ def test_queries_write_nothing() -> None:
     table.check(0)
     table.claim()
     tensors = (table.ptr.clone(), table.steps.clone(), table.position.clone())
-    hosts = (table.span, list(table.ages))
-    _ = [table.visible(table.span), table.visible_keys(), table.near(2), table.near_keys(2), table.now(7)]
+    hosts = (table.span, list(table.lane_t))
+    _ = [table.visible(table.span), table.visible_keys(), table.near(2), table.near_keys(2), table.span_t(7)]
     _ = [table.span_at(7), table.lane_rows(3), table.at_steps(table.lane_rows(3)), table.lane_count]
     assert all(map(torch.equal, tensors, (table.ptr, table.steps, table.position)))
-    assert hosts == (table.span, table.ages)
+    assert hosts == (table.span, table.lane_t)
     table.advance()
     table.claim()  # the update that writes the back-pointers: this step's position holds each row's own beam
     assert table.ptr[:, 2].tolist() == [0, 1, 0, 1] and torch.equal(table.ptr[:, :2], tensors[0][:, :2])
@@ -157,10 +157,10 @@ def test_queries_write_nothing() -> None:
 
 def test_a_batch_and_lanes_count_their_lanes_and_steps() -> None:
     batch = LaneTable(lanes=3, rows_per_input=2, max_len=5, device=CPU, own_steps=False)
-    assert batch.lane_count == 3 and not batch.own_steps and batch.ages == [] and batch.now(4) == 4
+    assert batch.lane_count == 3 and not batch.own_steps and batch.lane_t == [] and batch.span_t(4) == 4
     assert batch.lane_rows(2) is None and batch.at_steps(None) is None  # a batch writes through a view
     lanes = LaneTable(lanes=3, rows_per_input=2, max_len=5, device=CPU, own_steps=True)
-    assert lanes.lane_count == 3 and lanes.own_steps and lanes.ages == [None] * 3 and lanes.now(4) == 0
+    assert lanes.lane_count == 3 and lanes.own_steps and lanes.lane_t == [None] * 3 and lanes.span_t(4) == 0
     assert lanes.lane_rows(2).tolist() == [[0, 5], [10, 15], [20, 25]]  # [L, per_lane]: position 0's row
 
 

@@ -15,7 +15,7 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import engine_name, own_model
+from seqgen_cli.models import backend_name, own_model
 from seqgen_cli.models.tree import OwnSeq2Seq
 from tests.tiny_models import BART_SHAPE, FAMILY_CONFIGS, SEQ2SEQ_IDS, T5_SHAPE, V, sharpen, t5_vocabulary
 
@@ -148,7 +148,7 @@ def test_generator_runs_own_tree_with_transformers_outputs(
     gen = Generator(str(tiny_models(family)), backend="fast", dtype=dtype, **settings)
     assert gen.loaded.own and isinstance(gen.model, OwnSeq2Seq)
     assert gen.device_stats()["loader"] == "seqgen"
-    assert engine_name(gen._engine()) == f"{gen.model.config.model_type} decoder"
+    assert backend_name(gen.model_backend()) == f"{gen.model.config.model_type} decoder"
     ours = gen.generate(TEXTS)
     monkeypatch.setattr(own_model, "refusal", lambda config: "refused by the test")
     theirs = Generator(str(tiny_models(family)), backend="fast", dtype=dtype, **settings)
@@ -220,7 +220,7 @@ def test_t5_vocabulary_families_run_own_tree_with_transformers_outputs(
     tf.AutoTokenizer.from_pretrained(t5).save_pretrained(tmp_path)
     settings = dict(num_beams=4, no_repeat_ngram_size=3, max_new_tokens=12)
     gen = Generator(str(tmp_path), backend="fast", dtype=dtype, **settings)
-    assert gen.loaded.loader == "seqgen" and engine_name(gen._engine()) == f"{name} decoder"
+    assert gen.loaded.loader == "seqgen" and backend_name(gen.model_backend()) == f"{name} decoder"
     ours = gen.generate(TEXTS)
     if dtype == "float32":
         assert ours == Generator(str(tmp_path), backend="hf", **settings).generate(TEXTS)

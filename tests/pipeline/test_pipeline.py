@@ -154,7 +154,7 @@ def test_the_text_written_cuts_the_stop_and_splits_the_reasoning(tmp_path: Path)
         ("strip", "text", "Das Haus\nplain\n"),
     ]:
         gen, out = FakeGen(), Capture()
-        gen.texts = OutputText(gen.decode, ("END",), reasoning=reasoning)
+        gen.texts = OutputText(gen.detokenise, ("END",), reasoning=reasoning)
         run(gen, read_records([str(src)]), StreamSink(out), RunOptions(output_format=fmt))
         if fmt == "text":
             assert out.text() == want

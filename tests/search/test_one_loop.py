@@ -36,7 +36,7 @@ def mixed(n: int, seed: int) -> list[str]:
 def alone(gen: Generator, texts: list[str]) -> list[list[str]]:
     """Each input run on its own through the batch layer."""
     return [
-        gen.decode(gen.generate_ids([gen.encode([t])[0].ids])[0])
+        gen.detokenise(gen.generate_ids([gen.encode([t])[0].ids])[0])
         if t.strip()
         else [""] * gen.num_return_sequences
         for t in texts

@@ -121,7 +121,12 @@ def test_dropping_finished_inputs_changes_nothing(tiny_models, family: str, kwar
         if kwargs.get("do_sample"):
             continue  # the RNG stream depends on the number of rows; only determinism is promised (below)
         assert out.sequences == ref.sequences
-        assert out.scores == ref.scores
+        # the generic backend runs transformers' forward on MKL's GEMM, whose sums over a product of a few rows can
+        # take another order when the row count (inputs leaving) or MKL's thread split (a loaded machine) changes:
+        # the scores agree within float32 rounding of ~20 summed log-probs
+        assert (out.scores is None) == (ref.scores is None)
+        for mine, theirs in zip(out.scores or [], ref.scores or [], strict=True):
+            assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(mine, theirs, strict=True))
 
 
 def test_sampling_is_deterministic_with_a_seed(tiny_models) -> None:

@@ -46,8 +46,8 @@ def decoder_table(config: Any) -> tuple[str, int] | None:
     """``(field, size)`` of the fixed position table a model's decoder indexes (a family's ``table``, or
     :data:`OTHER_TABLES`), from its ``config`` alone; ``None`` where positions have no hard limit."""
     model_type = getattr(config, "model_type", None) or ""
-    family = FAMILIES.get(model_type)
-    field = family.table if family is not None else OTHER_TABLES.get(model_type)
+    description = FAMILIES.get(model_type)
+    field = description.table if description is not None else OTHER_TABLES.get(model_type)
     size = getattr(config, field, None) if field else None
     return (field, size) if field and isinstance(size, int) and size > 0 else None
 
@@ -55,8 +55,8 @@ def decoder_table(config: Any) -> tuple[str, int] | None:
 def source_limited(config: Any) -> bool:
     """Whether the encoder's position limit (``max_position_embeddings``, ``n_positions``) limits an input: not
     for the families whose positions are relative or rotary (T5's ``n_positions`` is no limit)."""
-    family = FAMILIES.get(getattr(config, "model_type", None) or "")
-    return not isinstance(family, Seq2Seq) or family.source_limit
+    description = FAMILIES.get(getattr(config, "model_type", None) or "")
+    return not isinstance(description, Seq2Seq) or description.source_limit
 
 
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies that do not depend on the sequence length
@@ -82,10 +82,10 @@ def length_dependent_rope(config: Any) -> str | None:
 def refusal(model: Any) -> str | None:
     """Why the family's decoder would not reproduce this variant exactly, or ``None``."""
     cfg = model.config
-    family = FAMILIES.get(cfg.model_type)
-    if family is not None and family.refuse is not None and (why := family.refuse(cfg)) is not None:
+    description = FAMILIES.get(cfg.model_type)
+    if description is not None and description.refuse is not None and (why := description.refuse(cfg)) is not None:
         return why
-    if family is None or not family.positions.startswith("rotary"):
+    if description is None or not description.position_kind.startswith("rotary"):
         return None
     cfg = getattr(cfg, "decoder", None) or cfg  # T5Gemma: the decoder's own config
     ropes = getattr(cfg, "rope_parameters", None) or {}

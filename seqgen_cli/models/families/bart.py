@@ -31,7 +31,7 @@ from torch import nn
 
 from seqgen_cli.models.fuse import concat_linears, fuse_linears
 from seqgen_cli.models.layers import DecoderFacts, Seq2Seq, Seq2SeqLayer
-from seqgen_cli.models.layers import Positions as Kind
+from seqgen_cli.models.layers import PositionKind as Kind
 from seqgen_cli.models.linear_maps import Linear, linear
 from seqgen_cli.models.tree import ACTIVATIONS, EncoderOutput, OwnSeq2Seq, embedding
 
@@ -88,7 +88,7 @@ class BartPositions:
     held: torch.Tensor | None = None  # Pegasus-X's table so far
 
     def __call__(self, rows: int) -> torch.Tensor:
-        """[P, D], ``P >= rows`` (where the table grows)."""
+        """[n, D], ``n >= rows`` (where the table grows)."""
         if self.kind == "computed":  # Pegasus-X: reads only the shape, dtype and device of what it is given
             if self.held is None or self.held.shape[0] < rows:
                 zeros = torch.zeros((1, rows, 1), dtype=self.dtype, device=self.device)  # [1, rows, 1]
@@ -123,7 +123,7 @@ def bart_facts(model: Any) -> DecoderFacts:
         config=getattr(dec, "config", None) or cfg,  # own trees: the model's
         ln_embed=first,
         ln_final=last,
-        position_table=BartPositions(FAMILIES[cfg.model_type].positions, pos, weight.dtype, weight.device),
+        position_table=BartPositions(FAMILIES[cfg.model_type].position_kind, pos, weight.dtype, weight.device),
         embed_scale=None if scale == 1.0 else scale,
         logits_bias=getattr(model, "final_logits_bias", None),
         pad_position=pad,
@@ -134,13 +134,13 @@ def bart_facts(model: Any) -> DecoderFacts:
 _TABLE = "max_position_embeddings"  # the decoder's position table: learned, or Marian's and Pegasus's sinusoids
 _BART = dict(reader=bart_layer, facts=bart_facts)
 FAMILIES: dict[str, Seq2Seq] = {
-    "bart": Seq2Seq(pre_norm=False, positions="table", table=_TABLE, **_BART),
-    "mbart": Seq2Seq(pre_norm=True, positions="table", table=_TABLE, **_BART),
-    "marian": Seq2Seq(pre_norm=False, positions="table", table=_TABLE, **_BART),
-    "pegasus": Seq2Seq(pre_norm=True, positions="table", table=_TABLE, **_BART),
-    "m2m_100": Seq2Seq(pre_norm=True, positions="padded table", **_BART),
-    "led": Seq2Seq(pre_norm=False, positions="table", table="max_decoder_position_embeddings", **_BART),
-    "pegasus_x": Seq2Seq(pre_norm=True, positions="computed", **_BART),
+    "bart": Seq2Seq(pre_norm=False, position_kind="table", table=_TABLE, **_BART),
+    "mbart": Seq2Seq(pre_norm=True, position_kind="table", table=_TABLE, **_BART),
+    "marian": Seq2Seq(pre_norm=False, position_kind="table", table=_TABLE, **_BART),
+    "pegasus": Seq2Seq(pre_norm=True, position_kind="table", table=_TABLE, **_BART),
+    "m2m_100": Seq2Seq(pre_norm=True, position_kind="padded table", **_BART),
+    "led": Seq2Seq(pre_norm=False, position_kind="table", table="max_decoder_position_embeddings", **_BART),
+    "pegasus_x": Seq2Seq(pre_norm=True, position_kind="computed", **_BART),
 }
 # each model type's norms by transformers' attribute names: after the embeddings, after the last layer
 NORMS: dict[str, tuple[str | None, str | None]] = {
@@ -245,17 +245,17 @@ def padded_sinusoids(rows: int, dim: int, padding_idx: int) -> torch.Tensor:
 class Stack(nn.Module):
     """An encoder (:meth:`forward`) or a decoder (its parts, read by the fast backend)."""
 
-    def __init__(self, cfg: Any, family: Seq2Seq, decoder: bool) -> None:
+    def __init__(self, cfg: Any, description: Seq2Seq, decoder: bool) -> None:
         super().__init__()
         side = "decoder" if decoder else "encoder"
         dim, heads = cfg.d_model, getattr(cfg, f"{side}_attention_heads")
         ffn, count = getattr(cfg, f"{side}_ffn_dim"), getattr(cfg, f"{side}_layers")
         self.embed_tokens = embedding(getattr(cfg, f"{side}_vocab_size", None) or cfg.vocab_size, dim)
         self.embed_scale = math.sqrt(dim) if cfg.scale_embedding else 1.0
-        padded = family.positions == "padded table"
+        padded = description.position_kind == "padded table"
         offset = 2 if cfg.model_type in ("bart", "mbart") or padded else 0
         self.embed_positions = Positions(cfg.max_position_embeddings, dim, offset, cfg.pad_token_id if padded else None)
-        act, pre = cfg.activation_function, family.pre_norm
+        act, pre = cfg.activation_function, description.pre_norm
         self.layers = nn.ModuleList(Layer(dim, heads, ffn, act, pre, cross=decoder) for _ in range(count))
         self.norms = NORMS[cfg.model_type]  # by transformers' attribute names
         for name in self.norms:
@@ -288,14 +288,14 @@ class Tree(OwnSeq2Seq):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        family = FAMILIES[config.model_type]
-        assert isinstance(family, Seq2Seq)
+        description = FAMILIES[config.model_type]
+        assert isinstance(description, Seq2Seq)
         dim = config.d_model
         self.model = nn.Module()
         if sharing(config):
             self.model.shared = embedding(config.vocab_size, dim)
-        self.model.encoder = Stack(config, family, decoder=False)
-        self.model.decoder = Stack(config, family, decoder=True)
+        self.model.encoder = Stack(config, description, decoder=False)
+        self.model.decoder = Stack(config, description, decoder=True)
         vocab = self.model.decoder.embed_tokens.num_embeddings
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if config.model_type != "m2m_100":

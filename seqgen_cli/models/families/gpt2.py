@@ -59,6 +59,6 @@ def refuse(config: Any) -> str | None:
 
 FAMILIES: dict[str, Causal] = {
     "gpt2": Causal(
-        reader=gpt2_block, positions="learned", facts=gpt2_facts, table="n_positions", refuse=refuse
+        reader=gpt2_block, position_kind="learned", facts=gpt2_facts, table="n_positions", refuse=refuse
     ),
 }

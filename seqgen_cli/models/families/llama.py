@@ -66,12 +66,12 @@ def llama_facts(model: Any) -> CausalFacts:
     )
 
 
-_LLAMA = Causal(reader=llama_layer, positions="rotary", facts=llama_facts)
+_LLAMA = Causal(reader=llama_layer, position_kind="rotary", facts=llama_facts)
 FAMILIES: dict[str, Causal] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "gemma2": _LLAMA,
-    "gemma3_text": Causal(reader=llama_layer, positions="rotary per layer type", facts=llama_facts),
+    "gemma3_text": Causal(reader=llama_layer, position_kind="rotary per layer type", facts=llama_facts),
 }

@@ -39,4 +39,4 @@ def phi3_layer(layer: nn.Module, int8: bool) -> CausalLayer:
     )
 
 
-FAMILIES: dict[str, Causal] = {"phi3": Causal(reader=phi3_layer, positions="rotary", facts=llama_facts)}
+FAMILIES: dict[str, Causal] = {"phi3": Causal(reader=phi3_layer, position_kind="rotary", facts=llama_facts)}

@@ -112,10 +112,10 @@ def t5_facts(model: Any) -> DecoderFacts:
 # relative positions: T5's ``n_positions`` limits no input (LongT5's is kept as the limit it always was)
 _T5 = dict(reader=t5_block, facts=t5_facts, pre_norm=True, clamp_fp16=True)
 FAMILIES: dict[str, Seq2Seq] = {
-    "t5": Seq2Seq(positions="relative", source_limit=False, **_T5),  # v1.0, v1.1 and Flan-T5
-    "mt5": Seq2Seq(positions="relative", source_limit=False, **_T5),
-    "longt5": Seq2Seq(positions="relative", **_T5),  # the encoder's local / transient-global attention: its own
-    "umt5": Seq2Seq(positions="relative per layer", **_T5),
+    "t5": Seq2Seq(position_kind="relative", source_limit=False, **_T5),  # v1.0, v1.1 and Flan-T5
+    "mt5": Seq2Seq(position_kind="relative", source_limit=False, **_T5),
+    "longt5": Seq2Seq(position_kind="relative", **_T5),  # the encoder's local / transient-global attention: its own
+    "umt5": Seq2Seq(position_kind="relative per layer", **_T5),
 }
 
 

@@ -155,8 +155,8 @@ def _stack_facts(dec: nn.Module) -> DecoderFacts:
 
 _GEMMA = dict(pre_norm=True, source_limit=False)
 FAMILIES: dict[str, Seq2Seq] = {
-    "t5gemma": Seq2Seq(t5gemma_layer, positions="rotary", facts=t5gemma_facts, scale_scores=True, **_GEMMA),
-    "t5gemma2": Seq2Seq(t5gemma2_layer, positions="rotary per layer type", facts=t5gemma2_facts, **_GEMMA),
+    "t5gemma": Seq2Seq(t5gemma_layer, position_kind="rotary", facts=t5gemma_facts, scale_scores=True, **_GEMMA),
+    "t5gemma2": Seq2Seq(t5gemma2_layer, position_kind="rotary per layer type", facts=t5gemma2_facts, **_GEMMA),
 }
 
 
@@ -175,7 +175,7 @@ class Norm(nn.Module):
 
 class Rotary(nn.Module):
     """``T5GemmaRotaryEmbedding`` for the default RoPE: ``inv_freq`` made by :meth:`make` (not a checkpoint weight);
-    ``(x, position_ids [B, P]) -> cos, sin [B, P, d]`` in ``x``'s dtype."""
+    ``(x, position_ids [B, Q]) -> cos, sin [B, Q, d]`` in ``x``'s dtype."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
@@ -188,8 +188,8 @@ class Rotary(nn.Module):
         self.inv_freq = 1.0 / (self.base**exponent)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)  # [B, P, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, P, d]
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)  # [B, Q, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, Q, d]
         return (emb.cos() * 1.0).to(x.dtype), (emb.sin() * 1.0).to(x.dtype)
 
 
