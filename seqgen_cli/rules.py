@@ -34,7 +34,7 @@ GENERATION_KEYS = (
     "repetition_penalty",
     "forced_bos_token_id",
     "forced_eos_token_id",
-    "logprobs",  # seqgen's own (vLLM's name): each token's raw log-prob and the N best (greedy, sampling)
+    "logprobs",  # seqgen's own (vLLM's name): each token's raw log-prob and the N best
     "stop_token_id",  # seqgen's own (vLLM's stop_token_ids): ids that end an output, beside the EOS ids
 )
 FLAG = "flag"  # the source of a setting given on the command line (or to Generator(...))

@@ -41,7 +41,10 @@ def hf_generate(
     given = generation if isinstance(generation, GenerationConfig) else model.generation_config
     # a stop string ends a beam hypothesis without EOS, and its padding may be the EOS id: its length is read from
     # its beam indices (-1 past its end), which generate() returns with the scores only
-    stops = bool(generation.get("stop_strings") if isinstance(generation, dict) else given.stop_strings)
+    def setting(key: str) -> Any:  # a dict's setting, else the model's
+        return generation.get(key, getattr(given, key)) if isinstance(generation, dict) else getattr(given, key)
+
+    stops = bool(setting("stop_strings")) and (setting("num_beams") or 1) > 1  # beam search's only
     out = model.generate(
         batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -51,11 +54,7 @@ def hf_generate(
         **kwargs,
         **extra,
     )
-    eos = (
-        generation.get("eos_token_id", given.eos_token_id)
-        if isinstance(generation, dict)
-        else given.eos_token_id
-    )
+    eos = setting("eos_token_id")
     b = batch.input_ids.shape[0]
     n = out.sequences.shape[0] // b
     rows = [strip_generated(row[start:], eos) for row in out.sequences.tolist()]

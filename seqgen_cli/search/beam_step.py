@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqgen_cli.search.protocol import SearchOutput
+from seqgen_cli.search.protocol import SearchOutput, token_logprobs
 from seqgen_cli.search.settings import SearchSettings
 
 BIG = -1.0e9  # transformers' "impossible" score
@@ -101,16 +101,9 @@ class BeamState:
         per_token = cut("scores") if "scores" in kept else None
         logprobs = None
         if "raw" in kept:
-            raw = cut("raw")
-            ids, best = (cut("best_ids"), cut("best")) if "best" in kept else (None, None)
+            raw, ids, best = cut("raw"), *((cut("best_ids"), cut("best")) if "best" in kept else (None, None))
             logprobs = [
-                [
-                    [
-                        (lp, [] if ids is None or best is None else list(zip(ids[d][i][j], best[d][i][j], strict=True)))
-                        for j, lp in enumerate(raw[d][i])
-                    ]
-                    for i in range(n)
-                ]
+                [token_logprobs(raw[d][i], ids and ids[d][i], best and best[d][i]) for i in range(n)]
                 for d in range(len(raw))
             ]
         return SearchOutput(sequences, scores, per_token, logprobs)

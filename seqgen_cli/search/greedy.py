@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from seqgen_cli.search.protocol import SearchOutput, TokenLogprobs
+from seqgen_cli.search.protocol import SearchOutput, TokenLogprobs, token_logprobs
 from seqgen_cli.search.rows import Leaving, Rows
 from seqgen_cli.search.settings import SearchSettings
 
@@ -121,16 +121,13 @@ class TokenSearch:
         assert self.raw is not None
         r = self.rows.rows_per_input
         raw = self.raw.index_select(0, row_ids).tolist()  # [D * R, T]
-        if self.best is None or self.best_ids is None:
-            best: list = [[[]] * len(row) for row in raw]
-        else:
-            values = self.best.index_select(0, row_ids).tolist()  # [D * R, T, K]
+        ids = best = None
+        if self.best is not None and self.best_ids is not None:
+            best = self.best.index_select(0, row_ids).tolist()  # [D * R, T, K]
             ids = self.best_ids.index_select(0, row_ids).tolist()
-            best = [
-                [list(zip(i, v, strict=True)) for i, v in zip(ri, rv, strict=True)]
-                for ri, rv in zip(ids, values, strict=True)
-            ]
-        rows = [list(zip(raw[i][: lens[i]], best[i][: lens[i]], strict=True)) for i in range(len(raw))]
+        rows = [
+            token_logprobs(raw[i][:n], ids and ids[i][:n], best and best[i][:n]) for i, n in enumerate(lens)
+        ]
         return [rows[j * r : (j + 1) * r] for j in range(d)]
 
     def keep(self, leaving: Leaving) -> None:

@@ -58,6 +58,16 @@ class Batch:
 TokenLogprobs = tuple[float, list[tuple[int, float]]]  # a token's raw log-prob, the step's best (id, log-prob)
 
 
+def token_logprobs(
+    raw: list[float], ids: list[list[int]] | None = None, best: list[list[float]] | None = None
+) -> list[TokenLogprobs]:
+    """One output's ``--logprobs``: each token's raw log-prob beside its step's best ids and log-probs (none where
+    ``--logprobs 0`` keeps none)."""
+    if ids is None or best is None:
+        return [(lp, []) for lp in raw]
+    return [(lp, list(zip(i, v, strict=True))) for lp, i, v in zip(raw, ids, best, strict=True)]
+
+
 @dataclass
 class SearchOutput:
     """Per input, ``num_return_sequences`` generated token lists, best first.
