@@ -45,6 +45,7 @@ class Encoded:
     truncated: bool
     error: str | None = None  # why the model cannot take these ids (a token past its embedding): a bad input
     grammar: Any = None  # what its output must match (structured outputs: its JSONL schema's, or the run's)
+    breaks: tuple[int, ...] = ()  # where its prompt may break into segments (``Prompted.breaks``)
 
 
 # texts and their JSONL objects (or None) -> their tokens (``Generator.encode``)
@@ -87,6 +88,7 @@ class Item:
     record: Any = None  # the caller's own object, handed back in the Result (the pipeline's Record)
     error: str | None = None  # why its tokens cannot run, naming it (``ids`` is then ``None``): a bad input
     grammar: Any = None  # what its output must match (``Encoded.grammar``)
+    breaks: tuple[int, ...] = ()  # where its prompt may break into segments (``Encoded.breaks``)
 
 
 @dataclass
@@ -146,7 +148,7 @@ def tokenise(inputs: Sequence[Input], encode: Encode) -> list[Item]:
             if enc.error is not None:
                 it.error = f"{it.where}: {enc.error}"
             else:
-                it.ids, it.truncated, it.grammar = enc.ids, enc.truncated, enc.grammar
+                it.ids, it.truncated, it.grammar, it.breaks = enc.ids, enc.truncated, enc.grammar, enc.breaks
     return items
 
 
@@ -184,6 +186,17 @@ def pad_ids(
         input_ids[i, cols] = torch.tensor(ids, dtype=torch.long)
         mask[i, cols] = 1
     return input_ids.to(device, non_blocking=pinned), mask.to(device, non_blocking=pinned)
+
+
+def break_table(breaks: Sequence[Sequence[int]], device: Any) -> Any:
+    """Each prompt's breaks (``Encoded.breaks``) as ``Batch.breaks``: [B, K] int64 on ``device``, 0 past a prompt's
+    own; ``None`` where no prompt has one."""
+    import torch
+
+    k = max(map(len, breaks), default=0)
+    if not k:
+        return None
+    return torch.tensor([[*b, *[0] * (k - len(b))] for b in breaks], dtype=torch.long).to(device)
 
 
 T = TypeVar("T")
@@ -371,7 +384,11 @@ class Batcher:
 
 class Generates(Protocol):
     def generate_output(
-        self, batch: Sequence[Sequence[int]], indices: Sequence[int] | None = None, grammars: Sequence[Any] = ()
+        self,
+        batch: Sequence[Sequence[int]],
+        indices: Sequence[int] | None = None,
+        grammars: Sequence[Any] = (),
+        breaks: Sequence[Sequence[int]] = (),
     ) -> Generated: ...
 
 
@@ -390,7 +407,9 @@ def generate_split(gen: Generates, items: list[Item]) -> list[Result]:
     """
     try:
         grammars = [it.grammar for it in items]  # structured outputs: each input's (passed where any has one)
-        own = {"grammars": grammars} if any(g is not None for g in grammars) else {}
+        own: dict[str, Any] = {"grammars": grammars} if any(g is not None for g in grammars) else {}
+        if any(it.breaks for it in items):  # decoder-only prompts with breaks (the prompt tree)
+            own["breaks"] = [it.breaks for it in items]
         out = gen.generate_output([it.ids for it in items], [it.index for it in items], **own)
         scores = out.scores if out.scores is not None else [None] * len(items)
         return [Result(it, seqs, None, sc) for it, seqs, sc in zip(items, out.sequences, scores, strict=True)]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from seqgen_cli.batching import (
     ItemBatch,
     Result,
     Scored,
+    break_table,
     default_window,
     generate_split,
     pad_ids,
@@ -251,7 +253,7 @@ class Generator(BatchLayers):
         """How an input becomes its prompt (``prompts.py``), and the longest input the model takes."""
         self.prompt = prompt_settings(spec.prompt, spec.prefix, self.preset, lang_prefix)
         self.prefix = self.prompt.prefix
-        self.prompter = Prompter(self.prompt, self.tokenizer)  # a chat template that cannot render fails here
+        self.prompter = Prompter(self.prompt, self.tokenizer, breaks=not self.is_encoder_decoder)  # renders or fails
         requested = spec.max_source_length or getattr(self.preset, "max_source_length", None)
         self.max_source_length = self._source_limit(requested)
         self.limit_said = source_limit_said(self, requested, from_flag=spec.max_source_length is not None)
@@ -273,7 +275,7 @@ class Generator(BatchLayers):
         self.budget = DeviceBudget.read(self.loaded.device)  # what batches and the kept states are held to
         self._sizing: Any = None  # generate()'s caches as the generic backend counts them (hf backend)
         if self.loaded.int8:  # --dtype int8: the int8 fast backend, or transformers' model quantized in place
-            int8 = to_int8(self.model, fast=self.backend == "fast", head=self.prompter.head())
+            int8 = to_int8(self.model, fast=self.backend == "fast")
             if int8 is not None:
                 self.model_backend(int8)
         # --refill where the backend has lanes (a fast family's RefillBackend; a CapturedBackend wraps only those)
@@ -316,8 +318,8 @@ class Generator(BatchLayers):
     def model_backend(self, backend: Any = None) -> Any:
         """The model backend the search runs on (built on first use, or ``backend``), behind the capture path."""
         if self._model_backend is None:
-            with startup.stage("fast backend"):  # head: what every prompt begins with, computed once
-                backend = get_backend(self.model, head=self.prompter.head()) if backend is None else backend
+            with startup.stage("fast backend"):
+                backend = get_backend(self.model) if backend is None else backend
             # capture.capture, looked up at each call (the tests replace it)
             self._model_backend, self._step_path = capture.capture(
                 backend, self.loaded.device, self.spec.capture
@@ -363,23 +365,22 @@ class Generator(BatchLayers):
         JSONL object), at most ``max_source_length``; ``error``: why an input has none (a bad input)."""
         fields = fields or [None] * len(texts)
         prompted = self.prompter.encode(texts, fields, self.max_source_length, self.limit_said)
-        vocabulary, config = self.input_vocabulary, self.model.config
-        encoded = [
-            Encoded(p.ids, p.truncated, p.error or unknown_token(self.tokenizer, config, vocabulary, p.ids))
-            for p in prompted
-        ]
+        unknown = partial(unknown_token, self.tokenizer, self.model.config, self.input_vocabulary)
+        encoded = [Encoded(p.ids, p.truncated, p.error or unknown(p.ids), breaks=p.breaks) for p in prompted]
         return [input_grammar(self.grammars, f, e) for e, f in zip(encoded, fields, strict=True)]
 
     def detokenise(self, sequences: Sequence[Sequence[int]]) -> list[str]:
         """Token ids to text, special tokens removed (the tokenizer's ``batch_decode``)."""
         return self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
 
-    def pad(self, batch: Sequence[Sequence[int]]) -> Batch:
-        """[B, S] ids and mask (:func:`~.batching.pad_ids`) at the widest input's width; ``widths``: each one's."""
+    def pad(self, batch: Sequence[Sequence[int]], breaks: Sequence[Sequence[int]] = ()) -> Batch:
+        """[B, S] ids and mask (:func:`~.batching.pad_ids`) at the widest input's width; ``widths``: each one's;
+        ``breaks``: each decoder-only prompt's (``Encoded.breaks``), for the prompt tree."""
         limit = self._source_limit(None)
         widths = tuple(len(ids) if self.exact_widths else input_width(len(ids), limit) for ids in batch)
         left, device = not self.is_encoder_decoder, self.loaded.device
-        return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device), widths)
+        table = break_table(breaks, device) if left else None
+        return Batch(*pad_ids(batch, max(widths), self.tokenizer.pad_token_id, left, device), widths, table)
 
     def device_stats(self) -> dict[str, Any]:
         """Where and how the model runs (``--stats``, closing line): :func:`device_stats`."""
@@ -421,14 +422,16 @@ class Generator(BatchLayers):
         batch: Sequence[Sequence[int]],
         indices: Sequence[int] | None = None,
         grammars: Sequence[Any] = (),
+        breaks: Sequence[Sequence[int]] = (),
     ) -> Generated:
         """:meth:`generate_ids`' sequences, with their scores where the generator gives them (``scores``);
-        ``grammars``: each input's (its JSONL schema's; default: the run's)."""
+        ``grammars``: each input's (its JSONL schema's; default: the run's); ``breaks``: each prompt's
+        (``Encoded.breaks``)."""
         if not batch:
             return Generated([])
         if any(len(ids) == 0 for ids in batch):
             raise SeqgenError("cannot generate from an empty token sequence")
-        padded, want = self.pad(batch), bool(self.config.output_scores)
+        padded, want = self.pad(batch, breaks), bool(self.config.output_scores)
         own = list(grammars) if any(g is not None and g is not self.grammar for g in grammars) else None
         grammar = self.grammar if own is None else own
         guides = {"stop": self.stop_check, "grammar": grammar}  # stop strings, grammars

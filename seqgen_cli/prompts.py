@@ -32,6 +32,7 @@ from typing import Any
 
 from seqgen_cli.errors import SeqgenError
 
+Offsets = list[tuple[int, int]]  # each token's span of the prompt's text (a fast tokenizer's offset mapping)
 FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")  # a {name} of a --prompt-template
 # apply_chat_template's own parameters: a --chat-template-kwargs key among them would replace seqgen's argument
 CALL_KEYS = frozenset(
@@ -70,18 +71,22 @@ class PromptSettings:
 
 @dataclass
 class Prompted:
-    """One input's tokens: ``ids``; ``truncated``: its text was shortened to fit; ``error``: why it has none."""
+    """One input's tokens: ``ids``; ``truncated``: its text was shortened to fit; ``error``: why it has none;
+    ``breaks``: where its prompt may break into segments (:meth:`Prompter.breaks`)."""
 
     ids: list[int]
     truncated: bool = False
     error: str | None = None
+    breaks: tuple[int, ...] = ()
 
 
 class Prompter:
     """Renders inputs with :class:`PromptSettings` and tokenises them (module docstring)."""
 
-    def __init__(self, settings: PromptSettings, tokenizer: Any) -> None:
+    def __init__(self, settings: PromptSettings, tokenizer: Any, breaks: bool = False) -> None:
+        """``breaks``: find each prompt's breaks (a decoder-only model's prompt tree; a fast tokenizer's offsets)."""
         self.settings, self.tokenizer = settings, tokenizer
+        self.find_breaks = breaks and bool(getattr(tokenizer, "is_fast", False))
         if settings.chat and settings.chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise SeqgenError(
                 "--chat: the tokenizer has no chat template (no chat_template in tokenizer_config.json nor a "
@@ -111,27 +116,6 @@ class Prompter:
             messages = [{"role": "system", "content": s.system_prompt}, *messages]
         return self._chat(messages, _tools(fields))
 
-    def head(self) -> list[int]:
-        """The tokens every prompt of these settings begins with, whatever the input: the chat template's system
-        turn, few-shot examples, a template's text before the input (``[]`` where the prompt is the input alone).
-        A decoder-only model computes their keys and values once (``DecoderOnlyBackend.share``). Found as what two
-        inputs with no first character in common share, less its last token (another input's first characters
-        may merge with it); a prompt that does not begin with it (a JSONL conversation) is prefilled whole."""
-        s = self.settings
-        if not (s.prefix or s.template is not None or s.chat):
-            return []
-        rendered = []
-        for probe in ("Xq 1", "7 zY"):
-            names = dict.fromkeys(FIELD.findall(s.template or ""), probe)
-            names.pop("messages", None)
-            try:
-                rendered.append(self._tokens(self.render(probe, names)))
-            except SeqgenError:
-                return []
-        a, b = rendered
-        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        return a[: max(0, same - 1)]
-
     def encode(
         self,
         texts: Sequence[str],
@@ -150,24 +134,32 @@ class Prompter:
                 out.append(Prompted([], error=str(err)))
         return out
 
-    def _tokens(self, prompt: str) -> list[int]:
+    def _tokens(self, prompt: str, limit: int | None = None) -> tuple[list[int], Offsets | None]:
+        """The prompt's tokens (at most ``limit``: the tokenizer's own truncation) and, where breaks are wanted,
+        each token's span of the text."""
         # a chat template writes the special tokens itself (apply_chat_template(tokenize=True) adds none)
-        return self.tokenizer(prompt, add_special_tokens=not self.settings.chat)["input_ids"]
+        cut: dict[str, Any] = {} if limit is None else {"truncation": True, "max_length": limit}
+        out = self.tokenizer(
+            prompt, add_special_tokens=not self.settings.chat, return_offsets_mapping=self.find_breaks, **cut
+        )
+        return out["input_ids"], out.get("offset_mapping")
 
     def _fit(self, text: str, fields: Mapping[str, Any] | None, limit: int | None, said: str) -> Prompted:
         """The tokens of the rendered prompt; over ``limit``, a plain prompt cut at its end (as the tokenizer's own
         truncation), a templated one rendered again around its input text cut short by as many tokens as it is
         over (again, should the shorter text tokenise otherwise), never the template's tokens."""
-        ids = self._tokens(self.render(text, fields))
+        prompt = self.render(text, fields)
+        ids, offsets = self._tokens(prompt)
         if limit is None or len(ids) <= limit:
-            return Prompted(ids)
+            return Prompted(ids, breaks=self.breaks(prompt, offsets, text, fields))
         s = self.settings
         if s.template is None and not s.chat:
-            ids = self.tokenizer((s.prefix or "") + text, truncation=True, max_length=limit)["input_ids"]
+            prompt = (s.prefix or "") + text
+            ids, offsets = self._tokens(prompt, limit)
             if ids == self.tokenizer(s.prefix or "", truncation=True, max_length=limit)["input_ids"]:
                 what = "--prefix and the special tokens" if s.prefix else "special tokens"
                 raise SeqgenError(_nothing_left(limit, said, what))
-            return Prompted(ids, True)
+            return Prompted(ids, True, breaks=self.breaks(prompt, offsets, text, fields))
         messages = _messages(fields)
         cut = _last_user(messages) if messages else None  # the text cut: the input, or the last user message's
         if messages and cut is None:
@@ -181,16 +173,55 @@ class Prompter:
             if messages:
                 shortened = [*messages[:cut], {**messages[cut], "content": short}, *messages[cut + 1 :]]
                 fields = {**fields, "messages": shortened}  # type: ignore[dict-item]
-                ids = self._tokens(self.render(text, fields))
             else:
-                ids = self._tokens(self.render(short, fields))
+                text = short
+            prompt = self.render(text, fields)
+            ids, offsets = self._tokens(prompt)
         if len(ids) > limit:
             raise SeqgenError(
                 f"the prompt's template alone takes {len(ids)} tokens, more than {limit} ({said})"
             )
         if keep == 0:  # the template fits, the input does not: an output of the template alone is no output
             raise SeqgenError(_nothing_left(limit, said, "the prompt's template"))
-        return Prompted(ids, True)
+        return Prompted(ids, True, breaks=self.breaks(prompt, offsets, text, fields))
+
+    def breaks(
+        self, prompt: str, offsets: Offsets | None, text: str, fields: Mapping[str, Any] | None
+    ) -> tuple[int, ...]:
+        """Where ``prompt`` may break into segments whose keys and values other prompts may share
+        (``models/prompt_tree.py``): after each message of a conversation but the last (a system turn, few-shot
+        examples), and before the input's text where something comes before it (a prefix, a template's text, a
+        system prompt). Each as the count of tokens wholly before that point of the text: found in the prompt's
+        own text, so they do not depend on other inputs. ``()`` without offsets (a slow tokenizer)."""
+        if offsets is None:
+            return ()
+        marks, at = [], 0
+        for piece, after in self._marks(text, fields):
+            piece = piece.strip()
+            found = prompt.find(piece, at) if piece else -1
+            if found > 0:
+                at = found + len(piece)
+                # before the input: also before the spaces before it (a tokenizer may join them to its first word)
+                marks.append(at if after else len(prompt[:found].rstrip()))
+        counts, n = [], 0
+        for mark in marks:
+            while n < len(offsets) and offsets[n][1] <= mark:
+                n += 1
+            counts.append(n)
+        return tuple(b for b in dict.fromkeys(counts) if 0 < b < len(offsets))
+
+    def _marks(self, text: str, fields: Mapping[str, Any] | None) -> list[tuple[str, bool]]:
+        """The texts that mark a prompt's breaks, in the order the prompt has them: ``(text, True)`` breaks after
+        it (a message), ``(text, False)`` before it (the input)."""
+        s = self.settings
+        given = _messages(fields) if s.chat else None
+        if given is None:  # the input's text, after a prefix, a template's text, a system prompt
+            lead = [(s.system_prompt, True)] if s.chat and s.system_prompt is not None else []
+            return [*lead, (text, False)]
+        messages = given
+        if s.system_prompt is not None and not any(m.get("role") == "system" for m in given):
+            messages = [{"role": "system", "content": s.system_prompt}, *given]
+        return [(_content_text(m.get("content")), True) for m in messages[:-1]]
 
     def _chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
         """The chat template over ``messages`` (and ``tools``): the assistant's turn opened, or, where the conversation
@@ -295,6 +326,14 @@ def _message(m: Any) -> bool:
     if isinstance(content, list):
         return all(isinstance(part, dict) and isinstance(part.get("type"), str) for part in content)
     return isinstance(content, str) or (content is None and isinstance(m.get("tool_calls"), list))
+
+
+def _content_text(content: Any) -> str:
+    """A message's text as a template writes it: the content, or its last text part's; ``""`` for none."""
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part.get("text"), str)]
+        return texts[-1] if texts else ""
+    return content if isinstance(content, str) else ""
 
 
 def _last_user(messages: list[dict[str, Any]]) -> int | None:

@@ -291,10 +291,15 @@ def beyond_ties(
     return out
 
 
-def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | None = None) -> Agreement:
+def verify(
+    gen: Generator,
+    ids: Sequence[Sequence[int]],
+    names: Sequence[str] | None = None,
+    breaks: Sequence[Sequence[int]] | None = None,
+) -> Agreement:
     """``ids`` (a batch of token ids, or its batches as the run cuts them: :func:`batches_as_run`) through the
-    Generator's own path and through ``generate()`` on the same device and dtype; near-ties within the dtype's
-    :func:`tolerance`."""
+    Generator's own path (``breaks``: each prompt's, as the run has them) and through ``generate()`` on the same
+    device and dtype; near-ties within the dtype's :func:`tolerance`."""
     if gen.backend != "fast":
         return Agreement(note="the backend is generate() itself")
     if gen.loaded.int8:
@@ -312,7 +317,7 @@ def verify(gen: Generator, ids: Sequence[Sequence[int]], names: Sequence[str] | 
         agreement = Agreement()
         for group in batches_as_run(gen, ids):
             part = [ids[i] for i in group]
-            ours = gen.generate_ids(part)
+            ours = gen.generate_output(part, breaks=[breaks[i] for i in group] if breaks else ()).sequences
             with torch.inference_mode():
                 agreement.add(
                     compare(
@@ -370,7 +375,8 @@ def self_check(
     encoded = gen.encode([r.text for r in usable], [getattr(r, "fields", None) for r in usable]) if usable else []
     usable = [r for r, e in zip(usable, encoded, strict=True) if e.error is None]  # the run names the others
     ids = [e.ids for e in encoded if e.error is None]
-    agreement = verify(gen, ids, names=[r.where for r in usable])
+    breaks = [e.breaks for e in encoded if e.error is None]
+    agreement = verify(gen, ids, names=[r.where for r in usable], breaks=breaks)
     if strict and agreement.mismatches:
         where = ", ".join(agreement.differing[:3]) + (", ..." if len(agreement.differing) > 3 else "")
         raise SeqgenError(

@@ -232,21 +232,75 @@ FEW_SHOT = (
 @pytest.mark.parametrize("beams", [1, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_few_shot_prompt_is_prefilled_once_with_generates_tokens(chat_models, tmp_path: Path, family: str, beams: int) -> None:
-    """A few-shot ``--prompt-template``: its head is prefilled once per run (``--stats`` ``device.shared_prompt``),
-    each input's own tokens over it, in batches and on refill lanes, with the tokens of generate() on each whole
-    prompt alone."""
+    """A few-shot ``--prompt-template``: the text before the input is one segment of the prompt tree, prefilled once
+    per run (``--stats`` ``device.prompt_tree``), each input's own tokens over it, in batches and on refill lanes,
+    with the tokens of generate() on each whole prompt alone."""
     model, texts = chat_models[family], _texts(6)
     src = write_lines(tmp_path / "in.txt", texts)
     tok = AutoTokenizer.from_pretrained(model)
     expected = _alone(model, [tok(FEW_SHOT.replace("{input}", t))["input_ids"] for t in texts], num_beams=beams)
+    head = len(tok(FEW_SHOT.split("{input}")[0].rsplit(" ", 1)[0])["input_ids"])  # its tokens, at least
     for refill in ("--no-refill", "--refill"):
         out, stats = tmp_path / f"out{refill}.txt", tmp_path / f"s{refill}.json"
         args = ["--prompt-template", FEW_SHOT, "--num-beams", str(beams), "--batch-size", "4", refill, "--stats", str(stats)]
         res = _run(model, src, out, *args)
         assert res.exit_code == 0, res.stderr
         assert out.read_text(encoding="utf-8").splitlines() == expected, refill
-        shared = json.loads(stats.read_text(encoding="utf-8"))["device"]["shared_prompt"]
-        assert shared["tokens"] >= 20 and shared["prefills"] == 1 and shared["inputs"] == len(texts), shared
+        tree = json.loads(stats.read_text(encoding="utf-8"))["device"]["prompt_tree"]
+        assert tree["segments"] == 1 + len(texts) and tree["shared"] == 1, tree  # the head once, each input's own
+        assert tree["saved"] >= (len(texts) - 1) * head, tree
+
+
+def _few_shot(task: str, examples: int) -> list[dict[str, str]]:
+    """A system turn (``task``) and ``examples`` user/assistant pairs."""
+    pairs = [(f"example question {i} about {task} and more words", f"the answer {i} to it, in a sentence") for i in range(examples)]
+    turns = [m for q, a in pairs for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+    return [{"role": "system", "content": f"You do {task}. Answer briefly, in one sentence, as the examples do."}, *turns]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conversations_share_every_common_prefix_with_generates_tokens(chat_models, tmp_path: Path, family: str) -> None:
+    """JSONL ``messages`` conversations of several tasks (each its own system turn and few-shot examples, some with
+    fewer examples): every message they share is prefilled once per run (``--stats`` ``device.prompt_tree``), in
+    batches and on refill lanes, with the tokens of generate() on each whole conversation alone (before: nothing
+    shared, every prompt prefilled whole)."""
+    model, texts = chat_models[family], _texts(8)
+    heads = [_few_shot("translation", 2), _few_shot("summaries", 2), _few_shot("translation", 1)]
+    conversations = [[*heads[i % 3], {"role": "user", "content": t}] for i, t in enumerate(texts)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations), encoding="utf-8")
+    expected = _alone(model, _chat_ids(model, conversations))
+    for refill in ("--no-refill", "--refill"):
+        out, stats = tmp_path / f"out{refill}.txt", tmp_path / f"s{refill}.json"
+        res = _run(model, src, out, "--chat", "--batch-size", "3", refill, "--stats", str(stats))
+        assert res.exit_code == 0, res.stderr
+        assert out.read_text(encoding="utf-8").splitlines() == expected, refill
+        tree = json.loads(stats.read_text(encoding="utf-8"))["device"]["prompt_tree"]
+        assert tree["shared"] >= 4 and tree["saved"] > tree["tokens"], tree  # two systems, their examples
+
+
+def test_breaks_fall_after_each_message_and_before_the_input_the_same_for_every_prompt_that_shares_them(chat_models) -> None:
+    """``Prompter.breaks``: after each message of a conversation but the last and before the input's text (after a
+    system prompt, a template's instruction), each a token count whose tokens every prompt with the same text up
+    to there has too; none without a fast tokenizer's offsets, none asked for (an encoder-decoder)."""
+    tok = AutoTokenizer.from_pretrained(chat_models["llama"])
+    settings = PromptSettings(chat=True, system_prompt="You translate news. Answer briefly.", template="In German: {input}")
+    texted = Prompter(settings, tok, breaks=True)
+    a, b = (texted.encode([t], [None], None)[0] for t in ("The cat sleeps.", "Nobody came to the old house."))
+    assert len(a.breaks) == 2 and a.breaks == b.breaks, (a.breaks, b.breaks)
+    assert a.ids[: a.breaks[-1]] == b.ids[: b.breaks[-1]] and a.ids[a.breaks[-1]] != b.ids[b.breaks[-1]]
+    assert tok.decode(a.ids[: a.breaks[0]]).endswith("Answer briefly.") and "German" not in tok.decode(a.ids[: a.breaks[0]])
+    chat = Prompter(PromptSettings(chat=True), tok, breaks=True)
+    first = [{"role": "system", "content": "You answer questions."}, {"role": "user", "content": "What is two and two?"},
+             {"role": "assistant", "content": "Four."}]  # fmt: skip
+    convo = [chat.encode([""], [{"messages": [*first, {"role": "user", "content": q}]}], None)[0] for q in ("Why?", "And three?")]
+    other = chat.encode([""], [{"messages": [*first[:2], {"role": "assistant", "content": "Five."}]}], None)[0]
+    assert len(convo[0].breaks) == 3 and convo[0].breaks == convo[1].breaks
+    assert convo[0].ids[: convo[0].breaks[-1]] == convo[1].ids[: convo[1].breaks[-1]]
+    assert other.breaks == convo[0].breaks[:2] and other.ids[: other.breaks[-1]] == convo[0].ids[: other.breaks[-1]]
+    assert Prompter(settings, tok).encode(["The cat sleeps."], [None], None)[0].breaks == ()
+    slow = Prompter(PromptSettings(prefix="Translate: "), type("Slow", (), {"is_fast": False})(), breaks=True)
+    assert slow.find_breaks is False  # a slow tokenizer has no offsets
 
 
 def test_a_jsonl_input_is_a_text_or_a_conversation_never_both(chat_models, tmp_path: Path) -> None:

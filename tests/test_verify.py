@@ -175,9 +175,9 @@ def test_a_compiled_step_off_from_its_first_replay_is_caught(tiny_models) -> Non
 def test_out_of_memory_while_verifying_is_reported(tiny_models, monkeypatch) -> None:
     gen = _gen(tiny_models)
 
-    def oom(batch: Any) -> Any:
+    def oom(batch: Any, *args: Any, **kwargs: Any) -> Any:
         raise torch.cuda.OutOfMemoryError("CUDA error: tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(gen, "generate_ids", oom)
+    monkeypatch.setattr(gen, "generate_output", oom)
     result = verify(gen, [e.ids for e in gen.encode(TEXTS)])
     assert result.note == "out of memory checking 4 inputs" and result.total == 0

@@ -12,7 +12,6 @@ every other model is quantized in place (its ``nn.Linear`` layers,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from seqgen_cli.models import linear_maps
@@ -69,8 +68,8 @@ def own_widths(backend: ModelBackend) -> bool:
     return isinstance(inner_backend(backend), EncoderDecoderBackend)
 
 
-def to_int8(model: PreTrainedModel, fast: bool, head: Sequence[int] = ()) -> ModelBackend | None:
-    """``--dtype int8``: the int8 fast backend (``fast``; ``head`` as :func:`get_backend`'s), or ``None`` with every
+def to_int8(model: PreTrainedModel, fast: bool) -> ModelBackend | None:
+    """``--dtype int8``: the int8 fast backend (``fast``), or ``None`` with every
     linear layer of ``model`` in int8 in place (the generic backend and ``generate()``), the quantized weights from,
     or into, the disk cache."""
     from seqgen_cli import startup
@@ -79,7 +78,7 @@ def to_int8(model: PreTrainedModel, fast: bool, head: Sequence[int] = ()) -> Mod
     linear_maps.use_int8_engine()  # before the cache's key and any packing
     with session(model), startup.stage("int8 weights"):
         if fast:
-            return get_backend(model, int8=True, head=head)
+            return get_backend(model, int8=True)
         quantize_linears(model)
         return None
 
@@ -94,18 +93,12 @@ def model_types() -> list[tuple[str, str]]:
     return rows + [(name, f"transformers generate() ({why})") for name, why in NO_BACKEND.items()]
 
 
-def get_backend(
-    model: PreTrainedModel, *, generic: bool = False, int8: bool = False, head: Sequence[int] = ()
-) -> ModelBackend:
+def get_backend(model: PreTrainedModel, *, generic: bool = False, int8: bool = False) -> ModelBackend:
     """The fast backend for ``model`` if its family has one, else (or if ``generic``) the generic one, which
     carries the reason (``GenericBackend.reason``; :func:`backend_name`).
 
-    ``int8``: linear layers in int8 (CPU); the model is modified in place. ``head``: the tokens every prompt begins
-    with (``prompts.Prompter.head``), whose keys and values a decoder-only fast decoder computes once
-    (``DecoderOnlyBackend.share``)."""
+    ``int8``: linear layers in int8 (CPU); the model is modified in place."""
     backend, reason = (None, "asked for") if generic else _fast_or_reason(model, int8)
-    if isinstance(backend, DecoderOnlyBackend):
-        backend.share(head)
     if backend is not None:
         return backend
     if int8:
@@ -115,14 +108,15 @@ def get_backend(
 
 def backend_stats(backend: ModelBackend) -> dict[str, Any]:
     """``--stats`` ``device``'s keys of the backend: ``engine`` (:func:`backend_name`), on the CPU ``cpu_isa`` and
-    ``linear_maps`` (what runs the products: :func:`~.linear_maps.kernel`) and, where prompts share a head
-    (``DecoderOnlyBackend.share``), ``shared_prompt``: its tokens, how often it was prefilled, the inputs over it."""
+    ``linear_maps`` (what runs the products: :func:`~.linear_maps.kernel`) and, where prompts went through the
+    prompt tree (``prompt_tree.PromptTree.stats``), ``prompt_tree``: the segments computed, those shared, the
+    tokens prefilled in segments and the tokens reused instead."""
     inner = inner_backend(backend)  # the capture wrapper's wrapped backend
     out: dict[str, Any] = {"engine": backend_name(backend)}
     if isinstance(inner, FastBackend) and inner.model.device.type == "cpu":  # generic: transformers' maps
         out |= {"cpu_isa": linear_maps.cpu_isa(), "linear_maps": linear_maps.kernel(inner.model.dtype, inner.int8)}
-    shared = inner.prefill.shared if isinstance(inner, DecoderOnlyBackend) else None
-    return out | ({"shared_prompt": dict(shared)} if shared and shared["tokens"] else {})
+    tree = inner.prefill.tree.stats if isinstance(inner, DecoderOnlyBackend) else None
+    return out | ({"prompt_tree": dict(tree)} if tree and tree["segments"] else {})
 
 
 def backend_name(backend: ModelBackend) -> str:

@@ -16,7 +16,6 @@ the model's own forward in float32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,11 +44,11 @@ class DecoderOnlyState:
 def left_width(batch: Batch, rows: Tensor, width: int) -> Batch:
     """Rows ``rows`` ([J] int64) of left-padded prompts [B, W], as ``width`` columns: the last ``width``, or padded
     on the left (masked) to ``width`` -> [J, width]."""
-    ids = batch.input_ids.index_select(0, rows)
-    mask = batch.attention_mask.index_select(0, rows)
+    chosen = batch.select(rows)
+    ids, mask = chosen.input_ids, chosen.attention_mask
     if width <= ids.shape[1]:
-        return Batch(ids[:, ids.shape[1] - width :], mask[:, mask.shape[1] - width :])
-    return Batch(ids, mask).padded(ids.shape[0], width, left=True)
+        return Batch(ids[:, ids.shape[1] - width :], mask[:, mask.shape[1] - width :], breaks=chosen.breaks)
+    return chosen.padded(ids.shape[0], width, left=True)
 
 
 class DecoderOnlyBackend:
@@ -91,10 +90,6 @@ class DecoderOnlyBackend:
         for layer in self.layers:
             x = layer(x, step)  # [N, D]
         return soft_cap(self.lm(self.ln_final(x)).float(), self.final_softcap)  # [N, V]
-
-    def share(self, head: Sequence[int]) -> None:
-        """Prompts that begin with ``head`` have its keys and values computed once (``Prefill.share``)."""
-        self.prefill.share(head)
 
     @torch.inference_mode()
     def start(

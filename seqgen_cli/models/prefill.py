@@ -1,15 +1,15 @@
 """The decoder-only decoder's prefill: the prompts through the model's own base forward, once per *input*.
 
 Left-padded prompts, position ids as ``generate()`` builds them; every layer's keys and values come back for the
-backend's cache (``kv_cache.DecoderOnlyKVCache``) and the last position's logits for the search's first step. Where
-the run's prompts begin with a shared head (a system prompt, few-shot examples: ``prompts.Prompter.head``), its keys
-and values are computed once and each prompt's own tokens prefilled over them (:meth:`Prefill.over_head`).
+backend's cache (``kv_cache.DecoderOnlyKVCache``) and the last position's logits for the search's first step. A
+prompt with breaks (``Batch.breaks``: after a conversation's messages, before the input's text) is prefilled
+segment by segment through the run's prompt tree (``prompt_tree.py``), so any segment that prompts share (a system
+turn, few-shot examples, a task's instruction) is computed once per run.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,9 +18,9 @@ from torch import Tensor
 
 from seqgen_cli.models.attention import soft_cap
 from seqgen_cli.models.linear_maps import dense
+from seqgen_cli.models.prompt_tree import Key, PromptTree, segment_ends
 from seqgen_cli.search.protocol import Batch
-
-MIN_SHARED = 8  # tokens of a shared prompt head worth a forward of its own (:meth:`Prefill.share`)
+from seqgen_cli.shapes import input_width
 
 Prefilled = tuple[list[Tensor], list[Tensor], Tensor]  # per layer K and V [B, Hkv, W, d], last logits [B, V]
 
@@ -37,47 +37,47 @@ def check_batch(batch: Batch) -> None:
         raise ValueError("decoder-only prompts must be left-padded")
 
 
+
 class Prefill:
     """``prefill(batch)``: left-padded prompts [B, W] -> per layer K/V [B, Hkv, W, d] and the last position's
     logits [B, V] (float32, soft-capped at ``final_softcap``): the model's own base forward over each prompt
-    (:meth:`forward`), or over its own tokens past the shared head (:meth:`over_head`) where it begins with it.
-    ``shared``: the head's counts for ``--stats`` (``device.shared_prompt``)."""
+    (:meth:`forward`), or segment by segment through the run's prompt tree (:meth:`through_tree`) where it has
+    breaks. (A RoPE that depends on the call's length, whose segments would get other frequencies than the whole
+    prompt, has no fast backend: ``families.refusal``.)"""
 
     def __init__(self, model: torch.nn.Module, final_softcap: float | None) -> None:
         self.model, self.base, self.final_softcap = model, model.base_model, final_softcap
         # the cache argument of the base forward: ``cache`` (transformers >= 5.24), before ``past_key_values``
         params = inspect.signature(self.base.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.share(())  # no shared prompt head until the Generator gives one
-
-    def share(self, head: Sequence[int]) -> None:
-        """Prompts that begin with ``head`` (tokens every prompt of the run's settings begins with: a system prompt,
-        few-shot examples, a template's text before the input; ``prompts.Prompter.head``) have its keys and values
-        computed once, at its first use, and only their own tokens prefilled over them. A head under
-        ``MIN_SHARED`` tokens is not worth a forward of its own."""
-        device = self.model.get_output_embeddings().weight.device
-        self.head = torch.tensor(list(head), device=device) if len(head) >= MIN_SHARED else None  # [P]
-        self.head_kv: tuple[list[Tensor], list[Tensor]] | None = None
-        tokens = 0 if self.head is None else len(self.head)
-        self.shared = {"tokens": tokens, "prefills": 0, "inputs": 0}  # --stats: device.shared_prompt
+        self.tree = PromptTree()
 
     def __call__(self, batch: Batch) -> Prefilled:
-        """Each group of prompts (over the head, or whole) apart, then merged in the batch's order."""
-        over = self.begins_with_head(batch)
-        if over is None or not bool(over.any()):
+        """The prompts with more than one segment through the tree, the others whole, merged in the batch's order."""
+        split = self.splits(batch)
+        if split is None or not any(split):
             return self.forward(batch)
-        if bool(over.all()):
-            return self.over_head(batch)
-        ids, mask, merged = batch.input_ids, batch.attention_mask, None
-        for rows, prefill in ((over, self.over_head), (~over, self.forward)):
-            k, v, lg = prefill(Batch(ids[rows], mask[rows]))
+        if all(split):
+            return self.through_tree(batch)
+        b, merged = len(split), None
+        tree = torch.tensor(split, device=batch.input_ids.device)  # [B] bool
+        for rows, prefill in ((tree, self.through_tree), (~tree, self.forward)):
+            k, v, lg = prefill(batch.select(rows))
             if merged is None:  # [B, ...] each: every layer's K and V, the logits
-                merged = [x.new_empty((ids.shape[0], *x.shape[1:])) for x in (*k, *v, lg)]
+                merged = [x.new_empty((b, *x.shape[1:])) for x in (*k, *v, lg)]
             at = rows.nonzero()[:, 0]  # [B_g]
             for dst, src in zip(merged, (*k, *v, lg), strict=True):
                 dst.index_copy_(0, at, src)
         n = len(k)
         return merged[:n], merged[n : 2 * n], merged[-1]
+
+    def splits(self, batch: Batch) -> list[bool] | None:
+        """Which prompts of ``batch`` split into more than one segment (``prompt_tree.segment_ends``); ``None``
+        without breaks."""
+        if batch.breaks is None:
+            return None
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        return [len(segment_ends(n, b)) > 1 for n, b in zip(lengths, batch.breaks.tolist(), strict=True)]
 
     def forward(self, batch: Batch) -> Prefilled:
         """The model's own base forward over left-padded prompts [B, W] (position ids as ``generate()`` builds them):
@@ -107,57 +107,88 @@ class Prefill:
         lm_head = self.model.get_output_embeddings()
         return soft_cap(dense(hidden, lm_head.weight, lm_head.bias).float(), self.final_softcap)
 
-    def begins_with_head(self, batch: Batch) -> Tensor | None:
-        """Which prompts of ``batch`` ([B, W] left-padded) begin with the shared head and go on past it: bool [B];
-        ``None`` without a head."""
-        if self.head is None:
-            return None
-        ids, mask = batch.input_ids, batch.attention_mask
-        p, w = len(self.head), ids.shape[1]
-        if p >= w:
-            return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-        lengths = mask.sum(dim=1)  # [B]
-        # [B, P]: each prompt's first P columns
-        cols = (w - lengths)[:, None] + torch.arange(p, device=ids.device)
-        return (ids.gather(1, cols.clamp(max=w - 1)) == self.head).all(dim=1) & (lengths > p)  # [B]
+    def through_tree(self, batch: Batch) -> Prefilled:
+        """Prompts [B, W] (left-padded, with ``breaks``) segment by segment: each prompt's kept segments from the
+        tree, then round by round every prompt's next segment (once for the prompts that share it, grouped by
+        their widths: :meth:`over`), kept for later prompts. Returns what :meth:`forward` returns, the K/V laid out
+        as the whole left-padded prompts'."""
+        assert batch.breaks is not None
+        w = batch.input_ids.shape[1]
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        prompts = [row[w - n :] for row, n in zip(batch.input_ids.tolist(), lengths, strict=True)]
+        ends = [segment_ends(n, b) for n, b in zip(lengths, batch.breaks.tolist(), strict=True)]
+        chains = [self.tree.chain(p, e) for p, e in zip(prompts, ends, strict=True)]  # each: [L, 2, Hkv, s, d]
+        last: list[Tensor | None] = [None] * len(prompts)  # each prompt's last hidden state [D]
+        while todo := [i for i, chain in enumerate(chains) if len(chain) < len(ends[i])]:
+            takers: dict[Key, list[int]] = {}  # a segment (the tokens up to its end) -> the prompts that take it
+            for i in todo:
+                takers.setdefault(tuple(prompts[i][: ends[i][len(chains[i])]]), []).append(i)
+            groups: dict[tuple[int, int], list[Key]] = {}  # segments by (prefix width, segment width)
+            for key in takers:
+                a = sum(int(kv.shape[3]) for kv in chains[takers[key][0]])
+                groups.setdefault((input_width(a) if a else 0, input_width(len(key) - a)), []).append(key)
+            for (prefix_width, width), keys in groups.items():
+                pasts = [chains[takers[key][0]] for key in keys]
+                kv, hidden = self.over(pasts, [list(key) for key in keys], prefix_width, width)
+                for g, key in enumerate(keys):
+                    start = sum(int(x.shape[3]) for x in pasts[g])
+                    seg = kv[:, :, g, :, : len(key) - start].clone()  # [L, 2, Hkv, s, d]
+                    rows = takers[key]
+                    self.tree.computed(key, seg, keep=any(len(prompts[i]) > len(key) for i in rows))
+                    for n, i in enumerate(rows):
+                        if n:  # the prompts after the first take it as computed
+                            self.tree.took(key, seg)
+                        chains[i].append(seg)
+                        if len(prompts[i]) == len(key):  # its last segment
+                            last[i] = hidden[g]
+        keys, values = self.laid_out(chains, w)
+        return keys, values, self.logits(torch.stack(last))  # type: ignore[arg-type]
 
-    def head_keys(self) -> tuple[list[Tensor], list[Tensor]]:
-        """The shared head's keys and values per layer, [1, Hkv, P, d] each: one forward, at its first use."""
-        if self.head_kv is None:
-            ids = self.head[None]  # [1, P]
-            position_ids = torch.arange(ids.shape[1], device=ids.device)[None]  # [1, P]
-            _, keys, values = self.base_forward(ids, None, position_ids)
-            self.head_kv = keys, values
-            self.shared["prefills"] += 1
-        return self.head_kv
+    def over(
+        self, pasts: list[list[Tensor]], segments: list[list[int]], prefix_width: int, width: int
+    ) -> tuple[Tensor, Tensor]:
+        """Segments (``s_g`` tokens each, left-aligned in ``width`` columns: padding after them, never read by a
+        causal model's real tokens) through the model's own base forward over their prefixes' K/V (``pasts``: each
+        one's segments, ``a_g`` positions right-aligned in ``prefix_width`` columns, masked zeros before), at
+        position ids ``a_g..``: prefix and segment contiguous as in the whole prompt, so sliding windows count as
+        ``generate()``'s do. Both widths follow from the segment's own lengths (``input_width``), so its bits do not
+        depend on the segments beside it. -> K/V [L, 2, G, Hkv, width, d], the last real positions' hidden states
+        [G, D]."""
+        device = self.model.get_output_embeddings().weight.device
+        starts = [sum(int(kv.shape[3]) for kv in chain) for chain in pasts]
+        own = [len(seg) - a for seg, a in zip(segments, starts, strict=True)]
+        tokens = [seg[a:] + seg[-1:] * (width - s) for seg, a, s in zip(segments, starts, own, strict=True)]
+        ids = torch.tensor(tokens, device=device)  # [G, W']: the segment's tokens, then its last repeated
+        a, s = torch.tensor(starts, device=device)[:, None], torch.tensor(own, device=device)[:, None]  # [G, 1]
+        j = torch.arange(width, device=device)  # [W']
+        before = torch.arange(prefix_width, device=device) >= prefix_width - a  # [G, A]: the prefix's columns
+        attend = torch.cat([before, j < s], dim=1).long()  # [G, A + W']
+        position_ids = a + torch.minimum(j, s - 1)  # [G, W']: the padding repeats the segment's last position
+        cache = None
+        if prefix_width:
+            past = self.stacked(pasts, prefix_width)  # [L, 2, G, Hkv, A, d]
+            cache = transformers.DynamicCache()
+            for i in range(past.shape[0]):
+                cache.update(past[i, 0], past[i, 1], i)
+        hidden, keys, values = self.base_forward(ids, attend, position_ids, cache)  # K/V [G, Hkv, A + W', d]
+        kv = torch.stack([torch.stack([x[:, :, prefix_width:] for x in part]) for part in (keys, values)], dim=1)
+        return kv, hidden[torch.arange(len(segments), device=device), s[:, 0] - 1]  # [L, 2, G, Hkv, W', d], [G, D]
 
-    def over_head(self, batch: Batch) -> Prefilled:
-        """Prompts [B, W] (left-padded) that begin with the shared head (``P`` tokens): each prompt's own ``s_i``
-        tokens, left-aligned in ``W'`` columns (``W - P`` up to a multiple of 8; padding after them, where a causal
-        model's real tokens never look), go through the model's own base forward over the head's keys and values,
-        at position ids ``P..``: head and own tokens contiguous, as in the whole prompt, so sliding windows count as
-        ``generate()``'s do. Returns what :meth:`forward` returns, the K/V laid out as the whole left-padded
-        prompt's. ``W'`` follows from the prompt's own width: an input's prefill does not depend on its
-        neighbours."""
-        ids, mask = batch.input_ids, batch.attention_mask
-        hk, hv = self.head_keys()
-        b, w, p = ids.shape[0], ids.shape[1], hk[0].shape[2]
-        own = mask.sum(dim=1) - p  # [B] tokens past the head, >= 1
-        # [W']: W - P up to a multiple of 8 (row-invariant products)
-        j = torch.arange(-(-(w - p) // 8) * 8, device=ids.device)
-        new_ids = ids.gather(1, (w - own[:, None] + j).clamp(max=w - 1))  # [B, W']: own tokens, then repeats
-        new_mask = (j < own[:, None]).long()  # [B, W']
-        cache = transformers.DynamicCache()
-        for i, (k, v) in enumerate(zip(hk, hv, strict=True)):  # [1, Hkv, P, d] -> [B, Hkv, P, d] (copied)
-            cache.update(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), i)
-        attend = torch.cat([torch.ones_like(ids[:, :p]), new_mask], dim=1)  # [B, P + W']
-        position_ids = p + torch.minimum(j, own[:, None] - 1)  # the padding repeats an input's last position
-        hidden, keys, values = self.base_forward(new_ids, attend, position_ids, cache)  # [B, Hkv, P + W', d]
-        # the whole left-padded prompt's layout: row i's P + s_i real columns end at W (shifted right by W - P - s_i)
-        at = (torch.arange(w, device=ids.device) - (w - p - own)[:, None]).clamp(min=0)  # [B, W]
-        hkv, d = hk[0].shape[1], hk[0].shape[3]
-        at = at[:, None, :, None].expand(b, hkv, w, d)  # [B, Hkv, W, d]
-        last = hidden.gather(1, (own - 1)[:, None, None].expand(b, 1, hidden.shape[2]))  # [B, 1, D]
-        self.shared["inputs"] += b
-        logits = self.logits(last[:, 0])  # [B, V]
-        return [k.gather(2, at) for k in keys], [v.gather(2, at) for v in values], logits
+    @staticmethod
+    def stacked(pasts: list[list[Tensor]], width: int) -> Tensor:
+        """Each group row's segments ([L, 2, Hkv, s, d] each), right-aligned in ``width`` columns after zeros ->
+        [L, 2, G, Hkv, width, d]."""
+        first = pasts[0][0]
+        out = first.new_zeros((first.shape[0], 2, len(pasts), first.shape[2], width, first.shape[4]))
+        for g, chain in enumerate(pasts):
+            end = width
+            for kv in reversed(chain):
+                out[:, :, g, :, end - kv.shape[3] : end] = kv
+                end -= kv.shape[3]
+        return out
+
+    @staticmethod
+    def laid_out(chains: list[list[Tensor]], width: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Each prompt's segments as the whole left-padded prompts' K/V: per layer keys and values [B, Hkv, W, d]."""
+        out = Prefill.stacked(chains, width)  # [L, 2, B, Hkv, W, d]
+        return list(out[:, 0].unbind(0)), list(out[:, 1].unbind(0))

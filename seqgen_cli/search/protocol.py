@@ -34,12 +34,20 @@ class Batch:
     ``input_ids``/``attention_mask``: [B, S] int64. Encoder-decoder sources are right-padded;
     decoder-only prompts are left-padded (as transformers' ``generate()`` expects them). ``widths``: each
     input's own padded width (``shapes.input_width``), at which an encoder-decoder backend runs its encoder;
-    ``None``: ``S`` for every input.
+    ``None``: ``S`` for every input. ``breaks``: [B, K] int64, where each decoder-only prompt may break into
+    segments (``prompts.Prompter``; tokens from its first real one, 0 past its own), for the prompt tree
+    (``models/prompt_tree.py``); ``None``: none.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     widths: tuple[int, ...] | None = None
+    breaks: torch.Tensor | None = None
+
+    def select(self, rows: torch.Tensor) -> Batch:
+        """Inputs ``rows`` ([J] int64 or [B] bool) of the batch, at its width."""
+        breaks = None if self.breaks is None else self.breaks[rows]
+        return Batch(self.input_ids[rows], self.attention_mask[rows], breaks=breaks)
 
     def padded(self, inputs: int, width: int, left: bool) -> Batch:
         """[B, S] padded to ``inputs`` rows (copies of the last input) and ``width`` columns (masked; on the left
@@ -52,7 +60,8 @@ class Batch:
         pad = ids.new_zeros(inputs, width - s)  # [inputs, width - S]: token 0, masked
         ids = torch.cat([pad, ids] if left else [ids, pad], dim=1)  # [inputs, width]
         mask = torch.cat([pad, mask] if left else [mask, pad], dim=1)
-        return Batch(ids, mask, widths)
+        breaks = None if self.breaks is None else torch.cat([self.breaks, self.breaks[-1:].expand(inputs - b, -1)])
+        return Batch(ids, mask, widths, breaks)
 
 
 TokenLogprobs = tuple[float, list[tuple[int, float]]]  # a token's raw log-prob, the step's best (id, log-prob)

@@ -209,13 +209,12 @@ def generate_refill(
 
 def _view(batch: Batch, width: int) -> Batch:
     """A batch of ``width`` columns (what settings depend on): a view of ``batch``'s first."""
-    return Batch(batch.input_ids[:, :width], batch.attention_mask[:, :width])
+    return Batch(batch.input_ids[:, :width], batch.attention_mask[:, :width], breaks=batch.breaks)
 
 
 def _columns(batch: Batch, inputs: torch.Tensor, width: int, left: bool = False) -> Batch:
     """Inputs ``inputs`` ([J] int64) of ``batch``, their ``width`` columns: the first (right-padded sources) or the
     last (``left``: left-padded prompts)."""
-    ids = batch.input_ids.index_select(0, inputs)
-    mask = batch.attention_mask.index_select(0, inputs)
-    cols = slice(ids.shape[1] - width, None) if left else slice(0, width)
-    return Batch(ids[:, cols], mask[:, cols])
+    chosen = batch.select(inputs)
+    cols = slice(chosen.input_ids.shape[1] - width, None) if left else slice(0, width)
+    return Batch(chosen.input_ids[:, cols], chosen.attention_mask[:, cols], breaks=chosen.breaks)

@@ -107,8 +107,10 @@ def test_verify_compares_the_batches_the_run_cuts(longrope, monkeypatch) -> None
     gen = Generator(str(path), max_new_tokens=NEW_TOKENS)
     ids = [e.ids for e in gen.encode(texts)]
     seen: list[list[int]] = []
-    run = gen.generate_ids
-    monkeypatch.setattr(gen, "generate_ids", lambda batch, *a: seen.append([len(x) for x in batch]) or run(batch, *a))
+    run = gen.generate_output
+    monkeypatch.setattr(
+        gen, "generate_output", lambda batch, *a, **k: seen.append([len(x) for x in batch]) or run(batch, *a, **k)
+    )
     agreement = verify(gen, ids, names=[f"line {i + 1}" for i in range(len(ids))])
     assert all(len(set(batch)) == 1 for batch in seen) and sorted(sum(seen, [])) == sorted(map(len, ids)), seen
     assert agreement.total == len(ids) and agreement.identical == len(ids), agreement.summary()

@@ -1,0 +1,83 @@
+"""The prompt tree: each prompt *segment*'s keys and values computed once per run, for every prompt that begins with
+the same tokens (a system turn, few-shot examples, a task's instruction; several different ones in one run).
+
+A prompt's *breaks* are where its prompter says a shared part may end (``prompts.Prompter``: after each message of a
+conversation but the last, before the input's text); :func:`segment_ends` keeps those at least :data:`MIN_SEGMENT`
+tokens past the one before, so a prompt is a chain of segments. A segment's K/V is computed over its prefix's (the
+segments before it, :meth:`~seqgen_cli.models.prefill.Prefill.over`) and kept here by the prefix's tokens up to its
+end; a later prompt with the same tokens there reuses it instead of computing it again, in this batch or a later one.
+
+Exactness. A segment's arithmetic runs at widths that follow from its own prefix and its own length
+(``shapes.input_width`` of each), and its breaks from its prompt's own text, so a prompt's K/V (and its outputs) do
+not depend on which prompts come beside it or before it: reusing a segment only saves computing it again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from torch import Tensor
+
+MIN_SEGMENT = 16  # tokens: a break closer than this to the one before is not kept (a forward of its own is not worth it)
+TREE_BYTES = 1 << 30  # the segments' K/V kept for later prompts; the least recently used go first
+
+Key = tuple[int, ...]  # a prompt's tokens up to a segment's end
+
+
+def segment_ends(length: int, breaks: Sequence[int]) -> list[int]:
+    """Where a prompt of ``length`` tokens with ``breaks`` (token counts) splits: the breaks at least
+    :data:`MIN_SEGMENT` tokens past the one kept before (or the start) and short of the end, then ``length``."""
+    ends: list[int] = []
+    for b in sorted(set(breaks)):
+        if b - (ends[-1] if ends else 0) >= MIN_SEGMENT and b < length:
+            ends.append(b)
+    return [*ends, length]
+
+
+class PromptTree:
+    """Segments' K/V (``[L, 2, Hkv, s, d]``: every layer's keys and values of the segment's ``s`` tokens) by their
+    :data:`Key`, at most ``budget`` bytes. ``stats`` (``--stats`` ``prompt_tree``): segments computed, those reused
+    by another prompt, the tokens prefilled through segments and the tokens reused instead."""
+
+    def __init__(self, budget: int = TREE_BYTES) -> None:
+        self.budget = budget
+        self.kept: OrderedDict[Key, Tensor] = OrderedDict()  # least recently used first
+        self.nbytes = 0
+        self.reused: set[Key] = set()  # kept segments another prompt has taken
+        self.stats = {"segments": 0, "shared": 0, "tokens": 0, "saved": 0}
+
+    def chain(self, prompt: Sequence[int], ends: Sequence[int]) -> list[Tensor]:
+        """The kept K/V of ``prompt``'s first segments (``ends``: :func:`segment_ends`, the last one never kept), as
+        far as every one is kept; the deeper ones are dropped after the shallower (reused last, so kept longer)."""
+        found = []
+        for end in ends[:-1]:
+            kv = self.kept.get(tuple(prompt[:end]))
+            if kv is None:
+                break
+            found.append((tuple(prompt[:end]), kv))
+        for key, kv in reversed(found):
+            self.kept.move_to_end(key)
+            self.took(key, kv)
+        return [kv for _, kv in found]
+
+    def took(self, key: Key, kv: Tensor) -> None:
+        """A prompt reuses the segment ``key`` (kept, or computed for another prompt of its batch)."""
+        if key not in self.reused:
+            self.reused.add(key)
+            self.stats["shared"] += 1
+        self.stats["saved"] += int(kv.shape[3])
+
+    def computed(self, key: Key, kv: Tensor, keep: bool) -> None:
+        """A segment was computed; ``keep``: a prompt may go on past it (the last segment of a prompt that is not
+        another's prefix is not kept)."""
+        self.stats["segments"] += 1
+        self.stats["tokens"] += int(kv.shape[3])
+        if not keep or kv.nbytes > self.budget:
+            return
+        self.kept[key] = kv
+        self.nbytes += kv.nbytes
+        while self.nbytes > self.budget:
+            old, gone = self.kept.popitem(last=False)
+            self.nbytes -= gone.nbytes
+            self.reused.discard(old)
