@@ -1,4 +1,4 @@
-"""CTranslate2 on the shared-prompt benchmark's prompts (docs/BENCHMARKS.md, "A shared few-shot prompt on a
+"""CTranslate2 on the shared-prompt benchmark's prompts (docs/BENCHMARKS.md, "Shared prompt parts on a
 decoder-only LLM"): the rendered prompts of ``shared_prompt_inputs.py`` split into the tokens they all begin with
 (``generate_batch(static_prompt=...)``, which CTranslate2 prefills once and caches) and each prompt's own tokens, as
 a user of CTranslate2 would run them; one decoded line per input, in input order, and the seconds ``generate_batch`` took::
