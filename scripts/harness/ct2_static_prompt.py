@@ -6,6 +6,8 @@ a user of CTranslate2 would run them; one decoded line per input, in input order
     python scripts/harness/ct2_static_prompt.py MODEL CT2_MODEL rendered.jsonl out.txt --beam 1 --new 48
 
 (CT2_MODEL: ``ct2-transformers-converter --model MODEL``.) ``--whole`` passes the whole prompts (nothing cached).
+Rows with a ``task`` field run as one ``generate_batch`` call per task, each with its own static prompt (the most a
+CTranslate2 user can share of several prompts: one static prompt per call).
 """
 
 from __future__ import annotations
@@ -42,27 +44,35 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     with open(args.rendered, encoding="utf-8") as f:
-        prompts = [tok(json.loads(line)["text"])["input_ids"] for line in f]
-    head, own = ([], prompts) if args.whole else split_head(prompts)
+        rows = [json.loads(line) for line in f]
+    groups: dict[object, list[int]] = {}  # a task -> its rows, in input order
+    for i, row in enumerate(rows):
+        groups.setdefault(row.get("task"), []).append(i)
     engine = ctranslate2.Generator(
         args.ct2_model, device="cpu", compute_type=args.compute_type, intra_threads=os.cpu_count() or 0
     )
-    start = time.perf_counter()
-    results = engine.generate_batch(
-        [tok.convert_ids_to_tokens(p) for p in own],
-        max_batch_size=args.batch_size,
-        beam_size=args.beam,
-        max_length=args.new,
-        min_length=args.new,
-        include_prompt_in_result=False,
-        static_prompt=tok.convert_ids_to_tokens(head) if head else None,
-    )
-    seconds = time.perf_counter() - start
+    texts: list[str] = [""] * len(rows)
+    seconds, heads = 0.0, []
+    for members in groups.values():
+        prompts = [tok(rows[i]["text"])["input_ids"] for i in members]
+        head, own = ([], prompts) if args.whole else split_head(prompts)
+        heads.append(len(head))
+        start = time.perf_counter()
+        results = engine.generate_batch(
+            [tok.convert_ids_to_tokens(p) for p in own],
+            max_batch_size=args.batch_size,
+            beam_size=args.beam,
+            max_length=args.new,
+            min_length=args.new,
+            include_prompt_in_result=False,
+            static_prompt=tok.convert_ids_to_tokens(head) if head else None,
+        )
+        seconds += time.perf_counter() - start
+        for i, r in zip(members, results, strict=True):
+            texts[i] = tok.decode(tok.convert_tokens_to_ids(r.sequences[0]), skip_special_tokens=True)
     with open(args.output, "w", encoding="utf-8") as f:
-        for r in results:
-            text = tok.decode(tok.convert_tokens_to_ids(r.sequences[0]), skip_special_tokens=True)
-            f.write(" ".join(text.splitlines()) + "\n")
-    print(f"static prompt: {len(head)} tokens; {len(own)} inputs; generate_batch {seconds:.2f} s")
+        f.write("".join(" ".join(text.splitlines()) + "\n" for text in texts))
+    print(f"static prompts: {heads} tokens; {len(rows)} inputs; generate_batch {seconds:.2f} s")
 
 
 if __name__ == "__main__":

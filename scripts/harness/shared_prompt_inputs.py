@@ -90,8 +90,9 @@ def main() -> None:
             "".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in conversations), encoding="utf-8"
         )
     rendered = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
+    rows = [{"text": r} | ({"task": i % len(TASKS)} if args.kind == "tasks" else {}) for i, r in enumerate(rendered)]
     (args.out / "rendered.jsonl").write_text(
-        "".join(json.dumps({"text": r}, ensure_ascii=False) + "\n" for r in rendered), encoding="utf-8"
+        "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8"
     )
     lengths = [len(tok(r)["input_ids"]) for r in rendered]
     print(f"{args.kind}: {len(rendered)} prompts of {min(lengths)}-{max(lengths)} tokens in {args.out}")
