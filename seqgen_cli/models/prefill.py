@@ -18,7 +18,7 @@ from torch import Tensor
 
 from seqgen_cli.models.attention import soft_cap
 from seqgen_cli.models.linear_maps import dense
-from seqgen_cli.models.prompt_tree import Key, PromptTree, segment_ends
+from seqgen_cli.models.prompt_tree import Key, PromptTree, segment_ends, segment_key
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import input_width
 
@@ -120,26 +120,26 @@ class Prefill:
         chains = [self.tree.chain(p, e) for p, e in zip(prompts, ends, strict=True)]  # each: [L, 2, Hkv, s, d]
         last: list[Tensor | None] = [None] * len(prompts)  # each prompt's last hidden state [D]
         while todo := [i for i, chain in enumerate(chains) if len(chain) < len(ends[i])]:
-            takers: dict[Key, list[int]] = {}  # a segment (the tokens up to its end) -> the prompts that take it
+            takers: dict[Key, list[int]] = {}  # a segment -> the prompts that take it next
             for i in todo:
-                takers.setdefault(tuple(prompts[i][: ends[i][len(chains[i])]]), []).append(i)
+                takers.setdefault(segment_key(prompts[i], ends[i], len(chains[i])), []).append(i)
             groups: dict[tuple[int, int], list[Key]] = {}  # segments by (prefix width, segment width)
             for key in takers:
-                a = sum(int(kv.shape[3]) for kv in chains[takers[key][0]])
-                groups.setdefault((input_width(a) if a else 0, input_width(len(key) - a)), []).append(key)
+                a, end = (key[0][-2] if len(key[0]) > 1 else 0), key[0][-1]
+                groups.setdefault((input_width(a) if a else 0, input_width(end - a)), []).append(key)
             for (prefix_width, width), keys in groups.items():
                 pasts = [chains[takers[key][0]] for key in keys]
-                kv, hidden = self.over(pasts, [list(key) for key in keys], prefix_width, width)
+                kv, hidden = self.over(pasts, [list(key[1]) for key in keys], prefix_width, width)
                 for g, key in enumerate(keys):
-                    start = sum(int(x.shape[3]) for x in pasts[g])
-                    seg = kv[:, :, g, :, : len(key) - start].clone()  # [L, 2, Hkv, s, d]
+                    end, start = key[0][-1], (key[0][-2] if len(key[0]) > 1 else 0)
+                    seg = kv[:, :, g, :, : end - start].clone()  # [L, 2, Hkv, s, d]
                     rows = takers[key]
-                    self.tree.computed(key, seg, keep=any(len(prompts[i]) > len(key) for i in rows))
+                    self.tree.computed(key, seg, keep=any(len(prompts[i]) > end for i in rows))
                     for n, i in enumerate(rows):
                         if n:  # the prompts after the first take it as computed
                             self.tree.took(key, seg)
                         chains[i].append(seg)
-                        if len(prompts[i]) == len(key):  # its last segment
+                        if len(prompts[i]) == end:  # its last segment
                             last[i] = hidden[g]
         keys, values = self.laid_out(chains, w)
         return keys, values, self.logits(torch.stack(last))  # type: ignore[arg-type]

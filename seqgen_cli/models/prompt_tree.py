@@ -4,8 +4,8 @@ the same tokens (a system turn, few-shot examples, a task's instruction; several
 A prompt's *breaks* are where its prompter says a shared part may end (``prompts.Prompter``: after each message of a
 conversation but the last, before the input's text); :func:`segment_ends` keeps those at least :data:`MIN_SEGMENT`
 tokens past the one before, so a prompt is a chain of segments. A segment's K/V is computed over its prefix's (the
-segments before it, :meth:`~seqgen_cli.models.prefill.Prefill.over`) and kept here by the prefix's tokens up to its
-end; a later prompt with the same tokens there reuses it instead of computing it again, in this batch or a later one.
+segments before it, :meth:`~seqgen_cli.models.prefill.Prefill.over`) and kept here by the prompt's tokens up to its
+end and the segment ends before (:func:`segment_key`); a later prompt with the same ones reuses it instead of computing it again, in this batch or a later one.
 
 Exactness. A segment's arithmetic runs at widths that follow from its own prefix and its own length
 (``shapes.input_width`` of each), and its breaks from its prompt's own text, so a prompt's K/V (and its outputs) do
@@ -22,7 +22,13 @@ from torch import Tensor
 MIN_SEGMENT = 16  # tokens: a break closer than this to the one before is not kept (a forward of its own is not worth it)
 TREE_BYTES = 1 << 30  # the segments' K/V kept for later prompts; the least recently used go first
 
-Key = tuple[int, ...]  # a prompt's tokens up to a segment's end
+# a segment: its prompt's segment ends up to its own, and the prompt's tokens up to there (both decide its bits)
+Key = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def segment_key(prompt: Sequence[int], ends: Sequence[int], j: int) -> Key:
+    """The :data:`Key` of ``prompt``'s segment ``j`` (``ends``: :func:`segment_ends`)."""
+    return tuple(ends[: j + 1]), tuple(prompt[: ends[j]])
 
 
 def segment_ends(length: int, breaks: Sequence[int]) -> list[int]:
@@ -51,11 +57,12 @@ class PromptTree:
         """The kept K/V of ``prompt``'s first segments (``ends``: :func:`segment_ends`, the last one never kept), as
         far as every one is kept; the deeper ones are dropped after the shallower (reused last, so kept longer)."""
         found = []
-        for end in ends[:-1]:
-            kv = self.kept.get(tuple(prompt[:end]))
+        for j in range(len(ends) - 1):
+            key = segment_key(prompt, ends, j)
+            kv = self.kept.get(key)
             if kv is None:
                 break
-            found.append((tuple(prompt[:end]), kv))
+            found.append((key, kv))
         for key, kv in reversed(found):
             self.kept.move_to_end(key)
             self.took(key, kv)

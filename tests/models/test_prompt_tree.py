@@ -11,7 +11,7 @@ import torch
 
 from seqgen_cli.models import fast_backend
 from seqgen_cli.models.decoder_only import DecoderOnlyBackend
-from seqgen_cli.models.prompt_tree import MIN_SEGMENT, PromptTree, segment_ends
+from seqgen_cli.models.prompt_tree import MIN_SEGMENT, PromptTree, segment_ends, segment_key
 from seqgen_cli.search.protocol import Batch
 from tests.tiny_models import V, decoder_only_model
 
@@ -116,11 +116,13 @@ def test_a_prompt_without_breaks_is_prefilled_whole_beside_the_others() -> None:
     dec = backend("llama")
     plain = (SYSTEM + tokens(7, 60), [])
     short = (tokens(MIN_SEGMENT - 1, 61) + tokens(6, 62), [MIN_SEGMENT - 1])  # its break too near the start
-    rows = [conversation(4, 63), plain, short, conversation(9, 64)]
+    convo = conversation(4, 63)
+    once = (convo[0], [A + B])  # the same tokens with one break: other segments
+    rows = [convo, plain, short, conversation(9, 64), once]
     batch = left_padded(rows)
-    assert dec.prefill.splits(batch) == [True, False, False, True]
+    assert dec.prefill.splits(batch) == [True, False, False, True, True]
     assert_whole(dec, batch, dec.prefill(batch))
-    assert dec.prefill.tree.stats["segments"] == 2 + 2  # SYSTEM, SYSTEM+EXAMPLES, two own segments
+    assert dec.prefill.tree.stats["segments"] == 2 + 2 + 2  # SYSTEM, SYSTEM+EXAMPLES, two own; once's two
 
 
 def test_the_int8_backend_prefills_through_the_tree_too() -> None:
@@ -140,13 +142,14 @@ def test_segments_keep_breaks_at_least_min_segment_apart_and_short_of_the_end() 
 
 
 def test_the_tree_keeps_its_budget_dropping_the_least_recently_used_and_deeper_segments_first() -> None:
-    seg = torch.zeros(1, 2, 1, 4, 2)  # [L, 2, Hkv, s, d]: 64 bytes
+    seg = torch.zeros(1, 2, 1, 10, 2)  # [L, 2, Hkv, s, d]: 160 bytes
     tree = PromptTree(budget=3 * seg.nbytes)
-    prompt = list(range(40))
-    for end in (10, 20, 30):
-        tree.computed(tuple(prompt[:end]), seg.clone(), keep=True)
-    assert len(tree.chain(prompt, [10, 20, 30, 40])) == 3
-    tree.computed((99,) * 10, seg.clone(), keep=True)  # over budget: the least recently used goes, the deepest
-    assert len(tree.chain(prompt, [10, 20, 30, 40])) == 2 and tree.nbytes == 3 * seg.nbytes
-    tree.computed((98,) * 10, seg.clone(), keep=False)  # a prompt's last segment: counted, not kept
+    prompt, ends = list(range(40)), [10, 20, 30, 40]
+    for j in range(3):
+        tree.computed(segment_key(prompt, ends, j), seg.clone(), keep=True)
+    assert len(tree.chain(prompt, ends)) == 3
+    assert len(tree.chain(prompt, [10, 15, 30, 40])) == 1, "the same tokens split otherwise: other segments"
+    tree.computed(segment_key([99] * 10, [10], 0), seg.clone(), keep=True)  # over budget: the deepest goes
+    assert len(tree.chain(prompt, ends)) == 2 and tree.nbytes == 3 * seg.nbytes
+    tree.computed(segment_key([98] * 10, [10], 0), seg.clone(), keep=False)  # a prompt's last: counted, not kept
     assert tree.stats["segments"] == 5 and tree.nbytes == 3 * seg.nbytes
