@@ -247,7 +247,7 @@ def test_a_few_shot_prompt_is_prefilled_once_with_generates_tokens(chat_models, 
         assert res.exit_code == 0, res.stderr
         assert out.read_text(encoding="utf-8").splitlines() == expected, refill
         tree = json.loads(stats.read_text(encoding="utf-8"))["device"]["prompt_tree"]
-        assert tree["segments"] == 1 + len(texts) and tree["shared"] == 1, tree  # the head once, each input's own
+        assert tree["segments"] == 1 + len(texts) and tree["shared"] == 1, tree  # the instruction once, each input's own
         assert tree["saved"] >= (len(texts) - 1) * head, tree
 
 

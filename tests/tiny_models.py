@@ -1114,7 +1114,7 @@ def llama_config(cls: str = "LlamaConfig", **fields: Any) -> Any:
 
 
 #: the decoder-only variants (``tests/models/test_decoder_only.py`` holds each step to the model's own
-#: teacher-forced forward; ``tests/models/test_shared_prompt.py`` their shared prompt heads)
+#: teacher-forced forward; ``tests/models/test_prompt_tree.py`` their prompt trees)
 DECODER_ONLY_CONFIGS: dict[str, Callable[[], Any]] = {
     "gpt2": gpt2_config,
     "gpt2-layerscale": lambda: gpt2_config(scale_attn_by_inverse_layer_idx=True),
