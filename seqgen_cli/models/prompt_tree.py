@@ -82,7 +82,9 @@ class PromptTree:
         self.stats["tokens"] += int(kv.shape[3])
         if not keep or kv.nbytes > self.budget:
             return
-        self.kept[key] = kv
+        if (old := self.kept.pop(key, None)) is not None:  # kept still, below a dropped parent: computed again
+            self.nbytes -= old.nbytes
+        self.kept[key] = kv  # the newest
         self.nbytes += kv.nbytes
         while self.nbytes > self.budget:
             old, gone = self.kept.popitem(last=False)

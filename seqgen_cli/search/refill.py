@@ -209,7 +209,7 @@ def generate_refill(
 
 def _view(batch: Batch, width: int) -> Batch:
     """A batch of ``width`` columns (what settings depend on): a view of ``batch``'s first."""
-    return Batch(batch.input_ids[:, :width], batch.attention_mask[:, :width], breaks=batch.breaks)
+    return Batch(batch.input_ids[:, :width], batch.attention_mask[:, :width])
 
 
 def _columns(batch: Batch, inputs: torch.Tensor, width: int, left: bool = False) -> Batch:

@@ -153,3 +153,6 @@ def test_the_tree_keeps_its_budget_dropping_the_least_recently_used_and_deeper_s
     assert len(tree.chain(prompt, ends)) == 2 and tree.nbytes == 3 * seg.nbytes
     tree.computed(segment_key([98] * 10, [10], 0), seg.clone(), keep=False)  # a prompt's last: counted, not kept
     assert tree.stats["segments"] == 5 and tree.nbytes == 3 * seg.nbytes
+    for _ in range(4):  # a segment kept below its dropped parent, computed again: counted once
+        tree.computed(segment_key(prompt, ends, 1), seg.clone(), keep=True)
+    assert tree.nbytes == 3 * seg.nbytes == sum(kv.nbytes for kv in tree.kept.values())
