@@ -18,7 +18,7 @@ from torch import Tensor
 
 from seqgen_cli.models.attention import soft_cap
 from seqgen_cli.models.linear_maps import dense
-from seqgen_cli.models.prompt_tree import Key, PromptTree, segment_ends, segment_key
+from seqgen_cli.models.prompt_tree import Key, PromptTree, segment_ends, segment_key, span
 from seqgen_cli.search.protocol import Batch
 from seqgen_cli.shapes import input_width
 
@@ -125,13 +125,13 @@ class Prefill:
                 takers.setdefault(segment_key(prompts[i], ends[i], len(chains[i])), []).append(i)
             groups: dict[tuple[int, int], list[Key]] = {}  # segments by (prefix width, segment width)
             for key in takers:
-                a, end = (key[0][-2] if len(key[0]) > 1 else 0), key[0][-1]
-                groups.setdefault((input_width(a) if a else 0, input_width(end - a)), []).append(key)
+                start, end = span(key)
+                groups.setdefault((input_width(start) if start else 0, input_width(end - start)), []).append(key)
             for (prefix_width, width), keys in groups.items():
                 pasts = [chains[takers[key][0]] for key in keys]
                 kv, hidden = self.over(pasts, [list(key[1]) for key in keys], prefix_width, width)
                 for g, key in enumerate(keys):
-                    end, start = key[0][-1], (key[0][-2] if len(key[0]) > 1 else 0)
+                    start, end = span(key)
                     seg = kv[:, :, g, :, : end - start].clone()  # [L, 2, Hkv, s, d]
                     rows = takers[key]
                     self.tree.computed(key, seg, keep=any(len(prompts[i]) > end for i in rows))

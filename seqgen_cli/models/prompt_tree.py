@@ -31,6 +31,12 @@ def segment_key(prompt: Sequence[int], ends: Sequence[int], j: int) -> Key:
     return tuple(ends[: j + 1]), tuple(prompt[: ends[j]])
 
 
+def span(key: Key) -> tuple[int, int]:
+    """The positions a segment covers: ``(start, end)`` (its start is the segment end before it, or 0)."""
+    ends = key[0]
+    return (ends[-2] if len(ends) > 1 else 0), ends[-1]
+
+
 def segment_ends(length: int, breaks: Sequence[int]) -> list[int]:
     """Where a prompt of ``length`` tokens with ``breaks`` (token counts) splits: the breaks at least
     :data:`MIN_SEGMENT` tokens past the one kept before (or the start) and short of the end, then ``length``."""
