@@ -257,9 +257,7 @@ def dynamic_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Modul
     return module
 
 
-BLOCK_BYTES = (
-    8 * 2**20
-)  # an int8 weight of more bytes is packed and run in blocks of rows of at most this many
+BLOCK_BYTES = 8 * 2**20  # under fbgemm, an int8 weight of more bytes is packed and run in blocks of at most this many
 
 
 def block_rows(cols: int) -> int:
@@ -267,16 +265,24 @@ def block_rows(cols: int) -> int:
     return max(1, BLOCK_BYTES // cols)
 
 
+def in_blocks(qweight: torch.Tensor) -> bool:
+    """Whether ``qweight`` is packed and run in blocks (:class:`BlockedInt8Linear`): over ``BLOCK_BYTES`` under
+    fbgemm (torch's ``x86`` engine), whose packing slows down past a few MiB. oneDNN's engine packs a whole LM head as
+    fast as in blocks (docs/EXPERIMENTS.md, "CPU int8: a large head in blocks"), so it runs one product: no block's
+    output copied into the logits."""
+    return qweight.numel() > BLOCK_BYTES and torch.backends.quantized.engine != "onednn"
+
+
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """A dynamic-quantized copy of ``x -> x @ weight.T + bias`` (per-channel qint8 weight, float32 ``bias``),
     the quantized weight taken from the disk cache (:mod:`~seqgen_cli.models.int8_cache`) when a session is
     open and holds it. A strided view (GPT-2's transposed Conv1D weight) is made contiguous first: the cache
-    names and stores a weight by its row-major values. A weight of more than ``BLOCK_BYTES`` (an LM head) is a
-    :class:`BlockedInt8Linear`. Once packed, the pages of ``weight`` read from the checkpoint's mapped
+    names and stores a weight by its row-major values. A large weight under fbgemm (an LM head, :func:`in_blocks`) is
+    a :class:`BlockedInt8Linear`. Once packed, the pages of ``weight`` read from the checkpoint's mapped
     file are given back (:mod:`~seqgen_cli.models.resident`; the cache gives back its own)."""
     qweight = quantized(weight.detach().contiguous(), quantize_weight)
     bias = None if bias is None else bias.detach().float()
-    module = BlockedInt8Linear(qweight, bias) if qweight.numel() > BLOCK_BYTES else dynamic_linear(qweight, bias)
+    module = BlockedInt8Linear(qweight, bias) if in_blocks(qweight) else dynamic_linear(qweight, bias)
     release([weight])
     return module
 

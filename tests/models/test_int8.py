@@ -778,10 +778,11 @@ def test_int8_cache_dead_writers_temp_files_are_removed_live_ones_kept(
     assert _temp_files(_cache_in_tmp) == set() and len(_cache_files(_cache_in_tmp)) == 1
 
 
-def test_a_long_int8_weight_runs_in_blocks_with_the_same_bits() -> None:
-    """An int8 weight of more than ``BLOCK_BYTES`` (an LM head) is packed and run as blocks of ``block_rows``
-    rows: the very bits of one product (the input is quantized once per block with the same scale), its
-    weight and bias whole as before (the int8 cache and the tests read them)."""
+def test_a_long_int8_weight_runs_in_blocks_with_the_same_bits(int8_engine) -> None:
+    """Under fbgemm an int8 weight of more than ``BLOCK_BYTES`` (an LM head) is packed and run as blocks of
+    ``block_rows`` rows: the very bits of one product (the input is quantized once per block with the same scale),
+    its weight and bias whole as before (the int8 cache and the tests read them). oneDNN's engine runs it as one
+    product."""
     from seqgen_cli.models.linear_maps import (
         BLOCK_BYTES,
         block_rows,
@@ -790,6 +791,7 @@ def test_a_long_int8_weight_runs_in_blocks_with_the_same_bits() -> None:
         quantize_weight,
     )
 
+    int8_engine("x86")
     g = torch.Generator().manual_seed(0)
     cols = 64
     rows = BLOCK_BYTES // cols + 1000
@@ -800,3 +802,7 @@ def test_a_long_int8_weight_runs_in_blocks_with_the_same_bits() -> None:
         assert torch.equal(blocked(x), whole(x))
     assert torch.equal(blocked.weight().int_repr(), whole.weight().int_repr()) and torch.equal(blocked.bias(), b)
     assert not hasattr(int8_linear(w[: BLOCK_BYTES // cols], None), "blocks")  # up to the limit: one product
+    if "onednn" in torch.backends.quantized.supported_engines:
+        int8_engine("onednn")
+        one = int8_linear(w, b)
+        assert not hasattr(one, "blocks") and torch.equal(one.weight().int_repr(), whole.weight().int_repr())
