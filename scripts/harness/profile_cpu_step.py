@@ -158,7 +158,7 @@ def main() -> None:
     same = [sum(a == b for a, b in zip(r["outputs"], first, strict=True)) for r in results]
     row("outputs = the first dtype's", [f"{k}/{len(first)}" for k in same])
     if args.json:
-        args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in results], indent=1))
+        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
