@@ -93,7 +93,7 @@ def topk_in_order(
     is sorted at the end. An element that does not enter leaves the heap as it was, so the row without it gives the
     same values and, mapped back, the same indices. No element of a chunk enters when the chunk's maximum is at most
     the ``k``-th largest maximum of chunks before it (elements before it: a floor under the heap's top). Kept, in
-    order: chunk 0 (the first ``k`` elements) and each chunk above the floor of the chunks before the last power of
+    order: the chunks of the first ``k`` elements and each chunk above the floor of the chunks before the last power of
     two (from ``k``) at or below its index, ~``k log2(C / k)`` chunks in all; then ``-inf`` (it never enters) up to
     ``64 k`` columns, so torch takes ``partial_sort`` again. tests/search/test_topk.py holds it to ``torch.topk``."""
     t, m, c = rows.numel(), scores.shape[1], maxima.shape[1]
@@ -104,7 +104,7 @@ def topk_in_order(
         floor[:, at : 2 * at] = torch.topk(mx[:, :at], k, sorted=False).values.amin(1, keepdim=True)
         at *= 2
     keep = mx > floor  # [T, C]
-    keep[:, 0] = True
+    keep[:, : -(-k // CHUNK)] = True  # the chunks of the first k elements: the heap they start
     row, chunk = keep.nonzero(as_tuple=True)  # row by row, each row's chunks in order
     counts = keep.sum(1)  # [T]
     slot = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]  # a chunk's place in its row

@@ -353,7 +353,7 @@ def test_wide_topk_all_but_few_masked_keeps_the_finite_ones() -> None:
     assert torch.isinf(values[0, 3:]).all() and torch.isinf(values[1]).all()
 
 
-@pytest.mark.parametrize("k", [2, 8, 10])
+@pytest.mark.parametrize("k", [2, 8, 10, 130])
 def test_topk_in_order_is_torch_topk_over_rows_full_of_ties(k: int) -> None:
     """``topk_in_order`` runs torch's CPU top-k over only the chunks whose elements can enter its heap: the same
     values and indices as over whole rows, where values tie at the top, at the k-th place, across beams, in the
@@ -370,6 +370,7 @@ def test_topk_in_order_is_torch_topk_over_rows_full_of_ties(k: int) -> None:
         scores = (torch.log_softmax(logits, -1) + running[:, :, None]).view(rows, beams * vocab)
         scores[2, : scores.shape[1] // 2] = float("-inf")
         scores[3, 5:] = float("-inf")  # fewer finite values than k
+        scores[6, CHUNK : 2 * CHUNK] = float("-inf")  # a whole chunk -inf (among the first k elements when k > CHUNK)
         scores[4] = float("-inf")
         scores[5, -3:] = 30.0  # the best ones, tied, in the last (shorter) chunk
         m = scores.shape[1]
