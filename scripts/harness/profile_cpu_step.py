@@ -98,12 +98,14 @@ def profile(args: argparse.Namespace, dtype: str, texts: list[str]) -> dict[str,
         str(args.model), dtype=dtype, num_beams=args.beams, max_new_tokens=args.new_tokens,
         min_new_tokens=args.new_tokens, no_repeat_ngram_size=3, target_lang=args.target_lang,
     )  # fmt: skip
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     gen.generate(texts, batch_size=len(texts))  # warm-up: packing, first-call costs
     t0 = time.perf_counter()
     with torch.profiler.profile(with_stack=True) as prof:
         outputs = gen.generate(texts, batch_size=len(texts))
     wall = time.perf_counter() - t0
+    torch.set_num_threads(threads)
     ms: Counter[str] = Counter()
     rounds = 0
     for event in prof.events():
@@ -114,7 +116,9 @@ def profile(args: argparse.Namespace, dtype: str, texts: list[str]) -> dict[str,
             continue  # the interpreter's own frames
         part = component(event.name, frames(event))
         ms[part or "encoder / prefill"] += event.self_cpu_time_total / 1e3
-    per_round = {part: round(ms[part] / max(rounds, 1), 2) for part in COMPONENTS}
+    if not rounds:
+        raise SystemExit(f"{args.model}: no decode step of a fast decoder ran (the generic backend is not profiled)")
+    per_round = {part: round(ms[part] / rounds, 2) for part in COMPONENTS}
     return {
         "dtype": dtype,
         "rounds": rounds,

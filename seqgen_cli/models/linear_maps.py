@@ -267,10 +267,10 @@ def block_rows(cols: int) -> int:
 
 def in_blocks(qweight: torch.Tensor) -> bool:
     """Whether ``qweight`` is packed and run in blocks (:class:`BlockedInt8Linear`): over ``BLOCK_BYTES`` under
-    fbgemm (torch's ``x86`` engine), whose packing slows down past a few MiB. oneDNN's engine packs a whole LM head as
-    fast as in blocks (docs/EXPERIMENTS.md, "CPU int8: a large head in blocks"), so it runs one product: no block's
-    output copied into the logits."""
-    return qweight.numel() > BLOCK_BYTES and torch.backends.quantized.engine != "onednn"
+    fbgemm (torch's ``x86`` engine), whose packing slows down past a few MiB. oneDNN's engine packed a whole LM head
+    about as fast as in blocks (one pack each on an AVX2 CPU, docs/EXPERIMENTS.md, "CPU int8: a large head in
+    blocks"), so it runs one product: no block's output copied into the logits."""
+    return qweight.numel() > BLOCK_BYTES and torch.backends.quantized.engine in ("x86", "fbgemm")
 
 
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:

@@ -46,7 +46,7 @@ CHUNK = 128  # columns per chunk in :func:`wide_topk`
 def wide_topk(scores: torch.Tensor, k: int, ties: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(scores, k)`` (sorted) over the last dimension of a wide [B, M] tensor, via the chunks of
     ``CHUNK`` columns with the ``k + 1`` largest maxima: one max pass, then a top-(k + 1) over ``(k + 1) * CHUNK``
-    columns; in a row where two of those ``k + 1`` values are equal, ``torch.topk`` over the whole row after all.
+    columns; in a row where two of those ``k + 1`` values are equal, ``torch.topk``'s order (:func:`topk_in_order`).
 
     The same values and indices as ``torch.topk``: those ``k + 1`` chunk maxima are elements of the picked columns,
     so the picked columns' (k + 1)-th largest value is at least every element of any other chunk. When the ``k + 1``
@@ -94,10 +94,13 @@ def topk_in_order(
     same values and, mapped back, the same indices. No element of a chunk enters when the chunk's maximum is at most
     the ``k``-th largest maximum of chunks before it (elements before it: a floor under the heap's top). Kept, in
     order: the chunks of the first ``k`` elements and each chunk above the floor of the chunks before the last power of
-    two (from ``k``) at or below its index, ~``k log2(C / k)`` chunks in all; then ``-inf`` (it never enters) up to
-    ``64 k`` columns, so torch takes ``partial_sort`` again. tests/search/test_topk.py holds it to ``torch.topk``."""
+    two (from ``k``) at or below its index, about ``k`` per doubling; then ``-inf`` (it never enters) up to
+    ``64 k`` columns, so torch takes ``partial_sort`` again (``test_topk_in_order_is_torch_topk_over_rows_full_of_ties``
+    holds it to ``torch.topk``). A NaN (largest to torch, hidden by the chunk comparisons) sends the rows whole."""
     t, m, c = rows.numel(), scores.shape[1], maxima.shape[1]
     mx = maxima.index_select(0, rows)  # [T, C]
+    if mx.isnan().any():
+        return torch.topk(scores.index_select(0, rows), k)
     floor = torch.full_like(mx, float("-inf"))
     at = k
     while at < c:  # chunks [at, 2 at): the k-th largest maximum of chunks [0, at)

@@ -38,7 +38,6 @@ def test_rounds_are_steps_and_each_part_lands_in_its_component(
     for part in ("decoder layers' linear maps", "LM head product", "attention: score and value products", "top-k"):
         assert ms[part] > 0, part
     assert result["encoder_or_prefill_ms"] > 0
-    assert result["round_ms"] == pytest.approx(sum(ms.values()), abs=0.05)
     assert len(result["outputs"]) == 2
 
 

@@ -385,3 +385,6 @@ def test_topk_in_order_is_torch_topk_over_rows_full_of_ties(k: int) -> None:
         some = torch.tensor([5, 0, 3])  # any rows, in any order
         values, indices = topk_in_order(scores, maxima, some, k)
         assert torch.equal(indices, ref.indices[some]) and torch.equal(values, ref.values[some])
+        scores[7, m // 2], maxima[7, m // 2 // CHUNK] = float("nan"), float("nan")  # NaN: the largest to torch.topk
+        values, indices = topk_in_order(scores, maxima, torch.tensor([7]), k)
+        assert torch.equal(indices, torch.topk(scores[7:8], k).indices) and values[0, 0].isnan()
