@@ -46,16 +46,16 @@ CHUNK = 128  # columns per chunk in :func:`wide_topk`
 def wide_topk(scores: torch.Tensor, k: int, ties: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(scores, k)`` (sorted) over the last dimension of a wide [B, M] tensor, via the chunks of
     ``CHUNK`` columns with the ``k + 1`` largest maxima: one max pass, then a top-(k + 1) over ``(k + 1) * CHUNK``
-    columns; in a row where two of those ``k + 1`` values are equal, ``torch.topk``'s order (:func:`topk_in_order`).
+    columns; in a row where two of those ``k + 1`` values are equal, ``torch.topk`` over the whole row after all.
 
     The same values and indices as ``torch.topk``: those ``k + 1`` chunk maxima are elements of the picked columns,
     so the picked columns' (k + 1)-th largest value is at least every element of any other chunk. When the ``k + 1``
     largest picked values are all different, the ``k`` largest of the row are the picked ``k``, each strictly above
     every other element: no tie is left for ``torch.topk`` to order its own way. Else (a tie: often in half
-    precision, rare in float32; a host check, free on the CPU) ``torch.topk`` orders the row's ties, run over only
-    the chunks whose elements can change its result (:func:`topk_in_order`). ~4x cheaper than ``torch.topk`` over
-    [32, 4 x 55k] on the CPU (docs/EXPERIMENTS.md, "CPU float32: what the step does, and what each choice
-    measured").
+    precision, rare in float32; a host check, free on the CPU) the whole row goes to ``torch.topk``, the tied rows in
+    one call (all of them: the whole tensor; docs/EXPERIMENTS.md, "bfloat16: tied top-k rows in one call"). ~4x cheaper than
+    ``torch.topk`` over [32, 4 x 55k] on the CPU (docs/EXPERIMENTS.md, "CPU float32: what the step does, and what
+    each choice measured").
 
     ``ties=False`` (the static step, compiled: nothing read on the host): no check, so where values are equal they
     may trade places (in float32 an exact tie).
@@ -76,50 +76,11 @@ def wide_topk(scores: torch.Tensor, k: int, ties: bool = True) -> tuple[torch.Te
     if not ties:
         return values, indices
     tied = (top[:, 1:] == top[:, :-1]).any(1).nonzero().view(-1)  # rows where two of the k + 1 are equal
-    if tied.numel():  # torch.topk's order of equal values (rows are independent)
-        values[tied], indices[tied] = topk_in_order(scores, maxima, tied, k)
+    if tied.numel() == b:  # every row (bfloat16's log-probs, often): torch.topk itself, no copy
+        return torch.topk(scores, k)
+    if tied.numel():  # torch.topk's order of equal values, over those rows in one call (rows are independent)
+        values[tied], indices[tied] = torch.topk(scores.index_select(0, tied), k)
     return values, indices
-
-
-def topk_in_order(
-    scores: torch.Tensor, maxima: torch.Tensor, rows: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.topk(scores[rows], k)`` on the CPU, its order of equal values included, over only the chunks whose
-    elements can enter its heap: ``scores`` [B, M] (``M >= 64 k``), ``maxima`` its chunks' maxima [B, C] (``CHUNK``
-    columns each), ``rows`` [T] -> values, indices [T, k].
-
-    On a row of at least ``64 k`` elements torch's CPU top-k is ``std::partial_sort``: a heap of the first ``k``
-    elements, then each later one, in order, replaces the heap's top (its smallest) where strictly larger; the heap
-    is sorted at the end. An element that does not enter leaves the heap as it was, so the row without it gives the
-    same values and, mapped back, the same indices. No element of a chunk enters when the chunk's maximum is at most
-    the ``k``-th largest maximum of chunks before it (elements before it: a floor under the heap's top). Kept, in
-    order: the chunks of the first ``k`` elements and each chunk above the floor of the chunks before the last power of
-    two (from ``k``) at or below its index, about ``k`` per doubling; then ``-inf`` (it never enters) up to
-    ``64 k`` columns, so torch takes ``partial_sort`` again (``test_topk_in_order_is_torch_topk_over_rows_full_of_ties``
-    holds it to ``torch.topk``). A NaN (largest to torch, hidden by the chunk comparisons) sends the rows whole."""
-    t, m, c = rows.numel(), scores.shape[1], maxima.shape[1]
-    mx = maxima.index_select(0, rows)  # [T, C]
-    if mx.isnan().any():
-        return torch.topk(scores.index_select(0, rows), k)
-    floor = torch.full_like(mx, float("-inf"))
-    at = k
-    while at < c:  # chunks [at, 2 at): the k-th largest maximum of chunks [0, at)
-        floor[:, at : 2 * at] = torch.topk(mx[:, :at], k, sorted=False).values.amin(1, keepdim=True)
-        at *= 2
-    keep = mx > floor  # [T, C]
-    keep[:, : -(-k // CHUNK)] = True  # the chunks of the first k elements: the heap they start
-    row, chunk = keep.nonzero(as_tuple=True)  # row by row, each row's chunks in order
-    counts = keep.sum(1)  # [T]
-    slot = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]  # a chunk's place in its row
-    width = max(int(counts.max()), -(-64 * k // CHUNK))  # chunks per reduced row
-    cols = chunk[:, None] * CHUNK + torch.arange(CHUNK, device=row.device)  # [n, CHUNK]
-    flat = (rows[row, None] * m + cols.clamp(max=m - 1)).view(-1)
-    picked = scores.reshape(-1).index_select(0, flat).view(cols.shape).masked_fill_(cols >= m, float("-inf"))
-    reduced = scores.new_full((t, width, CHUNK), float("-inf"))
-    where = torch.zeros((t, width, CHUNK), dtype=torch.long, device=row.device)
-    reduced[row, slot], where[row, slot] = picked, cols
-    values, at_reduced = torch.topk(reduced.view(t, width * CHUNK), k)
-    return values, where.view(t, width * CHUNK).gather(1, at_reduced)
 
 
 def _accumulated_log_probs(
