@@ -15,7 +15,7 @@ compute dtype's item size; on the captured path ``B``, ``S`` and ``T`` are the p
   ``search/rows.py``, ``search/greedy.py``, ``search/sampling.py``): the token history ``[N, length]`` and the n-gram
   keys ``[N, L + 1]`` (int64, twice: a reorder's ``index_select`` copy beside the old), the finished hypotheses
   ``[B, K, T]`` (int64, four at once while a step merges them), the top-k over ``[B, K * V]`` (chunk maxima, the
-  gathered chunks, ``[B, C]`` candidates); sampling's draw (probabilities, exponential clocks, their ratio) and
+  gathered chunks, tied rows' reduced copies: ``beam.wide_topk_bytes``; ``[B, C]`` candidates); sampling's draw (probabilities, exponential clocks, their ratio) and
   its warpers' ``[N, V]`` copies (top-k, top-p's sort).
 * :func:`graph_pool_bytes` (CUDA graphs only): the private memory pool of the step's graphs, approximated as one
   decode step's activations at the padded shape (a graph keeps its intermediates' memory for its replays).
@@ -115,16 +115,14 @@ def search_bytes(search: SearchDims, inputs: int, rows: int, history: int, posit
     ``rows`` rows in all, ``history`` decoder positions (prompt and new tokens), ``positions`` new tokens and ``vocab``
     entries: history and n-gram keys (twice, a reorder's copy), beam search's finished hypotheses (four at once)
     and top-k, sampling's draw and warpers."""
-    from seqgen_cli.search.beam import (
-        CHUNK,  # wide_topk's columns per chunk; torch.topk's own temporaries are smaller
-    )
+    from seqgen_cli.search.beam import wide_topk_bytes  # the CPU's top-k; a GPU's torch.topk makes less
 
     s, n, v = search, rows, vocab
     total = 2 * n * history * 8 + (2 * n * (history + 1) * 8 if s.ngrams else 0)
     if s.mode == "beam":
         c, kv = s.candidates, s.num_beams * vocab
         total += 4 * inputs * s.num_beams * positions * 8  # fin_tokens, merge candidates, gather, result
-        total += inputs * (-(-kv // CHUNK) * 4 + (c + 1) * CHUNK * 12 + c * CANDIDATE_BYTES)  # [B, K * V] top-k
+        total += inputs * (wide_topk_bytes(c, kv) + c * CANDIDATE_BYTES)  # [B, K * V] top-k
     elif s.mode == "sample":
         total += 3 * n * v * 4  # probabilities, exponential clocks, their ratio
         total += n * v * 5 if s.top_k else 0  # the kept scores and the bool mask

@@ -42,9 +42,9 @@ SYNC_OPS = frozenset(
     }
 )
 BOOL_INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
-# Functions that run on the CPU only (``beam.pick_topk`` gives ``wide_topk`` to CPU logits alone), where reading a
-# value on the host waits for no device: their reads are not violations.
-CPU_ONLY = frozenset({"wide_topk"})
+# Functions that run on the CPU only (``beam.pick_topk`` gives ``wide_topk``, and through it ``topk_in_order``, to CPU
+# logits alone), where reading a value on the host waits for no device: their reads are not violations.
+CPU_ONLY = frozenset({"wide_topk", "topk_in_order", "_topk_of_chunks"})
 
 
 @dataclass

@@ -46,16 +46,16 @@ CHUNK = 128  # columns per chunk in :func:`wide_topk`
 def wide_topk(scores: torch.Tensor, k: int, ties: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(scores, k)`` (sorted) over the last dimension of a wide [B, M] tensor, via the chunks of
     ``CHUNK`` columns with the ``k + 1`` largest maxima: one max pass, then a top-(k + 1) over ``(k + 1) * CHUNK``
-    columns; in a row where two of those ``k + 1`` values are equal, ``torch.topk`` over the whole row after all.
+    columns; in a row where two of those ``k + 1`` values are equal, ``torch.topk``'s order (:func:`topk_in_order`).
 
     The same values and indices as ``torch.topk``: those ``k + 1`` chunk maxima are elements of the picked columns,
     so the picked columns' (k + 1)-th largest value is at least every element of any other chunk. When the ``k + 1``
     largest picked values are all different, the ``k`` largest of the row are the picked ``k``, each strictly above
     every other element: no tie is left for ``torch.topk`` to order its own way. Else (a tie: often in half
-    precision, rare in float32; a host check, free on the CPU) the whole row goes to ``torch.topk``, the tied rows in
-    one call (all of them: the whole tensor; docs/EXPERIMENTS.md, "bfloat16: tied top-k rows in one call"). ~4x cheaper than
-    ``torch.topk`` over [32, 4 x 55k] on the CPU (docs/EXPERIMENTS.md, "CPU float32: what the step does, and what
-    each choice measured").
+    precision, rare in float32; a host check, free on the CPU) ``torch.topk`` orders the row's ties, run over only
+    the chunks whose elements can change its result (:func:`topk_in_order`; docs/EXPERIMENTS.md, "bfloat16: tied
+    top-k rows"). ~4x cheaper than ``torch.topk`` over [32, 4 x 55k] on the CPU (docs/EXPERIMENTS.md, "CPU float32:
+    what the step does, and what each choice measured"). Its temporaries: :func:`wide_topk_bytes`.
 
     ``ties=False`` (the static step, compiled: nothing read on the host): no check, so where values are equal they
     may trade places (in float32 an exact tie).
@@ -76,11 +76,86 @@ def wide_topk(scores: torch.Tensor, k: int, ties: bool = True) -> tuple[torch.Te
     if not ties:
         return values, indices
     tied = (top[:, 1:] == top[:, :-1]).any(1).nonzero().view(-1)  # rows where two of the k + 1 are equal
-    if tied.numel() == b:  # every row (bfloat16's log-probs, often): torch.topk itself, no copy
-        return torch.topk(scores, k)
-    if tied.numel():  # torch.topk's order of equal values, over those rows in one call (rows are independent)
-        values[tied], indices[tied] = torch.topk(scores.index_select(0, tied), k)
+    if tied.numel():  # torch.topk's order of equal values (rows are independent)
+        values[tied], indices[tied] = topk_in_order(scores, maxima, tied, k)
     return values, indices
+
+
+def wide_topk_bytes(k: int, columns: int) -> int:
+    """Bytes :func:`wide_topk` makes per row of ``columns`` columns at most, ``torch.topk``'s own (smaller) apart: the
+    chunks' maxima, the picked chunks' columns and values, and for tied rows :func:`topk_in_order`'s per-chunk flags
+    and its reduced row (values, and a chunk index per kept chunk) at its widest."""
+    chunks = -(-columns // CHUNK)
+    return chunks * 4 + (k + 1) * CHUNK * 12 + chunks * 16 + _widest(k, chunks) * (CHUNK * 8 + 32)
+
+
+def _widest(k: int, chunks: int) -> int:
+    """Chunks :func:`topk_in_order` reduces a row to at most (past it, the whole row): an eighth of them, or the
+    ``64 k`` columns that keep torch on ``partial_sort``."""
+    return max(-(-64 * k // CHUNK), chunks // 8)
+
+
+def topk_in_order(
+    scores: torch.Tensor, maxima: torch.Tensor, rows: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(scores[rows], k)`` on the CPU, its order of equal values included, over only the chunks whose
+    elements can enter its heap: ``scores`` [B, M] (``M >= 64 k``), ``maxima`` its chunks' maxima [B, C] (``CHUNK``
+    columns each, the last maybe fewer), ``rows`` [T] -> values, indices [T, k].
+
+    On a row of at least ``64 k`` elements torch's CPU top-k is ``std::partial_sort``: a heap of the first ``k``
+    elements, then each later one, in order, replaces the heap's top (its smallest) where strictly larger; the heap
+    is sorted at the end. An element that does not enter leaves the heap as it was, so the row without it gives the
+    same values and, mapped back, the same indices. No element of a chunk enters when the chunk's maximum is at most
+    the ``k``-th largest maximum of chunks before it (elements before it: a floor under the heap's top). Kept, in
+    order: the chunks of the first ``k`` elements and each chunk above the floor of the chunks before the last power
+    of two (from ``k``) at or below its index, about ``k`` per doubling; then ``-inf`` (it never enters) up to ``64 k``
+    columns, so torch takes ``partial_sort`` again (``test_topk_in_order_is_torch_topk_over_rows_full_of_ties``
+    holds it to ``torch.topk``). A row that keeps more than :func:`_widest` chunks, or holds a NaN (largest to
+    torch, hidden by the chunk comparisons), goes whole to ``torch.topk`` (a view: no copy)."""
+    t, c = rows.numel(), maxima.shape[1]
+    mx = maxima.index_select(0, rows)  # [T, C]
+    floor = torch.full_like(mx, float("-inf"))
+    at = k
+    while at < c:  # chunks [at, 2 at): the k-th largest maximum of chunks [0, at)
+        floor[:, at : 2 * at] = torch.topk(mx[:, :at], k, sorted=False).values.amin(1, keepdim=True)
+        at *= 2
+    keep = mx > floor  # [T, C]
+    keep[:, : -(-k // CHUNK)] = True  # the chunks of the first k elements: the heap they start
+    whole = (keep.sum(1) > _widest(k, c)) | mx.isnan().any(1)  # [T]
+    if not whole.any():
+        return _topk_of_chunks(scores, rows, keep, k)
+    values = scores.new_empty((t, k))
+    indices = torch.empty((t, k), dtype=torch.long, device=rows.device)
+    for i in whole.nonzero().view(-1).tolist():  # a view of the row: no copy
+        values[i], indices[i] = torch.topk(scores[rows[i]], k)
+    rest = (~whole).nonzero().view(-1)
+    if rest.numel():
+        values[rest], indices[rest] = _topk_of_chunks(scores, rows[rest], keep[rest], k)
+    return values, indices
+
+
+def _topk_of_chunks(
+    scores: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk`` over each of ``rows``' kept chunks (``keep`` [T, C]), in order, then ``-inf`` up to the
+    widest row's chunks and at least ``64 k`` columns -> values, indices [T, k] in the whole row."""
+    t, m = rows.numel(), scores.shape[1]
+    counts = keep.sum(1)  # [T]
+    width = max(int(counts.max()), -(-64 * k // CHUNK))  # chunks per reduced row
+    row, chunk = keep.nonzero(as_tuple=True)  # [n]: row by row, each row's chunks in order
+    slot = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]  # its place in its row
+    reduced = scores.new_full((t, width, CHUNK), float("-inf"))  # [T, width, CHUNK]
+    full = m // CHUNK  # whole chunks
+    source, whole_chunk = rows[row], chunk < full
+    reduced[row[whole_chunk], slot[whole_chunk]] = scores[:, : full * CHUNK].view(-1, full, CHUNK)[
+        source[whole_chunk], chunk[whole_chunk]
+    ]  # [n', CHUNK]
+    last = (~whole_chunk).nonzero().view(-1)  # the shorter last chunk, where kept: its columns, then -inf
+    reduced[row[last], slot[last], : m - full * CHUNK] = scores[source[last], full * CHUNK :]
+    chunk_of = torch.zeros((t, width), dtype=torch.long, device=row.device)  # [T, width]: each slot's chunk
+    chunk_of[row, slot] = chunk
+    values, at_reduced = torch.topk(reduced.view(t, width * CHUNK), k)  # [T, k]
+    return values, chunk_of.gather(1, at_reduced // CHUNK) * CHUNK + at_reduced % CHUNK
 
 
 def _accumulated_log_probs(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import weakref
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -32,8 +33,8 @@ from seqgen_cli.memory import (
 )
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.capture import CapturedBackend
-from seqgen_cli.search import Batch, generate
-from seqgen_cli.search.beam import CHUNK
+from seqgen_cli.search import Batch, beam, generate
+from seqgen_cli.search.beam import CHUNK, wide_topk, wide_topk_bytes
 from seqgen_cli.search.settings import rows_per_input
 from seqgen_cli.shapes import graph_inputs, graph_positions, graph_width, input_width
 from tests.tiny_models import load, load_tiny, text_batch
@@ -174,7 +175,8 @@ def _config(new_tokens: int, **kwargs: Any) -> GenerationConfig:
 
 
 def test_search_bytes_from_the_settings() -> None:
-    """Beam search's parts: history (twice), finished hypotheses (four at once), the top-k over [B, K * V] (k + 1 chunks of it: wide_topk)."""
+    """Beam search's parts: history (twice), finished hypotheses (four at once), the top-k over [B, K * V] (k + 1 chunks of
+    it: wide_topk; tied rows' chunk flags and reduced rows: topk_in_order)."""
     b, k, t, v = 4, 3, 20, 600
     config = _config(t, num_beams=k)
     search = SearchDims.of(config)
@@ -182,7 +184,9 @@ def test_search_bytes_from_the_settings() -> None:
     n, c = b * k, 6
     history = 2 * n * (1 + t) * 8
     finished = 4 * b * k * t * 8
-    topk = b * (math.ceil(k * v / CHUNK) * 4 + (c + 1) * CHUNK * 12 + c * CANDIDATE_BYTES)
+    chunks = math.ceil(k * v / CHUNK)
+    reduced = max(math.ceil(64 * c / CHUNK), chunks // 8) * (CHUNK * 8 + 32)  # tied rows' reduced row, at its widest
+    topk = b * (chunks * 4 + (c + 1) * CHUNK * 12 + chunks * 16 + reduced + c * CANDIDATE_BYTES)
     assert search_bytes(search, b, n, 1 + t, t, v) == history + finished + topk
     ngrams = SearchDims.of(_config(t, num_beams=k, no_repeat_ngram_size=3))
     assert (
@@ -207,6 +211,22 @@ def test_search_bytes_bound_the_searchs_peak(name: str, inputs: int, new_tokens:
         SearchDims.of(config), inputs, rows, 1 + new_tokens, new_tokens, vocab
     )
     assert peak.peak <= estimate <= 2.5 * peak.peak, (peak.peak, estimate)
+
+
+def test_wide_topk_bytes_bound_its_peak_over_tied_rows() -> None:
+    """Over rows tied at the top (bf16-rounded logits, beams apart by their running scores, as a search sees them)
+    ``wide_topk`` reduces the rows to their kept chunks (``topk_in_order``) within ``wide_topk_bytes`` a row."""
+    g = torch.Generator().manual_seed(0)
+    b, beams, vocab, k = 6, 4, 54_776, 8
+    logits = (torch.randn(b, beams, vocab, generator=g) * 3).to(torch.bfloat16).float()
+    logits[:, 0, [100, 200]] = 20.0  # the best two tie: every row goes to topk_in_order
+    running = torch.tensor([0.0, -1.5, -3.0, -4.5])[:, None]  # [K, 1]
+    scores = (torch.log_softmax(logits, -1) + running).view(b, beams * vocab)
+    with mock.patch.object(beam, "_topk_of_chunks", wraps=beam._topk_of_chunks) as by_chunks, PeakBytes() as peak:
+        values, indices = wide_topk(scores, k)
+    assert by_chunks.call_args.args[1].tolist() == list(range(b))  # every row by its chunks
+    assert torch.equal(indices, torch.topk(scores, k).indices)
+    assert 0 < peak.peak <= b * wide_topk_bytes(k, beams * vocab), (peak.peak, b * wide_topk_bytes(k, beams * vocab))
 
 
 # -- the CUDA graphs' pool -----------------------------------------------------------------------------------------

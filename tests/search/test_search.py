@@ -11,8 +11,8 @@ from seqgen_cli.config import resolve_generation_config
 from seqgen_cli.errors import SeqgenError
 from seqgen_cli.models import get_backend
 from seqgen_cli.models.generic import GenericBackend
-from seqgen_cli.search import Batch, generate, settings_for, unsupported_reason
-from seqgen_cli.search.beam import wide_topk
+from seqgen_cli.search import Batch, beam, generate, settings_for, unsupported_reason
+from seqgen_cli.search.beam import CHUNK, topk_in_order, wide_topk
 from seqgen_cli.search.history import TokenHistory
 from seqgen_cli.search.processors import LogitsPipeline
 from tests.equivalence import rescore
@@ -351,3 +351,42 @@ def test_wide_topk_all_but_few_masked_keeps_the_finite_ones() -> None:
     assert values[0, :3].tolist() == [3.0, 2.0, 1.0]
     assert indices[0, :3].tolist() == [3000, 8000, 3]
     assert torch.isinf(values[0, 3:]).all() and torch.isinf(values[1]).all()
+
+
+@pytest.mark.parametrize("k", [2, 8, 10, 130])
+def test_topk_in_order_is_torch_topk_over_rows_full_of_ties(k: int) -> None:
+    """``topk_in_order`` runs torch's CPU top-k over only the chunks whose elements can enter its heap: the same
+    values and indices as over whole rows, where values tie at the top, at the k-th place, across beams, in the
+    shorter last chunk, and where a row is mostly or wholly ``-inf``; a row that keeps too many chunks goes whole."""
+    g = torch.Generator().manual_seed(k)
+    for beams, vocab in ((k // 2, 5_000), (k // 2, 54_776), (k, 1_283)):
+        rows = 12
+        logits = (torch.randn(rows, beams, vocab, generator=g) * 3).to(torch.bfloat16).float()  # ties everywhere
+        logits[0, :, ::7] = logits[0, :, :1].clone()  # a seventh of row 0's logits equal to its first
+        running = torch.randn(rows, beams, generator=g).to(torch.bfloat16).float()
+        running[1] = 0.0  # row 1: beams tie with each other
+        scores = (torch.log_softmax(logits, -1) + running[:, :, None]).view(rows, beams * vocab)
+        scores[2, : scores.shape[1] // 2] = float("-inf")
+        scores[3, 5:] = float("-inf")  # fewer finite values than k
+        scores[6, CHUNK : 2 * CHUNK] = float("-inf")  # a whole chunk -inf (among the first k elements when k > CHUNK)
+        scores[4] = float("-inf")
+        scores[5, -3:] = 30.0  # the best ones, tied, in the last (shorter) chunk
+        m = scores.shape[1]
+        scores[8] = torch.linspace(-60, 0, m).to(torch.bfloat16).float()  # rising, tied: every chunk kept, so whole
+        full = m // CHUNK * CHUNK
+        maxima = torch.cat(
+            (scores[:, :full].view(rows, -1, CHUNK).amax(-1), scores[:, full:].amax(-1, keepdim=True)), 1
+        )[:, : -(-m // CHUNK)]
+        every = torch.arange(rows)
+        with mock.patch.object(beam, "_topk_of_chunks", wraps=beam._topk_of_chunks) as by_chunks:
+            values, indices = topk_in_order(scores, maxima, every, k)
+        chunked = by_chunks.call_args.args[1].tolist() if by_chunks.called else []
+        assert 8 not in chunked and (vocab != 54_776 or {0, 1, 3, 4, 5} <= set(chunked))  # wide rows: by chunks
+        ref = torch.topk(scores, k)
+        assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices), (beams, vocab)
+        some = torch.tensor([5, 0, 3])  # any rows, in any order
+        values, indices = topk_in_order(scores, maxima, some, k)
+        assert torch.equal(indices, ref.indices[some]) and torch.equal(values, ref.values[some])
+        scores[7, m // 2], maxima[7, m // 2 // CHUNK] = float("nan"), float("nan")  # NaN: the largest to torch.topk
+        values, indices = topk_in_order(scores, maxima, torch.tensor([7]), k)
+        assert torch.equal(indices, torch.topk(scores[7:8], k).indices) and values[0, 0].isnan()
