@@ -10,11 +10,13 @@ from torch import Tensor
 HALF = (torch.float16, torch.bfloat16)
 
 
-def key_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype a cache holds keys in: the one :func:`scores32` reads. The CPU scores half precision in float32
-    (no half GEMM summing in float32 there), so its caches hold float32 keys, each written once, instead of a float32
-    copy of every key attended at every layer and step; the values stay in ``dtype``. The keys' bits are the half
-    keys' (a half value is exact in float32), so the scores are the same."""
+def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a cache holds keys and values in, under a model in ``dtype``: on the CPU under half precision
+    float32, so attention there runs in float32 (no half GEMM summing in float32 on the CPU; its half value products
+    were 2.7x float32's, docs/EXPERIMENTS.md, "Attention over every beam's keys: layouts measured"): each key and
+    value is widened once as it is written, not at every layer and step, and its bits are the half value's (exact in
+    float32), so the scores are the same; the probabilities and value sums are float32, the output rounded to half
+    once. Elsewhere ``dtype``."""
     return torch.float32 if device.type == "cpu" and dtype in HALF else dtype
 # ``torch.bmm(..., out_dtype=torch.float32)`` (torch >= 2.8): a half product written as float32, CUDA only (the
 # CPU has no kernel for it); inductor lowers it to the same cuBLAS call (``at::_bmm_out_dtype_cuda``).
@@ -113,7 +115,7 @@ def attention(
     else:
         k = keys_t.shape[-1]
         out = value_sum(probs[..., :k], values, chunk) + value_sum(probs[..., k:], then[1], then[3])
-    return out.view(*lead, h, q_len, d)  # [..., Hkv, G*Q, d] -> [..., H, Q, d]
+    return out.view(*lead, h, q_len, d).to(q.dtype)  # [..., Hkv, G*Q, d] -> [..., H, Q, d], in the queries' dtype
 
 
 def value_sum(probs: Tensor, values: Tensor, chunk: int | None) -> Tensor:
@@ -193,4 +195,5 @@ def attend_blocks(q: Tensor, blocks: list[Block], scale: float, softcap: float |
         out = part if out is None else out.add_(part)
         at += k
     assert out is not None
-    return out.view(b, hkv, r, g, d).transpose(1, 2).reshape(n, h * d)  # [B, R, Hkv, G, d] -> [N, H*d]
+    out = out.view(b, hkv, r, g, d).transpose(1, 2).reshape(n, h * d)  # [B, R, Hkv, G, d] -> [N, H*d]
+    return out.to(q.dtype)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from seqgen_cli.models.attention import key_dtype, rotary_tables, soft_cap
+from seqgen_cli.models.attention import kv_dtype, rotary_tables, soft_cap
 from seqgen_cli.models.kv_cache import DecoderOnlyKVCache, kv_bytes
 from seqgen_cli.models.kv_store import select_into
 from seqgen_cli.models.lane_table import pointer_bytes, run_step
@@ -222,6 +222,6 @@ class DecoderOnlyBackend:
         and back-pointers per row; K/V heads only."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
         weight = self.model.get_output_embeddings().weight
-        keys = key_dtype(weight.dtype, weight.device)  # float32 where the CPU scores half precision
-        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, weight.dtype, inputs * width + rows * t, keys)
+        dtype = kv_dtype(weight.dtype, weight.device)  # float32 where the CPU attends half precision
+        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, dtype, inputs * width + rows * t)
         return kv + pointer_bytes(rows, t) + inputs * width * 4  # + the prompt mask (float32)

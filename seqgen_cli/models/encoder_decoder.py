@@ -211,8 +211,7 @@ class EncoderDecoderBackend:
             self.head_dim,
             max_len,
             MIN_WIDTH,
-            self.source.key_dtype,
-            self.dtype,
+            self.source.kv_dtype,
             self.device,
             self.window,
         )
@@ -260,10 +259,8 @@ class EncoderDecoderBackend:
         ``new_tokens`` positions (what :meth:`cache_nbytes` then counts): cross K/V once per input, self K/V and
         back-pointers per row, the relative position bias [L', H, T, T]."""
         t, rows = max(1, new_tokens), inputs * rows_per_input
-        keys = self.source.key_dtype  # the generated keys' dtype too (float32 where the CPU scores half precision)
-        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, self.dtype, rows * t, keys)
-        cross = self.source.key_dtype.itemsize + self.dtype.itemsize  # a source position's key and value
-        kv += self.n_layers * self.kv_heads * self.head_dim * cross * inputs * cross_width(width)
+        dtype = self.source.kv_dtype  # the self-attention cache's too (float32 where the CPU attends half precision)
+        kv = kv_bytes(self.n_layers, self.kv_heads, self.head_dim, dtype, rows * t + inputs * cross_width(width))
         bias_layers = 0 if self.relative_bias is None else self.relative_bias.layers
         bias = bias_layers * self.heads * t * t * self.dtype.itemsize
         return kv + pointer_bytes(rows, t) + bias

@@ -39,18 +39,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqgen_cli.models.attention import Block, key_dtype
+from seqgen_cli.models.attention import Block, kv_dtype
 from seqgen_cli.models.kv_store import KV, FixedKV, padding_bias, select_into
 from seqgen_cli.models.lane_table import LaneTable
 
 
-def kv_bytes(
-    layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int, keys: torch.dtype | None = None
-) -> int:
+def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int) -> int:
     """Bytes of the keys and values of ``positions`` positions (summed over rows) in ``layers`` layers of
-    ``kv_heads`` K/V heads (grouped-query attention: the K/V heads, not the query heads); values in ``dtype``, keys
-    in ``keys`` (default ``dtype``; :func:`~seqgen_cli.models.attention.key_dtype`)."""
-    return layers * kv_heads * head_dim * ((keys or dtype).itemsize + dtype.itemsize) * positions
+    ``kv_heads`` K/V heads (grouped-query attention: the K/V heads, not the query heads), held in ``dtype``
+    (:func:`~seqgen_cli.models.attention.kv_dtype`)."""
+    return layers * kv_heads * head_dim * 2 * dtype.itemsize * positions
 
 
 class KVCache(LaneTable):
@@ -160,10 +158,10 @@ class EncoderDecoderKVCache(KVCache):
         window: int | None = None,
         lanes: bool = False,
     ) -> None:
-        """Take the source's keys [B, Hkv, d, S] (transposed; float32 where the CPU scores half precision) and
-        values [B, Hkv, S, d] per layer and its mask [B, 1, 1, S] (additive float32: 0 = attend, -inf = padding);
-        allocate ``max_len`` self-attention positions of ``Hkv`` heads (grouped-query attention: fewer than the
-        queries') in the values' dtype. ``window``: the sliding window of the layers that slide (a query sees the
+        """Take the source's keys [B, Hkv, d, S] (transposed) and values [B, Hkv, S, d] per layer, in
+        :func:`~seqgen_cli.models.attention.kv_dtype`, and its mask [B, 1, 1, S] (additive float32: 0 = attend, -inf
+        = padding); allocate ``max_len`` self-attention positions of ``Hkv`` heads (grouped-query attention: fewer
+        than the queries') in that dtype. ``window``: the sliding window of the layers that slide (a query sees the
         keys less than ``window`` positions before it); only where ``max_len`` positions reach past it. ``lanes``:
         ``B`` lanes at their own steps (static: zeros, a span bucket attended)."""
         b, h, _, d = values[0].shape
@@ -171,7 +169,7 @@ class EncoderDecoderKVCache(KVCache):
         # Allocated first: past any memory they fail at once, before the table's zeros are written.
         shape = (b, h, max_len, rows_per_input, d)  # [B, H, T, R, d]: keys and values alike
         dtype, device = values[0].dtype, values[0].device
-        generated = KV.empty(len(keys), shape, shape, 2, 2, dtype, device, key_dtype(dtype, device))
+        generated = KV.empty(len(keys), shape, shape, 2, 2, dtype, device)
         window = window if window is not None and max_len > window else None
         super().__init__(FixedKV(keys, values, mask), generated, rows_per_input, max_len, window, lanes)
         self.heads, self.head_dim = h, d
@@ -189,17 +187,17 @@ class EncoderDecoderKVCache(KVCache):
         head_dim: int,
         max_len: int,
         width: int,
-        key_dtype: torch.dtype,
         dtype: torch.dtype,
         device: torch.device,
         window: int | None = None,
     ) -> EncoderDecoderKVCache:
-        """``lanes`` empty lanes (sources of ``width`` columns until a wider one joins, :meth:`widen`). An empty lane
-        attends one zero key: finite, ignored."""
+        """``lanes`` empty lanes (sources of ``width`` columns until a wider one joins, :meth:`widen`), K/V in
+        ``dtype`` (:func:`~seqgen_cli.models.attention.kv_dtype`). An empty lane attends one zero key: finite,
+        ignored."""
         mask = torch.full((lanes, 1, 1, width), float("-inf"), device=device)  # [L, 1, 1, W]
         mask[..., 0] = 0.0
         kv = (lanes, heads, head_dim, width), (lanes, heads, width, head_dim)  # [L, H, d, W], [L, H, W, d]
-        keys = [torch.zeros(kv[0], dtype=key_dtype, device=device) for _ in range(layers)]
+        keys = [torch.zeros(kv[0], dtype=dtype, device=device) for _ in range(layers)]
         values = [torch.zeros(kv[1], dtype=dtype, device=device) for _ in range(layers)]
         return cls(keys, values, mask, rows_per_input, max_len, window, lanes=True)
 
@@ -242,7 +240,7 @@ class EncoderDecoderKVCache(KVCache):
         (:meth:`layer_bias`)."""
         keys, values = self.generated.keys[layer], self.generated.values[layer]  # [B, H, T, R, d]
         b, h, r, d, span = keys.shape[0], self.heads, self.r, self.head_dim, self.span
-        k = k.to(keys.dtype)  # float32 keys where the CPU scores half precision (a no-op elsewhere)
+        k, v = k.to(keys.dtype), v.to(values.dtype)  # float32 where the CPU attends half precision, else no-ops
         self.write(keys, 2, k.view(b, r, h, d).transpose(1, 2), self.where_k)  # [N, H, d] -> [B, H, R, d]
         self.write(values, 2, v.view(b, r, h, d).transpose(1, 2), self.where_v)  # [N, H, d] -> [B, H, R, d]
         keys_t = keys[:, :, :span].view(b, h, span * r, d).transpose(-1, -2)  # contiguous per (b, h): no copy
@@ -286,13 +284,13 @@ class DecoderOnlyKVCache(KVCache):
         positions before it; ``update(..., sliding=True)``). ``lanes``: ``B`` lanes at their own steps."""
         b, hkv, _, d = keys[0].shape
         r, max_len = rows_per_input, max(max_len, 1)
-        dtype, device = keys[0].dtype, keys[0].device
-        keys_dtype = key_dtype(dtype, device)  # float32 where the CPU scores half precision
-        # [B, Hkv, W, d] -> [B, Hkv, d, W]: one copy (the prefill's freed), in the keys' dtype
-        keys_t = [k.transpose(-1, -2).contiguous().to(keys_dtype) for k in keys]
+        dtype = kv_dtype(keys[0].dtype, keys[0].device)  # float32 where the CPU attends half precision
+        # [B, Hkv, W, d] -> [B, Hkv, d, W]: one copy (the prefill's freed), in the cache's dtype
+        keys_t = [k.transpose(-1, -2).contiguous().to(dtype) for k in keys]
+        values = [v.to(dtype) for v in values]  # a no-op where the dtype is the prefill's
         # unread positions need no zeros off the static path; allocated first, as the encoder-decoder cache's
         shapes = (b, hkv, d, max_len, r), (b, hkv, max_len, r, d)  # [B, Hkv, d, T, R], [B, Hkv, T, R, d]
-        generated = KV.empty(len(keys), *shapes, 3, 2, dtype, device, keys_dtype)
+        generated = KV.empty(len(keys), *shapes, 3, 2, dtype, keys[0].device)
         fixed = FixedKV(keys_t, values, padding_bias(mask, mask.shape[1]))  # bias [B, 1, 1, W]
         super().__init__(fixed, generated, r, max_len, window, lanes)
         self.sliding_fixed_bias: Tensor | None = None  # the sliding layers' prompt bias (``window``)
@@ -325,8 +323,9 @@ class DecoderOnlyKVCache(KVCache):
         self, keys: list[Tensor], values: list[Tensor], mask: Tensor
     ) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """A prefill's K/V [B, Hkv, w, d] per layer and mask [B, w] (``w <= W``) as the fixed region holds them."""
-        keys_t = [k.transpose(-1, -2).to(self.fixed.keys[0].dtype) for k in keys]  # [B, Hkv, d, w]
-        return keys_t, values, padding_bias(mask, self.width)
+        dtype = self.fixed.keys[0].dtype
+        keys_t = [k.transpose(-1, -2).to(dtype) for k in keys]  # [B, Hkv, d, w]
+        return keys_t, [v.to(dtype) for v in values], padding_bias(mask, self.width)
 
     def put_fixed(self, lanes: Tensor, keys: list[Tensor], values: list[Tensor], mask: Tensor) -> None:
         assert self.widths is not None
@@ -362,7 +361,7 @@ class DecoderOnlyKVCache(KVCache):
         b, r, hkv, d, span = self.fixed.bias.shape[0], self.r, k.shape[1], k.shape[2], self.span
         # keys [B, Hkv, d, T, R], values [B, Hkv, T, R, d]; this step's k/v [N, Hkv, d]
         keys, values = self.generated.keys[layer], self.generated.values[layer]
-        k = k.to(keys.dtype)  # float32 keys where the CPU scores half precision (a no-op elsewhere)
+        k, v = k.to(keys.dtype), v.to(values.dtype)  # float32 where the CPU attends half precision, else no-ops
         self.write(keys, 3, k.view(b, r, hkv, d).permute(0, 2, 3, 1), self.where_k)  # [B, Hkv, d, R]
         self.write(values, 2, v.view(b, r, hkv, d).transpose(1, 2), self.where_v)  # [B, Hkv, R, d]
         keys_t = keys[:, :, :, :span].view(b, hkv, d, span * r)  # position-major: index s*R + beam

@@ -57,11 +57,9 @@ class KV:
         value_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        key_dtype: torch.dtype | None = None,
     ) -> KV:
-        """Unset tensors (positions are written before they are read; a static cache zeros them); keys in
-        ``key_dtype`` (default ``dtype``)."""
-        keys = [torch.empty(key_shape, dtype=key_dtype or dtype, device=device) for _ in range(layers)]
+        """Unset tensors (positions are written before they are read; a static cache zeros them)."""
+        keys = [torch.empty(key_shape, dtype=dtype, device=device) for _ in range(layers)]
         values = [torch.empty(value_shape, dtype=dtype, device=device) for _ in range(layers)]
         return cls(keys, values, key_dim, value_dim)
 
@@ -95,8 +93,8 @@ class KV:
 
 
 class FixedKV(KV):
-    """A cache's fixed region: keys [B, Hkv, d, W] (transposed; float32 where the CPU scores half precision) and
-    values [B, Hkv, W, d] per layer and the bias [B, 1, 1, W] (additive float32: 0 = attend, -inf = masked) of ``W``
+    """A cache's fixed region: keys [B, Hkv, d, W] (transposed) and values [B, Hkv, W, d] per layer (float32 where
+    the CPU attends half precision) and the bias [B, 1, 1, W] (additive float32: 0 = attend, -inf = masked) of ``W``
     columns per input (lane)."""
 
     def __init__(self, keys: list[Tensor], values: list[Tensor], bias: Tensor) -> None:

@@ -5,12 +5,13 @@ own in bfloat16."""
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
 
 from seqgen_cli.generator import Generator
-from seqgen_cli.models import backend_stats, linear_maps
+from seqgen_cli.models import backend_stats, layers, linear_maps
 from tests.tiny_models import shared_dir
 
 BF16 = torch.bfloat16 in linear_maps.ONEDNN_DTYPES
@@ -106,21 +107,33 @@ def test_bfloat16_on_a_cpu_without_bf16_products_says_it_is_slow(tiny_models, tm
 
 
 @pytest.mark.parametrize("family", ["bart", "llama"])
-def test_bfloat16_caches_hold_keys_in_the_dtype_the_scores_read(tiny_models, family: str) -> None:
-    """The CPU scores bfloat16 in float32 (``attention.scores32``): the caches hold every key in float32 (the fixed
-    region's and the generated ones, written once), the values in bfloat16, so no step upcasts the whole key cache;
-    the bytes the batcher counts are those held. The keys' bits are the bf16 keys' (exact in float32)."""
+def test_bfloat16_caches_hold_keys_and_values_in_float32_on_the_cpu(tiny_models, family: str) -> None:
+    """The CPU attends bfloat16 in float32 (``attention.kv_dtype``): the caches hold every key and value in float32
+    (the fixed region's and the generated ones, written once), so no step widens the cache, and attention's output
+    goes back to the layers in bfloat16; the bytes the batcher counts are those held. The bits are the bf16
+    values' (exact in float32)."""
     gen = Generator(str(tiny_models(family)), dtype="bfloat16", max_new_tokens=6, num_beams=2)
     backend = gen.model_backend()
     ids = [e.ids for e in gen.encode(["one two three four", "five six"])]
     state, _ = backend.start(gen.pad(ids), rows_per_input=2, max_new_tokens=6)
     cache = state.cache
-    for _ in range(3):
-        backend.step(state, torch.ones(4, dtype=torch.long))
-    assert {k.dtype for k in cache.fixed.keys + cache.generated.keys} == {torch.float32}
-    assert {v.dtype for v in cache.fixed.values + cache.generated.values} == {torch.bfloat16}
-    written = cache.generated.keys[0].select(-2 if family == "llama" else 2, 0)  # position 0, every row
-    assert torch.equal(written, written.bfloat16().float())  # bf16 values, held in float32
+    outputs: list[torch.dtype] = []
+
+    def recorded(fn):  # attention's output dtype, as the layers get it
+        return lambda *a, **k: outputs.append((out := fn(*a, **k)).dtype) or out
+
+    with (
+        mock.patch.object(layers, "attention", recorded(layers.attention)),
+        mock.patch.object(layers, "attend_blocks", recorded(layers.attend_blocks)),
+    ):
+        for _ in range(3):
+            backend.step(state, torch.ones(4, dtype=torch.long))
+    assert outputs and set(outputs) == {torch.bfloat16}
+    held = cache.fixed.keys + cache.generated.keys + cache.fixed.values + cache.generated.values
+    assert {x.dtype for x in held} == {torch.float32}
+    for part in (cache.generated.keys[0], cache.generated.values[0]):
+        written = part.select(-2 if family == "llama" and part is cache.generated.keys[0] else 2, 0)  # position 0
+        assert torch.equal(written, written.bfloat16().float())  # bf16 values, held in float32
     width = gen.pad(ids).input_ids.shape[1]
     counted = backend.cache_bytes(2, width, 2, 6)
     assert counted == sum(backend.cache_nbytes(state).values())
