@@ -110,19 +110,21 @@ class SearchDims:
         )
 
 
-def search_bytes(search: SearchDims, inputs: int, rows: int, history: int, positions: int, vocab: int) -> int:
+def search_bytes(
+    search: SearchDims, inputs: int, rows: int, history: int, positions: int, vocab: int, cpu: bool = True
+) -> int:
     """Bytes the search holds and makes per step beyond the ``[N, V]`` logits rows, for ``inputs`` inputs of
     ``rows`` rows in all, ``history`` decoder positions (prompt and new tokens), ``positions`` new tokens and ``vocab``
     entries: history and n-gram keys (twice, a reorder's copy), beam search's finished hypotheses (four at once)
-    and top-k, sampling's draw and warpers."""
-    from seqgen_cli.search.beam import wide_topk_bytes  # the CPU's top-k; a GPU's torch.topk makes less
+    and top-k (on the ``cpu`` with tied rows' reduced copies), sampling's draw and warpers."""
+    from seqgen_cli.search.beam import wide_topk_bytes  # the chunks' top-k; a GPU's torch.topk makes less
 
     s, n, v = search, rows, vocab
     total = 2 * n * history * 8 + (2 * n * (history + 1) * 8 if s.ngrams else 0)
     if s.mode == "beam":
         c, kv = s.candidates, s.num_beams * vocab
         total += 4 * inputs * s.num_beams * positions * 8  # fin_tokens, merge candidates, gather, result
-        total += inputs * (wide_topk_bytes(c, kv) + c * CANDIDATE_BYTES)  # [B, K * V] top-k
+        total += inputs * (wide_topk_bytes(c, kv, ties=cpu) + c * CANDIDATE_BYTES)  # [B, K * V] top-k
     elif s.mode == "sample":
         total += 3 * n * v * 4  # probabilities, exponential clocks, their ratio
         total += n * v * 5 if s.top_k else 0  # the kept scores and the bool mask
@@ -160,7 +162,8 @@ def extra_bytes(
     enc = Dims.of(mcfg, "encoder") if mcfg.is_encoder_decoder else None
     total = 0 if enc is None else encoder_bytes(enc, inputs, width, e)
     history = (1 if mcfg.is_encoder_decoder else width) + new_tokens
-    total += search_bytes(SearchDims.of(config), inputs, rows, history, new_tokens, backend.vocab_size)
+    cpu = model.device.type == "cpu"  # where the search runs wide_topk
+    total += search_bytes(SearchDims.of(config), inputs, rows, history, new_tokens, backend.vocab_size, cpu)
     dec = Dims.of(mcfg, "decoder")
     if captured and backend.device.type == "cuda" and dec is not None:
         total += graph_pool_bytes(dec, inputs, rows_per_input, width, new_tokens, backend.vocab_size, e)

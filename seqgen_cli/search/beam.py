@@ -81,12 +81,15 @@ def wide_topk(scores: torch.Tensor, k: int, ties: bool = True) -> tuple[torch.Te
     return values, indices
 
 
-def wide_topk_bytes(k: int, columns: int) -> int:
-    """Bytes :func:`wide_topk` makes per row of ``columns`` columns at most, ``torch.topk``'s own (smaller) apart: the
-    chunks' maxima, the picked chunks' columns and values, and for tied rows :func:`topk_in_order`'s per-chunk flags
-    and its reduced row (values, and a chunk index per kept chunk) at its widest."""
+def wide_topk_bytes(k: int, columns: int, ties: bool = True) -> int:
+    """Bytes :func:`wide_topk` makes per row of ``columns`` columns at most: the chunks' maxima, the picked chunks'
+    columns and values and, with ``ties`` (the CPU, where rows that tie go to :func:`topk_in_order`), its per-chunk
+    flags and indices and its reduced row at its widest (values, their copy, ``torch.topk``'s (value, index) pairs,
+    the kept chunks' indices). Not counted: ``torch.topk``'s pairs over a row that goes whole, 16 B an element per
+    thread at work, not per row."""
     chunks = -(-columns // CHUNK)
-    return chunks * 4 + (k + 1) * CHUNK * 12 + chunks * 16 + _widest(k, chunks) * (CHUNK * 8 + 32)
+    tied = chunks * 24 + _widest(k, chunks) * (CHUNK * 24 + 64) if ties else 0
+    return chunks * 4 + (k + 1) * CHUNK * 12 + tied
 
 
 def _widest(k: int, chunks: int) -> int:

@@ -185,9 +185,10 @@ def test_search_bytes_from_the_settings() -> None:
     history = 2 * n * (1 + t) * 8
     finished = 4 * b * k * t * 8
     chunks = math.ceil(k * v / CHUNK)
-    reduced = max(math.ceil(64 * c / CHUNK), chunks // 8) * (CHUNK * 8 + 32)  # tied rows' reduced row, at its widest
-    topk = b * (chunks * 4 + (c + 1) * CHUNK * 12 + chunks * 16 + reduced + c * CANDIDATE_BYTES)
-    assert search_bytes(search, b, n, 1 + t, t, v) == history + finished + topk
+    reduced = max(math.ceil(64 * c / CHUNK), chunks // 8) * (CHUNK * 24 + 64)  # tied rows' reduced row, at its widest
+    topk = b * (chunks * 4 + (c + 1) * CHUNK * 12 + c * CANDIDATE_BYTES)
+    assert search_bytes(search, b, n, 1 + t, t, v) == history + finished + topk + b * (chunks * 24 + reduced)
+    assert search_bytes(search, b, n, 1 + t, t, v, cpu=False) == history + finished + topk  # torch.topk: no ties path
     ngrams = SearchDims.of(_config(t, num_beams=k, no_repeat_ngram_size=3))
     assert (
         search_bytes(ngrams, b, n, 1 + t, t, v) - search_bytes(search, b, n, 1 + t, t, v)

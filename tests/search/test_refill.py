@@ -204,7 +204,7 @@ def test_lane_cache_steps_per_lane() -> None:
     """A lane cache: lanes at different steps write their own step and see their own history only."""
     from seqgen_cli.models.kv_cache import EncoderDecoderKVCache
 
-    cache = EncoderDecoderKVCache.lanes(1, 2, 1, 1, 2, 4, 8, torch.float32, torch.float32, torch.device("cpu"))
+    cache = EncoderDecoderKVCache.lanes(1, 2, 1, 1, 2, 4, 8, torch.float32, torch.device("cpu"))
     cache.steps.copy_(torch.tensor([0, 2]))
     cache._row_steps()
     cache.begin()
