@@ -30,9 +30,8 @@ def scores32(q: Tensor, keys_t: Tensor) -> Tensor:
     dot products are summed in float32 and come out as float32, never rounded to half in between (as in
     transformers' SDPA kernels); a product of two halves is exact in float32, so this is ``q.float() @
     keys_t.float()`` up to float32 summation order. On CUDA one cuBLAS GEMM reads the half keys once and writes
-    float32 scores. Elsewhere (the CPU) ``q`` and the attended keys are upcast first: per layer and step a
-    float32 copy of the ``E`` key elements attended (``4 E`` bytes written, read again by the GEMM, against the
-    ``2 E`` the half GEMM reads), where the CPU runs float32 unless asked otherwise."""
+    float32 scores. Elsewhere (the CPU) the caches hold the keys in float32 already (:func:`kv_dtype`): only ``q``
+    is widened, and the product is float32's."""
     if q.dtype not in HALF:
         return torch.matmul(q, keys_t)
     if BMM_OUT_DTYPE and q.device.type == "cuda":
@@ -83,9 +82,13 @@ def attention(
     scaled queries are rounded to half. ``softcap`` (Gemma): scaled scores become ``tanh(s / softcap) * softcap``
     before the bias (:func:`soft_cap`).
 
+    The output is in ``q``'s dtype: on the CPU under half precision the probabilities and value sums are float32
+    (the values held so, :func:`kv_dtype`), rounded to half once here.
+
     Decoding attention on the CPU: two batched GEMMs beat SDPA's kernel, whose
     per-(input, head) overhead dominates at a handful of queries (docs/EXPERIMENTS.md,
-    "CPU float32: what the step does, and what each choice measured")."""
+    "CPU float32: what the step does, and what each choice measured"; over every beam's keys with the
+    back-pointers' bias as its mask it ties them in float32: "Attention over every beam's keys: layouts measured")."""
     *lead, h, q_len, d = q.shape
     hkv = keys_t.shape[-3]
     g = h // hkv
