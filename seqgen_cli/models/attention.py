@@ -12,11 +12,11 @@ HALF = (torch.float16, torch.bfloat16)
 
 def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a cache holds keys and values in, under a model in ``dtype``: on the CPU under half precision
-    float32, so attention there runs in float32 (no half GEMM summing in float32 on the CPU; its half value products
-    were 2.7x float32's, docs/EXPERIMENTS.md, "Attention over every beam's keys: layouts measured"): each key and
-    value is widened once as it is written, not at every layer and step, and its bits are the half value's (exact in
-    float32), so the scores are the same; the probabilities and value sums are float32, the output rounded to half
-    once. Elsewhere ``dtype``."""
+    float32, so attention there runs in float32 (no half GEMM sums in float32 on the CPU; its half attention took
+    3-7x float32's time on an AVX2 CPU, docs/EXPERIMENTS.md, "Attention over every beam's keys: layouts measured"):
+    each key and value is widened once as it is written, not at every layer and step, and its bits are the half
+    value's (exact in float32), so the scores are the same; the probabilities and value sums are float32, the output
+    rounded to half once. Elsewhere ``dtype``."""
     return torch.float32 if device.type == "cpu" and dtype in HALF else dtype
 # ``torch.bmm(..., out_dtype=torch.float32)`` (torch >= 2.8): a half product written as float32, CUDA only (the
 # CPU has no kernel for it); inductor lowers it to the same cuBLAS call (``at::_bmm_out_dtype_cuda``).

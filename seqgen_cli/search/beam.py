@@ -92,10 +92,15 @@ def wide_topk_bytes(k: int, columns: int, ties: bool = True) -> int:
     return chunks * 4 + (k + 1) * CHUNK * 12 + tied
 
 
+def _fewest(k: int) -> int:
+    """Chunks of a reduced row at least: the ``64 k`` columns that keep torch's top-k on ``partial_sort``."""
+    return -(-64 * k // CHUNK)
+
+
 def _widest(k: int, chunks: int) -> int:
-    """Chunks :func:`topk_in_order` reduces a row to at most (past it, the whole row): an eighth of them, or the
-    ``64 k`` columns that keep torch on ``partial_sort``."""
-    return max(-(-64 * k // CHUNK), chunks // 8)
+    """Chunks :func:`topk_in_order` reduces a row to at most (past it, the whole row): an eighth of them, or
+    :func:`_fewest`."""
+    return max(_fewest(k), chunks // 8)
 
 
 def topk_in_order(
@@ -144,7 +149,7 @@ def _topk_of_chunks(
     widest row's chunks and at least ``64 k`` columns -> values, indices [T, k] in the whole row."""
     t, m = rows.numel(), scores.shape[1]
     counts = keep.sum(1)  # [T]
-    width = max(int(counts.max()), -(-64 * k // CHUNK))  # chunks per reduced row
+    width = max(int(counts.max()), _fewest(k))  # chunks per reduced row
     row, chunk = keep.nonzero(as_tuple=True)  # [n]: row by row, each row's chunks in order
     slot = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]  # its place in its row
     reduced = scores.new_full((t, width, CHUNK), float("-inf"))  # [T, width, CHUNK]
