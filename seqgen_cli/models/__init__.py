@@ -76,7 +76,7 @@ def to_int8(model: PreTrainedModel, fast: bool) -> ModelBackend | None:
     from seqgen_cli.models.int8_cache import session
 
     linear_maps.use_int8_engine()  # before the cache's key and any packing
-    with session(model), startup.stage("int8 weights"):
+    with session(model), startup.stage("int8 weights"), linear_maps.packing_in_threads():
         if fast:
             return get_backend(model, int8=True)
         quantize_linears(model)

@@ -806,3 +806,58 @@ def test_a_long_int8_weight_runs_in_blocks_with_the_same_bits(int8_engine) -> No
         int8_engine("onednn")
         one = int8_linear(w, b)
         assert not hasattr(one, "blocks") and torch.equal(one.weight().int_repr(), whole.weight().int_repr())
+
+
+def test_int8_weights_are_packed_by_a_pool_of_threads_with_the_same_bits(int8_engine, monkeypatch) -> None:
+    """Inside ``packing_in_threads`` every int8 weight (blocks of a long one included) is packed by the pool's
+    threads, none by the caller, and all are packed when the block ends: each module gives the bits of the same
+    weight packed one at a time. Outside the block a weight is packed where it is built."""
+    import threading
+
+    from seqgen_cli.models.linear_maps import BLOCK_BYTES, block_rows, int8_linear, packing_in_threads
+
+    int8_engine("x86")
+    prepack, packers = torch.ops.quantized.linear_prepack, []
+
+    def spy(weight, bias=None):  # noqa: ANN001, ANN202
+        if weight.numel() > 1:  # DynamicLinear's constructor packs a 1 x 1 placeholder where it is built
+            packers.append(threading.current_thread().name)
+        return prepack(weight, bias)
+
+    monkeypatch.setattr(torch.ops.quantized, "linear_prepack", spy)
+    g = torch.Generator().manual_seed(0)
+    cols = 64
+    weights = [torch.randn(n, cols, generator=g) for n in (16, 48, BLOCK_BYTES // cols + 100)]
+    biases = [torch.randn(w.shape[0], generator=g) for w in weights]
+    with packing_in_threads():
+        pooled = [int8_linear(w, b) for w, b in zip(weights, biases, strict=True)]
+    assert len(packers) == 2 + -(-weights[2].shape[0] // block_rows(cols))
+    assert all(name.startswith("seqgen-int8-pack") for name in packers)
+    packers.clear()
+    alone = [int8_linear(w, b) for w, b in zip(weights, biases, strict=True)]
+    assert packers and all(name == threading.current_thread().name for name in packers)
+    x = torch.randn(5, cols, generator=g)
+    for p, a in zip(pooled, alone, strict=True):
+        assert torch.equal(p(x), a(x))
+
+
+def test_an_int8_packing_error_is_raised_at_the_blocks_end(int8_engine, monkeypatch) -> None:
+    """A weight the pool fails to pack raises its error when ``packing_in_threads`` ends (nothing half-packed is
+    handed on); an error of the block itself wins and the pool stops."""
+    from seqgen_cli.models.linear_maps import int8_linear, packing_in_threads
+
+    int8_engine("x86")
+    prepack = torch.ops.quantized.linear_prepack
+
+    def failing(weight, bias=None):  # noqa: ANN001, ANN202
+        if weight.shape[0] == 7:
+            raise RuntimeError("cannot pack this one")
+        return prepack(weight, bias)
+
+    monkeypatch.setattr(torch.ops.quantized, "linear_prepack", failing)
+    with pytest.raises(RuntimeError, match="cannot pack this one"), packing_in_threads():
+        for rows in (8, 7, 9):
+            int8_linear(torch.randn(rows, 16), None)
+    with pytest.raises(ValueError, match="the block's own"), packing_in_threads():
+        int8_linear(torch.randn(7, 16), None)
+        raise ValueError("the block's own")
