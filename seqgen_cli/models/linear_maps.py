@@ -254,8 +254,10 @@ _PACKING: ContextVar[tuple[ThreadPoolExecutor, list[Future[None]]] | None] = Con
 def packing_in_threads() -> Iterator[None]:
     """The int8 weights built inside the block (:func:`dynamic_linear`) are packed by a pool of torch's thread
     count, and all are packed when the block ends. Packing (``quantized::linear_prepack``, which lets go of the
-    GIL) is most of an int8 start-up (Marian: 0.69 s of 1.17 s, one weight at a time); each weight's packed
-    matrix is its own, so the bits are those packed one at a time. A packing error is raised at the block's end."""
+    GIL) is most of an int8 start-up (Marian: 0.69 s of 1.17 s, one weight at a time) and runs on one thread under
+    either engine (its CPU time no more than its wall time on the 2-core EPYC of docs/EXPERIMENTS.md, "int8 weight
+    cache"), so the pool adds no threads beyond torch's count. Each weight's packed matrix is its own: the bits are
+    those packed one at a time. A packing error is raised at the block's end."""
     futures: list[Future[None]] = []
     with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="seqgen-int8-pack") as pool:
         token = _PACKING.set((pool, futures))
