@@ -164,6 +164,14 @@ def test_an_inputs_logits_do_not_depend_on_its_neighbours(tiny_models, family: s
     check_neighbours(Generator(str(tiny_models(family)), max_new_tokens=8))
 
 
+@pytest.mark.skipif(AMX, reason="bf16 on AMX: a row's bits depend on the row count and threads (ARCHITECTURE, Products)")
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_an_inputs_bfloat16_logits_do_not_depend_on_its_neighbours(tiny_models, family: str) -> None:
+    """bfloat16 on a CPU without AMX keeps an input's logits whatever its neighbours: oneDNN's bf16 products on
+    AVX-512 BF16, ``F.linear``'s on an AVX2-only CPU, attention in float32 (README's ``--dtype`` table)."""
+    check_neighbours(Generator(str(tiny_models(family)), max_new_tokens=8, dtype="bfloat16"))
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
