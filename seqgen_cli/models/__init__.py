@@ -76,11 +76,13 @@ def to_int8(model: PreTrainedModel, fast: bool) -> ModelBackend | None:
     from seqgen_cli.models.int8_cache import session
 
     linear_maps.use_int8_engine()  # before the cache's key and any packing
-    with session(model), startup.stage("int8 weights"), linear_maps.packing_in_threads():
-        if fast:
-            return get_backend(model, int8=True)
-        quantize_linears(model)
-        return None
+    with session(model), startup.stage("int8 weights"):
+        with linear_maps.packing_in_threads():
+            backend, reason = _fast_or_reason(model, int8=True) if fast else (None, None)
+            if backend is None:
+                quantize_linears(model)
+        # every weight packed: the generic backend reads the head's shape
+        return backend if backend is not None or not fast else GenericBackend(model, reason=reason)
 
 
 def model_types() -> list[tuple[str, str]]:

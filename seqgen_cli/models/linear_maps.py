@@ -35,12 +35,14 @@ saved). Cached or not, a layer gets the same int8 values, scales and packed weig
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from copy import deepcopy
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -247,34 +249,54 @@ def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
         return _quantize_weight(w, observer)
 
 
-_PACKING: ContextVar[tuple[ThreadPoolExecutor, list[Future[None]]] | None] = ContextVar("int8 packing", default=None)
+def _pack(module: nn.Module, qweight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    with torch.no_grad():  # no warnings filter here: a pool thread's would race the caller's (they are global)
+        module.set_weight_bias(qweight, bias)
+
+
+@dataclass
+class _Packing:
+    """An open :func:`packing_in_threads`: its pool, its packs, and slots bounding the weights submitted and not
+    yet packed (each holds its int8 copy until packed)."""
+
+    pool: ThreadPoolExecutor
+    slots: threading.BoundedSemaphore
+    futures: list[Future[None]] = field(default_factory=list)
+
+    def submit(self, module: nn.Module, qweight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.slots.acquire()
+        future = self.pool.submit(_pack, module, qweight, bias)
+        future.add_done_callback(lambda _: self.slots.release())
+        self.futures.append(future)
+
+
+_PACKING: ContextVar[_Packing | None] = ContextVar("int8 packing", default=None)
 
 
 @contextmanager
 def packing_in_threads() -> Iterator[None]:
-    """The int8 weights built inside the block (:func:`dynamic_linear`) are packed by a pool of torch's thread
-    count, and all are packed when the block ends. Packing (``quantized::linear_prepack``, which lets go of the
-    GIL) is most of an int8 start-up (Marian: 0.69 s of 1.17 s, one weight at a time) and runs on one thread under
-    either engine (its CPU time no more than its wall time on the 2-core EPYC of docs/EXPERIMENTS.md, "int8 weight
-    cache"), so the pool adds no threads beyond torch's count. Each weight's packed matrix is its own: the bits are
-    those packed one at a time. A packing error is raised at the block's end."""
-    futures: list[Future[None]] = []
-    with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="seqgen-int8-pack") as pool:
-        token = _PACKING.set((pool, futures))
+    """The int8 weights built inside the block (:func:`dynamic_linear`) are packed by a pool of one thread fewer
+    than torch's count (none at one thread: packed where built), beside the caller, which reads and checks the next
+    weights meanwhile; all are packed when the block ends. Packing (``quantized::linear_prepack``, which lets go of
+    the GIL) is most of an int8 start-up (Marian: 0.69 s of 1.17 s, one weight at a time) and runs on one thread
+    under either engine (docs/EXPERIMENTS.md, "int8 weight cache"). Each weight's packed matrix is its own: the
+    bits are those packed one at a time. An error (a pack's, or the block's) cancels the packs not started."""
+    workers = torch.get_num_threads() - 1
+    if workers < 1:
+        yield
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="seqgen-int8-pack") as pool:
+        packing = _Packing(pool, threading.BoundedSemaphore(2 * workers))
+        token = _PACKING.set(packing)
         try:
             yield
+            for future in packing.futures:
+                future.result()  # the first error, if any
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
         finally:
             _PACKING.reset(token)
-        for future in futures:
-            future.result()  # the first error, if any
-
-
-def _pack(module: nn.Module, qweight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    with torch.no_grad(), _quiet():
-        module.set_weight_bias(qweight, bias)
 
 
 def dynamic_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
@@ -290,7 +312,7 @@ def dynamic_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Modul
     if packing is None:
         _pack(module, qweight, bias)
     else:
-        packing[1].append(packing[0].submit(_pack, module, qweight, bias))
+        packing.submit(module, qweight, bias)
     return module
 
 

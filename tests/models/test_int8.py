@@ -808,56 +808,122 @@ def test_a_long_int8_weight_runs_in_blocks_with_the_same_bits(int8_engine) -> No
         assert not hasattr(one, "blocks") and torch.equal(one.weight().int_repr(), whole.weight().int_repr())
 
 
-def test_int8_weights_are_packed_by_a_pool_of_threads_with_the_same_bits(int8_engine, monkeypatch) -> None:
-    """Inside ``packing_in_threads`` every int8 weight (blocks of a long one included) is packed by the pool's
-    threads, none by the caller, and all are packed when the block ends: each module gives the bits of the same
-    weight packed one at a time. Outside the block a weight is packed where it is built."""
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for one test and puts the old one back."""
+    old = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(old)
+
+
+def _prepack_spy(
+    monkeypatch, packers: list[str], fail_rows: int | None = None, held: tuple[int, Any] | None = None
+) -> None:
+    """``quantized::linear_prepack`` recording the thread of every pack of a real weight (not DynamicLinear's 1 x 1
+    placeholder) in ``packers``; a weight of ``fail_rows`` rows fails; a weight of ``held[0]`` rows waits up to a
+    second for the event ``held[1]`` before it packs."""
     import threading
+
+    prepack = torch.ops.quantized.linear_prepack
+
+    def spy(weight, bias=None):  # noqa: ANN001, ANN202
+        if weight.numel() > 1:
+            packers.append(threading.current_thread().name)
+        if weight.shape[0] == fail_rows:
+            raise RuntimeError("cannot pack this one")
+        if held is not None and weight.shape[0] == held[0]:
+            held[1].wait(timeout=1.0)
+        return prepack(weight, bias)
+
+    monkeypatch.setattr(torch.ops.quantized, "linear_prepack", spy)
+
+
+def test_int8_weights_are_packed_by_a_pool_of_threads_with_the_same_bits(int8_engine, threads, monkeypatch) -> None:
+    """Inside ``packing_in_threads`` every int8 weight (blocks of a long one included) is packed by the pool's
+    threads (one fewer than torch's count), none by the caller, and all are packed when the block ends: each module
+    gives the bits of the same weight packed one at a time. At one thread, and outside the block, a weight is packed
+    where it is built. The warnings filters are as they were."""
+    import threading
+    import warnings
+    from contextlib import nullcontext
 
     from seqgen_cli.models.linear_maps import BLOCK_BYTES, block_rows, int8_linear, packing_in_threads
 
     int8_engine("x86")
-    prepack, packers = torch.ops.quantized.linear_prepack, []
-
-    def spy(weight, bias=None):  # noqa: ANN001, ANN202
-        if weight.numel() > 1:  # DynamicLinear's constructor packs a 1 x 1 placeholder where it is built
-            packers.append(threading.current_thread().name)
-        return prepack(weight, bias)
-
-    monkeypatch.setattr(torch.ops.quantized, "linear_prepack", spy)
+    packers: list[str] = []
+    _prepack_spy(monkeypatch, packers)
     g = torch.Generator().manual_seed(0)
     cols = 64
-    weights = [torch.randn(n, cols, generator=g) for n in (16, 48, BLOCK_BYTES // cols + 100)]
+    weights = [torch.randn(n, cols, generator=g) for n in (16, 48, 32, 40, BLOCK_BYTES // cols + 100)]
     biases = [torch.randn(w.shape[0], generator=g) for w in weights]
+    filters = list(warnings.filters)
+    threads(3)
     with packing_in_threads():
         pooled = [int8_linear(w, b) for w, b in zip(weights, biases, strict=True)]
-    assert len(packers) == 2 + -(-weights[2].shape[0] // block_rows(cols))
-    assert all(name.startswith("seqgen-int8-pack") for name in packers)
-    packers.clear()
-    alone = [int8_linear(w, b) for w, b in zip(weights, biases, strict=True)]
-    assert packers and all(name == threading.current_thread().name for name in packers)
+    assert len(packers) == 4 + -(-weights[-1].shape[0] // block_rows(cols))
+    assert {name.rsplit("_", 1)[0] for name in packers} == {"seqgen-int8-pack"} and len(set(packers)) <= 2
+    assert warnings.filters == filters
+    caller = threading.current_thread().name
+    for n in (1, 3):
+        packers.clear()
+        threads(n)
+        with packing_in_threads() if n == 1 else nullcontext():  # one thread, then no block
+            alone = [int8_linear(w, b) for w, b in zip(weights, biases, strict=True)]
+        assert packers and set(packers) == {caller}
     x = torch.randn(5, cols, generator=g)
     for p, a in zip(pooled, alone, strict=True):
         assert torch.equal(p(x), a(x))
 
 
-def test_an_int8_packing_error_is_raised_at_the_blocks_end(int8_engine, monkeypatch) -> None:
+def test_an_int8_packing_error_is_raised_at_the_blocks_end(int8_engine, threads, monkeypatch) -> None:
     """A weight the pool fails to pack raises its error when ``packing_in_threads`` ends (nothing half-packed is
-    handed on); an error of the block itself wins and the pool stops."""
+    handed on); an error of the block itself wins."""
     from seqgen_cli.models.linear_maps import int8_linear, packing_in_threads
 
     int8_engine("x86")
-    prepack = torch.ops.quantized.linear_prepack
-
-    def failing(weight, bias=None):  # noqa: ANN001, ANN202
-        if weight.shape[0] == 7:
-            raise RuntimeError("cannot pack this one")
-        return prepack(weight, bias)
-
-    monkeypatch.setattr(torch.ops.quantized, "linear_prepack", failing)
+    _prepack_spy(monkeypatch, [], fail_rows=7)
+    threads(2)
     with pytest.raises(RuntimeError, match="cannot pack this one"), packing_in_threads():
-        for rows in (8, 7, 9):
+        for rows in (8, 7, 9, 10, 11):
             int8_linear(torch.randn(rows, 16), None)
     with pytest.raises(ValueError, match="the block's own"), packing_in_threads():
         int8_linear(torch.randn(7, 16), None)
         raise ValueError("the block's own")
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_to_int8_packs_in_threads_before_a_backend_reads_its_maps(
+    tiny_models, int8_engine, threads, monkeypatch, fast: bool
+) -> None:
+    """``to_int8`` packs its weights in the pool, the fast backend's and the generic one's alike, and builds the
+    generic backend only once every weight is packed: it reads the head's width (its ``vocab_size``), which an
+    unpacked module does not have yet. The head's pack waits for the backend to be built (up to a second), so a
+    backend built before the packs end would see it unpacked."""
+    import threading
+
+    from seqgen_cli import models
+    from seqgen_cli.loading import load
+
+    int8_engine()
+    events: list[str] = []
+    building = threading.Event()
+    model = load(str(tiny_models("llama")), device="cpu", dtype="float32").model
+    _prepack_spy(monkeypatch, events, held=(model.config.vocab_size, building))
+    generic_init = GenericBackend.__init__
+
+    def built(self, *a, **k):  # noqa: ANN001, ANN202
+        building.set()
+        events.append("generic backend built")
+        generic_init(self, *a, **k)
+
+    monkeypatch.setattr(GenericBackend, "__init__", built)
+    if not fast:
+        monkeypatch.setattr(models, "_fast_or_reason", lambda model, int8: (None, "asked for"))
+    threads(2)
+    backend = models.to_int8(model, fast=True)
+    assert {e.rsplit("_", 1)[0] for e in events[:-1]} == {"seqgen-int8-pack"}
+    if fast:
+        assert isinstance(backend, DecoderOnlyBackend) and "generic backend built" not in events
+    else:
+        assert isinstance(backend, GenericBackend) and events[-1] == "generic backend built"
+        assert backend.vocab_size == model.config.vocab_size
