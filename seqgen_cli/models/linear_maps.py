@@ -275,14 +275,15 @@ _PACKING: ContextVar[_Packing | None] = ContextVar("int8 packing", default=None)
 
 @contextmanager
 def packing_in_threads() -> Iterator[None]:
-    """The int8 weights built inside the block (:func:`dynamic_linear`) are packed by a pool of one thread fewer
-    than torch's count (none at one thread: packed where built), beside the caller, which reads and checks the next
-    weights meanwhile; all are packed when the block ends. Packing (``quantized::linear_prepack``, which lets go of
+    """The int8 weights built inside the block (:func:`dynamic_linear`) are packed by a pool of torch's thread count
+    (none at one thread: packed where built), beside the caller, which reads and checks the next weights meanwhile
+    (so briefly one thread more than the count: on 2 cores a pool of one gained little, 0.98 -> 0.96 s against 0.73
+    s with two); all are packed when the block ends. Packing (``quantized::linear_prepack``, which lets go of
     the GIL) is most of an int8 start-up (Marian: 0.69 s of 1.17 s, one weight at a time) and runs on one thread
     under either engine (docs/EXPERIMENTS.md, "int8 weight cache"). Each weight's packed matrix is its own: the
     bits are those packed one at a time. An error (a pack's, or the block's) cancels the packs not started."""
-    workers = torch.get_num_threads() - 1
-    if workers < 1:
+    workers = torch.get_num_threads()
+    if workers < 2:
         yield
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="seqgen-int8-pack") as pool:

@@ -840,7 +840,7 @@ def _prepack_spy(
 
 def test_int8_weights_are_packed_by_a_pool_of_threads_with_the_same_bits(int8_engine, threads, monkeypatch) -> None:
     """Inside ``packing_in_threads`` every int8 weight (blocks of a long one included) is packed by the pool's
-    threads (one fewer than torch's count), none by the caller, and all are packed when the block ends: each module
+    threads (torch's count), none by the caller, and all are packed when the block ends: each module
     gives the bits of the same weight packed one at a time. At one thread, and outside the block, a weight is packed
     where it is built. The warnings filters are as they were."""
     import threading
@@ -861,7 +861,7 @@ def test_int8_weights_are_packed_by_a_pool_of_threads_with_the_same_bits(int8_en
     with packing_in_threads():
         pooled = [int8_linear(w, b) for w, b in zip(weights, biases, strict=True)]
     assert len(packers) == 4 + -(-weights[-1].shape[0] // block_rows(cols))
-    assert {name.rsplit("_", 1)[0] for name in packers} == {"seqgen-int8-pack"} and len(set(packers)) <= 2
+    assert {name.rsplit("_", 1)[0] for name in packers} == {"seqgen-int8-pack"} and len(set(packers)) <= 3
     assert warnings.filters == filters
     caller = threading.current_thread().name
     for n in (1, 3):
