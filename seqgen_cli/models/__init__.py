@@ -12,6 +12,7 @@ every other model is quantized in place (its ``nn.Linear`` layers,
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from seqgen_cli.models import linear_maps
@@ -77,12 +78,11 @@ def to_int8(model: PreTrainedModel, fast: bool) -> ModelBackend | None:
 
     linear_maps.use_int8_engine()  # before the cache's key and any packing
     with session(model), startup.stage("int8 weights"):
+        if fast:
+            return get_backend(model, int8=True)
         with linear_maps.packing_in_threads():
-            backend, reason = _fast_or_reason(model, int8=True) if fast else (None, None)
-            if backend is None:
-                quantize_linears(model)
-        # every weight packed: the generic backend reads the head's shape
-        return backend if backend is not None or not fast else GenericBackend(model, reason=reason)
+            quantize_linears(model)
+        return None
 
 
 def model_types() -> list[tuple[str, str]]:
@@ -99,13 +99,14 @@ def get_backend(model: PreTrainedModel, *, generic: bool = False, int8: bool = F
     """The fast backend for ``model`` if its family has one, else (or if ``generic``) the generic one, which
     carries the reason (``GenericBackend.reason``; :func:`backend_name`).
 
-    ``int8``: linear layers in int8 (CPU); the model is modified in place."""
-    backend, reason = (None, "asked for") if generic else _fast_or_reason(model, int8)
-    if backend is not None:
-        return backend
-    if int8:
-        quantize_linears(model)
-    return GenericBackend(model, reason=reason)
+    ``int8``: linear layers in int8 (CPU), packed in threads (``linear_maps.packing_in_threads``); the model is
+    modified in place."""
+    with linear_maps.packing_in_threads() if int8 else nullcontext():
+        backend, reason = (None, "asked for") if generic else _fast_or_reason(model, int8)
+        if backend is None and int8:
+            quantize_linears(model)
+    # every weight packed: the generic backend reads the head's width
+    return backend if backend is not None else GenericBackend(model, reason=reason)
 
 
 def backend_stats(backend: ModelBackend) -> dict[str, Any]:
